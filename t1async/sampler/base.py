@@ -1,0 +1,74 @@
+"""The Sampler seam: what an actor needs from a sampler, whatever serves it.
+
+``SGLangClient`` (client.py, HTTP to a real SGLang or the embedded server) and ``MemorySampler`` (tests)
+both implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = False
+    no_stop_trim: bool = True
+
+    def to_sglang(self) -> dict:
+        d = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            d["stop"] = list(self.stop)
+        return d
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One token-in/token-out sample.
+
+    ``routing`` rows cover sequence positions ``[routing_start, len(input_ids) + len(output_ids) - 1)``,
+    shape ``[rows, layers, topk]``, dtype u1 when experts <= 256 else u2; None if not requested.
+    """
+
+    output_ids: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    finish: str  # "stop" | "length" | "abort"
+    weight_version: int
+    routing: np.ndarray | None = None
+    routing_start: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    latency_s: float = 0.0
+    matched_stop: int | str | None = None
+    text: str = ""
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+class Sampler(Protocol):
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+    ) -> Generation: ...
+
+    async def aclose(self) -> None: ...
