@@ -1,0 +1,350 @@
+"""Wire records: frozen dataclasses, and the msgpack codec that is the only code in t1async that knows bytes.
+
+Every payload is a msgpack map with ``v`` (schema version) and ``kind`` (DESIGN §3). Arrays are maps
+``{"dtype": "i4", "shape": [...], "data": bin}`` holding little-endian raw values, so any msgpack decoder in
+any language can read them: no pickle, no ext types. ``decode`` validates every field and raises
+``WireError`` whose message names the field and what was wrong, and whose ``reason`` is the short token for
+the dead-letter subject ``t1.dead.<reason>``. Arbitrary bytes never raise anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Mapping
+
+import msgpack
+import numpy as np
+
+from t1async.errors import WireError
+
+SCHEMA_VERSION = 1
+_DTYPES = {"i4": "<i4", "f4": "<f4", "u1": "u1", "u2": "<u2", "i2": "<i2", "i8": "<i8", "f8": "<f8"}
+_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+class Finish(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class EndReason(str, Enum):
+    SOLVED = "solved"
+    MAX_TURNS = "max_turns"
+    CONTEXT = "context"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    ABORTED = "aborted"
+
+
+def digest_ids(ids: np.ndarray | list[int]) -> bytes:
+    """The ``input_digest`` of a token sequence: blake2b-128 over its little-endian int32 bytes."""
+    arr = np.ascontiguousarray(np.asarray(ids, dtype="<i4"))
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest()
+
+
+# --------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routed experts of positions ``[start, start + len(experts))``: ``experts`` is [tokens, layers, topk]."""
+
+    start: int
+    experts: np.ndarray  # u1 when experts <= 256, else u2
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Routing) and self.start == other.start and _arr_eq(self.experts, other.experts)
+
+
+@dataclass(frozen=True, eq=False)
+class StartRecord:
+    episode: str
+    actor: str
+    task: str
+    max_turns: int
+    created_at: float
+    kind = "start"
+
+
+@dataclass(frozen=True, eq=False)
+class TurnRecord:
+    episode: str
+    turn: int
+    policy_version: int
+    keep: int
+    input_delta: np.ndarray  # int32
+    input_len: int
+    input_digest: bytes
+    output_ids: np.ndarray  # int32
+    output_logprobs: np.ndarray  # float32
+    finish: Finish
+    routing: Routing | None
+    reward: float
+    tests_passed: int  # -1 when the verifier did not run this turn
+    t_sample_s: float
+    t_exec_s: float
+    action: str = ""  # the parsed action, for humans (tail); never trained on
+    observation: str = ""
+    kind = "turn"
+
+
+@dataclass(frozen=True, eq=False)
+class EndRecord:
+    episode: str
+    turns: int
+    reason: EndReason
+    tests_passed: int
+    tests_total: int
+    resolved: bool
+    detail: str = ""
+    kind = "end"
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyRecord:
+    version: int
+    step: int
+    weights: str  # a path or URI the samplers can load
+    kind = "policy"
+
+
+@dataclass(frozen=True, eq=False)
+class CreditRequest:
+    actor: str
+    episode: str
+    n: int = 1
+    kind = "credit_request"
+
+
+@dataclass(frozen=True, eq=False)
+class CreditGrant:
+    granted: int
+    version: int
+    lease_s: float
+    grant_id: str
+    kind = "credit_grant"
+
+
+@dataclass(frozen=True, eq=False)
+class MetricsRecord:
+    component: str
+    step: int
+    version: int
+    values: Mapping[str, Any] = field(default_factory=dict)  # flattened into the top-level map on the wire
+    kind = "metrics"
+
+
+Record = StartRecord | TurnRecord | EndRecord | PolicyRecord | CreditRequest | CreditGrant | MetricsRecord
+_KINDS: dict[str, type] = {
+    c.kind: c for c in (StartRecord, TurnRecord, EndRecord, PolicyRecord, CreditRequest, CreditGrant, MetricsRecord)
+}
+
+
+def _arr_eq(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def records_equal(a: Record, b: Record) -> bool:
+    """Field-by-field equality that understands numpy arrays (records hold arrays, so ``==`` is not defined)."""
+    return type(a) is type(b) and all(_arr_eq(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+
+
+# --------------------------------------------------------------------------------------------- encode
+
+
+def _enc_array(arr: np.ndarray) -> dict:
+    a = np.asarray(arr)
+    code = _CODES.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+    if code is None:
+        raise WireError(f"cannot encode array of dtype {a.dtype}; allowed: {sorted(_DTYPES)}", field="array")
+    return {"dtype": code, "shape": list(a.shape), "data": np.ascontiguousarray(a, dtype=_DTYPES[code]).tobytes()}
+
+
+def to_map(record: Record) -> dict:
+    """The plain map a record becomes on the wire (before msgpack)."""
+    m: dict[str, Any] = {"v": SCHEMA_VERSION, "kind": record.kind}
+    for f in fields(record):
+        val = getattr(record, f.name)
+        if isinstance(val, Enum):
+            val = val.value
+        elif isinstance(val, np.ndarray):
+            val = _enc_array(val)
+        elif isinstance(val, Routing):
+            arr = _enc_array(val.experts)
+            val = {"start": val.start, **arr}
+        elif f.name == "values":
+            m.update(val)
+            continue
+        m[f.name] = val
+    return m
+
+
+def encode(record: Record) -> bytes:
+    return msgpack.packb(to_map(record), use_bin_type=True)
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+
+class _Fields:
+    """Typed access to a decoded map; every failure names ``<kind>.<field>``."""
+
+    def __init__(self, kind: str, m: dict):
+        self.kind, self.m = kind, m
+
+    def _err(self, name: str, what: str, reason: str = "field") -> WireError:
+        return WireError(f"{self.kind}.{name}: {what}", field=name, reason=reason)
+
+    def get(self, name: str, types: type | tuple[type, ...], *, default: Any = ..., what: str = "") -> Any:
+        if name not in self.m:
+            if default is not ...:
+                return default
+            raise self._err(name, "missing required field", "missing")
+        val = self.m[name]
+        if isinstance(val, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise self._err(name, f"expected {what or types}, got bool")
+        if not isinstance(val, types):
+            raise self._err(name, f"expected {what or getattr(types, '__name__', types)}, got {type(val).__name__}")
+        return val
+
+    def int(self, name: str, *, lo: int | None = 0, default: Any = ...) -> int:
+        val = self.get(name, int, default=default, what="int")
+        if lo is not None and val < lo:
+            raise self._err(name, f"must be >= {lo}, got {val}")
+        return val
+
+    def float(self, name: str, *, default: Any = ...) -> float:
+        val = float(self.get(name, (int, float), default=default, what="number"))
+        if not math.isfinite(val):
+            raise self._err(name, f"must be finite, got {val}")
+        return val
+
+    def str(self, name: str, *, nonempty: bool = True, default: Any = ...) -> str:
+        val = self.get(name, str, default=default, what="str")
+        if nonempty and not val:
+            raise self._err(name, "must be a non-empty string")
+        return val
+
+    def enum(self, name: str, enum: type[Enum]) -> Any:
+        val = self.get(name, str, what="str")
+        try:
+            return enum(val)
+        except ValueError:
+            raise self._err(name, f"{val!r} is not one of {[e.value for e in enum]}") from None
+
+    def array(self, name: str, m: Any = None, *, dtypes: tuple[str, ...], ndim: int) -> np.ndarray:
+        m = self.get(name, dict, what="array map {dtype, shape, data}") if m is None else m
+        for key in ("dtype", "shape", "data"):
+            if key not in m:
+                raise self._err(f"{name}.{key}", "missing required field", "missing")
+        code, shape, data = m["dtype"], m["shape"], m["data"]
+        if code not in dtypes:
+            raise self._err(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")
+        if not isinstance(shape, list) or len(shape) != ndim or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
+        ):
+            raise self._err(f"{name}.shape", f"expected {ndim} non-negative ints, got {shape!r}")
+        if not isinstance(data, bytes):
+            raise self._err(f"{name}.data", f"expected bin, got {type(data).__name__}")
+        dt = np.dtype(_DTYPES[code])
+        want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if len(data) != want:
+            raise self._err(f"{name}.data", f"holds {len(data)} bytes, shape {shape} of {code} needs {want}")
+        return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def _decode_turn(f: _Fields) -> TurnRecord:
+    delta = f.array("input_delta", dtypes=("i4",), ndim=1)
+    out = f.array("output_ids", dtypes=("i4",), ndim=1)
+    lps = f.array("output_logprobs", dtypes=("f4",), ndim=1)
+    keep, input_len = f.int("keep"), f.int("input_len", lo=1)
+    if input_len != keep + len(delta):
+        raise f._err("input_len", f"{input_len} != keep {keep} + len(input_delta) {len(delta)}")
+    if len(lps) != len(out):
+        raise f._err("output_logprobs", f"has {len(lps)} values for {len(out)} output_ids")
+    if len(out) == 0:
+        raise f._err("output_ids", "is empty: a turn samples at least one token")
+    if np.any(delta < 0) or np.any(out < 0):
+        raise f._err("output_ids" if np.any(out < 0) else "input_delta", "holds a negative token id")
+    digest = f.get("input_digest", bytes, what="bin")
+    if len(digest) != 16:
+        raise f._err("input_digest", f"expected 16 bytes, got {len(digest)}")
+    routing = None
+    rm = f.get("routing", (dict, type(None)), default=None, what="routing map or nil")
+    if rm is not None:
+        start = rm.get("start")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise f._err("routing.start", f"expected a non-negative int, got {start!r}")
+        routing = Routing(start, f.array("routing", rm, dtypes=("u1", "u2"), ndim=3))
+    return TurnRecord(
+        episode=f.str("episode"), turn=f.int("turn"), policy_version=f.int("policy_version"), keep=keep,
+        input_delta=delta, input_len=input_len, input_digest=digest, output_ids=out, output_logprobs=lps,
+        finish=f.enum("finish", Finish), routing=routing, reward=f.float("reward"),
+        tests_passed=f.int("tests_passed", lo=-1), t_sample_s=f.float("t_sample_s"), t_exec_s=f.float("t_exec_s"),
+        action=f.str("action", nonempty=False, default=""), observation=f.str("observation", nonempty=False, default=""),
+    )  # fmt: skip
+
+
+def _decode_metrics(f: _Fields) -> MetricsRecord:
+    values = {k: v for k, v in f.m.items() if k not in ("v", "kind", "component", "step", "version")}
+    for k in values:
+        if not isinstance(k, str):
+            raise f._err(repr(k), "metric names must be strings")
+    return MetricsRecord(component=f.str("component"), step=f.int("step"), version=f.int("version"), values=values)
+
+
+def from_map(m: Any) -> Record:
+    if not isinstance(m, dict):
+        raise WireError(f"payload: expected a msgpack map, got {type(m).__name__}", reason="schema")
+    v = m.get("v")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise WireError(f"envelope.v: expected int schema version, got {v!r}", field="v", reason="schema")
+    if v != SCHEMA_VERSION:
+        raise WireError(f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})", field="v", reason="version")
+    kind = m.get("kind")
+    if kind not in _KINDS:
+        raise WireError(f"envelope.kind: {kind!r} is not one of {sorted(_KINDS)}", field="kind", reason="kind")
+    f = _Fields(kind, m)
+    if kind == "turn":
+        return _decode_turn(f)
+    if kind == "metrics":
+        return _decode_metrics(f)
+    if kind == "start":
+        return StartRecord(f.str("episode"), f.str("actor"), f.str("task"), f.int("max_turns", lo=1), f.float("created_at"))
+    if kind == "end":
+        passed, total = f.int("tests_passed"), f.int("tests_total")
+        if passed > total:
+            raise f._err("tests_passed", f"{passed} > tests_total {total}")
+        return EndRecord(f.str("episode"), f.int("turns"), f.enum("reason", EndReason), passed, total,
+                         f.get("resolved", bool, what="bool"), f.str("detail", nonempty=False, default=""))  # fmt: skip
+    if kind == "policy":
+        return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
+    if kind == "credit_request":
+        return CreditRequest(f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1))
+    return CreditGrant(f.int("granted"), f.int("version"), f.float("lease_s"), f.str("grant_id"))
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"payload: msgpack ext type {code} is not allowed on the wire", reason="msgpack")
+
+
+def decode(data: bytes | bytearray | memoryview) -> Record:
+    """Decode and validate one payload. Raises ``WireError`` (and nothing else) on any bad input."""
+    try:
+        m = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, ext_hook=_no_ext)
+    except WireError:
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
+        raise WireError(f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack") from exc
+    except Exception as exc:  # msgpack raises a few undocumented types on hostile input
+        raise WireError(f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack") from exc
+    return from_map(m)
