@@ -311,7 +311,7 @@ def from_map(m: Any) -> Record:
     if v != SCHEMA_VERSION:
         raise WireError(f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})", field="v", reason="version")
     kind = m.get("kind")
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise WireError(f"envelope.kind: {kind!r} is not one of {sorted(_KINDS)}", field="kind", reason="kind")
     f = _Fields(kind, m)
     if kind == "turn":
