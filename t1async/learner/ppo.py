@@ -1,0 +1,226 @@
+"""The maths of one actor-critic PPO step, pure and tensor-only (no model, no I/O).
+
+Conventions (one segment = one token sequence ``tokens[0..T)``):
+
+- A **loss token** at position ``p >= 1`` is an action the sampler generated. Its log-prob comes from the
+  logits at ``p - 1`` and the value of the state it was taken in is ``values[p - 1]`` (the value head reads
+  the same hidden state the policy does).
+- **Rewards** are per turn (DESIGN §8: the change in the number of passing tests) and sit on the turn's last
+  output token.
+- **GAE runs over the loss tokens only.** Non-loss tokens (prompt, observations, template bridges) are
+  transitions of the environment, not actions: they are skipped, so the step after a turn's last token is
+  the first token of the next turn, and its value already conditions on the observation in between. The
+  discount therefore counts actions, not context tokens, and a long tool output does not decay credit.
+  ``discount_per="turn"`` applies ``gamma`` and ``lam`` only across turn boundaries (tokens within one turn
+  are undiscounted), which suits long horizons; ``"token"`` is classic token-level GAE.
+- **Bootstrap at a cut**: a segment with ``done=False`` ends before its episode does; the value after its
+  last loss token is ``bootstrap`` (the value head at the last position of the segment), so partial
+  trajectories train before the episode ends. With ``done=True`` it is 0.
+
+The policy loss is decoupled PPO (Hilton et al. 2022; AReaL): behaviour policy = the sampler's logprobs,
+proximal policy = the learner's logprobs at the start of the step (detached). The PPO ratio and its clip are
+taken against the proximal policy; the importance weight ``pi_prox / pi_behav`` corrects for staleness and
+sampler/learner mismatch, truncated at ``is_cap`` and detached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    bootstrap: float,
+    *,
+    gamma: float,
+    lam: float,
+    step_discount: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation over a sequence of M actions.
+
+    ``rewards[i]`` and ``values[i]`` belong to action i; ``bootstrap`` is the value after the last action
+    (0 when the episode ended). ``step_discount[i]`` (default all True) says whether the step from i to
+    i + 1 is discounted by ``gamma`` / ``lam`` (False: undiscounted, used within a turn). Returns
+    ``(advantages, returns)``, float64, with ``returns = advantages + values``.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if r.shape != v.shape or r.ndim != 1:
+        raise ValueError(f"rewards {r.shape} and values {v.shape} must be equal 1-d shapes")
+    m = len(r)
+    disc = np.ones(m, dtype=bool) if step_discount is None else np.asarray(step_discount, dtype=bool)
+    if disc.shape != (m,):
+        raise ValueError(f"step_discount has shape {disc.shape}, expected ({m},)")
+    g = np.where(disc, gamma, 1.0)
+    gl = np.where(disc, gamma * lam, 1.0)
+    nxt = np.append(v[1:], float(bootstrap))
+    delta = r + g * nxt - v
+    adv = np.empty(m, dtype=np.float64)
+    acc = 0.0
+    for i in range(m - 1, -1, -1):
+        acc = delta[i] + gl[i] * acc
+        adv[i] = acc
+    return adv, adv + v
+
+
+def segment_advantages(
+    loss_mask: np.ndarray,
+    values: np.ndarray,
+    turn_ends: np.ndarray,
+    turn_rewards: np.ndarray,
+    done: bool,
+    *,
+    gamma: float,
+    lam: float,
+    discount_per: str = "turn",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token advantages and returns of one segment (zeros off the loss mask).
+
+    ``values[p]`` is the value of the state in which token p was chosen (the value head at ``p - 1``);
+    ``values[-1]`` must be the value after the segment's last token (the value head at ``T - 1``), used as
+    the bootstrap when ``done`` is False. ``turn_ends[j]`` is the position of turn j's last output token and
+    ``turn_rewards[j]`` its reward. A turn end that is not a loss token (a REALIGNed or masked turn) gives
+    its reward to the last loss token before it, so no reward is lost.
+    """
+    lm = np.asarray(loss_mask, dtype=bool)
+    t = len(lm)
+    vals = np.asarray(values, dtype=np.float64)
+    if vals.shape != (t + 1,):
+        raise ValueError(f"values must have T + 1 = {t + 1} entries (per position, then the bootstrap), got {vals.shape}")
+    if discount_per not in ("turn", "token"):
+        raise ValueError(f"discount_per must be 'turn' or 'token', got {discount_per!r}")
+    pos = np.flatnonzero(lm)
+    adv_full = np.zeros(t, dtype=np.float64)
+    ret_full = np.zeros(t, dtype=np.float64)
+    if len(pos) == 0:
+        return adv_full, ret_full
+    ends = np.asarray(turn_ends, dtype=np.int64)
+    rw = np.asarray(turn_rewards, dtype=np.float64)
+    if ends.shape != rw.shape:
+        raise ValueError(f"turn_ends {ends.shape} and turn_rewards {rw.shape} differ in shape")
+    rewards = np.zeros(len(pos), dtype=np.float64)
+    # index of the last loss token at or before each turn end; rewards before the first loss token are
+    # not attributable to any action of this segment and are dropped.
+    idx = np.searchsorted(pos, ends, side="right") - 1
+    ok = idx >= 0
+    np.add.at(rewards, idx[ok], rw[ok])
+    if discount_per == "token":
+        step_discount = None
+    else:
+        is_end = np.zeros(t, dtype=bool)
+        is_end[ends[(ends >= 0) & (ends < t)]] = True
+        # discount the step out of action i iff a turn ends at or after pos[i] and before pos[i + 1]
+        csum = np.concatenate([[0], np.cumsum(is_end)])
+        nxt = np.append(pos[1:], t)
+        step_discount = (csum[nxt] - csum[pos]) > 0
+    boot = 0.0 if done else float(vals[t])
+    adv, ret = gae(rewards, vals[pos], boot, gamma=gamma, lam=lam, step_discount=step_discount)
+    adv_full[pos] = adv
+    ret_full[pos] = ret
+    return adv_full, ret_full
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_eps: float = 0.2  # PPO ratio clip against the proximal policy
+    clip_eps_high: float | None = None  # asymmetric upper clip (DAPO "clip higher"); None = clip_eps
+    is_cap: float = 2.0  # truncation of the behaviour importance weight pi_prox / pi_behav
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2  # PPO value clipping around the step's starting values; None = off
+    entropy_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    loss: Tensor  # scalar to backprop (sum over tokens / normaliser)
+    policy_loss: Tensor
+    value_loss: Tensor
+    entropy: Tensor
+    clip_frac: Tensor  # share of loss tokens whose ratio was clipped
+    is_trunc_frac: Tensor  # share of loss tokens whose importance weight hit the cap
+
+
+def ppo_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    *,
+    normaliser: float | None = None,
+    entropy: Tensor | None = None,
+) -> LossTerms:
+    """Decoupled PPO + value loss over masked tokens (all tensors the same shape).
+
+    ``logp`` and ``values`` carry gradient; the rest are treated as constants. Terms are summed over the
+    mask and divided by ``normaliser`` (default: the mask's count), so micro-batches of one step can pass
+    the step's total token count and accumulate gradients to the same result as one big batch.
+    """
+    m = mask.to(logp.dtype)
+    n = float(m.sum().item()) if normaliser is None else float(normaliser)
+    n = max(n, 1.0)
+    prox, behav = prox_logp.detach(), behav_logp.detach()
+    adv, ret, oldv = advantages.detach(), returns.detach(), old_values.detach()
+    ratio = torch.exp((logp - prox).clamp(-20.0, 20.0))
+    hi = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + hi)
+    raw_w = torch.exp((prox - behav).clamp(-20.0, 20.0))
+    w = raw_w.clamp(max=cfg.is_cap)
+    surr = torch.minimum(ratio * adv, clipped * adv)
+    pg = -(w * surr * m).sum() / n
+    if cfg.value_clip is None:
+        vl = 0.5 * ((values - ret) ** 2)
+    else:
+        v_clip = oldv + (values - oldv).clamp(-cfg.value_clip, cfg.value_clip)
+        vl = 0.5 * torch.maximum((values - ret) ** 2, (v_clip - ret) ** 2)
+    vloss = (vl * m).sum() / n
+    ent = (entropy * m).sum() / n if entropy is not None else torch.zeros((), dtype=logp.dtype)
+    loss = pg + cfg.value_coef * vloss - cfg.entropy_coef * ent
+    with torch.no_grad():
+        cnt = m.sum().clamp(min=1.0)
+        was_clipped = ((ratio * adv) != surr) & mask.bool()
+        clip_frac = was_clipped.to(m.dtype).sum() / cnt
+        trunc = ((raw_w > cfg.is_cap) & mask.bool()).to(m.dtype).sum() / cnt
+    return LossTerms(loss, pg, vloss, ent, clip_frac, trunc)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> float:
+    """Schulman's k3 estimate of KL(ref || pi) from samples of ``ref`` (the sampler): mean of
+    ``r - 1 - log r`` with ``r = pi / ref``, over masked tokens. Non-negative, unbiased."""
+    lr = (logp - ref_logp).double()[mask.bool()]
+    if lr.numel() == 0:
+        return 0.0
+    return float((torch.expm1(lr) - lr).mean())
+
+
+def ess(log_weights: Tensor, mask: Tensor) -> float:
+    """Normalised effective sample size ``(sum w)^2 / (N sum w^2)`` in (0, 1] of importance weights given
+    as logs, over masked tokens (1 = all weights equal, i.e. on-policy)."""
+    lw = log_weights.double()[mask.bool()]
+    if lw.numel() == 0:
+        return 1.0
+    lw = lw - lw.max()
+    w = torch.exp(lw)
+    return float(w.sum() ** 2 / (lw.numel() * (w * w).sum()))
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of ``tokens[:, p]`` under ``logits[:, p - 1]`` (and the entropy there if asked), [B, T];
+    position 0 is 0 (no logits precede it). Computed in float32 whatever the model dtype."""
+    lsm = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    lp = lsm.gather(-1, tokens[:, 1:, None].long()).squeeze(-1)
+    pad = torch.zeros(tokens.shape[0], 1, dtype=lp.dtype, device=lp.device)
+    lp = torch.cat([pad, lp], dim=1)
+    if not with_entropy:
+        return lp, None
+    ent = -(lsm.exp() * lsm).sum(-1)
+    return lp, torch.cat([pad, ent], dim=1)
