@@ -1,0 +1,321 @@
+"""The batched inference engine that the embedded SGLang-compatible server wraps.
+
+    engine = Engine(model_dir, EngineConfig(max_batch=64, dtype="float32"))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)                       # the scheduler loop
+        async with engine.submit(req) as events:         # leaving the block early aborts the request
+            async for ev in events: ...                  # GenEvent, the last one has finished=True
+        result = await engine.collect(req2)              # GenResult, the whole generation
+        async with aclosing(engine.generate(req3)) as events: ...   # async-generator form, same events
+        await engine.update_weights_from_disk(path, "7")
+        tg.cancel_scope.cancel()                         # stops the engine; unfinished requests end "abort"
+
+Requests (``GenRequest``) join the running batch between decode steps (continuous batching): each scheduler
+step prefills newly admitted requests (up to ``max_prefill_tokens`` prompt tokens, chunked) and then runs
+one batched decode forward over every running sequence. Torch work runs in a worker thread
+(``anyio.to_thread.run_sync``), one step at a time, so the event loop stays responsive.
+
+Events: a consumer receives the tokens produced since its previous event (steps coalesce if it reads slowly;
+the scheduler never waits for consumers). ``new_logprobs`` are ``log_softmax`` of the raw logits at
+temperature 1 (see sampling.py). ``cached_tokens`` counts prompt positions taken from the prefix cache: a
+request extending an earlier request's prompt + output reuses its KV and routing, usually
+``len(earlier sequence) - 1`` tokens (the earlier last sampled token was never fed). The final event carries
+``routing`` (int32 [seqlen - 1 - routing_start, L, K]) when ``return_routing``.
+
+Weight updates swap weights between steps; running requests continue on the new weights, the prefix
+cache is flushed (its KV belongs to the old weights), and ``weight_version`` becomes the given version or
+previous + 1. Each event reports the version current when it was produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+import numpy as np
+import structlog
+import torch
+
+from t1async.errors import SamplerError, SamplerRequestError
+from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
+from t1async.model.sampling import StopStrings
+from t1async.model.scheduler import EngineCore, Seq, StepPlan, WeightUpdate, request_seed, routing_slice
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import load_pretrained
+
+__all__ = ["Engine", "EngineConfig", "GenEvent", "GenRequest", "GenResult"]
+
+log = structlog.get_logger("t1async.model.engine")
+
+
+class _Handle:
+    """The event-loop side of one request."""
+
+    def __init__(self, seq: Seq) -> None:
+        self.seq = seq
+        self.rid = seq.req.rid
+        self.pending_ids: list[int] = []
+        self.pending_lps: list[float] = []
+        self.done = False
+        self.finish_reason: dict | None = None
+        self.routing: np.ndarray | None = None
+        self.prompt_tokens = seq.prompt_len
+        self.cached_tokens = 0
+        self.version = "0"
+        self.wake = anyio.Event()
+        self.admitted = False
+
+    def fail(self, message: str, version: str) -> None:
+        self.done = True
+        self.finish_reason = {"type": "abort", "message": message}
+        self.version = version
+        self.wake.set()
+
+
+class EventStream:
+    """Async iterator of one request's ``GenEvent``s (from ``Engine.submit``)."""
+
+    def __init__(self, h: _Handle) -> None:
+        self._h = h
+        self._closed = False
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> GenEvent:
+        h = self._h
+        if self._closed:
+            raise StopAsyncIteration
+        while not h.pending_ids and not h.done:
+            await h.wake.wait()
+            h.wake = anyio.Event()
+        ev = GenEvent(
+            rid=h.rid,
+            new_ids=h.pending_ids,
+            new_logprobs=h.pending_lps,
+            finished=h.done,
+            finish_reason=h.finish_reason,
+            prompt_tokens=h.prompt_tokens,
+            cached_tokens=h.cached_tokens,
+            weight_version=h.version,
+            routing=h.routing if h.done else None,
+        )
+        h.pending_ids, h.pending_lps = [], []
+        self._closed = h.done
+        return ev
+
+
+class Engine:
+    def __init__(self, model_dir: Path | str, config: EngineConfig = EngineConfig()) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config
+        dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        model = load_pretrained(self.model_dir, dtype=dtype)
+        tok_dir = self.model_dir if (self.model_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = ChatTokenizer.load(tok_dir)
+        self._core = EngineCore(model, self.tokenizer, config)
+        self.model_cfg = model.cfg
+        self.weight_version = "0"
+        self._waiting: deque[_Handle] = deque()
+        self._handles: dict[str, _Handle] = {}
+        self._aborts: list[_Handle] = []
+        self._updates: list[tuple[WeightUpdate, anyio.Event]] = []
+        self._flush = False
+        self._wake = anyio.Event()
+        self._state = "new"
+        self._counter = 0
+
+    # -- info -------------------------------------------------------------------------------------------
+
+    def model_info(self) -> dict:
+        c = self.model_cfg
+        return {
+            "model_path": str(self.model_dir),
+            "tokenizer_path": str(self.tokenizer.path),
+            "is_generation": True,
+            "num_layers": c.n_layers,
+            "num_experts": c.n_experts,
+            "topk": c.top_k,
+            "vocab_size": c.vocab_size,
+            "max_seq_len": self._core.max_seq_len,
+            "dtype": self.config.dtype,
+            "weight_version": self.weight_version,
+            "eos_token_ids": list(self.tokenizer.eos_ids),
+        }
+
+    def stats(self) -> dict:
+        """Scheduler counters (read between steps; approximate while a step runs)."""
+        return {**self._core.stats(), "waiting": len(self._waiting), "weight_version": self.weight_version}
+
+    # -- the scheduler loop -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        if self._state != "new":
+            raise RuntimeError(f"Engine.run called on an engine that is {self._state}; make a new Engine")
+        self._state = "running"
+        log.info("engine.started", model=str(self.model_dir), dtype=self.config.dtype, max_batch=self.config.max_batch)
+        task_status.started()
+        updates: list = []
+        try:
+            while True:
+                if not (self._waiting or self._core.active or self._aborts or self._updates or self._flush):
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    continue
+                plan, updates = self._plan()
+                changed = await anyio.to_thread.run_sync(self._core.step, plan)
+                for u, done in updates:
+                    if u.error is None:
+                        self.weight_version = u.version
+                    done.set()
+                updates = []
+                self._deliver(changed)
+        finally:
+            self._state = "stopped"
+            for h in list(self._handles.values()):
+                h.fail("engine stopped", self.weight_version)
+            self._handles.clear()
+            self._waiting.clear()
+            for u, done in updates + self._updates:
+                if done.is_set():
+                    continue
+                u.error = SamplerError("engine stopped before the weight update was applied")
+                done.set()
+            log.info("engine.stopped")
+
+    def _plan(self) -> tuple[StepPlan, list]:
+        admit: list[Seq] = []
+        room = self.config.max_batch - len(self._core.active)
+        budget = self.config.max_prefill_tokens
+        while self._waiting and room > 0:
+            h = self._waiting[0]
+            if admit and h.seq.prompt_len > budget:
+                break
+            self._waiting.popleft()
+            h.admitted = True
+            admit.append(h.seq)
+            room -= 1
+            budget -= h.seq.prompt_len
+        aborts = [h.seq for h in self._aborts]
+        updates, self._updates = self._updates, []
+        plan = StepPlan(admit=admit, aborts=aborts, updates=[u for u, _ in updates], flush=self._flush)
+        self._aborts, self._flush = [], False
+        return plan, updates
+
+    def _deliver(self, changed: list[Seq]) -> None:
+        for s in changed:
+            h = self._handles.get(s.req.rid)
+            if h is None or h.seq is not s:
+                continue
+            h.cached_tokens = s.cached
+            h.version = self.weight_version
+            h.pending_ids.extend(s.out_ids[s.reported :])
+            h.pending_lps.extend(s.out_lps[s.reported :])
+            s.reported = len(s.out_ids)
+            if s.finish is not None:
+                h.done = True
+                h.finish_reason = s.finish
+                if s.req.return_routing:
+                    h.routing = routing_slice(s)
+                del self._handles[h.rid]
+            h.wake.set()
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def _enqueue(self, req: GenRequest) -> _Handle:
+        if self._state != "running":
+            raise SamplerError(f"engine is {self._state}; start Engine.run in a task group before submitting")
+        if req.rid in self._handles:
+            raise SamplerRequestError(f"request id {req.rid!r} is already running; rids must be unique")
+        ids = req.ids_array(self.model_cfg.vocab_size)
+        if len(ids) >= self._core.max_seq_len:
+            raise SamplerRequestError(
+                f"request {req.rid}: prompt of {len(ids)} tokens does not fit max_seq_len {self._core.max_seq_len}"
+            )
+        self._counter += 1
+        seed = req.seed if req.seed is not None else request_seed(self.config.seed, self._counter)
+        gen = torch.Generator().manual_seed(seed)
+        seq = Seq(req=req, ids=ids, gen=gen, stops=StopStrings(self.tokenizer.decode, req.stop_strings))
+        h = _Handle(seq)
+        h.version = self.weight_version
+        self._handles[req.rid] = h
+        self._waiting.append(h)
+        self._wake.set()
+        return h
+
+    @asynccontextmanager
+    async def submit(self, req: GenRequest) -> AsyncIterator[EventStream]:
+        """Queue ``req``; yields its event stream. Leaving the block before the final event aborts it."""
+        h = self._enqueue(req)
+        try:
+            yield EventStream(h)
+        finally:
+            if not h.done:
+                self.abort(req.rid)
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+        """Async-generator form of ``submit``; close it (``contextlib.aclosing``) to abort early."""
+        async with self.submit(req) as events:
+            async for ev in events:
+                yield ev
+
+    async def collect(self, req: GenRequest) -> GenResult:
+        """Run ``req`` to the end and return the whole generation."""
+        ids: list[int] = []
+        lps: list[float] = []
+        async with self.submit(req) as events:
+            async for ev in events:
+                ids += ev.new_ids
+                lps += ev.new_logprobs
+                last = ev
+        return GenResult(
+            rid=req.rid,
+            output_ids=ids,
+            logprobs=lps,
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            cached_tokens=last.cached_tokens,
+            weight_version=last.weight_version,
+            routing=last.routing,
+        )
+
+    def abort(self, rid: str) -> bool:
+        """Abort a queued or running request; False if no such request is in flight."""
+        h = self._handles.get(rid)
+        if h is None:
+            return False
+        if not h.admitted:
+            self._waiting.remove(h)
+            del self._handles[rid]
+            h.fail("aborted by request", self.weight_version)
+        else:
+            self._aborts.append(h)
+            self._wake.set()
+        return True
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache before the next step."""
+        self._flush = True
+        self._wake.set()
+
+    async def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> None:
+        """Load new weights between steps (waits for the current step); raises ConfigError if they don't fit."""
+        if self._state != "running":
+            raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
+        version = weight_version if weight_version is not None else self._next_version()
+        u = WeightUpdate(Path(model_path), str(version))
+        done = anyio.Event()
+        self._updates.append((u, done))
+        self._wake.set()
+        await done.wait()
+        if u.error is not None:
+            raise u.error
+
+    def _next_version(self) -> str:
+        try:
+            return str(int(self.weight_version) + 1)
+        except ValueError:
+            return self.weight_version + "+1"

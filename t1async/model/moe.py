@@ -1,0 +1,262 @@
+"""The embedded decoder-only MoE transformer: one module, three paths.
+
+    model = MoETransformer(MoEConfig(...))            # weights initialised deterministically from cfg.seed
+
+1. Full-sequence forward (training, scoring)::
+
+       out = model(input_ids, replay=None, attention_mask=None)   # input_ids: LongTensor [B, T]
+       out.logits        float [B, T, V]     next-token logits (model dtype)
+       out.values        float32 [B, T]      scalar value head (actor-critic)
+       out.routing       long [B, T, L, K]   the experts each MoE layer actually used
+       out.free_topk     long [B, T, L, K]   the experts the live router would choose (routing drift = differ)
+       out.router_logits float32 [B, T, L, E]
+
+2. Routing replay (R3): ``replay`` is a LongTensor [B, T, L, K] of recorded experts. Each (token, layer) uses
+   the recorded experts; a row holding any -1 is "missing" and routes freely. Gates are always
+   ``softmax(router_logits[chosen])`` (the top-k of a softmax, renormalised), so under replay the router
+   keeps its gradient and an exact replay of the free choice reproduces the free forward bit for bit.
+
+3. Incremental decoding over a ``KVCache`` slab (see kvcache.py)::
+
+       logits, topk = model.forward_cached(input_ids [B, n], cache, slot0, start [B])
+
+   Row b is cache slot ``slot0 + b``; its token j sits at position ``start[b] + j``. Keys/values are written
+   into the slab and each query attends to slab positions ``<= start[b] + j``. ``topk`` [B, n, L, K] are the
+   experts chosen for every fed token at every layer (the routing the sampler records).
+
+Positions: rotary embeddings use absolute positions; with ``attention_mask`` (1 = real token) positions are
+``cumsum(mask) - 1``, so left or right padding both work. Attention is causal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from t1async.model.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    logits: Tensor
+    values: Tensor
+    routing: Tensor
+    free_topk: Tensor
+    router_logits: Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotary(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotate x [B, H, n, D] by absolute positions pos [B, n] (half-split convention)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, n, D/2]
+    cos, sin = ang.cos(), ang.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, n, _ = x.shape
+        h, hd = self.cfg.n_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # each [B, H, n, hd]
+        return rotary(q, pos, self.cfg.rope_theta), rotary(k, pos, self.cfg.rope_theta), v
+
+    def forward(self, x: Tensor, pos: Tensor, mask: Tensor | None) -> Tensor:
+        q, k, v = self._qkv(x, pos)
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(x.shape))
+
+    def forward_cached(self, x: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, mask: Tensor) -> Tensor:
+        """x [B, n, d]; kc/vc: slab views [B, H, cap, hd]; mask [B, 1, n, W] (True = may attend)."""
+        b, n, _ = x.shape
+        q, k, v = self._qkv(x, pos)
+        rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
+        kc[rows, :, pos, :] = k.transpose(1, 2).to(kc.dtype)
+        vc[rows, :, pos, :] = v.transpose(1, 2).to(vc.dtype)
+        w = mask.shape[-1]
+        kw, vw = kc[:, :, :w], vc[:, :, :w]
+        scores = torch.matmul(q, kw.transpose(-1, -2)) * (1.0 / math.sqrt(self.cfg.head_dim))
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)
+        return self.out(o.transpose(1, 2).reshape(x.shape))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts. Gates: softmax over the chosen experts' router logits."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
+        self.router = nn.Linear(d, e, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(e, d, f))
+        self.w_up = nn.Parameter(torch.empty(e, d, f))
+        self.w_down = nn.Parameter(torch.empty(e, f, d))
+
+    def forward(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [N, d]; replay [N, K] or None. Returns (out [N, d], chosen [N, K], free [N, K], logits [N, E])."""
+        logits = self.router(x)
+        free = torch.topk(logits, self.cfg.top_k, dim=-1).indices
+        if replay is None:
+            chosen = free
+        else:
+            missing = (replay < 0).any(dim=-1, keepdim=True)
+            chosen = torch.where(missing, free, replay)
+        gates = torch.softmax(logits.gather(1, chosen).float(), dim=-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.n_experts).tolist()
+        tok_sorted = order // self.cfg.top_k
+        gate_sorted = gates.reshape(-1)[order]
+        lo = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok = tok_sorted[lo : lo + c]
+            xe = x.index_select(0, tok)
+            he = F.silu(xe @ self.w_gate[e]) * (xe @ self.w_up[e])
+            ye = (he @ self.w_down[e]) * gate_sorted[lo : lo + c, None]
+            out.index_add_(0, tok, ye)
+            lo += c
+        return out, chosen, free, logits
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def _moe(self, h: Tensor, replay: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        b, n, d = h.shape
+        flat_replay = None if replay is None else replay.reshape(b * n, -1)
+        out, chosen, free, logits = self.moe(self.moe_norm(h).reshape(b * n, d), flat_replay)
+        return h + out.view(b, n, d), chosen.view(b, n, -1), free.view(b, n, -1), logits.view(b, n, -1)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.value_head = nn.Linear(cfg.d_model, 1)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic init from ``cfg.seed`` with numpy's PCG64 (stable across torch versions and
+        platforms): normal(0, init_std) for matrices, init_std / sqrt(2 L) for residual outputs, ones for
+        norms, zeros for the value head's bias. Parameters are filled in name order."""
+        rng = np.random.default_rng(self.cfg.seed)
+        resid_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in sorted(self.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "value_head.bias":
+                p.zero_()
+            else:
+                std = resid_std if name.endswith(("attn.out.weight", "w_down")) else self.cfg.init_std
+                arr = rng.standard_normal(tuple(p.shape), dtype=np.float32) * np.float32(std)
+                p.copy_(torch.from_numpy(arr))
+
+    def _check_replay(self, replay: Tensor, b: int, t: int) -> None:
+        c = self.cfg
+        want = (b, t, c.n_layers, c.top_k)
+        if tuple(replay.shape) != want:
+            raise ValueError(f"replay has shape {tuple(replay.shape)}, expected [B, T, L, K] = {list(want)}")
+        if replay.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"replay must be an integer tensor of expert ids, got dtype {replay.dtype}")
+        if replay.numel() and (int(replay.max()) >= c.n_experts or int(replay.min()) < -1):
+            raise ValueError(
+                f"replay holds expert ids outside [-1, {c.n_experts}): min {int(replay.min())}, max {int(replay.max())}"
+            )
+        if c.top_k > 1:
+            s = torch.sort(replay.long(), dim=-1).values
+            dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+            if bool(dup.any()):
+                where = [int(i) for i in dup.nonzero()[0][:3]]
+                raise ValueError(f"replay repeats an expert within one (token, layer) row, first at [b, t, l] = {where}")
+
+    def forward(
+        self, input_ids: Tensor, *, replay: Tensor | None = None, attention_mask: Tensor | None = None
+    ) -> ModelOutput:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if replay is not None:
+            self._check_replay(replay, b, t)
+            replay = replay.long()
+        if attention_mask is None:
+            pos = torch.arange(t, device=input_ids.device)[None, :].expand(b, t)
+            mask = None
+        else:
+            am = attention_mask.bool()
+            pos = (am.long().cumsum(-1) - 1).clamp(min=0)
+            causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
+            eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
+            mask = ((causal[None] & am[:, None, :]) | eye[None])[:, None]  # [B, 1, T, T]
+        h = self.embed(input_ids)
+        chosen, free, rlog = [], [], []
+        for i, blk in enumerate(self.blocks):
+            h = h + blk.attn(blk.attn_norm(h), pos, mask)
+            h, c, f, lg = blk._moe(h, None if replay is None else replay[:, :, i])
+            chosen.append(c)
+            free.append(f)
+            rlog.append(lg.float())
+        h = self.norm(h)
+        return ModelOutput(
+            logits=self.lm_head(h),
+            values=self.value_head(h).squeeze(-1).float(),
+            routing=torch.stack(chosen, dim=2),
+            free_topk=torch.stack(free, dim=2),
+            router_logits=torch.stack(rlog, dim=2),
+        )
+
+    def forward_cached(self, input_ids: Tensor, cache, slot0: int, start: Tensor) -> tuple[Tensor, Tensor]:
+        """Incremental forward over cache slots [slot0, slot0 + B). Returns (logits [B, n, V], topk [B, n, L, K])."""
+        b, n = input_ids.shape
+        dev = input_ids.device
+        pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
+        w = int(pos.max()) + 1
+        mask = (torch.arange(w, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, n, W]
+        h = self.embed(input_ids)
+        topk = []
+        for i, blk in enumerate(self.blocks):
+            kc, vc = cache.layer(i, slot0, b)
+            h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, kc, vc, mask)
+            h, c, _, _ = blk._moe(h, None)
+            topk.append(c)
+        return self.lm_head(self.norm(h)), torch.stack(topk, dim=2)

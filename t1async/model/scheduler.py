@@ -1,0 +1,239 @@
+"""The engine's synchronous core: one ``step`` = aborts, weight swap, admissions (prefill), one batched decode.
+
+Runs only inside ``anyio.to_thread.run_sync`` from ``Engine.run``, one step at a time, so nothing here is
+shared with the event loop while it runs. ``Engine`` (engine.py) owns the async side.
+
+A running sequence owns KV slot ``seq.slot``; live slots are kept compact ([0, n_active)) by moving the
+last slot into a freed one, so a decode step is one forward over slots [0, n) on a view of the slab. Each
+live sequence has exactly one sampled-but-unfed token (its last), which the next decode step feeds.
+
+Prefix reuse: at admission the longest prefix of the prompt found in ``PrefixCache`` (at most prompt - 1
+tokens, so at least one token is fed) is copied into the slot with its routing rows; the rest is prefilled
+in chunks. A finished sequence's KV and routing go back into the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from t1async.model.kvcache import KVCache, PrefixCache, PrefixEntry
+from t1async.model.moe import MoETransformer
+from t1async.model.records import EngineConfig, GenRequest
+from t1async.model.sampling import StopStrings, sample
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import load_weights_into
+
+log = structlog.get_logger("t1async.model.engine")
+
+
+@dataclass(eq=False)
+class Seq:
+    req: GenRequest
+    ids: np.ndarray  # int32 prompt
+    gen: torch.Generator
+    stops: StopStrings
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)  # chunks of [n, L, K], positions [0, n_fed)
+    slot: int = -1
+    n_fed: int = 0
+    cached: int = 0
+    finish: dict | None = None
+    reported: int = 0  # how many out_ids the async side has taken
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.ids)
+
+    def all_ids(self) -> np.ndarray:
+        return np.concatenate([self.ids, np.asarray(self.out_ids, dtype=np.int32)])
+
+    def routing_rows(self) -> np.ndarray:
+        return np.concatenate(self.routing, axis=0)
+
+
+@dataclass
+class WeightUpdate:
+    model_path: Path
+    version: str
+    error: Exception | None = None
+
+
+@dataclass
+class StepPlan:
+    admit: list[Seq]
+    aborts: list[Seq]
+    updates: list[WeightUpdate]
+    flush: bool
+
+
+class EngineCore:
+    def __init__(self, model: MoETransformer, tokenizer: ChatTokenizer, cfg: EngineConfig) -> None:
+        self.model = model
+        self.tok = tokenizer
+        self.cfg = cfg
+        self.mcfg = model.cfg
+        self.max_seq_len = min(cfg.max_seq_len or self.mcfg.max_seq_len, self.mcfg.max_seq_len)
+        self.dtype = next(model.parameters()).dtype
+        self.kv = KVCache(self.mcfg, self.dtype)
+        self.prefix = PrefixCache(cfg.prefix_cache_tokens)
+        self.active: list[Seq] = []  # index == slot
+        self.route_dtype = np.uint8 if self.mcfg.n_experts <= 256 else np.uint16
+        self.steps = 0
+        self.decode_tokens = 0
+        self.prefill_tokens = 0
+
+    # -- one scheduler step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> list[Seq]:
+        """Run one step; returns every sequence whose state changed (new tokens or finished)."""
+        changed: list[Seq] = []
+        for s in plan.aborts:
+            if s.slot >= 0 and s.finish is None:
+                s.finish = {"type": "abort", "message": "aborted by request"}
+                self._retire(s)
+                changed.append(s)
+        for u in plan.updates:
+            self._apply_update(u)
+        if plan.flush or plan.updates:
+            self.prefix.clear()
+        for s in plan.admit:
+            self._admit(s)
+            changed.append(s)
+        self._retire_finished()
+        if self.active:
+            admitted = set(map(id, plan.admit))
+            changed.extend(s for s in self.active if id(s) not in admitted)
+            self._decode()
+        self._retire_finished()
+        if not self.active and self.kv.slots:
+            self.kv.release()
+        self.steps += 1
+        return changed
+
+    def _apply_update(self, u: WeightUpdate) -> None:
+        try:
+            load_weights_into(self.model, u.model_path)
+        except Exception as exc:  # reported to the caller of update_weights_from_disk
+            u.error = exc
+            log.warning("engine.weights_update_failed", path=str(u.model_path), error=str(exc))
+        else:
+            log.info("engine.weights_updated", path=str(u.model_path), version=u.version)
+
+    # -- admission / prefill ----------------------------------------------------------------------------
+
+    def _admit(self, s: Seq) -> None:
+        n = s.prompt_len
+        entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
+        s.cached = min(hit, n - 1)
+        s.slot = len(self.active)
+        self.active.append(s)
+        self.kv.reserve(len(self.active), n)
+        if s.cached:
+            self.kv.write(s.slot, entry.kv[:, :, :, : s.cached])
+            s.routing.append(entry.routing[: s.cached])
+        s.n_fed = s.cached
+        logits = None
+        while s.n_fed < n:
+            m = min(self.cfg.prefill_chunk, n - s.n_fed)
+            chunk = torch.from_numpy(s.ids[s.n_fed : s.n_fed + m].astype(np.int64))[None]
+            logits, topk = self.model.forward_cached(chunk, self.kv, s.slot, torch.tensor([s.n_fed]))
+            s.routing.append(topk[0].numpy().astype(self.route_dtype))
+            s.n_fed += m
+        self.prefill_tokens += n - s.cached
+        if s.req.max_new_tokens == 0:
+            s.finish = {"type": "length", "length": 0}
+            return
+        self._sample([s], logits[:, -1])
+
+    # -- decode -----------------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        seqs = list(self.active)
+        b = len(seqs)
+        last = torch.tensor([[s.out_ids[-1]] for s in seqs], dtype=torch.long)
+        start = torch.tensor([s.n_fed for s in seqs], dtype=torch.long)
+        self.kv.reserve(b, int(start.max()) + 1)
+        logits, topk = self.model.forward_cached(last, self.kv, 0, start)
+        rows = topk[:, 0].numpy().astype(self.route_dtype)
+        for i, s in enumerate(seqs):
+            s.routing.append(rows[i : i + 1])
+            s.n_fed += 1
+        self.decode_tokens += b
+        self._sample(seqs, logits[:, 0])
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        toks, lps = sample(
+            logits,
+            [s.req.temperature for s in seqs],
+            [s.req.top_p for s in seqs],
+            [s.req.top_k for s in seqs],
+            [s.gen for s in seqs],
+        )
+        for s, t, lp in zip(seqs, toks, lps):
+            s.out_ids.append(t)
+            s.out_lps.append(lp)
+            s.finish = self._finish_reason(s, t)
+
+    def _finish_reason(self, s: Seq, t: int) -> dict | None:
+        r = s.req
+        if (not r.ignore_eos and t in self.tok.eos_ids) or t in r.stop_token_ids:
+            return {"type": "stop", "matched": t}
+        matched = s.stops.match(s.out_ids)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+        if len(s.out_ids) >= r.max_new_tokens or s.prompt_len + len(s.out_ids) >= self.max_seq_len:
+            return {"type": "length", "length": len(s.out_ids)}
+        return None
+
+    # -- retirement -------------------------------------------------------------------------------------
+
+    def _retire_finished(self) -> None:
+        for s in [s for s in self.active if s.finish is not None]:
+            self._retire(s)
+
+    def _retire(self, s: Seq) -> None:
+        """Store a finished sequence in the prefix cache and free its slot (moving the last slot into it)."""
+        if self.cfg.prefix_cache_tokens and s.n_fed:
+            kv = self.kv.read(s.slot, s.n_fed)
+            self.prefix.insert(PrefixEntry(ids=s.all_ids(), kv=kv, routing=s.routing_rows()))
+        last = self.active.pop()
+        if last is not s:
+            self.kv.move(last.slot, s.slot, last.n_fed)
+            last.slot = s.slot
+            self.active[s.slot] = last
+        s.slot = -1
+
+    def flush(self) -> None:
+        self.prefix.clear()
+
+    def stats(self) -> dict:
+        return {
+            "steps": self.steps,
+            "running": len(self.active),
+            "decode_tokens": self.decode_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "prefix_cache_entries": len(self.prefix),
+            "prefix_cache_tokens": self.prefix.tokens,
+            "prefix_cache_hit_rate": self.prefix.hits / max(1, self.prefix.lookups),
+            "kv_slab_slots": self.kv.slots,
+            "kv_slab_cap": self.kv.cap,
+        }
+
+
+def routing_slice(s: Seq) -> np.ndarray:
+    """Rows [routing_start, seqlen - 1) as int32 [rows, L, K]."""
+    rows = s.routing_rows()
+    end = s.prompt_len + len(s.out_ids) - 1
+    return rows[min(s.req.routing_start, end) : end].astype(np.int32)
+
+
+def request_seed(engine_seed: int, counter: int) -> int:
+    return int(np.random.SeedSequence([engine_seed, counter]).generate_state(1)[0]) % (2**63 - 1)
+
