@@ -87,6 +87,7 @@ class EngineCore:
         self.steps = 0
         self.decode_tokens = 0
         self.prefill_tokens = 0
+        self.max_running = 0  # the largest batch one decode forward has served
 
     # -- one scheduler step -----------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class EngineCore:
             s.routing.append(rows[i : i + 1])
             s.n_fed += 1
         self.decode_tokens += b
+        self.max_running = max(self.max_running, b)
         self._sample(seqs, logits[:, 0])
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
@@ -218,6 +220,7 @@ class EngineCore:
             "steps": self.steps,
             "running": len(self.active),
             "decode_tokens": self.decode_tokens,
+            "max_running": self.max_running,
             "prefill_tokens": self.prefill_tokens,
             "prefix_cache_entries": len(self.prefix),
             "prefix_cache_tokens": self.prefix.tokens,

@@ -1,0 +1,170 @@
+"""The MoE transformer: full forward vs incremental decoding, routing replay (R3), save/load, the default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from t1async.errors import ConfigError
+from t1async.model.config import MoEConfig
+from t1async.model.kvcache import KVCache
+from t1async.model.moe import MoETransformer
+from t1async.model.weights import default_model_dir, load_pretrained, load_weights_into, save_pretrained
+
+CFG = MoEConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_experts=6, top_k=2, d_ff=24, max_seq_len=256,
+                init_std=0.1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model() -> MoETransformer:
+    return MoETransformer(CFG).eval()
+
+
+def ids(b: int, t: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def incremental(model: MoETransformer, x: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed x [B, T] through the KV cache in the given chunk sizes; logits and routing of every position."""
+    b, t = x.shape
+    cache = KVCache(model.cfg, torch.float32)
+    cache.reserve(b, t)
+    logits, topk, pos = [], [], 0
+    for n in chunks:
+        lg, tk = model.forward_cached(x[:, pos : pos + n], cache, 0, torch.full((b,), pos))
+        logits.append(lg)
+        topk.append(tk)
+        pos += n
+    assert pos == t
+    return torch.cat(logits, 1), torch.cat(topk, 1)
+
+
+@torch.no_grad()
+def test_incremental_decoding_matches_full_forward(model):
+    x = ids(3, 40)
+    full = model(x)
+    for chunks in ([40], [1] * 40, [17, 1, 1, 5, 16]):
+        lg, tk = incremental(model, x, chunks)
+        assert (lg - full.logits).abs().max().item() < 1e-4, chunks
+        assert torch.equal(tk, full.routing), chunks
+    assert full.logits.shape == (3, 40, CFG.vocab_size)
+    assert full.values.shape == (3, 40) and full.values.dtype == torch.float32
+    assert full.routing.shape == (3, 40, CFG.n_layers, CFG.top_k)
+    assert torch.equal(full.routing, full.free_topk)
+    assert full.router_logits.shape == (3, 40, CFG.n_layers, CFG.n_experts)
+
+
+@torch.no_grad()
+def test_cached_rows_at_different_lengths_share_one_forward(model):
+    """Slots holding sequences of different lengths decode together, each seeing only its own past."""
+    a, b = ids(1, 30, seed=1), ids(1, 12, seed=2)
+    cache = KVCache(CFG, torch.float32)
+    cache.reserve(2, 31)
+    model.forward_cached(a[:, :29], cache, 0, torch.tensor([0]))
+    model.forward_cached(b[:, :11], cache, 1, torch.tensor([0]))
+    lg, _ = model.forward_cached(torch.tensor([[a[0, 29]], [b[0, 11]]]), cache, 0, torch.tensor([29, 11]))
+    assert (lg[0, 0] - model(a).logits[0, -1]).abs().max().item() < 1e-4
+    assert (lg[1, 0] - model(b).logits[0, -1]).abs().max().item() < 1e-4
+
+
+@torch.no_grad()
+def test_attention_mask_handles_left_padding(model):
+    x = ids(1, 20)
+    pad = torch.cat([torch.zeros(1, 5, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, 5), torch.ones(1, 20)], 1)
+    out = model(pad, attention_mask=mask)
+    ref = model(x)
+    assert (out.logits[:, 5:] - ref.logits).abs().max().item() < 1e-4
+    assert torch.equal(out.routing[:, 5:], ref.routing)
+
+
+@torch.no_grad()
+def test_replay_forces_the_recorded_experts_and_minus_one_routes_freely(model):
+    x = ids(2, 16)
+    free = model(x)
+    g = torch.Generator().manual_seed(5)
+    forced = torch.stack([torch.randperm(CFG.n_experts, generator=g)[: CFG.top_k] for _ in range(2 * 16 * CFG.n_layers)])
+    forced = forced.view(2, 16, CFG.n_layers, CFG.top_k)
+    forced[0, 3, 1] = torch.tensor([-1, -1])
+    forced[1, 7, 0, 1] = -1  # one missing entry marks the whole (token, layer) row missing
+    out = model(x, replay=forced)
+    missing = (forced < 0).any(-1, keepdim=True)
+    assert torch.equal(out.routing, torch.where(missing, out.free_topk, forced))
+    assert int(missing.sum()) == 2
+    assert (out.logits - free.logits).abs().max().item() > 1e-3  # forcing other experts changes the output
+    # replaying the free choice reproduces the free forward exactly
+    again = model(x, replay=free.routing)
+    assert torch.equal(again.logits, free.logits)
+    assert torch.equal(again.routing, free.routing)
+
+
+def test_gradient_reaches_the_router_under_replay(model):
+    x = ids(2, 10)
+    with torch.no_grad():
+        forced = model(x).routing.flip(-1)  # same experts, other order: still the recorded set
+    m = MoETransformer(CFG)
+    out = m(x, replay=forced)
+    out.logits.logsumexp(-1).mean().backward()
+    for blk in m.blocks:
+        assert blk.moe.router.weight.grad is not None
+        assert blk.moe.router.weight.grad.abs().sum().item() > 0
+    assert m.value_head.weight.grad is None  # values were not in the loss
+
+
+def test_replay_is_validated(model):
+    x = ids(1, 4)
+    with pytest.raises(ValueError, match="shape"):
+        model(x, replay=torch.zeros(1, 4, CFG.n_layers, CFG.top_k + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside"):
+        model(x, replay=torch.full((1, 4, CFG.n_layers, CFG.top_k), CFG.n_experts))
+    dup = torch.zeros(1, 4, CFG.n_layers, CFG.top_k, dtype=torch.long)
+    with pytest.raises(ValueError, match="repeats"):
+        model(x, replay=dup)
+
+
+def test_save_load_roundtrip(tmp_path, model):
+    d = save_pretrained(model, tmp_path / "m")
+    names = {p.name for p in d.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert json.loads((d / "config.json").read_text())["n_experts"] == CFG.n_experts
+    loaded = load_pretrained(d)
+    x = ids(2, 12)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    bf = load_pretrained(d, dtype=torch.bfloat16)
+    assert next(bf.parameters()).dtype == torch.bfloat16
+
+
+def test_load_rejects_a_mismatched_model(tmp_path, model):
+    other = MoETransformer(MoEConfig(**{**CFG.__dict__, "n_experts": 4}))
+    d = save_pretrained(other, tmp_path / "other")
+    with pytest.raises(ConfigError, match="does not match"):
+        load_weights_into(model, d)
+    with pytest.raises(ConfigError, match="no model config"):
+        load_pretrained(tmp_path / "missing")
+    (tmp_path / "other" / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="cannot read weights"):
+        load_pretrained(tmp_path / "other")
+
+
+def test_config_json_roundtrip_and_validation():
+    assert MoEConfig.from_json(CFG.to_json()) == CFG
+    with pytest.raises(ConfigError, match="top_k"):
+        MoEConfig(n_experts=2, top_k=3)
+    with pytest.raises(ConfigError, match="n_heads"):
+        MoEConfig(d_model=30, n_heads=4)
+    with pytest.raises(ConfigError, match="model_type"):
+        MoEConfig.from_dict({"model_type": "llama"})
+
+
+def test_default_model_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("T1ASYNC_CACHE", str(tmp_path / "a"))
+    da = default_model_dir()
+    monkeypatch.setenv("T1ASYNC_CACHE", str(tmp_path / "b"))
+    db = default_model_dir()
+    assert da != db and default_model_dir() == db  # second call reuses the cache
+    assert (da / "model.safetensors").read_bytes() == (db / "model.safetensors").read_bytes()
+    m = load_pretrained(da)
+    assert m.cfg == MoEConfig()  # the shipped config is the defaults
