@@ -1,0 +1,395 @@
+"""Episode assembly: from a stream of turn records (any order, at-least-once) to trainable ``Segment``s.
+
+``Assembler`` takes the records of many episodes; each episode has an ``EpisodeAssembler`` that buffers
+out-of-order turns until the gap fills, drops exact redeliveries (counted), counts and logs a conflicting
+duplicate (same turn, different content: the first one wins), checks and repairs every boundary
+(``t1async.tito``) and aligns routing (``t1async.routing``).
+
+Segments come out when they are complete:
+
+- a FORK closes the open segment (``done=False``; its last turn's value is the bootstrap);
+- the episode's ``end`` record (once every turn up to ``end.turns`` has arrived) closes it with ``done=True``;
+- ``cut()`` returns the open segment *so far* (``done=False``) for partial-trajectory training. The segment
+  stays open: its next return re-includes the whole context (so every later turn is still trained in exactly
+  the context it was sampled in) with the loss only on turns not returned before, and gets the next
+  ``index``. Turns already returned are context there (``loss_mask`` False, logprob 0, version -1) and are
+  not listed in ``turn_ends``.
+
+If an episode ends right after a cut, with no new turn, nothing is returned (nothing is left to train): the
+cut segment was trained with ``done=False``, i.e. bootstrapped from a value where the true return is 0. The
+learner controls this: cut only when a batch needs turns.
+
+Buffered out-of-order turns are bounded per episode (``max_pending_turns``); past it the episode is abandoned
+(logged, its trainable part returned, the rest counted as untrainable) rather than growing without bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from t1async import wire
+from t1async.log import get_logger
+from t1async.routing import RouteTrack, RoutingStats
+from t1async.tito import Boundary, DriftStats, Segment, check_input, hash_update, new_hasher
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class AssemblerConfig:
+    max_pending_turns: int = 4096  # out-of-order turns buffered per episode before it is abandoned
+    num_experts: int | None = None  # when known, traces with expert ids >= this are rejected
+    ended_memory: int = 100_000  # ended episode ids remembered, so late redeliveries are dropped
+    episode_stats_memory: int = 1024  # finished episodes whose DriftStats stay inspectable
+
+
+@dataclass
+class _Span:
+    turn: int
+    out_start: int
+    out_end: int
+    reward: float
+    trained: bool = False
+
+
+class _Builder:
+    """One open segment: growable token arrays whose first ``n`` entries are exactly ``S_k``."""
+
+    def __init__(self, rstats: RoutingStats, num_experts: int | None, cap: int = 4096) -> None:
+        self.tokens = np.empty(cap, np.int32)
+        self.loss = np.zeros(cap, bool)
+        self.logprobs = np.zeros(cap, np.float32)
+        self.versions = np.full(cap, -1, np.int32)
+        self.turn_ids = np.full(cap, -1, np.int32)
+        self.n = 0
+        self.spans: list[_Span] = []
+        self.hasher: Any = new_hasher()
+        self.track = RouteTrack(rstats, num_experts)
+        self.forked = False
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.tokens)
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap)
+        for name, fill in (("tokens", 0), ("loss", False), ("logprobs", 0.0), ("versions", -1), ("turn_ids", -1)):
+            old = getattr(self, name)
+            new = np.full(cap, fill, old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def append_context(self, ids: np.ndarray, turn_ids: np.ndarray | None = None) -> None:
+        a, b = self.n, self.n + len(ids)
+        self._grow(b)
+        self.tokens[a:b] = ids
+        self.loss[a:b] = False
+        self.logprobs[a:b] = 0.0
+        self.versions[a:b] = -1
+        self.turn_ids[a:b] = -1 if turn_ids is None else turn_ids
+        self.n = b
+
+    def append_output(self, rec: wire.TurnRecord, carry: float) -> None:
+        out = rec.output_ids
+        a, b = self.n, self.n + len(out)
+        self._grow(b)
+        self.tokens[a:b] = out
+        self.loss[a:b] = True
+        self.logprobs[a:b] = rec.output_logprobs
+        self.versions[a:b] = rec.policy_version
+        self.turn_ids[a:b] = rec.turn
+        self.n = b
+        self.spans.append(_Span(rec.turn, a, b, float(rec.reward) + carry))
+
+    def truncate(self, lcp: int) -> tuple[int, int, float]:
+        """REALIGN: keep ``[0, lcp)``. Returns (tokens dropped, of them already returned, reward to carry)."""
+        dropped, self.n = self.n - lcp, lcp
+        last = self.spans[-1]
+        after_cut = dropped if last.trained else 0
+        carry = 0.0
+        last.out_end = max(last.out_start, lcp)
+        if last.out_end == last.out_start:  # the whole output was discarded: its reward moves to the next turn
+            self.spans.pop()
+            carry = 0.0 if last.trained else last.reward
+        self.track.truncate(lcp)
+        return dropped, after_cut, carry
+
+    def emit(self, episode: str, index: int, done: bool, copy: bool) -> Segment | None:
+        new = [s for s in self.spans if not s.trained]
+        if not new:
+            return None
+        t, first = self.n, new[0].out_start
+        trained_before = len(new) < len(self.spans)
+
+        def part(arr: np.ndarray, fill: Any) -> np.ndarray:
+            if not trained_before:
+                return arr[:t].copy() if copy else arr[:t]
+            out = arr[:t].copy()
+            out[:first] = np.where(self.loss[:first], fill, out[:first])
+            return out
+
+        seg = Segment(
+            episode=episode, index=index, tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
+            loss_mask=part(self.loss, False), logprobs=part(self.logprobs, 0.0), versions=part(self.versions, -1),
+            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(copy),
+            turn_ends=np.array([s.out_end - 1 for s in new], np.int32),
+            turn_rewards=np.array([s.reward for s in new], np.float32), done=done,
+            turn_numbers=np.array([s.turn for s in new], np.int32),
+            turn_starts=np.array([s.out_start for s in new], np.int32), forked=self.forked,
+        )  # fmt: skip
+        for s in new:
+            s.trained = True
+        return seg
+
+
+def _fingerprint(rec: wire.TurnRecord) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{rec.keep}/{rec.input_len}/{rec.policy_version}/{rec.finish.value}/{rec.reward!r}/".encode())
+    h.update(rec.input_digest)
+    hash_update(h, rec.output_ids)
+    h.update(np.ascontiguousarray(rec.output_logprobs, dtype="<f4").tobytes())
+    if rec.routing is not None:
+        h.update(f"r{rec.routing.start}/{rec.routing.experts.shape}".encode())
+    return h.digest()
+
+
+class EpisodeAssembler:
+    """The assembly state of one episode. Use through ``Assembler`` unless you hold a single episode."""
+
+    def __init__(self, episode: str, config: AssemblerConfig | None = None, log: Any = None) -> None:
+        self.episode = episode
+        self.config = config or AssemblerConfig()
+        self.stats = DriftStats()
+        self.routing = RoutingStats()
+        self.log = log or get_logger("t1async.assembly")
+        self.next_turn = 0
+        self.pending: dict[int, wire.TurnRecord] = {}
+        self.seen: dict[int, bytes] = {}
+        self.builder: _Builder | None = None
+        self.lost = False  # a turn could not be reconstructed; waiting for a full input (keep = 0)
+        self.end_record: wire.EndRecord | None = None
+        self.finished = False
+        self.index = 0
+
+    # -- public --------------------------------------------------------------------------------------
+
+    def add(self, rec: wire.TurnRecord) -> list[Segment]:
+        if self.finished:
+            self.stats.late_turns += 1
+            return []
+        fp = _fingerprint(rec)
+        prior = self.seen.get(rec.turn)
+        if prior is not None:
+            if prior == fp:
+                self.stats.duplicates += 1
+            else:
+                self.stats.conflicts += 1
+                self.log.warning("tito.conflicting_duplicate", episode=self.episode, turn=rec.turn,
+                                 hint="two different records claim this turn; the first is kept")  # fmt: skip
+            return []
+        if self.end_record is not None and rec.turn >= self.end_record.turns:
+            self.stats.late_turns += 1
+            self.log.warning("tito.turn_after_end", episode=self.episode, turn=rec.turn, turns=self.end_record.turns)
+            return []
+        self.seen[rec.turn] = fp
+        self.pending[rec.turn] = rec
+        out: list[Segment] = []
+        while self.next_turn in self.pending:
+            out += self._process(self.pending.pop(self.next_turn))
+            self.next_turn += 1
+        if len(self.pending) > self.config.max_pending_turns:
+            self.log.error("tito.episode_abandoned", episode=self.episode, waiting_for=self.next_turn,
+                           pending=len(self.pending), hint="a turn never arrived; raise max_pending_turns if legit")  # fmt: skip
+            self.stats.untrainable_turns += len(self.pending)
+            self.pending.clear()
+            out += self._close(done=False)
+            self.finished = True
+        return out + self._maybe_finish()
+
+    def end(self, rec: wire.EndRecord) -> list[Segment]:
+        if self.finished or self.end_record is not None:
+            return []  # a redelivered end is harmless
+        self.end_record = rec
+        late = [t for t in self.pending if t >= rec.turns]
+        for t in late:
+            del self.pending[t]
+        self.stats.late_turns += len(late)
+        return self._maybe_finish()
+
+    def cut(self) -> list[Segment]:
+        if self.builder is None or self.finished:
+            return []
+        seg = self.builder.emit(self.episode, self.index, done=False, copy=True)
+        return self._count([seg])
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _count(self, segs: list[Segment | None]) -> list[Segment]:
+        out = [s for s in segs if s is not None]
+        for s in out:
+            self.index += 1
+            self.stats.segments += 1
+            self.stats.loss_tokens += s.loss_tokens
+        return out
+
+    def _close(self, done: bool) -> list[Segment]:
+        b, self.builder = self.builder, None
+        if b is None:
+            return []
+        return self._count([b.emit(self.episode, self.index, done=done, copy=False)])
+
+    def _maybe_finish(self) -> list[Segment]:
+        if self.finished or self.end_record is None or self.next_turn < self.end_record.turns:
+            return []
+        self.finished = True
+        return self._close(done=True)
+
+    def _process(self, rec: wire.TurnRecord) -> list[Segment]:
+        st, b, out = self.stats, self.builder, []
+        st.turns += 1
+        prev = _EMPTY if b is None else b.tokens[: b.n]
+        chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
+                          rec.keep, rec.input_delta, rec.input_digest)  # fmt: skip
+        if b is not None:
+            st.boundaries += 1
+        if not chk.ok:
+            st.untrainable_turns += 1
+            st.digest_mismatch += rec.keep <= len(prev)
+            self.log.warning("tito.untrainable_turn", episode=self.episode, turn=rec.turn, keep=rec.keep,
+                             assembled=len(prev), reason=chk.reason)  # fmt: skip
+            self.lost = True
+            return self._close(done=False)
+        st.tokens_in += len(rec.input_delta) + len(rec.output_ids)
+        if chk.lcp > rec.keep:
+            st.keep_understated += 1
+        keep, lcp, n, carry = rec.keep, chk.lcp, len(prev), 0.0
+        if b is None:  # first turn, or a resync after untrainable turns
+            st.resyncs += self.lost
+            b = self.builder = _Builder(self.routing, self.config.num_experts)
+            b.forked = self.lost
+            self.lost = False
+            b.append_context(rec.input_delta)
+        elif chk.kind is Boundary.CLEAN:
+            st.clean += 1
+            b.append_context(rec.input_delta[n - keep :])
+        elif chk.kind is Boundary.REALIGN:
+            st.realign += 1
+            st.note_first_diff(lcp - n)
+            dropped, after_cut, carry = b.truncate(lcp)
+            st.tokens_dropped += dropped
+            st.dropped_after_cut += after_cut
+            b.append_context(rec.input_delta[lcp - keep :])
+        else:
+            st.fork += 1
+            st.note_first_diff(lcp - n)
+            st.tokens_recontextualised += chk.input_len - lcp
+            old = b
+            b = _Builder(self.routing, self.config.num_experts, cap=max(4096, 2 * chk.input_len))
+            b.forked = True
+            b.append_context(old.tokens[:lcp], old.turn_ids[:lcp])
+            b.append_context(rec.input_delta[lcp - keep :])
+            b.track.fork_from(old.track, lcp)
+            out = self._close(done=False)  # the old segment ends at the boundary, in its own context
+            self.builder = b
+        assert b.n == chk.input_len, (b.n, chk.input_len)
+        b.hasher = chk.hasher
+        hash_update(b.hasher, rec.output_ids)
+        b.append_output(rec, carry)
+        b.track.add(rec.routing, chk.input_len, len(rec.output_ids))
+        return out
+
+
+class Assembler:
+    """Assembles the turn stream of many episodes. Not thread-safe; one per learner ingest task.
+
+    ``add(turn)``, ``end(end_record)`` and ``feed(record)`` return the segments that became complete;
+    ``cut(episode=None)`` returns open segments so far (all open episodes when ``episode`` is None).
+    """
+
+    def __init__(self, config: AssemblerConfig | None = None) -> None:
+        self.config = config or AssemblerConfig()
+        self.log = get_logger("t1async.assembly")
+        self.open: dict[str, EpisodeAssembler] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.recent: OrderedDict[str, DriftStats] = OrderedDict()
+        self._done_drift = DriftStats()
+        self._done_routing = RoutingStats()
+        self._late_after_end = 0
+
+    def _episode(self, episode: str) -> EpisodeAssembler | None:
+        if episode in self.ended:
+            self._late_after_end += 1
+            return None
+        ep = self.open.get(episode)
+        if ep is None:
+            ep = self.open[episode] = EpisodeAssembler(episode, self.config, self.log)
+        return ep
+
+    def _retire(self, ep: EpisodeAssembler) -> None:
+        if not ep.finished:
+            return
+        del self.open[ep.episode]
+        self.ended[ep.episode] = None
+        while len(self.ended) > self.config.ended_memory:
+            self.ended.popitem(last=False)
+        self._done_drift.merge(ep.stats)
+        self._done_routing.merge(ep.routing)
+        self.recent[ep.episode] = ep.stats
+        while len(self.recent) > self.config.episode_stats_memory:
+            self.recent.popitem(last=False)
+
+    def add(self, turn: wire.TurnRecord) -> list[Segment]:
+        ep = self._episode(turn.episode)
+        if ep is None:
+            return []
+        out = ep.add(turn)
+        self._retire(ep)
+        return out
+
+    def end(self, rec: wire.EndRecord) -> list[Segment]:
+        ep = self._episode(rec.episode)
+        if ep is None:
+            return []
+        out = ep.end(rec)
+        self._retire(ep)
+        return out
+
+    def feed(self, rec: wire.Record) -> list[Segment]:
+        """Any record of ``t1.traj.<episode>``: turns and ends are assembled; ``start`` is ignored."""
+        if isinstance(rec, wire.TurnRecord):
+            return self.add(rec)
+        if isinstance(rec, wire.EndRecord):
+            return self.end(rec)
+        return []
+
+    def cut(self, episode: str | None = None) -> list[Segment]:
+        eps = list(self.open.values()) if episode is None else [e for e in [self.open.get(episode)] if e]
+        return [s for ep in eps for s in ep.cut()]
+
+    def episode_stats(self, episode: str) -> DriftStats | None:
+        ep = self.open.get(episode)
+        return ep.stats if ep is not None else self.recent.get(episode)
+
+    def stats(self) -> DriftStats:
+        """Drift counters over every episode seen (finished and open)."""
+        total = DriftStats()
+        total.merge(self._done_drift)
+        for ep in self.open.values():
+            total.merge(ep.stats)
+        total.late_turns += self._late_after_end
+        return total
+
+    def routing_stats(self) -> RoutingStats:
+        total = RoutingStats()
+        total.merge(self._done_routing)
+        for ep in self.open.values():
+            total.merge(ep.routing)
+        return total
+
+    @property
+    def pending_turns(self) -> int:
+        return sum(len(ep.pending) for ep in self.open.values())

@@ -1,0 +1,236 @@
+"""R3 routing traces: the SGLang codec, trace validation, and alignment to assembled positions (DESIGN §6).
+
+Positions. Row p of a trace holds the experts chosen at every MoE layer when the sampler *computed* token p
+(prefill or decode). A turn's trace covers ``[start, input_len + len(output_ids) - 1)`` of that turn's full
+sequence: the sampler never routes a request's last token, the next request's prefill does.
+
+Why prefix rows are reused exactly. Attention is causal, so the routing of position p depends only on tokens
+``0..p``. Rows recorded by an earlier request are therefore valid in a later sequence exactly at the
+positions ``p < lcp`` where both sequences agree (``lcp`` = their common prefix). This covers all three
+boundary kinds: CLEAN and REALIGN keep the rows below ``lcp`` and drop the rest (REALIGN drops the discarded
+run's rows); a FORK segment copies the old segment's rows below ``lcp`` and takes every later position from
+the new request's trace, which must start at or before ``lcp`` (the actor asks for rows from the first
+position it had not been told about). A position whose rows came from a *different* context is never used:
+if the new trace starts after ``lcp`` the gap stays -1 (route freely) and is counted as missing.
+
+``RouteTrack`` keeps one segment's aligned routing as int16 ``[T, L, K]`` with -1 for missing, and the end of
+the contiguous covered run, so tiling is checked as traces arrive: a trace starting after the covered end is
+a gap (rows missing), one starting before it overlaps (the newer rows win: they come from exactly this
+context). A trace with the wrong row count or shape is rejected whole; a layer whose entries are all 0 over
+the trace is a broken capture (no real top-k of width >= 2 picks expert 0 twice) and that layer's rows of
+the trace become -1. Counters live in ``RoutingStats``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from t1async import wire
+from t1async.errors import T1Error
+
+MISSING = -1
+ZERO_LAYER_MIN_ROWS = 32  # with top-1 routing, an all-zero layer is only suspicious over this many tokens
+
+
+class RoutingError(T1Error):
+    """A routing trace cannot be decoded (bad base64, wrong size, expert ids out of range)."""
+
+
+# --------------------------------------------------------------------------------------------- codec
+
+
+def compact_dtype(num_experts: int) -> np.dtype:
+    """u1 when expert ids fit a byte (<= 256 experts), else u2 (DESIGN §3)."""
+    if num_experts < 1 or num_experts > 65536:
+        raise RoutingError(f"num_experts must be in [1, 65536], got {num_experts}")
+    return np.dtype("u1") if num_experts <= 256 else np.dtype("<u2")
+
+
+def decode_sglang(b64: str | bytes, num_layers: int, topk: int, num_experts: int) -> np.ndarray:
+    """SGLang's ``meta_info.routed_experts`` (base64 of little-endian int32, logical ``[rows, layers, topk]``)
+    to a compact ``[rows, num_layers, topk]`` array of u1 (<= 256 experts) or u2."""
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise RoutingError(f"routed_experts is not valid base64 ({exc}); expected base64 of int32 LE") from exc
+    per_row = num_layers * topk * 4
+    if per_row <= 0 or len(raw) % per_row:
+        raise RoutingError(
+            f"routed_experts holds {len(raw)} bytes, not a multiple of layers {num_layers} x topk {topk} x 4 bytes"
+        )
+    arr = np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, topk)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num_experts:
+            raise RoutingError(f"routed_experts holds expert ids in [{lo}, {hi}], outside [0, {num_experts})")
+    return arr.astype(compact_dtype(num_experts))
+
+
+def encode_sglang(experts: np.ndarray) -> str:
+    """The inverse of ``decode_sglang`` (what the embedded sampler returns): base64 of int32 LE."""
+    return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
+
+
+def expected_rows(input_len: int, n_out: int, start: int) -> int:
+    """Rows a turn's trace must hold: positions ``[start, input_len + n_out - 1)``."""
+    return input_len + n_out - 1 - start
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+@dataclass
+class RoutingStats:
+    traces: int = 0  # traces received
+    absent_traces: int = 0  # turns sent without routing
+    rejected_traces: int = 0  # wrong row count, shape or expert range: whole trace unused
+    rejected_layers: int = 0  # (trace, layer) pairs rejected as all-zero captures
+    gap_rows: int = 0  # positions no trace covered (tiling gap)
+    overlap_rows: int = 0  # positions covered twice (the newer row kept)
+    missing_rows: int = 0  # positions left -1 at every layer (gaps, absent or rejected traces)
+    dropped_rows: int = 0  # rows of a REALIGN's discarded run
+
+    def merge(self, other: "RoutingStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def zero_layers(experts: np.ndarray, min_rows: int = ZERO_LAYER_MIN_ROWS) -> np.ndarray:
+    """bool [L]: layers whose every entry is 0 over the trace and that cannot be a real capture."""
+    rows, layers, topk = experts.shape
+    if rows == 0 or (topk < 2 and rows < min_rows):
+        return np.zeros(layers, dtype=bool)
+    # OR over rows on the contiguous [rows, L*K] view vectorises well; then "any" over topk
+    ored = np.bitwise_or.reduce(experts.reshape(rows, layers * topk), axis=0).reshape(layers, topk)
+    return ~ored.any(axis=1)
+
+
+def check_trace(
+    routing: wire.Routing, input_len: int, n_out: int, layers: int | None, topk: int | None, num_experts: int | None
+) -> str:
+    """'' when the trace is usable, else why it is rejected (row count, shape, expert range)."""
+    ex = routing.experts
+    want = expected_rows(input_len, n_out, routing.start)
+    if want < 0:
+        return f"routing.start {routing.start} is past the last routed position {input_len + n_out - 2}"
+    if ex.ndim != 3 or ex.shape[0] != want:
+        return f"routing has {ex.shape[0] if ex.ndim else 0} rows, expected {want} (input_len {input_len} + {n_out} outputs - 1 - start {routing.start})"
+    if layers is not None and (ex.shape[1], ex.shape[2]) != (layers, topk):
+        return f"routing shape [.., {ex.shape[1]}, {ex.shape[2]}] differs from this segment's [.., {layers}, {topk}]"
+    if num_experts is not None and ex.size and int(ex.max()) >= num_experts:
+        return f"routing holds expert id {int(ex.max())} >= num_experts {num_experts}"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------- alignment
+
+
+class RouteTrack:
+    """One segment's routing, aligned to its positions: int16 ``[n, L, K]``, -1 missing.
+
+    Allocated on the first usable trace (``arr`` is None before: no routing seen). ``covered`` is the end of
+    the contiguous run of positions whose routing is settled (known, or given up as missing).
+    """
+
+    def __init__(self, stats: RoutingStats, num_experts: int | None = None) -> None:
+        self.stats = stats
+        self.num_experts = num_experts
+        self.arr: np.ndarray | None = None
+        self.n = 0  # positions in the segment
+        self.covered = 0
+
+    @property
+    def shape(self) -> tuple[int, int] | None:
+        return None if self.arr is None else (self.arr.shape[1], self.arr.shape[2])
+
+    def _ensure(self, n: int) -> None:
+        assert self.arr is not None
+        if n > len(self.arr):
+            cap = max(n, 2 * len(self.arr), 1024)
+            new = np.empty((cap, *self.arr.shape[1:]), dtype=np.int16)
+            new[: self.n] = self.arr[: self.n]
+            self.arr = new
+        if n > self.n:
+            self.arr[self.n : n] = MISSING
+
+    def truncate(self, lcp: int) -> None:
+        """Keep positions ``< lcp`` (REALIGN, or the shared prefix of a FORK)."""
+        if lcp < self.n:
+            self.stats.dropped_rows += max(0, min(self.covered, self.n) - lcp)
+            self.n = lcp
+            self.covered = min(self.covered, lcp)
+
+    def fork_from(self, old: "RouteTrack", lcp: int) -> None:
+        """Start a FORK segment: take the old segment's rows below ``lcp`` (same tokens, same causal context)."""
+        keep = min(lcp, old.n)
+        if old.arr is not None:
+            self.arr = np.empty((max(1024, 2 * keep), *old.arr.shape[1:]), dtype=np.int16)
+            self.arr[:keep] = old.arr[:keep]
+        self.n = keep
+        self.covered = min(old.covered, keep)
+
+    def add(self, routing: wire.Routing | None, input_len: int, n_out: int) -> None:
+        """Align one turn's trace; the segment now has ``input_len + n_out`` positions and ends with this turn."""
+        new_n = input_len + n_out
+        end = new_n - 1  # the last token is routed by the next request
+        why = "absent"
+        if routing is not None:
+            self.stats.traces += 1
+            layers, topk = self.shape or (None, None)
+            why = check_trace(routing, input_len, n_out, layers, topk, self.num_experts)
+            if why:
+                self.stats.rejected_traces += 1
+        else:
+            self.stats.absent_traces += 1
+        if why:
+            if self.arr is not None:
+                self._ensure(new_n)
+                self.stats.missing_rows += max(0, end - self.covered)
+            self.n, self.covered = new_n, max(self.covered, end)
+            return
+        assert routing is not None
+        ex, start = routing.experts, routing.start
+        if self.arr is None:  # first trace of this segment: everything before it is missing
+            self.arr = np.empty((max(1024, 2 * new_n), *ex.shape[1:]), dtype=np.int16)
+            self.arr[: self.n] = MISSING
+        self._ensure(new_n)
+        if start > self.covered:
+            gap = start - self.covered
+            self.stats.gap_rows += gap
+            self.stats.missing_rows += gap
+        elif start < self.covered:
+            self.stats.overlap_rows += self.covered - start
+        if len(ex):
+            self.arr[start:end] = ex
+            bad = zero_layers(ex)
+            if bad.any():
+                self.stats.rejected_layers += int(bad.sum())
+                self.arr[start:end, bad] = MISSING
+        self.n, self.covered = new_n, end
+
+    def take(self, copy: bool) -> np.ndarray | None:
+        """The segment's routing ``[n, L, K]`` (a copy when the track keeps growing after this)."""
+        if self.arr is None:
+            return None
+        out = self.arr[: self.n]
+        return out.copy() if copy else out
+
+
+def routing_drift(recorded: np.ndarray, computed: np.ndarray) -> tuple[int, int]:
+    """(differing, compared): (token, layer) pairs whose recorded top-k *set* differs from ``computed``'s,
+    over rows where the recorded routing is present (no -1). Vectorised; order within top-k is ignored."""
+    if recorded.shape != computed.shape:
+        raise ValueError(f"recorded {recorded.shape} and computed {computed.shape} routing differ in shape")
+    present = (recorded >= 0).all(axis=-1)
+    a = np.sort(recorded, axis=-1)
+    b = np.sort(computed.astype(recorded.dtype, copy=False), axis=-1)
+    differ = (a != b).any(axis=-1) & present
+    return int(differ.sum()), int(present.sum())

@@ -1,0 +1,1 @@
+"""Reusable test kits: synthetic episodes with injected drift (``episodes``), credit simulations (``credits``)."""
