@@ -1,0 +1,362 @@
+"""``SGLangClient``: the Sampler protocol over SGLang's native HTTP API (httpx), for a real SGLang server
+or the embedded one, interchangeably.
+
+Errors (all from t1async.errors)::
+
+    SamplerError                 no URL answered usably after the retries (names the URL and the cause),
+    │                            or the client was used after ``aclose()`` (SamplerClosedError)
+    └── SamplerRequestError      the server rejected the request (HTTP 400): our fault, never retried
+
+Connection errors, timeouts and HTTP 502/503/504/429 are retried with exponential backoff and jitter,
+moving to the least-loaded other URL where there is one. Requests go to the URL with the fewest
+outstanding requests (ties rotate).
+
+Routing needs the model's (layers, topk, experts): taken from ``routing_shape`` if given, else from each
+URL's ``/get_model_info`` (the embedded server adds ``num_hidden_layers``, ``num_experts_per_tok`` and
+``num_experts``; a real SGLang server does not, so pass ``routing_shape`` for it).
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import itertools
+import random
+import time
+from typing import Any, Sequence
+
+import anyio
+import httpx
+import numpy as np
+
+from t1async.errors import SamplerError, SamplerRequestError
+from t1async.sampler.base import Generation, SamplingParams
+
+try:
+    from t1async.log import get_logger
+except ImportError:  # pragma: no cover
+    import structlog
+
+    def get_logger(name: str, **fields: Any) -> Any:
+        return structlog.get_logger(name).bind(component=name, **fields)
+
+
+log = get_logger("sampler.client")
+_RETRY_STATUS = {429, 502, 503, 504}
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "topk")
+_EXPERT_KEYS = ("num_experts", "n_experts", "n_routed_experts")
+
+
+class SamplerClosedError(SamplerError):
+    """The client was used after ``aclose()``: your code closed it."""
+
+
+class _State(enum.Enum):
+    UNOPENED = 1
+    OPENED = 2
+    CLOSED = 3
+
+
+def parse_weight_version(raw: Any) -> int:
+    """SGLang's weight_version is a free string (default ``"default"``); ours are ints. -1 when not an int."""
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        return -1
+
+
+class SGLangClient:
+    def __init__(
+        self,
+        urls: Sequence[str] | str,
+        *,
+        timeout: float = 300.0,
+        connect_timeout: float = 5.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        http2: bool = False,
+        routing_shape: tuple[int, int, int] | None = None,  # (layers, topk, experts)
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("SGLangClient needs at least one sampler URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.max_retries = max_retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.routing_shape = routing_shape
+        self.outstanding = {u: 0 for u in self.urls}
+        self.requests_sent = {u: 0 for u in self.urls}
+        self._rr = itertools.count()
+        self._info: dict[str, dict] = {}
+        self._state = _State.UNOPENED
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            http2=http2,
+            transport=transport,
+        )
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def __aenter__(self) -> "SGLangClient":
+        if self._state is _State.CLOSED:
+            raise SamplerClosedError("this SGLangClient was closed; create a new one")
+        self._state = _State.OPENED
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._state is not _State.CLOSED:
+            self._state = _State.CLOSED
+            await self._http.aclose()
+
+    def _check_open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise SamplerClosedError(f"this SGLangClient (for {', '.join(self.urls)}) was closed; create a new one")
+
+    # ---------------------------------------------------------------- HTTP with retries
+
+    def _pick(self, avoid: str | None = None) -> str:
+        candidates = [u for u in self.urls if u != avoid] or self.urls
+        low = min(self.outstanding[u] for u in candidates)
+        best = [u for u in candidates if self.outstanding[u] == low]
+        return best[next(self._rr) % len(best)]
+
+    async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
+                       rid_attempts: bool = False) -> tuple[str, httpx.Response]:
+        """Send with retries; returns (url, response) for a 2xx. ``url`` pins one server (no balancing)."""
+        self._check_open()
+        last: str | None = None
+        cause = ""
+        for attempt in range(self.max_retries + 1):
+            target = url or self._pick(avoid=last)
+            body = json
+            if rid_attempts and attempt and isinstance(json, dict) and json.get("rid"):
+                body = {**json, "rid": f"{json['rid']}-retry{attempt}"}  # the first try may still run there
+            self.outstanding[target] += 1
+            self.requests_sent[target] += 1
+            try:
+                resp = await self._http.request(method, target + path, json=body)
+            except httpx.TransportError as exc:
+                cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                resp = None
+            finally:
+                self.outstanding[target] -= 1
+            if resp is not None:
+                if resp.status_code < 300:
+                    return target, resp
+                if resp.status_code == 400:
+                    raise SamplerRequestError(f"{target}{path} rejected the request: {_error_message(resp)}")
+                cause = f"HTTP {resp.status_code}: {_error_message(resp)}"
+                if resp.status_code not in _RETRY_STATUS:
+                    raise SamplerError(f"{target}{path} failed with {cause}")
+            last = target
+            if attempt < self.max_retries:
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random())
+                log.warning("sampler.retry", url=target, path=path, attempt=attempt + 1, cause=cause,
+                            delay_s=round(delay, 3))
+                await anyio.sleep(delay)
+        raise SamplerError(
+            f"{last}{path} failed after {self.max_retries + 1} attempts (urls: {', '.join(self.urls)}); "
+            f"last cause: {cause}"
+        )
+
+    # ---------------------------------------------------------------- the Sampler protocol
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+    ) -> Generation:
+        ids = [int(t) for t in input_ids]
+        body: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": params.to_sglang(),
+            "return_logprob": True,
+            "logprob_start_len": max(len(ids) - 1, 0),
+            "stream": False,
+        }
+        if routed_experts_start_len is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = int(routed_experts_start_len)
+        if rid is not None:
+            body["rid"] = rid
+        t0 = time.perf_counter()
+        url, resp = await self._request("POST", "/generate", json=body, rid_attempts=True)
+        latency = time.perf_counter() - t0
+        try:
+            out = resp.json()
+        except ValueError as exc:
+            raise SamplerError(f"{url}/generate answered with non-JSON: {resp.text[:200]!r}") from exc
+        shape = None
+        if routed_experts_start_len is not None:
+            shape = self.routing_shape or _shape_from_info(await self.model_info(url), url)
+        return parse_generation(out, len(ids), routed_experts_start_len, shape, latency=latency, url=url)
+
+    # ---------------------------------------------------------------- control
+
+    async def model_info(self, url: str | None = None) -> dict:
+        """``/get_model_info`` of ``url`` (default: any), cached per URL."""
+        if url is not None and url in self._info:
+            return self._info[url]
+        got, resp = await self._request("GET", "/get_model_info", url=url)
+        self._info[got] = resp.json()
+        return self._info[got]
+
+    async def health(self) -> dict[str, bool]:
+        """``/health`` of every URL (no retries): {url: healthy}."""
+        self._check_open()
+        result: dict[str, bool] = {}
+
+        async def one(u: str) -> None:
+            try:
+                result[u] = (await self._http.get(u + "/health")).status_code == 200
+            except httpx.TransportError:
+                result[u] = False
+
+        async with anyio.create_task_group() as tg:
+            for u in self.urls:
+                tg.start_soon(one, u)
+        return result
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
+        """POST ``/update_weights_from_disk`` to every URL (concurrently); raises if any fails."""
+        body: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        results: dict[str, dict] = {}
+        errors: dict[str, str] = {}
+
+        async def one(u: str) -> None:
+            try:
+                _, resp = await self._request("POST", "/update_weights_from_disk", json=body, url=u)
+                results[u] = resp.json()
+            except SamplerError as exc:
+                errors[u] = str(exc)
+
+        async with anyio.create_task_group() as tg:
+            for u in self.urls:
+                tg.start_soon(one, u)
+        if errors:
+            raise SamplerError(f"update_weights_from_disk({model_path}) failed on {len(errors)} of "
+                               f"{len(self.urls)} samplers: " + "; ".join(f"{u}: {e}" for u, e in errors.items()))
+        self._info.clear()  # weight_version changed
+        return [results[u] for u in self.urls]
+
+    async def flush_cache(self) -> None:
+        for u in self.urls:
+            await self._request("POST", "/flush_cache", url=u)
+
+    async def abort(self, rid: str) -> None:
+        for u in self.urls:
+            await self._request("POST", "/abort_request", json={"rid": rid}, url=u)
+
+
+# ---------------------------------------------------------------- response decoding (pure)
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+def _first(info: dict, keys: Sequence[str]) -> int | None:
+    for k in keys:
+        if isinstance(info.get(k), int):
+            return int(info[k])
+    return None
+
+
+def _shape_from_info(info: dict, url: str) -> tuple[int, int, int]:
+    layers, topk, experts = _first(info, _LAYER_KEYS), _first(info, _TOPK_KEYS), _first(info, _EXPERT_KEYS)
+    if layers is None or topk is None:
+        raise SamplerError(
+            f"{url}/get_model_info does not say the MoE shape (keys {sorted(info)}); "
+            "pass SGLangClient(routing_shape=(num_layers, topk, num_experts))"
+        )
+    return layers, topk, experts or 0
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
+
+
+def parse_generation(
+    out: Any,
+    prompt_len: int,
+    routing_start: int | None,
+    shape: tuple[int, int, int] | None,
+    *,
+    latency: float = 0.0,
+    url: str = "",
+) -> Generation:
+    """An SGLang ``/generate`` response (one object) as a Generation. Tolerates extra fields."""
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise SamplerError(f"{url}/generate answered without meta_info: {str(out)[:200]}")
+    meta = out["meta_info"]
+    lps = meta.get("output_token_logprobs") or []
+    ids = out.get("output_ids")
+    if ids is None:
+        ids = [t for _, t, *_ in lps]
+    output_ids = np.asarray(ids, dtype=np.int32)
+    logprobs = np.asarray([lp if lp is not None else np.nan for lp, *_ in lps], dtype=np.float32)
+    if len(logprobs) != len(output_ids):
+        raise SamplerError(f"{url}/generate returned {len(output_ids)} output ids but {len(logprobs)} logprobs")
+    fr = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
+    if isinstance(fr, str):  # some versions answer a bare string
+        fr = {"type": fr}
+    finish = fr.get("type", "abort")
+    routing = None
+    start = 0
+    if routing_start is not None and meta.get("routed_experts") is not None and shape is not None:
+        layers, topk, experts = shape
+        start = int(routing_start)
+        raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+        prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
+        want = prompt_tokens + len(output_ids) - 1 - start
+        per_row = layers * topk
+        if per_row == 0 or raw.size % per_row:
+            raise SamplerError(f"{url}: routed_experts has {raw.size} values, not rows of {layers}x{topk}")
+        arr = raw.reshape(-1, layers, topk)
+        if arr.shape[0] == want + start and start:  # a server that ignores routed_experts_start_len
+            arr = arr[start:]
+        if arr.shape[0] != want:
+            raise SamplerError(f"{url}: routed_experts has {arr.shape[0]} rows, expected {want} "
+                               f"(= {prompt_tokens} prompt + {len(output_ids)} output - 1 - start {start})")
+        if arr.size and (arr.min() < 0 or (experts and arr.max() >= experts)):
+            raise SamplerError(f"{url}: routed_experts holds expert ids outside [0, {experts})")
+        dtype = routing_dtype(experts or int(arr.max(initial=0)) + 1)
+        routing = arr.astype(dtype)
+    raw_version = meta.get("weight_version", "")
+    return Generation(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish=finish if finish in ("stop", "length", "abort") else "abort",
+        weight_version=parse_weight_version(raw_version),
+        routing=routing,
+        routing_start=start,
+        prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+        latency_s=latency,
+        matched_stop=fr.get("matched"),
+        text=out.get("text", "") or "",
+        extra={"weight_version": raw_version, "rid": meta.get("id"), "url": url,
+               "e2e_latency": meta.get("e2e_latency"), "finish_reason": fr},
+    )

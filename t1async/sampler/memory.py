@@ -1,0 +1,180 @@
+"""``MemorySampler``: an in-process Sampler for fast tests of the layers above (actors, TITO, R3).
+
+Deterministic: the output is a function of (seed, weight_version, input_ids) (or a script you give), the
+routing of a position is a function of (weight_version, position, token), so a prefix routes the same
+way turn after turn, as a real MoE does. It validates its input as the server does (SamplerRequestError),
+honours max_new_tokens, stop_token_ids (the eos token unless ignored), temperature 0 (greedy: no
+dependence on the call count) and routed_experts_start_len, and reports prefix-cache hits
+(``cached_tokens``: the longest prefix shared with an earlier request). Stop strings need a tokenizer and
+are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import anyio
+import numpy as np
+from anyio.lowlevel import checkpoint
+
+from t1async.errors import SamplerRequestError
+from t1async.sampler.base import Generation, SamplingParams
+from t1async.sampler.client import SamplerClosedError, routing_dtype
+
+Script = Callable[[Sequence[int]], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class MemoryCall:
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    routed_experts_start_len: int | None
+    rid: str | None
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+class MemorySampler:
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 4096,
+        num_layers: int = 4,
+        topk: int = 2,
+        num_experts: int = 8,
+        eos_token_id: int | None = None,
+        seed: int = 0,
+        script: Script | None = None,
+        weight_version: int = 0,
+        latency_s: float = 0.0,
+        max_seq_len: int = 32768,
+    ) -> None:
+        if topk > num_experts:
+            raise ValueError(f"topk={topk} exceeds num_experts={num_experts}")
+        self.vocab_size, self.num_layers, self.topk, self.num_experts = vocab_size, num_layers, topk, num_experts
+        self.eos_token_id = eos_token_id
+        self.seed, self.script, self.weight_version = seed, script, weight_version
+        self.latency_s, self.max_seq_len = latency_s, max_seq_len
+        self.calls: list[MemoryCall] = []
+        self._seen: list[tuple[int, ...]] = []
+        self._counter = 0
+        self._closed = False
+
+    def model_info(self) -> dict:
+        return {"num_hidden_layers": self.num_layers, "num_experts_per_tok": self.topk,
+                "num_experts": self.num_experts, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
+                "weight_version": str(self.weight_version)}
+
+    def update_weights(self, weight_version: int) -> None:
+        """What /update_weights_from_disk does to a real sampler: new outputs, new version, cache flushed."""
+        self.weight_version = weight_version
+        self._seen.clear()
+
+    def routing_for(self, tokens: Sequence[int]) -> np.ndarray:
+        """The experts of each position of ``tokens``: [len, layers, topk], distinct within a row."""
+        out = np.empty((len(tokens), self.num_layers, self.topk), dtype=np.int64)
+        for pos, tok in enumerate(tokens):
+            rng = np.random.default_rng(_seed("route", self.seed, self.weight_version, pos, int(tok)))
+            for layer in range(self.num_layers):
+                out[pos, layer] = rng.choice(self.num_experts, size=self.topk, replace=False)
+        return out.astype(routing_dtype(self.num_experts))
+
+    def _validate(self, ids: list[int], params: SamplingParams, start: int | None) -> None:
+        if not ids:
+            raise SamplerRequestError("input_ids is empty; send at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise SamplerRequestError(
+                f"input_ids holds {bad[0]}, not a token id of this model (vocab_size {self.vocab_size})")
+        if params.max_new_tokens < 0:
+            raise SamplerRequestError(f"sampling_params.max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        if len(ids) + params.max_new_tokens > self.max_seq_len:
+            raise SamplerRequestError(f"{len(ids)} input + {params.max_new_tokens} new tokens exceed the "
+                                      f"context length of {self.max_seq_len}")
+        if start is not None and not 0 <= start <= len(ids):
+            raise SamplerRequestError(f"routed_experts_start_len = {start} must be in [0, {len(ids)}]")
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+    ) -> Generation:
+        if self._closed:
+            raise SamplerClosedError("this MemorySampler was closed")
+        ids = [int(t) for t in input_ids]
+        self._validate(ids, params, routed_experts_start_len)
+        self.calls.append(MemoryCall(tuple(ids), params, routed_experts_start_len, rid))
+        t0 = time.perf_counter()
+        if self.latency_s:
+            await anyio.sleep(self.latency_s)
+        else:
+            await checkpoint()
+        self._counter += 1
+        if self.script is not None:
+            proposal = [int(t) for t in self.script(ids)]
+        else:
+            nonce = 0 if params.temperature == 0 else self._counter
+            rng = np.random.default_rng(_seed("gen", self.seed, self.weight_version, tuple(ids), nonce))
+            proposal = rng.integers(0, self.vocab_size, size=params.max_new_tokens).tolist()
+        stops = set(params.stop_token_ids)
+        if self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        out: list[int] = []
+        finish, matched = "length", None
+        for tok in proposal[: params.max_new_tokens]:
+            out.append(tok)
+            if tok in stops:
+                finish, matched = "stop", tok
+                break
+        if len(out) < params.max_new_tokens and finish == "length" and self.script is not None:
+            finish = "stop"  # a script that ends early is an end of turn
+        logprobs = np.array(
+            [-((_seed("lp", self.weight_version, len(ids) + i, t) % 4000) / 1000.0) for i, t in enumerate(out)],
+            dtype=np.float32,
+        )
+        cached = max((_common_prefix(ids, s) for s in self._seen), default=0)
+        self._seen.append(tuple(ids + out))
+        del self._seen[:-64]
+        routing, start = None, 0
+        if routed_experts_start_len is not None:
+            start = routed_experts_start_len
+            full = ids + out
+            routing = self.routing_for(full[:-1])[start:]
+        return Generation(
+            output_ids=np.asarray(out, dtype=np.int32),
+            logprobs=logprobs,
+            finish=finish,
+            weight_version=self.weight_version,
+            routing=routing,
+            routing_start=start,
+            prompt_tokens=len(ids),
+            cached_tokens=min(cached, len(ids) - 1) if cached else 0,
+            latency_s=time.perf_counter() - t0,
+            matched_stop=matched,
+            extra={"weight_version": str(self.weight_version), "rid": rid},
+        )
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    async def __aenter__(self) -> "MemorySampler":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
