@@ -117,6 +117,7 @@ class CreditRequest:
     actor: str
     episode: str
     n: int = 1
+    turn: int = -1  # the turn this credit is for; a retried request for the same turn gets the same grant
     kind = "credit_request"
 
 
@@ -329,7 +330,7 @@ def from_map(m: Any) -> Record:
     if kind == "policy":
         return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
     if kind == "credit_request":
-        return CreditRequest(f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1))
+        return CreditRequest(f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1))
     return CreditGrant(f.int("granted"), f.int("version"), f.float("lease_s"), f.str("grant_id"))
 
 

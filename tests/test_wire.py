@@ -49,7 +49,7 @@ records = st.one_of(
               name, st.integers(0, 10**4), st.sampled_from(list(wire.EndReason)), st.integers(0, 100),
               st.integers(0, 100), st.booleans(), text),
     st.builds(wire.PolicyRecord, st.integers(0, 10**6), st.integers(0, 10**6), name),
-    st.builds(wire.CreditRequest, name, name, st.integers(1, 64)),
+    st.builds(wire.CreditRequest, name, name, st.integers(1, 64), st.integers(-1, 1000)),
     st.builds(wire.CreditGrant, st.integers(0, 64), st.integers(0, 10**6), st.floats(0, 1e4), name),
     st.builds(wire.MetricsRecord, name, st.integers(0, 10**6), st.integers(0, 10**6),
               st.dictionaries(st.sampled_from(["loss", "reward_mean", "drift", "staleness_hist"]),
