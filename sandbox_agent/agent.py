@@ -1,0 +1,236 @@
+"""The agent turn loop: one episode, token-in/token-out (DESIGN §5), against the Sampler seam.
+
+Every turn's input is built from exact IDs: the previous turn's full input, its sampled output IDs, the
+bridge that closes the assistant turn (``tokenizer.bridge_ids(output)``), the observation message encoded
+on its own (``tokenizer.message_ids``) and the generation prompt. Earlier text is never re-encoded, so every
+boundary is CLEAN. Routing is asked only for rows no earlier turn covered (DESIGN §3):
+``routed_experts_start_len`` is 0 on the first turn, then the previous full sequence length - 1.
+
+Rewards (DESIGN §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
+ends the episode) its ``reward`` is the change in the number of passing tests; otherwise 0. If the episode
+stops before a turn could carry the final verification (wall time ran out while sampling, a sampler
+error), that change is ``EpisodeResult.unstreamed_reward``, so the streamed rewards plus it always add up to
+``EpisodeResult.tests_passed``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Awaitable, Callable, Literal, Protocol, Sequence
+
+import anyio
+import numpy as np
+import structlog
+
+from sandbox_agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
+from sandbox_agent.sandbox import Sandbox
+from sandbox_agent.verifier import VerifyResult
+from t1async.errors import SamplerError, SandboxError
+from t1async.sampler.base import Sampler, SamplingParams
+
+log = structlog.get_logger("sandbox_agent.agent")
+
+StopReason = Literal["solved", "max_turns", "context", "timeout", "error", "aborted"]
+
+
+class ChatTokenizerLike(Protocol):
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    def message_ids(self, role: str, content: str) -> list[int]: ...
+    def generation_prompt_ids(self) -> list[int]: ...
+    def bridge_ids(self, output_ids: Sequence[int]) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    max_turns: int = 300
+    max_context_tokens: int = 32768
+    wall_time_s: float | None = None  # None: the task's agent timeout
+    verify_every: int = 0  # 0: verify only when the episode ends
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))
+    system_prompt: str = SYSTEM_PROMPT
+    observation_role: str = "user"
+    max_observation_chars: int = 8192
+    command_timeout_s: float = 60.0  # per command; never past the episode's wall time
+    min_new_tokens: int = 16  # stop for "context" when fewer tokens than this are left to generate
+    stop_when_resolved: bool = True  # a periodic verification that resolves the task ends the episode
+    request_routing: bool = True
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn: int
+    input_ids: np.ndarray  # int32, the full input of this turn
+    output_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+    finish: str
+    weight_version: int
+    routing: np.ndarray | None
+    routing_start: int
+    action_kind: str  # "bash" | "done" | "invalid" | "none" (aborted sample)
+    action_text: str  # the command run ("" if none)
+    observation: str  # what the model is shown next ("" on the last turn of a done)
+    exit_code: int | None
+    timed_out: bool
+    truncated: bool
+    tests_passed: int | None  # None: not verified this turn
+    reward: float  # change in tests passed since the last verification (0 if not verified)
+    t_sample_s: float
+    t_exec_s: float
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    turns: int
+    reason: StopReason
+    tests_passed: int
+    tests_total: int
+    resolved: bool
+    verify: VerifyResult | None
+    detail: str = ""
+    unstreamed_reward: float = 0.0
+    wall_s: float = 0.0
+
+
+OnTurn = Callable[[TurnResult], Awaitable[None]]
+VerifyFn = Callable[[], Awaitable[VerifyResult]]
+
+
+def initial_messages(instruction: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": instruction.strip()}]
+
+
+async def run_agent(
+    *,
+    instruction: str,
+    sampler: Sampler,
+    tokenizer: ChatTokenizerLike,
+    sandbox: Sandbox,
+    verify: VerifyFn,
+    config: AgentConfig = AgentConfig(),
+    wall_time_s: float = 900.0,
+    on_turn: OnTurn | None = None,
+    rid: str = "episode",
+) -> EpisodeResult:
+    """Run one episode in an open sandbox. ``verify`` runs the task's tests over the sandbox's work dir."""
+    cfg = config
+    t_start = time.monotonic()
+    deadline = anyio.current_time() + (cfg.wall_time_s or wall_time_s)
+    input_ids: list[int] = list(tokenizer.render(initial_messages(instruction, cfg.system_prompt)))
+    routed_start = 0
+    last_passed = 0
+    last_verify: VerifyResult | None = None
+    verified_last_turn = False
+    reason: StopReason = "max_turns"
+    detail = ""
+    turns = 0
+    for k in range(cfg.max_turns):
+        budget = cfg.max_context_tokens - len(input_ids)
+        if budget < cfg.min_new_tokens:
+            reason, detail = "context", f"{len(input_ids)} tokens of {cfg.max_context_tokens} used"
+            break
+        params = replace(cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget))
+        t0 = time.monotonic()
+        gen = None
+        try:
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                gen = await sampler.generate(
+                    input_ids,
+                    params,
+                    routed_experts_start_len=routed_start if cfg.request_routing else None,
+                    rid=f"{rid}/{k}",
+                )
+        except SamplerError as exc:
+            reason, detail = "error", f"sampler failed on turn {k}: {exc}"
+            break
+        if gen is None:
+            reason, detail = "timeout", f"wall time ran out while sampling turn {k}"
+            break
+        t_sample = time.monotonic() - t0
+        out = [int(t) for t in gen.output_ids]
+        seq_len = len(input_ids) + len(out)
+        stop: StopReason | None = None
+        res = None
+        t1 = time.monotonic()
+        if gen.finish == "abort":
+            action = Action("invalid", error="")
+            observation, kind, stop = "", "none", "aborted"
+            detail = f"sampler aborted turn {k}"
+        else:
+            action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
+            kind = action.kind
+            observation = action.error
+            if action.kind == "bash":
+                timeout = max(min(cfg.command_timeout_s, deadline - anyio.current_time()), 0.001)
+                try:
+                    res = await sandbox.exec(action.command, timeout=timeout)
+                    observation = format_observation(
+                        res.output, res.exit_code, timed_out=res.timed_out, truncated=res.truncated,
+                        timeout_s=timeout, max_chars=cfg.max_observation_chars, note=action.note,
+                    )
+                except SandboxError as exc:
+                    observation = f"[sandbox error: {exc}]"
+                    stop, detail = "error", f"sandbox failed on turn {k}: {exc}"
+            if action.done and stop is None:
+                stop, observation = "solved", ""
+        t_exec = time.monotonic() - t1
+        next_ids: list[int] | None = None
+        if stop is None:
+            next_ids = (
+                input_ids + out + list(tokenizer.bridge_ids(out))
+                + list(tokenizer.message_ids(cfg.observation_role, observation))
+                + list(tokenizer.generation_prompt_ids())
+            )
+            if k + 1 >= cfg.max_turns:
+                stop = "max_turns"
+            elif cfg.max_context_tokens - len(next_ids) < cfg.min_new_tokens:
+                stop, detail = "context", f"{len(next_ids)} tokens of {cfg.max_context_tokens} used"
+            elif anyio.current_time() >= deadline:
+                stop, detail = "timeout", f"wall time ran out after turn {k}"
+        tests_passed = None
+        reward = 0.0
+        periodic = cfg.verify_every > 0 and (k + 1) % cfg.verify_every == 0
+        if stop is not None or periodic:
+            last_verify = await verify()
+            tests_passed = last_verify.passed
+            reward = float(last_verify.passed - last_passed)
+            last_passed = last_verify.passed
+            if stop is None and cfg.stop_when_resolved and last_verify.resolved:
+                stop, detail = "solved", f"tests resolved at turn {k}"
+        turns = k + 1
+        if on_turn is not None:
+            await on_turn(
+                TurnResult(
+                    turn=k, input_ids=np.asarray(input_ids, dtype=np.int32),
+                    output_ids=np.asarray(out, dtype=np.int32),
+                    logprobs=np.asarray(gen.logprobs, dtype=np.float32),
+                    finish=gen.finish, weight_version=gen.weight_version,
+                    routing=gen.routing, routing_start=gen.routing_start,
+                    action_kind=kind, action_text=action.command, observation=observation,
+                    exit_code=res.exit_code if res else None, timed_out=bool(res and res.timed_out),
+                    truncated=bool(res and res.truncated), tests_passed=tests_passed, reward=reward,
+                    t_sample_s=t_sample, t_exec_s=t_exec, last=stop is not None,
+                )
+            )
+        log.debug("agent.turn", rid=rid, turn=k, action=kind, tokens=seq_len, tests_passed=tests_passed)
+        verified_last_turn = tests_passed is not None
+        routed_start = seq_len - 1
+        if stop is not None:
+            reason = stop
+            break
+        assert next_ids is not None
+        input_ids = next_ids
+    unstreamed = 0.0
+    if not verified_last_turn or last_verify is None:
+        last_verify = await verify()
+        unstreamed = float(last_verify.passed - last_passed)
+    result = EpisodeResult(
+        turns=turns, reason=reason, tests_passed=last_verify.passed, tests_total=last_verify.total,
+        resolved=last_verify.resolved, verify=last_verify, detail=detail, unstreamed_reward=unstreamed,
+        wall_s=time.monotonic() - t_start,
+    )
+    log.info("agent.episode_end", rid=rid, turns=turns, reason=reason, passed=result.tests_passed,
+             total=result.tests_total, resolved=result.resolved)
+    return result

@@ -1,0 +1,126 @@
+"""The synthetic task corpus: parametrised families written as Terminal-Bench 1 task directories.
+
+Each task directory holds ``task.yaml`` (instruction, timeouts, family, split), ``solution.sh``,
+``run-tests.sh``, ``tests/test_outputs.py`` (>= 3 tests, so the dense reward is graded), the task's input
+files under ``environment/`` (copied into the work dir before the agent starts, see
+``sandbox_agent.tasks``) and, where needed, ``setup.sh`` (run in the sandbox first, e.g. to build a git
+repo). Tests find the work dir from ``T1_WORKDIR`` or the current directory (the verifier sets both).
+
+Task ``i`` of a corpus generated with seed ``S`` uses family ``FAMILIES[i % len(FAMILIES)]`` and a
+``random.Random`` seeded from ``(S, i)``: the same ``(S, i)`` always gives the same task, and the train/eval
+split is a hash of the task id (``tasks.split_for``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
+from sandbox_agent.synth.data import archive_family, json_family
+from sandbox_agent.synth.fsops import files_family, find_family, perms_family
+from sandbox_agent.synth.shell import env_family, git_family, scripts_family
+from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
+from sandbox_agent.tasks import split_for
+from t1async.errors import ConfigError
+
+FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
+    "files": files_family,
+    "text": text_family,
+    "csv": csv_family,
+    "json": json_family,
+    "archive": archive_family,
+    "perms": perms_family,
+    "git": git_family,
+    "scripts": scripts_family,
+    "find": find_family,
+    "logs": logs_family,
+    "env": env_family,
+}
+
+RUN_TESTS = """\
+#!/bin/bash
+# Terminal-Bench 1 entry point. The t1async verifier does not use it: it runs tests/ directly with the
+# sandbox's python3 -m pytest (no network to install pytest), with cwd = the work dir and T1_WORKDIR set.
+cd "${T1_WORKDIR:-$PWD}"
+python3 -m pytest -rA "${TEST_DIR:-$(dirname "$0")/tests}/test_outputs.py"
+"""
+
+
+def task_rng(seed: int, index: int, family: str) -> random.Random:
+    h = hashlib.sha256(f"t1synth/{seed}/{index}/{family}".encode()).digest()
+    return random.Random(int.from_bytes(h[:8], "big"))
+
+
+def task_id(family: str, seed: int, index: int) -> str:
+    return f"synth-{family}-s{seed}-{index:05d}"
+
+
+def make_task(family: str, seed: int, index: int) -> tuple[str, SynthSpec]:
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown task family {family!r}; known: {', '.join(FAMILIES)}")
+    spec = FAMILIES[family](task_rng(seed, index, family))
+    return task_id(family, seed, index), spec
+
+
+def _yaml_block(text: str, indent: str = "  ") -> str:
+    return "|-\n" + "\n".join(indent + ln if ln else "" for ln in text.splitlines())
+
+
+def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 600.0,
+               test_timeout_s: float = 60.0) -> Path:
+    """Write one task directory ``out/tid`` (replacing any old one) and return its path."""
+    d = out / tid
+    if d.exists():
+        shutil.rmtree(d)
+    (d / "tests").mkdir(parents=True)
+    yaml = "\n".join([
+        f"id: {tid}",
+        f"instruction: {_yaml_block(spec.instruction)}",
+        "author_name: t1async synth",
+        f"difficulty: {spec.difficulty}",
+        f"category: {spec.family}",
+        f"family: {spec.family}",
+        f"split: {split_for(tid)}",
+        "tags: [" + ", ".join(spec.tags) + "]",
+        "parser_name: pytest",
+        f"max_agent_timeout_sec: {agent_timeout_s:g}",
+        f"max_test_timeout_sec: {test_timeout_s:g}",
+        "run_tests_in_same_shell: false",
+        "",
+    ])
+    (d / "task.yaml").write_text(yaml)
+    (d / "solution.sh").write_text("#!/bin/bash\nset -e\n" + spec.solution)
+    (d / "run-tests.sh").write_text(RUN_TESTS)
+    (d / "tests" / "test_outputs.py").write_text(TEST_HEADER + spec.tests)
+    for name in ("solution.sh", "run-tests.sh"):
+        (d / name).chmod(0o755)
+    if spec.setup is not None:
+        (d / "setup.sh").write_text("#!/bin/bash\n" + spec.setup)
+    if spec.files:
+        for rel, body in spec.files.items():
+            f = d / "environment" / rel
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(body if isinstance(body, bytes) else body.encode())
+            f.chmod(spec.modes.get(rel, 0o644))
+    return d
+
+
+def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None = None) -> list[Path]:
+    """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``."""
+    fams = list(families or FAMILIES)
+    for f in fams:
+        if f not in FAMILIES:
+            raise ConfigError(f"unknown task family {f!r}; known: {', '.join(FAMILIES)}")
+    if n < 1:
+        raise ConfigError(f"--n must be >= 1, got {n}")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        tid, spec = make_task(fams[i % len(fams)], seed, i)
+        paths.append(write_task(root, tid, spec))
+    return paths

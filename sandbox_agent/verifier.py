@@ -1,0 +1,236 @@
+"""The verifier: run a task's tests over the agent's work dir and count the passes (DESIGN §8).
+
+Each verification opens a *fresh* sandbox session over the work dir, with a fresh copy of the task's
+``tests/`` bound read-only at ``/tests`` (the agent cannot edit or pre-plant them). The pytest files are
+run directly with the sandbox's ``python3 -I -B -m pytest`` (isolated: the work dir is not on sys.path
+and no user site / PYTHON* variables apply, so the agent cannot shadow pytest or plant a conftest), in a
+clean environment (``env -i``), with cwd = the work dir and ``T1_WORKDIR`` naming it. TB1's run-tests.sh
+usually installs pytest from the network, which the sandbox does not have, so it is not used. A TB2 task
+with only ``tests/test.sh`` (no pytest files) is run as ``bash /tests/test.sh`` and counts as one test.
+
+Results come from pytest's junit XML (printed after a random marker) and, failing that, from the ``-rA``
+short summary. A timeout is ``status="timeout"``, unreadable output ``"parse_error"``, a sandbox failure
+or a pytest internal/usage error ``"error"``: all with zero passes, never counted as passes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from sandbox_agent.backend import SandboxBackend
+from sandbox_agent.sandbox import SandboxConfig
+from sandbox_agent.tasks import Task
+from t1async.errors import SandboxError
+
+log = structlog.get_logger("sandbox_agent.verifier")
+
+VerifyStatus = Literal["ok", "timeout", "parse_error", "error"]
+TESTS_MOUNT = "/tests"
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    tests: dict[str, bool]
+    passed: int
+    total: int
+    resolved: bool
+    status: VerifyStatus
+    detail: str = ""
+    duration_s: float = 0.0
+
+    @classmethod
+    def failed(cls, status: VerifyStatus, detail: str, duration_s: float = 0.0) -> "VerifyResult":
+        return cls({}, 0, 0, False, status, detail, duration_s)
+
+    @classmethod
+    def from_tests(cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0) -> "VerifyResult":
+        passed = sum(tests.values())
+        total = len(tests)
+        return cls(dict(tests), passed, total, total > 0 and passed == total, "ok", detail, duration_s)
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    python: str = "/usr/bin/python3"
+    output_limit_bytes: int = 4 << 20  # the verifier's session reads the junit XML through exec output
+    timeout_s: float | None = None  # None: the task's test_timeout_s
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+_SUMMARY_HDR = re.compile(r"^=+ short test summary info =+$", re.MULTILINE)
+_SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\s+(\S+?)(?:\s+-\s.*)?$")
+_OUTCOME_OK = {"PASSED": True, "XFAIL": True, "XPASS": True, "FAILED": False, "ERROR": False, "SKIPPED": False}
+
+
+def _merge(tests: dict[str, bool], name: str, ok: bool) -> None:
+    # a test that passed its call but errored in teardown appears twice: it passes only if every part did
+    tests[name] = tests.get(name, True) and ok
+
+
+def parse_junit(xml_text: str) -> dict[str, bool]:
+    """Per-test outcome from pytest junit XML (xunit1 or xunit2). Raises ValueError if unreadable."""
+    try:
+        root = ET.fromstring(xml_text)
+    except ET.ParseError as exc:
+        raise ValueError(f"junit XML does not parse: {exc}") from exc
+    if root.tag not in ("testsuites", "testsuite"):
+        raise ValueError(f"junit XML root is <{root.tag}>, expected <testsuites> or <testsuite>")
+    tests: dict[str, bool] = {}
+    for case in root.iter("testcase"):
+        name = case.get("name")
+        if not name:
+            raise ValueError("junit <testcase> without a name")
+        file = case.get("file") or ""
+        cls = case.get("classname") or ""
+        mod = file[:-3].replace("/", ".") if file.endswith(".py") else ""
+        if file and cls.startswith(mod):
+            rest = cls[len(mod) :].lstrip(".")
+            key = "::".join(p for p in (file, rest.replace(".", "::"), name) if p)
+        else:
+            key = f"{cls}::{name}" if cls else name
+        bad = any(case.find(t) is not None for t in ("failure", "error", "skipped"))
+        _merge(tests, key, not bad)
+    return tests
+
+
+def parse_pytest_summary(output: str) -> dict[str, bool]:
+    """Per-test outcome from the ``-rA`` short test summary. Raises ValueError if there is none.
+
+    Only lines after the last "short test summary info" header count, so a test's own printed output
+    (shown earlier, in the PASSES/FAILURES sections) cannot fake a result.
+    """
+    headers = list(_SUMMARY_HDR.finditer(output))
+    if not headers:
+        raise ValueError("no 'short test summary info' section in pytest output")
+    tests: dict[str, bool] = {}
+    for line in output[headers[-1].end() :].splitlines():
+        m = _SUMMARY_LINE.match(line.strip())
+        if m:
+            name = m.group(2)
+            name = name.rsplit("/", 1)[-1] if "::" in name else name
+            _merge(tests, name, _OUTCOME_OK[m.group(1)])
+    return tests
+
+
+def interpret(exit_code: int | None, junit: str | None, output: str) -> tuple[dict[str, bool] | None, VerifyStatus, str]:
+    """Combine pytest's exit code, junit XML and summary into (tests, status, detail). Pure."""
+    tests: dict[str, bool] | None = None
+    why = []
+    if junit:
+        try:
+            tests = parse_junit(junit)
+        except ValueError as exc:
+            why.append(str(exc))
+    if tests is None:
+        try:
+            tests = parse_pytest_summary(output)
+        except ValueError as exc:
+            why.append(str(exc))
+    if exit_code in (2, 3, 4) and not tests:
+        return None, "error", f"pytest exit code {exit_code} (interrupted/internal/usage error); " + "; ".join(why)
+    if exit_code == 5:
+        return None, "error", "pytest collected no tests (exit code 5)"
+    if tests is None:
+        return None, "parse_error", "; ".join(why) or "no test results"
+    if not tests:
+        return None, "parse_error", f"pytest reported no test results (exit code {exit_code})"
+    all_ok = all(tests.values())
+    if (exit_code == 0) != all_ok:
+        return None, "parse_error", (
+            f"pytest exit code {exit_code} disagrees with parsed results "
+            f"({sum(tests.values())}/{len(tests)} passed); not trusting them"
+        )
+    return tests, "ok", ""
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def share_read_only(root: Path) -> None:
+    """Make a host dir we bind read-only into a sandbox readable by the sandbox's unprivileged uid."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            os.chmod(p, os.stat(p).st_mode & 0o777 | 0o444)
+
+
+def build_command(task: Task, nonce: str, python: str) -> str:
+    """The shell command run inside the verifier's sandbox (cwd = the work dir)."""
+    env = f'env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT}'
+    out, junit = f"/tmp/t1v-{nonce}.out", f"/tmp/t1v-{nonce}.xml"
+    if task.test_files:
+        files = " ".join(f"{TESTS_MOUNT}/{f}" for f in task.test_files)
+        run = (
+            f"{env} {python} -I -B -m pytest -p no:cacheprovider -rA --tb=short --rootdir={TESTS_MOUNT} "
+            f"-o junit_family=xunit1 --junitxml={junit} {files} >{out} 2>&1"
+        )
+    else:
+        run = f"{env} bash {TESTS_MOUNT}/test.sh >{out} 2>&1"
+    return (
+        f"{run}; t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
+        f"if [ -f {junit} ]; then cat {junit}; fi; echo; echo '{nonce} OUT'; tail -c 65536 {out}; "
+        f"rm -f {junit} {out}"
+    )
+
+
+def split_output(text: str, nonce: str) -> tuple[int | None, str | None, str]:
+    """(pytest exit code, junit XML or None, pytest output) from the verifier command's output."""
+    m = re.search(rf"^{nonce} RC (\d+)$", text, re.MULTILINE)
+    if not m:
+        return None, None, text
+    rest = text[m.end() :]
+    junit, _, out = rest.partition(f"\n{nonce} OUT\n")
+    return int(m.group(1)), (junit.strip() or None), out
+
+
+async def verify(
+    task: Task, workdir: Path, backend: SandboxBackend, config: VerifierConfig = VerifierConfig()
+) -> VerifyResult:
+    """Run the task's tests over ``workdir`` in a fresh sandbox session. Never raises for test outcomes."""
+    t0 = time.monotonic()
+    if not task.test_files and task.test_script is None:
+        return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py and no test script")
+    if not task.test_files and task.format == "tb1":
+        return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh needs network)")
+    timeout = config.timeout_s or task.test_timeout_s
+    nonce = secrets.token_hex(8)
+    tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
+    try:
+        tests_copy = tmp / "tests"
+        shutil.copytree(task.tests_dir, tests_copy, symlinks=False)
+        share_read_only(tmp)
+        cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
+        try:
+            async with backend.open(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
+                res = await sb.exec(build_command(task, nonce, config.python), timeout=timeout)
+        except SandboxError as exc:
+            return VerifyResult.failed("error", f"sandbox failed: {exc}", time.monotonic() - t0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dt = time.monotonic() - t0
+    if res.timed_out:
+        return VerifyResult.failed("timeout", f"tests ran past {timeout:g}s", dt)
+    code, junit, out = split_output(res.output, nonce)
+    if code is None:
+        return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}", dt)
+    if not task.test_files:  # tb2 test.sh only: one test, its exit status
+        return VerifyResult.from_tests({"test.sh": code == 0}, out[-2000:], dt)
+    tests, status, detail = interpret(code, junit, out)
+    if tests is None:
+        log.info("verify.failed", task=task.id, status=status, detail=detail[:200])
+        return VerifyResult.failed(status, detail + "\n" + out[-2000:], dt)
+    return VerifyResult.from_tests(tests, detail, dt)
