@@ -212,7 +212,8 @@ class EpisodeAssembler:
 
     def end(self, rec: wire.EndRecord) -> list[Segment]:
         if self.finished or self.end_record is not None:
-            return []  # a redelivered end is harmless
+            self.stats.duplicates += 1  # a redelivered end is harmless
+            return []
         self.end_record = rec
         late = [t for t in self.pending if t >= rec.turns]
         for t in late:
