@@ -1,0 +1,384 @@
+"""BwrapSandbox: a persistent bash inside bubblewrap, run as a dedicated uid with rlimits.
+
+How it is put together (the host must be root; the reason is the uid, see below)::
+
+    bwrap --args FD (root, privileged mode: no user namespace)   ← our child, own session
+      --unshare-ipc/pid/net/uts/cgroup  --die-with-parent --new-session
+      / = empty tmpfs, remounted read-only; /usr ro (+ /bin /lib /lib64 /sbin symlinks); a minimal /etc
+      (generated passwd/group/hosts/hostname + ld.so.cache, alternatives, python3*...; no shadow);
+      /proc; /dev (+ a small /dev/shm); /tmp tmpfs of tmp_size_bytes; the work dir rw at /workspace;
+      extra_ro_binds ro; env cleared to PATH, HOME=/tmp, LANG=C.UTF-8, TERM=dumb
+      └─ setpriv --reuid=U --regid=U --clear-groups --inh-caps=-all --bounding-set=-all --no-new-privs
+         └─ prlimit --as --fsize --nofile --nproc --cpu (soft = hard)
+            └─ bash --noprofile --norc /etc/t1-shell.sh  (the persistent shell: shell.py)
+
+Why not an unprivileged user namespace: inside one the sandbox is "root" mapped from our uid, and bwrap
+then cannot bind a work dir below a 0700 directory (pytest's tmp dirs). Here bwrap binds as real root,
+and the shell runs as the real, unprivileged uid ``U = base_uid + slot`` in the initial user namespace:
+no capabilities, no_new_privs (setuid binaries do nothing), and RLIMIT_NPROC, which the kernel counts per
+real uid, binds for real: a fork bomb stops at ``processes``. Each live sandbox owns its uid (SlotPool),
+so the host can find and kill every process of a sandbox by uid.
+
+Timeouts. A command that runs past its timeout has every process of the sandbox that was not there when
+it started SIGTERMed, then SIGKILLed after ``kill_grace_s`` (including what it left in the background).
+If the shell then prints its marker it lives on with all its state. If it does not (the shell itself was
+busy, e.g. ``while :; do :; done``, or it closed its stdout), the sandbox is torn down and a fresh shell
+is started in the same cwd on the next call: variables, functions and background jobs are lost, and the
+result's output says so. A command that makes the shell exit (``exit 3``) returns that status; the next
+call starts a fresh shell the same way.
+
+Teardown (``aclose``, context exit, also when cancelled): stdin is closed, bwrap is killed, which takes
+the sandbox's pid namespace and everything in it, then the host waits until no process of the uid is
+left (SIGKILLing stragglers) before it frees the slot.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from subprocess import PIPE
+from typing import AsyncIterator
+
+import anyio
+import structlog
+from anyio.abc import Process
+
+from sandbox_agent.sandbox import procs
+from sandbox_agent.sandbox.base import (
+    SANDBOX_WORKDIR, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+)
+from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
+from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
+
+log = structlog.get_logger("sandbox_agent.sandbox")
+
+_ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
+                  "python3", "python3.11", "python3.12", "python3.13", "mime.types", "protocols", "services",
+                  "nsswitch.conf", "bash.bashrc", "inputrc", "magic", "magic.mime")
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _memfd(name: str, data: str) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def build_argv(cfg: SandboxConfig, workdir: Path, uid: int, data_fds: dict[str, int]
+               ) -> tuple[list[str], list[str]]:
+    """bwrap's options (passed through ``--args FD``) and the command: setpriv, prlimit and bash.
+
+    ``data_fds`` maps files to create inside (absolute paths) to fds holding their contents.
+    """
+    a = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+         "--die-with-parent", "--new-session", "--hostname", "sandbox",
+         "--ro-bind", "/usr", "/usr"]
+    for d in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
+        p = Path("/") / d
+        if p.is_symlink():
+            a += ["--symlink", os.readlink(p), f"/{d}"]
+        elif p.is_dir():
+            a += ["--ro-bind", str(p), f"/{d}"]
+    a += ["--perms", "0755", "--dir", "/etc"]
+    for name in _ETC_FROM_HOST:
+        if os.path.exists(f"/etc/{name}"):
+            a += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    for path, fd in data_fds.items():
+        a += ["--perms", "0644", "--ro-bind-data", str(fd), path]
+    a += ["--proc", "/proc", "--dev", "/dev",
+          "--perms", "1777", "--size", str(min(cfg.tmp_size_bytes, 64 << 20)), "--tmpfs", "/dev/shm",
+          "--perms", "1777", "--size", str(cfg.tmp_size_bytes), "--tmpfs", "/tmp",
+          "--bind", str(workdir), SANDBOX_WORKDIR]
+    for host, inside in cfg.extra_ro_binds:
+        a += ["--ro-bind", host, inside]
+    a += ["--remount-ro", "/", "--chdir", SANDBOX_WORKDIR, "--clearenv",
+          "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+          "--setenv", "TERM", "dumb", "--setenv", "USER", "agent", "--setenv", "LOGNAME", "agent",
+          "--cap-add", "CAP_SETUID,CAP_SETGID,CAP_SETPCAP"]
+    command = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+          "--bounding-set=-all", "--no-new-privs", "--",
+          "/usr/bin/prlimit", *(f"--{k}={v}:{v}" for k, v in (
+              ("as", cfg.address_space_bytes), ("fsize", cfg.file_size_bytes), ("nofile", cfg.open_files),
+              ("nproc", cfg.processes), ("cpu", cfg.cpu_seconds))), "--",
+          "/bin/bash", "--noprofile", "--norc", DRIVER_PATH]
+    return a, command
+
+
+DRIVER_PATH = "/etc/t1-shell.sh"
+
+
+def _data_files(uid: int) -> dict[str, str]:
+    etc = {
+        "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nagent:x:{uid}:{uid}:sandbox agent:/tmp:/bin/bash\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nagent:x:{uid}:\nnogroup:x:65534:\n",
+        "hostname": "sandbox\n",
+        "hosts": "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n",
+    }
+    return {f"/etc/{name}": text for name, text in etc.items()} | {DRIVER_PATH: DRIVER}
+
+
+def _check_host(cfg: SandboxConfig, workdir: Path) -> str:
+    """Everything that must hold before bwrap can start; returns bwrap's path."""
+    bwrap = shutil.which(cfg.bwrap_path)
+    if bwrap is None:
+        raise SandboxStartError(
+            f"bubblewrap not found (looked for {cfg.bwrap_path!r}): install it with `apt-get install bubblewrap`"
+            f" or set SandboxConfig.bwrap_path")
+    for tool in ("/usr/bin/setpriv", "/usr/bin/prlimit", "/bin/bash"):
+        if not os.access(tool, os.X_OK):
+            raise SandboxStartError(f"{tool} is missing: install util-linux and bash (`apt-get install util-linux`)")
+    if os.geteuid() != 0:
+        raise SandboxStartError(
+            f"BwrapSandbox must run as root (euid is {os.geteuid()}): it runs each sandbox as its own "
+            f"unprivileged uid so that RLIMIT_NPROC binds; run the actors as root (as in a container)")
+    if not workdir.is_dir():
+        raise SandboxStartError(f"work dir {str(workdir)!r} does not exist or is not a directory: create it first")
+    for host, inside in cfg.extra_ro_binds:
+        try:
+            st = os.stat(host)
+        except FileNotFoundError:
+            raise SandboxStartError(f"extra_ro_binds source {host!r} (for {inside!r}) does not exist") from None
+        need = (stat.S_IROTH | stat.S_IXOTH) if stat.S_ISDIR(st.st_mode) else stat.S_IROTH
+        if st.st_mode & need != need:
+            raise SandboxStartError(
+                f"extra_ro_binds source {host!r} (mode {stat.S_IMODE(st.st_mode):04o}) is not readable by the "
+                f"sandbox's unprivileged uid: make it world-readable, e.g. os.chmod({host!r}, 0o755)")
+    return bwrap
+
+
+class _Session:
+    """One running bwrap + shell."""
+
+    def __init__(self, proc: Process, channel: ShellChannel) -> None:
+        self.proc, self.channel = proc, channel
+
+    async def kill(self) -> None:
+        if self.proc.stdin is not None:
+            await self.proc.stdin.aclose()
+        if self.proc.returncode is None:
+            with anyio.move_on_after(0.2):
+                await self.proc.wait()
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+        await self.proc.aclose()
+
+
+class BwrapSandbox:
+    """The real sandbox. Open with ``async with BwrapSandbox.open(workdir, config, slot=None) as sb``."""
+
+    def __init__(self, workdir: Path, config: SandboxConfig, slot: procs.Slot, bwrap: str) -> None:
+        self.workdir, self.config, self.slot = workdir, config, slot
+        self.uid = slot.uid
+        self._bwrap = bwrap
+        self._session: _Session | None = None
+        self._cwd_quoted: str | None = None  # the shell's cwd, bash-quoted, after the last command
+        self._lock = anyio.Lock()
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, workdir: Path, config: SandboxConfig = SandboxConfig(), slot: int | None = None
+                   ) -> AsyncIterator[BwrapSandbox]:
+        workdir = Path(workdir).resolve()
+        bwrap = _check_host(config, workdir)
+        held = procs.slot_pool(config.base_uid, config.max_slots, config.slot_lock_dir).acquire(slot)
+        sb = cls(workdir, config, held, bwrap)
+        try:
+            await anyio.to_thread.run_sync(chown_tree, workdir, sb.uid, sb.uid)
+            await sb._start()
+            yield sb
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sb.aclose()
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        data_fds = {path: _memfd(path, text) for path, text in _data_files(self.uid).items()}
+        options, command = build_argv(self.config, self.workdir, self.uid, data_fds)
+        args_fd = _memfd("bwrap-args", "".join(a + "\0" for a in options))
+        try:
+            proc = await anyio.open_process([self._bwrap, "--args", str(args_fd), "--", *command], stdin=PIPE, stdout=PIPE,
+                                            stderr=PIPE, pass_fds=(args_fd, *data_fds.values()),
+                                            start_new_session=True)
+        except OSError as exc:
+            raise SandboxStartError(f"could not run {self._bwrap!r}: {exc}") from exc
+        finally:
+            for fd in (args_fd, *data_fds.values()):
+                os.close(fd)
+        assert proc.stdin is not None and proc.stdout is not None
+        session = _Session(proc, ShellChannel(proc.stdin, proc.stdout))
+        self._session = session
+        setup = ":" if self._cwd_quoted is None else f"builtin cd -- {self._cwd_quoted} 2>/dev/null"
+        nonce = secrets.token_hex(16)
+        buf = OutputBuffer(4096)
+        with anyio.move_on_after(self.config.startup_timeout_s) as scope:
+            try:
+                await session.channel.send(setup, nonce)
+                done = await session.channel.read_until_done(nonce, buf)
+            except (ShellEOF, anyio.BrokenResourceError):
+                done = None
+        if scope.cancelled_caught or done is None:
+            err = b""
+            if proc.stderr is not None:
+                with anyio.move_on_after(1.0):
+                    err = await proc.stderr.receive(8192)
+            self._session = None
+            await session.kill()
+            raise SandboxStartError(self._start_failure(proc.returncode, err.decode(errors="replace"),
+                                                        buf.text(), timed_out=scope.cancelled_caught))
+        self._cwd_quoted = done.cwd_quoted
+        log.debug("sandbox.started", uid=self.uid, slot=self.slot.index, pid=proc.pid, workdir=str(self.workdir))
+
+    def _start_failure(self, rc: int | None, err: str, out: str, *, timed_out: bool) -> str:
+        what = (f"did not answer within {self.config.startup_timeout_s} s" if timed_out
+                else f"exited with status {rc}")
+        hint = "see bwrap's message; the arguments come from sandbox_agent.sandbox.bwrap.build_argv"
+        if "No permissions" in err or "Operation not permitted" in err:
+            hint = "bwrap needs root here (CAP_SYS_ADMIN) to create its namespaces; run as root"
+        elif "Can't find source path" in err:
+            hint = "a bind source is missing or unreadable: check the work dir and extra_ro_binds"
+        msg = err.strip() or out.strip() or "(no message)"
+        if len(msg) > 600:
+            msg = msg[:200] + " ... " + msg[-300:]
+        return f"bubblewrap sandbox failed to start: it {what}: {msg} ({hint})"
+
+    async def aclose(self) -> None:
+        """End the sandbox: every process of it is gone when this returns. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            if self._session is not None:
+                session, self._session = self._session, None
+                await session.kill()
+            try:
+                await self._reap_uid(deadline_s=5.0)
+            finally:
+                self.slot.release()
+            log.debug("sandbox.closed", uid=self.uid, slot=self.slot.index)
+
+    async def _reap_uid(self, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while True:
+            left = procs.uid_pids(self.uid, include_zombies=True)
+            if not left:
+                return
+            if time.monotonic() > end:
+                log.error("sandbox.processes_survived", uid=self.uid, pids=sorted(left)[:20])
+                raise SandboxError(f"sandbox uid {self.uid}: processes {sorted(left)[:20]} survived teardown")
+            procs.signal_pids(self.uid, left, 9)
+            await anyio.sleep(0.02)
+
+    # -- the Sandbox protocol ---------------------------------------------------------------------------
+
+    async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
+        if "\0" in command:
+            raise ValueError("command contains a NUL byte, which bash cannot run: remove it")
+        timeout = self.config.command_timeout_s if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        async with self._lock:
+            if self._closed:
+                raise SandboxClosedError("exec() on a closed sandbox")
+            notes: list[str] = []
+            if self._session is None:
+                await self._start()
+                notes.append("[note: the shell was restarted: cwd kept; variables, functions and background "
+                              "jobs from earlier commands are gone]")
+            session = self._session
+            assert session is not None
+            out = OutputBuffer(self.config.output_limit_bytes)
+            before = procs.uid_pids(self.uid, include_zombies=True)
+            nonce = secrets.token_hex(16)
+            t0 = time.monotonic()
+            done: Done | None = None
+            with anyio.move_on_after(timeout):
+                try:
+                    await session.channel.send(command, nonce)
+                    done = await session.channel.read_until_done(nonce, out)
+                except (ShellEOF, anyio.BrokenResourceError):
+                    return await self._shell_died(session, out, t0, notes)
+            timed_out = done is None
+            if timed_out:
+                done = await self._kill_command(session, before, nonce, out)
+                notes.append(f"[timed out after {timeout:g} s: the command's processes were killed]")
+                if done is None:
+                    session.channel.take_pending(out)
+                    self._session = None
+                    await session.kill()
+                    await self._reap_uid(deadline_s=5.0)
+                    notes.append("[the shell did not recover and was stopped; the next command starts a fresh "
+                                 "shell in the same directory (variables and background jobs are lost)]")
+            if done is not None:
+                self._cwd_quoted = done.cwd_quoted
+            return self._result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
+
+    async def _kill_command(self, session: _Session, before: set[int], nonce: str, out: OutputBuffer
+                            ) -> Done | None:
+        """SIGTERM then SIGKILL what the command started; the shell's marker if it then recovers."""
+        result: Done | None = None
+
+        async def killer() -> None:
+            grace_end = time.monotonic() + self.config.kill_grace_s
+            sig = 15
+            while True:
+                victims = procs.uid_pids(self.uid) - before
+                if victims:
+                    procs.signal_pids(self.uid, victims, sig)
+                if time.monotonic() >= grace_end:
+                    sig = 9
+                await anyio.sleep(0.05)
+
+        with anyio.move_on_after(self.config.kill_grace_s + 1.0):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(killer)
+                try:
+                    result = await session.channel.read_until_done(nonce, out)
+                except (ShellEOF, anyio.BrokenResourceError):
+                    result = None
+                tg.cancel_scope.cancel()
+        return result
+
+    async def _shell_died(self, session: _Session, out: OutputBuffer, t0: float, notes: list[str]) -> ExecResult:
+        self._session = None
+        await session.kill()
+        await self._reap_uid(deadline_s=5.0)
+        rc = session.proc.returncode
+        notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
+                     f"directory (variables and background jobs are lost)]")
+        return self._result(out, rc, False, t0, notes)
+
+    def _result(self, out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]
+                ) -> ExecResult:
+        text = out.text()
+        if notes:
+            text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+        return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
+                          duration_s=time.monotonic() - t0)
+
+    async def read_file(self, path: str) -> bytes:
+        if self._closed:
+            raise SandboxClosedError("read_file() on a closed sandbox")
+        return await anyio.to_thread.run_sync(read_beneath, self.workdir, path)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        if self._closed:
+            raise SandboxClosedError("write_file() on a closed sandbox")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
+        await anyio.to_thread.run_sync(write_beneath, self.workdir, path, bytes(data), (self.uid, self.uid))
+
+    async def __aenter__(self) -> BwrapSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
