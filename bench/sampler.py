@@ -1,0 +1,326 @@
+"""Load test of a sampler over SGLang's native API: ``python -m bench.sampler [--url URL] ...``.
+
+Reports what SGLang's ``bench_serving`` reports (same JSON field names): completed, request/input/output
+throughput, mean/median/p99 TTFT, ITL and end-to-end latency (ms), and concurrency (sum of request
+latencies / duration). Requests stream (SSE) so TTFT and ITL are measured at the client; outputs have a
+fixed length (``ignore_eos``), so throughputs compare like with like.
+
+Modes:
+- default: ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--concurrency`` in flight at most,
+  arriving at ``--request-rate`` per second (Poisson; inf = all at once).
+- ``--multi-turn T``: ``--num-prompts`` sessions of T turns, each turn's input = previous input + output +
+  a new observation of ``--input-len`` tokens (a terminal agent's growing context); reports per-turn
+  latency against context length and ``cached_ratio`` = cached_tokens / prompt_tokens from turn 2 on.
+- ``--compare-concurrency 1,32``: the default run at each concurrency, in one process, and the ratio of
+  output throughput (last level over first).
+
+Without ``--url`` it starts the embedded sampler (launch.py) and stops it afterwards. ``--json`` prints one
+JSON object as the last stdout line; ``--output-file`` appends it as a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+import httpx
+import numpy as np
+
+from bench._common import Progress, emit_json, print_grid, print_table, stats_ms
+
+
+@dataclass
+class Outcome:
+    prompt_len: int
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def stream_generate(client: httpx.AsyncClient, url: str, ids: list[int], output_len: int,
+                          temperature: float) -> Outcome:
+    """One streaming /generate; TTFT at the first chunk carrying tokens, ITL between token-carrying chunks."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": temperature, "ignore_eos": True}}
+    out = Outcome(prompt_len=len(ids))
+    t0 = last = time.perf_counter()
+    seen = 0
+    try:
+        async with client.stream("POST", url + "/generate", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out.error = str(chunk["error"])
+                    return out
+                meta = chunk.get("meta_info", {})
+                n = int(meta.get("completion_tokens", len(chunk.get("output_ids", []))))
+                now = time.perf_counter()
+                if n > seen:
+                    if seen == 0:
+                        out.ttft = now - t0
+                    else:
+                        out.itl.append(now - last)
+                    last, seen = now, n
+                ids_now = chunk.get("output_ids") or []
+                out.output_ids = list(ids_now) if len(ids_now) == n else out.output_ids + list(ids_now)
+                out.prompt_tokens = int(meta.get("prompt_tokens", len(ids)))
+                out.cached_tokens = int(meta.get("cached_tokens", 0) or 0)
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency = time.perf_counter() - t0
+    out.ok = seen > 0
+    if not out.ok:
+        out.error = "no tokens returned"
+    return out
+
+
+def summarize(outcomes: list[Outcome], duration: float, *, concurrency: int, request_rate: float,
+              input_len: int, output_len: int) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    tin = sum(o.prompt_len for o in ok)
+    tout = sum(len(o.output_ids) for o in ok)
+    tpot = [(o.latency - o.ttft) / (len(o.output_ids) - 1) for o in ok if len(o.output_ids) > 1]
+    d = max(duration, 1e-9)
+    r = {
+        "backend": "sglang", "dataset_name": "random", "request_rate": request_rate, "max_concurrency": concurrency,
+        "random_input_len": input_len, "random_output_len": output_len, "duration": duration,
+        "completed": len(ok), "failed": len(outcomes) - len(ok),
+        "total_input_tokens": tin, "total_output_tokens": tout,
+        "request_throughput": len(ok) / d, "input_throughput": tin / d, "output_throughput": tout / d,
+        "total_throughput": (tin + tout) / d,
+        **stats_ms([o.latency for o in ok], "e2e_latency"),
+        **stats_ms([o.ttft for o in ok], "ttft"),
+        **stats_ms(tpot, "tpot"),
+        **stats_ms([x for o in ok for x in o.itl], "itl", pcts=(95, 99)),
+        "concurrency": sum(o.latency for o in ok) / d,
+    }
+    errors = [o.error for o in outcomes if not o.ok]
+    if errors:
+        r["first_error"] = errors[0]
+    return r
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(min(16, vocab - 1), vocab, size=n).tolist()
+
+
+async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, concurrency: int,
+                   request_rate: float, input_len: int, output_len: int, vocab: int, seed: int,
+                   temperature: float, label: str = "") -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [random_ids(rng, input_len, vocab) for _ in range(num_prompts)]
+    limiter = anyio.CapacityLimiter(concurrency)
+    outcomes: list[Outcome] = []
+    bar = Progress(num_prompts, label or f"c={concurrency}")
+
+    async def one(ids: list[int]) -> None:
+        async with limiter:
+            outcomes.append(await stream_generate(client, url, ids, output_len, temperature))
+        bar.advance()
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for ids in prompts:
+            tg.start_soon(one, ids)
+            if math.isfinite(request_rate):
+                await anyio.sleep(rng.exponential(1.0 / request_rate))
+    bar.close()
+    return summarize(outcomes, time.perf_counter() - t0, concurrency=concurrency, request_rate=request_rate,
+                     input_len=input_len, output_len=output_len)
+
+
+async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, turns: int, concurrency: int,
+                         input_len: int, output_len: int, vocab: int, seed: int, temperature: float) -> dict:
+    rng = np.random.default_rng(seed)
+    per_turn: list[list[Outcome]] = [[] for _ in range(turns)]
+    limiter = anyio.CapacityLimiter(concurrency)
+    bar = Progress(sessions * turns, "multi-turn")
+
+    async def session(s: int) -> None:
+        ctx = random_ids(np.random.default_rng([seed, s]), input_len, vocab)
+        for t in range(turns):
+            async with limiter:
+                o = await stream_generate(client, url, ctx, output_len, temperature)
+            per_turn[t].append(o)
+            bar.advance()
+            if not o.ok:
+                return
+            ctx = ctx + o.output_ids + random_ids(rng, input_len, vocab)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for s in range(sessions):
+            tg.start_soon(session, s)
+    bar.close()
+    duration = time.perf_counter() - t0
+    everything = [o for turn in per_turn for o in turn]
+    r = summarize(everything, duration, concurrency=concurrency, request_rate=math.inf,
+                  input_len=input_len, output_len=output_len)
+    rows = []
+    for t, outs in enumerate(per_turn):
+        ok = [o for o in outs if o.ok]
+        if not ok:
+            continue
+        prompt = sum(o.prompt_tokens for o in ok)
+        rows.append({
+            "turn": t + 1, "completed": len(ok), "mean_context_len": prompt / len(ok),
+            "mean_e2e_latency_ms": 1000 * float(np.mean([o.latency for o in ok])),
+            "mean_ttft_ms": 1000 * float(np.mean([o.ttft for o in ok])),
+            "cached_ratio": sum(o.cached_tokens for o in ok) / max(prompt, 1),
+        })
+    later = [o for turn in per_turn[1:] for o in turn if o.ok]
+    r.update(multi_turn=turns, sessions=sessions, per_turn=rows,
+             cached_ratio=sum(o.cached_tokens for o in later) / max(sum(o.prompt_tokens for o in later), 1))
+    return r
+
+
+@asynccontextmanager
+async def sampler_url(args: argparse.Namespace) -> AsyncIterator[str]:
+    if args.url:
+        yield args.url.rstrip("/")
+        return
+    from t1async.sampler.launch import launch_sampler
+
+    print(f"starting the embedded sampler (dtype {args.dtype}, max batch {args.max_batch}) ...", file=sys.stderr)
+    async with launch_sampler(args.model, dtype=args.dtype, max_batch=args.max_batch, seed=args.seed) as url:
+        yield url
+
+
+def _main_rows(r: dict) -> list[tuple[str, object]]:
+    return [
+        ("Max request concurrency", r["max_concurrency"]), ("Successful requests", r["completed"]),
+        ("Benchmark duration (s)", r["duration"]), ("Total input tokens", r["total_input_tokens"]),
+        ("Total generated tokens", r["total_output_tokens"]), ("Request throughput (req/s)", r["request_throughput"]),
+        ("Input token throughput (tok/s)", r["input_throughput"]),
+        ("Output token throughput (tok/s)", r["output_throughput"]), ("Concurrency", r["concurrency"]),
+        ("Mean E2E Latency (ms)", r["mean_e2e_latency_ms"]), ("Median E2E Latency (ms)", r["median_e2e_latency_ms"]),
+        ("P99 E2E Latency (ms)", r["p99_e2e_latency_ms"]), ("Mean TTFT (ms)", r["mean_ttft_ms"]),
+        ("Median TTFT (ms)", r["median_ttft_ms"]), ("P99 TTFT (ms)", r["p99_ttft_ms"]),
+        ("Mean ITL (ms)", r["mean_itl_ms"]), ("Median ITL (ms)", r["median_itl_ms"]), ("P99 ITL (ms)", r["p99_itl_ms"]),
+    ]
+
+
+async def amain(args: argparse.Namespace) -> dict:
+    async with sampler_url(args) as url:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits) as client:
+            vocab = args.vocab_size
+            if vocab is None:
+                info = (await client.get(url + "/get_model_info")).json()
+                vocab = int(info.get("vocab_size") or 1000)
+            common = dict(input_len=args.input_len, output_len=args.output_len, vocab=vocab,
+                          temperature=args.temperature)
+            warm = await stream_generate(client, url, random_ids(np.random.default_rng(0), args.input_len, vocab),
+                                         min(args.output_len, 4), args.temperature)
+            if not warm.ok:
+                raise SystemExit(f"warm-up request to {url} failed: {warm.error}")
+            if args.multi_turn:
+                await client.post(url + "/flush_cache")
+                r = await run_multi_turn(client, url, sessions=args.num_prompts or 8, turns=args.multi_turn,
+                                         concurrency=args.concurrency, seed=args.seed, **common)
+                print_table("Multi-turn Benchmark Result", _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])])
+                print_grid(["turn", "completed", "context_len", "e2e_ms", "ttft_ms", "cached_ratio"],
+                           [[p["turn"], p["completed"], p["mean_context_len"], p["mean_e2e_latency_ms"],
+                             p["mean_ttft_ms"], p["cached_ratio"]] for p in r["per_turn"]])
+            elif args.compare_concurrency:
+                levels = [int(x) for x in args.compare_concurrency.split(",") if x.strip()]
+                runs = []
+                for c in levels:
+                    n = args.num_prompts or max(4, 2 * c)
+                    runs.append(await run_load(client, url, num_prompts=n, concurrency=c, request_rate=math.inf,
+                                               seed=args.seed, **common))
+                r = dict(runs[-1])
+                ratio = runs[-1]["output_throughput"] / max(runs[0]["output_throughput"], 1e-9)
+                r.update(levels=runs, ratio=ratio, compare_concurrency=levels)
+                print_grid(["concurrency", "completed", "out_tok/s", "req/s", "mean_ttft_ms", "mean_itl_ms",
+                            "mean_e2e_ms"],
+                           [[x["max_concurrency"], x["completed"], x["output_throughput"], x["request_throughput"],
+                             x["mean_ttft_ms"], x["mean_itl_ms"], x["mean_e2e_latency_ms"]] for x in runs])
+                print(f"output throughput ratio, concurrency {levels[-1]} vs {levels[0]}: {ratio:.2f}x", flush=True)
+            else:
+                r = await run_load(client, url, num_prompts=args.num_prompts or 64, concurrency=args.concurrency,
+                                   request_rate=args.request_rate, seed=args.seed, **common)
+                print_table("Serving Benchmark Result", _main_rows(r))
+    r["url"] = url if args.url else "embedded"
+    return r
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (sessions with --multi-turn); default 64, 8 sessions, or 2x each level")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (per turn's new observation)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS", help="sessions of TURNS growing turns")
+    p.add_argument("--compare-concurrency", default=None, metavar="C1,C2",
+                   help="run at each concurrency and report the output-throughput ratio (e.g. 1,32)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=None, help="default: from /get_model_info")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--model", default=None, help="embedded server: model directory (default: the tiny model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="embedded server dtype")
+    p.add_argument("--max-batch", type=int, default=64, help="embedded server batch size")
+    p.add_argument("--output-file", default=None, help="append the result as a JSON line")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on the last stdout line")
+    args = p.parse_args(argv)
+    for name in ("concurrency", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.request_rate <= 0:
+        p.error("--request-rate must be > 0")
+    return args
+
+
+def _finite(x: object) -> object:
+    """JSON has no Infinity: a non-finite float becomes the string "inf" (as bench_serving's request_rate)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from t1async.log import configure
+
+    configure("warning")  # logs to stderr; stdout is the table and the JSON line
+    r = _finite(anyio.run(amain, args, backend="trio"))
+    if args.output_file:
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    if args.json:
+        emit_json(r)
+    return 0 if r.get("completed", 0) > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
