@@ -21,15 +21,15 @@ from typing import Awaitable, Callable, Literal, Protocol, Sequence
 
 import anyio
 import numpy as np
-import structlog
 
 from sandbox_agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
 from sandbox_agent.sandbox import Sandbox
 from sandbox_agent.verifier import VerifyResult
 from t1async.errors import SamplerError, SandboxError
 from t1async.sampler.base import Sampler, SamplingParams
+from t1async.log import get_logger
 
-log = structlog.get_logger("sandbox_agent.agent")
+log = get_logger("sandbox_agent.agent")
 
 StopReason = Literal["solved", "max_turns", "context", "timeout", "error", "aborted"]
 
@@ -41,6 +41,12 @@ class ChatTokenizerLike(Protocol):
     def bridge_ids(self, output_ids: Sequence[int]) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
+    @property
+    def im_end_id(self) -> int: ...
+
+    @property
+    def eos_ids(self) -> Sequence[int]: ...
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -48,7 +54,7 @@ class AgentConfig:
     max_context_tokens: int = 32768
     wall_time_s: float | None = None  # None: the task's agent timeout
     verify_every: int = 0  # 0: verify only when the episode ends
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))  # no stop ids: the tokenizer's end-of-turn and eos
     system_prompt: str = SYSTEM_PROMPT
     observation_role: str = "user"
     max_observation_chars: int = 8192
@@ -119,6 +125,7 @@ async def run_agent(
     t_start = time.monotonic()
     deadline = anyio.current_time() + (cfg.wall_time_s or wall_time_s)
     input_ids: list[int] = list(tokenizer.render(initial_messages(instruction, cfg.system_prompt)))
+    stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
     routed_start = 0
     last_passed = 0
     last_verify: VerifyResult | None = None
@@ -131,7 +138,9 @@ async def run_agent(
         if budget < cfg.min_new_tokens:
             reason, detail = "context", f"{len(input_ids)} tokens of {cfg.max_context_tokens} used"
             break
-        params = replace(cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget))
+        params = replace(
+            cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), stop_token_ids=stop_ids
+        )
         t0 = time.monotonic()
         gen = None
         try:

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Protocol
 
-import structlog
-
 from sandbox_agent.actions import format_observation
 from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn, run_agent
 from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
@@ -28,8 +26,9 @@ from sandbox_agent.tasks import Task, populate_workdir
 from sandbox_agent.verifier import VerifierConfig, VerifyResult, share_read_only, verify
 from t1async.errors import T1Error
 from t1async.sampler.base import Sampler
+from t1async.log import get_logger
 
-log = structlog.get_logger("sandbox_agent.runner")
+log = get_logger("sandbox_agent.runner")
 
 SETUP_MOUNT = "/t1setup"
 SOLUTION_MOUNT = "/solution"

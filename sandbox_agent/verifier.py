@@ -26,14 +26,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import structlog
-
 from sandbox_agent.backend import SandboxBackend
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
 from t1async.errors import SandboxError
+from t1async.log import get_logger
 
-log = structlog.get_logger("sandbox_agent.verifier")
+log = get_logger("sandbox_agent.verifier")
 
 VerifyStatus = Literal["ok", "timeout", "parse_error", "error"]
 TESTS_MOUNT = "/tests"

@@ -1,0 +1,145 @@
+"""``python -m sandbox_agent``: synthesize tasks, check a corpus for benchmark overlap, run one task.
+
+    python -m sandbox_agent synth --out DIR --n N --seed S [--families a,b]
+    python -m sandbox_agent decontam --corpus DIR --against DIR [--ngram 8] [--threshold 0.5] [--json]
+    python -m sandbox_agent run-task TASK_DIR [--oracle | --agent null|oracle] [--json]
+    python -m sandbox_agent list TASKS_DIR [--json]
+
+Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImage, a broken
+task, a sandbox failure), 2 bad usage. With ``--json`` the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import trio
+
+from t1async.errors import T1Error
+from t1async.log import configure
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sandbox_agent", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("synth", help="write synthetic tasks (Terminal-Bench 1 format)",
+                       description="Write N synthetic tasks into DIR, cycling through the task families.")
+    s.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
+    s.add_argument("--n", required=True, type=int, help="number of tasks")
+    s.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
+    s.add_argument("--families", default="", help="comma-separated family names (default: all)")
+    s.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+
+    d = sub.add_parser("decontam", help="report overlap between a corpus and a benchmark",
+                       description="Near-duplicate instructions (n-gram Jaccard/containment) and identical test files.")
+    d.add_argument("--corpus", required=True, type=Path, help="the training corpus (task dirs)")
+    d.add_argument("--against", required=True, type=Path, help="the benchmark to check against (task dirs)")
+    d.add_argument("--ngram", type=int, default=8, help="shingle size in words (default 8)")
+    d.add_argument("--threshold", type=float, default=0.5, help="flag at Jaccard or containment >= this (default 0.5)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON (last line)")
+
+    r = sub.add_parser("run-task", help="run one task in the bwrap sandbox with a scripted agent",
+                       description="Run TASK_DIR with its oracle solution or a do-nothing agent; print per-test "
+                       "results, the dense reward (tests passed) and whether it resolved.")
+    r.add_argument("task_dir", type=Path, metavar="TASK_DIR")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
+    g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
+    r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
+
+    ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
+    ls.add_argument("tasks_dir", type=Path, metavar="TASKS_DIR")
+    ls.add_argument("--json", action="store_true", help="print JSON (last line)")
+    return p
+
+
+def _cmd_synth(a: argparse.Namespace) -> int:
+    from sandbox_agent.synth import generate
+
+    fams = [f.strip() for f in a.families.split(",") if f.strip()] or None
+    paths = generate(a.out, a.n, a.seed, fams)
+    print(f"wrote {len(paths)} tasks to {a.out}")
+    if a.json:
+        print(json.dumps({"out": str(a.out), "tasks": len(paths), "seed": a.seed}))
+    return 0
+
+
+def _cmd_decontam(a: argparse.Namespace) -> int:
+    from sandbox_agent.decontam import decontaminate
+
+    if a.ngram < 1 or not 0 < a.threshold <= 1:
+        raise _Usage(f"--ngram must be >= 1 and --threshold in (0, 1]; got {a.ngram} and {a.threshold}")
+    rep = decontaminate(a.corpus, a.against, n=a.ngram, threshold=a.threshold)
+    print(f"corpus {a.corpus}: {rep.corpus_tasks} tasks; against {a.against}: {rep.against_tasks} tasks; "
+          f"{a.ngram}-grams, threshold {a.threshold}")
+    print(f"{'corpus task':<36} {'against task':<36} {'kind':<12} {'jaccard':>8} {'contain':>8} {'shared':>7}")
+    for o in rep.overlaps:
+        print(f"{o.corpus_task:<36} {o.against_task:<36} {o.kind:<12} {o.jaccard:>8.3f} {o.containment:>8.3f} {o.shared:>7}")
+    print(f"flagged {len(rep.flagged)} of {rep.corpus_tasks} corpus tasks")
+    for u in rep.unreadable:
+        print(f"unreadable: {u}", file=sys.stderr)
+    if a.json:
+        print(json.dumps(rep.to_json()))
+    return 0
+
+
+def _cmd_run_task(a: argparse.Namespace) -> int:
+    from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
+    from sandbox_agent.tasks import load_task
+
+    task = load_task(a.task_dir)
+    policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
+    run = trio.run(run_policy, task, policy)
+    v = run.verify
+    print(f"task {task.id} ({task.format}) agent={policy.name}")
+    if run.act is not None:
+        print(f"  solution exit code {run.act.exit_code}{' (timed out)' if run.act.timed_out else ''}")
+    for name, ok in sorted(v.tests.items()):
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    print(f"status={v.status} reward={v.passed} passed={v.passed}/{v.total} resolved={v.resolved} "
+          f"verify_s={v.duration_s:.2f}")
+    if v.status != "ok":
+        print(f"  detail: {v.detail.strip()[:2000]}")
+    if a.json:
+        print(json.dumps({
+            "task": task.id, "format": task.format, "agent": policy.name, "status": v.status,
+            "reward": v.passed, "passed": v.passed, "total": v.total, "resolved": v.resolved,
+            "tests": v.tests, "detail": v.detail[:2000], "wall_s": round(run.wall_s, 3),
+        }))
+    return 0
+
+
+def _cmd_list(a: argparse.Namespace) -> int:
+    from sandbox_agent.tasks import load_tasks
+
+    tasks = load_tasks(a.tasks_dir)
+    for t in tasks:
+        img = t.docker_image or "-"
+        print(f"{t.id:<40} {t.format} {t.split:<5} {t.family:<14} tests={len(t.test_files)} image={img}")
+    if a.json:
+        print(json.dumps([{"id": t.id, "format": t.format, "split": t.split, "family": t.family,
+                           "path": str(t.path), "docker_image": t.docker_image} for t in tasks]))
+    return 0
+
+
+class _Usage(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
+    handlers = {"synth": _cmd_synth, "decontam": _cmd_decontam, "run-task": _cmd_run_task, "list": _cmd_list}
+    try:
+        return handlers[a.cmd](a)
+    except _Usage as exc:
+        p.error(str(exc))
+    except T1Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

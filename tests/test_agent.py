@@ -1,0 +1,294 @@
+"""The agent turn loop: exact-ID inputs, routing start, actions, stop conditions, rewards.
+
+Fast tests run the real loop with an in-memory scripted sampler and MemorySandbox; the last ones run a
+scripted episode end to end in the real bubblewrap sandbox with the real verifier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from sandbox_agent.agent import AgentConfig, TurnResult, initial_messages, run_agent
+from sandbox_agent.runner import run_episode
+from sandbox_agent.sandbox import ExecResult, MemorySandbox
+from sandbox_agent.tasks import load_task
+from sandbox_agent.verifier import VerifyResult
+from t1async.errors import SamplerError
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.sampler.base import Generation, SamplingParams
+
+FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
+IM_START, IM_END = 256, 257
+
+
+class ByteTok:
+    """A byte-level ChatML tokenizer with the ChatTokenizer methods the agent uses."""
+
+    im_end_id = IM_END
+    eos_ids = (IM_END,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        out = bytearray()
+        for i in ids:
+            if i < 256:
+                out.append(i)
+            elif not skip_special_tokens:
+                out += {IM_START: b"<|im_start|>", IM_END: b"<|im_end|>"}[i]
+        return out.decode(errors="replace")
+
+    def message_ids(self, role: str, content: str) -> list[int]:
+        return [IM_START, *self.encode(role + "\n"), *self.encode(content), IM_END, *self.encode("\n")]
+
+    def generation_prompt_ids(self) -> list[int]:
+        return [IM_START, *self.encode("assistant\n")]
+
+    def render(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        ids = [t for m in messages for t in self.message_ids(m["role"], m["content"])]
+        return ids + (self.generation_prompt_ids() if add_generation_prompt else [])
+
+    def bridge_ids(self, output_ids) -> list[int]:
+        ends = len(output_ids) > 0 and int(output_ids[-1]) == IM_END
+        return ([] if ends else [IM_END]) + self.encode("\n")
+
+
+class ScriptedSampler:
+    """Replies with scripted texts (each + <|im_end|>, unless a reply is given as (text, "length"))."""
+
+    def __init__(self, tok, replies, *, layers: int = 2, topk: int = 2, delay: float = 0.0, fail_at: int | None = None):
+        self.tok, self.replies, self.layers, self.topk = tok, list(replies), layers, topk
+        self.delay, self.fail_at = delay, fail_at
+        self.calls: list[dict] = []
+
+    async def generate(self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None) -> Generation:
+        k = len(self.calls)
+        self.calls.append({"input_ids": list(input_ids), "params": params, "start": routed_experts_start_len, "rid": rid})
+        if self.delay:
+            await trio.sleep(self.delay)
+        if self.fail_at == k:
+            raise SamplerError("sampler unreachable (scripted)")
+        reply = self.replies[k % len(self.replies)]
+        finish = "stop"
+        if isinstance(reply, tuple):
+            reply, finish = reply
+        out = self.tok.encode(reply) + ([self.tok.im_end_id] if finish == "stop" else [])
+        out = out[: params.max_new_tokens]
+        start = routed_experts_start_len or 0
+        rows = len(input_ids) + len(out) - 1 - start
+        routing = np.full((rows, self.layers, self.topk), k, dtype=np.uint8)
+        return Generation(
+            output_ids=np.asarray(out, dtype=np.int32), logprobs=np.full(len(out), -0.5, np.float32),
+            finish=finish, weight_version=7, routing=routing, routing_start=start,
+        )
+
+    async def aclose(self) -> None:
+        pass
+
+
+def counting_verifier(sandbox: MemorySandbox, total: int = 3):
+    """Tests passed = files t0..t{total-1} present after replaying `touch tN` / `rm tN` commands."""
+    calls = []
+
+    async def verify() -> VerifyResult:
+        present: set[str] = set()
+        for c in sandbox.commands:
+            verb, _, arg = c.partition(" ")
+            if verb == "touch":
+                present.add(arg)
+            elif verb == "rm":
+                present.discard(arg)
+        tests = {f"t{i}": f"t{i}" in present for i in range(total)}
+        calls.append(sum(tests.values()))
+        return VerifyResult.from_tests(tests)
+
+    verify.calls = calls  # type: ignore[attr-defined]
+    return verify
+
+
+def bash(cmd: str) -> str:
+    return f"I will run it.\n```bash\n{cmd}\n```"
+
+
+async def episode(replies, *, tok=None, config=AgentConfig(), handler=None, sampler=None, wall=900.0, total=3):
+    tok = tok or ByteTok()
+    sb = MemorySandbox(handler or (lambda c: f"ran {c}"))
+    sampler = sampler or ScriptedSampler(tok, replies)
+    turns: list[TurnResult] = []
+
+    async def on_turn(t: TurnResult) -> None:
+        turns.append(t)
+
+    verify = counting_verifier(sb, total)
+    res = await run_agent(instruction="Make t0 t1 t2.", sampler=sampler, tokenizer=tok, sandbox=sb,
+                          verify=verify, config=config, wall_time_s=wall, on_turn=on_turn, rid="ep1")
+    return res, turns, sampler, sb, verify
+
+
+@pytest.mark.parametrize("tok", [ByteTok(), ChatTokenizer.load()], ids=["bytes", "chat"])
+async def test_inputs_are_exact_ids_and_clean(tok):
+    replies = [bash("touch t0"), ("rambling without end", "length"), bash("touch t1"), "DONE"]
+    res, turns, sampler, sb, _ = await episode(replies, tok=tok)
+    assert res.reason == "solved" and len(turns) == 4
+    first = sampler.calls[0]["input_ids"]
+    assert first == tok.render(initial_messages("Make t0 t1 t2.", AgentConfig().system_prompt))
+    for k in range(1, 4):
+        prev_in, prev_out = turns[k - 1].input_ids.tolist(), turns[k - 1].output_ids.tolist()
+        want = (prev_in + prev_out + tok.bridge_ids(prev_out)
+                + tok.message_ids("user", turns[k - 1].observation) + tok.generation_prompt_ids())
+        assert sampler.calls[k]["input_ids"] == want == turns[k].input_ids.tolist()
+        assert want[: len(prev_in) + len(prev_out)] == prev_in + prev_out  # CLEAN boundary
+    # the length-finished output got its end-of-turn from the bridge, not merged into the output
+    assert turns[1].finish == "length" and turns[1].output_ids[-1] != tok.im_end_id
+    assert turns[2].input_ids[len(turns[1].input_ids) + len(turns[1].output_ids)] == tok.im_end_id
+    assert sb.commands == ["touch t0", "touch t1"]
+    assert all(c["params"].stop_token_ids == tuple(sorted({tok.im_end_id, *tok.eos_ids})) for c in sampler.calls)
+
+
+async def test_routing_start_tiles_the_sequence():
+    res, turns, sampler, _, _ = await episode([bash("touch t0"), bash("touch t1"), bash("touch t2"), "DONE"])
+    starts = [c["start"] for c in sampler.calls]
+    assert starts[0] == 0
+    for k in range(1, len(turns)):
+        assert starts[k] == len(turns[k - 1].input_ids) + len(turns[k - 1].output_ids) - 1
+    covered = 0
+    for t in turns:  # traces tile [0, final_len - 1) with no gap and no overlap
+        assert t.routing_start == covered
+        covered += t.routing.shape[0]
+        assert covered == len(t.input_ids) + len(t.output_ids) - 1
+    assert all(t.weight_version == 7 for t in turns)
+
+
+async def test_no_routing_requested_when_disabled():
+    _, _, sampler, _, _ = await episode([bash("touch t0"), "DONE"], config=AgentConfig(request_routing=False))
+    assert [c["start"] for c in sampler.calls] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "reply, needle",
+    [
+        ("I think I should look around first.", "No command found"),
+        ("```bash\nls -la\n", "not closed"),
+        ('{"tool": "rm_rf", "command": "x"}', "Unknown tool"),
+        ("```python\nprint(1)\n```", "only ```bash blocks are run"),
+        ("```bash\n\n```", "empty"),
+        ('{"tool": "bash"}', 'no "command"'),
+    ],
+)
+async def test_malformed_actions_get_helpful_observations(reply, needle):
+    res, turns, _, sb, _ = await episode([reply, bash("touch t0"), "DONE"])
+    assert turns[0].action_kind == "invalid" and needle in turns[0].observation
+    assert turns[0].exit_code is None and sb.commands == ["touch t0"]
+    assert res.reason == "solved" and res.turns == 3
+
+
+async def test_json_tool_calls_and_command_plus_done():
+    replies = ['{"tool": "bash", "command": "touch t0"}', bash("touch t1") + "\nDONE"]
+    res, turns, _, sb, _ = await episode(replies)
+    assert sb.commands == ["touch t0", "touch t1"]
+    assert res.reason == "solved" and len(turns) == 2 and turns[-1].last
+    assert res.tests_passed == 2 and turns[-1].reward == 2
+
+
+async def test_observation_has_exit_code_and_is_truncated():
+    def handler(cmd):
+        return ExecResult(output="x" * 50_000, exit_code=3, timed_out=False, truncated=False, duration_s=0.1)
+
+    cfg = AgentConfig(max_observation_chars=1000)
+    _, turns, _, _, _ = await episode([bash("cat big"), "DONE"], handler=handler, config=cfg)
+    obs = turns[0].observation
+    assert obs.startswith("[exit code: 3]") and "[output truncated]" in obs and len(obs) < 1200
+    assert turns[0].exit_code == 3 and turns[0].truncated
+
+
+async def test_max_turns_stop_verifies_last_turn():
+    cfg = AgentConfig(max_turns=3)
+    res, turns, _, _, verify = await episode([bash("touch t0"), bash("echo hi")], config=cfg)
+    assert res.reason == "max_turns" and res.turns == 3 and len(turns) == 3
+    assert [t.tests_passed for t in turns] == [None, None, 1] and turns[-1].last
+    assert res.tests_passed == 1 and res.unstreamed_reward == 0 and verify.calls == [1]
+
+
+async def test_context_budget_stops():
+    cfg = AgentConfig(max_context_tokens=1400, min_new_tokens=16)
+    res, turns, sampler, _, _ = await episode([bash("touch t0 " + "y" * 200)], config=cfg)
+    assert res.reason == "context" and turns[-1].last
+    assert all(len(c["input_ids"]) + c["params"].max_new_tokens <= 1400 for c in sampler.calls)
+    assert sum(t.reward for t in turns) + res.unstreamed_reward == res.tests_passed
+
+
+async def test_wall_time_stops_mid_sample(autojump_clock):
+    tok = ByteTok()
+    sampler = ScriptedSampler(tok, [bash("touch t0")], delay=40.0)
+    res, turns, _, _, _ = await episode(None, sampler=sampler, wall=100.0)
+    assert res.reason == "timeout"
+    assert len(turns) == 2  # turn 2's sample was cut by the deadline; its output never streamed
+    assert res.tests_passed == 1 and res.unstreamed_reward == 1  # final verification, owned by no turn
+    assert sum(t.reward for t in turns) + res.unstreamed_reward == res.tests_passed
+
+
+async def test_sampler_error_ends_episode_with_error():
+    tok = ByteTok()
+    sampler = ScriptedSampler(tok, [bash("touch t0")], fail_at=1)
+    res, turns, _, _, _ = await episode(None, sampler=sampler)
+    assert res.reason == "error" and "unreachable" in res.detail and len(turns) == 1
+    assert res.tests_passed == 1
+
+
+async def test_abort_finish_ends_episode():
+    tok = ByteTok()
+
+    class Aborting(ScriptedSampler):
+        async def generate(self, input_ids, params, *, routed_experts_start_len=None, rid=None):
+            g = await super().generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
+            if len(self.calls) == 2:
+                return Generation(g.output_ids[:3], g.logprobs[:3], "abort", g.weight_version)
+            return g
+
+    res, turns, _, sb, _ = await episode(None, sampler=Aborting(tok, [bash("touch t0")]))
+    assert res.reason == "aborted" and turns[-1].action_kind == "none" and sb.commands == ["touch t0"]
+
+
+async def test_periodic_rewards_sum_to_final_count():
+    replies = [bash("touch t0"), bash("touch t1"), bash("rm t1"), bash("touch t2"), bash("touch t1"), "DONE"]
+    cfg = AgentConfig(verify_every=2, stop_when_resolved=False)
+    res, turns, _, _, verify = await episode(replies, config=cfg)
+    assert [t.tests_passed for t in turns] == [None, 2, None, 2, None, 3]
+    assert [t.reward for t in turns] == [0, 2, 0, 0, 0, 1]
+    assert sum(t.reward for t in turns) + res.unstreamed_reward == res.tests_passed == 3
+    cfg1 = AgentConfig(verify_every=1, stop_when_resolved=False)
+    res1, turns1, _, _, _ = await episode(replies, config=cfg1)
+    assert [t.reward for t in turns1] == [1, 1, -1, 1, 1, 0]  # the change in passing tests, turn by turn
+    assert sum(t.reward for t in turns1) == res1.tests_passed == 3 and res1.resolved
+
+
+async def test_periodic_verification_that_resolves_stops_the_episode():
+    replies = [bash("touch t0"), bash("touch t1"), bash("touch t2"), bash("echo more")]
+    res, turns, _, _, _ = await episode(replies, config=AgentConfig(verify_every=1))
+    assert res.reason == "solved" and res.resolved and len(turns) == 3 and turns[-1].last
+
+
+async def test_bwrap_episode_end_to_end(tmp_path):
+    """A scripted policy in the real sandbox: verify_every=1 hands the work dir back after each check."""
+    task = load_task(FIXTURES / "tb1" / "hello-world")
+    tok = ByteTok()
+    replies = [
+        bash("mkdir private && echo secret > private/key && chmod 600 private/key && chmod 700 private"),
+        bash("cat private/key && echo 'Hello, world!' > hello.txt"),
+        "DONE",
+    ]
+    turns: list[TurnResult] = []
+
+    async def on_turn(t):
+        turns.append(t)
+
+    res = await run_episode(task, sampler=ScriptedSampler(tok, replies), tokenizer=tok,
+                            config=AgentConfig(verify_every=1, stop_when_resolved=False), on_turn=on_turn)
+    assert turns[1].exit_code == 0 and "secret" in turns[1].observation
+    assert [t.tests_passed for t in turns] == [0, 3, 3]
+    assert res.reason == "solved" and res.resolved and res.tests_passed == 3 == res.tests_total
