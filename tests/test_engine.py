@@ -26,6 +26,14 @@ PROMPTS = [TOK.render([{"role": "user", "content": c}]) for c in
             "what is in /etc", "make a directory named out")]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny matrices: a second OpenMP thread costs more than it saves on 2 shared cores (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_pretrained(MoETransformer(CFG), tmp_path_factory.mktemp("tiny"))

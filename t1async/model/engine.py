@@ -113,6 +113,9 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.config = config
         dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        if config.torch_threads:
+            # the model's matrices are tiny: waking a second OpenMP thread per op costs more than it saves
+            torch.set_num_threads(config.torch_threads)
         model = load_pretrained(self.model_dir, dtype=dtype)
         tok_dir = self.model_dir if (self.model_dir / "tokenizer.json").is_file() else None
         self.tokenizer = ChatTokenizer.load(tok_dir)

@@ -62,12 +62,15 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rotary(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotate x [B, H, n, D] by absolute positions pos [B, n] (half-split convention)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    ang = pos.to(torch.float32)[:, None, :, None] * inv  # [B, 1, n, D/2]
-    cos, sin = ang.cos(), ang.sin()
+def rotary_angles(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, n, D/2] for absolute positions pos [B, n] (fp32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=pos.device) / head_dim))
+    ang = pos.to(torch.float32)[:, None, :, None] * inv
+    return ang.cos(), ang.sin()
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, H, n, D] (half-split convention), computing in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -79,24 +82,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
         h, hd = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # each [B, H, n, hd]
-        return rotary(q, pos, self.cfg.rope_theta), rotary(k, pos, self.cfg.rope_theta), v
+        return rotary(q, *rope), rotary(k, *rope), v
 
-    def forward(self, x: Tensor, pos: Tensor, mask: Tensor | None) -> Tensor:
-        q, k, v = self._qkv(x, pos)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
+        q, k, v = self._qkv(x, rope)
         if mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(x.shape))
 
-    def forward_cached(self, x: Tensor, pos: Tensor, kc: Tensor, vc: Tensor, mask: Tensor) -> Tensor:
-        """x [B, n, d]; kc/vc: slab views [B, H, cap, hd]; mask [B, 1, n, W] (True = may attend)."""
+    def forward_cached(
+        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, mask: Tensor
+    ) -> Tensor:
+        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; mask [B, 1, n, W] (True = may attend)."""
         b, n, _ = x.shape
-        q, k, v = self._qkv(x, pos)
+        q, k, v = self._qkv(x, rope)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
         kc[rows, :, pos, :] = k.transpose(1, 2).to(kc.dtype)
         vc[rows, :, pos, :] = v.transpose(1, 2).to(vc.dtype)
@@ -228,10 +233,11 @@ class MoETransformer(nn.Module):
             causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
             eye = torch.eye(t, dtype=torch.bool, device=input_ids.device)
             mask = ((causal[None] & am[:, None, :]) | eye[None])[:, None]  # [B, 1, T, T]
+        rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.embed(input_ids)
         chosen, free, rlog = [], [], []
         for i, blk in enumerate(self.blocks):
-            h = h + blk.attn(blk.attn_norm(h), pos, mask)
+            h = h + blk.attn(blk.attn_norm(h), rope, mask)
             h, c, f, lg = blk._moe(h, None if replay is None else replay[:, :, i])
             chosen.append(c)
             free.append(f)
@@ -252,11 +258,12 @@ class MoETransformer(nn.Module):
         pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
         w = int(pos.max()) + 1
         mask = (torch.arange(w, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, n, W]
+        rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.embed(input_ids)
         topk = []
         for i, blk in enumerate(self.blocks):
             kc, vc = cache.layer(i, slot0, b)
-            h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, kc, vc, mask)
+            h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, mask)
             h, c, _, _ = blk._moe(h, None)
             topk.append(c)
         return self.lm_head(self.norm(h)), torch.stack(topk, dim=2)

@@ -29,6 +29,7 @@ class EngineConfig:
     max_seq_len: int | None = None  # None -> the model's
     max_prefill_tokens: int = 4096  # prompt tokens prefilled per scheduler step (at least one request)
     prefill_chunk: int = 512  # prompt tokens per prefill forward (bounds attention memory)
+    torch_threads: int = 1  # torch.set_num_threads for the (process-global) intra-op pool; 0 = leave it
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -36,6 +37,8 @@ class EngineConfig:
         for name in ("max_batch", "max_prefill_tokens", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.torch_threads < 0:
+            raise ConfigError(f"EngineConfig.torch_threads must be >= 0, got {self.torch_threads}")
         if self.prefix_cache_tokens < 0:
             raise ConfigError(f"EngineConfig.prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
