@@ -1,0 +1,1 @@
+"""The cluster CLI (``python -m t1async.cluster up|down|status|tail``) and its supervisor."""

@@ -1,0 +1,5 @@
+import sys
+
+from t1async.cluster.cli import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""``python -m t1async.cluster up|down|status|tail``: run the t1async cluster on one machine and watch it.
+
+Every subcommand takes ``--run-dir`` (default ``runs/latest``, relative to the current directory): ``up``
+writes ``<run-dir>/cluster.json`` (PIDs, NATS URL) and ``<run-dir>/logs/``; ``down``, ``status`` and ``tail``
+read it. ``T1_BACKEND=asyncio`` runs on asyncio instead of trio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import anyio
+import httpx
+
+from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, is_ours
+from t1async.errors import ConfigError, T1Error
+from t1async.log import configure
+
+EXIT_NOT_RUNNING = 3
+
+
+def _run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    backend = os.environ.get("T1_BACKEND", "trio")
+    if backend not in ("trio", "asyncio"):
+        raise ConfigError(f"T1_BACKEND={backend!r} is not one of 'trio', 'asyncio'")
+    try:
+        return anyio.run(fn, *args, backend=backend)
+    except ExceptionGroup as group:  # a task group wrapped our one error: show it plainly
+        leaves = _leaves(group)
+        if len(leaves) == 1 and isinstance(leaves[0], T1Error):
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+# ---------------------------------------------------------------------------------------- up
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from t1async.cluster.supervisor import ClusterConfig, Supervisor
+
+    if args.duration is not None and args.duration <= 0:
+        raise ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
+    run_dir = Path(args.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl")
+    cfg = ClusterConfig(run_dir=run_dir, nats_url=args.nats, nats_port=args.nats_port, max_payload=args.max_payload,
+                        duration_s=args.duration)  # fmt: skip
+    return _run(Supervisor(cfg).run)
+
+
+# ---------------------------------------------------------------------------------------- down
+
+
+def _wait_gone(info: ProcInfo, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_ours(info):
+            return True
+        time.sleep(0.05)
+    return not is_ours(info)
+
+
+def _stop(info: ProcInfo, timeout: float) -> str:
+    if not is_ours(info):
+        return f"{info.name}: not running"
+    try:
+        os.kill(info.pid, signal.SIGTERM)
+        if _wait_gone(info, timeout):
+            return f"{info.name}: stopped (pid {info.pid})"
+        os.kill(info.pid, signal.SIGKILL)
+        _wait_gone(info, 5)
+        return f"{info.name}: killed (pid {info.pid}, did not stop within {timeout}s of SIGTERM)"
+    except ProcessLookupError:
+        return f"{info.name}: stopped (pid {info.pid})"
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    configure(args.log_level)
+    state = ClusterState.load(args.run_dir)
+    lines = []
+    if state.supervisor is not None:  # the supervisor stops its components itself, NATS last
+        lines.append(_stop(state.supervisor, args.timeout))
+    for info in reversed(list(state.components.values())):  # whatever outlived it (e.g. it was SIGKILLed)
+        if is_ours(info):
+            lines.append(_stop(info, args.timeout))
+    state = ClusterState.load(args.run_dir)
+    if state.status != "stopped":
+        state.status, state.components = "stopped", {}
+        state.save()
+    print("\n".join(lines) if lines else "nothing was running", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- status
+
+
+def _healthz(monitor_url: str) -> str:
+    if not monitor_url:
+        return "unknown (external NATS)"
+    try:
+        resp = httpx.get(f"{monitor_url}/healthz?js-enabled-only=true", timeout=1.0, trust_env=False)
+    except httpx.HTTPError as exc:
+        return f"unreachable ({type(exc).__name__})"
+    return "ok" if resp.status_code == 200 else f"HTTP {resp.status_code}: {resp.text.strip()[:100]}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = ClusterState.load(args.run_dir)
+    procs = ([state.supervisor] if state.supervisor else []) + list(state.components.values())
+    alive = {p.name: is_ours(p) for p in procs}
+    running = state.status == "running" and all(alive.values()) and bool(alive)
+    health = _healthz(state.monitor_url) if state.status != "stopped" else "-"
+    if args.json:
+        print(json.dumps({"run_dir": state.run_dir, "status": state.status, "running": running,
+                          "nats_url": state.nats_url, "healthz": health,
+                          "processes": {p.name: {"pid": p.pid, "alive": alive[p.name], "log": p.log} for p in procs}}))  # fmt: skip
+    else:
+        print(f"run dir:  {state.run_dir}\nstatus:   {state.status}\nnats:     {state.nats_url or '-'}\nhealthz:  {health}")
+        for p in procs:
+            print(f"  {p.name:<12} pid {p.pid:<8} {'alive' if alive[p.name] else 'gone'}  {p.log}")
+    return 0 if running else EXIT_NOT_RUNNING
+
+
+# ---------------------------------------------------------------------------------------- tail
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from t1async.cluster.tail import TailConfig, tail
+
+    configure(args.log_level)
+    url = args.nats
+    if url is None:
+        try:
+            state = ClusterState.load(args.run_dir)
+        except ConfigError as exc:
+            raise ConfigError(f"no --nats given and {exc}; or pass --nats nats://HOST:PORT") from None
+        if state.status == "stopped" or not state.nats_url:
+            raise ConfigError(f"the cluster in {args.run_dir} is not running (status {state.status}): "
+                              f"start it with `python -m t1async.cluster up`, or pass --nats URL")  # fmt: skip
+        url = state.nats_url
+    cfg = TailConfig(nats_url=url, subject=args.subject, json=args.json, episode=args.episode, text=not args.no_text)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tail, cfg, sys.stdout, sys.stderr)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    tg.cancel_scope.cancel()
+                    return
+
+    _run(main)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m t1async.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True, metavar="{up,down,status,tail}")
+
+    def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=description,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR),
+                        help=f"the cluster's run directory (default: {DEFAULT_RUN_DIR}, relative to the cwd)")  # fmt: skip
+        sp.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                        help="log level (default: $T1_LOG_LEVEL or info)")  # fmt: skip
+        return sp
+
+    up = add("up", "start the cluster in the foreground",
+             "Start the cluster in the foreground: the embedded nats-server with JetStream (on a free loopback\n"
+             "port, store in <run-dir>/nats) unless --nats names an external one. PIDs and the NATS URL go to\n"
+             "<run-dir>/cluster.json, logs to <run-dir>/logs/. Runs until Ctrl-C, SIGTERM, `down`, or --duration;\n"
+             "then stops every component (SIGTERM, then SIGKILL), NATS last.")  # fmt: skip
+    up.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")
+    up.add_argument("--nats", default=None, metavar="URL", help="use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one")
+    up.add_argument("--nats-port", type=int, default=0, help="port of the embedded nats-server (default: a free one)")
+    up.add_argument("--max-payload", type=int, default=8 << 20, metavar="BYTES",
+                    help="max_payload of the embedded nats-server (default 8 MiB; larger records are chunked)")  # fmt: skip
+    up.set_defaults(func=cmd_up)
+
+    down = add("down", "stop a running cluster",
+               "Stop the cluster recorded in <run-dir>/cluster.json: SIGTERM to its supervisor (which stops its\n"
+               "components), then SIGTERM/SIGKILL to any component still alive. Only processes whose PID still\n"
+               "shows the recorded command line and start time are signalled.")  # fmt: skip
+    down.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS", help="wait this long before SIGKILL (default 20)")
+    down.set_defaults(func=cmd_down)
+
+    st = add("status", "show what runs",
+             "Show the cluster in <run-dir>: its status, each process (pid, alive), the NATS URL and its /healthz.\n"
+             f"Exit status 0 when everything runs, {EXIT_NOT_RUNNING} otherwise.")  # fmt: skip
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.set_defaults(func=cmd_status)
+
+    tl = add("tail", "print records as they are published",
+             "Subscribe to SUBJECT (default t1.traj.>, every episode's records; also t1.policy, t1.metrics.>,\n"
+             "t1.dead.>) and print each record decoded: turns show episode, turn, policy version, token counts,\n"
+             "reward, tests, drift (keep vs the previous sequence length) and routing start/rows, action,\n"
+             "observation and output text (when the tokenizer loads). --json prints one object per record\n"
+             "(token ids and logprobs as lists, routing as {start, dtype, shape}, bytes as hex). Malformed\n"
+             "messages print one line starting with '!'. Live only: nothing published before it started.")  # fmt: skip
+    tl.add_argument("subject", nargs="?", default="t1.traj.>", help="NATS subject, wildcards allowed (default t1.traj.>)")
+    tl.add_argument("--nats", default=None, metavar="URL", help="NATS URL (default: the running cluster's, from --run-dir)")
+    tl.add_argument("--json", action="store_true", help="one JSON object per record")
+    tl.add_argument("--episode", default=None, metavar="ID", help="only this episode's records")
+    tl.add_argument("--no-text", action="store_true", help="do not decode output ids to text")
+    tl.set_defaults(func=cmd_tail)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except T1Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,97 @@
+"""The run-dir state file ``<run-dir>/cluster.json``: which processes a running cluster started.
+
+    {"run_dir": ..., "status": "starting|running|stopping|stopped", "nats_url": ..., "monitor_url": ...,
+     "supervisor": {"name", "pid", "cmdline", "start_ticks"}, "components": {name: {same + "log"}},
+     "updated_at": ...}
+
+``down`` and ``status`` trust a PID only if ``/proc/<pid>`` still shows the recorded cmdline and start time,
+so a reused PID is never signalled. Written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from t1async.errors import ConfigError
+
+STATE_FILE = "cluster.json"
+DEFAULT_RUN_DIR = Path("runs/latest")
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    name: str
+    pid: int
+    cmdline: list[str]
+    start_ticks: int  # field 22 of /proc/<pid>/stat: tells a reused PID apart
+    log: str = ""
+
+
+@dataclass
+class ClusterState:
+    run_dir: str
+    status: str = "starting"
+    nats_url: str = ""
+    monitor_url: str = ""
+    supervisor: ProcInfo | None = None
+    components: dict[str, ProcInfo] = field(default_factory=dict)
+    updated_at: float = 0.0
+
+    def save(self) -> None:
+        self.updated_at = time.time()
+        path = state_path(self.run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> ClusterState:
+        path = state_path(run_dir)
+        try:
+            raw = json.loads(path.read_text())
+            sup = raw.get("supervisor")
+            return cls(
+                run_dir=raw["run_dir"], status=raw["status"], nats_url=raw.get("nats_url", ""),
+                monitor_url=raw.get("monitor_url", ""), supervisor=ProcInfo(**sup) if sup else None,
+                components={k: ProcInfo(**v) for k, v in raw.get("components", {}).items()},
+                updated_at=float(raw.get("updated_at", 0.0)),
+            )  # fmt: skip
+        except FileNotFoundError:
+            raise ConfigError(
+                f"no cluster state at {path}: start one with `python -m t1async.cluster up --run-dir {run_dir}`"
+            ) from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cluster state {path} is unreadable ({type(exc).__name__}: {exc}); delete it") from exc
+
+
+def state_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / STATE_FILE
+
+
+def _read_proc(pid: int) -> tuple[list[str], int] | None:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # fields after "(comm)": state is field 3, starttime 22
+    return [c.decode(errors="replace") for c in cmdline if c], ticks
+
+
+def proc_info(name: str, pid: int, log: str = "") -> ProcInfo:
+    """Describe a live process we started (its cmdline and start time, read from /proc)."""
+    got = _read_proc(pid)
+    if got is None:
+        raise ConfigError(f"process {name} (pid {pid}) is not running")
+    return ProcInfo(name, pid, got[0], got[1], log)
+
+
+def is_ours(info: ProcInfo) -> bool:
+    """True if ``info.pid`` is alive and is still the process we recorded (same cmdline and start time)."""
+    got = _read_proc(info.pid)
+    return got is not None and got[0] == info.cmdline and got[1] == info.start_ticks

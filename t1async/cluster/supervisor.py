@@ -1,0 +1,150 @@
+"""``cluster up``: start the components in order, record their PIDs, stop them all on Ctrl-C/SIGTERM/--duration.
+
+Components are processes described by ``ProcessSpec`` (argv, env). NATS comes first (embedded
+nats-server unless ``nats_url`` points at an external one); the others are started in the order given,
+each in its own session with stdout/stderr in ``<run-dir>/logs/<name>.log``, and each knows the NATS URL
+through ``T1_NATS_URL``. Stopping is the reverse: every component gets SIGTERM, then SIGKILL after
+``stop_timeout_s``; NATS stops last. If a component exits on its own the whole cluster stops (exit 1).
+
+To add components (sampler, actors, learner): build more ``ProcessSpec`` in ``component_specs``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import anyio
+from anyio.abc import TaskStatus
+
+from t1async.cluster.state import ClusterState, is_ours, proc_info
+from t1async.errors import ConfigError
+from t1async.log import get_logger
+from t1async.natsd import NatsServer
+
+log = get_logger("cluster")
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    run_dir: Path
+    nats_url: str | None = None  # an external NATS; None starts the embedded nats-server
+    nats_port: int = 0  # 0: a free loopback port
+    max_payload: int = 8 << 20
+    duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
+    stop_timeout_s: float = 10.0
+    components: tuple[ProcessSpec, ...] = ()
+
+
+def component_specs(config: ClusterConfig, nats_url: str) -> list[ProcessSpec]:
+    """The processes to start after NATS, in order. (Sampler, actors and learner will be added here.)"""
+    return list(config.components)
+
+
+class Supervisor:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.state = ClusterState(run_dir=str(config.run_dir))
+        self.failed: str | None = None
+
+    async def run(self) -> int:
+        """Run the cluster in the foreground; returns the exit status (0 clean stop, 1 a component died)."""
+        run_dir = Path(self.config.run_dir)
+        self._refuse_if_running(run_dir)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.state.supervisor = proc_info("supervisor", os.getpid())
+        self.state.save()
+        try:
+            async with AsyncExitStack() as stack:
+                nats_url = self.config.nats_url
+                if nats_url is None:
+                    srv = await stack.enter_async_context(NatsServer.start(
+                        run_dir / "nats", port=self.config.nats_port, max_payload=self.config.max_payload,
+                        log_file=run_dir / "logs" / "nats-server.log"))  # fmt: skip
+                    nats_url = srv.url
+                    self.state.monitor_url = srv.monitor_url
+                    self.state.components["nats"] = proc_info("nats", srv.pid or 0, str(srv.log_path))
+                self.state.nats_url = nats_url
+                self.state.save()
+                async with anyio.create_task_group() as tg:
+                    for spec in component_specs(self.config, nats_url):
+                        await tg.start(self._run_process, spec, nats_url, tg.cancel_scope)
+                    self.state.status = "running"
+                    self.state.save()
+                    log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
+                    print(f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
+                          f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)", flush=True)  # fmt: skip
+                    await self._wait_for_stop()
+                    self.state.status = "stopping"
+                    self.state.save()
+                    tg.cancel_scope.cancel()
+        finally:
+            self.state.status = "stopped"
+            self.state.components.clear()
+            self.state.save()
+        log.info("cluster.down", run_dir=str(run_dir), failed=self.failed)
+        print(f"cluster stopped{': ' + self.failed if self.failed else ''}", flush=True)
+        return 1 if self.failed else 0
+
+    def _refuse_if_running(self, run_dir: Path) -> None:
+        try:
+            old = ClusterState.load(run_dir)
+        except ConfigError:
+            return
+        if old.status != "stopped" and old.supervisor is not None and is_ours(old.supervisor):
+            raise ConfigError(f"a cluster is already running in {run_dir} (supervisor pid {old.supervisor.pid}): "
+                              f"stop it with `python -m t1async.cluster down --run-dir {run_dir}` or use another --run-dir")  # fmt: skip
+
+    async def _wait_for_stop(self) -> None:
+        duration = self.config.duration_s if self.config.duration_s is not None else math.inf
+        with anyio.move_on_after(duration):
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for sig in signals:
+                    log.info("cluster.signal", signal=signal.Signals(sig).name)
+                    return
+        log.info("cluster.duration_elapsed", duration_s=duration)
+
+    async def _run_process(self, spec: ProcessSpec, nats_url: str, cluster: anyio.CancelScope,
+                           *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
+        path = Path(self.config.run_dir) / "logs" / f"{spec.name}.log"
+        env = {**os.environ, "T1_NATS_URL": nats_url, **spec.env}
+        with open(path, "ab") as out:
+            proc = await anyio.open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
+        self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path))
+        self.state.save()
+        log.info("cluster.started", name=spec.name, pid=proc.pid, log=str(path))
+        task_status.started()
+        try:
+            await proc.wait()
+            self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}; see {path}"
+            log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
+            cluster.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                if proc.returncode is None:
+                    proc.terminate()
+                    with anyio.move_on_after(self.config.stop_timeout_s):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+                await proc.aclose()
+            log.info("cluster.stopped", name=spec.name, returncode=proc.returncode)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv to run ``python -m module args...`` with this interpreter (for ProcessSpec)."""
+    return [sys.executable, "-m", module, *args]

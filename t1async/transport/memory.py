@@ -1,0 +1,304 @@
+"""In-process transport for tests of the layers above: a ``MemoryBroker`` plays nats-server, and each
+``MemoryTransport(broker)`` is one client of it. Same behaviour as NatsTransport in the conformance suite:
+the trajectory stream keeps every record, deduplicates by msg_id within the duplicate window, durable
+consumers redeliver what was not acknowledged (after ``ack_wait_s``, and at once to a re-opened consumer),
+core subscriptions are live only, request/reply may be held, malformed messages are dead-lettered.
+Payloads still go through ``wire.encode``/``decode``, so validation is identical.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from t1async import wire
+from t1async.errors import WireError
+from t1async.log import get_logger
+from t1async.transport.base import (
+    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Delivery, Message, NoResponders, Record, Request, RequestTimeout, SeenSeqs,
+    Transport, TransportClosedError, TransportStats, dead_letter, default_msg_id, is_traj, subject_matches,
+)  # fmt: skip
+
+log = get_logger("transport.memory")
+_SUB_BUFFER = 4096
+
+
+@dataclass(frozen=True)
+class _Stored:
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+
+
+@dataclass
+class _Durable:
+    filter: str
+    next_seq: int = 1
+    pending: dict[int, list[float]] = field(default_factory=dict)  # seq -> [num_delivered, redeliver_at]
+
+
+@dataclass(eq=False)
+class _Sub:
+    pattern: str
+    send: MemoryObjectSendStream
+    queue: str = ""
+
+
+class MemoryBroker:
+    """The in-process stand-in for nats-server (one stream, ``T1_TRAJ``, on ``t1.traj.>``)."""
+
+    def __init__(self, *, duplicate_window_s: float = 120.0, ack_wait_s: float = 30.0, max_payload: int = 1 << 20):
+        self.duplicate_window_s, self.ack_wait_s, self.max_payload = duplicate_window_s, ack_wait_s, max_payload
+        self.stream: list[_Stored] = []
+        self._dedupe: dict[str, float] = {}
+        self._durables: dict[str, _Durable] = {}
+        self._subs: list[_Sub] = []
+        self._servers: list[_Sub] = []
+        self._changed = anyio.Event()
+
+    # -------------------------------------------------------------------- publishing side
+
+    def store(self, subject: str, data: bytes, headers: dict[str, str]) -> int | None:
+        """Append to the stream (None: a duplicate msg_id within the window), and deliver to core subs."""
+        now = time.monotonic()
+        msg_id = headers.get(HDR_MSG_ID)
+        if msg_id is not None:
+            if now - self._dedupe.get(msg_id, -math.inf) < self.duplicate_window_s:
+                return None
+            self._dedupe[msg_id] = now
+        seq = len(self.stream) + 1
+        self.stream.append(_Stored(seq, subject, bytes(data), dict(headers)))
+        self.core(subject, data, headers)
+        self._wake()
+        return seq
+
+    def core(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        for sub in list(self._subs):
+            if subject_matches(sub.pattern, subject):
+                try:
+                    sub.send.send_nowait((subject, bytes(data), dict(headers)))
+                except anyio.WouldBlock:
+                    log.warning("transport.slow_consumer", subject=subject, pattern=sub.pattern)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+
+    async def inject(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """Publish raw bytes, as a misbehaving client would (stored if ``subject`` is in the stream)."""
+        if is_traj(subject):
+            self.store(subject, data, headers or {})
+        else:
+            self.core(subject, data, headers or {})
+        await anyio.lowlevel.checkpoint()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    # -------------------------------------------------------------------- durable consumers
+
+    def _durable(self, name: str, filter: str) -> _Durable:
+        return self._durables.setdefault(name, _Durable(filter))
+
+    def fetch(self, name: str, n: int) -> tuple[list[tuple[_Stored, int]], float]:
+        """Up to ``n`` messages (redeliveries first) and the time of the next redelivery (inf if none)."""
+        d, now, out = self._durables[name], time.monotonic(), []
+        for seq, p in sorted(d.pending.items()):
+            if len(out) >= n:
+                break
+            if p[1] <= now:
+                p[0] += 1
+                p[1] = now + self.ack_wait_s
+                out.append((self.stream[seq - 1], int(p[0])))
+        while len(out) < n and d.next_seq <= len(self.stream):
+            m = self.stream[d.next_seq - 1]
+            d.next_seq += 1
+            if subject_matches(d.filter, m.subject):
+                d.pending[m.seq] = [1, now + self.ack_wait_s]
+                out.append((m, 1))
+        return out, min((p[1] for p in d.pending.values()), default=math.inf)
+
+    def settle(self, name: str, seqs: list[int], ack: bool) -> None:
+        d = self._durables[name]
+        for s in seqs:
+            if ack:
+                d.pending.pop(s, None)
+            elif s in d.pending:
+                d.pending[s][1] = 0.0
+        if not ack:
+            self._wake()
+
+    def release(self, name: str) -> None:
+        """A consumer went away: what it held unacknowledged is redelivered to the next one at once."""
+        for p in self._durables[name].pending.values():
+            p[1] = 0.0
+        self._wake()
+
+
+class MemoryTransport(Transport):
+    """One client of a ``MemoryBroker`` (share the broker between the transports of one test)."""
+
+    def __init__(self, broker: MemoryBroker | None = None):
+        self.broker = broker or MemoryBroker()
+        self.stats = TransportStats()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError("MemoryTransport used after it was closed (its `async with` block ended)")
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    async def publish(self, subject: str, record: Record, *, msg_id: str | None = None) -> None:
+        self._check_open()
+        data = wire.encode(record)
+        if is_traj(subject):
+            self.broker.store(subject, data, {HDR_MSG_ID: msg_id or default_msg_id(record)})
+        else:
+            self.broker.core(subject, data, {})
+        self.stats.published += 1
+        await anyio.lowlevel.checkpoint()
+
+    def _dead(self, subject: str, data: bytes, err: WireError) -> None:
+        dsubj, headers, payload = dead_letter(subject, data, err, self.broker.max_payload)
+        self.stats.dead[headers["T1-Dead-Reason"]] += 1
+        log.warning("transport.dead_letter", subject=subject, reason=err.reason, error=str(err), size=len(data))
+        self.broker.core(dsubj, payload, headers)
+
+    @asynccontextmanager
+    async def consume(
+        self, durable: str, subject: str = TRAJ_SUBJECTS, *, batch: int = 256, max_wait_s: float = 1.0
+    ) -> AsyncIterator[AsyncIterator[Batch]]:
+        self._check_open()
+        self.broker._durable(durable, subject)
+        seen = SeenSeqs()
+        try:
+            yield self._batches(durable, batch, seen)
+        finally:
+            self.broker.release(durable)
+
+    async def _batches(self, durable: str, n: int, seen: SeenSeqs) -> AsyncIterator[Batch]:
+        while True:
+            self._check_open()
+            changed = self.broker._changed
+            got, next_at = self.broker.fetch(durable, n)
+            deliveries, seqs, done = [], [], []
+            for m, count in got:
+                if m.seq in seen.holding or seen.acked(m.seq):
+                    self.stats.redelivered_skipped += 1
+                    if seen.acked(m.seq):
+                        done.append(m.seq)
+                    continue
+                try:
+                    rec = wire.decode(m.data)
+                except WireError as err:
+                    self._dead(m.subject, m.data, err)
+                    done.append(m.seq)
+                    continue
+                deliveries.append(Delivery(m.subject, rec, m.headers.get(HDR_MSG_ID, f"seq/{m.seq}"), m.seq, count))
+                seqs.append(m.seq)
+            if done:
+                self.broker.settle(durable, done, True)
+            if deliveries:
+                seen.holding.update(seqs)
+                self.stats.delivered += len(deliveries)
+                yield Batch(deliveries, self._settler(durable, seqs, seen))
+                continue
+            with anyio.move_on_after(max(0.0, next_at - time.monotonic()) if next_at < math.inf else math.inf):
+                await changed.wait()
+
+    def _settler(self, durable: str, seqs: list[int], seen: SeenSeqs):
+        async def settle(ack: bool) -> None:
+            self._check_open()
+            (seen.mark_acked if ack else seen.release)(seqs)
+            self.broker.settle(durable, seqs, ack)
+            await anyio.lowlevel.checkpoint()
+
+        return settle
+
+    @asynccontextmanager
+    async def _core_sub(self, pattern: str, queue: str, servers: bool) -> AsyncIterator[_Sub]:
+        self._check_open()
+        send, recv = anyio.create_memory_object_stream[tuple](_SUB_BUFFER)
+        sub = _Sub(pattern, send, queue)
+        registry = self.broker._servers if servers else self.broker._subs
+        registry.append(sub)
+        try:
+            async with recv:
+                yield recv  # type: ignore[misc]
+        finally:
+            registry.remove(sub)
+            send.close()
+
+    @asynccontextmanager
+    async def subscribe(self, subject: str, *, include_malformed: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
+        async with self._core_sub(subject, "", servers=False) as recv:
+            yield self._messages(recv, include_malformed)
+
+    async def _messages(self, recv, include_malformed: bool) -> AsyncIterator[Message]:
+        async for subject, data, headers in recv:
+            try:
+                rec = wire.decode(data)
+            except WireError as err:
+                if include_malformed:
+                    yield Message(subject, data, None, err, headers)
+                else:
+                    self._dead(subject, data, err)
+                continue
+            yield Message(subject, data, rec, None, headers)
+
+    async def request(self, subject: str, record: Record, *, timeout: float) -> Record:
+        self._check_open()
+        data = wire.encode(record)
+        targets = [s for s in self.broker._servers if subject_matches(s.pattern, subject)]
+        if not targets:
+            raise NoResponders(f"no server for request on {subject!r} (is the learner running?): retry later")
+        chosen, queues = [], set()
+        for s in targets:  # every plain server, one member of each queue group
+            if not s.queue or s.queue not in queues:
+                queues.add(s.queue)
+                chosen.append(s)
+        reply_send, reply_recv = anyio.create_memory_object_stream[bytes](len(chosen))
+        async with reply_recv, reply_send:
+            for s in chosen:
+                try:
+                    s.send.send_nowait((subject, data, reply_send.clone()))
+                except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+            with anyio.move_on_after(timeout):
+                return wire.decode(await reply_recv.receive())
+        raise RequestTimeout(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry")
+
+    @asynccontextmanager
+    async def serve(self, subject: str, *, queue: str = "") -> AsyncIterator[AsyncIterator[Request]]:
+        async with self._core_sub(subject, queue, servers=True) as recv:
+            yield self._requests(recv)
+
+    async def _requests(self, recv) -> AsyncIterator[Request]:
+        async for subject, data, reply in recv:
+            try:
+                rec = wire.decode(data)
+            except WireError as err:
+                self._dead(subject, data, err)
+                reply.close()
+                continue
+            yield Request(subject, rec, self._responder(reply))
+
+    def _responder(self, reply: MemoryObjectSendStream):
+        async def respond(record: Record) -> None:
+            self._check_open()
+            with reply:
+                try:
+                    reply.send_nowait(wire.encode(record))
+                except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    log.info("transport.reply_dropped", reason="requester gave up")
+            await anyio.lowlevel.checkpoint()
+
+        return respond
