@@ -1,0 +1,107 @@
+"""The rollout actor: many concurrent episodes, one task each, streaming turns to the learner.
+
+    async with open_actor_deps(...):          # transport, sampler client (owned by the caller)
+        await run_actor(config, deps)        # runs until `episodes` are done, or cancelled
+
+Every episode asks ``t1.credit`` before each turn, samples token-in (with logprobs and routing), executes
+the action in its sandbox and publishes the ``turn`` record right away (actors/episode.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.abc
+
+from actors.credits import CreditClient
+from actors.episode import EpisodeContext, EpisodeStats, run_one
+from sandbox_agent.agent import AgentConfig, ChatTokenizerLike
+from sandbox_agent.backend import BwrapBackend, SandboxBackend
+from sandbox_agent.tasks import Task, load_tasks
+from t1async.errors import ConfigError
+from t1async.log import get_logger
+from t1async.sampler.base import Sampler
+from t1async.transport.base import Transport
+from t1async.wire import MetricsRecord
+
+log = get_logger("actors.actor")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    actor_id: str
+    tasks_dir: Path
+    concurrency: int = 4
+    split: str = "train"  # "train" | "eval" | "all"
+    episodes: int = 0  # stop after this many episodes in total (0: run until cancelled)
+    seed: int = 0
+    metrics_every_s: float = 2.0
+    work_root: Path | None = None
+
+
+def load_task_pool(tasks_dir: Path, split: str) -> list[Task]:
+    if not tasks_dir.is_dir():
+        raise ConfigError(f"task directory {tasks_dir} does not exist: make one with "
+                          f"`python -m sandbox_agent synth --out {tasks_dir} --n 200`")  # fmt: skip
+    tasks = [t for t in load_tasks(tasks_dir) if split == "all" or t.split == split]
+    tasks = [t for t in tasks if t.docker_image is None]
+    if not tasks:
+        raise ConfigError(f"no runnable {split!r} tasks under {tasks_dir} (tasks needing their own image are skipped)")
+    return tasks
+
+
+async def run_actor(
+    config: ActorConfig,
+    *,
+    transport: Transport,
+    sampler: Sampler,
+    tokenizer: ChatTokenizerLike,
+    agent: AgentConfig,
+    backend: SandboxBackend | None = None,
+    task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
+) -> EpisodeStats:
+    tasks = load_task_pool(config.tasks_dir, config.split)
+    rng = random.Random(config.seed)
+    order = itertools.count()
+    credits = CreditClient(transport, config.actor_id)
+    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend or BwrapBackend(),
+                         agent, config.work_root)  # fmt: skip
+    stats = EpisodeStats()
+    t0 = time.monotonic()
+    log.info("actor.start", actor=config.actor_id, tasks=len(tasks), concurrency=config.concurrency,
+             split=config.split, episodes=config.episodes or "unbounded")  # fmt: skip
+
+    async def worker() -> None:
+        while config.episodes == 0 or next(order) < config.episodes:
+            await run_one(rng.choice(tasks), ctx, stats)
+
+    async def metrics() -> None:
+        while True:
+            await anyio.sleep(config.metrics_every_s)
+            await publish_metrics()
+
+    async def publish_metrics() -> None:
+        el = max(time.monotonic() - t0, 1e-9)
+        values = {
+            "episodes_running": stats.running, "episodes_done": stats.done, "turns": stats.turns,
+            "tokens": stats.tokens, "turns_per_s": stats.turns / el, "tokens_per_s": stats.tokens / el,
+            "resolved": stats.resolved, "tests_passed": stats.tests_passed, "tests_total": stats.tests_total,
+            "credit_wait_s": credits.wait_s, "reasons": dict(stats.reasons),
+        }  # fmt: skip
+        await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(metrics)
+        task_status.started(stats)
+        async with anyio.create_task_group() as workers:
+            for _ in range(config.concurrency):
+                workers.start_soon(worker)
+        tg.cancel_scope.cancel()
+    await publish_metrics()
+    log.info("actor.done", actor=config.actor_id, episodes=stats.done, turns=stats.turns)
+    return stats

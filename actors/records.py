@@ -1,0 +1,45 @@
+"""Turning the agent loop's TurnResults into wire records: ``keep``/``input_delta``/digest and routing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sandbox_agent.agent import TurnResult
+from t1async.wire import Finish, Routing, TurnRecord, digest_ids
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class TurnEncoder:
+    """Keeps the sequence the learner will have assembled and encodes each turn against it."""
+
+    def __init__(self, episode: str) -> None:
+        self.episode = episode
+        self.seq = np.zeros(0, dtype=np.int32)  # S_k: all inputs and outputs so far
+
+    def encode(self, t: TurnResult) -> TurnRecord:
+        inp = np.asarray(t.input_ids, dtype=np.int32)
+        keep = common_prefix_len(inp, self.seq)
+        routing = None
+        if t.routing is not None:
+            routing = Routing(int(t.routing_start), np.asarray(t.routing))
+        rec = TurnRecord(
+            episode=self.episode, turn=t.turn, policy_version=int(t.weight_version), keep=keep,
+            input_delta=inp[keep:].copy(), input_len=len(inp), input_digest=digest_ids(inp),
+            output_ids=np.asarray(t.output_ids, dtype=np.int32),
+            output_logprobs=np.asarray(t.logprobs, dtype=np.float32),
+            finish=Finish(t.finish if t.finish in ("stop", "length", "abort") else "stop"),
+            routing=routing, reward=float(t.reward),
+            tests_passed=-1 if t.tests_passed is None else int(t.tests_passed),
+            t_sample_s=float(t.t_sample_s), t_exec_s=float(t.t_exec_s),
+            action=t.action_text[:2000] if t.action_kind == "bash" else t.action_kind,
+            observation=t.observation[:2000],
+        )  # fmt: skip
+        self.seq = np.concatenate([inp, rec.output_ids])
+        return rec

@@ -1,0 +1,71 @@
+"""The learner's side of ``t1.credit``: hold each request until the staleness rule lets it be granted.
+
+Requests are keyed by ``(episode, turn)``. An actor whose request timed out asks again; the retry takes over
+the pending hold (the reply goes to the newest request), and a request for a turn already granted gets
+the same grant back at once, so one turn never holds two credits.
+
+With η = 0 nothing is granted while a step trains: a turn admitted then would be sampled by the version
+being replaced and trained one version later (staleness 1).
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from t1async.log import get_logger
+from t1async.staleness import CreditGate
+from t1async.transport.base import Request, Transport
+from t1async.wire import CreditGrant, CreditRequest
+
+CREDIT_SUBJECT = "t1.credit"
+log = get_logger("t1async.learner.credits")
+
+
+class CreditServer:
+    def __init__(self, gate: CreditGate, transport: Transport) -> None:
+        self.gate, self.transport = gate, transport
+        self.training = False
+        self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
+        self._granted: dict[tuple[str, int], CreditGrant] = {}  # granted, turn not delivered yet
+        self.bad_requests = 0
+
+    def set_training(self, training: bool) -> None:
+        self.training = training
+        self.gate._notify()
+
+    def on_delivered(self, episode: str, turn: int) -> None:
+        self._granted.pop((episode, turn), None)
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with self.transport.serve(CREDIT_SUBJECT) as requests, anyio.create_task_group() as tg:
+            task_status.started()
+            async for req in requests:
+                rec = req.record
+                if not isinstance(rec, CreditRequest):
+                    self.bad_requests += 1
+                    log.warning("credit.bad_request", kind=rec.kind)
+                    continue
+                key = (rec.episode, rec.turn)
+                if key in self._granted:
+                    await self._reply(req, self._granted[key])
+                elif key in self._pending and rec.turn >= 0:
+                    self._pending[key] = req  # a retry: the hold already running answers the newest request
+                else:
+                    self._pending[key] = req
+                    tg.start_soon(self._hold, key, rec)
+
+    async def _hold(self, key: tuple[str, int], rec: CreditRequest) -> None:
+        while self.training and self.gate.ledger.eta == 0:
+            changed = self.gate._changed
+            await changed.wait()
+        grant = await self.gate.acquire(rec.actor, rec.episode, 1)
+        if rec.turn >= 0:
+            self._granted[key] = grant
+        req = self._pending.pop(key)
+        await self._reply(req, grant)
+
+    async def _reply(self, req: Request, grant: CreditGrant) -> None:
+        try:
+            await req.respond(grant)
+        except Exception as exc:  # the requester gave up (inbox gone): its retry will get the same grant
+            log.debug("credit.reply_failed", error=str(exc))

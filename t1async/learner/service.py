@@ -1,0 +1,262 @@
+"""The learner service: consume trajectories, serve credits, train, publish weights (DESIGN §1, §7).
+
+    ingest  ─ T1_TRAJ (durable consumer) → journal (fsync) → ack → credits delivered → TITO assembly
+    credits ─ t1.credit: held until the staleness rule grants (learner/credits.py)
+    train   ─ wait for B turns and the step's due credits → PPO step (R3) → checkpoint →
+              /update_weights_from_disk on every sampler → t1.policy → t1.metrics.learner
+
+A restarted learner loads its newest checkpoint, replays its journal to rebuild every episode's context,
+and skips the turns that checkpoint says were trained: no admitted turn is lost, none is trained twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import numpy as np
+
+from t1async import wire
+from t1async.assembly import Assembler
+from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from t1async.learner.credits import CreditServer
+from t1async.learner.journal import Journal
+from t1async.learner.state import LearnerState
+from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.log import get_logger
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import default_model_dir, load_pretrained
+from t1async.sampler.client import SGLangClient
+from t1async.staleness import CreditGate, CreditLedger, StalenessHistogram
+from t1async.tito import Segment
+from t1async.transport.base import Transport
+
+log = get_logger("t1async.learner")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    run_dir: Path
+    model_dir: Path | None = None  # initial weights (default: the shipped tiny model)
+    max_staleness: int = 1
+    batch_turns: int = 16
+    steps: int = 0  # stop after this many steps (0: run until cancelled)
+    lease_s: float = 180.0
+    durable: str = "learner"
+    metrics_every_s: float = 2.0
+    keep_checkpoints: int = 3
+    compact_journal_bytes: int = 256 << 20
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+class Learner:
+    def __init__(self, config: LearnerConfig, transport: Transport, samplers: SGLangClient | None) -> None:
+        self.cfg, self.transport, self.samplers = config, transport, samplers
+        self.state = LearnerState.load(config.checkpoints)
+        ckpt = latest_checkpoint(config.checkpoints)
+        model_dir = config.model_dir or default_model_dir()
+        self.model = load_pretrained(ckpt.path if ckpt else model_dir)
+        self.trainer = Trainer(self.model, config.trainer)
+        self.tokenizer = ChatTokenizer.load(model_dir)
+        self.resumed_from = None
+        if ckpt is not None:
+            load_checkpoint(ckpt.path, self.model, self.trainer.optimizer)
+            self.trainer.steps = ckpt.step
+            self.state = LearnerState.load(config.checkpoints, ckpt.version)
+            self.resumed_from = ckpt
+        self.version = self.state.version
+        self.gate = CreditGate(CreditLedger(config.max_staleness, config.batch_turns, config.lease_s, self.version))
+        self.credits = CreditServer(self.gate, transport)
+        self.assembler = Assembler()
+        self.journal = Journal(config.run_dir / "learner" / "journal.bin")
+        self.ready: list[Segment] = []  # closed segments waiting for a step
+        self.untrained: set[tuple[str, int]] = set()
+        self.hist = StalenessHistogram()
+        self.ended: deque[wire.EndRecord] = deque(maxlen=200)
+        self.stale_masked_tokens = 0
+        self.last_step: dict = {}
+        self.t0 = time.monotonic()
+        self._arrived = anyio.Event()
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        self._replay_journal()
+        await self._sync_samplers()
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.credits.serve)
+            await tg.start(self._ingest)
+            tg.start_soon(self._metrics_loop)
+            task_status.started()
+            log.info("learner.ready", version=self.version, eta=self.cfg.max_staleness, batch_turns=self.cfg.batch_turns,
+                     resumed=str(self.resumed_from.path) if self.resumed_from else None)  # fmt: skip
+            while not self.cfg.steps or self.state.step < self.cfg.steps:
+                await self._wait_for_batch()
+                await self._train_step()
+            await self._publish_metrics()
+            tg.cancel_scope.cancel()
+        log.info("learner.done", steps=self.state.step, version=self.version)
+
+    async def _wait_for_batch(self) -> None:
+        while True:
+            if len(self.untrained) >= self.cfg.batch_turns:
+                await self.gate.wait_trainable(self.version)
+                if len(self.untrained) >= self.cfg.batch_turns:
+                    return
+            arrived = self._arrived
+            with anyio.move_on_after(1.0):
+                await arrived.wait()
+
+    async def _train_step(self) -> None:
+        segments = self._take_segments()
+        if not segments:
+            return
+        v = self.version
+        self.credits.set_training(True)
+        try:
+            m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
+            trained = sorted({(s.episode, int(t)) for s in segments for t in np.unique(s.turn_ids[s.loss_mask])})
+            for s in segments:
+                self.hist.record(v, s.versions[s.loss_mask])
+            self.version = v + 1
+            self.state = self.state.after_step(self.version, self.state.step + 1, trained, m.loss_tokens)
+            # the state first: a checkpoint is only ever loaded together with the state of its version
+            self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
+            ckpt = await anyio.to_thread.run_sync(lambda: save_checkpoint(
+                self.cfg.checkpoints, self.model, self.trainer.optimizer, version=self.version,
+                step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
+            self.untrained.difference_update(trained)
+            self.gate.on_trained(trained)
+            if self.samplers is not None:
+                await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
+            self.gate.on_version(self.version)
+        finally:
+            self.credits.set_training(False)
+        self.last_step = {**m.to_dict(), "turns_trained_step": len(trained)}
+        await self.transport.publish("t1.policy", wire.PolicyRecord(self.version, self.state.step, str(ckpt.path)))
+        log.info("learner.step", step=self.state.step, version=self.version, turns=len(trained), loss=round(m.loss, 4),
+                 dlogp=round(m.mean_abs_dlogp, 5), routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
+        await self._publish_metrics()
+        if self.journal.size_bytes() > self.cfg.compact_journal_bytes:
+            self._compact_journal()
+
+    # ------------------------------------------------------------------------------------------ ingest
+
+    async def _ingest(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with self.transport.consume(self.cfg.durable) as batches:
+            task_status.started()
+            async for batch in batches:
+                recs = [d.record for d in batch]
+                await anyio.to_thread.run_sync(self.journal.append, recs)
+                await batch.ack()  # durably taken: in the journal
+                for rec in recs:
+                    self._take(rec, live=True)
+                self._arrived.set()
+                self._arrived = anyio.Event()
+
+    def _take(self, rec: wire.Record, *, live: bool) -> None:
+        if isinstance(rec, wire.TurnRecord):
+            key = (rec.episode, rec.turn)
+            if live:
+                self.credits.on_delivered(*key)
+                self.gate.on_delivered(*key)
+            if not self.state.was_trained(*key):
+                self.untrained.add(key)
+        elif isinstance(rec, wire.EndRecord) and live:
+            self.ended.append(rec)
+        self.ready.extend(self.assembler.feed(rec))
+
+    def _replay_journal(self) -> None:
+        n = 0
+        for rec in self.journal.replay():
+            self._take(rec, live=False)
+            n += 1
+        if n:
+            log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version)
+
+    def _compact_journal(self) -> None:
+        live = set(self.assembler.open) | {ep for ep, _ in self.untrained}
+        kept, dropped = self.journal.compact(lambda r: getattr(r, "episode", None) in live)
+        log.info("learner.journal_compacted", kept=kept, dropped=dropped)
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def _take_segments(self) -> list[Segment]:
+        segs, self.ready = self.ready + self.assembler.cut(), []
+        out = []
+        for s in segs:
+            s = self._mask(s)
+            if s is not None:
+                out.append(s)
+        return out
+
+    def _mask(self, s: Segment) -> Segment | None:
+        """Drop from the loss what was trained before a restart, and (a safety net for turns delivered
+        after their credit's lease expired) what would exceed the staleness bound. Counted."""
+        keep = s.loss_mask.copy()
+        trained = self.state.trained.get(s.episode)
+        if trained:
+            keep &= ~np.isin(s.turn_ids, np.fromiter(trained, dtype=np.int32))
+        too_stale = keep & (s.versions >= 0) & (self.version - s.versions > self.cfg.max_staleness)
+        if too_stale.any():
+            self.stale_masked_tokens += int(too_stale.sum())
+            log.warning("learner.stale_masked", episode=s.episode, tokens=int(too_stale.sum()), version=self.version)
+            keep &= ~too_stale
+        if not keep.any():
+            return None
+        if np.array_equal(keep, s.loss_mask):
+            return s
+        return replace(s, loss_mask=keep, logprobs=np.where(keep, s.logprobs, 0).astype(np.float32),
+                       versions=np.where(keep, s.versions, -1).astype(np.int32))  # fmt: skip
+
+    def _drift(self) -> dict[str, int]:
+        d = self.assembler.stats().as_dict()
+        return {k: int(d.get(k, 0)) for k in ("clean", "realign", "fork")}
+
+    # ------------------------------------------------------------------------------------------ weights & metrics
+
+    async def _sync_samplers(self) -> None:
+        """After a resume, make every sampler serve the checkpoint this learner continues from."""
+        if self.samplers is not None and self.resumed_from is not None:
+            await self.samplers.update_weights_from_disk(str(self.resumed_from.path), self.version)
+            log.info("learner.samplers_synced", version=self.version, path=str(self.resumed_from.path))
+
+    def metrics(self) -> dict:
+        el = max(time.monotonic() - self.t0, 1e-9)
+        ended = list(self.ended)
+        drift = self.assembler.stats().as_dict()
+        turns_trained = self.state.turns_trained
+        return {
+            **{k: v for k, v in self.last_step.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
+            "turns_trained": turns_trained,
+            "turns_per_s": self.state.session_turns / el,
+            "tokens_per_s": self.state.session_tokens / el if self.state.session_tokens else 0.0,
+            "max_staleness": self.hist.max,
+            "staleness_hist": self.hist.as_dict(),
+            "eta": self.cfg.max_staleness,
+            "drift": {k: int(drift.get(k, 0)) for k in ("clean", "realign", "fork")},
+            "drift_detail": {k: v for k, v in drift.items() if isinstance(v, (int, float))},
+            "reward_mean": float(np.mean([e.tests_passed for e in ended])) if ended else 0.0,
+            "resolved_rate": float(np.mean([e.resolved for e in ended])) if ended else 0.0,
+            "episodes_ended": len(ended),
+            "untrained_turns": len(self.untrained),
+            "stale_masked_tokens": self.stale_masked_tokens,
+            "credits": self.gate.ledger.snapshot(),
+        }
+
+    async def _publish_metrics(self) -> None:
+        rec = wire.MetricsRecord("learner", self.state.step, self.version, self.metrics())
+        await self.transport.publish("t1.metrics.learner", rec)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.cfg.metrics_every_s)
+            await self._publish_metrics()
