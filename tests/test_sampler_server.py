@@ -279,3 +279,24 @@ async def test_weight_update_changes_version_and_outputs(tmp_path, model):
         logits = new(torch.tensor([PROMPT])).logits[0, -1].double()
     first = after["output_ids"][0]
     assert abs(torch.log_softmax(logits, -1)[first].item() - la[0]) < 1e-4
+
+
+async def test_launch_sampler_stops_its_child_when_cancelled():
+    with anyio.CancelScope() as scope:
+        async with launch_sampler(max_batch=2, start_timeout_s=60) as url:
+            async with httpx.AsyncClient() as c:
+                assert (await c.get(url + "/health")).status_code == 200
+            scope.cancel()
+            await anyio.sleep(30)
+    async with httpx.AsyncClient() as c:
+        with pytest.raises(httpx.ConnectError):
+            await c.get(url + "/health")
+
+
+async def test_launch_sampler_reports_a_failed_start(tmp_path):
+    from t1async.errors import ServerStartError
+
+    want = r"(?s)exited with code 1 .*ConfigError: no model config at .*config\.json"
+    with pytest.raises(ServerStartError, match=want):
+        async with launch_sampler(tmp_path, start_timeout_s=60):
+            pass

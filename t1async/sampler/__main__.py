@@ -84,7 +84,17 @@ def main(argv: list[str] | None = None) -> int:
             await stop.wait()
         # nursery exits when serve() finished its graceful shutdown
 
-    trio.run(run)
+    from t1async.errors import T1Error
+
+    failed: list[T1Error] = []
+    try:
+        trio.run(run)
+    except* T1Error as group:  # a bad model dir, weights that do not load: say what, without a traceback
+        failed.extend(group.exceptions)
+    if failed:
+        for exc in failed:
+            print(f"t1async sampler: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
     print("t1async sampler stopped", flush=True)
     return 0
 
