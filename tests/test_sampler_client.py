@@ -249,7 +249,8 @@ async def test_memory_sampler_scripts_versions_and_cache():
     assert np.array_equal(g.routing, m.routing_for([1, 5, 6, 7])[1:])
     g2 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1))
     assert g2.cached_tokens == 5 and g2.finish == "length"
-    m.update_weights(4)
+    await m.update_weights_from_disk("/ckpt/4", 4)
     g3 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1))
-    assert g3.weight_version == 4 and g3.cached_tokens == 0
+    assert g3.weight_version == 4 and g3.cached_tokens == 0 and m.weight_paths == ["/ckpt/4"]
+    assert (await m.model_info())["weight_version"] == "4" and await m.health() == {"memory": True}
     assert [c.input_ids for c in m.calls][0] == (1, 5)

@@ -61,19 +61,31 @@ class MemorySampler:
         self.seed, self.script, self.weight_version = seed, script, weight_version
         self.latency_s, self.max_seq_len = latency_s, max_seq_len
         self.calls: list[MemoryCall] = []
+        self.weight_paths: list[str] = []
         self._seen: list[tuple[int, ...]] = []
         self._counter = 0
         self._closed = False
 
-    def model_info(self) -> dict:
-        return {"num_hidden_layers": self.num_layers, "num_experts_per_tok": self.topk,
-                "num_experts": self.num_experts, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
+    async def model_info(self) -> dict:
+        """Like ``SGLangClient.model_info`` (the embedded server's ``/get_model_info`` keys)."""
+        return {"num_layers": self.num_layers, "topk": self.topk, "num_hidden_layers": self.num_layers,
+                "num_experts_per_tok": self.topk, "num_experts": self.num_experts, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
                 "weight_version": str(self.weight_version)}
 
     def update_weights(self, weight_version: int) -> None:
         """What /update_weights_from_disk does to a real sampler: new outputs, new version, cache flushed."""
         self.weight_version = weight_version
         self._seen.clear()
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
+        """``SGLangClient.update_weights_from_disk``'s signature; the path is only recorded."""
+        version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        self.update_weights(version)
+        self.weight_paths.append(str(model_path))
+        return [{"success": True, "message": f"Weight version updated to {version}.", "num_paused_requests": 0}]
+
+    async def health(self) -> dict[str, bool]:
+        return {"memory": not self._closed}
 
     def routing_for(self, tokens: Sequence[int]) -> np.ndarray:
         """The experts of each position of ``tokens``: [len, layers, topk], distinct within a row."""
