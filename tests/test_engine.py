@@ -100,6 +100,30 @@ async def test_concurrent_requests_batch_and_match_sequential(engine, ref):
         check_against_full_forward(ref, p, results[i])
 
 
+async def test_mixed_admission_with_small_prefill_chunks(model_dir, ref):
+    """Cached and fresh prompts of different lengths admitted in one step, prefilled in padded 7-token chunks."""
+    eng = Engine(model_dir, EngineConfig(prefill_chunk=7))
+    async with trio.open_nursery() as n:
+        await n.start(eng.run)
+        first = await eng.collect(req("m0", PROMPTS[0], n=5, ignore_eos=True))
+        longer = PROMPTS[0] + first.output_ids + TOK.message_ids("tool", "x")
+        prompts = [longer, PROMPTS[1], PROMPTS[2][:3], longer + TOK.encode(" and more")]
+        results = {}
+
+        async def one(i):
+            results[i] = await eng.collect(req(f"m{i + 1}", prompts[i], n=6, ignore_eos=True, return_routing=True))
+
+        async with trio.open_nursery() as inner:
+            for i in range(len(prompts)):
+                inner.start_soon(one, i)
+        n.cancel_scope.cancel()
+    assert results[0].cached_tokens == len(PROMPTS[0]) + 5 - 1
+    shared = next(i for i, (a, b) in enumerate(zip(PROMPTS[0], PROMPTS[1])) if a != b)
+    assert results[1].cached_tokens == shared > 0  # the template's "<|im_start|>user\n" is shared
+    for i, p in enumerate(prompts):
+        check_against_full_forward(ref, p, results[i])
+
+
 async def test_prefix_reuse_across_turns(engine, ref):
     p1 = PROMPTS[0]
     r1 = await engine.collect(req("t1", p1, n=10, temperature=1.0, seed=1, return_routing=True, ignore_eos=True))

@@ -46,9 +46,8 @@ class KVCache:
         """Grow to hold at least ``slots`` sequences of ``cap`` positions (doubling; content kept)."""
         if slots <= self.slots and cap <= self.cap:
             return
-        ns = max(slots, self.slots) if slots <= self.slots else max(slots, 2 * self.slots, 4)
-        nc = max(cap, self.cap) if cap <= self.cap else min(max(cap, 2 * self.cap, 256), self.cfg.max_seq_len)
-        nc = max(nc, cap)
+        ns = self.slots if slots <= self.slots else max(slots, 2 * self.slots, 4)
+        nc = self.cap if cap <= self.cap else max(cap, min(max(2 * self.cap, 256), self.cfg.max_seq_len))
         k, v = self._alloc(ns, nc), self._alloc(ns, nc)
         k[:, : self.slots, :, : self.cap] = self.k
         v[:, : self.slots, :, : self.cap] = self.v

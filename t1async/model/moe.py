@@ -21,7 +21,8 @@
        logits, topk = model.forward_cached(input_ids [B, n], cache, slot0, start [B])
 
    Row b is cache slot ``slot0 + b``; its token j sits at position ``start[b] + j``. Keys/values are written
-   into the slab and each query attends to slab positions ``<= start[b] + j``. ``topk`` [B, n, L, K] are the
+   into the slab and each query attends to slab positions ``<= start[b] + j``. ``logits_at`` [B] restricts
+   the (costly) lm_head to one token per row, for prefill. ``topk`` [B, n, L, K] are the
    experts chosen for every fed token at every layer (the routing the sampler records).
 
 Positions: rotary embeddings use absolute positions; with ``attention_mask`` (1 = real token) positions are
@@ -251,8 +252,11 @@ class MoETransformer(nn.Module):
             router_logits=torch.stack(rlog, dim=2),
         )
 
-    def forward_cached(self, input_ids: Tensor, cache, slot0: int, start: Tensor) -> tuple[Tensor, Tensor]:
-        """Incremental forward over cache slots [slot0, slot0 + B). Returns (logits [B, n, V], topk [B, n, L, K])."""
+    def forward_cached(
+        self, input_ids: Tensor, cache, slot0: int, start: Tensor, logits_at: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Incremental forward over cache slots [slot0, slot0 + B). Returns (logits [B, n, V], topk [B, n, L, K]);
+        with ``logits_at`` [B] (an index into n per row) logits are [B, 1, V] at those tokens only (prefill)."""
         b, n = input_ids.shape
         dev = input_ids.device
         pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
@@ -266,4 +270,6 @@ class MoETransformer(nn.Module):
             h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, mask)
             h, c, _, _ = blk._moe(h, None)
             topk.append(c)
+        if logits_at is not None:
+            h = h[torch.arange(b, device=dev), logits_at][:, None]
         return self.lm_head(self.norm(h)), torch.stack(topk, dim=2)

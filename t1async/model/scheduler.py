@@ -45,6 +45,7 @@ class Seq:
     cached: int = 0
     finish: dict | None = None
     reported: int = 0  # how many out_ids the async side has taken
+    prefix_kv: torch.Tensor | None = None  # the prefix-cache KV to copy in at admission
 
     @property
     def prompt_len(self) -> int:
@@ -104,9 +105,9 @@ class EngineCore:
             self._apply_update(u)
         if plan.flush or plan.updates:
             self.prefix.clear()
-        for s in plan.admit:
-            self._admit(s)
-            changed.append(s)
+        if plan.admit:
+            self._admit(plan.admit)
+            changed.extend(plan.admit)
         self._retire_finished()
         if self.active:
             admitted = set(map(id, plan.admit))
@@ -129,29 +130,50 @@ class EngineCore:
 
     # -- admission / prefill ----------------------------------------------------------------------------
 
-    def _admit(self, s: Seq) -> None:
-        n = s.prompt_len
-        entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
-        s.cached = min(hit, n - 1)
-        s.slot = len(self.active)
-        self.active.append(s)
-        self.kv.reserve(len(self.active), n)
-        if s.cached:
-            self.kv.write(s.slot, entry.kv[:, :, :, : s.cached])
-            s.routing.append(entry.routing[: s.cached])
-        s.n_fed = s.cached
-        logits = None
-        while s.n_fed < n:
-            m = min(self.cfg.prefill_chunk, n - s.n_fed)
-            chunk = torch.from_numpy(s.ids[s.n_fed : s.n_fed + m].astype(np.int64))[None]
-            logits, topk = self.model.forward_cached(chunk, self.kv, s.slot, torch.tensor([s.n_fed]))
-            s.routing.append(topk[0].numpy().astype(self.route_dtype))
-            s.n_fed += m
-        self.prefill_tokens += n - s.cached
-        if s.req.max_new_tokens == 0:
-            s.finish = {"type": "length", "length": 0}
-            return
-        self._sample([s], logits[:, -1])
+    def _admit(self, seqs: list[Seq]) -> None:
+        """Take cached prefixes, then prefill the rest of every prompt in shared, chunked forwards.
+
+        Slots are assigned in order of remaining prompt tokens (longest first), so the rows that still
+        need tokens at each chunk are always a contiguous slot range: one padded forward per chunk.
+        Padding writes junk KV past a row's end; its own queries never see it and decoding overwrites it.
+        """
+        chunk = self.cfg.prefill_chunk
+        for s in seqs:
+            entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
+            s.cached = s.n_fed = min(hit, s.prompt_len - 1)
+            if s.cached:
+                s.routing.append(entry.routing[: s.cached])
+                s.prefix_kv = entry.kv
+        order = sorted(seqs, key=lambda s: s.prompt_len - s.cached, reverse=True)
+        slot0 = len(self.active)
+        self.kv.reserve(slot0 + len(order), max(s.prompt_len for s in order) + chunk)
+        for s in order:
+            s.slot = len(self.active)
+            self.active.append(s)
+            if s.cached:
+                self.kv.write(s.slot, s.prefix_kv[:, :, :, : s.cached])
+                s.prefix_kv = None
+            self.prefill_tokens += s.prompt_len - s.cached
+        last: dict[int, torch.Tensor] = {}
+        while rows := [s for s in order if s.n_fed < s.prompt_len]:
+            m = [min(chunk, s.prompt_len - s.n_fed) for s in rows]
+            x = torch.full((len(rows), max(m)), self.tok.pad_id, dtype=torch.long)
+            for i, s in enumerate(rows):
+                x[i, : m[i]] = torch.from_numpy(s.ids[s.n_fed : s.n_fed + m[i]].astype(np.int64))
+            start = torch.tensor([s.n_fed for s in rows])
+            logits, topk = self.model.forward_cached(x, self.kv, slot0, start, logits_at=torch.tensor(m) - 1)
+            topk = topk.numpy().astype(self.route_dtype)
+            for i, s in enumerate(rows):
+                s.routing.append(topk[i, : m[i]])
+                s.n_fed += m[i]
+                if s.n_fed == s.prompt_len:
+                    last[id(s)] = logits[i, 0]
+        for s in seqs:
+            if s.req.max_new_tokens == 0:
+                s.finish = {"type": "length", "length": 0}
+        go = [s for s in seqs if s.finish is None]
+        if go:
+            self._sample(go, torch.stack([last[id(s)] for s in go]))
 
     # -- decode -----------------------------------------------------------------------------------------
 
