@@ -292,3 +292,45 @@ async def test_bwrap_episode_end_to_end(tmp_path):
     assert turns[1].exit_code == 0 and "secret" in turns[1].observation
     assert [t.tests_passed for t in turns] == [0, 3, 3]
     assert res.reason == "solved" and res.resolved and res.tests_passed == 3 == res.tests_total
+
+
+# ------------------------------------------------------------------------------- action parsing
+
+
+def test_parse_action_variants():
+    from sandbox_agent.actions import parse_action
+
+    a = parse_action("<think>maybe ```bash\nrm -rf /\n```</think>Let me list.\n```sh\nls\n```<|im_end|>")
+    assert (a.kind, a.command, a.done) == ("bash", "ls", False)
+    two = parse_action("```bash\necho 1\n```\nand\n```bash\necho 2\n```")
+    assert two.command == "echo 1" and "only the first" in two.note
+    hermes = parse_action('<tool_call>{"name": "bash", "arguments": {"command": "pwd"}}</tool_call>')
+    assert (hermes.kind, hermes.command) == ("bash", "pwd")
+    assert parse_action("All set.\n<done/>").kind == "done"
+    assert parse_action('{"tool": "done"}').kind == "done"
+    assert parse_action("I am DONE with it").kind == "invalid"  # DONE must be its own line
+    assert parse_action("<think>still thinking ```bash\nls\n```").kind == "invalid"  # unclosed think
+    multi = parse_action("```bash\ncat > f <<'EOF'\na\nb\nEOF\n```")
+    assert multi.command == "cat > f <<'EOF'\na\nb\nEOF"
+
+
+# ------------------------------------------------------------------------- oracle as agent turns
+
+
+def test_solution_chunks_are_complete_shell_pieces():
+    from sandbox_agent.runner import solution_chunks
+
+    script = "#!/bin/bash\nset -e\n\nmkdir d\n\nfor f in a b; do\n  touch d/$f\n\ndone\n\n# comment only\n\necho end\n"
+    chunks = solution_chunks(script)
+    assert chunks == ["mkdir d", "for f in a b; do\n  touch d/$f\n\ndone", "# comment only\n\necho end"]
+
+
+async def test_oracle_turns_render_solution_with_real_observations():
+    from sandbox_agent.actions import parse_action
+    from sandbox_agent.runner import oracle_turns
+
+    task = load_task(FIXTURES / "tb2" / "word-count")
+    turns, result = await oracle_turns(task)
+    assert result.resolved and turns[-1] == ("DONE", "")
+    assert all(parse_action(text).kind == "bash" for text, _ in turns[:-1])
+    assert all(obs.startswith("[exit code: 0]") for _, obs in turns[:-1])
