@@ -23,7 +23,7 @@ import anyio
 import numpy as np
 
 from sandbox_agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
-from sandbox_agent.sandbox import Sandbox
+from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.verifier import VerifyResult
 from t1async.errors import SamplerError, SandboxError
 from t1async.sampler.base import Sampler, SamplingParams
@@ -39,6 +39,7 @@ class ChatTokenizerLike(Protocol):
     def message_ids(self, role: str, content: str) -> list[int]: ...
     def generation_prompt_ids(self) -> list[int]: ...
     def bridge_ids(self, output_ids: Sequence[int]) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
     @property
@@ -89,6 +90,11 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class EpisodeResult:
+    """How an episode ended. ``reason``: "solved" = the agent declared the task done (or a periodic
+    verification found it resolved); ``resolved`` says whether the tests agree. "max_turns", "context",
+    "timeout" (wall time), "error" (sampler or sandbox failure, see ``detail``), "aborted" (the sampler
+    aborted the request)."""
+
     turns: int
     reason: StopReason
     tests_passed: int
@@ -108,6 +114,59 @@ def initial_messages(instruction: str, system_prompt: str = SYSTEM_PROMPT) -> li
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": instruction.strip()}]
 
 
+def prompt_ids(tokenizer: ChatTokenizerLike, instruction: str, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+    """The first turn's input: the chat template over the system prompt and the instruction."""
+    return list(tokenizer.render(initial_messages(instruction, system_prompt), add_generation_prompt=True))
+
+
+def turn_suffix_ids(tokenizer: ChatTokenizerLike, output_ids: Sequence[int], observation: str, role: str = "user") -> list[int]:
+    """What follows a turn's exact output IDs in the next input: the bridge that closes the assistant turn,
+    the observation message encoded on its own, and the generation prompt. Never merges with the output."""
+    return (list(tokenizer.bridge_ids(output_ids)) + list(tokenizer.message_ids(role, observation))
+            + list(tokenizer.generation_prompt_ids()))
+
+
+def render_turns_ids(
+    tokenizer: ChatTokenizerLike,
+    instruction: str,
+    turns: Sequence[tuple[str, str]],
+    *,
+    system_prompt: str = SYSTEM_PROMPT,
+    observation_role: str = "user",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token IDs and loss mask of a scripted episode (e.g. ``runner.oracle_turns``) for warm-start SFT,
+    built exactly as ``run_agent`` builds its inputs. Each assistant text is encoded on its own and closed
+    with the end-of-turn token (in the loss, as the sampler would emit it); the rest is masked out."""
+    ids = prompt_ids(tokenizer, instruction, system_prompt)
+    mask = [False] * len(ids)
+    for k, (text, observation) in enumerate(turns):
+        out = list(tokenizer.encode(text)) + [tokenizer.im_end_id]
+        ids += out
+        mask += [True] * len(out)
+        if k + 1 < len(turns):
+            suffix = turn_suffix_ids(tokenizer, out, observation, observation_role)
+            ids += suffix
+            mask += [False] * len(suffix)
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
+
+
+async def _act(action: Action, sandbox: Sandbox, cfg: AgentConfig, deadline: float
+               ) -> tuple[str, ExecResult | None, str]:
+    """Run the action's command, if any: (observation, exec result, sandbox failure or "")."""
+    if action.kind != "bash":
+        return action.error, None, ""
+    timeout = max(min(cfg.command_timeout_s, deadline - anyio.current_time()), 0.001)
+    try:
+        res = await sandbox.exec(action.command, timeout=timeout)
+    except SandboxError as exc:
+        return f"[sandbox error: {exc}]", None, str(exc)
+    observation = format_observation(
+        res.output, res.exit_code, timed_out=res.timed_out, truncated=res.truncated,
+        timeout_s=timeout, max_chars=cfg.max_observation_chars, note=action.note,
+    )
+    return observation, res, ""
+
+
 async def run_agent(
     *,
     instruction: str,
@@ -124,7 +183,7 @@ async def run_agent(
     cfg = config
     t_start = time.monotonic()
     deadline = anyio.current_time() + (cfg.wall_time_s or wall_time_s)
-    input_ids: list[int] = list(tokenizer.render(initial_messages(instruction, cfg.system_prompt)))
+    input_ids = prompt_ids(tokenizer, instruction, cfg.system_prompt)
     stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
     routed_start = 0
     last_passed = 0
@@ -161,37 +220,22 @@ async def run_agent(
         out = [int(t) for t in gen.output_ids]
         seq_len = len(input_ids) + len(out)
         stop: StopReason | None = None
-        res = None
         t1 = time.monotonic()
         if gen.finish == "abort":
-            action = Action("invalid", error="")
-            observation, kind, stop = "", "none", "aborted"
-            detail = f"sampler aborted turn {k}"
+            action, observation, res = Action("invalid"), "", None
+            kind, stop, detail = "none", "aborted", f"sampler aborted turn {k}"
         else:
             action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
             kind = action.kind
-            observation = action.error
-            if action.kind == "bash":
-                timeout = max(min(cfg.command_timeout_s, deadline - anyio.current_time()), 0.001)
-                try:
-                    res = await sandbox.exec(action.command, timeout=timeout)
-                    observation = format_observation(
-                        res.output, res.exit_code, timed_out=res.timed_out, truncated=res.truncated,
-                        timeout_s=timeout, max_chars=cfg.max_observation_chars, note=action.note,
-                    )
-                except SandboxError as exc:
-                    observation = f"[sandbox error: {exc}]"
-                    stop, detail = "error", f"sandbox failed on turn {k}: {exc}"
-            if action.done and stop is None:
+            observation, res, failure = await _act(action, sandbox, cfg, deadline)
+            if failure:
+                stop, detail = "error", f"sandbox failed on turn {k}: {failure}"
+            elif action.done:
                 stop, observation = "solved", ""
         t_exec = time.monotonic() - t1
         next_ids: list[int] | None = None
         if stop is None:
-            next_ids = (
-                input_ids + out + list(tokenizer.bridge_ids(out))
-                + list(tokenizer.message_ids(cfg.observation_role, observation))
-                + list(tokenizer.generation_prompt_ids())
-            )
+            next_ids = input_ids + out + turn_suffix_ids(tokenizer, out, observation, cfg.observation_role)
             if k + 1 >= cfg.max_turns:
                 stop = "max_turns"
             elif cfg.max_context_tokens - len(next_ids) < cfg.min_new_tokens:

@@ -334,3 +334,19 @@ async def test_oracle_turns_render_solution_with_real_observations():
     assert result.resolved and turns[-1] == ("DONE", "")
     assert all(parse_action(text).kind == "bash" for text, _ in turns[:-1])
     assert all(obs.startswith("[exit code: 0]") for _, obs in turns[:-1])
+
+
+@pytest.mark.parametrize("tok", [ByteTok(), ChatTokenizer.load()], ids=["bytes", "chat"])
+async def test_sft_rendering_matches_the_loop_exactly(tok):
+    from sandbox_agent.agent import render_turns_ids
+
+    replies = [bash("touch t0"), bash("echo hi"), "DONE"]
+    res, turns, _, _, _ = await episode(replies, tok=tok)
+    scripted = [(r, t.observation) for r, t in zip(replies, turns)]
+    ids, mask = render_turns_ids(tok, "Make t0 t1 t2.", scripted)
+    final = turns[-1].input_ids.tolist() + turns[-1].output_ids.tolist()
+    assert ids.tolist() == final
+    want_mask = np.zeros(len(final), bool)
+    for t in turns:
+        want_mask[len(t.input_ids): len(t.input_ids) + len(t.output_ids)] = True
+    assert (mask == want_mask).all()
