@@ -236,8 +236,17 @@ async def test_weight_update_bumps_version_and_changes_outputs(engine, tmp_path)
     assert after.weight_version == "1" and after.output_ids != before.output_ids
     assert after.cached_tokens == 0  # the prefix cache was flushed with the old weights
     check_against_full_forward(load_pretrained(other), p, after)
-    await engine.update_weights_from_disk(other, "step-7")
-    assert engine.weight_version == "step-7"
+    # a request running across an update continues on the new weights; its KV (mixed) is not cached
+    out, versions = [], []
+    async with engine.submit(req("span", p, n=60, ignore_eos=True)) as events:
+        async for ev in events:
+            out += ev.new_ids
+            versions.append(ev.weight_version)
+            if len(versions) == 1:
+                await engine.update_weights_from_disk(other, "step-7")
+    assert engine.weight_version == "step-7" and versions[0] == "1" and versions[-1] == "step-7"
+    follow = await engine.collect(req("follow", p + out + TOK.encode("ok"), n=2))
+    assert follow.cached_tokens == 0
     wrong = save_pretrained(MoETransformer(MoEConfig(**{**CFG.__dict__, "n_experts": 8})), tmp_path / "bad")
     with pytest.raises(ConfigError, match="does not match"):
         await engine.update_weights_from_disk(wrong)

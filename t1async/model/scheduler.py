@@ -46,6 +46,7 @@ class Seq:
     finish: dict | None = None
     reported: int = 0  # how many out_ids the async side has taken
     prefix_kv: torch.Tensor | None = None  # the prefix-cache KV to copy in at admission
+    epoch: int = 0  # the weights' epoch at admission; KV spanning a weight update is not cached
 
     @property
     def prompt_len(self) -> int:
@@ -89,6 +90,7 @@ class EngineCore:
         self.decode_tokens = 0
         self.prefill_tokens = 0
         self.max_running = 0  # the largest batch one decode forward has served
+        self.epoch = 0  # bumped by every weight update
 
     # -- one scheduler step -----------------------------------------------------------------------------
 
@@ -126,6 +128,7 @@ class EngineCore:
             u.error = exc
             log.warning("engine.weights_update_failed", path=str(u.model_path), error=str(exc))
         else:
+            self.epoch += 1
             log.info("engine.weights_updated", path=str(u.model_path), version=u.version)
 
     # -- admission / prefill ----------------------------------------------------------------------------
@@ -139,6 +142,7 @@ class EngineCore:
         """
         chunk = self.cfg.prefill_chunk
         for s in seqs:
+            s.epoch = self.epoch
             entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
             s.cached = s.n_fed = min(hit, s.prompt_len - 1)
             if s.cached:
@@ -224,7 +228,7 @@ class EngineCore:
 
     def _retire(self, s: Seq) -> None:
         """Store a finished sequence in the prefix cache and free its slot (moving the last slot into it)."""
-        if self.cfg.prefix_cache_tokens and s.n_fed:
+        if self.cfg.prefix_cache_tokens and s.n_fed and s.epoch == self.epoch:
             kv = self.kv.read(s.slot, s.n_fed)
             self.prefix.insert(PrefixEntry(ids=s.all_ids(), kv=kv, routing=s.routing_rows()))
         last = self.active.pop()
