@@ -19,12 +19,13 @@ no capabilities, no_new_privs (setuid binaries do nothing), and RLIMIT_NPROC, wh
 real uid, binds for real: a fork bomb stops at ``processes``. Each live sandbox owns its uid (SlotPool),
 so the host can find and kill every process of a sandbox by uid.
 
-Timeouts. A command that runs past its timeout has every process of the sandbox that was not there when
-it started SIGTERMed, then SIGKILLed after ``kill_grace_s`` (including what it left in the background).
-If the shell then prints its marker it lives on with all its state. If it does not (the shell itself was
-busy, e.g. ``while :; do :; done``, or it closed its stdout), the sandbox is torn down and a fresh shell
-is started in the same cwd on the next call: variables, functions and background jobs are lost, and the
-result's output says so. A command that makes the shell exit (``exit 3``) returns that status; the next
+Timeouts. When a command runs past its timeout the shell gets SIGUSR1, which makes it abandon the rest of
+that command (shell.py), and every process of the sandbox that was not there when the command started
+is SIGTERMed, then SIGKILLed after ``kill_grace_s`` (what the command put in the background too). The
+shell then prints its marker and lives on with all its state. If it does not within the grace period (it
+closed its stdout, or is stuck in bash's own fork-retry loop under a fork bomb), the sandbox is torn down
+and a fresh shell is started in the same cwd on the next call: variables, functions and background jobs
+are lost, and the result's output says so. A command that makes the shell exit (``exit 3``) returns that status; the next
 call starts a fresh shell the same way.
 
 Teardown (``aclose``, context exit, also when cancelled): stdin is closed, bwrap is killed, which takes
@@ -37,6 +38,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import stat
 import time
 from contextlib import asynccontextmanager
@@ -158,6 +160,7 @@ class _Session:
 
     def __init__(self, proc: Process, channel: ShellChannel) -> None:
         self.proc, self.channel = proc, channel
+        self.shell_pid: int | None = None  # host pid of the persistent bash (for its abort signal)
 
     async def kill(self) -> None:
         if self.proc.stdin is not None:
@@ -236,6 +239,8 @@ class BwrapSandbox:
             raise SandboxStartError(self._start_failure(proc.returncode, err.decode(errors="replace"),
                                                         buf.text(), timed_out=scope.cancelled_caught))
         self._cwd_quoted = done.cwd_quoted
+        alive = procs.uid_pids(self.uid)
+        session.shell_pid = next(iter(alive)) if len(alive) == 1 else None  # only the shell runs yet
         log.debug("sandbox.started", uid=self.uid, slot=self.slot.index, pid=proc.pid, workdir=str(self.workdir))
 
     def _start_failure(self, rc: int | None, err: str, out: str, *, timed_out: bool) -> str:
@@ -326,6 +331,9 @@ class BwrapSandbox:
                             ) -> Done | None:
         """SIGTERM then SIGKILL what the command started; the shell's marker if it then recovers."""
         result: Done | None = None
+
+        if session.shell_pid is not None:  # arm the shell's abort trap (shell.py) before killing
+            procs.signal_pids(self.uid, {session.shell_pid}, signal.SIGUSR1)
 
         async def killer() -> None:
             grace_end = time.monotonic() + self.config.kill_grace_s

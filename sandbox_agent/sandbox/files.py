@@ -95,9 +95,10 @@ def read_beneath(root: Path, path: str) -> bytes:
             raise
     finally:
         os.close(parent)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SandboxPathError(f"path {path!r} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise SandboxPathError(f"path {path!r} is not a regular file")
         return f.read()
 
 

@@ -15,6 +15,14 @@ instead of leaving the shell waiting for more input, and a heredoc without its t
 the end of the command. The driver shields itself from the user's shell options: after each command it
 records ``set -e/-u/-x/-v`` and turns them off, and turns them back on before the next command, and it
 restores ``$?`` to the previous command's status.
+
+Aborting a timed-out command. The host sends the shell SIGUSR1 and kills the command's processes. The
+shell's USR1 trap arms a DEBUG trap (with ``extdebug``) that skips every further simple command of that
+command and returns from its functions, so ``sleep 100; rm -rf build`` stops after the sleep as a ^C
+would stop it, and a finite loop runs out without doing anything. (At most one more simple command may
+start before the trap runs.) The next command disarms it. The trap cannot break loops: ``break`` would
+also leave the driver's own loop, so an endless loop (``while :; do :; done``) keeps the shell busy and
+the host restarts it (bwrap.py).
 """
 
 from __future__ import annotations
@@ -32,19 +40,37 @@ _CHUNK = 1 << 16
 DRIVER = r"""
 exec 62<&0 0</dev/null 63>&1 2>&1
 __t1_ret() { return "$1"; }
-__t1_flags=
-__t1_rc=0
-while IFS= builtin read -r -d '' -u 62 __t1_cmd; do
+__t1_flags= __t1_rc=0 __t1_abort=0 __t1_cmd= __t1_nonce=
+__t1_dbg='if [[ $__t1_abort == 1 && $BASH_COMMAND != __t1_* && ${FUNCNAME[0]-} != __t1_* ]]; then
+  if [[ -n ${FUNCNAME[0]-} ]]; then __t1_ret 2; else __t1_ret 1; fi
+else __t1_ret 0; fi'
+__t1_on_usr1() { __t1_abort=1; builtin shopt -s extdebug; builtin trap -- "$__t1_dbg" DEBUG; }
+__t1_read() {
+  while :; do
+    IFS= builtin read -r -d '' -u 62 "$1" && return 0
+    (( $? > 128 )) || return 1
+  done
+}
+__t1_before() {
+  if [[ $__t1_abort == 1 ]]; then __t1_abort=0; builtin trap - DEBUG; builtin shopt -u extdebug; fi
   if [[ -n $__t1_flags ]]; then builtin set "-$__t1_flags"; fi
-  __t1_ret "$__t1_rc"
-  builtin eval "$__t1_cmd" 62<&- 63>&-
-  { __t1_rc=$?; __t1_flags=
-    [[ $- == *e* ]] && __t1_flags+=e; [[ $- == *u* ]] && __t1_flags+=u
-    [[ $- == *x* ]] && __t1_flags+=x; [[ $- == *v* ]] && __t1_flags+=v
-    builtin set +euxv; } 2>/dev/null
-  IFS= builtin read -r -d '' -u 62 __t1_nonce || builtin exit 0
+  if [[ $__t1_flags == *e* ]]; then return 0; fi
+  return "$__t1_rc"
+}
+__t1_after() {
+  __t1_rc=$? __t1_flags=
+  [[ $- == *e* ]] && __t1_flags+=e; [[ $- == *u* ]] && __t1_flags+=u
+  [[ $- == *x* ]] && __t1_flags+=x; [[ $- == *v* ]] && __t1_flags+=v
+  builtin set +euxv
+  __t1_read __t1_nonce || builtin exit 0
   builtin printf '%s%s_%s_%s %q\n' __T1_ DONE "$__t1_nonce" "$__t1_rc" "$PWD" >&63
   __t1_nonce= __t1_cmd=
+}
+builtin trap __t1_on_usr1 USR1
+while __t1_read __t1_cmd; do
+  { __t1_before; } 2>/dev/null
+  builtin eval "$__t1_cmd" 62<&- 63>&-
+  { __t1_after; } 2>/dev/null
 done
 """
 
