@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sandbox_agent.agent import AgentConfig, TurnResult, initial_messages, run_agent
 from sandbox_agent.runner import run_episode
@@ -312,6 +314,17 @@ def test_parse_action_variants():
     assert parse_action("<think>still thinking ```bash\nls\n```").kind == "invalid"  # unclosed think
     multi = parse_action("```bash\ncat > f <<'EOF'\na\nb\nEOF\n```")
     assert multi.command == "cat > f <<'EOF'\na\nb\nEOF"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("`{}\":,\n <>/|_bashdonetoolcmDONE")) | st.characters(), max_size=200))
+def test_parse_action_never_raises(text):
+    from sandbox_agent.actions import parse_action
+
+    a = parse_action(text)
+    assert a.kind in ("bash", "done", "invalid")
+    assert (a.kind == "invalid") == bool(a.error)
+    assert a.kind != "bash" or a.command.strip()
 
 
 # ------------------------------------------------------------------------- oracle as agent turns
