@@ -1,0 +1,299 @@
+"""One actor-critic PPO training step over TITO segments, with R3 routing replay.
+
+    trainer = Trainer(model, TrainerConfig(replay=True))
+    metrics = trainer.step(segments, policy_version=v, drift={"clean": 9, "realign": 1, "fork": 0})
+
+A step: pack segments into micro-batches; score them with the current weights (no gradient) to get the
+proximal log-probs and the values; compute GAE advantages per segment (ppo.segment_advantages) and
+normalise them over the step's loss tokens; then, for each PPO epoch, accumulate the decoupled PPO + value
+loss over the micro-batches and take one AdamW step with gradient clipping. When the whole step is one
+micro-batch and one epoch, the scoring forward is the training forward (no second pass).
+
+The forward replays the recorded routing (R3) when ``config.replay`` is on; either way the metrics compare
+the learner's own top-k with the recorded experts (routing drift) and its log-probs with the sampler's
+(mean |Δlogp|, k3 KL, ESS of the importance weights).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from t1async.errors import ConfigError
+from t1async.learner import ppo
+from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
+from t1async.log import get_logger
+
+log = get_logger("t1async.learner.trainer")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    gamma: float = 1.0
+    lam: float = 0.95
+    discount_per: str = "turn"  # "turn": gamma/lam apply across turns only; "token": classic token GAE
+    normalize_advantages: bool = True
+    loss: ppo.LossConfig = field(default_factory=ppo.LossConfig)
+    replay: bool = True  # R3: force the recorded experts in the training forward
+    ppo_epochs: int = 1
+    microbatch_tokens: int = 16384  # padded B x T per forward
+
+    def __post_init__(self) -> None:
+        if self.discount_per not in ("turn", "token"):
+            raise ConfigError(f"TrainerConfig.discount_per must be 'turn' or 'token', got {self.discount_per!r}")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ConfigError(f"TrainerConfig.gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.lr <= 0 or self.ppo_epochs < 1 or self.microbatch_tokens < 2 or self.grad_clip < 0:
+            raise ConfigError(
+                "TrainerConfig needs lr > 0, ppo_epochs >= 1, microbatch_tokens >= 2, grad_clip >= 0; got "
+                f"lr={self.lr}, ppo_epochs={self.ppo_epochs}, microbatch_tokens={self.microbatch_tokens}, "
+                f"grad_clip={self.grad_clip}"
+            )
+        if self.loss.is_cap <= 0 or self.loss.clip_eps <= 0:
+            raise ConfigError(f"LossConfig needs is_cap > 0 and clip_eps > 0, got {self.loss}")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int  # optimizer steps taken by this trainer after this step
+    version: int  # the policy version the step trained at (staleness reference)
+    segments: int
+    tokens: int  # real tokens forwarded
+    loss_tokens: int
+    turns: int
+    loss: float
+    policy_loss: float
+    value_loss: float
+    entropy: float
+    clip_frac: float
+    is_trunc_frac: float
+    grad_norm: float
+    mean_abs_dlogp: float  # learner (start of step) vs sampler, over loss tokens
+    k3_kl: float  # KL(sampler || learner), k3 estimator
+    ess: float  # normalised ESS of the importance weights pi_prox / pi_behav
+    routing_drift: float  # share of (token, layer) choices where the learner's top-k differs from the recorded
+    routing_compared: int
+    routing_missing: int
+    replay: bool
+    max_staleness: int
+    staleness_hist: dict[int, int]
+    drift: dict[str, int]
+    reward_sum: float
+    adv_mean: float
+    adv_std: float
+    value_mean: float
+    return_mean: float
+    t_step_s: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
+        return d
+
+
+@dataclass
+class _Scored:
+    batch: Batch
+    prox_logp: Tensor  # detached [B, T]
+    old_values: Tensor  # detached [B, T], value of the state each token was chosen in
+    adv: Tensor | None = None
+    ret: Tensor | None = None
+    out_logp: Tensor | None = None  # with grad (single-pass mode)
+    out_values: Tensor | None = None
+    out_entropy: Tensor | None = None
+
+
+class Trainer:
+    """Owns the model's optimizer and takes PPO steps on it. The model stays the caller's."""
+
+    def __init__(self, model: nn.Module, config: TrainerConfig = TrainerConfig()) -> None:
+        self.model = model
+        self.config = config
+        self.mcfg = model.cfg
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.steps = 0
+        self.device = next(model.parameters()).device
+
+    # ----------------------------------------------------------------------------------------- forward
+
+    def _forward(self, b: Batch, *, replay: bool, with_entropy: bool):
+        rp = b.recorded if (replay and b.recorded is not None) else None
+        out = self.model(b.tokens, replay=rp)
+        logp, ent = ppo.token_logprobs(out.logits, b.tokens, with_entropy=with_entropy)
+        # value of the state token p was chosen in = value head at p - 1
+        vals = torch.cat([torch.zeros_like(out.values[:, :1]), out.values[:, :-1]], dim=1)
+        return out, logp, vals, ent
+
+    def _advantages(self, sc: _Scored, segs: Sequence[SegmentLike], value_head: Tensor) -> None:
+        cfg = self.config
+        b, t = sc.batch.shape
+        adv = np.zeros((b, t), dtype=np.float32)
+        ret = np.zeros((b, t), dtype=np.float32)
+        vh = value_head.detach().double().cpu().numpy()
+        for row, i in enumerate(sc.batch.index):
+            s = segs[i]
+            n = len(s.tokens)
+            values = np.concatenate([[0.0], vh[row, :n]])  # values[p] = head at p - 1; values[n] = bootstrap
+            a, r = ppo.segment_advantages(
+                s.loss_mask, values, s.turn_ends, s.turn_rewards, bool(s.done),
+                gamma=cfg.gamma, lam=cfg.lam, discount_per=cfg.discount_per,
+            )  # fmt: skip
+            adv[row, :n], ret[row, :n] = a, r
+        sc.adv, sc.ret = torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
+
+    # -------------------------------------------------------------------------------------------- step
+
+    def step(
+        self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
+    ) -> StepMetrics:
+        t0 = time.perf_counter()
+        cfg, m = self.config, self.mcfg
+        if not segments:
+            raise BatchError("Trainer.step needs at least one segment")
+        for s in segments:
+            check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size)
+        groups = plan_microbatches([len(s.tokens) for s in segments], cfg.microbatch_tokens)
+        batches = [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
+        single = len(batches) == 1 and cfg.ppo_epochs == 1
+        want_ent = cfg.loss.entropy_coef > 0
+
+        # 1. score with the current weights: proximal log-probs, values, drift metrics
+        self.model.train()
+        scored: list[_Scored] = []
+        differ = compared = missing = 0
+        for b in batches:
+            with torch.set_grad_enabled(single):
+                out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
+            sc = _Scored(b, logp.detach(), vals.detach())
+            if single:
+                sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
+            self._advantages(sc, segments, out.values)
+            d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
+            differ, compared, missing = differ + d, compared + c, missing + mi
+            scored.append(sc)
+            del out
+
+        lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
+        n_loss = int(lm_all.sum())
+        if n_loss == 0:
+            raise BatchError(f"Trainer.step: the {len(segments)} segments hold no loss tokens")
+        adv_all = torch.cat([sc.adv.flatten() for sc in scored])[lm_all]
+        adv_mean, adv_std = float(adv_all.mean()), float(adv_all.std(unbiased=False)) if n_loss > 1 else 0.0
+        if cfg.normalize_advantages:
+            for sc in scored:
+                sc.adv = torch.where(sc.batch.loss_mask, (sc.adv - adv_mean) / (adv_std + 1e-8), sc.adv)
+
+        # 2. PPO epochs: accumulate over micro-batches, one optimizer step per epoch
+        sums: Counter[str] = Counter()
+        grad_norm = 0.0
+        for _epoch in range(cfg.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for sc in scored:
+                if sc.out_logp is not None:
+                    logp, vals, ent = sc.out_logp, sc.out_values, sc.out_entropy
+                    sc.out_logp = sc.out_values = sc.out_entropy = None
+                else:
+                    _, logp, vals, ent = self._forward(sc.batch, replay=cfg.replay, with_entropy=want_ent)
+                terms = ppo.ppo_loss(
+                    logp, sc.prox_logp, sc.batch.behav_logp, sc.adv, vals, sc.old_values, sc.ret,
+                    sc.batch.loss_mask, cfg.loss, normaliser=n_loss, entropy=ent,
+                )  # fmt: skip
+                terms.loss.backward()
+                share = float(sc.batch.loss_mask.sum()) / n_loss
+                for k in ("loss", "policy_loss", "value_loss", "entropy"):
+                    sums[k] += float(getattr(terms, k).detach()) / cfg.ppo_epochs
+                for k in ("clip_frac", "is_trunc_frac"):
+                    sums[k] += float(getattr(terms, k).detach()) * share / cfg.ppo_epochs
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+            grad_norm = float(gn)
+            if not math.isfinite(grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                log.warning("trainer.nonfinite_grad", step=self.steps, grad_norm=grad_norm)
+                continue
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+        # 3. metrics over loss tokens
+        prox = torch.cat([sc.prox_logp.flatten() for sc in scored])[lm_all]
+        behav = torch.cat([sc.batch.behav_logp.flatten() for sc in scored])[lm_all]
+        vers = torch.cat([sc.batch.versions.flatten() for sc in scored])[lm_all]
+        old_v = torch.cat([sc.old_values.flatten() for sc in scored])[lm_all]
+        ret = torch.cat([sc.ret.flatten() for sc in scored])[lm_all]
+        ones = torch.ones_like(prox, dtype=torch.bool)
+        stale = (policy_version - vers).cpu().numpy()
+        hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
+        metrics = StepMetrics(
+            step=self.steps, version=policy_version, segments=len(segments),
+            tokens=int(sum(len(s.tokens) for s in segments)), loss_tokens=n_loss,
+            turns=int(sum(len(s.turn_ends) for s in segments)),
+            loss=sums["loss"], policy_loss=sums["policy_loss"], value_loss=sums["value_loss"],
+            entropy=sums["entropy"], clip_frac=sums["clip_frac"], is_trunc_frac=sums["is_trunc_frac"],
+            grad_norm=grad_norm, mean_abs_dlogp=float((prox - behav).abs().mean()),
+            k3_kl=ppo.k3_kl(prox, behav, ones), ess=ppo.ess(prox - behav, ones),
+            routing_drift=differ / compared if compared else 0.0, routing_compared=compared,
+            routing_missing=missing, replay=cfg.replay, max_staleness=int(stale.max()), staleness_hist=hist,
+            drift={str(k): int(v) for k, v in (drift or {}).items()},
+            reward_sum=float(sum(float(np.sum(s.turn_rewards)) for s in segments)),
+            adv_mean=adv_mean, adv_std=adv_std, value_mean=float(old_v.mean()), return_mean=float(ret.mean()),
+            t_step_s=time.perf_counter() - t0,
+        )  # fmt: skip
+        log.info(
+            "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,
+            loss_tokens=n_loss, loss=round(metrics.loss, 5), dlogp=round(metrics.mean_abs_dlogp, 5),
+            routing_drift=round(metrics.routing_drift, 4), max_staleness=metrics.max_staleness,
+            t_step_s=round(metrics.t_step_s, 3),
+        )  # fmt: skip
+        return metrics
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def save(self, root, version: int, *, keep: int = 3):
+        """Write checkpoint ``root/v<version>`` (a model dir the samplers load, plus optimizer state)."""
+        from t1async.learner.checkpoint import save_checkpoint
+
+        return save_checkpoint(root, self.model, self.optimizer, version=version, step=self.steps, keep=keep)
+
+    def load(self, path):
+        """Resume from a checkpoint directory: weights, optimizer state and the step count."""
+        from t1async.learner.checkpoint import load_checkpoint
+
+        info = load_checkpoint(path, self.model, self.optimizer)
+        self.steps = info.step
+        return info
+
+    # ------------------------------------------------------------------------------------ scoring only
+
+    @torch.no_grad()
+    def score(self, segments: Sequence[SegmentLike], *, replay: bool | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The learner's per-token log-probs and own top-k routing for each segment, without training:
+        ``[(logp float32 [T], free_topk int16 [T, L, K]), ...]`` in segment order (eval mode)."""
+        m = self.mcfg
+        rp = self.config.replay if replay is None else replay
+        was = self.model.training
+        self.model.eval()
+        res: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(segments)
+        try:
+            for g in plan_microbatches([len(s.tokens) for s in segments], self.config.microbatch_tokens):
+                b = pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device)
+                out, logp, _, _ = self._forward(b, replay=rp, with_entropy=False)
+                for row, i in enumerate(g):
+                    n = len(segments[i].tokens)
+                    res[i] = (logp[row, :n].float().cpu().numpy(), out.free_topk[row, :n].to(torch.int16).cpu().numpy())
+        finally:
+            self.model.train(was)
+        return res  # type: ignore[return-value]

@@ -1,0 +1,184 @@
+"""The PPO training step on a tiny real MoE: learning direction, R3 replay, staleness, micro-batching,
+checkpoints that the engine loads, and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from t1async.learner.batch import BatchError
+from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
+from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.model.config import MoEConfig
+from t1async.model.moe import MoETransformer
+from t1async.tito import Segment
+
+CFG = MoEConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=512, seed=3)
+
+
+def tiny() -> MoETransformer:
+    return MoETransformer(CFG)
+
+
+def sampled_segment(
+    model: MoETransformer, tokens, loss_positions, *, reward: float, version: int = 0, done: bool = True,
+    routing_from: MoETransformer | None = None, episode: str = "ep",
+) -> Segment:  # fmt: skip
+    """A segment whose 'sampler' is ``model`` (logprobs) run with the routing ``routing_from`` chooses."""
+    toks = np.asarray(tokens, dtype=np.int32)
+    t = len(toks)
+    lm = np.zeros(t, dtype=bool)
+    lm[list(loss_positions)] = True
+    x = torch.from_numpy(toks[None].astype(np.int64))
+    with torch.no_grad():
+        routing = (routing_from or model)(x).routing
+        out = model(x, replay=routing)
+    lp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
+    lp = np.concatenate([[0.0], lp.numpy()]).astype(np.float32)
+    rt = routing[0].numpy().astype(np.int16)
+    rt[-1] = -1  # the sampler never routes a sequence's last token
+    last = max(loss_positions)
+    return Segment(
+        episode=episode, index=0, tokens=toks, loss_mask=lm, logprobs=np.where(lm, lp, 0).astype(np.float32),
+        versions=np.where(lm, version, -1).astype(np.int32), turn_ids=np.where(lm, 0, -1).astype(np.int32),
+        routing=rt, turn_ends=np.array([last], np.int32), turn_rewards=np.array([reward], np.float32), done=done,
+    )  # fmt: skip
+
+
+def logp_of(model: MoETransformer, tokens, pos: int) -> float:
+    x = torch.tensor([tokens], dtype=torch.long)
+    with torch.no_grad():
+        lg = model(x).logits[0, pos - 1].float()
+    return float(torch.log_softmax(lg, -1)[tokens[pos]])
+
+
+def test_steps_raise_logprob_of_positively_advantaged_actions():
+    torch.manual_seed(0)
+    model = tiny()
+    trainer = Trainer(model, TrainerConfig(lr=3e-3))
+    good, bad = [5, 6, 7, 100, 101], [5, 6, 7, 200, 201]
+    before = logp_of(model, good, 3), logp_of(model, bad, 3)
+    for _ in range(8):
+        segs = [sampled_segment(model, good, [3, 4], reward=1.0), sampled_segment(model, bad, [3, 4], reward=-1.0)]
+        m = trainer.step(segs, policy_version=0)
+        assert m.ess == pytest.approx(1.0, abs=1e-6)  # on-policy: all importance weights equal
+        assert m.mean_abs_dlogp < 1e-4
+    after = logp_of(model, good, 3), logp_of(model, bad, 3)
+    assert after[0] > before[0] + 0.1
+    assert after[1] < before[1] - 0.1
+    assert trainer.steps == 8 and m.loss_tokens == 4 and m.turns == 2
+
+
+def test_replay_removes_mismatch_from_routing_the_learner_would_not_choose():
+    learner = tiny()
+    sampler_router = copy.deepcopy(learner)  # the "sampler" routes with a perturbed router
+    with torch.no_grad():
+        for blk in sampler_router.blocks:
+            blk.moe.router.weight.add_(torch.randn_like(blk.moe.router.weight) * 0.5)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(10, 4000, size=40).tolist()
+    seg = sampled_segment(learner, toks, range(20, 40), reward=1.0, routing_from=sampler_router)
+    on = Trainer(copy.deepcopy(learner), TrainerConfig(replay=True)).step([seg], 0)
+    off = Trainer(copy.deepcopy(learner), TrainerConfig(replay=False)).step([seg], 0)
+    # the sampler's logprobs came from the learner's weights with the recorded routing: replay reproduces them
+    assert on.mean_abs_dlogp < 1e-4
+    assert off.mean_abs_dlogp > 1e-3
+    assert on.routing_drift > 0.05 and off.routing_drift > 0.05  # the learner's own router disagrees either way
+    assert on.routing_compared == off.routing_compared == 39 * CFG.n_layers
+    assert on.routing_missing == 0
+    # recorded routing = the learner's own choice: no drift, and replay changes nothing
+    own = sampled_segment(learner, toks, range(20, 40), reward=1.0)
+    m = Trainer(copy.deepcopy(learner), TrainerConfig(replay=True)).step([own], 0)
+    assert m.routing_drift == 0.0 and m.mean_abs_dlogp < 1e-4
+
+
+def test_staleness_histogram_and_drift_pass_through():
+    model = tiny()
+    segs = [
+        sampled_segment(model, [1, 2, 3, 4, 5], [3, 4], reward=0.0, version=3),
+        sampled_segment(model, [1, 2, 9, 8], [2, 3], reward=1.0, version=5, done=False),
+        sampled_segment(model, [1, 7, 9], [2], reward=1.0, version=5),
+    ]
+    m = Trainer(model).step(segs, policy_version=6, drift={"clean": 4, "realign": 1, "fork": 0})
+    assert m.staleness_hist == {1: 3, 3: 2}
+    assert m.max_staleness == 3
+    assert m.drift == {"clean": 4, "realign": 1, "fork": 0}
+    assert m.to_dict()["staleness_hist"] == {"1": 3, "3": 2}
+
+
+def test_microbatches_accumulate_to_the_same_update():
+    base = tiny()
+    rng = np.random.default_rng(1)
+    segs = []
+    for i, n in enumerate((30, 24, 17, 9)):
+        toks = rng.integers(10, 4000, size=n).tolist()
+        segs.append(sampled_segment(base, toks, range(n // 2, n), reward=float(i % 2) - 0.5, episode=f"e{i}",
+                                    done=i != 0))  # fmt: skip
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    ma = Trainer(a, TrainerConfig(microbatch_tokens=4096)).step(segs, 0)  # one micro-batch, single pass
+    mb = Trainer(b, TrainerConfig(microbatch_tokens=32)).step(segs, 0)  # four micro-batches, two passes
+    assert ma.loss == pytest.approx(mb.loss, rel=1e-4, abs=1e-6)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=n)
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), base.parameters()))
+
+
+def test_bad_segments_are_rejected_with_the_reason():
+    model = tiny()
+    good = sampled_segment(model, [1, 2, 3, 4], [2, 3], reward=1.0)
+    trainer = Trainer(model)
+    with pytest.raises(BatchError, match="at least one segment"):
+        trainer.step([], 0)
+    bad0 = Segment(**{**good.__dict__, "loss_mask": np.array([1, 0, 1, 1], bool)})
+    with pytest.raises(BatchError, match="position 0"):
+        trainer.step([bad0], 0)
+    badr = Segment(**{**good.__dict__, "routing": np.zeros((4, 3, 2), np.int16)})
+    with pytest.raises(BatchError, match="routing has shape"):
+        trainer.step([badr], 0)
+    badv = Segment(**{**good.__dict__, "tokens": np.array([1, 2, 3, 99999], np.int32)})
+    with pytest.raises(BatchError, match="outside"):
+        trainer.step([badv], 0)
+
+
+async def test_checkpoint_loads_in_the_engine_and_resumes(tmp_path):
+    from t1async.model.engine import Engine, EngineConfig, GenRequest
+    from t1async.model.weights import save_pretrained
+
+    model = tiny()
+    base_dir = save_pretrained(model, tmp_path / "base")
+    trainer = Trainer(model, TrainerConfig(lr=1e-2))
+    seg = sampled_segment(model, [5, 6, 7, 100, 101], [3, 4], reward=1.0)
+    trainer.step([seg], 0)
+    info = trainer.save(tmp_path / "ckpt", version=1)
+    assert latest_checkpoint(tmp_path / "ckpt") == info
+
+    prompt = [5, 6, 7, 100]
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        want = torch.log_softmax(model(x).logits[0, -1].float(), -1)
+    engine = Engine(base_dir, EngineConfig(max_batch=2, dtype="float32", prefix_cache_tokens=0))
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        await engine.update_weights_from_disk(info.path, "1")
+        res = await engine.collect(GenRequest(rid="r", input_ids=tuple(prompt), max_new_tokens=1, temperature=0.0))
+        tg.cancel_scope.cancel()
+    tok = res.output_ids[0]
+    assert tok == int(want.argmax())
+    assert res.logprobs[0] == pytest.approx(float(want[tok]), abs=1e-4)
+
+    # resume: a fresh model and optimizer continue exactly like the original
+    fresh = tiny()
+    t2 = Trainer(fresh, TrainerConfig(lr=1e-2))
+    got = t2.load(info.path)
+    assert (got.version, got.step, t2.steps) == (1, 1, 1)
+    seg2 = sampled_segment(model, [9, 8, 7, 300, 301], [3, 4], reward=-1.0)
+    trainer.step([seg2], 1)
+    t2.step([seg2], 1)
+    for pa, pb in zip(model.parameters(), fresh.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+    with pytest.raises(Exception, match="already exists"):
+        save_checkpoint(tmp_path / "ckpt", model, trainer.optimizer, version=1, step=2)
