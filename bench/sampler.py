@@ -50,13 +50,16 @@ class Outcome:
 
 
 async def stream_generate(client: httpx.AsyncClient, url: str, ids: list[int], output_len: int,
-                          temperature: float) -> Outcome:
-    """One streaming /generate; TTFT at the first chunk carrying tokens, ITL between token-carrying chunks."""
-    body = {"input_ids": ids, "stream": True,
+                          temperature: float, stream: bool = True) -> Outcome:
+    """One streaming /generate; TTFT at the first chunk carrying tokens, ITL between token-carrying chunks.
+    With ``stream=False`` one plain POST, and TTFT = latency (as bench_serving's --disable-stream)."""
+    body = {"input_ids": ids, "stream": stream,
             "sampling_params": {"max_new_tokens": output_len, "temperature": temperature, "ignore_eos": True}}
     out = Outcome(prompt_len=len(ids))
     t0 = last = time.perf_counter()
     seen = 0
+    if not stream:
+        return await _plain_generate(client, url, body, out, t0)
     try:
         async with client.stream("POST", url + "/generate", json=body) as resp:
             if resp.status_code != 200:
@@ -95,6 +98,25 @@ async def stream_generate(client: httpx.AsyncClient, url: str, ids: list[int], o
     return out
 
 
+async def _plain_generate(client: httpx.AsyncClient, url: str, body: dict, out: Outcome, t0: float) -> Outcome:
+    try:
+        resp = await client.post(url + "/generate", json=body)
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    if resp.status_code != 200:
+        out.error = f"HTTP {resp.status_code}: {resp.text[:300]!r}"
+        return out
+    r = resp.json()
+    out.latency = out.ttft = time.perf_counter() - t0
+    out.output_ids = list(r.get("output_ids") or [])
+    out.prompt_tokens = int(r["meta_info"].get("prompt_tokens", out.prompt_len))
+    out.cached_tokens = int(r["meta_info"].get("cached_tokens", 0) or 0)
+    out.ok = bool(out.output_ids)
+    out.error = "" if out.ok else "no tokens returned"
+    return out
+
+
 def summarize(outcomes: list[Outcome], duration: float, *, concurrency: int, request_rate: float,
               input_len: int, output_len: int) -> dict:
     ok = [o for o in outcomes if o.ok]
@@ -127,7 +149,7 @@ def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, concurrency: int,
                    request_rate: float, input_len: int, output_len: int, vocab: int, seed: int,
-                   temperature: float, label: str = "") -> dict:
+                   temperature: float, stream: bool = True, label: str = "") -> dict:
     rng = np.random.default_rng(seed)
     prompts = [random_ids(rng, input_len, vocab) for _ in range(num_prompts)]
     limiter = anyio.CapacityLimiter(concurrency)
@@ -136,7 +158,7 @@ async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, con
 
     async def one(ids: list[int]) -> None:
         async with limiter:
-            outcomes.append(await stream_generate(client, url, ids, output_len, temperature))
+            outcomes.append(await stream_generate(client, url, ids, output_len, temperature, stream))
         bar.advance()
 
     t0 = time.perf_counter()
@@ -151,7 +173,8 @@ async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, con
 
 
 async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, turns: int, concurrency: int,
-                         input_len: int, output_len: int, vocab: int, seed: int, temperature: float) -> dict:
+                         input_len: int, output_len: int, vocab: int, seed: int, temperature: float,
+                         stream: bool = True) -> dict:
     rng = np.random.default_rng(seed)
     per_turn: list[list[Outcome]] = [[] for _ in range(turns)]
     limiter = anyio.CapacityLimiter(concurrency)
@@ -161,7 +184,7 @@ async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, 
         ctx = random_ids(np.random.default_rng([seed, s]), input_len, vocab)
         for t in range(turns):
             async with limiter:
-                o = await stream_generate(client, url, ctx, output_len, temperature)
+                o = await stream_generate(client, url, ctx, output_len, temperature, stream)
             per_turn[t].append(o)
             bar.advance()
             if not o.ok:
@@ -230,7 +253,7 @@ async def amain(args: argparse.Namespace) -> dict:
                 info = (await client.get(url + "/get_model_info")).json()
                 vocab = int(info.get("vocab_size") or 1000)
             common = dict(input_len=args.input_len, output_len=args.output_len, vocab=vocab,
-                          temperature=args.temperature)
+                          temperature=args.temperature, stream=not args.disable_stream)
             warm = await stream_generate(client, url, random_ids(np.random.default_rng(0), args.input_len, vocab),
                                          min(args.output_len, 4), args.temperature)
             if not warm.ok:
@@ -239,7 +262,8 @@ async def amain(args: argparse.Namespace) -> dict:
                 await client.post(url + "/flush_cache")
                 r = await run_multi_turn(client, url, sessions=args.num_prompts or 8, turns=args.multi_turn,
                                          concurrency=args.concurrency, seed=args.seed, **common)
-                print_table("Multi-turn Benchmark Result", _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])])
+                print_table("Multi-turn Benchmark Result",
+                            _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])])
                 print_grid(["turn", "completed", "context_len", "e2e_ms", "ttft_ms", "cached_ratio"],
                            [[p["turn"], p["completed"], p["mean_context_len"], p["mean_e2e_latency_ms"],
                              p["mean_ttft_ms"], p["cached_ratio"]] for p in r["per_turn"]])
@@ -267,7 +291,7 @@ async def amain(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
@@ -279,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS", help="sessions of TURNS growing turns")
     p.add_argument("--compare-concurrency", default=None, metavar="C1,C2",
                    help="run at each concurrency and report the output-throughput ratio (e.g. 1,32)")
+    p.add_argument("--disable-stream", action="store_true",
+                   help="plain POSTs (TTFT = latency, no ITL), as bench_serving's --disable-stream")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default: from /get_model_info")

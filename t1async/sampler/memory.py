@@ -69,8 +69,8 @@ class MemorySampler:
     async def model_info(self) -> dict:
         """Like ``SGLangClient.model_info`` (the embedded server's ``/get_model_info`` keys)."""
         return {"num_layers": self.num_layers, "topk": self.topk, "num_hidden_layers": self.num_layers,
-                "num_experts_per_tok": self.topk, "num_experts": self.num_experts, "vocab_size": self.vocab_size, "max_seq_len": self.max_seq_len,
-                "weight_version": str(self.weight_version)}
+                "num_experts_per_tok": self.topk, "num_experts": self.num_experts, "vocab_size": self.vocab_size,
+                "max_seq_len": self.max_seq_len, "weight_version": str(self.weight_version)}
 
     def update_weights(self, weight_version: int) -> None:
         """What /update_weights_from_disk does to a real sampler: new outputs, new version, cache flushed."""

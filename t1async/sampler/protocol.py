@@ -150,7 +150,8 @@ def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fa
             raise RequestError(f"{name}[{i}] must be an integer token id, got {tok!r}", param=name)
         if not 0 <= tok < vocab_size:
             raise RequestError(
-                f"{name}[{i}] = {tok} is not a token id of this model (vocab_size {vocab_size}: ids 0..{vocab_size - 1})",
+                f"{name}[{i}] = {tok} is not a token id of this model "
+                f"(vocab_size {vocab_size}: ids 0..{vocab_size - 1})",
                 param=name,
             )
     return tuple(value)
@@ -166,7 +167,8 @@ def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.
     g = body.get
     temperature = _float(g("temperature", d.temperature), where + "temperature")
     if temperature < 0:
-        raise RequestError(f"{where}temperature must be >= 0 (0 is greedy), got {temperature}", param=where + "temperature")
+        raise RequestError(f"{where}temperature must be >= 0 (0 is greedy), got {temperature}",
+                           param=where + "temperature")
     top_p = _float(g("top_p", d.top_p), where + "top_p")
     if not 0 < top_p <= 1:
         raise RequestError(f"{where}top_p must be in (0, 1], got {top_p}", param=where + "top_p")
@@ -177,7 +179,8 @@ def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"{where}stop must be a string or a list of non-empty strings, got {stop!r}", param=where + "stop")
+        raise RequestError(f"{where}stop must be a string or a list of non-empty strings, got {stop!r}",
+                           param=where + "stop")
     stop_ids = g("stop_token_ids") or []
     seed = g("sampling_seed")
     return SamplingSpec(
@@ -223,12 +226,14 @@ def parse_generate(
         for i, t in enumerate(texts):
             ids = tuple(encode(t))
             if not ids:
-                raise RequestError(f"text{f'[{i}]' if batch else ''} encodes to no tokens; send non-empty text", param="text")
+                where = f"text[{i}]" if batch else "text"
+                raise RequestError(f"{where} encodes to no tokens; send non-empty text", param="text")
             prompts.append(ids)
     n = len(prompts)
     stream = _bool(body.get("stream", False), "stream")
     if batch and stream:
-        raise RequestError("stream=true is not supported for a batch request; send one request per prompt", param="stream")
+        raise RequestError("stream=true is not supported for a batch request; send one request per prompt",
+                           param="stream")
     sp = body.get("sampling_params")
     if batch and isinstance(sp, list):
         if len(sp) != n:

@@ -214,7 +214,8 @@ class SamplerApp:
             body = await self._json_body(request)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
-                raise P.RequestError("model_path must be a non-empty string (a directory of weights)", param="model_path")
+                raise P.RequestError("model_path must be a non-empty string (a directory of weights)",
+                                     param="model_path")
             version = body.get("weight_version")
             if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
                 raise P.RequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
