@@ -240,6 +240,8 @@ async def test_abort_request_ends_a_running_request(sampler_url):
                 while not await _running(c, sampler_url):
                     await anyio.sleep(0.02)
                 await anyio.sleep(0.2)
+                dup = await c.post(sampler_url + "/generate", json={"input_ids": PROMPT, "rid": "to-abort"})
+                assert dup.status_code == 400 and "already in use" in dup.json()["error"]["message"]
                 assert (await c.post(sampler_url + "/abort_request", json={"rid": "to-abort"})).status_code == 200
     meta = result["out"]["meta_info"]
     assert meta["finish_reason"]["type"] == "abort"

@@ -36,7 +36,7 @@ class RequestError(ValueError):
 
 def error_body(message: str, *, param: str = "", status: int = 400) -> dict:
     """SGLang's error shape (``{"error": {"message": ...}}``), plus OpenAI-style ``type``/``code``/``param``."""
-    kind = "BadRequestError" if status == 400 else "InternalServerError" if status >= 500 else "Error"
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "code": status, "param": param or None}}
 
 

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from t1async.errors import SamplerRequestError
+from t1async.errors import SamplerError, SamplerRequestError
 from t1async.sampler import protocol as P
 
 try:  # t1async.log lands with the lead's skeleton; fall back to plain structlog until then
@@ -166,6 +166,8 @@ class SamplerApp:
                     results[i] = await self._run_to_end(gi)
                 except _REJECTED as exc:  # the engine rejected it
                     results[i] = exc
+                except SamplerError as exc:  # the engine is not running (starting or shutting down)
+                    results[i] = exc
 
             async with anyio.create_task_group() as work:
                 tg.start_soon(watch)
@@ -175,8 +177,10 @@ class SamplerApp:
         if disconnected:
             return Response(status_code=499)  # nobody is listening; the engine requests were aborted
         for r in results:
-            if isinstance(r, Exception):
+            if isinstance(r, _REJECTED):
                 return _bad(str(r), param=getattr(r, "param", ""))
+            if isinstance(r, Exception):  # 503: clients retry elsewhere
+                return _bad(f"the sampler cannot serve now: {r}", status=503)
         return _json(results if batch else results[0])
 
     def _stream(self, gi: P.GenerateInput) -> Response:
@@ -191,6 +195,9 @@ class SamplerApp:
                 param = getattr(exc, "param", "")
                 log.info("sampler.bad_request", message=str(exc), param=param, status=400)
                 yield b"data: " + json.dumps(P.error_body(str(exc), param=param)).encode() + b"\n\n"
+            except SamplerError as exc:  # the engine stopped under us
+                log.warning("sampler.unavailable", rid=state.rid, error=str(exc))
+                yield b"data: " + json.dumps(P.error_body(str(exc), status=503)).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
