@@ -25,3 +25,57 @@ def sampler_url():
 
 
 # ---------------------------------------------------------------- end of sampler fixtures
+
+
+# ---------------------------------------------------------------- NATS fixtures (owner: transport/natsd/cluster)
+
+
+@pytest.fixture
+async def nats_server(tmp_path):
+    """A real nats-server with JetStream on a free loopback port and a fresh store under tmp_path.
+
+    Stopped by PID (SIGTERM, then SIGKILL) when the test ends, also on failure. ``srv.kill()`` and
+    ``srv.restart()`` crash it and bring it back on the same port and store.
+    """
+    from t1async.natsd import NatsServer
+
+    async with NatsServer.start(tmp_path / "nats") as srv:
+        yield srv
+
+
+@pytest.fixture
+def repo_env():
+    """Environment for subprocesses that run ``python -m t1async...`` from the repo (package not installed)."""
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "T1_LOG_JSON": "1"}
+
+
+@pytest.fixture
+def nats_raw_publish():
+    """``await pub(url, subject, data, headers=None)``: publish raw bytes over a bare TCP connection speaking the
+    NATS protocol (PUB/HPUB), as a misbehaving client would; returns after the server answered PING."""
+    import anyio
+
+    async def pub(url: str, subject: str, data: bytes, headers: dict | None = None) -> None:
+        host, port = url.removeprefix("nats://").rsplit(":", 1)
+        async with await anyio.connect_tcp(host, int(port)) as s:
+            await s.receive()  # INFO
+            if headers:
+                hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
+                cmd = f"HPUB {subject} {len(hdr)} {len(hdr) + len(data)}\r\n".encode() + hdr + data + b"\r\n"
+            else:
+                cmd = f"PUB {subject} {len(data)}\r\n".encode() + data + b"\r\n"
+            await s.send(b'CONNECT {"verbose":false,"headers":true}\r\n' + cmd + b"PING\r\n")
+            buf = b""
+            with anyio.fail_after(5):
+                while b"PONG" not in buf:
+                    buf += await s.receive()
+            assert b"-ERR" not in buf, buf
+
+    return pub
+
+
+# ---------------------------------------------------------------- end of NATS fixtures

@@ -9,10 +9,11 @@ Payloads still go through ``wire.encode``/``decode``, so validation is identical
 from __future__ import annotations
 
 import math
+import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -60,7 +61,6 @@ class MemoryBroker:
         self._dedupe: dict[str, float] = {}
         self._durables: dict[str, _Durable] = {}
         self._subs: list[_Sub] = []
-        self._servers: list[_Sub] = []
         self._changed = anyio.Event()
 
     # -------------------------------------------------------------------- publishing side
@@ -79,15 +79,21 @@ class MemoryBroker:
         self._wake()
         return seq
 
-    def core(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        for sub in list(self._subs):
-            if subject_matches(sub.pattern, subject):
-                try:
-                    sub.send.send_nowait((subject, bytes(data), dict(headers)))
-                except anyio.WouldBlock:
-                    log.warning("transport.slow_consumer", subject=subject, pattern=sub.pattern)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
+    def core(self, subject: str, data: bytes, headers: dict[str, str], reply: Any = None) -> int:
+        """Deliver to every matching plain subscription and to one member of each queue group; returns how many."""
+        targets, groups = [], set()
+        for sub in random.sample(self._subs, len(self._subs)):
+            if subject_matches(sub.pattern, subject) and (not sub.queue or sub.queue not in groups):
+                groups.add(sub.queue)
+                targets.append(sub)
+        for sub in targets:
+            try:
+                sub.send.send_nowait((subject, bytes(data), dict(headers), reply.clone() if reply else None))
+            except anyio.WouldBlock:
+                log.warning("transport.slow_consumer", subject=subject, pattern=sub.pattern)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+        return len(targets)
 
     async def inject(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish raw bytes, as a misbehaving client would (stored if ``subject`` is in the stream)."""
@@ -224,11 +230,11 @@ class MemoryTransport(Transport):
         return settle
 
     @asynccontextmanager
-    async def _core_sub(self, pattern: str, queue: str, servers: bool) -> AsyncIterator[_Sub]:
+    async def _core_sub(self, pattern: str, queue: str) -> AsyncIterator[_Sub]:
         self._check_open()
         send, recv = anyio.create_memory_object_stream[tuple](_SUB_BUFFER)
         sub = _Sub(pattern, send, queue)
-        registry = self.broker._servers if servers else self.broker._subs
+        registry = self.broker._subs
         registry.append(sub)
         try:
             async with recv:
@@ -239,11 +245,13 @@ class MemoryTransport(Transport):
 
     @asynccontextmanager
     async def subscribe(self, subject: str, *, include_malformed: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
-        async with self._core_sub(subject, "", servers=False) as recv:
+        async with self._core_sub(subject, "") as recv:
             yield self._messages(recv, include_malformed)
 
     async def _messages(self, recv, include_malformed: bool) -> AsyncIterator[Message]:
-        async for subject, data, headers in recv:
+        async for subject, data, headers, reply in recv:
+            if reply is not None:
+                reply.close()
             try:
                 rec = wire.decode(data)
             except WireError as err:
@@ -256,38 +264,30 @@ class MemoryTransport(Transport):
 
     async def request(self, subject: str, record: Record, *, timeout: float) -> Record:
         self._check_open()
-        data = wire.encode(record)
-        targets = [s for s in self.broker._servers if subject_matches(s.pattern, subject)]
-        if not targets:
-            raise NoResponders(f"no server for request on {subject!r} (is the learner running?): retry later")
-        chosen, queues = [], set()
-        for s in targets:  # every plain server, one member of each queue group
-            if not s.queue or s.queue not in queues:
-                queues.add(s.queue)
-                chosen.append(s)
-        reply_send, reply_recv = anyio.create_memory_object_stream[bytes](len(chosen))
+        reply_send, reply_recv = anyio.create_memory_object_stream[bytes](16)
         async with reply_recv, reply_send:
-            for s in chosen:
-                try:
-                    s.send.send_nowait((subject, data, reply_send.clone()))
-                except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
+            if not self.broker.core(subject, wire.encode(record), {}, reply_send):
+                raise NoResponders(f"no server for request on {subject!r} (is the learner running?): retry later")
             with anyio.move_on_after(timeout):
                 return wire.decode(await reply_recv.receive())
         raise RequestTimeout(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry")
 
     @asynccontextmanager
     async def serve(self, subject: str, *, queue: str = "") -> AsyncIterator[AsyncIterator[Request]]:
-        async with self._core_sub(subject, queue, servers=True) as recv:
+        async with self._core_sub(subject, queue) as recv:
             yield self._requests(recv)
 
     async def _requests(self, recv) -> AsyncIterator[Request]:
-        async for subject, data, reply in recv:
+        async for subject, data, _headers, reply in recv:
             try:
                 rec = wire.decode(data)
             except WireError as err:
                 self._dead(subject, data, err)
-                reply.close()
+                if reply is not None:
+                    reply.close()
+                continue
+            if reply is None:
+                log.warning("transport.request_without_reply", subject=subject)
                 continue
             yield Request(subject, rec, self._responder(reply))
 

@@ -531,14 +531,14 @@ class NatsTransport(Transport):
         for subj, headers, payload in dead:
             await self._nc.publish(subj, payload, headers=headers)
         if ack or term or nak:
-            await self._nc.flush(timeout=max(1, math.ceil(self.config.ack_timeout_s)))
+            await self._aio_sync()
 
     async def _aio_release(self, psub: Any, held: list) -> None:
         for m in held:
             await m.nak()
         try:
             await psub.unsubscribe()
-            await self._nc.flush(timeout=2)
+            await self._aio_sync()
         except nats.errors.Error as exc:
             log.warning("transport.unsubscribe_failed", error=repr(exc))
 
@@ -548,7 +548,15 @@ class NatsTransport(Transport):
         async def cb(msg: Any) -> None:
             await q.put(msg)
 
-        return q, await self._nc.subscribe(subject, queue=queue, cb=cb)
+        sub = await self._nc.subscribe(subject, queue=queue, cb=cb)
+        await self._aio_sync()  # the server knows the subscription when subscribe()/serve() return
+        return q, sub
+
+    async def _aio_sync(self) -> None:
+        """Wait until the server has processed everything we sent. nats-py's flush() alone does not: it
+        writes its PING straight to the socket, ahead of commands still in its pending buffer."""
+        await self._nc._flush_pending(force_flush=True)
+        await self._nc.flush(timeout=max(1, math.ceil(self.config.ack_timeout_s)))
 
     @staticmethod
     async def _aio_drain(q: asyncio.Queue, n: int) -> list[tuple]:
