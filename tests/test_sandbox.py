@@ -162,6 +162,16 @@ async def test_exit_ends_the_shell_and_the_next_command_gets_a_fresh_one(sb: Bwr
     assert r.output.startswith("/tmp\n") and r.exit_code == 0
 
 
+async def test_a_cancelled_exec_is_stopped_before_the_next_one(sb: BwrapSandbox) -> None:
+    await sb.exec("cd /tmp && KEEP=yes")
+    with anyio.move_on_after(0.5) as scope:
+        await sb.exec("sleep 100; touch /tmp/should-not-exist", timeout=60)
+    assert scope.cancelled_caught
+    r = await sb.exec("ls /tmp; echo $KEEP; pwd")
+    assert r.output == "yes\n/tmp\n" and r.exit_code == 0
+    assert not [c for c in _sandbox_cmdlines(sb.uid) if "sleep 100" in c]
+
+
 # -- output cap -----------------------------------------------------------------------------------------
 
 

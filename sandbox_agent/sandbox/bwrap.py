@@ -163,15 +163,16 @@ class _Session:
         self.shell_pid: int | None = None  # host pid of the persistent bash (for its abort signal)
 
     async def kill(self) -> None:
-        if self.proc.stdin is not None:
-            await self.proc.stdin.aclose()
-        if self.proc.returncode is None:
-            with anyio.move_on_after(0.2):
-                await self.proc.wait()
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.proc.wait()
-        await self.proc.aclose()
+        with anyio.CancelScope(shield=True):  # bounded: bwrap dies at once on SIGKILL
+            if self.proc.stdin is not None:
+                await self.proc.stdin.aclose()
+            if self.proc.returncode is None:
+                with anyio.move_on_after(0.2):
+                    await self.proc.wait()
+            if self.proc.returncode is None:
+                self.proc.kill()
+            await self.proc.wait()
+            await self.proc.aclose()
 
 
 class BwrapSandbox:
@@ -183,6 +184,7 @@ class BwrapSandbox:
         self._bwrap = bwrap
         self._session: _Session | None = None
         self._cwd_quoted: str | None = None  # the shell's cwd, bash-quoted, after the last command
+        self._inflight: tuple[str, set[int]] | None = None  # (nonce, pids before) of an unfinished exec
         self._lock = anyio.Lock()
         self._closed = False
 
@@ -295,6 +297,8 @@ class BwrapSandbox:
             if self._closed:
                 raise SandboxClosedError("exec() on a closed sandbox")
             notes: list[str] = []
+            if self._inflight is not None:
+                await self._abandon_inflight()
             if self._session is None:
                 await self._start()
                 notes.append("[note: the shell was restarted: cwd kept; variables, functions and background "
@@ -306,15 +310,19 @@ class BwrapSandbox:
             nonce = secrets.token_hex(16)
             t0 = time.monotonic()
             done: Done | None = None
+            self._inflight = (nonce, before)  # cleared below; left set if the caller cancels us
             with anyio.move_on_after(timeout):
                 try:
                     await session.channel.send(command, nonce)
                     done = await session.channel.read_until_done(nonce, out)
                 except (ShellEOF, anyio.BrokenResourceError):
+                    self._inflight = None
                     return await self._shell_died(session, out, t0, notes)
             timed_out = done is None
             if timed_out:
                 done = await self._kill_command(session, before, nonce, out)
+            self._inflight = None
+            if timed_out:
                 notes.append(f"[timed out after {timeout:g} s: the command's processes were killed]")
                 if done is None:
                     session.channel.take_pending(out)
@@ -326,6 +334,22 @@ class BwrapSandbox:
             if done is not None:
                 self._cwd_quoted = done.cwd_quoted
             return self._result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
+
+    async def _abandon_inflight(self) -> None:
+        """An earlier exec was cancelled mid-command: stop that command (or the shell) before the next one."""
+        assert self._inflight is not None
+        (nonce, before), self._inflight = self._inflight, None
+        session = self._session
+        if session is None:
+            return
+        done = await self._kill_command(session, before, nonce, OutputBuffer(4096))
+        if done is None:
+            self._session = None
+            await session.kill()
+            await self._reap_uid(deadline_s=5.0)
+        else:
+            self._cwd_quoted = done.cwd_quoted
+        log.info("sandbox.cancelled_command_stopped", uid=self.uid, shell_kept=done is not None)
 
     async def _kill_command(self, session: _Session, before: set[int], nonce: str, out: OutputBuffer
                             ) -> Done | None:
