@@ -3,6 +3,7 @@
     python -m sandbox_agent synth --out DIR --n N --seed S [--families a,b]
     python -m sandbox_agent decontam --corpus DIR --against DIR [--ngram 8] [--threshold 0.5] [--json]
     python -m sandbox_agent run-task TASK_DIR [--oracle | --agent null|oracle] [--json]
+    python -m sandbox_agent check TASKS_DIR [--sample K] [--seed S] [--json]
     python -m sandbox_agent list TASKS_DIR [--json]
 
 Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImage, a broken
@@ -50,6 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
     g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
+
+    c = sub.add_parser("check", help="oracle must resolve and do-nothing must not, on (a sample of) tasks",
+                       description="Run every task's oracle and a do-nothing agent in the bwrap sandbox; exit 1 "
+                       "if any oracle fails to resolve or any do-nothing run resolves.")
+    c.add_argument("tasks_dir", type=Path, metavar="TASKS_DIR")
+    c.add_argument("--sample", type=int, default=0, help="check a random sample of K tasks (default: all)")
+    c.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    c.add_argument("--concurrency", type=int, default=2, help="tasks run at once (default 2)")
+    c.add_argument("--json", action="store_true", help="print a JSON summary (last line)")
 
     ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
     ls.add_argument("tasks_dir", type=Path, metavar="TASKS_DIR")
@@ -113,6 +123,37 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(a: argparse.Namespace) -> int:
+    import random
+
+    from sandbox_agent.backend import BwrapBackend
+    from sandbox_agent.runner import check_tasks
+    from sandbox_agent.tasks import load_tasks
+
+    if a.sample < 0 or a.concurrency < 1:
+        raise _Usage(f"--sample must be >= 0 and --concurrency >= 1; got {a.sample} and {a.concurrency}")
+    tasks = load_tasks(a.tasks_dir)
+    if a.sample and a.sample < len(tasks):
+        tasks = random.Random(a.seed).sample(tasks, a.sample)
+    backend = BwrapBackend()
+    skipped = [t for t in tasks if not backend.supports(t)]
+    for t in skipped:
+        print(f"skip {t.id:<40} needs image {t.docker_image}")
+    tasks = [t for t in tasks if backend.supports(t)]
+    rows = trio.run(lambda: check_tasks(tasks, backend=backend, concurrency=a.concurrency))
+    for r in rows:
+        print(f"{'ok ' if r.ok else 'BAD'} {r.task_id:<40} oracle {r.oracle.status} {r.oracle.passed}/{r.oracle.total}"
+              f"  null {r.null.status} {r.null.passed}/{r.null.total}")
+    bad = [r.task_id for r in rows if not r.ok]
+    print(f"{len(rows) - len(bad)} of {len(rows)} tasks ok")
+    if a.json:
+        print(json.dumps({"tasks": len(rows), "ok": len(rows) - len(bad), "bad": bad,
+                          "skipped": [t.id for t in skipped],
+                          "oracle_resolved": sum(r.oracle.resolved for r in rows),
+                          "null_resolved": sum(r.null.resolved for r in rows)}))
+    return 1 if bad else 0
+
+
 def _cmd_list(a: argparse.Namespace) -> int:
     from sandbox_agent.tasks import load_tasks
 
@@ -134,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
-    handlers = {"synth": _cmd_synth, "decontam": _cmd_decontam, "run-task": _cmd_run_task, "list": _cmd_list}
+    handlers = {"synth": _cmd_synth, "decontam": _cmd_decontam, "run-task": _cmd_run_task, "check": _cmd_check,
+                "list": _cmd_list}
     try:
         return handlers[a.cmd](a)
     except _Usage as exc:

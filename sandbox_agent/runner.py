@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Protocol
 
+import anyio
+
 from sandbox_agent.actions import format_observation
 from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn, run_agent
 from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
@@ -171,6 +173,38 @@ async def run_policy(
     log.info("policy.run", task=task.id, policy=policy.name, passed=result.passed, total=result.total,
              status=result.status)
     return PolicyRun(task.id, policy.name, result, act, time.monotonic() - t0)
+
+
+@dataclass(frozen=True)
+class TaskCheck:
+    """A task's oracle and do-nothing runs: a usable task resolves with its oracle and not with nothing."""
+
+    task_id: str
+    oracle: VerifyResult
+    null: VerifyResult
+
+    @property
+    def ok(self) -> bool:
+        o, n = self.oracle, self.null
+        return o.status == "ok" and o.resolved and n.status == "ok" and not n.resolved
+
+
+async def check_tasks(tasks: list[Task], *, backend: SandboxBackend | None = None, concurrency: int = 2) -> list[TaskCheck]:
+    """Run the oracle and the do-nothing agent on every task, ``concurrency`` at a time (in task order)."""
+    backend = backend or BwrapBackend()
+    out: dict[int, TaskCheck] = {}
+    limit = anyio.CapacityLimiter(concurrency)
+
+    async def one(i: int, t: Task) -> None:
+        async with limit:
+            o = await run_policy(t, OracleAgent(), backend=backend)
+            n = await run_policy(t, NullAgent(), backend=backend)
+        out[i] = TaskCheck(t.id, o.verify, n.verify)
+
+    async with anyio.create_task_group() as tg:
+        for i, t in enumerate(tasks):
+            tg.start_soon(one, i, t)
+    return [out[i] for i in range(len(tasks))]
 
 
 # ------------------------------------------------------------------------------ oracle as SFT turns

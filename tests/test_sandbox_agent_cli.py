@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("sub", [[], ["synth"], ["decontam"], ["run-task"], ["list"]])
+@pytest.mark.parametrize("sub", [[], ["synth"], ["decontam"], ["run-task"], ["check"], ["list"]])
 def test_help_everywhere(sub):
     r = cli(*sub, "--help")
     assert r.returncode == 0 and "usage: python -m sandbox_agent" in r.stdout
@@ -67,3 +68,15 @@ def test_synth_list_and_decontam(tmp_path):
     r = cli("decontam", "--corpus", str(FIXTURES), "--against", str(FIXTURES), "--json")
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["flagged_count"] == 6  # a benchmark against itself: everything overlaps
+
+
+def test_check_passes_good_tasks_and_fails_a_broken_oracle(tmp_path):
+    r = cli("check", str(FIXTURES / "tb2"), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["tasks"], out["ok"], out["skipped"]) == (2, 2, ["custom-image"])
+    shutil.copytree(FIXTURES / "tb1" / "hello-world", tmp_path / "broken")
+    (tmp_path / "broken" / "solution.sh").write_text("echo 'Hello, wrld!' > hello.txt\n")
+    r = cli("check", str(tmp_path), "--json")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 1 and out["bad"] == ["broken"] and "BAD broken" in r.stdout

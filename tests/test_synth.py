@@ -7,9 +7,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-import trio
-
-from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
+from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import FAMILIES, generate, make_task
 from sandbox_agent.tasks import load_task, split_for
 from t1async.errors import ConfigError
@@ -17,22 +15,12 @@ from t1async.errors import ConfigError
 
 async def _check_corpus(paths: list[Path]) -> dict[str, str]:
     """Run oracle and null on every task (a few at a time); return {task: what went wrong}."""
-    problems: dict[str, str] = {}
-    limit = trio.CapacityLimiter(3)
-
-    async def one(p: Path) -> None:
-        async with limit:
-            t = load_task(p)
-            o = (await run_policy(t, OracleAgent())).verify
-            n = (await run_policy(t, NullAgent())).verify
-        if not (o.status == "ok" and o.resolved and o.passed == o.total >= 3):
-            problems[t.id] = f"oracle: {o.status} {o.passed}/{o.total} {o.tests} {o.detail[-800:]}"
-        if not (n.status == "ok" and not n.resolved and n.total >= 3):
-            problems[t.id + " (null)"] = f"null: {n.status} {n.passed}/{n.total} {n.detail[-300:]}"
-
-    async with trio.open_nursery() as nursery:
-        for p in paths:
-            nursery.start_soon(one, p)
+    rows = await check_tasks([load_task(p) for p in paths], concurrency=3)
+    problems = {}
+    for r in rows:
+        o, n = r.oracle, r.null
+        if not (r.ok and o.passed == o.total >= 3 and n.total >= 3):
+            problems[r.task_id] = f"oracle {o.status} {o.passed}/{o.total} {o.detail[-800:]}; null {n.status} {n.passed}/{n.total}"
     return problems
 
 
