@@ -25,6 +25,7 @@ Buffered out-of-order turns are bounded per episode (``max_pending_turns``); pas
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -61,14 +62,16 @@ class _Builder:
     """One open segment: growable token arrays whose first ``n`` entries are exactly ``S_k``."""
 
     def __init__(self, rstats: RoutingStats, num_experts: int | None, cap: int = 4096) -> None:
+        # appends write every array over the range they cover, so nothing needs an initial fill
         self.tokens = np.empty(cap, np.int32)
-        self.loss = np.zeros(cap, bool)
-        self.logprobs = np.zeros(cap, np.float32)
-        self.versions = np.full(cap, -1, np.int32)
-        self.turn_ids = np.full(cap, -1, np.int32)
+        self.loss = np.empty(cap, bool)
+        self.logprobs = np.empty(cap, np.float32)
+        self.versions = np.empty(cap, np.int32)
+        self.turn_ids = np.empty(cap, np.int32)
         self.n = 0
         self.spans: list[_Span] = []
         self.hasher: Any = new_hasher()
+        self.ckpt: tuple[list[int], list[Any]] = ([], [])  # hash states at turn inputs/outputs ends
         self.track = RouteTrack(rstats, num_experts)
         self.forked = False
 
@@ -77,11 +80,22 @@ class _Builder:
         if need <= cap:
             return
         cap = max(need, 2 * cap)
-        for name, fill in (("tokens", 0), ("loss", False), ("logprobs", 0.0), ("versions", -1), ("turn_ids", -1)):
+        for name in ("tokens", "loss", "logprobs", "versions", "turn_ids"):  # appends write every array
             old = getattr(self, name)
-            new = np.full(cap, fill, old.dtype)
+            new = np.empty(cap, old.dtype)
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
+
+    def checkpoint(self) -> None:
+        """Remember the hash state at ``n`` (a REALIGN or FORK then rehashes only from here)."""
+        pos, hs = self.ckpt
+        if not pos or pos[-1] < self.n:
+            pos.append(self.n)
+            hs.append(self.hasher.copy())
+
+    def share_checkpoints(self, old: "_Builder", lcp: int) -> None:
+        i = bisect.bisect_right(old.ckpt[0], lcp)
+        self.ckpt = (old.ckpt[0][:i], old.ckpt[1][:i])
 
     def append_context(self, ids: np.ndarray, turn_ids: np.ndarray | None = None) -> None:
         a, b = self.n, self.n + len(ids)
@@ -116,6 +130,7 @@ class _Builder:
             self.spans.pop()
             carry = 0.0 if last.trained else last.reward
         self.track.truncate(lcp)
+        self.share_checkpoints(self, lcp)
         return dropped, after_cut, carry
 
     def emit(self, episode: str, index: int, done: bool, copy: bool) -> Segment | None:
@@ -135,7 +150,7 @@ class _Builder:
         seg = Segment(
             episode=episode, index=index, tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
             loss_mask=part(self.loss, False), logprobs=part(self.logprobs, 0.0), versions=part(self.versions, -1),
-            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(copy),
+            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(),
             turn_ends=np.array([s.out_end - 1 for s in new], np.int32),
             turn_rewards=np.array([s.reward for s in new], np.float32), done=done,
             turn_numbers=np.array([s.turn for s in new], np.int32),
@@ -254,7 +269,7 @@ class EpisodeAssembler:
         st.turns += 1
         prev = _EMPTY if b is None else b.tokens[: b.n]
         chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
-                          rec.keep, rec.input_delta, rec.input_digest)  # fmt: skip
+                          rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip
         if b is not None:
             st.boundaries += 1
         if not chk.ok:
@@ -294,12 +309,15 @@ class EpisodeAssembler:
             b.append_context(old.tokens[:lcp], old.turn_ids[:lcp])
             b.append_context(rec.input_delta[lcp - keep :])
             b.track.fork_from(old.track, lcp)
+            b.share_checkpoints(old, lcp)
             out = self._close(done=False)  # the old segment ends at the boundary, in its own context
             self.builder = b
         assert b.n == chk.input_len, (b.n, chk.input_len)
         b.hasher = chk.hasher
+        b.checkpoint()
         hash_update(b.hasher, rec.output_ids)
         b.append_output(rec, carry)
+        b.checkpoint()
         b.track.add(rec.routing, chk.input_len, len(rec.output_ids))
         return out
 

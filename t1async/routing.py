@@ -13,8 +13,9 @@ the new request's trace, which must start at or before ``lcp`` (the actor asks f
 position it had not been told about). A position whose rows came from a *different* context is never used:
 if the new trace starts after ``lcp`` the gap stays -1 (route freely) and is counted as missing.
 
-``RouteTrack`` keeps one segment's aligned routing as int16 ``[T, L, K]`` with -1 for missing, and the end of
-the contiguous covered run, so tiling is checked as traces arrive: a trace starting after the covered end is
+``RouteTrack`` keeps one segment's aligned routing (as references to the traces, turned into int16
+``[T, L, K]`` with -1 for missing when the segment is returned) and the end of the contiguous covered run,
+so tiling is checked as traces arrive: a trace starting after the covered end is
 a gap (rows missing), one starting before it overlaps (the newer rows win: they come from exactly this
 context). A trace with the wrong row count or shape is rejected whole; a layer whose entries are all 0 over
 the trace is a broken capture (no real top-k of width >= 2 picks expert 0 twice) and that layer's rows of
@@ -108,8 +109,11 @@ def zero_layers(experts: np.ndarray, min_rows: int = ZERO_LAYER_MIN_ROWS) -> np.
     rows, layers, topk = experts.shape
     if rows == 0 or (topk < 2 and rows < min_rows):
         return np.zeros(layers, dtype=bool)
-    # OR over rows on the contiguous [rows, L*K] view vectorises well; then "any" over topk
-    ored = np.bitwise_or.reduce(experts.reshape(rows, layers * topk), axis=0).reshape(layers, topk)
+    # OR over rows, 8 bytes at a time (a zero value is zero bytes, whatever the dtype), then "any" per layer
+    b = np.ascontiguousarray(experts).view(np.uint8).reshape(rows, -1)
+    if b.shape[1] % 8 == 0:
+        b = b.view(np.uint64)
+    ored = np.bitwise_or.reduce(b, axis=0).view(np.uint8).reshape(layers, -1)
     return ~ored.any(axis=1)
 
 
@@ -133,47 +137,53 @@ def check_trace(
 # --------------------------------------------------------------------------------------------- alignment
 
 
-class RouteTrack:
-    """One segment's routing, aligned to its positions: int16 ``[n, L, K]``, -1 missing.
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    start: int  # first position
+    end: int  # one past the last position
+    rows: np.ndarray  # the trace's own array (u1/u2), rows[0] is position ``start``: never copied while building
+    bad: np.ndarray | None  # bool [L]: layers rejected as all-zero captures
 
-    Allocated on the first usable trace (``arr`` is None before: no routing seen). ``covered`` is the end of
-    the contiguous run of positions whose routing is settled (known, or given up as missing).
+
+class RouteTrack:
+    """One segment's routing, aligned to its positions; ``take()`` gives int16 ``[n, L, K]``, -1 missing.
+
+    While the segment grows it only keeps references to the traces' own arrays (chunks in position order, no
+    overlap), so adding a turn, a REALIGN (trim) and a FORK (share the prefix chunks) copy nothing; the one
+    conversion to int16 happens when a segment is returned. ``covered`` is the end of the contiguous run of
+    positions whose routing is settled (known, or given up as missing). ``shape`` is (L, K) once a usable
+    trace was seen (None: this segment has no routing).
     """
 
     def __init__(self, stats: RoutingStats, num_experts: int | None = None) -> None:
         self.stats = stats
         self.num_experts = num_experts
-        self.arr: np.ndarray | None = None
+        self.chunks: list[_Chunk] = []
+        self.shape: tuple[int, int] | None = None
         self.n = 0  # positions in the segment
         self.covered = 0
 
-    @property
-    def shape(self) -> tuple[int, int] | None:
-        return None if self.arr is None else (self.arr.shape[1], self.arr.shape[2])
-
-    def _ensure(self, n: int) -> None:
-        assert self.arr is not None
-        if n > len(self.arr):
-            cap = max(n, 2 * len(self.arr), 1024)
-            new = np.empty((cap, *self.arr.shape[1:]), dtype=np.int16)
-            new[: self.n] = self.arr[: self.n]
-            self.arr = new
-        if n > self.n:
-            self.arr[self.n : n] = MISSING
+    def _trim(self, pos: int) -> None:
+        """Forget routing at positions >= pos (chunks may be shared with a forked track: replace, never mutate)."""
+        while self.chunks and self.chunks[-1].start >= pos:
+            self.chunks.pop()
+        if self.chunks and self.chunks[-1].end > pos:
+            c = self.chunks[-1]
+            self.chunks[-1] = _Chunk(c.start, pos, c.rows, c.bad)
 
     def truncate(self, lcp: int) -> None:
-        """Keep positions ``< lcp`` (REALIGN, or the shared prefix of a FORK)."""
+        """Keep positions ``< lcp`` (REALIGN: the discarded run's rows are dropped)."""
         if lcp < self.n:
             self.stats.dropped_rows += max(0, min(self.covered, self.n) - lcp)
+            self._trim(lcp)
             self.n = lcp
             self.covered = min(self.covered, lcp)
 
     def fork_from(self, old: "RouteTrack", lcp: int) -> None:
         """Start a FORK segment: take the old segment's rows below ``lcp`` (same tokens, same causal context)."""
         keep = min(lcp, old.n)
-        if old.arr is not None:
-            self.arr = np.empty((max(1024, 2 * keep), *old.arr.shape[1:]), dtype=np.int16)
-            self.arr[:keep] = old.arr[:keep]
+        self.chunks, self.shape = list(old.chunks), old.shape
+        self._trim(keep)
         self.n = keep
         self.covered = min(old.covered, keep)
 
@@ -191,37 +201,43 @@ class RouteTrack:
         else:
             self.stats.absent_traces += 1
         if why:
-            if self.arr is not None:
-                self._ensure(new_n)
+            if self.shape is not None:
                 self.stats.missing_rows += max(0, end - self.covered)
             self.n, self.covered = new_n, max(self.covered, end)
             return
         assert routing is not None
         ex, start = routing.experts, routing.start
-        if self.arr is None:  # first trace of this segment: everything before it is missing
-            self.arr = np.empty((max(1024, 2 * new_n), *ex.shape[1:]), dtype=np.int16)
-            self.arr[: self.n] = MISSING
-        self._ensure(new_n)
+        if self.shape is None:  # first trace of this segment: everything before it is missing (uncounted)
+            self.shape = (ex.shape[1], ex.shape[2])
         if start > self.covered:
             gap = start - self.covered
             self.stats.gap_rows += gap
             self.stats.missing_rows += gap
         elif start < self.covered:
             self.stats.overlap_rows += self.covered - start
+        self._trim(start)
         if len(ex):
-            self.arr[start:end] = ex
             bad = zero_layers(ex)
             if bad.any():
                 self.stats.rejected_layers += int(bad.sum())
-                self.arr[start:end, bad] = MISSING
+            self.chunks.append(_Chunk(start, end, ex, bad if bad.any() else None))
         self.n, self.covered = new_n, end
 
-    def take(self, copy: bool) -> np.ndarray | None:
-        """The segment's routing ``[n, L, K]`` (a copy when the track keeps growing after this)."""
-        if self.arr is None:
+    def take(self) -> np.ndarray | None:
+        """The segment's routing as a new int16 ``[n, L, K]`` array, -1 where missing; None without routing."""
+        if self.shape is None:
             return None
-        out = self.arr[: self.n]
-        return out.copy() if copy else out
+        out = np.empty((self.n, *self.shape), dtype=np.int16)
+        pos = 0
+        for c in self.chunks:
+            if c.start > pos:
+                out[pos : c.start] = MISSING
+            out[c.start : c.end] = c.rows[: c.end - c.start]
+            if c.bad is not None:
+                out[c.start : c.end, c.bad] = MISSING
+            pos = c.end
+        out[pos:] = MISSING
+        return out
 
 
 def routing_drift(recorded: np.ndarray, computed: np.ndarray) -> tuple[int, int]:

@@ -24,6 +24,7 @@ preceding tokens are exactly the sampler's input for that turn.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -189,12 +190,17 @@ class BoundaryCheck:
     reason: str = ""
 
 
-def check_input(prev: np.ndarray, out_start: int, running: Any, keep: int, delta: np.ndarray, digest: bytes) -> BoundaryCheck:
+def check_input(
+    prev: np.ndarray, out_start: int, running: Any, keep: int, delta: np.ndarray, digest: bytes,
+    checkpoints: tuple[list[int], list[Any]] | None = None,
+) -> BoundaryCheck:  # fmt: skip
     """Check one turn's input against ``prev`` = ``S_k`` (empty for the first turn), vectorised.
 
     ``running`` is the hasher over all of ``prev`` (reused on a CLEAN boundary so a check costs O(delta), not
-    O(sequence)). Reconstructs ``I = prev[:keep] + delta``, verifies ``digest``, then finds the true common
-    prefix with ``prev`` and classifies. ``out_start`` is where turn k's output starts in ``prev``.
+    O(sequence)); ``checkpoints`` (sorted positions, hashers over ``prev[:pos]``) bound the rehash when
+    ``keep < len(prev)`` to the tokens after the nearest checkpoint. Reconstructs ``I = prev[:keep] + delta``,
+    verifies ``digest``, then finds the true common prefix with ``prev`` and classifies. ``out_start`` is
+    where turn k's output starts in ``prev``.
     """
     n = len(prev)
     input_len = keep + len(delta)
@@ -203,8 +209,13 @@ def check_input(prev: np.ndarray, out_start: int, running: Any, keep: int, delta
     if keep == n:
         h = running.copy()
     else:
+        pos = 0
         h = new_hasher()
-        hash_update(h, prev[:keep])
+        if checkpoints is not None and checkpoints[0]:
+            i = bisect.bisect_right(checkpoints[0], keep) - 1
+            if i >= 0:
+                pos, h = checkpoints[0][i], checkpoints[1][i].copy()
+        hash_update(h, prev[pos:keep])
     hash_update(h, delta)
     if h.digest() != digest:
         return BoundaryCheck(False, None, 0, input_len, None, f"input_digest does not match prev[:{keep}] + input_delta")

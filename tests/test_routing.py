@@ -60,7 +60,7 @@ def test_track_tiles_and_counts_gaps_overlaps_and_rejections():
     s1 = np.concatenate([s0, np.arange(20, 25, dtype=np.int32)])
     tr.add(_trace(s1, 11), 12, 3)  # should start at 9: rows 9, 10 are a gap
     assert (stats.gap_rows, stats.missing_rows) == (2, 2)
-    arr = tr.take(copy=True)
+    arr = tr.take()
     assert (arr[9:11] == -1).all() and (arr[11:14] >= 0).all() and (arr[14] == -1).all()
     s2 = np.concatenate([s1, [7, 7]]).astype(np.int32)
     tr.add(_trace(s2, 10), 16, 1)  # starts before covered end 14: overlap, newer rows win
@@ -79,7 +79,7 @@ def test_all_zero_layer_becomes_missing_for_that_trace_only():
     ex = rt.experts.copy()
     ex[:, 2] = 0
     tr.add(wire.Routing(0, ex), 40, 10)
-    arr = tr.take(copy=False)
+    arr = tr.take()
     assert stats.rejected_layers == 1 and (arr[:49, 2] == -1).all() and (arr[:49, :2] >= 0).all()
 
 

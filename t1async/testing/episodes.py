@@ -42,14 +42,30 @@ def _weights(n: int) -> np.ndarray:
     return _W[:n]
 
 
-def route_rows(tokens: np.ndarray, layers: int, topk: int, num_experts: int) -> np.ndarray:
-    """Fake sampler routing: row p depends on every token ``0..p`` (a prefix hash), distinct experts per row."""
+def prefix_hash(tokens: np.ndarray, prev: np.ndarray | None = None, lcp: int = 0) -> np.ndarray:
+    """int64 [T]: a hash of ``tokens[0..p]`` for each p. With ``prev`` (the hash of a sequence sharing the first
+    ``lcp`` tokens) only the new part is computed."""
+    w = _weights(len(tokens))
     with np.errstate(over="ignore"):
-        h = np.cumsum((tokens.astype(np.int64) + 1) * _weights(len(tokens)), dtype=np.int64)
+        tail = np.cumsum((tokens[lcp:].astype(np.int64) + 1) * w[lcp:], dtype=np.int64)
+        if lcp:
+            assert prev is not None
+            tail += prev[lcp - 1]
+            return np.concatenate([prev[:lcp], tail])
+    return tail
+
+
+def rows_from_hash(h: np.ndarray, layers: int, topk: int, num_experts: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
         mult = np.resize(_LAYER_MULT, layers) + np.arange(layers, dtype=np.int64)
         base = ((h[:, None] * mult[None, :]) >> 23) % num_experts
     rows = (base[:, :, None] + np.arange(topk)[None, None, :]) % num_experts
     return rows.astype(np.uint8 if num_experts <= 256 else np.uint16)
+
+
+def route_rows(tokens: np.ndarray, layers: int, topk: int, num_experts: int) -> np.ndarray:
+    """Fake sampler routing: row p depends on every token ``0..p`` (a prefix hash), distinct experts per row."""
+    return rows_from_hash(prefix_hash(tokens), layers, topk, num_experts)
 
 
 # ------------------------------------------------------------------------------------------ episodes
@@ -96,9 +112,11 @@ REALISTIC = Sizes(prompt=(400, 1500), output=(200, 2000), observation=(30, 600),
 def make_episode(
     rng: np.random.Generator, kinds: Sequence[str], *, episode: str = "ep", keep_modes: Sequence[str] | None = None,
     sizes: Sizes = SMALL, layers: int = 3, topk: int = 2, num_experts: int = 16, routing: bool = True,
-    shuffle: float = 0.0, duplicate: float = 0.0, with_end: bool = True,
+    shuffle: float = 0.0, duplicate: float = 0.0, with_end: bool = True, fork_window: int | None = None,
 ) -> EpisodeCase:  # fmt: skip
-    """An episode of ``len(kinds) + 1`` turns; ``kinds[i]`` is the drift at the boundary before turn i+1."""
+    """An episode of ``len(kinds) + 1`` turns; ``kinds[i]`` is the drift at the boundary before turn i+1.
+    A FORK's first difference is anywhere in the prefix, or within ``fork_window`` tokens before turn k's
+    output (re-rendering usually differs near the boundary)."""
 
     def draw(lo_hi: tuple[int, int]) -> int:
         return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
@@ -111,6 +129,7 @@ def make_episode(
     expected = {k: 0 for k in KINDS}
     dropped = 0
     seq = np.zeros(0, np.int32)  # S_k as the actor (and the learner) see it
+    hseq = np.zeros(0, np.int64)  # its prefix hash (routing is generated incrementally)
     out_start = 0
     version = 0
     for t in range(len(kinds) + 1):
@@ -127,7 +146,8 @@ def make_episode(
                 obs[0] = (obs[0] + 1) % sizes.vocab
             inp = np.concatenate([seq[: len(seq) - run], obs])
         elif kind == "fork":
-            q = int(rng.integers(0, out_start))  # out_start >= 1: every input has at least one token
+            lo = 0 if fork_window is None else max(0, out_start - fork_window)
+            q = int(rng.integers(lo, out_start))  # out_start >= 1: every input has at least one token
             tail = seq[q:].copy()
             if len(tail) >= 2 and rng.random() < 0.5:  # two tokens merged into one
                 tail = np.concatenate([[(int(tail[0]) + int(tail[1]) + 1) % sizes.vocab], tail[2:]]).astype(np.int32)
@@ -150,10 +170,11 @@ def make_episode(
         if rng.random() < 0.2:
             version += 1
         full = np.concatenate([inp, out])
+        hfull = prefix_hash(full, hseq, lcp)
         rt = None
         if routing:
             start = 0 if t == 0 else min(keep, n - 1)
-            rt = wire.Routing(start, route_rows(full, layers, topk, num_experts)[start : len(full) - 1])
+            rt = wire.Routing(start, rows_from_hash(hfull[start : len(full) - 1], layers, topk, num_experts))
         reward = float(rng.integers(-1, 3))
         turns.append(wire.TurnRecord(
             episode=episode, turn=t, policy_version=version, keep=keep, input_delta=inp[keep:].copy(),
@@ -161,7 +182,7 @@ def make_episode(
             finish=wire.Finish.STOP, routing=rt, reward=reward, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
         ))  # fmt: skip
         truth.append(TruthTurn(t, inp, out, lps, version, reward, kind))
-        seq, out_start = full, len(inp)
+        seq, hseq, out_start = full, hfull, len(inp)
     records: list[wire.TurnRecord | wire.EndRecord] = list(turns)
     if with_end:
         records.append(wire.EndRecord(episode, len(turns), wire.EndReason.MAX_TURNS, 0, 1, False))

@@ -1,0 +1,258 @@
+"""Ingest throughput: wire bytes -> TurnRecord -> drift check and repair -> routing alignment -> Segments.
+
+Measures, on one core and in one run, t1async's vectorised path (``wire.decode`` + ``Assembler``) and a plain
+per-token Python implementation of the same logic (``LoopAssembler`` below), asserts that both produce the
+same segments, and reports tokens per second (input delta + output tokens of every turn record).
+
+    python -m bench.ingest [--json] [--turns 300] [--layers 8] [--topk 8] [--experts 128]
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # before numpy: one core
+    os.environ[_v] = "1"
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import struct  # noqa: E402
+import time  # noqa: E402
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+
+from t1async import wire  # noqa: E402
+from t1async.assembly import Assembler  # noqa: E402
+from t1async.testing.episodes import REALISTIC, make_episode  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------ the loop version
+
+
+def _ids(m: dict) -> list[int]:
+    vals = list(struct.unpack(f"<{len(m['data']) // 4}i", m["data"]))
+    for v in vals:
+        if v < 0:
+            raise ValueError("negative token id")
+    return vals
+
+
+class LoopAssembler:
+    """The same assembly, one token (and one routing entry) at a time, in-order delivery with redeliveries."""
+
+    def __init__(self) -> None:
+        self.eps: dict[str, dict] = {}
+        self.segments: list[dict] = []
+
+    def _new(self, ep: dict) -> dict:
+        return {"tokens": [], "loss": [], "lps": [], "ver": [], "tid": [], "routes": [], "spans": [],
+                "covered": 0, "h": hashlib.blake2b(digest_size=16), "index": ep["index"]}  # fmt: skip
+
+    def _emit(self, ep_name: str, ep: dict, seg: dict, done: bool) -> None:
+        if seg["spans"]:
+            self.segments.append({"episode": ep_name, "index": ep["index"], "done": done, **seg})
+            ep["index"] += 1
+
+    def feed(self, data: bytes) -> None:
+        m = msgpack.unpackb(data, raw=False)
+        name = m["episode"]
+        if m["kind"] == "end":
+            ep = self.eps.pop(name)
+            self._emit(name, ep, ep["seg"], True)
+            return
+        ep = self.eps.setdefault(name, {"next": 0, "index": 0, "seg": None})
+        if m["turn"] < ep["next"]:
+            return  # redelivery
+        ep["next"] += 1
+        delta, out = _ids(m["input_delta"]), _ids(m["output_ids"])
+        lps = list(struct.unpack(f"<{len(out)}f", m["output_logprobs"]["data"]))
+        keep, seg = m["keep"], ep["seg"]
+        prev = seg["tokens"] if seg else []
+        n = len(prev)
+        h = seg["h"].copy() if seg and keep == n else hashlib.blake2b(digest_size=16)
+        if keep < n:
+            h.update(struct.pack(f"<{keep}i", *prev[:keep]))
+        h.update(struct.pack(f"<{len(delta)}i", *delta))
+        assert h.digest() == m["input_digest"]
+        lcp = keep
+        while lcp < n and lcp - keep < len(delta) and delta[lcp - keep] == prev[lcp]:
+            lcp += 1
+        if seg is None:
+            seg = ep["seg"] = self._new(ep)
+        elif lcp < n and lcp < seg["spans"][-1][1]:  # FORK
+            old = seg
+            seg = self._new(ep)
+            for p in range(lcp):
+                seg["tokens"].append(old["tokens"][p])
+                seg["loss"].append(False)
+                seg["lps"].append(0.0)
+                seg["ver"].append(-1)
+                seg["tid"].append(old["tid"][p])
+                seg["routes"].append(old["routes"][p])
+            seg["covered"] = min(old["covered"], lcp)
+            self._emit(name, ep, old, False)
+            seg["index"] = ep["index"]
+            ep["seg"] = seg
+        elif lcp < n:  # REALIGN
+            for key in ("tokens", "loss", "lps", "ver", "tid", "routes"):
+                del seg[key][lcp:]
+            last = seg["spans"][-1]
+            last[2] = max(last[1], lcp)
+            if last[2] == last[1]:
+                seg["spans"].pop()
+            seg["covered"] = min(seg["covered"], lcp)
+        for t in delta[len(seg["tokens"]) - keep :]:
+            seg["tokens"].append(t)
+            seg["loss"].append(False)
+            seg["lps"].append(0.0)
+            seg["ver"].append(-1)
+            seg["tid"].append(-1)
+            seg["routes"].append(None)
+        start_out = len(seg["tokens"])
+        for t, lp in zip(out, lps):
+            seg["tokens"].append(t)
+            seg["loss"].append(True)
+            seg["lps"].append(lp)
+            seg["ver"].append(m["policy_version"])
+            seg["tid"].append(m["turn"])
+            seg["routes"].append(None)
+        seg["spans"].append([m["turn"], start_out, len(seg["tokens"]), m["reward"]])
+        h.update(struct.pack(f"<{len(out)}i", *out))
+        seg["h"] = h
+        self._routing(seg, m["routing"], m["input_len"], len(out))
+
+    def _routing(self, seg: dict, rm: dict, input_len: int, n_out: int) -> None:
+        rows, layers, topk = rm["shape"]
+        start, end = rm["start"], input_len + n_out - 1
+        assert rows == end - start, "row count"
+        raw = rm["data"]
+        width = layers * topk
+        zero = []
+        for layer in range(layers):  # a layer whose every entry is 0 is a broken capture
+            allzero = topk >= 2 or rows >= 32
+            for r in range(rows):
+                base = r * width + layer * topk
+                for k in range(topk):
+                    if raw[base + k] != 0:
+                        allzero = False
+                        break
+                if not allzero:
+                    break
+            zero.append(allzero and rows > 0)
+        for r in range(rows):
+            row = []
+            for layer in range(layers):
+                base = r * width + layer * topk
+                for k in range(topk):
+                    row.append(-1 if zero[layer] else raw[base + k])
+            seg["routes"][start + r] = row
+        seg["covered"] = end
+
+
+def _loop_segments_equal(loop: list[dict], segs: list) -> None:
+    assert len(loop) == len(segs), (len(loop), len(segs))
+    for a, b in zip(loop, segs):
+        assert (a["episode"], a["index"], a["done"]) == (b.episode, b.index, b.done)
+        assert a["tokens"] == b.tokens.tolist() and a["loss"] == b.loss_mask.tolist()
+        assert np.array_equal(np.array(a["lps"], np.float32), b.logprobs) and a["ver"] == b.versions.tolist()
+        assert a["tid"] == b.turn_ids.tolist()
+        layers, topk = b.routing.shape[1:]
+        want = np.array([r if r is not None else [-1] * (layers * topk) for r in a["routes"]], np.int16)
+        assert np.array_equal(want.reshape(b.routing.shape), b.routing)
+        assert [s[2] - 1 for s in a["spans"]] == b.turn_ends.tolist()
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+
+def build_payloads(
+    turns: int, layers: int, topk: int, experts: int, seed: int, realign: float = 0.03, fork: float = 0.01
+) -> tuple[list[bytes], int]:
+    rng = np.random.default_rng(seed)
+    payloads, tokens, e = [], 0, 0
+    while turns > 0:
+        n = min(turns, 300)
+        kinds = list(rng.choice(["clean", "realign", "fork"], p=[1 - realign - fork, realign, fork], size=n - 1))
+        case = make_episode(rng, kinds, episode=f"bench{e}", sizes=REALISTIC, layers=layers, topk=topk,
+                            num_experts=experts, fork_window=64, duplicate=0.02)  # fmt: skip
+        for r in case.records:
+            payloads.append(wire.encode(r))
+            if isinstance(r, wire.TurnRecord):
+                tokens += len(r.input_delta) + len(r.output_ids)
+        turns -= n
+        e += 1
+    return payloads, tokens
+
+
+def run_vectorised(payloads: list[bytes]) -> tuple[float, list, Assembler]:
+    asm = Assembler()
+    segs = []
+    t0 = time.process_time()
+    for p in payloads:
+        segs += asm.feed(wire.decode(p))
+    return time.process_time() - t0, segs, asm
+
+
+def run_loop(payloads: list[bytes]) -> tuple[float, LoopAssembler]:
+    loop = LoopAssembler()
+    t0 = time.process_time()
+    for p in payloads:
+        loop.feed(p)
+    return time.process_time() - t0, loop
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    ap.add_argument("--turns", type=int, default=300, help="turns to ingest (episodes of up to 300 turns)")
+    ap.add_argument("--layers", type=int, default=8, help="MoE layers in the routing traces")
+    ap.add_argument("--topk", type=int, default=8, help="experts per token per layer")
+    ap.add_argument("--experts", type=int, default=128, help="experts per layer (<= 256: u1 traces)")
+    ap.add_argument("--loop-turns", type=int, default=0, help="turns the (slow) loop version runs over (0: all)")
+    ap.add_argument("--repeat", type=int, default=3, help="vectorised runs; the best is reported")
+    ap.add_argument("--realign-rate", type=float, default=0.03, help="share of boundaries that are REALIGN")
+    ap.add_argument("--fork-rate", type=float, default=0.01, help="share of boundaries that are FORK")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    mix = (args.realign_rate, args.fork_rate)
+    payloads, tokens = build_payloads(args.turns, args.layers, args.topk, args.experts, args.seed, *mix)
+    mb = sum(map(len, payloads)) / 1e6
+    run_vectorised(payloads)  # warm-up: the first run also pays the kernel for fresh pages
+    vec_s = min(run_vectorised(payloads)[0] for _ in range(args.repeat))
+    # the loop version over the same records (or a prefix of the stream), checked segment by segment
+    lt = args.loop_turns or args.turns
+    small, small_tokens = (payloads, tokens) if lt >= args.turns else build_payloads(
+        lt, args.layers, args.topk, args.experts, args.seed, *mix)  # fmt: skip
+    loop_s, loop = run_loop(small)
+    _, segs, _ = run_vectorised(small)
+    _loop_segments_equal(loop.segments, segs)
+    vec_small_s = vec_s if small is payloads else min(run_vectorised(small)[0] for _ in range(args.repeat))
+    tps, loop_tps = tokens / vec_s, small_tokens / loop_s
+    speedup = (small_tokens / vec_small_s) / loop_tps
+    _, _, asm = run_vectorised(payloads)
+    d = asm.stats()
+    rows = [
+        ("turn records", f"{d.turns:,}", f"{len(payloads):,} messages (with redeliveries and ends)"),
+        ("tokens (input delta + output)", f"{tokens:,}", f"{mb:,.1f} MB on the wire"),
+        ("routing", f"[tokens, {args.layers}, {args.topk}]", f"{args.experts} experts"),
+        ("drift clean/realign/fork", f"{d.clean}/{d.realign}/{d.fork}", f"{d.tokens_dropped:,} dropped"),
+        ("vectorised tokens/s", f"{tps / 1e6:,.2f} M", f"{vec_s * 1e3:,.0f} ms for {args.turns} turns"),
+        ("per-token loop tokens/s", f"{loop_tps / 1e6:,.3f} M", f"{loop_s * 1e3:,.0f} ms for {len(small)} records"),
+        ("speedup (same records)", f"{speedup:,.1f}x", "outputs checked equal"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    print("bench.ingest: decode + drift check/repair + routing alignment, one core (process CPU time)\n")
+    for a, b, c in rows:
+        print(f"  {a:<{w}}  {b:>16}  {c}")
+    if args.json:
+        print(json.dumps({"tokens_per_s": round(tps), "loop_tokens_per_s": round(loop_tps),
+                          "speedup": round(speedup, 1), "tokens": tokens, "turns": args.turns,
+                          "layers": args.layers, "topk": args.topk}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
