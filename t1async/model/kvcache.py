@@ -31,8 +31,8 @@ class KVCache:
         self.v = self._alloc(0, 0)
 
     def _alloc(self, slots: int, cap: int) -> Tensor:
-        c = self.cfg
-        return torch.zeros(c.n_layers, slots, c.n_heads, cap, c.head_dim, dtype=self.dtype)
+        c = self.cfg  # uninitialised: every position is written before any query may attend to it
+        return torch.empty(c.n_layers, slots, c.n_heads, cap, c.head_dim, dtype=self.dtype)
 
     @property
     def slots(self) -> int:

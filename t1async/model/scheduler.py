@@ -107,6 +107,8 @@ class EngineCore:
             self._apply_update(u)
         if plan.flush or plan.updates:
             self.prefix.clear()
+        if plan.flush and not self.active:
+            self.kv.release()  # the slab is kept between steps (re-allocating it per turn is costly)
         if plan.admit:
             self._admit(plan.admit)
             changed.extend(plan.admit)
@@ -116,8 +118,6 @@ class EngineCore:
             changed.extend(s for s in self.active if id(s) not in admitted)
             self._decode()
         self._retire_finished()
-        if not self.active and self.kv.slots:
-            self.kv.release()
         self.steps += 1
         return changed
 
@@ -238,8 +238,6 @@ class EngineCore:
             self.active[s.slot] = last
         s.slot = -1
 
-    def flush(self) -> None:
-        self.prefix.clear()
 
     def stats(self) -> dict:
         return {
