@@ -31,8 +31,9 @@ class KVCache:
         self.v = self._alloc(0, 0)
 
     def _alloc(self, slots: int, cap: int) -> Tensor:
-        c = self.cfg  # uninitialised: every position is written before any query may attend to it
-        return torch.empty(c.n_layers, slots, c.n_heads, cap, c.head_dim, dtype=self.dtype)
+        # zeroed, not empty: masked positions get weight 0 in attention, and 0 * NaN-garbage would be NaN
+        c = self.cfg
+        return torch.zeros(c.n_layers, slots, c.n_heads, cap, c.head_dim, dtype=self.dtype)
 
     @property
     def slots(self) -> int:
