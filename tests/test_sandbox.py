@@ -283,7 +283,9 @@ async def test_teardown_leaves_no_process_even_when_cancelled(workdir: Path) -> 
     async with BwrapSandbox.open(workdir, FAST) as s:
         await s.exec("sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 & disown -a")
         uid, bwrap_pid = s.uid, s._session.proc.pid  # type: ignore[union-attr]
-        assert len([c for c in _sandbox_cmdlines(uid) if "sleep 100" in c]) == 3
+        with anyio.fail_after(5):  # background jobs may not have exec'd yet
+            while len([c for c in _sandbox_cmdlines(uid) if "sleep 100" in c]) < 3:
+                await anyio.sleep(0.02)
     assert procs.uid_pids(uid, include_zombies=True) == set()
     assert not Path(f"/proc/{bwrap_pid}").exists() or procs._proc_uid_state(bwrap_pid) is None
     with pytest.raises(SandboxClosedError):

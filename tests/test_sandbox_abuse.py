@@ -171,9 +171,9 @@ async def test_background_processes_die_with_the_sandbox(workdir: Path) -> None:
     async with BwrapSandbox.open(workdir, CFG) as s:
         uid = s.uid
         await s.exec("sleep 10000 & (setsid sleep 10001 &) ; nohup sleep 10002 >/dev/null 2>&1 &")
-        await anyio.sleep(0.2)
-        pids = _pids_with(uid, "sleep 1000")
-        assert len(pids) == 3
+        with anyio.fail_after(5):  # background jobs may not have exec'd yet
+            while len(pids := _pids_with(uid, "sleep 1000")) < 3:
+                await anyio.sleep(0.02)
     assert not any(_alive(p) for p in pids)
     assert procs.uid_pids(uid, include_zombies=True) == set()
 
