@@ -144,6 +144,26 @@ async def test_prefix_reuse_across_turns(engine, ref):
     assert np.array_equal(r3.routing, r2.routing)
 
 
+async def test_episode_routing_tiles_the_sequence(engine, ref):
+    """Ten token-in turns, each asking only for rows no earlier turn covered: the traces tile the episode
+    with no gap or overlap and equal the full forward's routing; every turn after the first hits the cache."""
+    ids = list(PROMPTS[0])
+    traces, start = [], 0
+    for turn in range(10):
+        r = await engine.collect(req(f"ep{turn}", ids, n=6, temperature=1.0, seed=turn, return_routing=True,
+                                     routing_start=start))
+        if turn:
+            assert r.cached_tokens == start  # the previous turn's sequence less its last token
+        traces.append(r.routing)
+        start = len(ids) + len(r.output_ids) - 1
+        ids = ids + r.output_ids + TOK.bridge_ids(r.output_ids) + TOK.message_ids("tool", f"  out {turn}")
+        ids += TOK.generation_prompt_ids()
+    episode = np.concatenate(traces)
+    assert episode.shape[0] == start
+    _, routing = full_forward(ref, ids)
+    assert np.array_equal(episode, routing[:start])
+
+
 async def test_routing_rows_and_start_semantics(engine):
     p = PROMPTS[1]
     r = await engine.collect(req("r0", p, n=5, ignore_eos=True, return_routing=True))

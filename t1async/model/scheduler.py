@@ -8,8 +8,10 @@ last slot into a freed one, so a decode step is one forward over slots [0, n) on
 live sequence has exactly one sampled-but-unfed token (its last), which the next decode step feeds.
 
 Prefix reuse: at admission the longest prefix of the prompt found in ``PrefixCache`` (at most prompt - 1
-tokens, so at least one token is fed) is copied into the slot with its routing rows; the rest is prefilled
-in chunks. A finished sequence's KV and routing go back into the prefix cache.
+tokens, so at least one token is fed) is copied into the slot with its routing rows; the rest of every
+prompt admitted in the step is prefilled together, in padded chunks. A finished sequence's KV and routing
+go back into the prefix cache (unless a weight update happened while it ran). The slab is kept between
+steps and released by ``flush_cache`` when nothing runs.
 """
 
 from __future__ import annotations
