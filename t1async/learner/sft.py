@@ -1,0 +1,253 @@
+"""Warm-start SFT on oracle demonstrations, token-in exactly like the agent.
+
+A demonstration is a task's oracle solution rendered as agent turns (``sandbox_agent.runner.oracle_turns``:
+``[(assistant_text, observation), ..., ("DONE", "")]``, observations from really running each chunk in the
+sandbox). ``demo_tokens`` builds the token sequence the agent would have produced had the model sampled
+those replies: the first input is ``render(system + instruction)``; each reply is ``encode(text) + <|im_end|>``
+(the sampler stops on, and keeps, the end-of-turn token); then ``bridge_ids`` + the observation message
+encoded on its own + the generation prompt. The loss is on the reply tokens only. So SFT trains the very
+token sequences RL later samples: no template mismatch between warm start and RL.
+
+    python -m t1async.learner sft --synth 64 --steps 300 --out runs/sft     # writes a model directory
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import anyio
+import numpy as np
+import torch
+from torch import nn
+
+from t1async.errors import ConfigError
+from t1async.learner.batch import plan_microbatches
+from t1async.log import get_logger
+
+log = get_logger("t1async.learner.sft")
+
+
+@dataclass(frozen=True)
+class Demo:
+    task: str
+    instruction: str
+    turns: tuple[tuple[str, str], ...]  # (assistant text, observation); the last observation is unused
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    tokens: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # bool [T]
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 200
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_tokens: int = 8192  # padded tokens per optimizer step (segments packed longest-first)
+    max_len: int = 4096  # examples are truncated to this many tokens
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 2 or self.max_len < 2:
+            raise ConfigError(f"SFTConfig needs steps >= 1, lr > 0, batch_tokens >= 2, max_len >= 2; got {self}")
+
+
+def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
+    """The agent's token-in sequence for a demonstration, and its loss mask (reply tokens)."""
+    from sandbox_agent.agent import initial_messages
+
+    msgs = initial_messages(demo.instruction) if system_prompt is None else initial_messages(demo.instruction, system_prompt)
+    ids: list[int] = list(tok.render(msgs))
+    mask: list[bool] = [False] * len(ids)
+    if not demo.turns:
+        raise ConfigError(f"demonstration for {demo.task} has no turns")
+    for k, (reply, obs) in enumerate(demo.turns):
+        out = [*tok.encode(reply), tok.im_end_id]
+        ids += out
+        mask += [True] * len(out)
+        if k == len(demo.turns) - 1:
+            break
+        ctx = [*tok.bridge_ids(out), *tok.message_ids("user", obs), *tok.generation_prompt_ids()]
+        ids += ctx
+        mask += [False] * len(ctx)
+    return Example(demo.task, np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+
+
+async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) -> list[Demo]:
+    """Run each task's oracle in a sandbox and keep the demonstrations whose verification resolved."""
+    from sandbox_agent.runner import oracle_turns
+
+    demos: list[Demo | None] = [None] * len(tasks)
+    limit = anyio.Semaphore(max(1, concurrency))
+
+    async def one(i: int) -> None:
+        task = tasks[i]
+        async with limit:
+            try:
+                turns, result = await oracle_turns(task, backend=backend)
+            except Exception as exc:  # a broken task is skipped, not fatal; say which and why
+                log.warning("sft.oracle_failed", task=task.id, error=f"{type(exc).__name__}: {exc}")
+                return
+        if not result.resolved:
+            log.warning("sft.oracle_unresolved", task=task.id, passed=result.passed, total=result.total)
+            return
+        demos[i] = Demo(task.id, task.instruction, tuple(turns))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(tasks)):
+            tg.start_soon(one, i)
+    return [d for d in demos if d is not None]
+
+
+def synth_tasks(n: int, seed: int, root: Path) -> list:
+    """Generate ``n`` synthetic tasks into ``root`` and load them."""
+    from sandbox_agent.synth import generate
+    from sandbox_agent.tasks import load_task
+
+    return [load_task(p) for p in generate(root, n, seed=seed)]
+
+
+def _lr_at(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _pad(examples: Sequence[Example], idx: Sequence[int], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(examples[i].tokens) for i in idx)
+    toks = np.full((len(idx), t), pad_id, dtype=np.int64)
+    mask = np.zeros((len(idx), t), dtype=bool)
+    for row, i in enumerate(idx):
+        e = examples[i]
+        toks[row, : len(e.tokens)] = e.tokens
+        mask[row, : len(e.tokens)] = e.loss_mask
+    return torch.from_numpy(toks), torch.from_numpy(mask)
+
+
+def demo_loss(model: nn.Module, examples: Sequence[Example], *, pad_id: int = 0, batch_tokens: int = 8192) -> float:
+    """Mean next-token cross-entropy over the loss tokens of ``examples`` (no gradient)."""
+    total, count = 0.0, 0
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for g in plan_microbatches([len(e.tokens) for e in examples], batch_tokens):
+                toks, mask = _pad(examples, g, pad_id)
+                nll = _nll(model, toks)
+                m = mask[:, 1:]
+                total += float(nll[m].sum())
+                count += int(m.sum())
+    finally:
+        model.train(was)
+    return total / max(count, 1)
+
+
+def _nll(model: nn.Module, toks: torch.Tensor) -> torch.Tensor:
+    """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask)."""
+    logits = model(toks).logits[:, :-1].float()
+    b, t, v = logits.shape
+    tgt = toks[:, 1:].reshape(-1)
+    return nn.functional.cross_entropy(logits.reshape(b * t, v), tgt, reduction="none").view(b, t)
+
+
+def sft_train(model: nn.Module, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0) -> list[float]:
+    """Train the LM head on the examples' loss tokens; returns the loss of every step."""
+    if not examples:
+        raise ConfigError("SFT needs at least one demonstration example")
+    exs = [Example(e.task, e.tokens[: cfg.max_len], e.loss_mask[: cfg.max_len]) for e in examples]
+    exs = [e for e in exs if e.loss_mask[1:].any()]
+    if not exs:
+        raise ConfigError(f"no example has a loss token within max_len={cfg.max_len}")
+    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    model.train()
+    losses: list[float] = []
+    order: list[int] = []
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        # draw examples until the padded batch would exceed the budget (at least one)
+        batch: list[int] = []
+        longest = 0
+        while True:
+            if not order:
+                order = list(range(len(exs)))
+                rng.shuffle(order)
+            nxt = order[-1]
+            n = len(exs[nxt].tokens)
+            if batch and (len(batch) + 1) * max(longest, n) > cfg.batch_tokens:
+                break
+            batch.append(order.pop())
+            longest = max(longest, n)
+            if len(batch) == len(exs):
+                break
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        toks, mask = _pad(exs, batch, pad_id)
+        m = mask[:, 1:]
+        loss = _nll(model, toks)[m].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if step % 10 == 0 or step == cfg.steps - 1:
+            log.info("sft.step", step=step, loss=round(losses[-1], 4), examples=len(batch),
+                     tokens=int(m.sum()), elapsed_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    return losses
+
+
+def run_sft(
+    *, out: Path, tasks_dir: Path | None, synth: int, cfg: SFTConfig, model_dir: Path | None = None,
+    concurrency: int = 2,
+) -> dict:
+    """The ``sft`` command: demonstrations -> training -> a model directory at ``out``."""
+    import json
+
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+
+    src = model_dir or default_model_dir()
+    tok = ChatTokenizer.load(src)
+    model = load_pretrained(src, torch.float32)
+    with tempfile.TemporaryDirectory(prefix="t1-sft-tasks-") as tmp:
+        if tasks_dir is not None:
+            from sandbox_agent.tasks import load_tasks
+
+            tasks = load_tasks(tasks_dir)
+        else:
+            tasks = synth_tasks(synth, cfg.seed, Path(tmp))
+        if not tasks:
+            raise ConfigError(f"no tasks found ({tasks_dir or f'--synth {synth}'})")
+        t0 = time.perf_counter()
+        demos = anyio.run(lambda: collect_demos(tasks, concurrency=concurrency), backend="trio")
+        t_demos = time.perf_counter() - t0
+    if not demos:
+        raise ConfigError(f"none of the {len(tasks)} tasks gave a resolved oracle demonstration (see the log)")
+    examples = [demo_tokens(d, tok) for d in demos]
+    before = demo_loss(model, examples, pad_id=tok.pad_id)
+    losses = sft_train(model, examples, cfg, pad_id=tok.pad_id)
+    after = demo_loss(model, examples, pad_id=tok.pad_id)
+    save_pretrained(model, out, tok)
+    summary = {
+        "tasks": len(tasks), "demos": len(demos), "examples_tokens": int(sum(len(e.tokens) for e in examples)),
+        "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)), "steps": cfg.steps,
+        "loss_before": before, "loss_after": after, "t_demos_s": t_demos, "first_losses": losses[:5],
+        "last_losses": losses[-5:], "out": str(out),
+    }  # fmt: skip
+    (Path(out) / "sft_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("sft.done", **{k: v for k, v in summary.items() if not isinstance(v, list)})
+    return summary
