@@ -36,9 +36,9 @@ from typing import AsyncIterator
 
 import anyio
 import numpy as np
-import structlog
 import torch
 
+from t1async.log import get_logger
 from t1async.errors import SamplerError, SamplerRequestError
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
@@ -48,7 +48,7 @@ from t1async.model.weights import load_pretrained
 
 __all__ = ["Engine", "EngineConfig", "GenEvent", "GenRequest", "GenResult"]
 
-log = structlog.get_logger("t1async.model.engine")
+log = get_logger("model.engine")
 
 
 class _Handle:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import structlog
 import torch
 
+from t1async.log import get_logger
 from t1async.model.kvcache import KVCache, PrefixCache, PrefixEntry
 from t1async.model.moe import MoETransformer
 from t1async.model.records import EngineConfig, GenRequest
@@ -30,7 +30,7 @@ from t1async.model.sampling import StopStrings, sample
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into
 
-log = structlog.get_logger("t1async.model.engine")
+log = get_logger("model.engine")
 
 
 @dataclass(eq=False)
