@@ -38,8 +38,8 @@ import anyio
 import numpy as np
 import torch
 
-from t1async.log import get_logger
 from t1async.errors import SamplerError, SamplerRequestError
+from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
 from t1async.model.scheduler import EngineCore, Seq, StepPlan, WeightUpdate, request_seed, routing_slice
