@@ -58,6 +58,16 @@ async def test_state_persists_across_exec(sb: BwrapSandbox) -> None:
     assert r.exit_code == 0 and not r.timed_out and not r.truncated
 
 
+async def test_process_tree_walk_finds_exactly_the_uid_processes(sb: BwrapSandbox) -> None:
+    await sb.exec("sleep 30 & (setsid sleep 31 &); (sleep 32 | cat &); nohup sleep 33 >/dev/null 2>&1 &")
+    session = sb._session
+    assert session is not None and session.init_pid is not None  # the fast path is in use on this kernel
+    with anyio.fail_after(5):
+        while len(procs.uid_pids(sb.uid)) < 6:  # shell + 4 sleeps + cat
+            await anyio.sleep(0.02)
+    assert session.pids(sb.uid) == procs.uid_pids(sb.uid)
+
+
 async def test_exit_codes_and_dollar_question(sb: BwrapSandbox) -> None:
     assert (await sb.exec("true")).exit_code == 0
     assert (await sb.exec("false")).exit_code == 1

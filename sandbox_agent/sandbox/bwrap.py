@@ -64,6 +64,15 @@ class _Session:
     def __init__(self, proc: Process, channel: ShellChannel) -> None:
         self.proc, self.channel = proc, channel
         self.shell_pid: int | None = None  # host pid of the persistent bash (for its abort signal)
+        self.init_pid: int | None = None  # host pid of the sandbox's pid-1 (bwrap's reaper)
+
+    def pids(self, uid: int) -> set[int]:
+        """The sandbox's live processes (all descendants of its init; by uid if that is unavailable)."""
+        if self.init_pid is not None:
+            found = procs.tree_pids(self.init_pid)
+            if found is not None:
+                return found
+        return procs.uid_pids(uid)
 
     async def kill(self) -> None:
         with anyio.CancelScope(shield=True):  # bounded: bwrap dies at once on SIGKILL
@@ -146,6 +155,9 @@ class BwrapSandbox:
         self._cwd_quoted = done.cwd_quoted
         alive = procs.uid_pids(self.uid)
         session.shell_pid = next(iter(alive)) if len(alive) == 1 else None  # only the shell runs yet
+        inits = procs.child_pids(proc.pid)  # bwrap --unshare-pid: its one child is the namespace's pid 1
+        if len(inits) == 1 and session.shell_pid in procs.child_pids(inits[0]):
+            session.init_pid = inits[0]  # else not the layout we expect: find processes by uid instead
         log.debug("sandbox.started", uid=self.uid, slot=self.slot.index, pid=proc.pid, workdir=str(self.workdir))
 
     def _start_failure(self, rc: int | None, err: str, out: str, *, timed_out: bool) -> str:
@@ -209,7 +221,7 @@ class BwrapSandbox:
             session = self._session
             assert session is not None
             out = OutputBuffer(self.config.output_limit_bytes)
-            before = procs.uid_pids(self.uid, include_zombies=True)
+            before = session.pids(self.uid)
             nonce = secrets.token_hex(16)
             t0 = time.monotonic()
             done: Done | None = None
@@ -266,7 +278,7 @@ class BwrapSandbox:
             grace_end = time.monotonic() + self.config.kill_grace_s
             sig = 15
             while True:
-                victims = procs.uid_pids(self.uid) - before
+                victims = session.pids(self.uid) - before
                 if victims:
                     procs.signal_pids(self.uid, victims, sig)
                 if time.monotonic() >= grace_end:
