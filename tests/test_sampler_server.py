@@ -89,7 +89,7 @@ async def test_text_input_stop_token_and_trim(sampler_url, tok):
 
 
 async def test_stream_is_cumulative_and_matches_non_stream(sampler_url):
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True},
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True},
             "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 3}
     ref = await gen(sampler_url, body)
     chunks = []
@@ -106,6 +106,8 @@ async def test_stream_is_cumulative_and_matches_non_stream(sampler_url):
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"], "chunks are cumulative"
         assert len(cur["meta_info"]["output_token_logprobs"]) == len(cur["output_ids"])
     assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
+    assert all(ref["text"].startswith(ch["text"]) and "\ufffd" not in ch["text"][-1:] for ch in chunks), \
+        "streamed text grows by whole characters towards the final text"
     last = chunks[-1]
     assert last["output_ids"] == ref["output_ids"] and last["text"] == ref["text"]
     assert last["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
@@ -302,3 +304,27 @@ async def test_launch_sampler_reports_a_failed_start(tmp_path):
     with pytest.raises(ServerStartError, match=want):
         async with launch_sampler(tmp_path, start_timeout_s=60):
             pass
+
+
+def test_streamed_text_holds_back_partial_characters(tok):
+    """protocol.ResponseState decodes only new ids while streaming; a character split across tokens shows
+    up whole, once its last byte arrives, and the final text is one exact decode."""
+    from types import SimpleNamespace
+
+    from t1async.sampler.protocol import GenerateInput, ResponseState, SamplingSpec
+
+    ids = tok.encode("héllo 世界 ✓ ok 🙂!")
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))), "no split character"
+    st = ResponseState(req=GenerateInput(input_ids=(1,), sampling=SamplingSpec(skip_special_tokens=False)),
+                       rid="r", started=0.0)
+    decode = lambda xs, skip: tok.decode(list(xs), skip_special_tokens=skip)  # noqa: E731
+    seen = []
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        st.apply(SimpleNamespace(new_ids=[t], new_logprobs=[-1.0], prompt_tokens=1, cached_tokens=0,
+                                 weight_version="0", finished=last, routing=None,
+                                 finish_reason={"type": "length", "length": len(ids)} if last else None))
+        seen.append(st.to_json(decode, 1.0)["text"])
+    final = tok.decode(ids)
+    assert seen[-1] == final
+    assert all(final.startswith(t) and not t.endswith("\ufffd") for t in seen)

@@ -312,6 +312,9 @@ class ResponseState:
     cached_tokens: int = 0
     weight_version: str = ""
     routing: np.ndarray | None = None
+    # streaming decodes only the new ids: text of output_ids[:_done_n] (a whole number of characters)
+    _done_n: int = field(default=0, repr=False)
+    _done_text: str = field(default="", repr=False)
 
     def apply(self, ev: Any) -> None:
         self.output_ids.extend(int(t) for t in ev.new_ids)
@@ -331,13 +334,17 @@ class ResponseState:
     def text(self, decode: Callable[[Sequence[int], bool], str]) -> str:
         spec = self.req.sampling
         ids = self.output_ids
+        if not self.finished:  # incremental (byte-level BPE decodes piecewise at character boundaries)
+            tail = decode(ids[self._done_n :], spec.skip_special_tokens)
+            if tail and not tail.endswith("\ufffd"):
+                self._done_n, self._done_text = len(ids), self._done_text + tail
+                return self._done_text
+            return self._done_text + tail.rstrip("\ufffd")  # hold back a partial UTF-8 character
         matched = (self.finish_reason or {}).get("matched")
-        trim = self.finished and not spec.no_stop_trim
+        trim = not spec.no_stop_trim
         if trim and isinstance(matched, int) and not isinstance(matched, bool) and ids and ids[-1] == matched:
             ids = ids[:-1]
-        text = decode(ids, spec.skip_special_tokens)
-        if not self.finished:  # hold back a partial UTF-8 character until its other bytes arrive
-            text = text.rstrip("\ufffd")
+        text = decode(ids, spec.skip_special_tokens)  # the final text: one whole decode, exact
         if trim and isinstance(matched, str):
             pos = text.find(matched)
             if pos != -1:

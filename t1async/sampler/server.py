@@ -316,7 +316,12 @@ def build_app(
         Route("/health_generate", a.health_generate, methods=["GET"]),
         Route("/v1/models", a.models, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("sampler.internal_error", path=request.url.path, error=repr(exc), exc_info=exc)
+        return _json(P.error_body(f"internal error: {exc!r}", status=500), 500)
+
+    app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
     app.state.sampler = a
     return app
 
