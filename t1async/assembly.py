@@ -16,8 +16,8 @@ Segments come out when they are complete:
   not listed in ``turn_ends``.
 
 If an episode ends right after a cut, with no new turn, nothing is returned (nothing is left to train): the
-cut segment was trained with ``done=False``, i.e. bootstrapped from a value where the true return is 0. The
-learner controls this: cut only when a batch needs turns.
+cut segment was trained with ``done=False``, i.e. bootstrapped where the true return is 0. It is counted
+(``DriftStats.ended_after_cut``); the learner limits it by cutting only the turns a batch needs.
 
 Buffered out-of-order turns are bounded per episode (``max_pending_turns``); past it the episode is abandoned
 (logged, its trainable part returned, the rest counted as untrainable) rather than growing without bound.
@@ -25,7 +25,6 @@ Buffered out-of-order turns are bounded per episode (``max_pending_turns``); pas
 
 from __future__ import annotations
 
-import bisect
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,8 +34,8 @@ import numpy as np
 
 from t1async import wire
 from t1async.log import get_logger
-from t1async.routing import RouteTrack, RoutingStats
-from t1async.tito import Boundary, DriftStats, Segment, check_input, hash_update, new_hasher
+from t1async.routing import RoutingStats
+from t1async.tito import Boundary, DriftStats, Segment, SegmentBuilder, check_input, hash_update, new_hasher
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -47,118 +46,6 @@ class AssemblerConfig:
     num_experts: int | None = None  # when known, traces with expert ids >= this are rejected
     ended_memory: int = 100_000  # ended episode ids remembered, so late redeliveries are dropped
     episode_stats_memory: int = 1024  # finished episodes whose DriftStats stay inspectable
-
-
-@dataclass
-class _Span:
-    turn: int
-    out_start: int
-    out_end: int
-    reward: float
-    trained: bool = False
-
-
-class _Builder:
-    """One open segment: growable token arrays whose first ``n`` entries are exactly ``S_k``."""
-
-    def __init__(self, rstats: RoutingStats, num_experts: int | None, cap: int = 4096) -> None:
-        # appends write every array over the range they cover, so nothing needs an initial fill
-        self.tokens = np.empty(cap, np.int32)
-        self.loss = np.empty(cap, bool)
-        self.logprobs = np.empty(cap, np.float32)
-        self.versions = np.empty(cap, np.int32)
-        self.turn_ids = np.empty(cap, np.int32)
-        self.n = 0
-        self.spans: list[_Span] = []
-        self.hasher: Any = new_hasher()
-        self.ckpt: tuple[list[int], list[Any]] = ([], [])  # hash states at turn inputs/outputs ends
-        self.track = RouteTrack(rstats, num_experts)
-        self.forked = False
-
-    def _grow(self, need: int) -> None:
-        cap = len(self.tokens)
-        if need <= cap:
-            return
-        cap = max(need, 2 * cap)
-        for name in ("tokens", "loss", "logprobs", "versions", "turn_ids"):  # appends write every array
-            old = getattr(self, name)
-            new = np.empty(cap, old.dtype)
-            new[: self.n] = old[: self.n]
-            setattr(self, name, new)
-
-    def checkpoint(self) -> None:
-        """Remember the hash state at ``n`` (a REALIGN or FORK then rehashes only from here)."""
-        pos, hs = self.ckpt
-        if not pos or pos[-1] < self.n:
-            pos.append(self.n)
-            hs.append(self.hasher.copy())
-
-    def share_checkpoints(self, old: "_Builder", lcp: int) -> None:
-        i = bisect.bisect_right(old.ckpt[0], lcp)
-        self.ckpt = (old.ckpt[0][:i], old.ckpt[1][:i])
-
-    def append_context(self, ids: np.ndarray, turn_ids: np.ndarray | None = None) -> None:
-        a, b = self.n, self.n + len(ids)
-        self._grow(b)
-        self.tokens[a:b] = ids
-        self.loss[a:b] = False
-        self.logprobs[a:b] = 0.0
-        self.versions[a:b] = -1
-        self.turn_ids[a:b] = -1 if turn_ids is None else turn_ids
-        self.n = b
-
-    def append_output(self, rec: wire.TurnRecord, carry: float) -> None:
-        out = rec.output_ids
-        a, b = self.n, self.n + len(out)
-        self._grow(b)
-        self.tokens[a:b] = out
-        self.loss[a:b] = True
-        self.logprobs[a:b] = rec.output_logprobs
-        self.versions[a:b] = rec.policy_version
-        self.turn_ids[a:b] = rec.turn
-        self.n = b
-        self.spans.append(_Span(rec.turn, a, b, float(rec.reward) + carry))
-
-    def truncate(self, lcp: int) -> tuple[int, int, float]:
-        """REALIGN: keep ``[0, lcp)``. Returns (tokens dropped, of them already returned, reward to carry)."""
-        dropped, self.n = self.n - lcp, lcp
-        last = self.spans[-1]
-        after_cut = dropped if last.trained else 0
-        carry = 0.0
-        last.out_end = max(last.out_start, lcp)
-        if last.out_end == last.out_start:  # the whole output was discarded: its reward moves to the next turn
-            self.spans.pop()
-            carry = 0.0 if last.trained else last.reward
-        self.track.truncate(lcp)
-        self.share_checkpoints(self, lcp)
-        return dropped, after_cut, carry
-
-    def emit(self, episode: str, index: int, done: bool, copy: bool) -> Segment | None:
-        new = [s for s in self.spans if not s.trained]
-        if not new:
-            return None
-        t, first = self.n, new[0].out_start
-        trained_before = len(new) < len(self.spans)
-
-        def part(arr: np.ndarray, fill: Any) -> np.ndarray:
-            if not trained_before:
-                return arr[:t].copy() if copy else arr[:t]
-            out = arr[:t].copy()
-            out[:first] = np.where(self.loss[:first], fill, out[:first])
-            return out
-
-        seg = Segment(
-            episode=episode, index=index, tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
-            loss_mask=part(self.loss, False), logprobs=part(self.logprobs, 0.0), versions=part(self.versions, -1),
-            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(),
-            turn_ends=np.array([s.out_end - 1 for s in new], np.int32),
-            turn_rewards=np.array([s.reward for s in new], np.float32), done=done,
-            turn_numbers=np.array([s.turn for s in new], np.int32),
-            turn_starts=np.array([s.out_start for s in new], np.int32), forked=self.forked,
-        )  # fmt: skip
-        for s in new:
-            s.trained = True
-        return seg
 
 
 def _fingerprint(rec: wire.TurnRecord) -> tuple:
@@ -184,7 +71,7 @@ class EpisodeAssembler:
         self.next_turn = 0
         self.pending: dict[int, wire.TurnRecord] = {}
         self.seen: dict[int, tuple] = {}
-        self.builder: _Builder | None = None
+        self.builder: SegmentBuilder | None = None
         self.lost = False  # a turn could not be reconstructed; waiting for a full input (keep = 0)
         self.end_record: wire.EndRecord | None = None
         self.finished = False
@@ -262,7 +149,9 @@ class EpisodeAssembler:
         if self.finished or self.end_record is None or self.next_turn < self.end_record.turns:
             return []
         self.finished = True
-        return self._close(done=True)
+        out = self._close(done=True)
+        self.stats.ended_after_cut += not out and self.next_turn > 0 and not self.lost
+        return out
 
     def _process(self, rec: wire.TurnRecord) -> list[Segment]:
         st, b, out = self.stats, self.builder, []
@@ -285,7 +174,7 @@ class EpisodeAssembler:
         keep, lcp, n, carry = rec.keep, chk.lcp, len(prev), 0.0
         if b is None:  # first turn, or a resync after untrainable turns
             st.resyncs += self.lost
-            b = self.builder = _Builder(self.routing, self.config.num_experts)
+            b = self.builder = SegmentBuilder(self.routing, self.config.num_experts)
             b.forked = self.lost
             self.lost = False
             b.append_context(rec.input_delta)
@@ -304,7 +193,7 @@ class EpisodeAssembler:
             st.note_first_diff(lcp - n)
             st.tokens_recontextualised += chk.input_len - lcp
             old = b
-            b = _Builder(self.routing, self.config.num_experts, cap=max(4096, 2 * chk.input_len))
+            b = SegmentBuilder(self.routing, self.config.num_experts, cap=max(4096, 2 * chk.input_len))
             b.forked = True
             b.append_context(old.tokens[:lcp], old.turn_ids[:lcp])
             b.append_context(rec.input_delta[lcp - keep :])

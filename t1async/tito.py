@@ -1,8 +1,12 @@
 """TITO: train on the exact sampled token IDs; drift is checked and repaired at turn boundaries (DESIGN §5).
 
 This module is the pure part: the ``Segment`` the learner trains on, the boundary check and classification,
-and the drift counters. The per-episode state (reordering, dedupe, building segments) is in
-``t1async.assembly``.
+the drift counters, and ``SegmentBuilder`` (the arrays of one open segment and their repair). The episode
+state around it (reordering, dedupe, when segments are returned) is ``t1async.assembly``.
+
+For actors: ``keep`` = the common prefix of this turn's full input and the previous turn's full sequence
+(its input followed by its output), and ``routed_experts_start_len`` = ``min(keep, len(previous sequence) - 1)``
+(0 on the first turn). Anything smaller is accepted (counted as understated keep / routing overlap).
 
 Terms. ``S_k`` is the sampler's full sequence of turn k (its input ``I_k`` followed by its output ``O_k``);
 the learner's open segment always ends with exactly ``S_k`` after turn k has been added. A turn's
@@ -32,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from t1async import wire
 from t1async.errors import T1Error
+from t1async.routing import RouteTrack, RoutingStats
 
 
 class Boundary(str, Enum):
@@ -117,6 +123,7 @@ class DriftStats:
     tokens_recontextualised: int = 0  # FORK: tokens of I_{k+1} from the first difference on
     tokens_dropped: int = 0  # REALIGN: sampled tokens that left the sequence and the loss
     dropped_after_cut: int = 0  # of those, tokens already returned (and maybe trained) in an earlier cut
+    ended_after_cut: int = 0  # episodes that ended with nothing new after a cut (that cut was not marked done)
     duplicates: int = 0  # exact redeliveries, dropped
     conflicts: int = 0  # same (episode, turn) with different content: the later one is dropped
     late_turns: int = 0  # turns for an episode that already ended
@@ -225,3 +232,119 @@ def check_input(
     if keep < n:
         lcp = keep + common_prefix_len(delta, prev[keep:])
     return BoundaryCheck(True, classify(n, out_start, lcp), lcp, input_len, h)
+
+
+# --------------------------------------------------------------------------------------------- repair
+
+
+@dataclass
+class TurnSpan:
+    turn: int
+    out_start: int
+    out_end: int
+    reward: float
+    trained: bool = False
+
+
+class SegmentBuilder:
+    """One open segment: growable token arrays whose first ``n`` entries are exactly ``S_k``, the turns in
+    it, the running hash of ``S_k`` with checkpoints, and its routing track. Used by ``t1async.assembly``."""
+
+    def __init__(self, rstats: RoutingStats, num_experts: int | None, cap: int = 4096) -> None:
+        # appends write every array over the range they cover, so nothing needs an initial fill
+        self.tokens = np.empty(cap, np.int32)
+        self.loss = np.empty(cap, bool)
+        self.logprobs = np.empty(cap, np.float32)
+        self.versions = np.empty(cap, np.int32)
+        self.turn_ids = np.empty(cap, np.int32)
+        self.n = 0
+        self.spans: list[TurnSpan] = []
+        self.hasher: Any = new_hasher()
+        self.ckpt: tuple[list[int], list[Any]] = ([], [])  # hash states at turn inputs/outputs ends
+        self.track = RouteTrack(rstats, num_experts)
+        self.forked = False
+
+    def _grow(self, need: int) -> None:
+        cap = len(self.tokens)
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap)
+        for name in ("tokens", "loss", "logprobs", "versions", "turn_ids"):  # appends write every array
+            old = getattr(self, name)
+            new = np.empty(cap, old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def checkpoint(self) -> None:
+        """Remember the hash state at ``n`` (a REALIGN or FORK then rehashes only from here)."""
+        pos, hs = self.ckpt
+        if not pos or pos[-1] < self.n:
+            pos.append(self.n)
+            hs.append(self.hasher.copy())
+
+    def share_checkpoints(self, old: "SegmentBuilder", lcp: int) -> None:
+        i = bisect.bisect_right(old.ckpt[0], lcp)
+        self.ckpt = (old.ckpt[0][:i], old.ckpt[1][:i])
+
+    def append_context(self, ids: np.ndarray, turn_ids: np.ndarray | None = None) -> None:
+        a, b = self.n, self.n + len(ids)
+        self._grow(b)
+        self.tokens[a:b] = ids
+        self.loss[a:b] = False
+        self.logprobs[a:b] = 0.0
+        self.versions[a:b] = -1
+        self.turn_ids[a:b] = -1 if turn_ids is None else turn_ids
+        self.n = b
+
+    def append_output(self, rec: wire.TurnRecord, carry: float) -> None:
+        out = rec.output_ids
+        a, b = self.n, self.n + len(out)
+        self._grow(b)
+        self.tokens[a:b] = out
+        self.loss[a:b] = True
+        self.logprobs[a:b] = rec.output_logprobs
+        self.versions[a:b] = rec.policy_version
+        self.turn_ids[a:b] = rec.turn
+        self.n = b
+        self.spans.append(TurnSpan(rec.turn, a, b, float(rec.reward) + carry))
+
+    def truncate(self, lcp: int) -> tuple[int, int, float]:
+        """REALIGN: keep ``[0, lcp)``. Returns (tokens dropped, of them already returned, reward to carry)."""
+        dropped, self.n = self.n - lcp, lcp
+        last = self.spans[-1]
+        after_cut = dropped if last.trained else 0
+        carry = 0.0
+        last.out_end = max(last.out_start, lcp)
+        if last.out_end == last.out_start:  # the whole output was discarded: its reward moves to the next turn
+            self.spans.pop()
+            carry = 0.0 if last.trained else last.reward
+        self.track.truncate(lcp)
+        self.share_checkpoints(self, lcp)
+        return dropped, after_cut, carry
+
+    def emit(self, episode: str, index: int, done: bool, copy: bool) -> Segment | None:
+        new = [s for s in self.spans if not s.trained]
+        if not new:
+            return None
+        t, first = self.n, new[0].out_start
+        trained_before = len(new) < len(self.spans)
+
+        def part(arr: np.ndarray, fill: Any) -> np.ndarray:
+            if not trained_before:
+                return arr[:t].copy() if copy else arr[:t]
+            out = arr[:t].copy()
+            out[:first] = np.where(self.loss[:first], fill, out[:first])
+            return out
+
+        seg = Segment(
+            episode=episode, index=index, tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
+            loss_mask=part(self.loss, False), logprobs=part(self.logprobs, 0.0), versions=part(self.versions, -1),
+            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(),
+            turn_ends=np.array([s.out_end - 1 for s in new], np.int32),
+            turn_rewards=np.array([s.reward for s in new], np.float32), done=done,
+            turn_numbers=np.array([s.turn for s in new], np.int32),
+            turn_starts=np.array([s.out_start for s in new], np.int32), forked=self.forked,
+        )  # fmt: skip
+        for s in new:
+            s.trained = True
+        return seg

@@ -156,7 +156,9 @@ def test_cut_returns_the_segment_so_far_and_continues_with_full_context():
     assert b.loss_mask.tolist() == [0, 0, 0, 0, 0, 1] and b.logprobs[:5].tolist() == [0] * 5
     assert b.turn_numbers.tolist() == [1] and b.turn_rewards.tolist() == [2.0]
     a.tokens[0] = 77  # returned segments own their arrays
-    assert b.tokens[0] == 1
+    assert b.tokens[0] == 1 and asm.stats().ended_after_cut == 0
+    asm.add(_turn("f", 0, [1], [2]))
+    assert len(asm.cut("f")) == 1 and asm.end(_end("f", 1)) == [] and asm.stats().ended_after_cut == 1
 
 
 def test_duplicates_conflicts_reordering_and_late_turns_are_counted_not_fatal():
