@@ -29,7 +29,7 @@ A turn delivered with no live ticket (its lease expired, or an actor sampled wit
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +40,7 @@ from t1async import wire
 from t1async.errors import ConfigError
 
 RUNNING, DELIVERED, TRAINED, EXPIRED = "running", "delivered", "trained", "expired"
+SEEN_MEMORY = 1_000_000  # delivered (episode, turn) keys remembered to ignore redeliveries
 
 
 @dataclass(eq=False)
@@ -86,7 +87,8 @@ class CreditLedger:
         self._popped = 0  # trained tickets popped from the front of _order
         self._leases: deque[Ticket] = deque()  # running tickets in grant (= expiry) order, lazily cleaned
         self._by_episode: dict[str, deque[Ticket]] = {}
-        self._delivered: dict[tuple[str, int], Ticket] = {}
+        self._delivered: dict[tuple[str, int], Ticket] = {}  # delivered, not yet trained
+        self._seen: OrderedDict[tuple[str, int], Ticket] = OrderedDict()  # redeliveries (at-least-once) are no-ops
 
     # -- admission -----------------------------------------------------------------------------------
 
@@ -144,7 +146,11 @@ class CreditLedger:
             self.version = version
 
     def on_delivered(self, episode: str, turn: int, now: float) -> Ticket | None:
-        """A turn arrived: it uses the episode's oldest running ticket. None: unadmitted (no live ticket)."""
+        """A turn arrived: it uses the episode's oldest running ticket. None: unadmitted (no live ticket).
+        A redelivered (episode, turn) returns its ticket again and changes nothing."""
+        seen = self._seen.get((episode, turn))
+        if seen is not None:
+            return seen
         self.expire(now)
         q = self._by_episode.get(episode)
         if not q:
@@ -158,6 +164,9 @@ class CreditLedger:
         self.accepted += 1
         self.stats.delivered += 1
         self._delivered[(episode, turn)] = t
+        self._seen[(episode, turn)] = t
+        while len(self._seen) > SEEN_MEMORY:
+            self._seen.popitem(last=False)
         return t
 
     # -- training order ------------------------------------------------------------------------------

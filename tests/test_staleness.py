@@ -34,7 +34,9 @@ def test_lease_expiry_releases_unused_credits_and_late_turns_are_unadmitted():
     assert led.try_grant("b", "e2", 1, now=5.0).granted == 1  # both of a's credits expired
     assert led.stats.expired == 2 and led.running == 1
     assert led.on_delivered("e1", 0, now=6.0) is None and led.stats.unadmitted == 1
-    assert led.on_delivered("e2", 0, now=6.0).turn == 0
+    t = led.on_delivered("e2", 0, now=6.0)
+    assert t.turn == 0 and led.accepted == 1
+    assert led.on_delivered("e2", 0, now=7.0) is t and led.accepted == 1  # a redelivery changes nothing
 
 
 def test_training_order_waits_for_due_turns_and_names_them():
