@@ -116,10 +116,11 @@ class SamplerApp:
 
     def _log_done(self, state: P.ResponseState) -> None:
         self.served += 1
-        fr = state.finish_reason or {"type": "abort", "message": "client disconnected"}
+        # no finish_reason: the client went away (or the engine refused it) and the generator was closed
+        finish = state.finish_reason["type"] if state.finish_reason else "closed"
         log.info(
             "sampler.request", rid=state.rid, prompt_tokens=len(state.req.input_ids),
-            completion_tokens=len(state.output_ids), cached_tokens=state.cached_tokens, finish=fr.get("type"),
+            completion_tokens=len(state.output_ids), cached_tokens=state.cached_tokens, finish=finish,
             latency_s=round(time.perf_counter() - state.started, 4), stream=state.req.stream,
         )
 
