@@ -53,7 +53,8 @@ async def test_state_persists_across_exec(sb: BwrapSandbox) -> None:
     await sb.exec("mkdir -p sub/dir && cd sub/dir")
     await sb.exec("COUNT=41; greet() { echo \"hi $1\"; }; export EXPORTED=yes")
     await sb.exec("sleep 30 & echo $! > /tmp/bgpid")
-    r = await sb.exec('pwd; echo $((COUNT + 1)); greet bob; bash -c \'echo $EXPORTED\'; kill -0 "$(cat /tmp/bgpid)" && echo bg-alive; jobs | wc -l')
+    r = await sb.exec('pwd; echo $((COUNT + 1)); greet bob; bash -c \'echo $EXPORTED\'; '
+                      'kill -0 "$(cat /tmp/bgpid)" && echo bg-alive; jobs | wc -l')
     assert r.output == f"{SANDBOX_WORKDIR}/sub/dir\n42\nhi bob\nyes\nbg-alive\n1\n"
     assert r.exit_code == 0 and not r.timed_out and not r.truncated
 

@@ -138,7 +138,8 @@ async def test_filling_the_disk_hits_fsize_and_tmpfs_size(workdir: Path) -> None
     async with BwrapSandbox.open(workdir, cfg) as s:
         r = await s.exec("dd if=/dev/zero of=/workspace/big bs=1M count=64 2>&1; stat -c %s /workspace/big")
         assert int(r.output.split()[-1]) <= cfg.file_size_bytes
-        r = await s.exec("for i in 1 2 3 4; do dd if=/dev/zero of=/tmp/f$i bs=1M count=7 2>&1 | grep -o 'No space.*'; done; "
+        r = await s.exec("for i in 1 2 3 4; do "
+                         "dd if=/dev/zero of=/tmp/f$i bs=1M count=7 2>&1 | grep -o 'No space.*'; done; "
                          "du -sm /tmp | cut -f1")
         assert "No space left on device" in r.output
         assert int(r.output.split()[-1]) <= 16
@@ -180,7 +181,8 @@ async def test_background_processes_die_with_the_sandbox(workdir: Path) -> None:
 
 async def test_a_command_ignoring_sigterm_is_killed_by_the_timeout(sb: BwrapSandbox) -> None:
     await sb.exec("STATE=kept")
-    prog = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('armed', flush=True); time.sleep(1000)"
+    prog = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('armed', flush=True); time.sleep(1000)")
     t0 = time.monotonic()
     r = await sb.exec(f"python3 -c \"{prog}\"; echo not-reached", timeout=1.5)
     assert r.timed_out and r.exit_code is None and "armed" in r.output and "not-reached" not in r.output

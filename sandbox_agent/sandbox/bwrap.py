@@ -22,11 +22,13 @@ so the host can find and kill every process of a sandbox by uid.
 Timeouts. When a command runs past its timeout the shell gets SIGUSR1, which makes it abandon the rest of
 that command (shell.py), and every process of the sandbox that was not there when the command started
 is SIGTERMed, then SIGKILLed after ``kill_grace_s`` (what the command put in the background too). The
-shell then prints its marker and lives on with all its state. If it does not within the grace period (it
-closed its stdout, or is stuck in bash's own fork-retry loop under a fork bomb), the sandbox is torn down
+shell then prints its marker and lives on with all its state. If it does not within the grace period (an
+endless loop in the shell itself, ``while :; do :; done``; a closed stdout; bash's own fork-retry sleeps
+under a fork bomb), the sandbox is torn down
 and a fresh shell is started in the same cwd on the next call: variables, functions and background jobs
-are lost, and the result's output says so. A command that makes the shell exit (``exit 3``) returns that status; the next
-call starts a fresh shell the same way.
+are lost, and the result's output says so. A command that makes the shell exit (``exit 3``) returns
+that status; the next call starts a fresh shell the same way. If the caller cancels an ``exec``, the
+next ``exec`` first stops that command the same way a timeout would.
 
 Teardown (``aclose``, context exit, also when cancelled): stdin is closed, bwrap is killed, which takes
 the sandbox's pid namespace and everything in it, then the host waits until no process of the uid is
@@ -123,9 +125,9 @@ class BwrapSandbox:
         options, command = build_argv(self.config, self.workdir, self.uid, data_fds)
         args_fd = memfd("bwrap-args", "".join(a + "\0" for a in options))
         try:
-            proc = await anyio.open_process([self._bwrap, "--args", str(args_fd), "--", *command], stdin=PIPE, stdout=PIPE,
-                                            stderr=PIPE, pass_fds=(args_fd, *data_fds.values()),
-                                            start_new_session=True)
+            proc = await anyio.open_process(
+                [self._bwrap, "--args", str(args_fd), "--", *command], stdin=PIPE, stdout=PIPE, stderr=PIPE,
+                pass_fds=(args_fd, *data_fds.values()), start_new_session=True)
         except OSError as exc:
             raise SandboxStartError(f"could not run {self._bwrap!r}: {exc}") from exc
         finally:
