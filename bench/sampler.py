@@ -271,7 +271,7 @@ async def amain(args: argparse.Namespace) -> dict:
                 levels = [int(x) for x in args.compare_concurrency.split(",") if x.strip()]
                 runs = []
                 for c in levels:
-                    n = args.num_prompts or max(4, 2 * c)
+                    n = args.num_prompts or max(8, 2 * c)
                     runs.append(await run_load(client, url, num_prompts=n, concurrency=c, request_rate=math.inf,
                                                seed=args.seed, **common))
                 r = dict(runs[-1])
@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests (sessions with --multi-turn); default 64, 8 sessions, or 2x each level")
+                   help="requests (sessions with --multi-turn); default 64, 8 sessions, or max(8, 2x) per level")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (per turn's new observation)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
