@@ -245,6 +245,38 @@ async def test_abort_running_and_queued_requests(engine):
     assert engine.abort("early") is False
 
 
+async def test_prefill_budget_defers_and_queue_aborts(model_dir, ref):
+    """A one-token prefill budget admits one request per step; deferred ones keep their order and results.
+    With max_batch=1 a second request waits in the queue, and aborting it ends it at once."""
+    eng = Engine(model_dir, EngineConfig(max_prefill_tokens=1))
+    results = {}
+
+    async def one(i):
+        results[i] = await eng.collect(req(f"d{i}", PROMPTS[i], n=4, ignore_eos=True, return_routing=True))
+
+    async with trio.open_nursery() as n:
+        await n.start(eng.run)
+        async with trio.open_nursery() as inner:
+            for i in range(4):
+                inner.start_soon(one, i)
+        n.cancel_scope.cancel()
+    assert eng.stats()["deferred"] > 0
+    for i in range(4):
+        assert len(results[i].output_ids) == 4
+        check_against_full_forward(ref, PROMPTS[i], results[i])
+    solo = Engine(model_dir, EngineConfig(max_batch=1))
+    async with trio.open_nursery() as n:
+        await n.start(solo.run)
+        async with solo.submit(req("run", PROMPTS[0], n=300, ignore_eos=True)) as running:
+            await running.__anext__()
+            async with solo.submit(req("queued", PROMPTS[1], n=5)) as queued:
+                assert solo.stats()["waiting"] == 1
+                assert solo.abort("queued")
+                ev = await queued.__anext__()
+                assert ev.finished and ev.finish_reason["type"] == "abort" and ev.new_ids == []
+        n.cancel_scope.cancel()
+
+
 async def test_weight_update_bumps_version_and_changes_outputs(engine, tmp_path):
     p = PROMPTS[5]
     before = await engine.collect(req("w0", p, ignore_eos=True))

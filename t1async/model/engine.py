@@ -169,7 +169,8 @@ class Engine:
                     self._wake = anyio.Event()
                     continue
                 plan, updates = self._plan()
-                changed = await anyio.to_thread.run_sync(self._core.step, plan)
+                changed, deferred = await anyio.to_thread.run_sync(self._core.step, plan)
+                self._requeue(deferred)
                 for u, done in updates:
                     if u.error is None:
                         self.weight_version = u.version
@@ -190,23 +191,34 @@ class Engine:
             log.info("engine.stopped")
 
     def _plan(self) -> tuple[StepPlan, list]:
+        # candidates up to the free room; the core admits those whose uncached prompts fit the prefill
+        # budget and hands the rest back (see _requeue). While a step runs, candidates count as admitted.
         admit: list[Seq] = []
         room = self.config.max_batch - len(self._core.active)
-        budget = self.config.max_prefill_tokens
-        while self._waiting and room > 0:
-            h = self._waiting[0]
-            if admit and h.seq.prompt_len > budget:
-                break
-            self._waiting.popleft()
+        while self._waiting and len(admit) < room:
+            h = self._waiting.popleft()
             h.admitted = True
             admit.append(h.seq)
-            room -= 1
-            budget -= h.seq.prompt_len
         aborts = [h.seq for h in self._aborts]
         updates, self._updates = self._updates, []
         plan = StepPlan(admit=admit, aborts=aborts, updates=[u for u, _ in updates], flush=self._flush)
         self._aborts, self._flush = [], False
         return plan, updates
+
+    def _requeue(self, deferred: list[Seq]) -> None:
+        """Candidates the core did not admit go back to the head of the queue, in order (unless aborted)."""
+        aborted = {id(h) for h in self._aborts}
+        for s in reversed(deferred):
+            h = self._handles.get(s.req.rid)
+            if h is None or h.seq is not s:
+                continue
+            if id(h) in aborted:
+                self._aborts = [a for a in self._aborts if a is not h]
+                del self._handles[h.rid]
+                h.fail("aborted by request", self.weight_version)
+                continue
+            h.admitted = False
+            self._waiting.appendleft(h)
 
     def _deliver(self, changed: list[Seq]) -> None:
         for s in changed:

@@ -58,7 +58,9 @@ class Seq:
         return np.concatenate([self.ids, np.asarray(self.out_ids, dtype=np.int32)])
 
     def routing_rows(self) -> np.ndarray:
-        return np.concatenate(self.routing, axis=0)
+        if len(self.routing) > 1:
+            self.routing = [np.concatenate(self.routing, axis=0)]
+        return self.routing[0]
 
 
 @dataclass
@@ -93,12 +95,14 @@ class EngineCore:
         self.prefill_tokens = 0
         self.max_running = 0  # the largest batch one decode forward has served
         self.epoch = 0  # bumped by every weight update
+        self.deferred = 0  # admission candidates sent back for lack of prefill budget
 
     # -- one scheduler step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> list[Seq]:
-        """Run one step; returns every sequence whose state changed (new tokens or finished)."""
+    def step(self, plan: StepPlan) -> tuple[list[Seq], list[Seq]]:
+        """Run one step. Returns (sequences whose state changed: new tokens or finished, candidates from
+        ``plan.admit`` that were not admitted this step, in order)."""
         changed: list[Seq] = []
         for s in plan.aborts:
             if s.slot >= 0 and s.finish is None:
@@ -111,17 +115,17 @@ class EngineCore:
             self.prefix.clear()
         if plan.flush and not self.active:
             self.kv.release()  # the slab is kept between steps (re-allocating it per turn is costly)
-        if plan.admit:
-            self._admit(plan.admit)
-            changed.extend(plan.admit)
+        admitted = self._admit(plan.admit) if plan.admit else []
+        changed.extend(admitted)
         self._retire_finished()
         if self.active:
-            admitted = set(map(id, plan.admit))
-            changed.extend(s for s in self.active if id(s) not in admitted)
+            fresh = set(map(id, admitted))
+            changed.extend(s for s in self.active if id(s) not in fresh)
             self._decode()
         self._retire_finished()
         self.steps += 1
-        return changed
+        self.deferred += len(plan.admit) - len(admitted)
+        return changed, plan.admit[len(admitted) :]
 
     def _apply_update(self, u: WeightUpdate) -> None:
         try:
@@ -135,21 +139,31 @@ class EngineCore:
 
     # -- admission / prefill ----------------------------------------------------------------------------
 
-    def _admit(self, seqs: list[Seq]) -> None:
-        """Take cached prefixes, then prefill the rest of every prompt in shared, chunked forwards.
+    def _admit(self, seqs: list[Seq]) -> list[Seq]:
+        """Admit candidates in order while their uncached prompt tokens fit ``max_prefill_tokens`` (the
+        first always), take their cached prefixes, then prefill the rest in shared, chunked forwards.
+        Returns the admitted ones.
 
         Slots are assigned in order of remaining prompt tokens (longest first), so the rows that still
         need tokens at each chunk are always a contiguous slot range: one padded forward per chunk.
         Padding writes junk KV past a row's end; its own queries never see it and decoding overwrites it.
         """
         chunk = self.cfg.prefill_chunk
+        budget = self.cfg.max_prefill_tokens
+        taken: list[Seq] = []
         for s in seqs:
-            s.epoch = self.epoch
             entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
-            s.cached = s.n_fed = min(hit, s.prompt_len - 1)
-            if s.cached:
-                s.routing.append(entry.routing[: s.cached])
+            cached = min(hit, s.prompt_len - 1)
+            if taken and s.prompt_len - cached > budget:
+                break  # FIFO: this one and the rest wait for the next step
+            budget -= s.prompt_len - cached
+            taken.append(s)
+            s.epoch = self.epoch
+            s.cached = s.n_fed = cached
+            if cached:
+                s.routing.append(entry.routing[:cached])
                 s.prefix_kv = entry.kv
+        seqs = taken
         order = sorted(seqs, key=lambda s: s.prompt_len - s.cached, reverse=True)
         slot0 = len(self.active)
         self.kv.reserve(slot0 + len(order), max(s.prompt_len for s in order) + chunk)
@@ -180,6 +194,7 @@ class EngineCore:
         go = [s for s in seqs if s.finish is None]
         if go:
             self._sample(go, torch.stack([last[id(s)] for s in go]))
+        return seqs
 
     # -- decode -----------------------------------------------------------------------------------------
 
@@ -240,13 +255,13 @@ class EngineCore:
             self.active[s.slot] = last
         s.slot = -1
 
-
     def stats(self) -> dict:
         return {
             "steps": self.steps,
             "running": len(self.active),
             "decode_tokens": self.decode_tokens,
             "max_running": self.max_running,
+            "deferred": self.deferred,
             "prefill_tokens": self.prefill_tokens,
             "prefix_cache_entries": len(self.prefix),
             "prefix_cache_tokens": self.prefix.tokens,
