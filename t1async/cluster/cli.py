@@ -50,13 +50,12 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from t1async.cluster.supervisor import ClusterConfig, Supervisor
-
     if args.duration is not None and args.duration <= 0:
         raise ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
     run_dir = Path(args.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl")
+    from t1async.cluster.supervisor import ClusterConfig, Supervisor  # after configure(): modules bind loggers on import
     cfg = ClusterConfig(run_dir=run_dir, nats_url=args.nats, nats_port=args.nats_port, max_payload=args.max_payload,
                         duration_s=args.duration)  # fmt: skip
     return _run(Supervisor(cfg).run)
@@ -89,7 +88,6 @@ def _stop(info: ProcInfo, timeout: float) -> str:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    configure(args.log_level)
     state = ClusterState.load(args.run_dir)
     lines = []
     if state.supervisor is not None:  # the supervisor stops its components itself, NATS last
@@ -139,9 +137,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from t1async.cluster.tail import TailConfig, tail
-
-    configure(args.log_level)
     url = args.nats
     if url is None:
         try:
@@ -152,6 +147,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
             raise ConfigError(f"the cluster in {args.run_dir} is not running (status {state.status}): "
                               f"start it with `python -m t1async.cluster up`, or pass --nats URL")  # fmt: skip
         url = state.nats_url
+    configure(args.log_level)
+    from t1async.cluster.tail import TailConfig, tail  # after configure(): modules bind loggers on import
+
     cfg = TailConfig(nats_url=url, subject=args.subject, json=args.json, episode=args.episode, text=not args.no_text)
 
     async def main() -> None:

@@ -94,6 +94,12 @@ class _Bridge:
         return await self._loop.run_aio_coroutine(fn(*args, **kw))
 
 
+def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
+    while len(group.exceptions) == 1 and isinstance(group.exceptions[0], BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group.exceptions[0] if len(group.exceptions) == 1 else None
+
+
 _PERMANENT = (nats.errors.MaxPayloadError, nats.errors.ConnectionClosedError, nats.errors.BadSubjectError)
 
 
@@ -115,6 +121,19 @@ class NatsTransport(Transport):
     async def __aenter__(self) -> NatsTransport:
         if self._state != "unopened":
             raise TransportClosedError(f"NatsTransport is {self._state}: a transport is opened once; make a new one")
+        try:
+            await self._open()
+        except ExceptionGroup as group:  # the bridge's nurseries wrapped our one error: raise it plainly
+            leaf = _single_leaf(group)
+            if isinstance(leaf, TransportError):
+                raise leaf from leaf.__cause__
+            raise
+        self._state = "open"
+        log.info("transport.connected", url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
+                 max_payload=self.max_payload)  # fmt: skip
+        return self
+
+    async def _open(self) -> None:
         async with AsyncExitStack() as stack:
             await self._bridge.open(stack)
             self._nc = await self._bridge.run(self._aio_connect)
@@ -127,10 +146,6 @@ class NatsTransport(Transport):
             self._tg.start_soon(self._sender)
             self._tg.start_soon(self._acker)
             self._stack = stack.pop_all()
-        self._state = "open"
-        log.info("transport.connected", url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
-                 max_payload=self.max_payload)  # fmt: skip
-        return self
 
     async def aclose(self) -> None:
         if self._state in ("closed", "unopened"):
@@ -266,7 +281,7 @@ class NatsTransport(Transport):
                 raw = await self._bridge.run(self._aio_fetch, psub, n, max_wait_s)
             except nats.errors.ConnectionClosedError as exc:
                 raise self._translate(exc, "fetching from the durable consumer") from exc
-            except nats.errors.Error as exc:
+            except (nats.errors.Error, OSError) as exc:  # disconnected: nats-py reconnects, we ask again
                 log.warning("transport.fetch_retry", error=repr(exc))
                 await anyio.sleep(self.config.retry_wait_s)
                 continue
@@ -513,7 +528,7 @@ class NatsTransport(Transport):
     async def _aio_fetch(psub: Any, n: int, max_wait_s: float) -> list[tuple]:
         try:
             msgs = await psub.fetch(batch=n, timeout=max_wait_s)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either when nothing came
             return []
         out = []
         for m in msgs:

