@@ -175,8 +175,13 @@ def classify(prev_len: int, out_start: int, lcp: int) -> Boundary:
 
 
 def new_hasher() -> Any:
-    """A running hash compatible with ``wire.digest_ids`` (blake2b-128 over little-endian int32)."""
-    return hashlib.blake2b(digest_size=16)
+    """A running hash compatible with ``wire.digest_ids`` (SHA-256 over little-endian int32, first 16 bytes)."""
+    return hashlib.sha256()
+
+
+def hash_digest(h: Any) -> bytes:
+    """The ``input_digest`` a running hasher stands for."""
+    return h.digest()[:16]
 
 
 def hash_update(h: Any, ids: np.ndarray) -> None:
@@ -224,7 +229,7 @@ def check_input(
                 pos, h = checkpoints[0][i], checkpoints[1][i].copy()
         hash_update(h, prev[pos:keep])
     hash_update(h, delta)
-    if h.digest() != digest:
+    if hash_digest(h) != digest:
         return BoundaryCheck(False, None, 0, input_len, None, f"input_digest does not match prev[:{keep}] + input_delta")
     if n == 0:
         return BoundaryCheck(True, None, 0, input_len, h)

@@ -41,9 +41,11 @@ class EndReason(str, Enum):
 
 
 def digest_ids(ids: np.ndarray | list[int]) -> bytes:
-    """The ``input_digest`` of a token sequence: blake2b-128 over its little-endian int32 bytes."""
+    """The ``input_digest`` of a token sequence: the first 16 bytes of SHA-256 over its little-endian int32
+    bytes (SHA-256 rather than BLAKE2: CPUs with SHA extensions hash it ~4x faster, and ingest hashes every
+    token once)."""
     arr = np.ascontiguousarray(np.asarray(ids, dtype="<i4"))
-    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest()
+    return hashlib.sha256(arr.tobytes()).digest()[:16]
 
 
 # --------------------------------------------------------------------------------------------- records

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from t1async import wire
 from t1async.assembly import Assembler, AssemblerConfig
 from t1async.testing.episodes import check_segments, episodes, make_episode
+from t1async import tito
 from t1async.tito import Boundary, Segment, check_input, classify, common_prefix_len, hash_update, new_hasher
 
 
@@ -44,9 +45,9 @@ def test_check_input_verifies_digest_and_finds_understated_keep():
     # the actor claimed keep = 4 but really shared all 10: still CLEAN, lcp 10
     chk = check_input(prev, 6, h, 4, full[4:], wire.digest_ids(full))
     assert chk.ok and chk.kind is Boundary.CLEAN and chk.lcp == 10 and chk.input_len == 12
-    assert chk.hasher.digest() == wire.digest_ids(full)
+    assert tito.hash_digest(chk.hasher) == wire.digest_ids(full)
     # the hasher of the open sequence is not consumed by a check
-    assert h.digest() == wire.digest_ids(prev)
+    assert tito.hash_digest(h) == wire.digest_ids(prev)
     bad = check_input(prev, 6, h, 10, np.array([7, 8], np.int32), wire.digest_ids([1, 2]))
     assert not bad.ok and "input_digest" in bad.reason
     over = check_input(prev, 6, h, 11, np.array([7], np.int32), wire.digest_ids(full))
