@@ -69,5 +69,7 @@ def configure(
 
 
 def get_logger(name: str, **fields: Any) -> Any:
-    """A structlog logger bound to ``component=name`` and any extra fields."""
-    return structlog.get_logger(name).bind(component=name, **fields)
+    """A structlog logger bound to ``component=name`` and any extra fields.
+
+    Lazy: a logger made at import time still follows a later ``configure()``."""
+    return structlog.get_logger(name, component=name, **fields)

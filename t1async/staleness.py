@@ -247,14 +247,21 @@ class CreditGate:
     def __init__(self, ledger: CreditLedger, clock: Callable[[], float] = anyio.current_time) -> None:
         self.ledger, self.clock = ledger, clock
         self._changed = anyio.Event()
+        self.held = False  # while True nothing is granted (see ``hold``)
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
 
+    def hold(self, held: bool) -> None:
+        """Grant nothing while ``held``. The learner holds grants during a step when η = 0: a turn admitted
+        then would be sampled by the version being replaced and trained one version later."""
+        self.held = held
+        self._notify()
+
     async def acquire(self, actor: str, episode: str, n: int = 1) -> wire.CreditGrant:
         while True:
-            grant = self.ledger.try_grant(actor, episode, n, self.clock())
+            grant = None if self.held else self.ledger.try_grant(actor, episode, n, self.clock())
             if grant is not None:
                 self._notify()
                 return grant

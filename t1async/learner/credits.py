@@ -31,7 +31,8 @@ class CreditServer:
 
     def set_training(self, training: bool) -> None:
         self.training = training
-        self.gate._notify()
+        if self.gate.ledger.eta == 0:
+            self.gate.hold(training)
 
     def on_delivered(self, episode: str, turn: int) -> None:
         self._granted.pop((episode, turn), None)
@@ -55,9 +56,6 @@ class CreditServer:
                     tg.start_soon(self._hold, key, rec)
 
     async def _hold(self, key: tuple[str, int], rec: CreditRequest) -> None:
-        while self.training and self.gate.ledger.eta == 0:
-            changed = self.gate._changed
-            await changed.wait()
         grant = await self.gate.acquire(rec.actor, rec.episode, 1)
         if rec.turn >= 0:
             self._granted[key] = grant
