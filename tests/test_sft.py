@@ -72,6 +72,7 @@ def test_empty_demo_and_bad_config_are_rejected():
         SFTConfig(steps=0)
 
 
+@pytest.mark.slow
 async def test_sft_on_real_oracle_demonstrations_reduces_their_loss(tmp_path):
     tasks = synth_tasks(3, seed=7, root=tmp_path / "tasks")
     demos = await collect_demos(tasks, concurrency=2)

@@ -1,0 +1,301 @@
+"""Training-inference mismatch with and without TITO and R3 (the T1 paper's table), on the embedded model.
+
+    python -m bench.mismatch [--quick] [--json] [--out DIR]
+
+1. Launch the embedded sampler serving in **bf16 with batched decoding** (all episodes decode together), as
+   a production sampler would, and sample real multi-turn episodes from it with a scripted token-in driver
+   whose observations are real shell output on synthetic task work dirs (``bench._mismatch_data``).
+2. Score every episode with the learner in its fp32 training path (``Trainer.score``) in four settings:
+
+   ``baseline``  no TITO, no R3: the chat is re-rendered as text and re-encoded; each assistant turn's
+                 tokens are zipped with that turn's sampled logprobs by position (a text-level pipeline);
+   ``tito``      the exact sampled IDs, free routing in the learner;
+   ``r3``        retokenized, but the recorded routing is replayed where a token diff aligns the sequences;
+   ``tito_r3``   exact IDs and replayed routing.
+
+   For each: ``mean_abs_dlogp`` (mean |learner logprob - sampler logprob| over loss tokens that have a
+   sampled logprob), ``loss_drift_tokens`` (loss tokens whose ID or context differs from what was sampled,
+   plus sampled tokens the retokenized turn dropped) and ``routing_drift`` (share of (token, layer) choices
+   where the learner's own top-k differs from the recorded experts, over aligned tokens).
+
+Prints a table, writes ``mismatch.json`` and ``mismatch.png`` to ``--out``; with ``--json`` the last stdout
+line is the JSON object (DESIGN §11). The T1 paper reports 0.021 -> 0.013 (ratio 0.62) for tito_r3/baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import numpy as np
+import torch
+
+from bench._mismatch_data import Retokenized, SampledEpisode, make_scripts, retokenize, sample_episodes
+from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import default_model_dir, load_pretrained
+from t1async.sampler.base import SamplingParams
+
+CONFIGS = ("baseline", "tito", "r3", "tito_r3")
+PAPER = {"baseline": 0.021, "tito_r3": 0.013}
+
+
+@dataclass(frozen=True)
+class _Seg:
+    """A SegmentLike for Trainer.score."""
+
+    episode: str
+    index: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    turn_ids: np.ndarray
+    routing: np.ndarray | None
+    turn_ends: np.ndarray
+    turn_rewards: np.ndarray
+    done: bool
+
+
+def _seg(i: int, tokens: np.ndarray, loss: np.ndarray, lps: np.ndarray, routing: np.ndarray) -> _Seg:
+    t = len(tokens)
+    return _Seg(f"ep{i}", 0, tokens, loss, lps, np.where(loss, 0, -1).astype(np.int32), np.zeros(t, np.int32),
+                routing, np.zeros(0, np.int32), np.zeros(0, np.float32), True)  # fmt: skip
+
+
+def _routing_drift(free: np.ndarray, rec: np.ndarray) -> tuple[int, int]:
+    present = (rec >= 0).all(-1)
+    differ = (np.sort(free, -1) != np.sort(rec, -1)).any(-1) & present
+    return int(differ.sum()), int(present.sum())
+
+
+def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> dict[str, dict]:
+    """The four configurations' metrics over the episodes (plus counts)."""
+    exact = [_seg(i, e.tokens, e.loss_mask, e.logprobs, e.routing) for i, e in enumerate(eps)]
+    retok: list[Retokenized] = [retokenize(e, tok) for e in eps]
+    text = [_seg(i, r.tokens, r.loss_mask, r.logprobs, r.routing) for i, r in enumerate(retok)]
+    out: dict[str, dict] = {}
+    for name in CONFIGS:
+        retokenized, replay = name in ("baseline", "r3"), name in ("r3", "tito_r3")
+        segs = text if retokenized else exact
+        scored = trainer.score(segs, replay=replay)
+        dl: list[np.ndarray] = []
+        dl_match: list[np.ndarray] = []
+        drift_tokens = differ = compared = loss_tokens = id_mismatch = 0
+        for k, (seg, (logp, free)) in enumerate(zip(segs, scored)):
+            if retokenized:
+                r = retok[k]
+                sel = r.loss_mask & r.has_logprob
+                drift_tokens += int(r.drift.sum()) + r.dropped
+                id_mismatch += int((r.loss_mask & ~r.id_match).sum()) + r.dropped
+                dl_match.append(np.abs(logp[sel & r.id_match].astype(np.float64) - seg.logprobs[sel & r.id_match]))
+            else:
+                sel = seg.loss_mask
+                # exact IDs: a loss token drifts if it is not the sampled ID at the sampled position
+                drift_tokens += int((seg.tokens[sel] != eps[k].tokens[sel]).sum())
+                id_mismatch += int((seg.tokens[sel] != eps[k].tokens[sel]).sum())
+            loss_tokens += int(seg.loss_mask.sum())
+            dl.append(np.abs(logp[sel].astype(np.float64) - seg.logprobs[sel]))
+            if not retokenized:
+                dl_match.append(dl[-1])
+            d, c = _routing_drift(free, seg.routing)
+            differ, compared = differ + d, compared + c
+        allv = np.concatenate(dl) if dl else np.zeros(0)
+        mv = np.concatenate(dl_match) if dl_match else np.zeros(0)
+        out[name] = {
+            "mean_abs_dlogp": float(allv.mean()) if allv.size else 0.0,
+            "p99_abs_dlogp": float(np.percentile(allv, 99)) if allv.size else 0.0,
+            "loss_drift_tokens": drift_tokens,
+            "routing_drift": differ / compared if compared else 0.0,
+            "loss_tokens": loss_tokens,
+            "loss_id_mismatch_tokens": id_mismatch,
+            "mean_abs_dlogp_id_matched": float(mv.mean()) if mv.size else 0.0,
+            "scored_tokens": int(allv.size),
+        }
+    return out
+
+
+async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer) -> tuple[list[SampledEpisode], float]:
+    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.launch import launch_sampler
+
+    scripts = make_scripts(args.episodes, args.turns, seed=args.seed)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            stop_token_ids=(tok.im_end_id,))  # fmt: skip
+    async with launch_sampler(model_dir, dtype=args.sampler_dtype, max_batch=args.max_batch, seed=args.seed) as url:
+        async with SGLangClient([url]) as client:
+            t0 = time.perf_counter()
+            eps = await sample_episodes(client, tok, scripts, params)
+            return eps, time.perf_counter() - t0
+
+
+def _chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result["configs"]
+    labels = ["baseline\n(retok, free)", "TITO", "R3\n(retok)", "TITO + R3"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, title in zip(axes, ("mean_abs_dlogp", "loss_drift_tokens", "routing_drift"),
+                              ("mean |Δlogp| (loss tokens)", "loss-region drift (tokens)", "routing drift")):  # fmt: skip
+        vals = [cfg[c][key] for c in CONFIGS]
+        bars = ax.bar(labels, vals, color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
+        ax.set_title(title)
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.4g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(f"sampler {result['sampler_dtype']} (batched) vs learner fp32; "
+                 f"tito_r3 / baseline = {result['ratio']:.3f} (paper 0.62)")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _default_cache() -> str:
+    if os.environ.get("T1ASYNC_CACHE"):
+        return os.environ["T1ASYNC_CACHE"]
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return str((Path(xdg) if xdg else Path.home() / ".cache") / "t1async")
+
+
+def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
+    """The model to serve: ``--model``, else the shipped model warm-started by SFT on oracle demonstrations
+    (so episodes look like an agent's, not like random tokens); cached in ``--warm-cache`` by its settings."""
+    if args.model:
+        return Path(args.model), None
+    if args.sft_steps <= 0:
+        return default_model_dir(), None
+    from t1async.learner.sft import SFTConfig, run_sft
+
+    base = default_model_dir()
+    cfg = SFTConfig(steps=args.sft_steps, lr=2e-3, warmup_steps=5, batch_tokens=args.sft_batch_tokens, max_len=2048,
+                    seed=args.seed)  # fmt: skip
+    key = hashlib.sha256(json.dumps([base.name, args.sft_tasks, repr(cfg)]).encode()).hexdigest()[:12]
+    warm = Path(args.warm_cache) / f"mismatch-warm-{key}"
+    meta = warm / "sft_metrics.json"
+    if meta.is_file():
+        return warm, json.loads(meta.read_text())
+    warm.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-", dir=warm.parent))
+    try:
+        summary = run_sft(out=tmp, tasks_dir=None, synth=args.sft_tasks, cfg=cfg, model_dir=base)
+        tmp.rename(warm)  # atomic: a half-trained model is never reused
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return warm, summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(max(1, args.threads))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_warm = time.perf_counter()
+    model_dir, sft = _warm_start(args)
+    t_warm = time.perf_counter() - t_warm
+    tok = ChatTokenizer.load(model_dir)
+    eps, t_sample = anyio.run(_sample, model_dir, args, tok, backend="trio")
+    t0 = time.perf_counter()
+    model = load_pretrained(model_dir, torch.float32)
+    trainer = Trainer(model, TrainerConfig(microbatch_tokens=args.microbatch_tokens))
+    configs = measure(trainer, eps, tok)
+    base = configs["baseline"]["mean_abs_dlogp"]
+    result = {
+        "configs": {c: {k: configs[c][k] for k in ("mean_abs_dlogp", "loss_drift_tokens", "routing_drift")} for c in CONFIGS},
+        "details": configs,
+        "ratio": configs["tito_r3"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
+        "ratio_tito": configs["tito"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
+        "paper": {"baseline": PAPER["baseline"], "tito_r3": PAPER["tito_r3"], "ratio": 0.62},
+        "episodes": len(eps),
+        "turns": args.turns,
+        "tokens": int(sum(len(e.tokens) for e in eps)),
+        "sampled_tokens": int(sum(int(e.loss_mask.sum()) for e in eps)),
+        "sampler_dtype": args.sampler_dtype,
+        "learner_dtype": "float32",
+        "max_batch": args.max_batch,
+        "model": str(model_dir),
+        "warm_start": None if sft is None else {k: sft.get(k) for k in ("steps", "tasks", "demos", "loss_before", "loss_after")},
+        "t_warm_start_s": t_warm,
+        "t_sample_s": t_sample,
+        "t_score_s": time.perf_counter() - t0,
+    }
+    return result
+
+
+def _print(result: dict) -> None:
+    ws = result["warm_start"]
+    if ws:
+        print(f"model: warm-started by SFT ({ws['steps']} steps on {ws['demos']} oracle demos, "
+              f"loss {ws['loss_before']:.2f} -> {ws['loss_after']:.2f})")
+    else:
+        print(f"model: {result['model']}")
+    print(f"mismatch: {result['episodes']} episodes x {result['turns']} turns, {result['tokens']} tokens "
+          f"({result['sampled_tokens']} sampled); sampler {result['sampler_dtype']} batched, learner fp32")  # fmt: skip
+    hdr = (f"{'config':<10} {'mean|dlogp|':>12} {'p99|dlogp|':>11} {'loss drift':>11} {'id mismatch':>12} "
+           f"{'routing drift':>14} {'|dlogp| id-matched':>19}")
+    print(hdr)
+    print("-" * len(hdr))
+    for c in CONFIGS:
+        d = result["details"][c]
+        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['p99_abs_dlogp']:>11.4f} {d['loss_drift_tokens']:>11d} "
+              f"{d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f} {d['mean_abs_dlogp_id_matched']:>19.5f}")
+    print(f"tito_r3 / baseline = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
+    print(f"tito / baseline    = {result['ratio_tito']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.mismatch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes on 2 cores")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last stdout line")
+    p.add_argument("--out", default="bench_out/mismatch", help="directory for mismatch.json and mismatch.png")
+    p.add_argument("--model", default=None, help="model directory (default: the shipped embedded model)")
+    p.add_argument("--episodes", type=int, default=None, help="episodes (default 32; quick 8)")
+    p.add_argument("--turns", type=int, default=None, help="turns per episode (default 8; quick 4)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per turn (default 96; quick 64)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--sampler-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--microbatch-tokens", type=int, default=8192)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="warm-start SFT steps on oracle demonstrations before sampling (default 150; quick 40; 0 = "
+                        "serve the untrained shipped model)")
+    p.add_argument("--sft-tasks", type=int, default=None, help="synthetic tasks for the warm start (default 48; quick 16)")
+    p.add_argument("--sft-batch-tokens", type=int, default=None, help="padded tokens per SFT step (default 4096; quick 2048)")
+    p.add_argument("--warm-cache", default=_default_cache(),
+                   help="where warm-started models are kept for reuse (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from t1async.log import configure
+
+    configure(level="warning")  # logs go to stderr; stdout is the table (and the JSON line)
+    args.episodes = args.episodes or (8 if args.quick else 32)
+    args.turns = args.turns or (4 if args.quick else 8)
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 96)
+    args.sft_steps = args.sft_steps if args.sft_steps is not None else (30 if args.quick else 150)
+    args.sft_batch_tokens = args.sft_batch_tokens or (2048 if args.quick else 4096)
+    args.sft_tasks = args.sft_tasks or (16 if args.quick else 48)
+    if args.episodes < 1 or args.turns < 1 or args.max_new_tokens < 1:
+        p.error("--episodes, --turns and --max-new-tokens must be >= 1")
+    result = run(args)
+    out = Path(args.out)
+    (out / "mismatch.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    _chart(result, out / "mismatch.png")
+    _print(result)
+    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

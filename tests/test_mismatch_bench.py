@@ -1,0 +1,92 @@
+"""bench.mismatch: the text-level view counts drift where retokenization changes tokens, and a tiny run of
+the whole bench (real embedded sampler in bf16) produces the JSON contract of DESIGN §11."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench._mismatch_data import SampledEpisode, make_scripts, retokenize
+from sandbox_agent.actions import SYSTEM_PROMPT
+from t1async.model.tokenizer import ChatTokenizer
+
+L, K = 4, 2
+
+
+def episode(tok: ChatTokenizer, outputs: list[list[int]], observation: str = "[exit code: 0]\n  a.txt\tb.txt") -> SampledEpisode:
+    """An episode assembled token-in from given sampled outputs (what the driver does with a sampler)."""
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "List the files."}]
+    ids = list(tok.render(msgs))
+    spans = []
+    for k, out in enumerate(outputs):
+        spans.append((len(ids), len(ids) + len(out)))
+        ids += out
+        msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+        if k < len(outputs) - 1:
+            msgs.append({"role": "user", "content": observation})
+            ids += tok.bridge_ids(out) + tok.message_ids("user", observation) + tok.generation_prompt_ids()
+    s = len(ids)
+    loss = np.zeros(s, bool)
+    for a, b in spans:
+        loss[a:b] = True
+    rng = np.random.default_rng(0)
+    routing = np.stack([rng.permutation(8)[:K] for _ in range(s * L)]).reshape(s, L, K).astype(np.int16)
+    routing[-1] = -1
+    lps = np.where(loss, -0.5, 0.0).astype(np.float32)
+    return SampledEpisode(np.asarray(ids, np.int32), loss, lps, routing, tuple(spans), tuple(msgs))
+
+
+def test_canonical_outputs_retokenize_without_drift():
+    tok = ChatTokenizer.load()
+    outs = [tok.encode("```bash\nls -la\n```") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]]
+    ep = episode(tok, outs)
+    r = retokenize(ep, tok)
+    n = len(ep.tokens)
+    assert r.tokens[:n].tolist() == ep.tokens.tolist()
+    assert r.loss_mask[:n].tolist() == ep.loss_mask.tolist() and not r.loss_mask[n:].any()
+    assert r.drift.sum() == 0 and r.dropped == 0 and r.id_match[r.loss_mask].all()
+    np.testing.assert_array_equal(r.routing[: n - 1], ep.routing[: n - 1])
+
+
+def test_noncanonical_output_drifts_and_shifts_later_context():
+    tok = ChatTokenizer.load()
+    canon = tok.encode("cat notes.txt")
+    split = tok.encode("c") + tok.encode("at") + tok.encode(" no") + tok.encode("tes.txt")  # same text, other IDs
+    assert tok.decode(split) == "cat notes.txt" and split != canon
+    ep = episode(tok, [split + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]])
+    r = retokenize(ep, tok)
+    first_turn = r.loss_mask & (np.arange(len(r.tokens)) < ep.turn_spans[1][0] - 5)
+    assert r.drift[first_turn].any()  # the first turn's IDs changed
+    assert r.dropped == len(split) - len(canon)  # the re-encoded turn is shorter: sampled tokens lost
+    assert r.drift[r.loss_mask].all()  # the second turn matches in ID but not in context
+    assert not r.id_match[first_turn].all()
+    # routing is still replayed where a token diff aligns the sequences (the shared prompt, for one)
+    assert (r.routing[:10] == ep.routing[:10]).all()
+
+
+def test_scripts_hold_real_shell_output():
+    scripts = make_scripts(3, 3, seed=1)
+    assert len(scripts) == 3 and all(len(s.observations) == 2 for s in scripts)
+    assert all(o.startswith("[exit code:") for s in scripts for o in s.observations)
+
+
+@pytest.mark.slow
+def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
+    from bench.mismatch import CONFIGS, main
+
+    rc = main(["--episodes", "2", "--turns", "2", "--max-new-tokens", "12", "--sft-steps", "0", "--json",
+               "--max-batch", "4", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    res = json.loads(last)
+    assert set(res["configs"]) == set(CONFIGS)
+    for c in CONFIGS:
+        assert set(res["configs"][c]) >= {"mean_abs_dlogp", "loss_drift_tokens", "routing_drift"}
+    assert res["configs"]["tito"]["loss_drift_tokens"] == 0 and res["configs"]["tito_r3"]["loss_drift_tokens"] == 0
+    # bf16 serving vs the fp32 learner: a real, non-zero mismatch on exact IDs
+    assert res["configs"]["tito"]["mean_abs_dlogp"] > 0
+    assert res["sampler_dtype"] == "bfloat16" and res["sampled_tokens"] > 0
+    assert (tmp_path / "mismatch.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "mismatch.json").read_text())["configs"] == res["configs"]
