@@ -22,9 +22,10 @@ from t1async import wire
 from t1async.errors import WireError
 from t1async.log import get_logger
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Delivery, Message, NoResponders, Record, Request, RequestTimeout, SeenSeqs,
-    Transport, TransportClosedError, TransportStats, dead_letter, default_msg_id, is_traj, subject_matches,
+    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Message, NoResponders, Record, Request, RequestTimeout, Transport,
+    TransportClosedError, TransportStats, default_msg_id, is_traj, subject_matches,
 )  # fmt: skip
+from t1async.transport.intake import Fetched, StreamIntake, count_dead
 
 log = get_logger("transport.memory")
 _SUB_BUFFER = 4096
@@ -173,9 +174,7 @@ class MemoryTransport(Transport):
         await anyio.lowlevel.checkpoint()
 
     def _dead(self, subject: str, data: bytes, err: WireError) -> None:
-        dsubj, headers, payload = dead_letter(subject, data, err, self.broker.max_payload)
-        self.stats.dead[headers["T1-Dead-Reason"]] += 1
-        log.warning("transport.dead_letter", subject=subject, reason=err.reason, error=str(err), size=len(data))
+        dsubj, headers, payload = count_dead(self.stats, subject, data, err, self.broker.max_payload)
         self.broker.core(dsubj, payload, headers)
 
     @asynccontextmanager
@@ -184,47 +183,35 @@ class MemoryTransport(Transport):
     ) -> AsyncIterator[AsyncIterator[Batch]]:
         self._check_open()
         self.broker._durable(durable, subject)
-        seen = SeenSeqs()
+        intake: StreamIntake[int] = StreamIntake(self.stats, max_payload=self.broker.max_payload, chunk_timeout_s=300.0)
+        gen = self._batches(durable, batch, intake)
         try:
-            yield self._batches(durable, batch, seen)
+            yield gen
         finally:
+            await gen.aclose()
+            intake.release_all()
             self.broker.release(durable)
 
-    async def _batches(self, durable: str, n: int, seen: SeenSeqs) -> AsyncIterator[Batch]:
+    async def _batches(self, durable: str, n: int, intake: StreamIntake[int]) -> AsyncIterator[Batch]:
         while True:
             self._check_open()
             changed = self.broker._changed
-            got, next_at = self.broker.fetch(durable, n)
-            deliveries, seqs, done = [], [], []
-            for m, count in got:
-                if m.seq in seen.holding or seen.acked(m.seq):
-                    self.stats.redelivered_skipped += 1
-                    if seen.acked(m.seq):
-                        done.append(m.seq)
-                    continue
-                try:
-                    rec = wire.decode(m.data)
-                except WireError as err:
-                    self._dead(m.subject, m.data, err)
-                    done.append(m.seq)
-                    continue
-                deliveries.append(Delivery(m.subject, rec, m.headers.get(HDR_MSG_ID, f"seq/{m.seq}"), m.seq, count))
-                seqs.append(m.seq)
-            if done:
-                self.broker.settle(durable, done, True)
-            if deliveries:
-                seen.holding.update(seqs)
-                self.stats.delivered += len(deliveries)
-                yield Batch(deliveries, self._settler(durable, seqs, seen))
+            stored, next_at = self.broker.fetch(durable, n)
+            got = intake.take([Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], time.monotonic())
+            if got.ack_now or got.term:
+                self.broker.settle(durable, got.ack_now + got.term, True)
+            for subject, headers, payload in got.dead:
+                self.broker.core(subject, payload, headers)
+            if got.deliveries:
+                yield Batch(got.deliveries, self._settler(durable, got.seqs, intake))
                 continue
             with anyio.move_on_after(max(0.0, next_at - time.monotonic()) if next_at < math.inf else math.inf):
                 await changed.wait()
 
-    def _settler(self, durable: str, seqs: list[int], seen: SeenSeqs):
+    def _settler(self, durable: str, seqs: list[int], intake: StreamIntake[int]):
         async def settle(ack: bool) -> None:
             self._check_open()
-            (seen.mark_acked if ack else seen.release)(seqs)
-            self.broker.settle(durable, seqs, ack)
+            self.broker.settle(durable, intake.settle(seqs, ack), ack)
             await anyio.lowlevel.checkpoint()
 
         return settle

@@ -3,10 +3,10 @@
 nats-py is asyncio-only. Under trio (the default backend) this module opens a trio-asyncio loop for the
 lifetime of the transport and crosses the bridge in batches, never once per message:
 
-- ``publish()`` encodes on the caller's side and queues ``_Pub`` items into a bounded channel. A sender
-  task takes everything queued (up to ``max_batch``/``max_batch_bytes``) and hands it to nats-py in one
-  crossing (``publish_async``: pipelined, one ack future per message); an acker task awaits a whole batch
-  of acks in one crossing and wakes the publishers. Unacknowledged publishes are retried with the same
+- ``publish()`` encodes on the caller's side and queues the pieces (transport/pipeline.py). A sender task
+  hands everything queued to nats-py in one crossing (pipelined publishes whose acks come back on our
+  own inbox, collected in bulk: no asyncio future per message); an acker task awaits a whole batch of
+  acks in one crossing and wakes the publishers. Unacknowledged publishes are retried with the same
   ``Nats-Msg-Id`` (the stream stores them once) until ``publish_deadline_s``.
 - A durable consumer pulls ``batch`` messages per crossing and acks a whole ``Batch`` per crossing.
 - Core subscriptions drain every message already received per crossing.
@@ -18,10 +18,12 @@ nats-py errors are translated here into TransportError subclasses with the cause
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -36,9 +38,11 @@ from t1async.errors import TransportError, WireError
 from t1async.log import get_logger
 from t1async.transport import chunking
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Delivery, Message, NoResponders, Record, Request, RequestTimeout,
-    SeenSeqs, Transport, TransportClosedError, TransportStats, dead_letter, default_msg_id, is_traj,
+    HDR_MSG_ID, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Message, NoResponders, Record, Request, RequestTimeout, Transport,
+    TransportClosedError, TransportStats, default_msg_id, is_traj,
 )  # fmt: skip
+from t1async.transport.intake import CoreIntake, Fetched, StreamIntake, count_dead
+from t1async.transport.pipeline import Outgoing, PipelineConfig, PublishPipeline
 
 log = get_logger("transport.nats")
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -65,17 +69,6 @@ class NatsConfig:
     queue_size: int = 4096
 
 
-@dataclass(eq=False)
-class _Pub:
-    subject: str
-    data: bytes
-    headers: dict[str, str] | None
-    js: bool
-    deadline: float
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: Exception | None = None
-
-
 class _Bridge:
     """Runs nats-py coroutines from the current backend: via trio-asyncio under trio, directly on asyncio."""
 
@@ -100,7 +93,21 @@ def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
     return group.exceptions[0] if len(group.exceptions) == 1 else None
 
 
-_PERMANENT = (nats.errors.MaxPayloadError, nats.errors.ConnectionClosedError, nats.errors.BadSubjectError)
+def _ack_error(msg: Any) -> BaseException | None:
+    """None for a JetStream publish ack, else what went wrong (no stream, an API error, garbage)."""
+    if msg.headers and msg.headers.get("Status") == "503":
+        return nats.js.errors.NoStreamResponseError()
+    try:
+        resp = json.loads(msg.data)
+        if "error" in resp:
+            nats.js.errors.APIError.from_error(resp["error"])  # raises the matching APIError subclass
+    except (ValueError, nats.js.errors.APIError) as exc:
+        return exc
+    return None
+
+
+_PERMANENT = (nats.errors.MaxPayloadError, nats.errors.ConnectionClosedError, nats.errors.BadSubjectError,
+              nats.js.errors.BadRequestError)
 
 
 class NatsTransport(Transport):
@@ -114,7 +121,6 @@ class NatsTransport(Transport):
         self._stack: AsyncExitStack | None = None
         self._nc: Any = None
         self._js: Any = None
-        self._drained = anyio.Event()
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -138,13 +144,18 @@ class NatsTransport(Transport):
             await self._bridge.open(stack)
             self._nc = await self._bridge.run(self._aio_connect)
             stack.push_async_callback(self._bridge.run, self._nc.close)
-            self._js = self._nc.jetstream(timeout=self.config.ack_timeout_s, publish_async_max_pending=1 << 20)
+            self._js = self._nc.jetstream(timeout=self.config.ack_timeout_s)
             await self._bridge.run(self._aio_ensure_streams)
-            self._pub_tx, self._pub_rx = anyio.create_memory_object_stream[_Pub](self.config.queue_size)
-            self._infl_tx, self._infl_rx = anyio.create_memory_object_stream[tuple](self.config.max_inflight_batches)
+            await self._bridge.run(self._aio_init_acks)
+            c = self.config
+            self._pipeline = PublishPipeline(
+                PipelineConfig(c.ack_timeout_s, c.publish_deadline_s, c.retry_wait_s, c.max_batch, c.max_batch_bytes,
+                               c.max_inflight_batches, c.queue_size),
+                partial(self._bridge.run, self._aio_send), partial(self._bridge.run, self._aio_wait),
+                fatal=self._fatal, before_retry=self._before_retry,
+            )  # fmt: skip
             self._tg = await stack.enter_async_context(anyio.create_task_group())
-            self._tg.start_soon(self._sender)
-            self._tg.start_soon(self._acker)
+            self._tg.start_soon(self._pipeline.run)
             self._stack = stack.pop_all()
 
     async def aclose(self) -> None:
@@ -154,9 +165,9 @@ class NatsTransport(Transport):
         self._state = "closed"
         stack, self._stack = self._stack, None
         try:
-            self._pub_tx.close()  # the sender finishes what is queued, the acker sets _drained
+            self._pipeline.close()  # what is queued is still sent and acknowledged
             with anyio.move_on_after(self.config.publish_deadline_s):
-                await self._drained.wait()
+                await self._pipeline.drained.wait()
         finally:
             self._tg.cancel_scope.cancel()
             if stack is not None:
@@ -183,60 +194,19 @@ class NatsTransport(Transport):
                       chunking.split(data, msg_id or f"core-{self._nc._nuid.next().decode()}", self.max_payload)]  # fmt: skip
         else:
             pieces = [(None, data)]
-        await self._send_and_wait(subject, pieces, js)
+        await self._pipeline.put(subject, pieces, js)
         self.stats.published += 1
 
-    async def _send_and_wait(self, subject: str, pieces: list, js: bool) -> None:
-        deadline = time.monotonic() + self.config.publish_deadline_s
-        items = [_Pub(subject, d, h, js, deadline) for h, d in pieces]
-        try:
-            for it in items:
-                await self._pub_tx.send(it)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            raise TransportClosedError("NatsTransport closed while publishing") from None
-        for it in items:
-            await it.done.wait()
-            if it.error is not None:
-                raise it.error
+    def _fatal(self, exc: BaseException, item: Outgoing, expired: bool) -> Exception | None:
+        """The error a failed publish raises, or None to retry it."""
+        if expired or isinstance(exc, _PERMANENT):
+            return self._translate(exc, f"publish to {item.subject}")
+        return None
 
-    async def _sender(self) -> None:
-        cfg = self.config
-        async with self._infl_tx:
-            async for first in self._pub_rx:
-                batch, size = [first], len(first.data)
-                while len(batch) < cfg.max_batch and size < cfg.max_batch_bytes:
-                    try:
-                        it = self._pub_rx.receive_nowait()
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                    batch.append(it)
-                    size += len(it.data)
-                sent = await self._bridge.run(self._aio_send, batch)
-                await self._infl_tx.send((batch, sent))
-
-    async def _acker(self) -> None:
-        cfg = self.config
-        async for batch, sent in self._infl_rx:
-            while batch:
-                results = await self._bridge.run(self._aio_wait, sent, cfg.ack_timeout_s)
-                retry, now = [], time.monotonic()
-                for it, res in zip(batch, results):
-                    if res is None:
-                        it.done.set()
-                    elif isinstance(res, _PERMANENT) or now > it.deadline:
-                        it.error = self._translate(res, f"publish to {it.subject}")
-                        it.done.set()
-                    else:
-                        retry.append(it)
-                if not retry:
-                    break
-                log.warning("transport.publish_retry", n=len(retry), error=repr(results[batch.index(retry[0])]))
-                if any(isinstance(r, nats.js.errors.NoStreamResponseError) for r in results):
-                    with anyio.move_on_after(cfg.ack_timeout_s):
-                        await self._bridge.run(self._aio_ensure_streams)
-                await anyio.sleep(cfg.retry_wait_s)
-                batch, sent = retry, await self._bridge.run(self._aio_send, retry)
-        self._drained.set()
+    async def _before_retry(self, results: list[BaseException | None]) -> None:
+        if any(isinstance(r, nats.js.errors.NoStreamResponseError) for r in results):  # a fresh server: recreate
+            with anyio.move_on_after(self.config.ack_timeout_s):
+                await self._bridge.run(self._aio_ensure_streams)
 
     def _translate(self, exc: BaseException, doing: str) -> TransportError:
         url = self.config.url
@@ -264,89 +234,40 @@ class NatsTransport(Transport):
             psub = await self._bridge.run(self._aio_pull_sub, durable, subject)
         except nats.errors.Error as exc:
             raise self._translate(exc, f"creating durable consumer {durable!r} on {subject}") from exc
-        held: dict[int, Any] = {}  # stream seq -> nats msg, delivered to us and not settled
-        gen = self._batches(psub, batch, max_wait_s, SeenSeqs(), held)
+        intake: StreamIntake[Any] = StreamIntake(self.stats, max_payload=self.max_payload,
+                                                 chunk_timeout_s=self.config.chunk_timeout_s)  # fmt: skip
+        gen = self._batches(psub, batch, max_wait_s, intake)
         try:
             yield gen
         finally:
             await gen.aclose()
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                await self._bridge.run(self._aio_release, psub, list(held.values()))
+                await self._bridge.run(self._aio_release, psub, intake.release_all())
 
-    async def _batches(self, psub: Any, n: int, max_wait_s: float, seen: SeenSeqs, held: dict) -> AsyncIterator[Batch]:
-        rejoin: chunking.Rejoiner[tuple[int, Any]] = chunking.Rejoiner()
+    async def _batches(self, psub: Any, n: int, max_wait_s: float, intake: StreamIntake[Any]) -> AsyncIterator[Batch]:
         while True:
             self._check_open()
             try:
-                raw = await self._bridge.run(self._aio_fetch, psub, n, max_wait_s)
+                fetched = await self._bridge.run(self._aio_fetch, psub, n, max_wait_s)
             except nats.errors.ConnectionClosedError as exc:
                 raise self._translate(exc, "fetching from the durable consumer") from exc
             except (nats.errors.Error, OSError) as exc:  # disconnected: nats-py reconnects, we ask again
                 log.warning("transport.fetch_retry", error=repr(exc))
                 await anyio.sleep(self.config.retry_wait_s)
                 continue
-            deliveries, seqs, ack_now, term, dead = [], [], [], [], []
-            for subject, data, headers, msg, seq, ndel in raw:
-                if seq in seen.holding or seen.acked(seq):
-                    self.stats.redelivered_skipped += 1
-                    if seen.acked(seq):
-                        ack_now.append(msg)
-                    continue
-                parts = [(seq, msg)]
-                msg_id = headers.get(HDR_MSG_ID) or f"seq/{seq}"
-                try:
-                    if chunking.is_chunk(headers):
-                        seen.holding.add(seq)
-                        held[seq] = msg
-                        joined = rejoin.add(subject, headers, data, (seq, msg), time.monotonic())
-                        if joined is None:
-                            continue
-                        subject, data, parts, msg_id = joined.subject, joined.data, joined.handles, joined.msg_id
-                    rec = wire.decode(data)
-                except WireError as err:
-                    parts = getattr(err, "handles", None) or parts
-                    dead.append(dead_letter(subject, data, err, self.max_payload))
-                    term.extend(m for _, m in parts)
-                    self._forget(seen, held, [s for s, _ in parts])
-                    continue
-                deliveries.append(Delivery(subject, rec, msg_id, parts[0][0], ndel))
-                for s, m in parts:
-                    seqs.append(s)
-                    held[s] = m
-                    seen.holding.add(s)
-            for group, parts, have, count in rejoin.expire(time.monotonic(), self.config.chunk_timeout_s):
-                err = WireError(f"chunk: record {group!r} incomplete after {self.config.chunk_timeout_s}s "
-                                f"({have} of {count} chunks)", field="T1-Chunk", reason="chunk")  # fmt: skip
-                dead.append(dead_letter(group, b"", err, self.max_payload))
-                term.extend(m for _, m in parts)
-                self._forget(seen, held, [s for s, _ in parts])
-            if ack_now or term or dead:
-                self._count_dead(dead)
-                await self._bridge.run(self._aio_settle, ack_now, term, [], dead)
-            if deliveries:
-                self.stats.delivered += len(deliveries)
-                yield Batch(deliveries, self._settler(seqs, seen, held))
+            got = intake.take(fetched, time.monotonic())
+            if got.ack_now or got.term or got.dead:
+                await self._bridge.run(self._aio_settle, got.ack_now, got.term, [], got.dead)
+            if got.deliveries:
+                yield Batch(got.deliveries, self._settler(got.seqs, intake))
 
-    @staticmethod
-    def _forget(seen: SeenSeqs, held: dict, seqs: list[int]) -> None:
-        seen.release(seqs)
-        for s in seqs:
-            held.pop(s, None)
-
-    def _count_dead(self, dead: list) -> None:
-        for subj, headers, payload in dead:
-            self.stats.dead[headers["T1-Dead-Reason"]] += 1
-            log.warning("transport.dead_letter", subject=headers["T1-Dead-Subject"], dead_subject=subj,
-                        error=headers["T1-Dead-Error"], size=int(headers["T1-Dead-Size"]))  # fmt: skip
-
-    def _settler(self, seqs: list[int], seen: SeenSeqs, held: dict) -> Callable[[bool], Awaitable[None]]:
+    def _settler(self, seqs: list[int], intake: StreamIntake[Any]) -> Callable[[bool], Awaitable[None]]:
         async def settle(ack: bool) -> None:
             self._check_open()
-            msgs = [held.pop(s) for s in seqs if s in held]
-            (seen.mark_acked if ack else seen.release)(seqs)
+            msgs = intake.settle(seqs, ack)
             try:
                 await self._bridge.run(self._aio_settle, msgs if ack else [], [], [] if ack else msgs, [])
-            except nats.errors.Error as exc:  # redelivered later, then skipped and re-acked by SeenSeqs
+            except nats.errors.Error as exc:  # redelivered later, then skipped and re-acked by the intake
                 log.warning("transport.ack_failed", n=len(msgs), error=repr(exc))
 
         return settle
@@ -366,26 +287,26 @@ class NatsTransport(Transport):
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await self._bridge.run(self._aio_unsubscribe, sub)
 
-    async def _received(self, q: Any) -> AsyncIterator[tuple[str, bytes, dict, str, WireError | None, Record | None]]:
-        rejoin: chunking.Rejoiner[None] = chunking.Rejoiner()
+    async def _received(self, q: Any, include_malformed: bool) -> AsyncIterator[tuple[Message, str]]:
+        """(message, reply subject) for each record received; malformed ones dead-lettered unless included."""
+        intake = CoreIntake(self.config.chunk_timeout_s)
         while True:
             self._check_open()
+            dead = []
             for subject, data, headers, reply in await self._bridge.run(self._aio_drain, q, 1024):
-                try:
-                    if chunking.is_chunk(headers):
-                        joined = rejoin.add(subject, headers, data, None, time.monotonic())
-                        if joined is None:
-                            continue
-                        data = joined.data
-                    yield subject, data, headers, reply, None, wire.decode(data)
-                except WireError as err:
-                    yield subject, data, headers, reply, err, None
-            rejoin.expire(time.monotonic(), self.config.chunk_timeout_s)
-
-    async def _dead(self, subject: str, data: bytes, err: WireError) -> None:
-        dead = [dead_letter(subject, data, err, self.max_payload)]
-        self._count_dead(dead)
-        await self._bridge.run(self._aio_settle, [], [], [], dead)
+                got = intake.decode(subject, data, headers, time.monotonic())
+                if got is None:
+                    continue
+                data, rec = got
+                if isinstance(rec, WireError):
+                    if not include_malformed:
+                        dead.append(count_dead(self.stats, subject, data, rec, self.max_payload))
+                        continue
+                    yield Message(subject, data, None, rec, headers), reply
+                else:
+                    yield Message(subject, data, rec, None, headers), reply
+            if dead:
+                await self._bridge.run(self._aio_settle, [], [], [], dead)
 
     @asynccontextmanager
     async def subscribe(self, subject: str, *, include_malformed: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
@@ -397,11 +318,8 @@ class NatsTransport(Transport):
                 await gen.aclose()
 
     async def _messages(self, q: Any, include_malformed: bool) -> AsyncIterator[Message]:
-        async for subject, data, headers, _reply, err, rec in self._received(q):
-            if err is not None and not include_malformed:
-                await self._dead(subject, data, err)
-                continue
-            yield Message(subject, data, rec, err, headers)
+        async for msg, _reply in self._received(q, include_malformed):
+            yield msg
 
     async def request(self, subject: str, record: Record, *, timeout: float) -> Record:
         self._check_open()
@@ -426,18 +344,16 @@ class NatsTransport(Transport):
                 await gen.aclose()
 
     async def _requests(self, q: Any) -> AsyncIterator[Request]:
-        async for subject, data, _headers, reply, err, rec in self._received(q):
-            if err is not None:
-                await self._dead(subject, data, err)
-            elif not reply:
-                log.warning("transport.request_without_reply", subject=subject)
+        async for msg, reply in self._received(q, include_malformed=False):
+            if not reply:
+                log.warning("transport.request_without_reply", subject=msg.subject)
             else:
-                yield Request(subject, rec, self._responder(reply))  # type: ignore[arg-type]
+                yield Request(msg.subject, msg.record, self._responder(reply))  # type: ignore[arg-type]
 
     def _responder(self, reply: str) -> Callable[[Record], Awaitable[None]]:
         async def respond(record: Record) -> None:
             self._check_open()
-            await self._send_and_wait(reply, [(None, wire.encode(record))], False)
+            await self._pipeline.put(reply, [(None, wire.encode(record))], False)
 
         return respond
 
@@ -487,33 +403,61 @@ class NatsTransport(Transport):
                 except nats.js.errors.BadRequestError:
                     await self._js.stream_info(sc.name)  # created concurrently by another client: fine
 
-    async def _aio_send(self, batch: list[_Pub]) -> list[Any]:
+    async def _aio_init_acks(self) -> None:
+        """JetStream publish acks come back on our own inbox, handled in bulk: no future per message (nats-py's
+        publish_async costs several asyncio callbacks per message, and each is a trip through trio-asyncio)."""
+        self._ack_prefix = self._nc.new_inbox()
+        self._ack_seq = 0
+        self._ack_live: set[str] = set()  # sent, not yet collected by _aio_wait
+        self._ack_results: dict[str, BaseException | None] = {}
+        self._ack_waiting: set[str] = set()
+        self._ack_event: asyncio.Event | None = None
+        await self._nc.subscribe(self._ack_prefix + ".*", cb=self._aio_on_ack)
+
+    async def _aio_on_ack(self, msg: Any) -> None:
+        token = msg.subject[len(self._ack_prefix) + 1 :]
+        if token not in self._ack_live:
+            return  # a late ack for a publish we already gave up on (and retried)
+        self._ack_results[token] = _ack_error(msg)
+        self._ack_waiting.discard(token)
+        if not self._ack_waiting and self._ack_event is not None:
+            self._ack_event.set()
+
+    async def _aio_send(self, batch: list[Outgoing]) -> list[Any]:
+        """One handle per message: an ack token (JetStream), None (core publish sent), or the exception."""
         out: list[Any] = []
         for it in batch:
+            token = None
             try:
-                if it.js:
-                    out.append(await self._js.publish_async(it.subject, it.data, headers=it.headers))
-                else:
-                    await self._nc.publish(it.subject, it.data, headers=it.headers)
-                    out.append(None)
+                if it.acked:
+                    self._ack_seq += 1
+                    token = str(self._ack_seq)
+                    self._ack_live.add(token)
+                reply = f"{self._ack_prefix}.{token}" if token else ""
+                await self._nc.publish(it.subject, it.data, reply=reply, headers=it.headers)
+                out.append(token)
             except (nats.errors.Error, OSError) as exc:
+                self._ack_live.discard(token or "")
                 out.append(exc)
         return out
 
-    @staticmethod
-    async def _aio_wait(sent: list[Any], timeout: float) -> list[BaseException | None]:
-        futs = [f for f in sent if isinstance(f, asyncio.Future)]
-        if futs:
-            await asyncio.wait(futs, timeout=timeout)
+    async def _aio_wait(self, sent: list[Any], timeout: float) -> list[BaseException | None]:
+        pending = {t for t in sent if isinstance(t, str) and t not in self._ack_results}
+        if pending:
+            self._ack_waiting, self._ack_event = pending, asyncio.Event()
+            try:
+                await asyncio.wait_for(self._ack_event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._ack_waiting, self._ack_event = set(), None
         out: list[BaseException | None] = []
-        for f in sent:
-            if not isinstance(f, asyncio.Future):
-                out.append(f)
-            elif not f.done() or f.cancelled():
-                f.cancel()
-                out.append(asyncio.TimeoutError("no publish acknowledgement"))
-            else:
-                out.append(f.exception())
+        for t in sent:
+            if not isinstance(t, str):
+                out.append(t)
+                continue
+            self._ack_live.discard(t)
+            out.append(self._ack_results.pop(t) if t in self._ack_results else asyncio.TimeoutError("no publish ack"))
         return out
 
     async def _aio_pull_sub(self, durable: str, subject: str) -> Any:
@@ -525,16 +469,13 @@ class NatsTransport(Transport):
         return await self._js.pull_subscribe(subject, durable=durable, stream=TRAJ_STREAM, config=cc)
 
     @staticmethod
-    async def _aio_fetch(psub: Any, n: int, max_wait_s: float) -> list[tuple]:
+    async def _aio_fetch(psub: Any, n: int, max_wait_s: float) -> list[Fetched[Any]]:
         try:
             msgs = await psub.fetch(batch=n, timeout=max_wait_s)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either when nothing came
             return []
-        out = []
-        for m in msgs:
-            md = m.metadata
-            out.append((m.subject, m.data, dict(m.headers or {}), m, md.sequence.stream, md.num_delivered))
-        return out
+        return [Fetched(m.subject, m.data, dict(m.headers or {}), m, m.metadata.sequence.stream,
+                        m.metadata.num_delivered) for m in msgs]  # fmt: skip
 
     async def _aio_settle(self, ack: list, term: list, nak: list, dead: list) -> None:
         for m in ack:
