@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from t1async import wire
+from t1async.errors import TransportError
 from t1async.natsd import NatsServer
 from t1async.transport import (
     MemoryBroker, MemoryTransport, NatsConfig, NatsTransport, NoResponders, RequestTimeout, TransportClosedError,
-    subject_matches, traj_subject,
+    default_msg_id, subject_matches, traj_subject,
 )  # fmt: skip
 from t1async.transport import chunking
 
@@ -339,3 +340,19 @@ def test_contradictory_or_stale_chunks_are_errors_with_their_handles():
 )  # fmt: skip
 def test_subject_matching(pattern, subject, ok):
     assert subject_matches(pattern, subject) is ok
+
+
+def test_msg_ids_and_subjects_follow_design():
+    assert default_msg_id(start("e")) == "e/0" and default_msg_id(turn("e", 4)) == "e/5" and default_msg_id(end("e", 1)) == "e/end"
+    with pytest.raises(TransportError, match="pass msg_id"):
+        default_msg_id(wire.PolicyRecord(1, 1, "w"))
+    assert traj_subject("ep-1") == "t1.traj.ep-1"
+    for bad in ("", "a.b", "a b", "a>", "*"):
+        with pytest.raises(TransportError, match="cannot be a subject token"):
+            traj_subject(bad)
+
+
+def test_a_memory_broker_can_be_built_outside_async_code():
+    broker = MemoryBroker()
+    assert broker.store("t1.traj.x", b"raw", {"Nats-Msg-Id": "x/0"}) == 1
+    assert broker.store("t1.traj.x", b"raw", {"Nats-Msg-Id": "x/0"}) is None  # deduplicated

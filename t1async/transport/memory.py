@@ -62,7 +62,7 @@ class MemoryBroker:
         self._dedupe: dict[str, float] = {}
         self._durables: dict[str, _Durable] = {}
         self._subs: list[_Sub] = []
-        self._changed = anyio.Event()
+        self._changed_ev: anyio.Event | None = None  # made on first use: a broker may be built outside async code
 
     # -------------------------------------------------------------------- publishing side
 
@@ -105,10 +105,17 @@ class MemoryBroker:
         await anyio.lowlevel.checkpoint()
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed_ev is not None:
+            self._changed_ev.set()
+        self._changed_ev = None
 
     # -------------------------------------------------------------------- durable consumers
+
+    @property
+    def _changed(self) -> anyio.Event:
+        if self._changed_ev is None:
+            self._changed_ev = anyio.Event()
+        return self._changed_ev
 
     def _durable(self, name: str, filter: str) -> _Durable:
         return self._durables.setdefault(name, _Durable(filter))
