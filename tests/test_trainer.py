@@ -110,6 +110,20 @@ def test_staleness_histogram_and_drift_pass_through():
     assert m.to_dict()["staleness_hist"] == {"1": 3, "3": 2}
 
 
+def test_cut_segment_bootstraps_from_the_value_at_its_end():
+    model = tiny()
+    toks = [5, 6, 7, 100, 101, 102]
+    seg = sampled_segment(model, toks, [3, 4, 5], reward=0.0, done=False)
+    with torch.no_grad():
+        v_end = float(model(torch.tensor([toks])).values[0, -1])
+    cfg = TrainerConfig(gamma=1.0, lam=1.0, normalize_advantages=False, lr=1e-9)
+    m = Trainer(model, cfg).step([seg], 0)
+    assert m.return_mean == pytest.approx(v_end, abs=1e-5)  # no reward: every return is the bootstrap
+    done = Segment(**{**seg.__dict__, "done": True})
+    m2 = Trainer(model, cfg).step([done], 0)
+    assert m2.return_mean == pytest.approx(0.0, abs=1e-6)
+
+
 def test_microbatches_accumulate_to_the_same_update():
     base = tiny()
     rng = np.random.default_rng(1)
@@ -139,6 +153,13 @@ def test_bad_segments_are_rejected_with_the_reason():
     badr = Segment(**{**good.__dict__, "routing": np.zeros((4, 3, 2), np.int16)})
     with pytest.raises(BatchError, match="routing has shape"):
         trainer.step([badr], 0)
+    bade = Segment(**{**good.__dict__, "routing": np.full((4, 2, 2), 7, np.int16)})
+    with pytest.raises(BatchError, match="expert ids outside"):
+        trainer.step([bade], 0)
+    dup = good.routing.copy()
+    dup[1, 0] = [2, 2]
+    with pytest.raises(BatchError, match="repeats an expert at position 1, layer 0"):
+        trainer.step([Segment(**{**good.__dict__, "routing": dup})], 0)
     badv = Segment(**{**good.__dict__, "tokens": np.array([1, 2, 3, 99999], np.int32)})
     with pytest.raises(BatchError, match="outside"):
         trainer.step([badv], 0)

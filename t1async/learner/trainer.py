@@ -164,7 +164,7 @@ class Trainer:
         if not segments:
             raise BatchError("Trainer.step needs at least one segment")
         for s in segments:
-            check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size)
+            check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
         groups = plan_microbatches([len(s.tokens) for s in segments], cfg.microbatch_tokens)
         batches = [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
         single = len(batches) == 1 and cfg.ppo_epochs == 1
