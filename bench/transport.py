@@ -31,7 +31,7 @@ from bench._table import emit_json, print_table
 from t1async import wire
 from t1async.log import configure
 from t1async.natsd import NatsServer
-from t1async.transport import TRAJ_STREAM, NatsConfig, NatsTransport
+from t1async.transport import TRAJ_STREAM, NatsConfig, NatsTransport, chunking
 
 
 def make_records(n: int, *, output_tokens: int, delta: int, layers: int, topk: int, seed: int = 0) -> list[wire.TurnRecord]:
@@ -72,13 +72,15 @@ async def t1_round(url: str, records: list[wire.TurnRecord], window: int, tag: s
         return dt
 
 
-async def raw_round(url: str, payloads: list[tuple[str, bytes]], window: int, tag: str) -> float:
+async def raw_round(url: str, payloads: list[tuple[str, bytes]], window: int, tag: str, max_payload: int) -> float:
+    """Records larger than max_payload go as the same chunks t1 sends (split before the clock starts)."""
+    pieces = [(s, h, d) for i, (s, data) in enumerate(payloads) for h, d in chunking.split(data, f"{tag}/{i}", max_payload)]
     nc = await nats.connect(url)
     try:
         js = nc.jetstream(publish_async_max_pending=window)
-        await js.publish("t1.traj.warmup", payloads[0][1], headers={"Nats-Msg-Id": f"{tag}/warmup"})
+        await js.publish("t1.traj.warmup", pieces[0][2], headers={"Nats-Msg-Id": f"{tag}/warmup"})
         t0 = time.perf_counter()
-        futs = [await js.publish_async(s, d, headers={"Nats-Msg-Id": f"{tag}/{i}"}) for i, (s, d) in enumerate(payloads)]
+        futs = [await js.publish_async(s, d, headers=h) for s, h, d in pieces]
         await js.publish_async_completed()
         dt = time.perf_counter() - t0
         errors = [f.exception() for f in futs if f.cancelled() or f.exception() is not None]
@@ -115,12 +117,12 @@ async def run(args: argparse.Namespace) -> dict:
                         t1_s.append(await t1_round(srv.url, records, args.window, f"t1-{r}"))
                     else:
                         raw_s.append(await anyio.to_thread.run_sync(
-                            asyncio.run, raw_round(srv.url, payloads, args.window, f"raw-{r}")))  # fmt: skip
+                            asyncio.run, raw_round(srv.url, payloads, args.window, f"raw-{r}", max_payload)))  # fmt: skip
     t1_mb, raw_mb = total_mb / statistics.median(t1_s), total_mb / statistics.median(raw_s)
     return {
         "t1_mb_per_s": round(t1_mb, 2), "raw_mb_per_s": round(raw_mb, 2), "ratio": round(t1_mb / raw_mb, 3),
         "records": args.records, "record_bytes": len(payloads[0][1]), "window": args.window, "rounds": args.rounds,
-        "chunked": bool(args.chunked and max(len(d) for _, d in payloads) > max_payload),
+        "chunked": max(len(d) for _, d in payloads) > chunking.chunk_size(max_payload, "raw-0/0"),
         "t1_records_per_s": round(args.records / statistics.median(t1_s), 1),
         "raw_records_per_s": round(args.records / statistics.median(raw_s), 1),
         "t1_round_s": [round(x, 3) for x in t1_s], "raw_round_s": [round(x, 3) for x in raw_s],
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delta", type=int, default=300, help="new input tokens per turn (default 300)")
     p.add_argument("--layers", type=int, default=48, help="MoE layers in the routing trace (default 48)")
     p.add_argument("--topk", type=int, default=8, help="experts per token in the routing trace (default 8)")
-    p.add_argument("--chunked", action="store_true", help="keep the server's 1 MB max_payload, so records are chunked")
+    p.add_argument("--chunked", action="store_true",
+                   help="keep the server's 1 MB max_payload: records larger than that are chunked (both sides)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     args = p.parse_args(argv)
     if args.records < 1 or args.window < 1 or args.rounds < 1:

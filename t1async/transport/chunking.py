@@ -35,7 +35,8 @@ def chunk_size(max_payload: int, msg_id: str) -> int:
 
 
 def split(data: bytes, msg_id: str, max_payload: int) -> list[tuple[dict[str, str], bytes]]:
-    """``[(headers, payload), ...]``: one message if ``data`` fits in ``max_payload``, else chunks."""
+    """``[(headers, payload), ...]``: one message if ``data`` fits in ``max_payload``, else chunks (zero-copy
+    memoryviews of ``data``)."""
     size = chunk_size(max_payload, msg_id)
     if len(data) <= size:
         return [({HDR_MSG_ID: msg_id}, data)]
@@ -44,7 +45,7 @@ def split(data: bytes, msg_id: str, max_payload: int) -> list[tuple[dict[str, st
     return [
         (
             {HDR_MSG_ID: f"{msg_id}#{i}", HDR_CHUNK: f"{i}/{n}", HDR_CHUNK_OF: msg_id, HDR_CHUNK_LEN: str(len(data))},
-            bytes(view[i * size : (i + 1) * size]),
+            view[i * size : (i + 1) * size],  # type: ignore[misc]
         )
         for i in range(n)
     ]
