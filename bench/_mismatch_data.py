@@ -98,6 +98,16 @@ def make_scripts(n: int, turns: int, *, seed: int = 0, max_obs_chars: int = 1200
 
 
 @dataclass(frozen=True)
+class SampledTurn:
+    input_ids: np.ndarray  # int32, the full input of the turn
+    output_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+    finish: str
+    routing: np.ndarray  # the sampler's rows [routing_start, input_len + len(output) - 1)
+    routing_start: int
+
+
+@dataclass(frozen=True)
 class SampledEpisode:
     """One episode as the sampler produced it (exact IDs) plus the chat as text."""
 
@@ -107,6 +117,7 @@ class SampledEpisode:
     routing: np.ndarray  # int16 [S, L, K], the sampler's experts; the last position -1 (never routed)
     turn_spans: tuple[tuple[int, int], ...]  # [start, end) of each turn's output in ``tokens``
     messages: tuple[dict, ...]  # system, user, assistant, user, ..., assistant (text level)
+    turns: tuple[SampledTurn, ...] = ()  # what an actor streams, turn by turn
 
 
 async def sample_episode(
@@ -117,6 +128,7 @@ async def sample_episode(
     rows: list[np.ndarray] = []
     spans: list[tuple[int, int]] = []
     lps: list[np.ndarray] = []
+    turns: list[SampledTurn] = []
     routed = 0
     n_turns = len(script.observations) + 1
     for k in range(n_turns):
@@ -127,6 +139,8 @@ async def sample_episode(
         rows.append(np.asarray(gen.routing, dtype=np.int16))
         spans.append((len(input_ids), len(input_ids) + len(out)))
         lps.append(np.asarray(gen.logprobs, dtype=np.float32))
+        turns.append(SampledTurn(np.asarray(input_ids, np.int32), np.asarray(out, np.int32), lps[-1], gen.finish,
+                                 rows[-1], routed))  # fmt: skip
         messages.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
         seq = input_ids + out
         if k == n_turns - 1:
@@ -145,7 +159,34 @@ async def sample_episode(
     for (a, b), lp in zip(spans, lps):
         loss[a:b] = True
         logprobs[a:b] = lp
-    return SampledEpisode(np.asarray(seq, dtype=np.int32), loss, logprobs, routing, tuple(spans), tuple(messages))
+    return SampledEpisode(np.asarray(seq, dtype=np.int32), loss, logprobs, routing, tuple(spans), tuple(messages),
+                          tuple(turns))  # fmt: skip
+
+
+def assemble(ep: SampledEpisode, episode: str):
+    """Stream the episode's turns as wire records through the learner's real TITO assembly (boundary check
+    and repair, routing alignment); returns ``(segments, drift_stats)``."""
+    from t1async import wire
+    from t1async.assembly import Assembler
+
+    asm = Assembler()
+    segs = []
+    prev = np.zeros(0, np.int32)
+    for k, t in enumerate(ep.turns):
+        n = min(len(prev), len(t.input_ids))
+        neq = np.flatnonzero(t.input_ids[:n] != prev[:n])
+        keep = int(neq[0]) if len(neq) else n
+        finish = wire.Finish(t.finish) if t.finish in ("stop", "length", "abort") else wire.Finish.STOP
+        rec = wire.TurnRecord(
+            episode=episode, turn=k, policy_version=0, keep=keep, input_delta=t.input_ids[keep:].astype(np.int32),
+            input_len=len(t.input_ids), input_digest=wire.digest_ids(t.input_ids), output_ids=t.output_ids,
+            output_logprobs=t.logprobs, finish=finish, routing=wire.Routing(t.routing_start, t.routing.astype(np.uint8)),
+            reward=0.0, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
+        )  # fmt: skip
+        segs += asm.add(rec)
+        prev = np.concatenate([t.input_ids, t.output_ids])
+    segs += asm.end(wire.EndRecord(episode, len(ep.turns), wire.EndReason.MAX_TURNS, 0, 1, False))
+    return segs, asm.stats()
 
 
 async def sample_episodes(

@@ -39,7 +39,7 @@ import anyio
 import numpy as np
 import torch
 
-from bench._mismatch_data import Retokenized, SampledEpisode, make_scripts, retokenize, sample_episodes
+from bench._mismatch_data import Retokenized, SampledEpisode, assemble, make_scripts, retokenize, sample_episodes
 from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
@@ -78,9 +78,28 @@ def _routing_drift(free: np.ndarray, rec: np.ndarray) -> tuple[int, int]:
     return int(differ.sum()), int(present.sum())
 
 
-def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> dict[str, dict]:
-    """The four configurations' metrics over the episodes (plus counts)."""
-    exact = [_seg(i, e.tokens, e.loss_mask, e.logprobs, e.routing) for i, e in enumerate(eps)]
+def _exact_drift(seg, ep: SampledEpisode) -> int:
+    """Loss tokens of a TITO segment whose ID or context differs from what the sampler produced."""
+    n = min(len(seg.tokens), len(ep.tokens))
+    neq = np.flatnonzero(seg.tokens[:n] != ep.tokens[:n])
+    first = int(neq[0]) if len(neq) else n
+    pos = np.arange(len(seg.tokens))
+    bad_lp = np.zeros(len(seg.tokens), bool)
+    bad_lp[:n] = seg.logprobs[:n] != ep.logprobs[:n]
+    return int((seg.loss_mask & ((pos >= first) | bad_lp)).sum())
+
+
+def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> tuple[dict[str, dict], dict]:
+    """The four configurations' metrics over the episodes (plus counts), and the TITO drift counters."""
+    exact, owner, drift = [], [], None
+    for i, e in enumerate(eps):
+        segs, stats = assemble(e, f"mismatch-{i}")  # the learner's real TITO assembly
+        exact += segs
+        owner += [i] * len(segs)
+        if drift is None:
+            drift = stats
+        else:
+            drift.merge(stats)
     retok: list[Retokenized] = [retokenize(e, tok) for e in eps]
     text = [_seg(i, r.tokens, r.loss_mask, r.logprobs, r.routing) for i, r in enumerate(retok)]
     out: dict[str, dict] = {}
@@ -100,15 +119,17 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
                 dl_match.append(np.abs(logp[sel & r.id_match].astype(np.float64) - seg.logprobs[sel & r.id_match]))
             else:
                 sel = seg.loss_mask
-                # exact IDs: a loss token drifts if it is not the sampled ID at the sampled position
-                drift_tokens += int((seg.tokens[sel] != eps[k].tokens[sel]).sum())
-                id_mismatch += int((seg.tokens[sel] != eps[k].tokens[sel]).sum())
+                d = _exact_drift(seg, eps[owner[k]])
+                drift_tokens += d
+                id_mismatch += d
             loss_tokens += int(seg.loss_mask.sum())
             dl.append(np.abs(logp[sel].astype(np.float64) - seg.logprobs[sel]))
             if not retokenized:
                 dl_match.append(dl[-1])
             d, c = _routing_drift(free, seg.routing)
             differ, compared = differ + d, compared + c
+        if not retokenized:  # sampled tokens that no TITO segment trains (REALIGN drops them, counted)
+            drift_tokens += max(0, int(sum(int(e.loss_mask.sum()) for e in eps)) - loss_tokens)
         allv = np.concatenate(dl) if dl else np.zeros(0)
         mv = np.concatenate(dl_match) if dl_match else np.zeros(0)
         out[name] = {
@@ -121,7 +142,8 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
             "mean_abs_dlogp_id_matched": float(mv.mean()) if mv.size else 0.0,
             "scored_tokens": int(allv.size),
         }
-    return out
+    tito = drift.as_dict() if drift is not None else {}
+    return out, {k: tito.get(k) for k in ("boundaries", "clean", "realign", "fork", "tokens_dropped", "segments")}
 
 
 async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer) -> tuple[list[SampledEpisode], float]:
@@ -207,11 +229,12 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     model = load_pretrained(model_dir, torch.float32)
     trainer = Trainer(model, TrainerConfig(microbatch_tokens=args.microbatch_tokens))
-    configs = measure(trainer, eps, tok)
+    configs, tito_drift = measure(trainer, eps, tok)
     base = configs["baseline"]["mean_abs_dlogp"]
     result = {
         "configs": {c: {k: configs[c][k] for k in ("mean_abs_dlogp", "loss_drift_tokens", "routing_drift")} for c in CONFIGS},
         "details": configs,
+        "tito_boundaries": tito_drift,
         "ratio": configs["tito_r3"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
         "ratio_tito": configs["tito"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
         "paper": {"baseline": PAPER["baseline"], "tito_r3": PAPER["tito_r3"], "ratio": 0.62},
@@ -250,6 +273,7 @@ def _print(result: dict) -> None:
               f"{d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f} {d['mean_abs_dlogp_id_matched']:>19.5f}")
     print(f"tito_r3 / baseline = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
     print(f"tito / baseline    = {result['ratio_tito']:.3f}")
+    print(f"TITO boundaries (learner assembly): {result['tito_boundaries']}")
 
 
 def main(argv: list[str] | None = None) -> int:

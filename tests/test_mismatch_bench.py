@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from bench._mismatch_data import SampledEpisode, make_scripts, retokenize
+from bench._mismatch_data import SampledEpisode, SampledTurn, assemble, make_scripts, retokenize
 from sandbox_agent.actions import SYSTEM_PROMPT
 from t1async.model.tokenizer import ChatTokenizer
 
@@ -35,7 +35,12 @@ def episode(tok: ChatTokenizer, outputs: list[list[int]], observation: str = "[e
     routing = np.stack([rng.permutation(8)[:K] for _ in range(s * L)]).reshape(s, L, K).astype(np.int16)
     routing[-1] = -1
     lps = np.where(loss, -0.5, 0.0).astype(np.float32)
-    return SampledEpisode(np.asarray(ids, np.int32), loss, lps, routing, tuple(spans), tuple(msgs))
+    seq = np.asarray(ids, np.int32)
+    turns, start = [], 0
+    for (a, b) in spans:  # each turn's input is everything before its output; routing rows not sent before
+        turns.append(SampledTurn(seq[:a], seq[a:b], lps[a:b], "stop", routing[start : b - 1], start))
+        start = b - 1
+    return SampledEpisode(seq, loss, lps, routing, tuple(spans), tuple(msgs), tuple(turns))
 
 
 def test_canonical_outputs_retokenize_without_drift():
@@ -66,6 +71,18 @@ def test_noncanonical_output_drifts_and_shifts_later_context():
     assert (r.routing[:10] == ep.routing[:10]).all()
 
 
+def test_exact_ids_through_the_learners_tito_assembly_keep_every_sampled_token():
+    tok = ChatTokenizer.load()
+    split = tok.encode("c") + tok.encode("at") + tok.encode(" no") + tok.encode("tes.txt")  # non-canonical
+    ep = episode(tok, [split + [tok.im_end_id], tok.encode("ls") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]])
+    segs, stats = assemble(ep, "e")
+    assert len(segs) == 1 and stats.clean == stats.boundaries == 2 and stats.fork == stats.realign == 0
+    seg = segs[0]
+    assert seg.tokens.tolist() == ep.tokens.tolist() and seg.loss_mask.tolist() == ep.loss_mask.tolist()
+    np.testing.assert_array_equal(seg.logprobs, ep.logprobs)
+    np.testing.assert_array_equal(seg.routing[:-1], ep.routing[:-1])
+
+
 def test_scripts_hold_real_shell_output():
     scripts = make_scripts(3, 3, seed=1)
     assert len(scripts) == 3 and all(len(s.observations) == 2 for s in scripts)
@@ -88,5 +105,7 @@ def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
     # bf16 serving vs the fp32 learner: a real, non-zero mismatch on exact IDs
     assert res["configs"]["tito"]["mean_abs_dlogp"] > 0
     assert res["sampler_dtype"] == "bfloat16" and res["sampled_tokens"] > 0
+    tb = res["tito_boundaries"]
+    assert tb["boundaries"] == 2 and tb["clean"] == 2 and tb["fork"] == 0  # token-in episodes: clean boundaries
     assert (tmp_path / "mismatch.png").stat().st_size > 1000
     assert json.loads((tmp_path / "mismatch.json").read_text())["configs"] == res["configs"]
