@@ -32,7 +32,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -44,32 +43,16 @@ from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.sampler.base import SamplingParams
+from t1async.tito import Segment
 
 CONFIGS = ("baseline", "tito", "r3", "tito_r3")
 PAPER = {"baseline": 0.021, "tito_r3": 0.013}
 
 
-@dataclass(frozen=True)
-class _Seg:
-    """A SegmentLike for Trainer.score."""
-
-    episode: str
-    index: int
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    turn_ids: np.ndarray
-    routing: np.ndarray | None
-    turn_ends: np.ndarray
-    turn_rewards: np.ndarray
-    done: bool
-
-
-def _seg(i: int, tokens: np.ndarray, loss: np.ndarray, lps: np.ndarray, routing: np.ndarray) -> _Seg:
-    t = len(tokens)
-    return _Seg(f"ep{i}", 0, tokens, loss, lps, np.where(loss, 0, -1).astype(np.int32), np.zeros(t, np.int32),
-                routing, np.zeros(0, np.int32), np.zeros(0, np.float32), True)  # fmt: skip
+def _seg(i: int, tokens: np.ndarray, loss: np.ndarray, lps: np.ndarray, routing: np.ndarray) -> Segment:
+    """The retokenized episode as a training segment (what a text-level pipeline would hand the learner)."""
+    return Segment(f"retok-{i}", 0, tokens, loss, lps, np.where(loss, 0, -1).astype(np.int32),
+                   np.full(len(tokens), -1, np.int32), routing, np.zeros(0, np.int32), np.zeros(0, np.float32), True)
 
 
 def _routing_drift(free: np.ndarray, rec: np.ndarray) -> tuple[int, int]:
