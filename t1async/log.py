@@ -24,14 +24,18 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 class _Tee:
     """Writes each rendered line to the console stream and, as JSON, to a file."""
 
-    def __init__(self, console: IO[str], file: IO[str] | None, console_renderer: Any, json_renderer: Any):
+    def __init__(self, console: IO[str], file: IO[str] | None, console_renderer: Any, json_renderer: Any,
+                 console_level: int = 0):  # fmt: skip
         self.console, self.file = console, file
         self.console_renderer, self.json_renderer = console_renderer, json_renderer
+        self.console_level = console_level
 
     def __call__(self, logger: Any, method: str, event: dict) -> str:
         if self.file is not None:
             self.file.write(self.json_renderer(logger, method, dict(event)) + "\n")
             self.file.flush()
+        if _LEVELS.get(method, 20) < self.console_level:
+            raise structlog.DropEvent
         return self.console_renderer(logger, method, event)
 
 
@@ -41,8 +45,11 @@ def configure(
     json: bool | None = None,
     stream: IO[str] | None = None,
     log_file: str | Path | None = None,
+    console_level: str | None = None,
 ) -> None:
-    """Set up structlog for this process. Safe to call more than once (the last call wins)."""
+    """Set up structlog for this process. Safe to call more than once (the last call wins).
+
+    ``console_level`` (default: ``level``) lets the console show less than the log file gets."""
     stream = stream or sys.stderr
     level_name = (level or os.environ.get("T1_LOG_LEVEL") or "info").lower()
     if level_name not in _LEVELS:
@@ -50,6 +57,8 @@ def configure(
     env_json = os.environ.get("T1_LOG_JSON")
     if json is None:
         json = env_json == "1" if env_json in ("0", "1") else not stream.isatty()
+    if console_level is not None and console_level.lower() not in _LEVELS:
+        raise ValueError(f"log level {console_level!r} is not one of {sorted(_LEVELS)}")
     json_renderer = structlog.processors.JSONRenderer()
     console = json_renderer if json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     file = open(log_file, "a", encoding="utf-8") if log_file else None  # noqa: SIM115 - lives for the process
@@ -59,7 +68,7 @@ def configure(
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            _Tee(stream, file, console, json_renderer),
+            _Tee(stream, file, console, json_renderer, _LEVELS[(console_level or level_name).lower()]),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level_name]),
         logger_factory=structlog.PrintLoggerFactory(file=stream),

@@ -50,15 +50,25 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    if args.duration is not None and args.duration <= 0:
-        raise ConfigError(f"--duration must be > 0 seconds, got {args.duration}")
-    run_dir = Path(args.run_dir)
+    from t1async.cluster.config import from_args
+
+    cfg = from_args(args)
+    run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl")
-    from t1async.cluster.supervisor import ClusterConfig, Supervisor  # after configure(): modules bind loggers on import
-    cfg = ClusterConfig(run_dir=run_dir, nats_url=args.nats, nats_port=args.nats_port, max_payload=args.max_payload,
-                        duration_s=args.duration)  # fmt: skip
-    return _run(Supervisor(cfg).run)
+    # the terminal shows the progress line and warnings; the supervisor's full log goes to its file
+    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "warning")
+    from t1async.cluster import components
+    from t1async.cluster.progress import show_progress
+    from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
+
+    components.ensure_tasks(cfg)
+    warm = components.warm_start_argv(cfg)
+    sup = ClusterConfig(
+        run_dir=run_dir, nats_url=cfg.nats, nats_port=cfg.nats_port, max_payload=cfg.max_payload,
+        duration_s=cfg.duration, build=lambda url: components.specs(cfg, url),
+        before=(ProcessSpec("warm-start", warm),) if warm else (), progress=show_progress,
+    )  # fmt: skip
+    return _run(Supervisor(sup).run)
 
 
 # ---------------------------------------------------------------------------------------- down
@@ -182,15 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     up = add("up", "start the cluster in the foreground",
-             "Start the cluster in the foreground: the embedded nats-server with JetStream (on a free loopback\n"
-             "port, store in <run-dir>/nats) unless --nats names an external one. PIDs and the NATS URL go to\n"
-             "<run-dir>/cluster.json, logs to <run-dir>/logs/. Runs until Ctrl-C, SIGTERM, `down`, or --duration;\n"
-             "then stops every component (SIGTERM, then SIGKILL), NATS last.")  # fmt: skip
-    up.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")
-    up.add_argument("--nats", default=None, metavar="URL", help="use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one")
-    up.add_argument("--nats-port", type=int, default=0, help="port of the embedded nats-server (default: a free one)")
-    up.add_argument("--max-payload", type=int, default=8 << 20, metavar="BYTES",
-                    help="max_payload of the embedded nats-server (default 8 MiB; larger records are chunked)")  # fmt: skip
+             "Start a whole T1 training loop in the foreground, with embedded defaults:\n"
+             "  1. a synthetic task corpus in <run-dir>/tasks (unless --tasks), and an optional warm start (SFT);\n"
+             "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
+             "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"
+             "  4. the learner (checkpoints in <run-dir>/checkpoints), then --actors actor processes.\n"
+             "Shows live progress; writes <run-dir>/cluster.json (PIDs), <run-dir>/logs/, <run-dir>/metrics.jsonl.\n"
+             "Runs until Ctrl-C, SIGTERM, `down`, --duration or --steps; then stops every component\n"
+             "(SIGTERM, then SIGKILL), NATS last. Run it again on the same --run-dir to resume training.")  # fmt: skip
+    from t1async.cluster.config import add_up_arguments
+
+    add_up_arguments(up)
     up.set_defaults(func=cmd_up)
 
     down = add("down", "stop a running cluster",

@@ -18,13 +18,14 @@ import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
+import anyio.abc
 from anyio.abc import TaskStatus
 
 from t1async.cluster.state import ClusterState, is_ours, proc_info
-from t1async.errors import ConfigError
+from t1async.errors import ConfigError, ServerStartError
 from t1async.log import get_logger
 from t1async.natsd import NatsServer
 
@@ -36,6 +37,9 @@ class ProcessSpec:
     name: str
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
+    ready_file: Path | None = None  # the next component starts only once this file exists
+    ready_timeout_s: float = 300.0
+    finishes: bool = False  # exiting with 0 is the cluster's normal end (the learner with --steps)
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,14 @@ class ClusterConfig:
     duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
     stop_timeout_s: float = 10.0
     components: tuple[ProcessSpec, ...] = ()
+    build: Callable[[str], Sequence[ProcessSpec]] | None = None  # more components, given the NATS URL
+    before: tuple[ProcessSpec, ...] = ()  # one-shot jobs run to completion before NATS (e.g. warm start)
+    progress: Callable[[str, Path], Awaitable[None]] | None = None  # shows live progress, given the NATS URL
 
 
 def component_specs(config: ClusterConfig, nats_url: str) -> list[ProcessSpec]:
-    """The processes to start after NATS, in order. (Sampler, actors and learner will be added here.)"""
-    return list(config.components)
+    """The processes to start after NATS, in order."""
+    return list(config.components) + list(config.build(nats_url) if config.build else ())
 
 
 class Supervisor:
@@ -59,6 +66,7 @@ class Supervisor:
         self.config = config
         self.state = ClusterState(run_dir=str(config.run_dir))
         self.failed: str | None = None
+        self.finished: str | None = None
 
     async def run(self) -> int:
         """Run the cluster in the foreground; returns the exit status (0 clean stop, 1 a component died)."""
@@ -68,6 +76,8 @@ class Supervisor:
         self.state.supervisor = proc_info("supervisor", os.getpid())
         self.state.save()
         try:
+            for job in self.config.before:
+                await self._run_oneshot(job)
             async with AsyncExitStack() as stack:
                 nats_url = self.config.nats_url
                 if nats_url is None:
@@ -87,6 +97,8 @@ class Supervisor:
                     log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
                     print(f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
                           f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)", flush=True)  # fmt: skip
+                    if self.config.progress is not None:
+                        tg.start_soon(self.config.progress, nats_url, run_dir)
                     await self._wait_for_stop()
                     self.state.status = "stopping"
                     self.state.save()
@@ -96,7 +108,8 @@ class Supervisor:
             self.state.components.clear()
             self.state.save()
         log.info("cluster.down", run_dir=str(run_dir), failed=self.failed)
-        print(f"cluster stopped{': ' + self.failed if self.failed else ''}", flush=True)
+        why = self.failed or self.finished
+        print(f"cluster stopped{': ' + why if why else ''}", flush=True)
         return 1 if self.failed else 0
 
     def _refuse_if_running(self, run_dir: Path) -> None:
@@ -126,11 +139,17 @@ class Supervisor:
         self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path))
         self.state.save()
         log.info("cluster.started", name=spec.name, pid=proc.pid, log=str(path))
-        task_status.started()
         try:
+            if spec.ready_file is not None:
+                await self._wait_ready(spec, proc, path)
+            task_status.started()
             await proc.wait()
-            self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}; see {path}"
-            log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
+            if spec.finishes and proc.returncode == 0:
+                self.finished = f"{spec.name} finished"
+                log.info("cluster.component_finished", name=spec.name)
+            else:
+                self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}; see {path}"
+                log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
             cluster.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -143,6 +162,45 @@ class Supervisor:
                         await proc.wait()
                 await proc.aclose()
             log.info("cluster.stopped", name=spec.name, returncode=proc.returncode)
+
+
+    async def _wait_ready(self, spec: ProcessSpec, proc: anyio.abc.Process, log_path: Path) -> None:
+        assert spec.ready_file is not None
+        with anyio.move_on_after(spec.ready_timeout_s) as scope:
+            while not spec.ready_file.exists():
+                if proc.returncode is not None:
+                    raise ServerStartError(f"{spec.name} exited with code {proc.returncode} before it was ready; "
+                                           f"see {log_path}")  # fmt: skip
+                await anyio.sleep(0.1)
+        if scope.cancelled_caught:
+            raise ServerStartError(f"{spec.name} was not ready within {spec.ready_timeout_s:.0f} s; see {log_path}")
+        log.info("cluster.ready", name=spec.name)
+
+    async def _run_oneshot(self, job: ProcessSpec) -> None:
+        """Run a job to completion before the cluster starts (its output goes to its log)."""
+        path = Path(self.config.run_dir) / "logs" / f"{job.name}.log"
+        print(f"{job.name}: running (log {path})", flush=True)
+        with open(path, "ab") as out:
+            proc = await anyio.open_process(list(job.argv), stdout=out, stderr=out, env={**os.environ, **job.env})
+        async with proc:
+            self.state.components[job.name] = proc_info(job.name, proc.pid, str(path))
+            self.state.save()
+            try:
+                await proc.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if proc.returncode is None:
+                        proc.terminate()
+                        with anyio.move_on_after(self.config.stop_timeout_s):
+                            await proc.wait()
+                        if proc.returncode is None:
+                            proc.kill()
+                            await proc.wait()
+                    self.state.components.pop(job.name, None)
+                    self.state.save()
+        if proc.returncode != 0:
+            raise ServerStartError(f"{job.name} failed with exit code {proc.returncode}; see {path}")
+        print(f"{job.name}: done", flush=True)
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -53,8 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print the summary as JSON on the last stdout line")
+    from t1async.learner import serve_cli
+
+    serve_cli.add_parser(sub)
     args = p.parse_args(argv)
     configure()
+    if args.cmd == "serve":
+        try:
+            return serve_cli.serve(args)
+        except T1Error as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     if args.cmd == "sft":
         if args.synth is not None and args.synth < 1:
             p.error("--synth must be >= 1")

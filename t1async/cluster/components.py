@@ -1,0 +1,96 @@
+"""What ``cluster up`` starts after NATS, in order: the embedded sampler (unless --sampler-url), the
+learner, then the actors. Also the work before them: the task corpus and the optional warm start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from t1async.cluster.config import UpConfig
+from t1async.cluster.supervisor import ProcessSpec, python_module
+from t1async.log import get_logger
+from t1async.natsd import free_port
+
+log = get_logger("cluster.components")
+
+
+def tasks_dir(cfg: UpConfig) -> Path:
+    return Path(cfg.tasks) if cfg.tasks is not None else Path(cfg.run_dir) / "tasks"
+
+
+def ensure_tasks(cfg: UpConfig) -> Path:
+    """The actors' task directory; synthesizes the corpus into the run dir the first time."""
+    d = tasks_dir(cfg)
+    if cfg.tasks is None and not any(d.glob("*/task.yaml")):
+        from sandbox_agent.synth import generate
+
+        generate(d, cfg.synth_tasks, seed=cfg.seed)
+        log.info("cluster.tasks_synthesized", dir=str(d), n=cfg.synth_tasks, seed=cfg.seed)
+    return d
+
+
+def warm_start_argv(cfg: UpConfig) -> list[str] | None:
+    """The SFT command to run before anything starts, or None (no warm start, or it already ran)."""
+    out = warm_model_dir(cfg)
+    if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
+        return None
+    argv = python_module("t1async.learner", "sft", "--tasks", str(ensure_tasks(cfg)), "--steps",
+                         str(cfg.warm_start_steps), "--out", str(out))  # fmt: skip
+    if cfg.model is not None:
+        argv += ["--model", str(cfg.model)]
+    return argv
+
+
+def warm_model_dir(cfg: UpConfig) -> Path:
+    return Path(cfg.run_dir) / "warm-start"
+
+
+def model_dir(cfg: UpConfig) -> Path | None:
+    if cfg.warm_start_steps > 0:
+        return warm_model_dir(cfg)
+    return cfg.model
+
+
+def sampler_ready_file(cfg: UpConfig) -> Path:
+    return Path(cfg.run_dir) / "sampler.url"
+
+
+def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
+    out: list[ProcessSpec] = []
+    model = model_dir(cfg)
+    urls = list(cfg.sampler_url)
+    if not urls:
+        ready = sampler_ready_file(cfg)
+        ready.unlink(missing_ok=True)
+        port = free_port()
+        argv = python_module("t1async.sampler", "serve", "--port", str(port), "--ready-file", str(ready),
+                             "--dtype", cfg.sampler_dtype, "--max-batch", str(cfg.sampler_max_batch),
+                             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--seed", str(cfg.seed))  # fmt: skip
+        if model is not None:
+            argv += ["--model", str(model)]
+        out.append(ProcessSpec("sampler", argv, ready_file=ready))
+        urls = [f"http://127.0.0.1:{port}"]
+    learner = python_module(
+        "t1async.learner", "serve", "--nats", nats_url, "--run-dir", str(cfg.run_dir),
+        "--max-staleness", str(cfg.max_staleness), "--batch-turns", str(cfg.batch_turns),
+        "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--lease", str(cfg.lease),
+    )  # fmt: skip
+    if model is not None:
+        learner += ["--model", str(model)]
+    if cfg.no_replay:
+        learner.append("--no-replay")
+    for u in urls:
+        learner += ["--sampler-url", u]
+    out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
+    for i in range(cfg.actors):
+        argv = python_module(
+            "actors", "--nats", nats_url, "--tasks", str(tasks_dir(cfg)), "--concurrency", str(cfg.concurrency),
+            "--max-turns", str(cfg.max_turns), "--max-new-tokens", str(cfg.max_new_tokens),
+            "--max-context", str(cfg.max_context), "--temperature", str(cfg.temperature),
+            "--verify-every", str(cfg.verify_every), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i),
+        )  # fmt: skip
+        if model is not None:
+            argv += ["--model", str(model)]
+        for u in urls:
+            argv += ["--sampler-url", u]
+        out.append(ProcessSpec(f"actor-{i}", argv))
+    return out

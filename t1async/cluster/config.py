@@ -1,0 +1,169 @@
+"""``cluster up`` settings: one typed config, from defaults, then a TOML file, then flags.
+
+A TOML file holds the same settings as the flags, top level or under ``[cluster]``, with ``-`` or ``_``:
+
+    max-staleness = 2
+    batch-turns = 32
+    actors = 2
+    sampler-url = ["http://gpu1:30000", "http://gpu2:30000"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from t1async.cluster.state import DEFAULT_RUN_DIR
+from t1async.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    run_dir: Path = DEFAULT_RUN_DIR
+    # NATS
+    nats: str | None = None  # external NATS URL(s); None starts the embedded nats-server
+    nats_port: int = 0
+    max_payload: int = 8 << 20
+    # samplers
+    sampler_url: tuple[str, ...] = ()  # real SGLang servers; none starts the embedded sampler
+    model: Path | None = None
+    sampler_dtype: str = "float32"
+    sampler_max_batch: int = 64
+    prefix_cache_tokens: int = 262_144
+    warm_start_steps: int = 0  # >0: SFT on oracle demonstrations first
+    # tasks and actors
+    tasks: Path | None = None  # None: a synthetic corpus in <run-dir>/tasks
+    synth_tasks: int = 220
+    actors: int = 2
+    concurrency: int = 4
+    max_turns: int = 300
+    max_new_tokens: int = 128
+    max_context: int = 8192
+    temperature: float = 1.0
+    verify_every: int = 0
+    # learner
+    max_staleness: int = 1
+    batch_turns: int = 16
+    lr: float = 1e-4
+    lease: float = 180.0
+    no_replay: bool = False
+    # lifetime
+    duration: float | None = None
+    steps: int = 0
+    seed: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> "UpConfig":
+        positive = ("actors", "concurrency", "max_turns", "max_new_tokens", "max_context", "batch_turns",
+                    "sampler_max_batch", "synth_tasks")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.duration is not None and self.duration <= 0:
+            raise ConfigError(f"--duration must be > 0 seconds, got {self.duration}")
+        if self.sampler_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"--sampler-dtype must be float32 or bfloat16, got {self.sampler_dtype!r}")
+        if self.tasks is not None and not Path(self.tasks).is_dir():
+            raise ConfigError(f"--tasks {self.tasks}: no such directory (make one: python -m sandbox_agent synth --out DIR)")
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
+        return self
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
+_PATHS = {"run_dir", "model", "tasks"}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    if name in _PATHS:
+        return None if value is None else Path(value)
+    if name == "sampler_url":
+        vals = [value] if isinstance(value, str) else list(value or [])
+        if not all(isinstance(v, str) for v in vals):
+            raise ConfigError(f"{source}: sampler-url must be a string or a list of strings")
+        return tuple(vals)
+    default = _FIELDS[name].default
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {name.replace('_', '-')} must be true or false, got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{source}: {name.replace('_', '-')} must be an integer, got {value!r}")
+    if isinstance(default, float) or name == "duration":
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{source}: {name.replace('_', '-')} must be a number, got {value!r}")
+        return float(value)
+    return value
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML: {exc}") from None
+    doc = doc.get("cluster", doc)
+    out = {}
+    for key, value in doc.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS or name == "extra_env":
+            raise ConfigError(f"--config {path}: unknown setting {key!r}; known: "
+                              f"{', '.join(sorted(k.replace('_', '-') for k in _FIELDS if k != 'extra_env'))}")  # fmt: skip
+        out[name] = _coerce(name, value, f"--config {path}")
+    return out
+
+
+def add_up_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags for every setting; defaults are None so a TOML file's value stands unless a flag overrides it."""
+    d = UpConfig()
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.toml", help="read settings from a TOML file (flags win)")
+    g = p.add_argument_group("NATS")
+    g.add_argument("--nats", default=None, metavar="URL", help="use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one")
+    g.add_argument("--nats-port", type=int, default=None, help="port of the embedded nats-server (default: a free one)")
+    g.add_argument("--max-payload", type=int, default=None, metavar="BYTES", help="max_payload of the embedded nats-server (default 8 MiB)")
+    g = p.add_argument_group("samplers")
+    g.add_argument("--sampler-url", action="append", default=None, metavar="URL",
+                   help="an SGLang server to sample from (repeatable); none: start the embedded sampler")  # fmt: skip
+    g.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped tiny MoE)")
+    g.add_argument("--sampler-dtype", default=None, choices=("float32", "bfloat16"), help=f"embedded sampler precision (default {d.sampler_dtype})")
+    g.add_argument("--sampler-max-batch", type=int, default=None, help=f"embedded sampler batch (default {d.sampler_max_batch})")
+    g.add_argument("--prefix-cache-tokens", type=int, default=None, help=f"embedded sampler prefix cache (default {d.prefix_cache_tokens})")
+    g.add_argument("--warm-start-steps", type=int, default=None, help="first fine-tune on oracle demonstrations for N steps (default 0: no)")
+    g = p.add_argument_group("actors")
+    g.add_argument("--tasks", type=Path, default=None, help="task directory (default: synthesize a corpus into <run-dir>/tasks)")
+    g.add_argument("--synth-tasks", type=int, default=None, help=f"tasks to synthesize when --tasks is not given (default {d.synth_tasks})")
+    g.add_argument("--actors", type=int, default=None, help=f"actor processes (default {d.actors})")
+    g.add_argument("--concurrency", type=int, default=None, help=f"episodes per actor at once (default {d.concurrency})")
+    g.add_argument("--max-turns", type=int, default=None, help=f"turns per episode at most (default {d.max_turns})")
+    g.add_argument("--max-new-tokens", type=int, default=None, help=f"tokens per turn at most (default {d.max_new_tokens})")
+    g.add_argument("--max-context", type=int, default=None, help=f"context budget per episode (default {d.max_context})")
+    g.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default {d.temperature})")
+    g.add_argument("--verify-every", type=int, default=None, help="verify every N turns for dense per-turn rewards (default 0: at the end)")
+    g = p.add_argument_group("learner")
+    g.add_argument("--max-staleness", type=int, default=None, help=f"η, in policy versions (default {d.max_staleness}; 0 = synchronous)")
+    g.add_argument("--batch-turns", type=int, default=None, help=f"B, turns per training step (default {d.batch_turns})")
+    g.add_argument("--lr", type=float, default=None, help=f"learning rate (default {d.lr})")
+    g.add_argument("--lease", type=float, default=None, help=f"seconds an unused credit is held (default {d.lease})")
+    g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
+    g = p.add_argument_group("lifetime")
+    g.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")
+    g.add_argument("--steps", type=int, default=None, help="stop after the learner trained this many steps")
+    g.add_argument("--seed", type=int, default=None, help="seed for the task corpus and actors (default 0)")
+
+
+def from_args(args: argparse.Namespace) -> UpConfig:
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        values.update(load_toml(args.config))
+    for name in _FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = _coerce(name, v, "flag")
+    return UpConfig(**values).check()

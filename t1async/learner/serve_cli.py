@@ -1,0 +1,79 @@
+"""``python -m t1async.learner serve``: the learner service as a process (see learner/service.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+
+from t1async.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "serve", help="run the learner service: consume trajectories, serve credits, train, push weights",
+        description="Consume T1_TRAJ through the durable consumer, assemble episodes with TITO and routing, "
+        "serve t1.credit by the staleness rule, train PPO steps with R3, save checkpoints under "
+        "<run-dir>/checkpoints, push each version to every --sampler-url and announce it on t1.policy. "
+        "Restarted on the same --run-dir it resumes from its newest checkpoint and journal.",
+    )  # fmt: skip
+    s.add_argument("--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL (default: $T1_NATS_URL)")
+    s.add_argument("--sampler-url", action="append", default=[], metavar="URL",
+                   help="a sampler to push weights to (repeatable; none: train without pushing)")  # fmt: skip
+    s.add_argument("--run-dir", type=Path, required=True, help="where checkpoints, journal and state live")
+    s.add_argument("--model", type=Path, default=None, help="initial model dir (default: the shipped tiny model)")
+    s.add_argument("--max-staleness", type=int, default=1, help="η: max policy versions between sampling and "
+                   "training a token (default 1; 0 = synchronous)")  # fmt: skip
+    s.add_argument("--batch-turns", type=int, default=16, help="B: turns per training step (default 16)")
+    s.add_argument("--steps", type=int, default=0, help="exit after this many steps (default 0: never)")
+    s.add_argument("--lease", type=float, default=180.0, help="seconds an unused credit is held (default 180)")
+    s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
+    s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
+    s.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from t1async.learner.service import Learner, LearnerConfig
+    from t1async.learner.trainer import TrainerConfig
+    from t1async.sampler.client import SGLangClient
+    from t1async.transport import NatsTransport
+
+    if not args.nats:
+        raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
+    for name in ("batch_turns",):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_staleness < 0 or args.steps < 0:
+        raise ConfigError("--max-staleness and --steps must be >= 0")
+    torch.set_num_threads(max(1, args.threads))
+    cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
+                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, durable=args.durable,
+                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay))  # fmt: skip
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            transport = await stack.enter_async_context(NatsTransport(args.nats))
+            samplers = await stack.enter_async_context(SGLangClient(args.sampler_url)) if args.sampler_url else None
+            learner = Learner(cfg, transport, samplers)
+            async with anyio.create_task_group() as tg:
+
+                async def stop_on_signal() -> None:
+                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                        async for _ in signals:
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(stop_on_signal)
+                await learner.run()
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
+    return 0
