@@ -89,6 +89,8 @@ def test_replay_removes_mismatch_from_routing_the_learner_would_not_choose():
     assert off.mean_abs_dlogp > 1e-3
     assert on.routing_drift > 0.05 and off.routing_drift > 0.05  # the learner's own router disagrees either way
     assert on.routing_compared == off.routing_compared == 39 * CFG.n_layers
+    assert on.routing_used_mismatch == 0.0  # replay: the forward used exactly the recorded experts
+    assert off.routing_used_mismatch == off.routing_drift > 0  # free: it used its own choice
     assert on.routing_missing == 0
     # recorded routing = the learner's own choice: no drift, and replay changes nothing
     own = sampled_segment(learner, toks, range(20, 40), reward=1.0)

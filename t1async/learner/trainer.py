@@ -83,6 +83,7 @@ class StepMetrics:
     k3_kl: float  # KL(sampler || learner), k3 estimator
     ess: float  # normalised ESS of the importance weights pi_prox / pi_behav
     routing_drift: float  # share of (token, layer) choices where the learner's top-k differs from the recorded
+    routing_used_mismatch: float  # same, for the experts the forward actually used (0 under R3 replay)
     routing_compared: int
     routing_missing: int
     replay: bool
@@ -173,7 +174,7 @@ class Trainer:
         # 1. score with the current weights: proximal log-probs, values, drift metrics
         self.model.train()
         scored: list[_Scored] = []
-        differ = compared = missing = 0
+        differ = compared = missing = used_differ = 0
         for b in batches:
             with torch.set_grad_enabled(single):
                 out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
@@ -183,6 +184,7 @@ class Trainer:
             self._advantages(sc, segments, out.values)
             d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
             differ, compared, missing = differ + d, compared + c, missing + mi
+            used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
             scored.append(sc)
             del out
 
@@ -246,6 +248,7 @@ class Trainer:
             grad_norm=grad_norm, mean_abs_dlogp=float((prox - behav).abs().mean()),
             k3_kl=ppo.k3_kl(prox, behav, ones), ess=ppo.ess(prox - behav, ones),
             routing_drift=differ / compared if compared else 0.0, routing_compared=compared,
+            routing_used_mismatch=used_differ / compared if compared else 0.0,
             routing_missing=missing, replay=cfg.replay, max_staleness=int(stale.max()), staleness_hist=hist,
             drift={str(k): int(v) for k, v in (drift or {}).items()},
             reward_sum=float(sum(float(np.sum(s.turn_rewards)) for s in segments)),
