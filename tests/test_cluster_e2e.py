@@ -1,0 +1,125 @@
+"""End to end: ``python -m t1async.cluster up`` with every real part (nats-server, the embedded sampler, two
+actors in bubblewrap, the learner) for a short bounded run, watched from the wire."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+
+from t1async import wire
+from t1async.cluster.state import ClusterState, is_ours
+from t1async.transport import NatsTransport
+
+pytestmark = pytest.mark.slow
+ETA = 1
+
+
+def check_episode_turns(turns: list[wire.TurnRecord]) -> None:
+    """TITO and routing fields as DESIGN §3 defines them, for one episode's turns in order."""
+    seq_len = 0
+    covered = 0
+    for i, t in enumerate(sorted(turns, key=lambda t: t.turn)):
+        assert t.turn == i
+        assert t.input_len == t.keep + len(t.input_delta)
+        assert t.keep == seq_len, "the token-in actor's boundaries are CLEAN"
+        assert len(t.output_logprobs) == len(t.output_ids) and np.all(t.output_logprobs <= 0)
+        r = t.routing
+        assert r is not None and r.start == covered, "traces tile the sequence with no gap and no overlap"
+        assert r.experts.shape[0] == t.input_len + len(t.output_ids) - 1 - r.start
+        assert r.start == (0 if i == 0 else t.keep - 1)
+        covered = r.start + r.experts.shape[0]
+        seq_len = t.input_len + len(t.output_ids)
+
+
+async def wait_running(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> ClusterState:
+    with anyio.fail_after(timeout):
+        while True:
+            assert proc.poll() is None, f"cluster up exited early with {proc.returncode}"
+            try:
+                st = ClusterState.load(run_dir)
+                if st.status == "running" and st.nats_url:
+                    return st
+            except Exception:
+                pass
+            await anyio.sleep(0.2)
+
+
+async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--steps", "3",
+            "--batch-turns", "6", "--actors", "2", "--concurrency", "2", "--max-turns", "6", "--max-new-tokens", "32",
+            "--synth-tasks", "20", "--max-staleness", str(ETA), "--duration", "240"]  # fmt: skip
+    out = open(tmp_path / "up.out", "w")
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
+    records: list[wire.Record] = []
+    started: list = []
+    server_versions: list[int] = []
+    try:
+        st = await wait_running(run_dir, proc)
+        started = list(st.components.values())
+        sampler_url = (run_dir / "sampler.url").read_text().strip()
+        async with NatsTransport(st.nats_url) as t, t.subscribe("t1.>") as msgs, anyio.create_task_group() as tg:
+
+            async def until_exit() -> None:
+                while proc.poll() is None:
+                    await anyio.sleep(0.2)
+                await anyio.sleep(0.5)  # the last records in flight
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(until_exit)
+            with anyio.move_on_after(220):
+                async for m in msgs:
+                    records.append(m.record)
+                    if isinstance(m.record, wire.PolicyRecord):
+                        try:
+                            async with httpx.AsyncClient(trust_env=False) as c:
+                                info = (await c.get(f"{sampler_url}/get_server_info", timeout=5)).json()
+                            server_versions.append(int(info["weight_version"]))
+                        except httpx.HTTPError:
+                            pass  # the last version's update races the shutdown
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
+        out.close()
+    log = (tmp_path / "up.out").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert "cluster stopped: learner finished" in log
+
+    turns: dict[str, list[wire.TurnRecord]] = {}
+    for r in records:
+        if isinstance(r, wire.TurnRecord):
+            turns.setdefault(r.episode, []).append(r)
+    assert len(turns) >= 2
+    for ep_turns in turns.values():
+        check_episode_turns(ep_turns)
+
+    policies = [r.version for r in records if isinstance(r, wire.PolicyRecord)]
+    assert policies[:2] == [1, 2], policies
+    assert server_versions and max(server_versions) >= 2, "the sampler serves the pushed versions"
+    assert max(t.policy_version for ts in turns.values() for t in ts) >= 1, "turns were sampled by trained weights"
+
+    learner = [r for r in records if isinstance(r, wire.MetricsRecord) and r.component == "learner"]
+    last = learner[-1].values
+    assert last["max_staleness"] <= ETA and all(int(k) <= ETA for k in last["staleness_hist"])
+    assert last["stale_masked_tokens"] == 0 and last["turns_trained"] >= 3 * 6
+
+    st = ClusterState.load(run_dir)
+    assert st.status == "stopped"
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(m["component"] == "learner" for m in metrics)
+    # no stray process: every pid the supervisor started is gone
+    logs = run_dir / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"sampler.log", "learner.log", "actor-0.log", "actor-1.log"}
+    assert {p.name for p in started} >= {"nats", "sampler", "learner", "actor-0", "actor-1"}
+    for info in started + [st.supervisor]:
+        assert info is None or not is_ours(info), f"{info.name} (pid {info.pid}) outlived the cluster"
