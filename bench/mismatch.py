@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.mismatch", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes on 2 cores")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last stdout line")
-    p.add_argument("--out", default="bench_out/mismatch", help="directory for mismatch.json and mismatch.png")
+    p.add_argument("--out", default="runs/bench/mismatch", help="directory for mismatch.json and mismatch.png")
     p.add_argument("--model", default=None, help="model directory (default: the shipped embedded model)")
     p.add_argument("--episodes", type=int, default=None, help="episodes (default 32; quick 8)")
     p.add_argument("--turns", type=int, default=None, help="turns per episode (default 8; quick 4)")
