@@ -41,6 +41,9 @@ from torch import Tensor, nn
 
 from t1async.model.config import MoEConfig
 
+# grouped matmul (one op for all experts); torch >= 2.8 has it on CPU. Without it, inference uses the loop.
+_grouped_mm = getattr(torch, "_grouped_mm", None)
+
 
 @dataclass(frozen=True)
 class ModelOutput:
@@ -70,8 +73,18 @@ def rotary_angles(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Ten
     return ang.cos(), ang.sin()
 
 
+def attention_bias(pos: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
+    """Additive causal mask over a KV slab for queries at positions pos [B, n]: [B * n_heads, n, W] with
+    W = max(pos) + 1, 0 where key position <= the query's position, -inf elsewhere."""
+    b, n = pos.shape
+    w = int(pos.max()) + 1
+    allowed = torch.arange(w, device=pos.device)[None, None, :] <= pos[:, :, None]  # [B, n, W]
+    bias = torch.zeros(b, n, w, dtype=dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
+    return bias[:, None].expand(b, n_heads, n, w).reshape(b * n_heads, n, w)
+
+
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, H, n, D] (half-split convention), computing in fp32."""
+    """Rotate x [..., B, H, n, D] (half-split convention), computing in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -86,8 +99,9 @@ class Attention(nn.Module):
     def _qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
         h, hd = self.cfg.n_heads, self.cfg.head_dim
-        q, k, v = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # each [B, H, n, hd]
-        return rotary(q, *rope), rotary(k, *rope), v
+        qkv = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # [3, B, H, n, hd]
+        q, k = rotary(qkv[:2], *rope)  # q and k rotated in one go (elementwise: same numbers as one by one)
+        return q, k, qkv[2]
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
         q, k, v = self._qkv(x, rope)
@@ -98,20 +112,22 @@ class Attention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(x.shape))
 
     def forward_cached(
-        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, mask: Tensor
+        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor
     ) -> Tensor:
-        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; mask [B, 1, n, W] (True = may attend)."""
+        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias [B * H, n, W]: 0 where a query may
+        attend, -inf elsewhere (``attention_bias``). One batched matmul each for scores and values: the
+        slab views fold (B, H) into one batch dimension without a copy."""
         b, n, _ = x.shape
+        h, hd = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self._qkv(x, rope)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
         kc[rows, :, pos, :] = k.transpose(1, 2).to(kc.dtype)
         vc[rows, :, pos, :] = v.transpose(1, 2).to(vc.dtype)
-        w = mask.shape[-1]
-        kw, vw = kc[:, :, :w], vc[:, :, :w]
-        scores = torch.matmul(q, kw.transpose(-1, -2)) * (1.0 / math.sqrt(self.cfg.head_dim))
-        scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)
-        return self.out(o.transpose(1, 2).reshape(x.shape))
+        w = bias.shape[-1]
+        kw, vw = kc[:, :, :w].reshape(b * h, w, hd), vc[:, :, :w].reshape(b * h, w, hd)
+        scores = torch.baddbmm(bias, q.reshape(b * h, n, hd), kw.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+        o = torch.bmm(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)  # [B * H, n, hd]
+        return self.out(o.view(b, h, n, hd).transpose(1, 2).reshape(x.shape))
 
 
 class MoE(nn.Module):
@@ -153,6 +169,27 @@ class MoE(nn.Module):
             out.index_add_(0, tok, ye)
             lo += c
         return out, chosen, free, logits
+
+    def infer(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Inference (no replay, no grad): x [N, d] -> (out [N, d], chosen [N, K]), as ``forward`` computes
+        them, with the experts applied as three grouped matmuls over the tokens sorted by expert (one op per
+        projection whatever the batch, instead of a Python loop of ~8 ops per expert)."""
+        if _grouped_mm is None:
+            return self.forward(x)[:2]
+        k = self.cfg.top_k
+        top = torch.topk(self.router(x), k, dim=-1)
+        chosen = top.indices
+        gates = torch.softmax(top.values.float(), dim=-1).to(x.dtype)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        ends = torch.bincount(flat, minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
+        tok = order // k
+        xs = x.index_select(0, tok)
+        hs = F.silu(_grouped_mm(xs, self.w_gate, offs=ends)) * _grouped_mm(xs, self.w_up, offs=ends)
+        ys = _grouped_mm(hs, self.w_down, offs=ends) * gates.reshape(-1)[order, None]
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, ys)
+        return out, chosen
 
 
 class Block(nn.Module):
@@ -260,16 +297,16 @@ class MoETransformer(nn.Module):
         b, n = input_ids.shape
         dev = input_ids.device
         pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
-        w = int(pos.max()) + 1
-        mask = (torch.arange(w, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, n, W]
         rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        bias = attention_bias(pos, self.cfg.n_heads, self.embed.weight.dtype)
         h = self.embed(input_ids)
         topk = []
         for i, blk in enumerate(self.blocks):
             kc, vc = cache.layer(i, slot0, b)
-            h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, mask)
-            h, c, _, _ = blk._moe(h, None)
-            topk.append(c)
+            h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
+            out, c = blk.moe.infer(blk.moe_norm(h).reshape(b * n, -1))
+            h = h + out.view(h.shape)
+            topk.append(c.view(b, n, -1))
         if logits_at is not None:
             h = h[torch.arange(b, device=dev), logits_at][:, None]
         return self.lm_head(self.norm(h)), torch.stack(topk, dim=2)
