@@ -15,7 +15,7 @@ import pytest
 
 from sandbox_agent.synth import generate
 from t1async import wire
-from t1async.learner.journal import Journal
+from t1async.learner.journal import read_journal
 from t1async.learner.state import LearnerState
 from t1async.sampler.launch import launch_sampler
 from t1async.transport import NatsTransport
@@ -36,6 +36,10 @@ def stop(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         except subprocess.TimeoutExpired:
             os.kill(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
+
+
+def journal_turns(run: Path) -> set[tuple[str, int]]:
+    return {(r.episode, r.turn) for r in read_journal(run / "learner" / "journal.bin") if isinstance(r, wire.TurnRecord)}
 
 
 async def read_stream_turns(url: str) -> set[tuple[str, int]]:
@@ -100,10 +104,12 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                 second = learner()
                 await wait_step(resumed_from + 2)
                 stop(a0)  # SIGTERM: its open episodes end as "aborted"
-                await anyio.sleep(4)  # the learner takes what is left on the stream
+                in_stream = await read_stream_turns(url)
+                with anyio.fail_after(60):  # the running learner takes what is left on the stream
+                    while not in_stream <= journal_turns(run):
+                        await anyio.sleep(0.5)
                 stop(second)
                 tg.cancel_scope.cancel()
-            in_stream = await read_stream_turns(url)
         finally:
             for p in procs:
                 stop(p, signal.SIGKILL)
@@ -112,9 +118,7 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     ready = [e for e in events if e.get("event") == "learner.ready"]
     assert len(ready) == 2 and ready[0]["resumed"] is None
     assert ready[1]["resumed"].endswith(f"v{resumed_from:06d}"), "the second learner resumed from the first's checkpoint"
-    j = Journal(run / "learner" / "journal.bin")
-    journaled = {(r.episode, r.turn) for r in j.replay() if isinstance(r, wire.TurnRecord)}
-    j.close()
+    journaled = journal_turns(run)
     assert in_stream and in_stream <= journaled, f"lost: {sorted(in_stream - journaled)[:5]}"
     assert any(ep.startswith("a1-") for ep, _ in in_stream), "the killed actor's turns reached the stream"
     state = LearnerState.load(run / "checkpoints")

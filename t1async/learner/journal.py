@@ -23,6 +23,23 @@ _LEN = struct.Struct("<I")
 log = get_logger("t1async.learner.journal")
 
 
+def read_journal(path: str | Path) -> Iterator[wire.Record]:
+    """The records of a journal, read-only (safe while a learner appends; a torn tail is left alone)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos + 4 <= len(data):
+        (n,) = _LEN.unpack_from(data, pos)
+        if pos + 4 + n > len(data):
+            return
+        chunk = data[pos + 4 : pos + 4 + n]
+        pos += 4 + n
+        try:
+            yield wire.decode(chunk)
+        except WireError as exc:  # cannot happen for what we wrote, unless the disk lies
+            log.error("journal.bad_record", offset=pos, error=str(exc))
+
+
 class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -64,17 +81,7 @@ class Journal:
 
     def replay(self) -> Iterator[wire.Record]:
         self._f.flush()
-        with open(self.path, "rb") as f:
-            data = f.read()
-        pos = 0
-        while pos + 4 <= len(data):
-            (n,) = _LEN.unpack_from(data, pos)
-            chunk = data[pos + 4 : pos + 4 + n]
-            pos += 4 + n
-            try:
-                yield wire.decode(chunk)
-            except WireError as exc:  # cannot happen for what we wrote, unless the disk lies
-                log.error("journal.bad_record", offset=pos, error=str(exc))
+        return read_journal(self.path)
 
     def compact(self, keep: Callable[[wire.Record], bool]) -> tuple[int, int]:
         """Rewrite the journal with only the records ``keep`` accepts (atomic rename). Returns (kept, dropped)."""
