@@ -35,11 +35,15 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]], *, file: Any = None
     print("=" * (26 + len(title)), file=file, flush=True)
 
 
-def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, file: Any = None) -> None:
+def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "", file: Any = None) -> None:
+    """Right-aligned columns under a header rule; floats with 2 decimals."""
     file = file or sys.stdout
     cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    if title:
+        print(title, file=file)
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
     file.flush()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench._table import emit_json, print_table
+from bench._common import emit_json, print_grid
 
 
 def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_one(eta, args, Path(tmp)))
     base = runs[0]["turns_per_s"] or 1e-9
     rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["sampler_idle"], r["steps"]) for r in runs]
-    print_table(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "sampler idle", "steps"], rows,
+    print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "sampler idle", "steps"], rows,
                 title="bench.staleness: the real loop at each η")  # fmt: skip
     ok = all(r["max_staleness"] <= r["eta"] for r in runs)
     print(f"max trained staleness <= η in every run: {ok}")

@@ -27,7 +27,7 @@ import anyio
 import nats
 import numpy as np
 
-from bench._table import emit_json, print_table
+from bench._common import emit_json, print_grid
 from t1async import wire
 from t1async.log import configure
 from t1async.natsd import NatsServer
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--records, --window and --rounds must be >= 1")
     configure(level="warning")
     res = anyio.run(run, args, backend="trio")
-    print_table(
+    print_grid(
         ["side", "records/s", "MB/s", "rounds (s)"],
         [["t1 (trio)", res["t1_records_per_s"], res["t1_mb_per_s"], " ".join(map(str, res["t1_round_s"]))],
          ["raw (asyncio)", res["raw_records_per_s"], res["raw_mb_per_s"], " ".join(map(str, res["raw_round_s"]))]],
