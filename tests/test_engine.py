@@ -100,6 +100,35 @@ async def test_concurrent_requests_batch_and_match_sequential(engine, ref):
         check_against_full_forward(ref, p, results[i])
 
 
+async def test_staggered_finishes_in_multi_decode_hops(model_dir, ref):
+    """A batch large enough for several decodes per thread hop, finishing at different steps: survivors move
+    into freed slots and keep decoding; every result equals its sequential run and the full forward."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + TOK.encode(f" case {i}") for i in range(16)]
+    lengths = [3 + (7 * i) % 17 for i in range(16)]
+    eng = Engine(model_dir, EngineConfig(max_batch=16))
+    async with trio.open_nursery() as n:
+        await n.start(eng.run)
+        sequential = [await eng.collect(req(f"q{i}", p, n=lengths[i], ignore_eos=True)) for i, p in enumerate(prompts)]
+        eng.flush_cache()
+        before = eng.stats()
+        results = {}
+
+        async def one(i):
+            results[i] = await eng.collect(req(f"b{i}", prompts[i], n=lengths[i], ignore_eos=True, return_routing=True))
+
+        async with trio.open_nursery() as inner:
+            for i in range(len(prompts)):
+                inner.start_soon(one, i)
+        after = eng.stats()
+        n.cancel_scope.cancel()
+    assert after["max_running"] == 16
+    assert after["decode_forwards"] - before["decode_forwards"] > after["steps"] - before["steps"]  # multi-decode hops
+    for i, p in enumerate(prompts):
+        assert results[i].output_ids == sequential[i].output_ids
+        assert results[i].finish_reason == {"type": "length", "length": lengths[i]}
+        check_against_full_forward(ref, p, results[i])
+
+
 async def test_mixed_admission_with_small_prefill_chunks(model_dir, ref):
     """Cached and fresh prompts of different lengths admitted in one step, prefilled in padded 7-token chunks."""
     eng = Engine(model_dir, EngineConfig(prefill_chunk=7))

@@ -13,7 +13,10 @@
 Requests (``GenRequest``) join the running batch between decode steps (continuous batching): each scheduler
 step prefills newly admitted requests (up to ``max_prefill_tokens`` prompt tokens, chunked) and then runs
 one batched decode forward over every running sequence. Torch work runs in a worker thread
-(``anyio.to_thread.run_sync``), one step at a time, so the event loop stays responsive.
+(``anyio.to_thread.run_sync``), one step at a time, so the event loop stays responsive. A large batch runs
+several decode forwards per thread hop (``scheduler.decodes_per_hop``: 8 for 32 sequences), so delivering
+tokens (and an HTTP server's per-stream work) is paid once per several tokens; the hop ends early when a
+sequence finishes or the event loop has work for the scheduler (a request that fits, an abort, an update).
 
 Events: a consumer receives the tokens produced since its previous event (steps coalesce if it reads slowly;
 the scheduler never waits for consumers). ``new_logprobs`` are ``log_softmax`` of the raw logits at
@@ -29,8 +32,10 @@ previous + 1. Each event reports the version current when it was produced.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -42,7 +47,9 @@ from t1async.errors import SamplerError, SamplerRequestError
 from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
-from t1async.model.scheduler import EngineCore, Seq, StepPlan, WeightUpdate, request_seed, routing_slice
+from t1async.model.scheduler import (
+    EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice,
+)
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
 
@@ -169,7 +176,10 @@ class Engine:
                     self._wake = anyio.Event()
                     continue
                 plan, updates = self._plan()
-                changed, deferred = await anyio.to_thread.run_sync(self._core.step, plan)
+                decodes = 1 if plan.admit or plan.aborts else decodes_per_hop(len(self._core.active))
+                changed, deferred = await anyio.to_thread.run_sync(
+                    partial(self._core.step, plan, decodes=decodes, interrupted=self._interrupted)
+                )
                 self._requeue(deferred)
                 for u, done in updates:
                     if u.error is None:
@@ -189,6 +199,12 @@ class Engine:
                 u.error = SamplerError("engine stopped before the weight update was applied")
                 done.set()
             log.info("engine.stopped")
+
+    def _interrupted(self) -> bool:
+        """Read from the engine's worker thread between the decodes of one hop: does the scheduler have work
+        (a request that could be admitted, an abort, a weight update, a cache flush)?"""
+        room = self._waiting and len(self._core.active) < self.config.max_batch
+        return bool(room or self._aborts or self._updates or self._flush)
 
     def _plan(self) -> tuple[StepPlan, list]:
         # candidates up to the free room; the core admits those whose uncached prompts fit the prefill
@@ -252,8 +268,7 @@ class Engine:
             )
         self._counter += 1
         seed = req.seed if req.seed is not None else request_seed(self.config.seed, self._counter)
-        gen = torch.Generator().manual_seed(seed)
-        seq = Seq(req=req, ids=ids, gen=gen, stops=StopStrings(self.tokenizer.decode, req.stop_strings))
+        seq = Seq(req=req, ids=ids, rng=random.Random(seed), stops=StopStrings(self.tokenizer.decode, req.stop_strings))
         h = _Handle(seq)
         h.version = self.weight_version
         self._handles[req.rid] = h

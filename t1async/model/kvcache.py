@@ -64,7 +64,7 @@ class KVCache:
 
     def read(self, slot: int, n: int) -> Tensor:
         """A copy of slot's first n positions: [L, 2, H, n, hd]."""
-        return torch.stack([self.k[:, slot, :, :n], self.v[:, slot, :, :n]], dim=1).clone()
+        return torch.stack([self.k[:, slot, :, :n], self.v[:, slot, :, :n]], dim=1)  # stack copies
 
     def write(self, slot: int, kv: Tensor) -> None:
         n = kv.shape[3]

@@ -74,13 +74,16 @@ def rotary_angles(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Ten
 
 
 def attention_bias(pos: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
-    """Additive causal mask over a KV slab for queries at positions pos [B, n]: [B * n_heads, n, W] with
-    W = max(pos) + 1, 0 where key position <= the query's position, -inf elsewhere."""
+    """Additive causal mask over a KV slab for queries at positions pos [B, n], with W = max(pos) + 1 key
+    positions: 0 where key position <= the query's position, -inf elsewhere. Shaped for
+    ``Attention.forward_cached``: [B * n_heads, 1, W] when decoding (n = 1), [B, 1, n, W] for a prefill."""
     b, n = pos.shape
     w = int(pos.max()) + 1
     allowed = torch.arange(w, device=pos.device)[None, None, :] <= pos[:, :, None]  # [B, n, W]
     bias = torch.zeros(b, n, w, dtype=dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
-    return bias[:, None].expand(b, n_heads, n, w).reshape(b * n_heads, n, w)
+    if n > 1:
+        return bias[:, None]
+    return bias.expand(b, n_heads, w).reshape(b * n_heads, 1, w)
 
 
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -114,9 +117,10 @@ class Attention(nn.Module):
     def forward_cached(
         self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor
     ) -> Tensor:
-        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias [B * H, n, W]: 0 where a query may
-        attend, -inf elsewhere (``attention_bias``). One batched matmul each for scores and values: the
-        slab views fold (B, H) into one batch dimension without a copy."""
+        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias from ``attention_bias`` (0 where
+        a query may attend, -inf elsewhere). Decoding (n = 1): one batched matmul each for scores and values,
+        the slab views folding (B, H) into one batch dimension without a copy. Prefill (n > 1): the fused
+        scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
         b, n, _ = x.shape
         h, hd = self.cfg.n_heads, self.cfg.head_dim
         q, k, v = self._qkv(x, rope)
@@ -124,10 +128,13 @@ class Attention(nn.Module):
         kc[rows, :, pos, :] = k.transpose(1, 2).to(kc.dtype)
         vc[rows, :, pos, :] = v.transpose(1, 2).to(vc.dtype)
         w = bias.shape[-1]
+        if n > 1:
+            o = F.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=bias)
+            return self.out(o.transpose(1, 2).reshape(x.shape))
         kw, vw = kc[:, :, :w].reshape(b * h, w, hd), vc[:, :, :w].reshape(b * h, w, hd)
-        scores = torch.baddbmm(bias, q.reshape(b * h, n, hd), kw.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
-        o = torch.bmm(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)  # [B * H, n, hd]
-        return self.out(o.view(b, h, n, hd).transpose(1, 2).reshape(x.shape))
+        scores = torch.baddbmm(bias, q.reshape(b * h, 1, hd), kw.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+        o = torch.bmm(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)  # [B * H, 1, hd]
+        return self.out(o.view(b, 1, h * hd))
 
 
 class MoE(nn.Module):
@@ -185,8 +192,9 @@ class MoE(nn.Module):
         ends = torch.bincount(flat, minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
         tok = order // k
         xs = x.index_select(0, tok)
-        hs = F.silu(_grouped_mm(xs, self.w_gate, offs=ends)) * _grouped_mm(xs, self.w_up, offs=ends)
-        ys = _grouped_mm(hs, self.w_down, offs=ends) * gates.reshape(-1)[order, None]
+        # in place where possible: a prefill's [N * K, d_ff] temporaries are megabytes, fresh pages each time
+        hs = F.silu(_grouped_mm(xs, self.w_gate, offs=ends), inplace=True).mul_(_grouped_mm(xs, self.w_up, offs=ends))
+        ys = _grouped_mm(hs, self.w_down, offs=ends).mul_(gates.reshape(-1)[order, None])
         out = torch.zeros_like(x)
         out.index_add_(0, tok, ys)
         return out, chosen

@@ -3,8 +3,9 @@
 Runs only inside ``anyio.to_thread.run_sync`` from ``Engine.run``, one step at a time, so nothing here is
 shared with the event loop while it runs. ``Engine`` (engine.py) owns the async side.
 
-A running sequence owns KV slot ``seq.slot``; live slots are kept compact ([0, n_active)) by moving the
-last slot into a freed one, so a decode step is one forward over slots [0, n) on a view of the slab. Each
+A running sequence owns KV slot ``seq.slot``; live slots are kept compact ([0, n_active)) by moving
+survivors from above the new batch size into freed slots, so a decode step is one forward over slots
+[0, n) on a view of the slab. One ``step`` may run several decodes (see ``decodes_per_hop``). Each
 live sequence has exactly one sampled-but-unfed token (its last), which the next decode step feeds.
 
 Prefix reuse: at admission the longest prefix of the prompt found in ``PrefixCache`` (at most prompt - 1
@@ -16,8 +17,11 @@ steps and released by ``flush_cache`` when nothing runs.
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,12 +36,17 @@ from t1async.model.weights import load_weights_into
 
 log = get_logger("model.engine")
 
+# multi-decode hops (see EngineCore.step and decodes_per_hop): a batch of 32 delivers every 8 tokens
+MAX_DECODES_PER_HOP = 8
+SEQS_PER_EXTRA_DECODE = 4
+HOP_BUDGET_S = 0.1  # a hop stops adding decodes after this long (bounds the wait between stream chunks)
+
 
 @dataclass(eq=False)
 class Seq:
     req: GenRequest
     ids: np.ndarray  # int32 prompt
-    gen: torch.Generator
+    rng: random.Random  # the request's seeded generator: one uniform draw per sampled token
     stops: StopStrings
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
@@ -92,6 +101,7 @@ class EngineCore:
         self.route_dtype = np.uint8 if self.mcfg.n_experts <= 256 else np.uint16
         self.steps = 0
         self.decode_tokens = 0
+        self.decode_forwards = 0  # > steps when hops run several decodes
         self.prefill_tokens = 0
         self.max_running = 0  # the largest batch one decode forward has served
         self.epoch = 0  # bumped by every weight update
@@ -100,15 +110,23 @@ class EngineCore:
     # -- one scheduler step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> tuple[list[Seq], list[Seq]]:
+    def step(
+        self, plan: StepPlan, *, decodes: int = 1, interrupted: Callable[[], bool] | None = None
+    ) -> tuple[list[Seq], list[Seq]]:
         """Run one step. Returns (sequences whose state changed: new tokens or finished, candidates from
-        ``plan.admit`` that were not admitted this step, in order)."""
+        ``plan.admit`` that were not admitted this step, in order).
+
+        ``decodes`` > 1 runs up to that many decode forwards in this one call (one thread hop, one delivery
+        for several tokens), stopping early when a sequence finishes, when ``interrupted()`` says the event
+        loop has work for the scheduler (a request to admit, an abort, a weight update), or after
+        ``HOP_BUDGET_S``."""
+        t0 = time.perf_counter()
         changed: list[Seq] = []
         for s in plan.aborts:
             if s.slot >= 0 and s.finish is None:
                 s.finish = {"type": "abort", "message": "aborted by request"}
-                self._retire(s)
                 changed.append(s)
+        self._retire_finished()
         for u in plan.updates:
             self._apply_update(u)
         if plan.flush or plan.updates:
@@ -122,7 +140,15 @@ class EngineCore:
             fresh = set(map(id, admitted))
             changed.extend(s for s in self.active if id(s) not in fresh)
             self._decode()
-        self._retire_finished()
+            done = self._retire_finished()
+            # further decodes serve the same sequences (no admissions), so ``changed`` already holds them
+            while (
+                decodes > 1 and not done and self.active and time.perf_counter() - t0 < HOP_BUDGET_S
+                and not (interrupted is not None and interrupted())
+            ):
+                decodes -= 1
+                self._decode()
+                done = self._retire_finished()
         self.steps += 1
         self.deferred += len(plan.admit) - len(admitted)
         return changed, plan.admit[len(admitted) :]
@@ -210,6 +236,7 @@ class EngineCore:
             s.routing.append(rows[i : i + 1])
             s.n_fed += 1
         self.decode_tokens += b
+        self.decode_forwards += 1
         self.max_running = max(self.max_running, b)
         self._sample(seqs, logits[:, 0])
 
@@ -219,7 +246,7 @@ class EngineCore:
             [s.req.temperature for s in seqs],
             [s.req.top_p for s in seqs],
             [s.req.top_k for s in seqs],
-            [s.gen for s in seqs],
+            [s.rng.random() for s in seqs],
         )
         for s, t, lp in zip(seqs, toks, lps):
             s.out_ids.append(t)
@@ -239,27 +266,36 @@ class EngineCore:
 
     # -- retirement -------------------------------------------------------------------------------------
 
-    def _retire_finished(self) -> None:
-        for s in [s for s in self.active if s.finish is not None]:
-            self._retire(s)
-
-    def _retire(self, s: Seq) -> None:
-        """Store a finished sequence in the prefix cache and free its slot (moving the last slot into it)."""
-        if self.cfg.prefix_cache_tokens and s.n_fed and s.epoch == self.epoch:
-            kv = self.kv.read(s.slot, s.n_fed)
-            self.prefix.insert(PrefixEntry(ids=s.all_ids(), kv=kv, routing=s.routing_rows()))
-        last = self.active.pop()
-        if last is not s:
-            self.kv.move(last.slot, s.slot, last.n_fed)
-            last.slot = s.slot
-            self.active[s.slot] = last
-        s.slot = -1
+    def _retire_finished(self) -> int:
+        """Store finished sequences in the prefix cache and free their slots, keeping live slots compact:
+        survivors above the new batch size move down into the freed slots below it (a batch finishing
+        together moves nothing)."""
+        done = [s for s in self.active if s.finish is not None]
+        if not done:
+            return 0
+        for s in done:
+            if self.cfg.prefix_cache_tokens and s.n_fed and s.epoch == self.epoch:
+                kv = self.kv.read(s.slot, s.n_fed)
+                self.prefix.insert(PrefixEntry(ids=s.all_ids(), kv=kv, routing=s.routing_rows()))
+        keep = [s for s in self.active if s.finish is None]
+        n = len(keep)
+        holes = iter(sorted(s.slot for s in done if s.slot < n))
+        for s in keep:
+            if s.slot >= n:
+                hole = next(holes)
+                self.kv.move(s.slot, hole, s.n_fed)
+                s.slot = hole
+        for s in done:
+            s.slot = -1
+        self.active = sorted(keep, key=lambda s: s.slot)
+        return len(done)
 
     def stats(self) -> dict:
         return {
             "steps": self.steps,
             "running": len(self.active),
             "decode_tokens": self.decode_tokens,
+            "decode_forwards": self.decode_forwards,
             "max_running": self.max_running,
             "deferred": self.deferred,
             "prefill_tokens": self.prefill_tokens,
@@ -269,6 +305,13 @@ class EngineCore:
             "kv_slab_slots": self.kv.slots,
             "kv_slab_cap": self.kv.cap,
         }
+
+
+def decodes_per_hop(running: int) -> int:
+    """Decode forwards per thread hop for a batch of ``running`` sequences: delivering a hop's tokens costs
+    the event loop (and an HTTP server's streams) a fixed amount per sequence, so a large batch amortises it
+    over several tokens; a small one delivers every token at once (its latency is what matters)."""
+    return min(MAX_DECODES_PER_HOP, max(1, running // SEQS_PER_EXTRA_DECODE))
 
 
 def routing_slice(s: Seq) -> np.ndarray:
