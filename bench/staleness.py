@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -123,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--duration must be at least 10 seconds")
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
-    with tempfile.TemporaryDirectory(prefix="t1-staleness-") as tmp:
-        for i, eta in enumerate(etas):
-            print(f"[{i + 1}/{len(etas)}] η={eta}: running the loop for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
-            runs.append(run_one(eta, args, Path(tmp)))
+    root = args.out / "runs"  # kept for inspection (logs, metrics.jsonl); replaced on the next run
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for i, eta in enumerate(etas):
+        print(f"[{i + 1}/{len(etas)}] η={eta}: running the loop for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
+        runs.append(run_one(eta, args, root))
     base = runs[0]["turns_per_s"] or 1e-9
     rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["sampler_idle"], r["steps"]) for r in runs]
     print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "sampler idle", "steps"], rows,

@@ -78,7 +78,7 @@ class Learner:
         self.assembler = Assembler()
         self.journal = Journal(config.run_dir / "learner" / "journal.bin")
         self.ready: list[Segment] = []  # closed segments waiting for a step
-        self.untrained: set[tuple[str, int]] = set()
+        self.untrained: dict[tuple[str, int], int] = {}  # delivered, not trained: (episode, turn) -> version
         self.hist = StalenessHistogram()
         self.ended: deque[wire.EndRecord] = deque(maxlen=200)
         self.stale_masked_tokens = 0
@@ -133,7 +133,8 @@ class Learner:
             ckpt = await anyio.to_thread.run_sync(lambda: save_checkpoint(
                 self.cfg.checkpoints, self.model, self.trainer.optimizer, version=self.version,
                 step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
-            self.untrained.difference_update(trained)
+            for key in trained:
+                self.untrained.pop(key, None)
             self.gate.on_trained(trained)
             if self.samplers is not None:
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
@@ -169,7 +170,7 @@ class Learner:
                 self.credits.on_delivered(*key)
                 self.gate.on_delivered(*key)
             if not self.state.was_trained(*key):
-                self.untrained.add(key)
+                self.untrained[key] = rec.policy_version
         elif isinstance(rec, wire.EndRecord) and live:
             self.ended.append(rec)
         self.ready.extend(self.assembler.feed(rec))
@@ -190,7 +191,16 @@ class Learner:
     # ------------------------------------------------------------------------------------------ batches
 
     def _take_segments(self) -> list[Segment]:
-        segs, self.ready = self.ready + self.assembler.cut(), []
+        """Closed segments, plus a cut of each open episode that holds a turn this step must train: one the
+        credit order makes due, or one that would be too stale for the next step. Other open episodes keep
+        growing: a cut re-forwards the episode's whole context, so cutting less often is what η buys."""
+        v, eta = self.version, self.cfg.max_staleness
+        must = {ep for ep, _ in self.gate.ledger.due(v)}
+        must |= {ep for (ep, _), u in self.untrained.items() if u <= v - eta}
+        if not must and not self.ready:  # nothing due (e.g. its credits expired): train what has arrived
+            must = set(self.assembler.open)
+        cuts = [s for ep in sorted(must) for s in self.assembler.cut(ep)]
+        segs, self.ready = self.ready + cuts, []
         out = []
         for s in segs:
             s = self._mask(s)
