@@ -35,7 +35,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
     argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--max-staleness", str(eta),
             "--duration", str(args.duration), "--actors", str(args.actors), "--concurrency", str(args.concurrency),
             "--batch-turns", str(args.batch_turns), "--max-turns", str(args.max_turns),
-            "--max-new-tokens", str(args.max_new_tokens), "--synth-tasks", "60", "--seed", str(args.seed)]  # fmt: skip
+            "--max-new-tokens", str(args.max_new_tokens), "--synth-tasks", "60", "--seed", str(args.seed),
+            "--verify-every", str(args.verify_every)]  # fmt: skip
     if args.tasks:
         argv += ["--tasks", str(args.tasks)]
     log = open(run_dir.with_suffix(".log"), "w")
@@ -107,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=90.0, help="seconds per η (default 90)")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=4, help="episodes per actor")
-    p.add_argument("--batch-turns", type=int, default=8)
-    p.add_argument("--max-turns", type=int, default=30)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-turns", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--verify-every", type=int, default=0, help="run the verifier every N turns (dense reward; default 0)")
     p.add_argument("--tasks", type=Path, default=None, help="task dir (default: a synthetic corpus per run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="where the JSON and PNG go")

@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--lease", type=float, default=180.0, help="seconds an unused credit is held (default 180)")
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
+    s.add_argument("--microbatch-tokens", type=int, default=65536, help="padded tokens per forward (default 65536; "
+                   "a step that fits in one micro-batch needs one forward instead of two)")  # fmt: skip
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
     s.set_defaults(func=serve)
@@ -56,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
                         batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, durable=args.durable,
-                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay))  # fmt: skip
+                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay,
+                                              microbatch_tokens=args.microbatch_tokens))  # fmt: skip
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
