@@ -104,7 +104,7 @@ async def test_staggered_finishes_in_multi_decode_hops(model_dir, ref):
     """A batch large enough for several decodes per thread hop, finishing at different steps: survivors move
     into freed slots and keep decoding; every result equals its sequential run and the full forward."""
     prompts = [PROMPTS[i % len(PROMPTS)] + TOK.encode(f" case {i}") for i in range(16)]
-    lengths = [3 + (7 * i) % 17 for i in range(16)]
+    lengths = [4 + 9 * (i % 3) + i % 2 for i in range(16)]  # finishing in groups, steps apart
     eng = Engine(model_dir, EngineConfig(max_batch=16))
     async with trio.open_nursery() as n:
         await n.start(eng.run)

@@ -192,7 +192,9 @@ class EngineCore:
         seqs = taken
         order = sorted(seqs, key=lambda s: s.prompt_len - s.cached, reverse=True)
         slot0 = len(self.active)
-        self.kv.reserve(slot0 + len(order), max(s.prompt_len for s in order) + chunk)
+        # a padded chunk writes junk up to max(m) - 1 past a row's position, and max(m) <= the longest remainder
+        pad = min(chunk, order[0].prompt_len - order[0].cached)
+        self.kv.reserve(slot0 + len(order), max(s.prompt_len for s in order) + pad)
         for s in order:
             s.slot = len(self.active)
             self.active.append(s)
