@@ -92,6 +92,23 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def rotary_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inference rotary (no autograd): x [B, n, ..., D] in the projection's own layout, cos/sin [B, 1, n, D/2]
+    from ``rotary_angles``. Four ops into one fresh buffer instead of ``rotary``'s temporaries (a prefill's
+    are megabytes each); the same rotation up to float rounding (multiply-adds)."""
+    b, n = x.shape[:2]
+    half = x.shape[-1] // 2
+    shape = (b, n) + (1,) * (x.dim() - 3) + (half,)
+    c, s = cos[:, 0].reshape(shape), sin[:, 0].reshape(shape)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    return out.to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -123,10 +140,12 @@ class Attention(nn.Module):
         scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
         b, n, _ = x.shape
         h, hd = self.cfg.n_heads, self.cfg.head_dim
-        q, k, v = self._qkv(x, rope)
+        qkv = self.qkv(x).view(b, n, 3, h, hd)
+        qk = rotary_into(qkv[:, :, :2], *rope)  # [B, n, 2, H, hd]
+        q = qk[:, :, 0].transpose(1, 2)  # [B, H, n, hd] (a view)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
-        kc[rows, :, pos, :] = k.transpose(1, 2).to(kc.dtype)
-        vc[rows, :, pos, :] = v.transpose(1, 2).to(vc.dtype)
+        kc[rows, :, pos, :] = qk[:, :, 1].to(kc.dtype)
+        vc[rows, :, pos, :] = qkv[:, :, 2].to(vc.dtype)
         w = bias.shape[-1]
         if n > 1:
             o = F.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=bias)
