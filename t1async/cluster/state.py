@@ -83,15 +83,17 @@ def _read_proc(pid: int) -> tuple[list[str], int] | None:
     return [c.decode(errors="replace") for c in cmdline if c], ticks
 
 
-def proc_info(name: str, pid: int, log: str = "") -> ProcInfo:
-    """Describe a live process we started (its cmdline and start time, read from /proc)."""
+def proc_info(name: str, pid: int, log: str = "", argv: list[str] | None = None) -> ProcInfo:
+    """Describe a live process we started: its start time from /proc, and the argv we gave it (what /proc
+    shows right after spawning can still be the parent's, before the child's exec)."""
     got = _read_proc(pid)
     if got is None:
         raise ConfigError(f"process {name} (pid {pid}) is not running")
-    return ProcInfo(name, pid, got[0], got[1], log)
+    return ProcInfo(name, pid, list(argv) if argv is not None else got[0], got[1], log)
 
 
 def is_ours(info: ProcInfo) -> bool:
-    """True if ``info.pid`` is alive and is still the process we recorded (same cmdline and start time)."""
+    """True if ``info.pid`` is alive and is still the process we recorded (same cmdline and start time;
+    a zombie, whose cmdline reads back empty, is not alive)."""
     got = _read_proc(info.pid)
     return got is not None and got[0] == info.cmdline and got[1] == info.start_ticks

@@ -136,7 +136,7 @@ class Supervisor:
         env = {**os.environ, "T1_NATS_URL": nats_url, **spec.env}
         with open(path, "ab") as out:
             proc = await anyio.open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
-        self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path))
+        self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path), list(spec.argv))
         self.state.save()
         log.info("cluster.started", name=spec.name, pid=proc.pid, log=str(path))
         try:
@@ -183,7 +183,7 @@ class Supervisor:
         with open(path, "ab") as out:
             proc = await anyio.open_process(list(job.argv), stdout=out, stderr=out, env={**os.environ, **job.env})
         async with proc:
-            self.state.components[job.name] = proc_info(job.name, proc.pid, str(path))
+            self.state.components[job.name] = proc_info(job.name, proc.pid, str(path), list(job.argv))
             self.state.save()
             try:
                 await proc.wait()
