@@ -196,17 +196,23 @@ class MoE(nn.Module):
             lo += c
         return out, chosen, free, logits
 
-    def infer(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def infer(self, x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Inference (no replay, no grad): x [N, d] -> (out [N, d], chosen [N, K]), as ``forward`` computes
         them, with the experts applied as three grouped matmuls over the tokens sorted by expert (one op per
-        projection whatever the batch, instead of a Python loop of ~8 ops per expert)."""
+        projection whatever the batch, instead of a Python loop of ~8 ops per expert). With ``keep`` (token
+        indices) every token is routed but only the kept ones go through the experts: out is [len(keep), d]."""
         if _grouped_mm is None:
-            return self.forward(x)[:2]
+            out, chosen = self.forward(x)[:2]
+            return (out if keep is None else out[keep]), chosen
         k = self.cfg.top_k
         top = torch.topk(self.router(x), k, dim=-1)
         chosen = top.indices
         gates = torch.softmax(top.values.float(), dim=-1).to(x.dtype)
-        flat = chosen.reshape(-1)
+        if keep is not None:
+            x, sel, gates = x[keep], chosen[keep], gates[keep]
+        else:
+            sel = chosen
+        flat = sel.reshape(-1)
         order = torch.argsort(flat, stable=True)
         ends = torch.bincount(flat, minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
         tok = order // k
@@ -328,11 +334,20 @@ class MoETransformer(nn.Module):
         bias = attention_bias(pos, self.cfg.n_heads, self.embed.weight.dtype)
         h = self.embed(input_ids)
         topk = []
+        last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
             kc, vc = cache.layer(i, slot0, b)
             h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
-            out, c = blk.moe.infer(blk.moe_norm(h).reshape(b * n, -1))
-            h = h + out.view(h.shape)
+            if i == last and logits_at is not None and n > 1:
+                # only the logits_at tokens' last-layer outputs are used: route every token (the routing is
+                # recorded) but run the experts for those alone
+                keep = torch.arange(b, device=dev) * n + logits_at
+                out, c = blk.moe.infer(blk.moe_norm(h).reshape(b * n, -1), keep)
+                h = (h.reshape(b * n, -1)[keep] + out)[:, None]
+                logits_at = None
+            else:
+                out, c = blk.moe.infer(blk.moe_norm(h).reshape(b * n, -1))
+                h = h + out.view(h.shape)
             topk.append(c.view(b, n, -1))
         if logits_at is not None:
             h = h[torch.arange(b, device=dev), logits_at][:, None]
