@@ -39,6 +39,19 @@ class _Tee:
         return self.console_renderer(logger, method, event)
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time (test runners and CLIs swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure(
     level: str | None = None,
     *,
@@ -50,7 +63,7 @@ def configure(
     """Set up structlog for this process. Safe to call more than once (the last call wins).
 
     ``console_level`` (default: ``level``) lets the console show less than the log file gets."""
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     level_name = (level or os.environ.get("T1_LOG_LEVEL") or "info").lower()
     if level_name not in _LEVELS:
         raise ValueError(f"log level {level_name!r} is not one of {sorted(_LEVELS)}")
