@@ -135,7 +135,7 @@ class Attention(nn.Module):
         self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor
     ) -> Tensor:
         """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias from ``attention_bias`` (0 where
-        a query may attend, -inf elsewhere). Decoding (n = 1): one batched matmul each for scores and values,
+        a query may attend, -inf elsewhere), or None when every row's tokens sit at positions [0, n). Decoding (n = 1): one batched matmul each for scores and values,
         the slab views folding (B, H) into one batch dimension without a copy. Prefill (n > 1): the fused
         scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
         b, n, _ = x.shape
@@ -143,9 +143,17 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(b, n, 3, h, hd)
         qk = rotary_into(qkv[:, :, :2], *rope)  # [B, n, 2, H, hd]
         q = qk[:, :, 0].transpose(1, 2)  # [B, H, n, hd] (a view)
-        rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
-        kc[rows, :, pos, :] = qk[:, :, 1].to(kc.dtype)
-        vc[rows, :, pos, :] = qkv[:, :, 2].to(vc.dtype)
+        p0 = int(pos[0, 0])
+        if n > 1 and bool((pos[:, 0] == p0).all()):  # rows at the same positions: a strided copy, no scatter
+            kc[:, :, p0 : p0 + n] = qk[:, :, 1].transpose(1, 2).to(kc.dtype)
+            vc[:, :, p0 : p0 + n] = qkv[:, :, 2].transpose(1, 2).to(vc.dtype)
+        else:
+            rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
+            kc[rows, :, pos, :] = qk[:, :, 1].to(kc.dtype)
+            vc[rows, :, pos, :] = qkv[:, :, 2].to(vc.dtype)
+        if bias is None:  # every row starts at position 0: plain causal attention over the n new tokens
+            o = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], is_causal=True)
+            return self.out(o.transpose(1, 2).reshape(x.shape))
         w = bias.shape[-1]
         if n > 1:
             o = F.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=bias)
@@ -331,7 +339,8 @@ class MoETransformer(nn.Module):
         dev = input_ids.device
         pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
         rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
-        bias = attention_bias(pos, self.cfg.n_heads, self.embed.weight.dtype)
+        fresh = n > 1 and not bool(start.any())  # a prefill from position 0 in every row: causal attention
+        bias = None if fresh else attention_bias(pos, self.cfg.n_heads, self.embed.weight.dtype)
         h = self.embed(input_ids)
         topk = []
         last = len(self.blocks) - 1
