@@ -5,15 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from sandbox_agent.agent import TurnResult
+from t1async.tito import common_prefix_len
 from t1async.wire import Finish, Routing, TurnRecord, digest_ids
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 class TurnEncoder:

@@ -153,15 +153,19 @@ class Supervisor:
             cluster.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                if proc.returncode is None:
-                    proc.terminate()
-                    with anyio.move_on_after(self.config.stop_timeout_s):
-                        await proc.wait()
-                    if proc.returncode is None:
-                        proc.kill()
-                        await proc.wait()
+                await self._terminate(proc)
                 await proc.aclose()
             log.info("cluster.stopped", name=spec.name, returncode=proc.returncode)
+
+    async def _terminate(self, proc: anyio.abc.Process) -> None:
+        """SIGTERM, then SIGKILL after ``stop_timeout_s``; call under a shielded scope."""
+        if proc.returncode is None:
+            proc.terminate()
+            with anyio.move_on_after(self.config.stop_timeout_s):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
 
     async def _wait_ready(self, spec: ProcessSpec, proc: anyio.abc.Process, log_path: Path) -> None:
@@ -189,13 +193,7 @@ class Supervisor:
                 await proc.wait()
             finally:
                 with anyio.CancelScope(shield=True):
-                    if proc.returncode is None:
-                        proc.terminate()
-                        with anyio.move_on_after(self.config.stop_timeout_s):
-                            await proc.wait()
-                        if proc.returncode is None:
-                            proc.kill()
-                            await proc.wait()
+                    await self._terminate(proc)
                     self.state.components.pop(job.name, None)
                     self.state.save()
         if proc.returncode != 0:
