@@ -174,14 +174,14 @@ async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, con
 
 async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, turns: int, concurrency: int,
                          input_len: int, output_len: int, vocab: int, seed: int, temperature: float,
-                         stream: bool = True) -> dict:
+                         stream: bool = True, prompt_len: int | None = None) -> dict:
     rng = np.random.default_rng(seed)
     per_turn: list[list[Outcome]] = [[] for _ in range(turns)]
     limiter = anyio.CapacityLimiter(concurrency)
     bar = Progress(sessions * turns, "multi-turn")
 
     async def session(s: int) -> None:
-        ctx = random_ids(np.random.default_rng([seed, s]), input_len, vocab)
+        ctx = random_ids(np.random.default_rng([seed, s]), prompt_len or input_len, vocab)
         for t in range(turns):
             async with limiter:
                 o = await stream_generate(client, url, ctx, output_len, temperature, stream)
@@ -261,7 +261,7 @@ async def amain(args: argparse.Namespace) -> dict:
             if args.multi_turn:
                 await client.post(url + "/flush_cache")
                 r = await run_multi_turn(client, url, sessions=args.num_prompts or 8, turns=args.multi_turn,
-                                         concurrency=args.concurrency, seed=args.seed, **common)
+                                         concurrency=args.concurrency, seed=args.seed, prompt_len=args.prompt_len, **common)
                 print_table("Multi-turn Benchmark Result",
                             _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])])
                 print_grid(["turn", "completed", "context_len", "e2e_ms", "ttft_ms", "cached_ratio"],
@@ -299,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests (sessions with --multi-turn); default 64, 8 sessions, or max(8, 2x) per level")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (per turn's new observation)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--prompt-len", type=int, default=None, help="--multi-turn: the first turn's context (system "
+                   "prompt + task; default --input-len); later turns add --output-len + --input-len each")  # fmt: skip
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
     p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS", help="sessions of TURNS growing turns")
     p.add_argument("--compare-concurrency", default=None, metavar="C1,C2",
