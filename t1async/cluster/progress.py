@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 import anyio
 
@@ -42,13 +43,24 @@ def status_line(learner: dict[str, Any] | None, actors: dict[str, dict[str, Any]
     return " | ".join(parts)
 
 
+@contextmanager
+def _ends_line(out: IO[str], tty: bool) -> Iterator[None]:
+    """Leave the terminal on a fresh line when the redrawn status line stops."""
+    try:
+        yield
+    finally:
+        if tty:
+            out.write("\n")
+            out.flush()
+
+
 async def show_progress(nats_url: str, run_dir: Path, *, out: IO[str] = sys.stdout, every_s: float = 10.0) -> None:
     """Runs until cancelled (the supervisor's task group owns it)."""
     learner: dict[str, Any] | None = None
     actors: dict[str, dict[str, Any]] = {}
     tty = out.isatty()
     last = 0.0
-    with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as sink:
+    with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as sink, _ends_line(out, tty):
         async with NatsTransport(nats_url) as t, t.subscribe("t1.metrics.>") as msgs:
             async for m in msgs:
                 rec = m.record
