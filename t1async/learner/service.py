@@ -117,7 +117,10 @@ class Learner:
 
     async def _train_step(self) -> None:
         segments = self._take_segments()
-        if not segments:
+        if not segments:  # nothing trainable yet (a turn waits for an earlier one): wait for more to arrive
+            arrived = self._arrived
+            with anyio.move_on_after(1.0):
+                await arrived.wait()
             return
         v = self.version
         self.credits.set_training(True)
@@ -135,6 +138,7 @@ class Learner:
                 step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
             for key in trained:
                 self.untrained.pop(key, None)
+            self._forget_unreachable()
             self.gate.on_trained(trained)
             if self.samplers is not None:
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
@@ -226,6 +230,13 @@ class Learner:
             return s
         return replace(s, loss_mask=keep, logprobs=np.where(keep, s.logprobs, 0).astype(np.float32),
                        versions=np.where(keep, s.versions, -1).astype(np.int32))  # fmt: skip
+
+    def _forget_unreachable(self) -> None:
+        """Turns the assembler will never emit (their episode is closed: untrainable, late, or abandoned)
+        stop counting as work waiting for a step. Counted by the assembler's drift stats."""
+        waiting = {s.episode for s in self.ready}
+        for key in [k for k in self.untrained if k[0] not in self.assembler.open and k[0] not in waiting]:
+            del self.untrained[key]
 
     def _drift(self) -> dict[str, int]:
         d = self.assembler.stats().as_dict()
