@@ -46,7 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer import TrainerConfig
     from t1async.sampler.client import SGLangClient
-    from t1async.transport import NatsTransport
+    from t1async.transport import NatsConfig, NatsTransport
 
     if not args.nats:
         raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
@@ -63,7 +63,9 @@ def serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            transport = await stack.enter_async_context(NatsTransport(args.nats))
+            # the learner acks a batch as soon as its journal has it (milliseconds), so a short ack wait only
+            # shortens how long a crashed learner's in-flight records wait before they are redelivered
+            transport = await stack.enter_async_context(NatsTransport(config=NatsConfig(url=args.nats, ack_wait_s=10.0)))
             samplers = await stack.enter_async_context(SGLangClient(args.sampler_url)) if args.sampler_url else None
             learner = Learner(cfg, transport, samplers)
             async with anyio.create_task_group() as tg:
