@@ -86,7 +86,7 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
                 on_turn=on_turn, rid=episode, work_root=ctx.work_root,
             )
             end = EndRecord(episode, turns, EndReason(res.reason), res.tests_passed, res.tests_total,
-                            res.resolved, res.detail[:1000])  # fmt: skip
+                            res.resolved, res.detail[:1000], res.unstreamed_reward)  # fmt: skip
         except T1Error as exc:  # task setup, sandbox, transport: the episode failed, the actor goes on
             log.warning("episode.failed", episode=episode, task=task.id, error=str(exc))
             end = EndRecord(episode, turns, EndReason.ERROR, 0, 0, False, f"{type(exc).__name__}: {exc}"[:1000])

@@ -149,9 +149,20 @@ class EpisodeAssembler:
         if self.finished or self.end_record is None or self.next_turn < self.end_record.turns:
             return []
         self.finished = True
+        self._apply_unstreamed(self.end_record.unstreamed_reward)
         out = self._close(done=True)
         self.stats.ended_after_cut += not out and self.next_turn > 0 and not self.lost
         return out
+
+    def _apply_unstreamed(self, reward: float) -> None:
+        """The end's unstreamed reward belongs to the last turn (its action led to the verified state)."""
+        if not reward:
+            return
+        spans = self.builder.spans if self.builder is not None else []
+        if spans and not spans[-1].trained and spans[-1].turn == self.end_record.turns - 1:
+            spans[-1].reward += reward
+        else:
+            self.stats.unstreamed_unapplied += 1
 
     def _process(self, rec: wire.TurnRecord) -> list[Segment]:
         st, b, out = self.stats, self.builder, []

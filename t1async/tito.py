@@ -124,6 +124,7 @@ class DriftStats:
     tokens_dropped: int = 0  # REALIGN: sampled tokens that left the sequence and the loss
     dropped_after_cut: int = 0  # of those, tokens already returned (and maybe trained) in an earlier cut
     ended_after_cut: int = 0  # episodes that ended with nothing new after a cut (that cut was not marked done)
+    unstreamed_unapplied: int = 0  # ends whose unstreamed reward found its last turn already trained
     duplicates: int = 0  # exact redeliveries, dropped
     conflicts: int = 0  # same (episode, turn) with different content: the later one is dropped
     late_turns: int = 0  # turns for an episode that already ended

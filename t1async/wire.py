@@ -103,6 +103,9 @@ class EndRecord:
     tests_total: int
     resolved: bool
     detail: str = ""
+    # the change in tests passed that no turn could carry (the episode stopped mid-sample: wall time, a
+    # sampler failure); the learner adds it to the last turn's reward, so rewards still sum to tests_passed
+    unstreamed_reward: float = 0.0
     kind = "end"
 
 
@@ -328,7 +331,8 @@ def from_map(m: Any) -> Record:
         if passed > total:
             raise f._err("tests_passed", f"{passed} > tests_total {total}")
         return EndRecord(f.str("episode"), f.int("turns"), f.enum("reason", EndReason), passed, total,
-                         f.get("resolved", bool, what="bool"), f.str("detail", nonempty=False, default=""))  # fmt: skip
+                         f.get("resolved", bool, what="bool"), f.str("detail", nonempty=False, default=""),
+                         f.float("unstreamed_reward", default=0.0))  # fmt: skip
     if kind == "policy":
         return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
     if kind == "credit_request":

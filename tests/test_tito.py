@@ -275,3 +275,17 @@ def test_retokenizing_agent_drifts_and_token_in_agent_stays_clean():
     assert text.boundaries == 11 and text.fork + text.realign > 0, text.as_dict()
     exact = _run_agent(tok, 12, token_in=True).stats()
     assert exact.boundaries == 11 and exact.clean == 11 and exact.fork == exact.realign == 0, exact.as_dict()
+
+
+def test_an_end_records_unstreamed_reward_lands_on_the_last_turn_unless_already_trained():
+    asm = Assembler()
+    asm.add(_turn("e", 0, [1, 2], [10, 11], reward=1.0))
+    asm.add(_turn("e", 1, [1, 2, 10, 11, 5], [20], prev=[1, 2, 10, 11], reward=0.0))
+    (seg,) = asm.end(wire.EndRecord("e", 2, wire.EndReason.TIMEOUT, 3, 4, False, "", unstreamed_reward=2.0))
+    assert seg.turn_rewards.tolist() == [1.0, 2.0] and sum(seg.turn_rewards) == 3.0
+    # the last turn was already returned by a cut (and trained): the reward cannot land, and that is counted
+    asm2 = Assembler()
+    asm2.add(_turn("f", 0, [1, 2], [10, 11], reward=1.0))
+    asm2.cut()
+    assert asm2.end(wire.EndRecord("f", 1, wire.EndReason.TIMEOUT, 2, 4, False, "", unstreamed_reward=1.0)) == []
+    assert asm2.stats().unstreamed_unapplied == 1

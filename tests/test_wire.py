@@ -45,9 +45,9 @@ def turns(draw):
 records = st.one_of(
     turns(),
     st.builds(wire.StartRecord, name, name, name, st.integers(1, 10**6), st.floats(0, 2e9)),
-    st.builds(lambda e, n, r, p, extra, res, d: wire.EndRecord(e, n, r, p, p + extra, res, d),
+    st.builds(lambda e, n, r, p, extra, res, d, u: wire.EndRecord(e, n, r, p, p + extra, res, d, u),
               name, st.integers(0, 10**4), st.sampled_from(list(wire.EndReason)), st.integers(0, 100),
-              st.integers(0, 100), st.booleans(), text),
+              st.integers(0, 100), st.booleans(), text, st.floats(-100, 100)),
     st.builds(wire.PolicyRecord, st.integers(0, 10**6), st.integers(0, 10**6), name),
     st.builds(wire.CreditRequest, name, name, st.integers(1, 64), st.integers(-1, 1000)),
     st.builds(wire.CreditGrant, st.integers(0, 64), st.integers(0, 10**6), st.floats(0, 1e4), name),
