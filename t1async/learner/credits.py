@@ -10,6 +10,8 @@ being replaced and trained one version later (staleness 1).
 
 from __future__ import annotations
 
+import itertools
+
 import anyio
 
 from t1async.log import get_logger
@@ -28,6 +30,7 @@ class CreditServer:
         self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
         self._granted: dict[tuple[str, int], CreditGrant] = {}  # granted, turn not delivered yet
         self.bad_requests = 0
+        self._anonymous = itertools.count(1)  # requests that name no turn cannot be deduplicated
 
     def set_training(self, training: bool) -> None:
         self.training = training
@@ -46,10 +49,10 @@ class CreditServer:
                     self.bad_requests += 1
                     log.warning("credit.bad_request", kind=rec.kind)
                     continue
-                key = (rec.episode, rec.turn)
+                key = (rec.episode, rec.turn) if rec.turn >= 0 else (rec.episode, -next(self._anonymous))
                 if key in self._granted:
                     await self._reply(req, self._granted[key])
-                elif key in self._pending and rec.turn >= 0:
+                elif key in self._pending:
                     self._pending[key] = req  # a retry: the hold already running answers the newest request
                 else:
                     self._pending[key] = req
