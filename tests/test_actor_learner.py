@@ -117,3 +117,14 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     assert trained_first <= trained_second
     # every turn the learner journaled and had trained before the restart was not trained again
     assert second.state.turns_trained == len(trained_second)
+
+
+def test_a_state_without_its_checkpoint_is_not_resumed(tmp_path, tiny_model):
+    """A crash between saving the learner state and its checkpoint leaves a state whose trained turns never
+    reached any weights: a fresh learner must not skip them."""
+    from t1async.learner.state import LearnerState
+
+    LearnerState().after_step(1, 1, [("ep", 0), ("ep", 1)]).save(tmp_path / "run" / "checkpoints")
+    learner = Learner(LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model), MemoryTransport(), None)
+    learner.journal.close()
+    assert learner.version == 0 and not learner.state.was_trained("ep", 0) and learner.resumed_from is None

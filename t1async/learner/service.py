@@ -60,8 +60,10 @@ class LearnerConfig:
 class Learner:
     def __init__(self, config: LearnerConfig, transport: Transport, samplers: SGLangClient | None) -> None:
         self.cfg, self.transport, self.samplers = config, transport, samplers
-        self.state = LearnerState.load(config.checkpoints)
         ckpt = latest_checkpoint(config.checkpoints)
+        # a state is only ever paired with the checkpoint of its version: a state saved just before a crash
+        # that lost its checkpoint names turns whose training never reached the weights
+        self.state = LearnerState()
         model_dir = config.model_dir or default_model_dir()
         self.model = load_pretrained(ckpt.path if ckpt else model_dir)
         self.trainer = Trainer(self.model, config.trainer)
