@@ -50,9 +50,8 @@ def serve(args: argparse.Namespace) -> int:
 
     if not args.nats:
         raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
-    for name in ("batch_turns",):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_turns < 1:
+        raise ConfigError(f"--batch-turns must be >= 1, got {args.batch_turns}")
     if args.max_staleness < 0 or args.steps < 0:
         raise ConfigError("--max-staleness and --steps must be >= 0")
     torch.set_num_threads(max(1, args.threads))

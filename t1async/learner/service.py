@@ -113,16 +113,17 @@ class Learner:
                 await self.gate.wait_trainable(self.version)
                 if len(self.untrained) >= self.cfg.batch_turns:
                     return
-            arrived = self._arrived
-            with anyio.move_on_after(1.0):
-                await arrived.wait()
+            await self._next_arrival()
+
+    async def _next_arrival(self, timeout_s: float = 1.0) -> None:
+        arrived = self._arrived
+        with anyio.move_on_after(timeout_s):
+            await arrived.wait()
 
     async def _train_step(self) -> None:
         segments = self._take_segments()
         if not segments:  # nothing trainable yet (a turn waits for an earlier one): wait for more to arrive
-            arrived = self._arrived
-            with anyio.move_on_after(1.0):
-                await arrived.wait()
+            await self._next_arrival()
             return
         v = self.version
         self.credits.set_training(True)
