@@ -168,3 +168,17 @@ def test_token_logprobs_shift_by_one():
     lp, ent = ppo.token_logprobs(logits, tokens, with_entropy=True)
     np.testing.assert_allclose(lp.numpy(), [[0.0, math.log(0.5), math.log(0.1)]], rtol=1e-6)
     assert ent[0, 1].item() == pytest.approx(math.log(2.0), rel=1e-6)
+
+
+def test_dlogp_split_separates_fresh_mismatch_from_stale_policy_shift():
+    prox = torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0, -6.0])
+    behav = torch.tensor([-1.01, -2.03, -3.5, -4.0, -6.0, -6.0])
+    stale = torch.tensor([0, 0, 1, 1, 2, -1])  # -1: never valid (sampled by a newer version); in neither mean
+    s = ppo.dlogp_split(prox, behav, stale)
+    assert s.mismatch == pytest.approx(0.02, abs=1e-6) and s.mismatch_tokens == 2
+    assert s.policy_shift == pytest.approx((0.5 + 0.0 + 1.0) / 3, abs=1e-6) and s.policy_shift_tokens == 3
+    assert s.policy_shift_by_staleness == pytest.approx({1: 0.25, 2: 1.0})
+    empty = ppo.dlogp_split(prox[:2], behav[:2], stale[:2])
+    assert (empty.policy_shift, empty.policy_shift_tokens, empty.policy_shift_by_staleness) == (0.0, 0, {})
+    with pytest.raises(ValueError, match="staleness values"):
+        ppo.dlogp_split(prox, behav, stale[:3])

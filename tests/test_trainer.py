@@ -205,3 +205,40 @@ async def test_checkpoint_loads_in_the_engine_and_resumes(tmp_path):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="already exists"):
         save_checkpoint(tmp_path / "ckpt", model, trainer.optimizer, version=1, step=2)
+
+
+def _shift_after_one_step(lr: float) -> tuple:
+    """Train one step at version 0 on fresh turns, then a step at version 1 holding fresh turns (sampled by
+    the new weights) and stale ones (sampled by the version-0 weights)."""
+    model = tiny()
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(10, 4000, size=24).tolist() for _ in range(4)]
+    trainer = Trainer(model, TrainerConfig(lr=lr))
+    stale_segs = [sampled_segment(model, s, range(12, 24), reward=1.0, episode=f"old{i}") for i, s in enumerate(seqs)]
+    first = trainer.step(
+        [sampled_segment(model, s, range(12, 24), reward=float(i % 2), episode=f"a{i}") for i, s in enumerate(seqs)], 0
+    )
+    fresh = [sampled_segment(model, s, range(12, 24), reward=1.0, version=1, episode=f"new{i}") for i, s in enumerate(seqs)]
+    second = trainer.step(fresh + stale_segs, 1)
+    return first, second
+
+
+@pytest.mark.parametrize("lr", [1e-12, 3e-3])
+def test_mismatch_counts_only_tokens_trained_at_the_version_that_sampled_them(lr):
+    first, second = _shift_after_one_step(lr)
+    # the 'sampler' is the learner's own fp32 weights: no train/inference mismatch, whatever the lr
+    assert first.mismatch < 1e-4 and first.mismatch_tokens == 48 and first.policy_shift_tokens == 0
+    assert second.mismatch < 1e-4 and second.mismatch_tokens == 48 and second.policy_shift_tokens == 48
+    assert second.staleness_hist == {0: 48, 1: 48}
+    assert set(second.policy_shift_by_staleness) == {1}
+    if lr > 1e-6:  # the old mixed figure is policy change, not mismatch
+        assert second.policy_shift > 1e-3 and second.mean_abs_dlogp > 10 * second.mismatch
+    else:  # a frozen model: nothing moved
+        assert second.policy_shift < 1e-4
+    d = second.to_dict()
+    assert d["policy_shift_by_staleness"] == {"1": pytest.approx(second.policy_shift)}
+
+
+def test_policy_shift_grows_with_the_learning_rate():
+    shifts = [_shift_after_one_step(lr)[1].policy_shift for lr in (1e-12, 1e-4, 3e-3)]
+    assert shifts[0] < 1e-4 < shifts[1] < shifts[2]

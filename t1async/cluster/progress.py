@@ -38,9 +38,17 @@ def status_line(learner: dict[str, Any] | None, actors: dict[str, dict[str, Any]
             f"{float(v.get('turns_per_s', 0.0)):.2f}/s | reward {float(v.get('reward_mean', 0.0)):.2f} "
             f"resolved {float(v.get('resolved_rate', 0.0)):.0%} | staleness max {v.get('max_staleness', 0)} "
             f"(η {v.get('eta', '?')}) | drift c/r/f {drift.get('clean', 0)}/{drift.get('realign', 0)}/{drift.get('fork', 0)} "
-            f"| |Δlogp| {float(v.get('mean_abs_dlogp', 0.0)):.4f}"
+            f"| {_dlogp(v)}"
         )  # fmt: skip
     return " | ".join(parts)
+
+
+def _dlogp(v: dict[str, Any]) -> str:
+    """T1's mismatch (|Δlogp| on tokens trained by the weights that sampled them) and, apart, the policy's
+    own change on stale tokens; '-' when the last step had no such tokens."""
+    mm = f"{float(v['mismatch']):.4f}" if int(v.get("mismatch_tokens", 0)) else "-"
+    ps = f"{float(v['policy_shift']):.4f}" if int(v.get("policy_shift_tokens", 0)) else "-"
+    return f"mismatch {mm} shift {ps}"
 
 
 @contextmanager

@@ -213,6 +213,41 @@ def ess(log_weights: Tensor, mask: Tensor) -> float:
     return float(w.sum() ** 2 / (lw.numel() * (w * w).sum()))
 
 
+@dataclass(frozen=True)
+class DlogpSplit:
+    """|Δlogp| = |learner logprob - sampler logprob| over loss tokens, split by staleness (DESIGN §7).
+
+    ``mismatch`` is the mean over tokens trained at the version that sampled them (staleness 0): the same
+    weights on both sides, so what is left is the train/inference mismatch (T1's metric: numerics, kernels,
+    routing, token drift). ``policy_shift`` is the mean over stale tokens (staleness >= 1): how far the policy
+    moved since it sampled them, plus that mismatch; ``policy_shift_by_staleness`` has one mean per
+    staleness. A mean over no tokens is 0.0, and its token count says so.
+    """
+
+    mismatch: float
+    mismatch_tokens: int
+    policy_shift: float
+    policy_shift_tokens: int
+    policy_shift_by_staleness: dict[int, float]
+
+
+def dlogp_split(prox_logp: Tensor, behav_logp: Tensor, staleness: Tensor) -> DlogpSplit:
+    """Split mean |prox - behav| by per-token staleness (1-d tensors over the loss tokens)."""
+    d = (prox_logp.double() - behav_logp.double()).abs().flatten()
+    st = staleness.flatten().long()
+    if d.shape != st.shape:
+        raise ValueError(f"dlogp_split: {tuple(d.shape)} logprobs but {tuple(st.shape)} staleness values")
+    fresh, stale = st == 0, st > 0
+    by = {int(k): float(d[st == k].mean()) for k in torch.unique(st[stale]).tolist()}
+    return DlogpSplit(
+        mismatch=float(d[fresh].mean()) if bool(fresh.any()) else 0.0,
+        mismatch_tokens=int(fresh.sum()),
+        policy_shift=float(d[stale].mean()) if bool(stale.any()) else 0.0,
+        policy_shift_tokens=int(stale.sum()),
+        policy_shift_by_staleness=by,
+    )
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, *, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``tokens[:, p]`` under ``logits[:, p - 1]`` (and the entropy there if asked), [B, T];
     position 0 is 0 (no logits precede it). Computed in float32 whatever the model dtype."""

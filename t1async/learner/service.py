@@ -151,7 +151,8 @@ class Learner:
         self.last_step = {**m.to_dict(), "turns_trained_step": len(trained)}
         await self.transport.publish("t1.policy", wire.PolicyRecord(self.version, self.state.step, str(ckpt.path)))
         log.info("learner.step", step=self.state.step, version=self.version, turns=len(trained), loss=round(m.loss, 4),
-                 dlogp=round(m.mean_abs_dlogp, 5), routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
+                 dlogp=round(m.mean_abs_dlogp, 5), mismatch=round(m.mismatch, 5), policy_shift=round(m.policy_shift, 5),
+                 routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
         await self._publish_metrics()
         if self.journal.size_bytes() > self.cfg.compact_journal_bytes:
             self._compact_journal()
@@ -273,6 +274,7 @@ class Learner:
             "episodes_ended": len(ended),
             "untrained_turns": len(self.untrained),
             "stale_masked_tokens": self.stale_masked_tokens,
+            "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
             "credits": self.gate.ledger.snapshot(),
         }
 

@@ -79,7 +79,7 @@ class StepMetrics:
     clip_frac: float
     is_trunc_frac: float
     grad_norm: float
-    mean_abs_dlogp: float  # learner (start of step) vs sampler, over loss tokens
+    mean_abs_dlogp: float  # learner (start of step) vs sampler, over all loss tokens (mismatch + policy shift)
     k3_kl: float  # KL(sampler || learner), k3 estimator
     ess: float  # normalised ESS of the importance weights pi_prox / pi_behav
     routing_drift: float  # share of (token, layer) choices where the learner's top-k differs from the recorded
@@ -96,10 +96,18 @@ class StepMetrics:
     value_mean: float
     return_mean: float
     t_step_s: float
+    # mean |Δlogp| split by staleness (ppo.dlogp_split): the train/inference mismatch over tokens trained at
+    # the version that sampled them, and the policy's own change since sampling over stale tokens
+    mismatch: float = 0.0
+    mismatch_tokens: int = 0
+    policy_shift: float = 0.0
+    policy_shift_tokens: int = 0
+    policy_shift_by_staleness: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
+        d["policy_shift_by_staleness"] = {str(k): v for k, v in self.policy_shift_by_staleness.items()}
         return d
 
 
@@ -239,6 +247,7 @@ class Trainer:
         ones = torch.ones_like(prox, dtype=torch.bool)
         stale = (policy_version - vers).cpu().numpy()
         hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
+        split = ppo.dlogp_split(prox, behav, policy_version - vers)
         metrics = StepMetrics(
             step=self.steps, version=policy_version, segments=len(segments),
             tokens=int(sum(len(s.tokens) for s in segments)), loss_tokens=n_loss,
@@ -253,11 +262,14 @@ class Trainer:
             drift={str(k): int(v) for k, v in (drift or {}).items()},
             reward_sum=float(sum(float(np.sum(s.turn_rewards)) for s in segments)),
             adv_mean=adv_mean, adv_std=adv_std, value_mean=float(old_v.mean()), return_mean=float(ret.mean()),
-            t_step_s=time.perf_counter() - t0,
+            t_step_s=time.perf_counter() - t0, mismatch=split.mismatch, mismatch_tokens=split.mismatch_tokens,
+            policy_shift=split.policy_shift, policy_shift_tokens=split.policy_shift_tokens,
+            policy_shift_by_staleness=split.policy_shift_by_staleness,
         )  # fmt: skip
         log.info(
             "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,
             loss_tokens=n_loss, loss=round(metrics.loss, 5), dlogp=round(metrics.mean_abs_dlogp, 5),
+            mismatch=round(metrics.mismatch, 5), policy_shift=round(metrics.policy_shift, 5),
             routing_drift=round(metrics.routing_drift, 4), max_staleness=metrics.max_staleness,
             t_step_s=round(metrics.t_step_s, 3),
         )  # fmt: skip
