@@ -5,33 +5,42 @@ Definitions (η = ``max_staleness``, B = ``batch_turns``, v = the version the sa
 version when the ledger started):
 
 - a **credit** (ticket) admits one turn; tickets are ordered by grant time;
-- ``running``  = tickets granted, not yet delivered and not expired;
-- ``accepted`` = tickets delivered (cumulative since start; a delivered turn is always trained);
-- an expired ticket (lease ran out before delivery: the actor never used it) is released: it leaves
-  ``running`` and the order, and does not count in ``accepted``.
+- ``running``  = tickets granted, not yet delivered, not expired and not released;
+- ``accepted`` = tickets delivered and trained or still waiting to be settled (cumulative since start);
+- a ticket whose lease ran out before delivery (the actor never used it), or whose actor went silent
+  (``release_actor``), is released: it leaves ``running`` and does not count in ``accepted``;
+- every delivered ticket is **settled** exactly once (``settle``) with a reason: ``trained``,
+  ``stale_masked``, ``realign_dropped``, ``poisoned`` or ``abandoned``. A ticket settled without training
+  leaves ``accepted`` like a released one: its capacity goes back to the actors.
 
-**Admission**: grant while ``accepted + running < (η + (v - v0) + 1) · B``.
+**Admission**: grant while ``accepted + running < (η + (v - v0) + 1) · B``. A ticket's **rank** is
+``accepted + running`` when it is granted; its **deadline** is ``v0 + rank // B``.
 
 **Training order**: the learner's step at version s (the step that turns version s into s + 1) must train
-every delivered ticket among the first ``(s - v0 + 1) · B`` live tickets in grant order (``due(s)``), may
-train any other delivered tickets too, and may not run while one of those first tickets is still running
-(``can_train(s)`` is False; it becomes True on delivery or lease expiry).
+every delivered, unsettled ticket whose deadline is <= s (``due(s)``), may train any other delivered ticket
+too, and may not run while a ticket with deadline <= s is still running (``can_train(s)`` is False; it
+becomes True on delivery, lease expiry or release).
 
-**Why staleness <= η.** A ticket granted while the served version was ``v_g`` had, at grant time, fewer
-than ``(η + v_g - v0 + 1) · B`` live tickets before it; expiries only lower that count. By the training
-order it is trained by the step ``s`` with ``(s - v0 + 1) · B > rank``, i.e. ``s <= v_g + η``. The sampler
-served ``u >= v_g`` when it sampled the turn (``on_version(v)`` is called only once samplers serve v), so
-the staleness ``s - u <= η``. Admitted work is never thrown away; η = 0 is synchronous RL.
+**Why staleness <= η.** A ticket granted while the served version was ``v_g`` has, by admission, rank
+``< (η + v_g - v0 + 1) · B``, so its deadline is ``<= v_g + η``: it is trained by the step at a version
+``s <= v_g + η``. The sampler served ``u >= v_g`` when it sampled the turn (``on_version(v)`` is called only
+once samplers serve v), so the staleness ``s - u <= η``. Releases and untrained settles only lower the rank
+of later tickets, which keeps the bound. η = 0 is synchronous RL.
 
-A turn delivered with no live ticket (its lease expired, or an actor sampled without asking) is
-*unadmitted*: ``on_delivered`` returns None and the learner must decide (train only if ``v - u <= η``).
+**Bounded.** The ledger holds only live tickets (running, or delivered and unsettled), indexed by deadline:
+a turn that is never settled keeps its own ticket and nothing else, and ``due``/``can_train`` cost
+O(live tickets), however long the run.
+
+A turn delivered with no live ticket (its lease expired, its actor was released, or it sampled without
+asking) is *unadmitted*: ``on_delivered`` returns None and the learner must decide (train only if
+``v - u <= η``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import anyio
 import numpy as np
@@ -39,7 +48,8 @@ import numpy as np
 from t1async import wire
 from t1async.errors import ConfigError
 
-RUNNING, DELIVERED, TRAINED, EXPIRED = "running", "delivered", "trained", "expired"
+RUNNING, DELIVERED, SETTLED, EXPIRED = "running", "delivered", "settled", "expired"
+SETTLE_REASONS = ("trained", "stale_masked", "realign_dropped", "poisoned", "abandoned")
 SEEN_MEMORY = 1_000_000  # delivered (episode, turn) keys remembered to ignore redeliveries
 
 
@@ -51,21 +61,25 @@ class Ticket:
     episode: str
     version: int  # served version when granted
     expires_at: float
+    deadline: int = 0  # the step at this version must settle it (v0 + rank // B)
     state: str = RUNNING
-    turn: int = -1  # set on delivery
+    turn: int = -1  # the turn it was asked for (-1: any), then the turn delivered
+    reason: str = ""  # why it was settled
 
 
 @dataclass
 class LedgerStats:
     granted: int = 0
     delivered: int = 0
-    expired: int = 0
+    expired: int = 0  # leases that ran out
+    released: int = 0  # running tickets of a silent actor or a closed episode
     unadmitted: int = 0
     trained: int = 0
     held_requests: int = 0  # requests that could not be granted at once (backpressure)
+    settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SETTLE_REASONS, 0))
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "settled": dict(self.settled)}
 
 
 class CreditLedger:
@@ -83,11 +97,11 @@ class CreditLedger:
         self.running = 0
         self.stats = LedgerStats()
         self._seq = 0
-        self._order: deque[Ticket] = deque()  # live tickets in grant order, trained prefix popped
-        self._popped = 0  # trained tickets popped from the front of _order
+        self._by_deadline: dict[int, dict[int, Ticket]] = {}  # live tickets (running or delivered, unsettled)
+        self._live = 0
         self._leases: deque[Ticket] = deque()  # running tickets in grant (= expiry) order, lazily cleaned
-        self._by_episode: dict[str, deque[Ticket]] = {}
-        self._delivered: dict[tuple[str, int], Ticket] = {}  # delivered, not yet trained
+        self._by_episode: dict[str, deque[Ticket]] = {}  # running tickets per episode, in grant order
+        self._delivered: dict[tuple[str, int], Ticket] = {}  # delivered, not yet settled
         self._seen: OrderedDict[tuple[str, int], Ticket] = OrderedDict()  # redeliveries (at-least-once) are no-ops
 
     # -- admission -----------------------------------------------------------------------------------
@@ -100,7 +114,12 @@ class CreditLedger:
     def available(self) -> int:
         return max(0, self.capacity - self.accepted - self.running)
 
-    def try_grant(self, actor: str, episode: str, n: int, now: float) -> wire.CreditGrant | None:
+    @property
+    def size(self) -> int:
+        """Tickets the ledger holds (running, or delivered and unsettled): bounded by the work in flight."""
+        return self._live
+
+    def try_grant(self, actor: str, episode: str, n: int, now: float, turn: int = -1) -> wire.CreditGrant | None:
         """Grant up to ``n`` credits for ``episode`` now, or None (hold the request: backpressure)."""
         self.expire(now)
         k = min(n, self.available)
@@ -109,15 +128,34 @@ class CreditLedger:
             return None
         gid = f"g{self._seq}"
         q = self._by_episode.setdefault(episode, deque())
-        for _ in range(k):
-            t = Ticket(self._seq, gid, actor, episode, self.version, now + self.lease_s)
+        for i in range(k):
+            rank = self.accepted + self.running
+            t = Ticket(self._seq, gid, actor, episode, self.version, now + self.lease_s,
+                       deadline=self.v0 + rank // self.B, turn=turn + i if turn >= 0 else -1)  # fmt: skip
             self._seq += 1
-            self._order.append(t)
+            self._by_deadline.setdefault(t.deadline, {})[t.seq] = t
+            self._live += 1
             self._leases.append(t)
             q.append(t)
-        self.running += k
+            self.running += 1
         self.stats.granted += k
         return wire.CreditGrant(granted=k, version=self.version, lease_s=self.lease_s, grant_id=gid)
+
+    def _drop(self, t: Ticket) -> None:
+        bucket = self._by_deadline[t.deadline]
+        del bucket[t.seq]
+        if not bucket:
+            del self._by_deadline[t.deadline]
+        self._live -= 1
+
+    def _release(self, t: Ticket) -> None:
+        t.state = EXPIRED
+        self.running -= 1
+        q = self._by_episode[t.episode]
+        q.remove(t)
+        if not q:
+            del self._by_episode[t.episode]
+        self._drop(t)
 
     def expire(self, now: float) -> int:
         """Release running tickets whose lease ran out (the actor never delivered them)."""
@@ -125,14 +163,26 @@ class CreditLedger:
         while self._leases and (self._leases[0].state != RUNNING or self._leases[0].expires_at <= now):
             t = self._leases.popleft()
             if t.state == RUNNING:
-                t.state = EXPIRED
-                self.running -= 1
-                self._by_episode[t.episode].remove(t)
+                self._release(t)
                 n += 1
-        if n:
-            self.stats.expired += n
-            self._order = deque(t for t in self._order if t.state != EXPIRED)
+        self.stats.expired += n
         return n
+
+    def release_actor(self, actor: str) -> int:
+        """Release every running ticket of ``actor`` (it went silent): its capacity goes back at once."""
+        gone = [t for q in self._by_episode.values() for t in q if t.actor == actor]
+        for t in gone:
+            self._release(t)
+        self.stats.released += len(gone)
+        return len(gone)
+
+    def release_episode(self, episode: str) -> int:
+        """Release the running tickets of an episode the learner closed (poisoned, aborted)."""
+        gone = list(self._by_episode.get(episode, ()))
+        for t in gone:
+            self._release(t)
+        self.stats.released += len(gone)
+        return len(gone)
 
     def next_expiry(self) -> float | None:
         for t in self._leases:
@@ -146,17 +196,21 @@ class CreditLedger:
             self.version = version
 
     def on_delivered(self, episode: str, turn: int, now: float) -> Ticket | None:
-        """A turn arrived: it uses the episode's oldest running ticket. None: unadmitted (no live ticket).
-        A redelivered (episode, turn) returns its ticket again and changes nothing."""
+        """A turn arrived: it uses the episode's ticket asked for this turn, else its oldest ticket asked for
+        no particular turn. None: unadmitted (no live ticket). A redelivered (episode, turn) returns its
+        ticket again and changes nothing."""
         seen = self._seen.get((episode, turn))
         if seen is not None:
             return seen
         self.expire(now)
         q = self._by_episode.get(episode)
-        if not q:
+        t = None
+        if q:
+            t = next((x for x in q if x.turn == turn), None) or next((x for x in q if x.turn < 0), None)
+        if t is None:
             self.stats.unadmitted += 1
             return None
-        t = q.popleft()
+        q.remove(t)
         if not q:
             del self._by_episode[episode]
         t.state, t.turn = DELIVERED, turn
@@ -171,32 +225,44 @@ class CreditLedger:
 
     # -- training order ------------------------------------------------------------------------------
 
-    def _head(self, version: int) -> list[Ticket]:
-        """The live tickets among the first ``(version - v0 + 1) * B`` in grant order, not yet popped."""
-        n = (version - self.v0 + 1) * self.B - self._popped
-        return [self._order[i] for i in range(min(max(n, 0), len(self._order)))]
+    def _due_tickets(self, version: int) -> list[Ticket]:
+        return [t for d, bucket in self._by_deadline.items() if d <= version for t in bucket.values()]
 
     def can_train(self, version: int) -> bool:
         """May the step at learner version ``version`` run? (None of its due tickets is still running.)"""
-        return all(t.state != RUNNING for t in self._head(version))
+        return all(t.state != RUNNING for t in self._due_tickets(version))
 
     def due(self, version: int) -> list[tuple[str, int]]:
-        """(episode, turn) of the delivered turns the step at ``version`` must train."""
-        return [(t.episode, t.turn) for t in self._head(version) if t.state == DELIVERED]
+        """(episode, turn) of the delivered turns the step at ``version`` must train, in grant order."""
+        return [(t.episode, t.turn) for t in sorted(self._due_tickets(version), key=lambda t: t.seq)
+                if t.state == DELIVERED]  # fmt: skip
 
-    def on_trained(self, turns: list[tuple[str, int]]) -> None:
+    def settle(self, turns: Iterable[tuple[str, int]], reason: str) -> int:
+        """Settle delivered turns: each ticket once (a second settle of a turn is a no-op). Returns how many
+        tickets this settled. Untrained reasons give the capacity back (like a release)."""
+        if reason not in SETTLE_REASONS:
+            raise ValueError(f"settle reason {reason!r} is not one of {SETTLE_REASONS}")
+        n = 0
         for key in turns:
             t = self._delivered.pop(key, None)
-            if t is not None:
-                t.state = TRAINED
-                self.stats.trained += 1
-        while self._order and self._order[0].state == TRAINED:
-            self._order.popleft()
-            self._popped += 1
+            if t is None:
+                continue
+            t.state, t.reason = SETTLED, reason
+            self._drop(t)
+            if reason != "trained":
+                self.accepted -= 1
+            n += 1
+        self.stats.settled[reason] += n
+        if reason == "trained":
+            self.stats.trained += n
+        return n
+
+    def on_trained(self, turns: Iterable[tuple[str, int]]) -> None:
+        self.settle(turns, "trained")
 
     def snapshot(self) -> dict[str, Any]:
         return {"version": self.version, "capacity": self.capacity, "accepted": self.accepted,
-                "running": self.running, **self.stats.as_dict()}  # fmt: skip
+                "running": self.running, "live": self._live, **self.stats.as_dict()}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- histogram
@@ -259,9 +325,9 @@ class CreditGate:
         self.held = held
         self._notify()
 
-    async def acquire(self, actor: str, episode: str, n: int = 1) -> wire.CreditGrant:
+    async def acquire(self, actor: str, episode: str, n: int = 1, turn: int = -1) -> wire.CreditGrant:
         while True:
-            grant = None if self.held else self.ledger.try_grant(actor, episode, n, self.clock())
+            grant = None if self.held else self.ledger.try_grant(actor, episode, n, self.clock(), turn)
             if grant is not None:
                 self._notify()
                 return grant
@@ -291,5 +357,19 @@ class CreditGate:
         return t
 
     def on_trained(self, turns: list[tuple[str, int]]) -> None:
-        self.ledger.on_trained(turns)
+        self.settle(turns, "trained")
+
+    def settle(self, turns: Iterable[tuple[str, int]], reason: str) -> int:
+        n = self.ledger.settle(turns, reason)
         self._notify()
+        return n
+
+    def release_actor(self, actor: str) -> int:
+        n = self.ledger.release_actor(actor)
+        self._notify()
+        return n
+
+    def release_episode(self, episode: str) -> int:
+        n = self.ledger.release_episode(episode)
+        self._notify()
+        return n

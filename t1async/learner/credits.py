@@ -11,6 +11,7 @@ being replaced and trained one version later (staleness 1).
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import anyio
 
@@ -24,11 +25,12 @@ log = get_logger("t1async.learner.credits")
 
 
 class CreditServer:
-    def __init__(self, gate: CreditGate, transport: Transport) -> None:
+    def __init__(self, gate: CreditGate, transport: Transport, on_actor: Callable[[str], None] | None = None) -> None:
         self.gate, self.transport = gate, transport
+        self.on_actor = on_actor  # every request is a sign of life of its actor (learner/liveness.py)
         self.training = False
         self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
-        self._granted: dict[tuple[str, int], CreditGrant] = {}  # granted, turn not delivered yet
+        self._granted: dict[tuple[str, int], tuple[str, CreditGrant]] = {}  # granted, turn not delivered: (actor, grant)
         self.bad_requests = 0
         self._anonymous = itertools.count(1)  # requests that name no turn cannot be deduplicated
 
@@ -40,6 +42,13 @@ class CreditServer:
     def on_delivered(self, episode: str, turn: int) -> None:
         self._granted.pop((episode, turn), None)
 
+    def forget(self, *, actor: str | None = None, episodes: set[str] | frozenset[str] = frozenset()) -> int:
+        """Drop the remembered grants of a released actor or of closed episodes (their tickets are gone)."""
+        gone = [k for k, (a, _) in self._granted.items() if a == actor or k[0] in episodes]
+        for k in gone:
+            del self._granted[k]
+        return len(gone)
+
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         async with self.transport.serve(CREDIT_SUBJECT) as requests, anyio.create_task_group() as tg:
             task_status.started()
@@ -49,9 +58,11 @@ class CreditServer:
                     self.bad_requests += 1
                     log.warning("credit.bad_request", kind=rec.kind)
                     continue
+                if self.on_actor is not None:
+                    self.on_actor(rec.actor)
                 key = (rec.episode, rec.turn) if rec.turn >= 0 else (rec.episode, -next(self._anonymous))
                 if key in self._granted:
-                    await self._reply(req, self._granted[key])
+                    await self._reply(req, self._granted[key][1])
                 elif key in self._pending:
                     self._pending[key] = req  # a retry: the hold already running answers the newest request
                 else:
@@ -59,9 +70,9 @@ class CreditServer:
                     tg.start_soon(self._hold, key, rec)
 
     async def _hold(self, key: tuple[str, int], rec: CreditRequest) -> None:
-        grant = await self.gate.acquire(rec.actor, rec.episode, 1)
+        grant = await self.gate.acquire(rec.actor, rec.episode, 1, rec.turn)
         if rec.turn >= 0:
-            self._granted[key] = grant
+            self._granted[key] = (rec.actor, grant)
         req = self._pending.pop(key)
         await self._reply(req, grant)
 

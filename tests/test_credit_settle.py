@@ -1,0 +1,88 @@
+"""Every delivered turn is settled exactly once, and settling releases its credit (DESIGN §7): the ledger
+stays bounded by the work in flight whatever is never trained, and a silent actor's credits come back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from t1async.staleness import SETTLE_REASONS, CreditLedger
+
+
+def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
+    """One delivered turn is never settled; 3,000 steps later the ledger holds that ticket and the work in
+    flight, not every ticket granted since (the old grant-order deque held ~48k here)."""
+    B, eta = 16, 1
+    led = CreditLedger(max_staleness=eta, batch_turns=B, lease_s=1e9)
+    rng = random.Random(0)
+    now, ep = 0.0, 0
+    sizes = []
+    reasons = [r for r in SETTLE_REASONS if r != "trained"]
+    for step in range(3000):
+        batch = []
+        while (g := led.try_grant("a", f"e{ep}", 1, now, turn=0)) is not None:
+            assert g.granted == 1
+            led.on_delivered(f"e{ep}", 0, now)
+            batch.append((f"e{ep}", 0))
+            ep += 1
+        if step == 0:
+            stuck = batch.pop(0)  # delivered, never settled
+        assert led.can_train(led.version), step
+        due = set(led.due(led.version))
+        assert step == 0 or stuck in due  # past its deadline: due at every step, but it pins nothing else
+        rng.shuffle(batch)
+        k = len(batch) // 10  # a tenth is settled for another reason (realign, poison, ...)
+        for key in batch[:k]:
+            assert led.settle([key], reasons[step % len(reasons)]) == 1
+        led.settle(batch[k:], "trained")
+        assert led.settle(batch, "trained") == 0, "a second settle of a turn is a no-op"
+        led.on_version(led.version + 1)
+        sizes.append(led.size)
+        now += 1.0
+    assert led.stats.granted > 40_000
+    assert max(sizes[100:]) <= 1 + (eta + 1) * B, max(sizes)
+    assert led.size == 1 and led.due(led.version) == [stuck]
+    assert all(led.stats.settled[r] > 0 for r in SETTLE_REASONS)
+    assert sum(led.stats.settled.values()) == led.stats.delivered - 1
+
+
+def test_untrained_settles_give_capacity_back_and_trained_ones_do_not():
+    led = CreditLedger(max_staleness=0, batch_turns=2, lease_s=100.0)
+    assert led.try_grant("a", "e", 2, 0.0, turn=0).granted == 2
+    led.on_delivered("e", 0, 1.0)
+    led.on_delivered("e", 1, 1.0)
+    assert led.try_grant("a", "e", 1, 1.0) is None
+    led.settle([("e", 0)], "realign_dropped")
+    assert led.accepted == 1 and led.available == 1  # the dropped turn's capacity is free again
+    led.settle([("e", 1)], "trained")
+    assert led.accepted == 1 and led.available == 1  # a trained turn keeps counting until the next version
+    with pytest.raises(ValueError, match="not one of"):
+        led.settle([("e", 2)], "lost")
+
+
+def test_a_silent_actors_running_credits_are_released_at_once():
+    led = CreditLedger(max_staleness=0, batch_turns=4, lease_s=180.0)
+    led.try_grant("dead", "d1", 2, 0.0, turn=0)
+    led.try_grant("live", "l1", 2, 0.0, turn=0)
+    assert not led.can_train(0) and led.available == 0
+    led.on_delivered("d1", 0, 1.0)  # the dead actor delivered one turn before it died
+    for t in range(2):
+        led.on_delivered("l1", t, 1.0)
+    assert not led.can_train(0)  # d1's second credit is still running
+    assert led.release_actor("dead") == 1 and led.stats.released == 1
+    assert led.can_train(0) and sorted(led.due(0)) == [("d1", 0), ("l1", 0), ("l1", 1)]
+    assert led.available == 1  # the released credit is free without waiting 180 s
+    assert led.on_delivered("d1", 1, 2.0) is None and led.stats.unadmitted == 1  # too late: unadmitted
+
+
+def test_a_turn_uses_the_credit_asked_for_it():
+    """A redelivered old turn (e.g. after a learner restart) must not take the credit of the episode's next
+    turn: tickets asked for a turn match that turn."""
+    led = CreditLedger(max_staleness=1, batch_turns=4, lease_s=100.0)
+    led.try_grant("a", "e", 1, 0.0, turn=7)
+    assert led.on_delivered("e", 6, 1.0) is None
+    t = led.on_delivered("e", 7, 1.0)
+    assert t is not None and t.turn == 7 and led.running == 0
+    led.try_grant("a", "e", 1, 2.0)  # asked for no particular turn: the next delivered one uses it
+    assert led.on_delivered("e", 9, 3.0) is not None
