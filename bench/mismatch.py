@@ -14,12 +14,16 @@
    ``tito_r3``   exact IDs and replayed routing.
 
    For each: ``mean_abs_dlogp`` (mean |learner logprob - sampler logprob| over loss tokens that have a
-   sampled logprob), ``loss_drift_tokens`` (loss tokens whose ID or context differs from what was sampled,
+   sampled logprob), ``mean_abs_dlogp_id_matched`` (the same over loss tokens whose ID equals the sampled ID
+   at that place of the turn; for the retokenized configs the raw mean also pairs the logprob of one token
+   with the sampled logprob of a *different* token, so only the ID-matched figure measures mismatch),
+   ``loss_id_mismatch_tokens`` (loss tokens whose ID differs from the sampled one), ``loss_drift_tokens`` (loss tokens whose ID or context differs from what was sampled,
    plus sampled tokens the retokenized turn dropped) and ``routing_drift`` (share of (token, layer) choices
    where the learner's own top-k differs from the recorded experts, over aligned tokens).
 
 Prints a table, writes ``mismatch.json`` and ``mismatch.png`` to ``--out``; with ``--json`` the last stdout
-line is the JSON object (DESIGN §11). The T1 paper reports 0.021 -> 0.013 (ratio 0.62) for tito_r3/baseline.
+line is the JSON object (DESIGN §11). ``ratio`` is tito_r3 over the **ID-matched** baseline (``ratio_raw``
+over the raw one, for reference). The T1 paper reports 0.021 -> 0.013 (ratio 0.62) for tito_r3/baseline.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from t1async.sampler.base import SamplingParams
 from t1async.tito import Segment
 
 CONFIGS = ("baseline", "tito", "r3", "tito_r3")
+CONFIG_KEYS = ("mean_abs_dlogp", "mean_abs_dlogp_id_matched", "loss_drift_tokens", "loss_id_mismatch_tokens",
+               "loss_tokens", "routing_drift")  # fmt: skip
 PAPER = {"baseline": 0.021, "tito_r3": 0.013}
 
 
@@ -129,6 +135,22 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
     return out, {k: tito.get(k) for k in ("boundaries", "clean", "realign", "fork", "tokens_dropped", "segments")}
 
 
+def ratios(configs: dict[str, dict]) -> dict[str, float]:
+    """TITO(+R3) over the baseline. ``ratio``/``ratio_tito`` divide by the ID-matched baseline (tokens whose ID
+    is the sampled one), the only baseline figure that compares a token's logprob with its own sampled
+    logprob; ``ratio_raw`` divides by the raw baseline, which also pairs different tokens."""
+
+    def div(a: float, b: float) -> float:
+        return a / b if b > 0 else float("nan")
+
+    base_id, base_raw = configs["baseline"]["mean_abs_dlogp_id_matched"], configs["baseline"]["mean_abs_dlogp"]
+    return {
+        "ratio": div(configs["tito_r3"]["mean_abs_dlogp"], base_id),
+        "ratio_tito": div(configs["tito"]["mean_abs_dlogp"], base_id),
+        "ratio_raw": div(configs["tito_r3"]["mean_abs_dlogp"], base_raw),
+    }
+
+
 async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer) -> tuple[list[SampledEpisode], float]:
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
@@ -152,15 +174,17 @@ def _chart(result: dict, path: Path) -> None:
     cfg = result["configs"]
     labels = ["baseline\n(retok, free)", "TITO", "R3\n(retok)", "TITO + R3"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, title in zip(axes, ("mean_abs_dlogp", "loss_drift_tokens", "routing_drift"),
-                              ("mean |Δlogp| (loss tokens)", "loss-region drift (tokens)", "routing drift")):  # fmt: skip
+    for ax, key, title in zip(axes, ("mean_abs_dlogp_id_matched", "loss_drift_tokens", "routing_drift"),
+                              ("mean |Δlogp|, ID-matched loss tokens", "loss-region drift (tokens)",
+                               "routing drift")):  # fmt: skip
         vals = [cfg[c][key] for c in CONFIGS]
         bars = ax.bar(labels, vals, color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
         ax.set_title(title)
         for b, v in zip(bars, vals):
             ax.annotate(f"{v:.4g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"sampler {result['sampler_dtype']} (batched) vs learner fp32; "
-                 f"tito_r3 / baseline = {result['ratio']:.3f} (paper 0.62)")  # fmt: skip
+    fig.suptitle(f"sampler {result['sampler_dtype']} (batched) vs learner fp32; tito_r3 / baseline (ID-matched) = "
+                 f"{result['ratio']:.3f} (paper 0.62); raw baseline {cfg['baseline']['mean_abs_dlogp']:.4g} pairs "
+                 "different tokens", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -213,13 +237,13 @@ def run(args: argparse.Namespace) -> dict:
     model = load_pretrained(model_dir, torch.float32)
     trainer = Trainer(model, TrainerConfig(microbatch_tokens=args.microbatch_tokens))
     configs, tito_drift = measure(trainer, eps, tok)
-    base = configs["baseline"]["mean_abs_dlogp"]
+    b = configs["baseline"]
     result = {
-        "configs": {c: {k: configs[c][k] for k in ("mean_abs_dlogp", "loss_drift_tokens", "routing_drift")} for c in CONFIGS},
+        "configs": {c: {k: configs[c][k] for k in CONFIG_KEYS} for c in CONFIGS},
         "details": configs,
         "tito_boundaries": tito_drift,
-        "ratio": configs["tito_r3"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
-        "ratio_tito": configs["tito"]["mean_abs_dlogp"] / base if base > 0 else float("nan"),
+        **ratios(configs),
+        "baseline_id_mismatch_share": b["loss_id_mismatch_tokens"] / b["loss_tokens"] if b["loss_tokens"] else 0.0,
         "paper": {"baseline": PAPER["baseline"], "tito_r3": PAPER["tito_r3"], "ratio": 0.62},
         "episodes": len(eps),
         "turns": args.turns,
@@ -246,17 +270,31 @@ def _print(result: dict) -> None:
         print(f"model: {result['model']}")
     print(f"mismatch: {result['episodes']} episodes x {result['turns']} turns, {result['tokens']} tokens "
           f"({result['sampled_tokens']} sampled); sampler {result['sampler_dtype']} batched, learner fp32")  # fmt: skip
-    hdr = (f"{'config':<10} {'mean|dlogp|':>12} {'p99|dlogp|':>11} {'loss drift':>11} {'id mismatch':>12} "
-           f"{'routing drift':>14} {'|dlogp| id-matched':>19}")
+    hdr = (f"{'config':<10} {'|dlogp| raw':>12} {'|dlogp| id-matched':>19} {'p99 raw':>9} {'loss drift':>11} "
+           f"{'id mismatch':>12} {'routing drift':>14}")
     print(hdr)
     print("-" * len(hdr))
     for c in CONFIGS:
         d = result["details"][c]
-        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['p99_abs_dlogp']:>11.4f} {d['loss_drift_tokens']:>11d} "
-              f"{d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f} {d['mean_abs_dlogp_id_matched']:>19.5f}")
-    print(f"tito_r3 / baseline = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
-    print(f"tito / baseline    = {result['ratio_tito']:.3f}")
+        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['mean_abs_dlogp_id_matched']:>19.5f} {d['p99_abs_dlogp']:>9.4f} "
+              f"{d['loss_drift_tokens']:>11d} {d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f}")
+    print(f"raw: every loss token with a sampled logprob; for baseline and r3 {result['baseline_id_mismatch_share']:.0%} "
+          "of them pair the logprob of one token with the sampled logprob of a different token")
+    print("id-matched: loss tokens whose ID is the sampled ID (TITO: all of them)")
+    print(f"tito_r3 / baseline (id-matched) = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
+    print(f"tito / baseline (id-matched)    = {result['ratio_tito']:.3f}")
+    print(f"tito_r3 / baseline (raw)        = {result['ratio_raw']:.3f}   (flattering: the raw baseline mixes tokens)")
     print(f"TITO boundaries (learner assembly): {result['tito_boundaries']}")
+
+
+# (full, --quick) defaults; the help text is built from these, so it cannot disagree with the code
+SIZES = {"episodes": (32, 8), "turns": (8, 4), "max_new_tokens": (96, 64), "sft_steps": (150, 30),
+         "sft_tasks": (48, 16), "sft_batch_tokens": (4096, 2048)}  # fmt: skip
+
+
+def _size_help(what: str, key: str) -> str:
+    full, quick = SIZES[key]
+    return f"{what} (default {full}; quick {quick})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,19 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last stdout line")
     p.add_argument("--out", default="runs/bench/mismatch", help="directory for mismatch.json and mismatch.png")
     p.add_argument("--model", default=None, help="model directory (default: the shipped embedded model)")
-    p.add_argument("--episodes", type=int, default=None, help="episodes (default 32; quick 8)")
-    p.add_argument("--turns", type=int, default=None, help="turns per episode (default 8; quick 4)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per turn (default 96; quick 64)")
+    p.add_argument("--episodes", type=int, default=None, help=_size_help("episodes", "episodes"))
+    p.add_argument("--turns", type=int, default=None, help=_size_help("turns per episode", "turns"))
+    p.add_argument("--max-new-tokens", type=int, default=None, help=_size_help("tokens per turn", "max_new_tokens"))
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--sampler-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--microbatch-tokens", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=None,
-                   help="warm-start SFT steps on oracle demonstrations before sampling (default 150; quick 40; 0 = "
-                        "serve the untrained shipped model)")
-    p.add_argument("--sft-tasks", type=int, default=None, help="synthetic tasks for the warm start (default 48; quick 16)")
-    p.add_argument("--sft-batch-tokens", type=int, default=None, help="padded tokens per SFT step (default 4096; quick 2048)")
+                   help=_size_help("warm-start SFT steps on oracle demonstrations before sampling, 0 = serve the "
+                                   "untrained shipped model", "sft_steps"))  # fmt: skip
+    p.add_argument("--sft-tasks", type=int, default=None, help=_size_help("synthetic tasks for the warm start", "sft_tasks"))
+    p.add_argument("--sft-batch-tokens", type=int, default=None,
+                   help=_size_help("padded tokens per SFT step", "sft_batch_tokens"))  # fmt: skip
     p.add_argument("--warm-cache", default=_default_cache(),
                    help="where warm-started models are kept for reuse (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
     p.add_argument("--seed", type=int, default=0)
@@ -285,12 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     from t1async.log import configure
 
     configure(level="warning")  # logs go to stderr; stdout is the table (and the JSON line)
-    args.episodes = args.episodes or (8 if args.quick else 32)
-    args.turns = args.turns or (4 if args.quick else 8)
-    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 96)
-    args.sft_steps = args.sft_steps if args.sft_steps is not None else (30 if args.quick else 150)
-    args.sft_batch_tokens = args.sft_batch_tokens or (2048 if args.quick else 4096)
-    args.sft_tasks = args.sft_tasks or (16 if args.quick else 48)
+    for key, (full, quick) in SIZES.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
     if args.episodes < 1 or args.turns < 1 or args.max_new_tokens < 1:
         p.error("--episodes, --turns and --max-new-tokens must be >= 1")
     result = run(args)

@@ -108,4 +108,42 @@ def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
     tb = res["tito_boundaries"]
     assert tb["boundaries"] == 2 and tb["clean"] == 2 and tb["fork"] == 0  # token-in episodes: clean boundaries
     assert (tmp_path / "mismatch.png").stat().st_size > 1000
+    cfg = res["configs"]
+    assert res["ratio"] == pytest.approx(cfg["tito_r3"]["mean_abs_dlogp"] / cfg["baseline"]["mean_abs_dlogp_id_matched"])
+    assert cfg["tito"]["mean_abs_dlogp_id_matched"] == cfg["tito"]["mean_abs_dlogp"]  # exact IDs: all matched
+    assert cfg["tito"]["loss_id_mismatch_tokens"] == 0
     assert json.loads((tmp_path / "mismatch.json").read_text())["configs"] == res["configs"]
+
+
+def test_ratio_divides_by_the_id_matched_baseline_not_the_raw_one():
+    from bench.mismatch import ratios
+
+    cfg = {"baseline": {"mean_abs_dlogp": 1.31, "mean_abs_dlogp_id_matched": 0.0156},
+           "tito": {"mean_abs_dlogp": 0.0036}, "tito_r3": {"mean_abs_dlogp": 0.0033}}  # fmt: skip
+    r = ratios(cfg)
+    assert r["ratio"] == pytest.approx(0.0033 / 0.0156) and r["ratio_tito"] == pytest.approx(0.0036 / 0.0156)
+    assert r["ratio_raw"] == pytest.approx(0.0033 / 1.31)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_help_states_the_sizes_the_code_runs(quick, monkeypatch, capsys):
+    import re
+
+    import bench.mismatch as bm
+
+    with pytest.raises(SystemExit):
+        bm.main(["--help"])
+    helptext = " ".join(capsys.readouterr().out.split("options:")[-1].split())  # the flags' help, not the usage
+    seen = {}
+
+    def fake_run(args):
+        seen.update(vars(args))
+        raise SystemExit(7)
+
+    monkeypatch.setattr(bm, "run", fake_run)
+    with pytest.raises(SystemExit):
+        bm.main(["--quick"] if quick else [])
+    for flag in ("episodes", "turns", "max-new-tokens", "sft-steps", "sft-tasks", "sft-batch-tokens"):
+        m = re.search(rf"--{flag} \S+ (?:(?!--).)*?\(default (\d+); quick (\d+)[;)]", helptext)
+        assert m, flag
+        assert seen[flag.replace("-", "_")] == int(m.group(2) if quick else m.group(1)), flag
