@@ -76,12 +76,16 @@ class EpisodeAssembler:
         self.end_record: wire.EndRecord | None = None
         self.finished = False
         self.index = 0
+        # turns that will never reach a segment, with why ("realign_dropped" or "abandoned"): the learner
+        # drains them (Assembler.drain_dropped) to settle their credits (DESIGN §7)
+        self.dropped: list[tuple[int, str]] = []
 
     # -- public --------------------------------------------------------------------------------------
 
     def add(self, rec: wire.TurnRecord) -> list[Segment]:
         if self.finished:
             self.stats.late_turns += 1
+            self.dropped.append((rec.turn, "abandoned"))
             return []
         fp = _fingerprint(rec)
         prior = self.seen.get(rec.turn)
@@ -96,6 +100,7 @@ class EpisodeAssembler:
         if self.end_record is not None and rec.turn >= self.end_record.turns:
             self.stats.late_turns += 1
             self.log.warning("tito.turn_after_end", episode=self.episode, turn=rec.turn, turns=self.end_record.turns)
+            self.dropped.append((rec.turn, "abandoned"))
             return []
         self.seen[rec.turn] = fp
         self.pending[rec.turn] = rec
@@ -107,6 +112,7 @@ class EpisodeAssembler:
             self.log.error("tito.episode_abandoned", episode=self.episode, waiting_for=self.next_turn,
                            pending=len(self.pending), hint="a turn never arrived; raise max_pending_turns if legit")  # fmt: skip
             self.stats.untrainable_turns += len(self.pending)
+            self.dropped += [(t, "abandoned") for t in self.pending]
             self.pending.clear()
             out += self._close(done=False)
             self.finished = True
@@ -120,6 +126,7 @@ class EpisodeAssembler:
         late = [t for t in self.pending if t >= rec.turns]
         for t in late:
             del self.pending[t]
+            self.dropped.append((t, "abandoned"))
         self.stats.late_turns += len(late)
         return self._maybe_finish()
 
@@ -167,6 +174,7 @@ class EpisodeAssembler:
     def _process(self, rec: wire.TurnRecord) -> list[Segment]:
         st, b, out = self.stats, self.builder, []
         st.turns += 1
+        st.compactions += rec.compacted
         prev = _EMPTY if b is None else b.tokens[: b.n]
         chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
                           rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip
@@ -178,6 +186,7 @@ class EpisodeAssembler:
             self.log.warning("tito.untrainable_turn", episode=self.episode, turn=rec.turn, keep=rec.keep,
                              assembled=len(prev), reason=chk.reason)  # fmt: skip
             self.lost = True
+            self.dropped.append((rec.turn, "abandoned"))
             return self._close(done=False)
         st.tokens_in += len(rec.input_delta) + len(rec.output_ids)
         if chk.lcp > rec.keep:
@@ -195,7 +204,10 @@ class EpisodeAssembler:
         elif chk.kind is Boundary.REALIGN:
             st.realign += 1
             st.note_first_diff(lcp - n)
+            last, spans = b.spans[-1], len(b.spans)
             dropped, after_cut, carry = b.truncate(lcp)
+            if len(b.spans) < spans and not last.trained:  # its whole output left the sequence
+                self.dropped.append((last.turn, "realign_dropped"))
             st.tokens_dropped += dropped
             st.dropped_after_cut += after_cut
             b.append_context(rec.input_delta[lcp - keep :])
@@ -238,10 +250,13 @@ class Assembler:
         self._done_drift = DriftStats()
         self._done_routing = RoutingStats()
         self._late_after_end = 0
+        self._dropped: list[tuple[str, int, str]] = []  # of retired episodes (late turns)
 
-    def _episode(self, episode: str) -> EpisodeAssembler | None:
+    def _episode(self, episode: str, turn: int | None = None) -> EpisodeAssembler | None:
         if episode in self.ended:
             self._late_after_end += 1
+            if turn is not None:
+                self._dropped.append((episode, turn, "abandoned"))
             return None
         ep = self.open.get(episode)
         if ep is None:
@@ -251,6 +266,7 @@ class Assembler:
     def _retire(self, ep: EpisodeAssembler) -> None:
         if not ep.finished:
             return
+        self._dropped += [(ep.episode, t, r) for t, r in ep.dropped]
         del self.open[ep.episode]
         self.ended[ep.episode] = None
         while len(self.ended) > self.config.ended_memory:
@@ -262,7 +278,7 @@ class Assembler:
             self.recent.popitem(last=False)
 
     def add(self, turn: wire.TurnRecord) -> list[Segment]:
-        ep = self._episode(turn.episode)
+        ep = self._episode(turn.episode, turn.turn)
         if ep is None:
             return []
         out = ep.add(turn)
@@ -284,6 +300,17 @@ class Assembler:
         if isinstance(rec, wire.EndRecord):
             return self.end(rec)
         return []
+
+    def drain_dropped(self, episode: str | None = None) -> list[tuple[str, int, str]]:
+        """(episode, turn, reason) of turns that will never reach a segment since the last drain: a REALIGN
+        discarded the whole output (``realign_dropped``), or the turn is untrainable, late, or its episode
+        was abandoned (``abandoned``). ``episode``: drain that episode (and the late turns) only."""
+        out, self._dropped = self._dropped, []
+        eps = self.open.values() if episode is None else [e for e in [self.open.get(episode)] if e]
+        for ep in eps:
+            out += [(ep.episode, t, r) for t, r in ep.dropped]
+            ep.dropped = []
+        return out
 
     def cut(self, episode: str | None = None) -> list[Segment]:
         eps = list(self.open.values()) if episode is None else [e for e in [self.open.get(episode)] if e]

@@ -86,3 +86,45 @@ def test_a_turn_uses_the_credit_asked_for_it():
     assert t is not None and t.turn == 7 and led.running == 0
     led.try_grant("a", "e", 1, 2.0)  # asked for no particular turn: the next delivered one uses it
     assert led.on_delivered("e", 9, 3.0) is not None
+
+
+# ------------------------------------------------------------------------------------------ assembler
+
+
+def _turn(ep, t, inp, out, *, prev=None, digest=None):
+    import numpy as np
+
+    from t1async import wire
+    from t1async.tito import common_prefix_len
+
+    inp = np.asarray(inp, np.int32)
+    keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if prev is not None else 0
+    return wire.TurnRecord(
+        episode=ep, turn=t, policy_version=0, keep=keep, input_delta=inp[keep:], input_len=len(inp),
+        input_digest=digest or wire.digest_ids(inp), output_ids=np.asarray(out, np.int32),
+        output_logprobs=np.full(len(out), -0.5, np.float32), finish=wire.Finish.STOP, routing=None, reward=0.0,
+        tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
+    )  # fmt: skip
+
+
+def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
+    from t1async import wire
+    from t1async.assembly import Assembler, AssemblerConfig
+
+    asm = Assembler(AssemblerConfig(max_pending_turns=2))
+    asm.add(_turn("e", 0, [1, 2], [10, 11]))
+    asm.add(_turn("e", 1, [1, 2, 10, 11, 5], [20, 21], prev=[1, 2, 10, 11]))
+    # turn 2 discards turn 1's whole output (a REALIGN): turn 1 is never trained
+    asm.add(_turn("e", 2, [1, 2, 10, 11, 5, 6], [30], prev=[1, 2, 10, 11, 5, 20, 21]))
+    assert asm.drain_dropped("e") == [("e", 1, "realign_dropped")] and asm.drain_dropped() == []
+    # an input that does not match the assembled sequence (digest lies): untrainable
+    asm.add(_turn("e", 3, [1, 2, 10, 11, 5, 6, 30, 7], [40], prev=[1, 2, 10, 11, 5, 6, 30], digest=b"x" * 16))
+    assert asm.drain_dropped() == [("e", 3, "abandoned")]
+    segs = asm.end(wire.EndRecord("e", 4, wire.EndReason.SOLVED, 1, 1, True))
+    assert segs == [] or all(3 not in s.turn_numbers for s in segs)
+    asm.add(_turn("e", 4, [1], [2]))  # after the episode's end
+    # an episode whose gap never fills is abandoned with its buffered turns
+    for t in (2, 3, 4):
+        asm.add(_turn("f", t, [1], [2]))
+    assert sorted(asm.drain_dropped()) == [("e", 4, "abandoned"), ("f", 2, "abandoned"), ("f", 3, "abandoned"),
+                                           ("f", 4, "abandoned")]  # fmt: skip
