@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from t1async.errors import ConfigError
 from t1async.model.config import MoEConfig
 from t1async.model.kvcache import KVCache
-from t1async.model.moe import MoETransformer
+from t1async.model.moe import MoETransformer, rotary_angles
 from t1async.model.weights import default_model_dir, load_pretrained, load_weights_into, save_pretrained
 
 CFG = MoEConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_experts=6, top_k=2, d_ff=24, max_seq_len=256,
@@ -178,3 +178,44 @@ def test_default_model_is_deterministic(tmp_path, monkeypatch):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     m = load_pretrained(da)
     assert m.cfg == MoEConfig()  # the shipped config is the defaults
+
+
+def test_chunked_token_logprobs_match_the_full_logits_values_and_gradients():
+    """The training path (``logits=False`` + ``token_logprobs`` in checkpointed chunks) gives the log-probs,
+    entropies and parameter gradients of log-softmax over the full [B, T, V] logits."""
+    from t1async.learner.ppo import token_logprobs
+
+    x = ids(2, 37, seed=4)
+    replay = MoETransformer(CFG)(x).routing.detach()
+    full_m, chunk_m = MoETransformer(CFG), MoETransformer(CFG)
+    full = full_m(x, replay=replay)
+    lp_ref, ent_ref = token_logprobs(full.logits, x, with_entropy=True)
+    out = chunk_m(x, replay=replay, logits=False)
+    assert out.logits is None and out.hidden.shape == (2, 37, CFG.d_model)
+    for chunk in (10, 7, 4096):  # several chunks (10 // 2 rows = 5 positions), a ragged last one, a single one
+        lp, ent = chunk_m.token_logprobs(out.hidden, x, with_entropy=True, chunk=chunk)
+        torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent, ent_ref, rtol=0, atol=1e-5)
+    assert lp[:, 0].abs().max().item() == 0.0  # position 0 has no logits before it
+    w = torch.linspace(-1, 1, 37)
+    ((lp_ref * w).sum() + 0.1 * ent_ref.sum() + full.values.sum()).backward()
+    lp, ent = chunk_m.token_logprobs(out.hidden, x, with_entropy=True, chunk=10)
+    ((lp * w).sum() + 0.1 * ent.sum() + out.values.sum()).backward()
+    for (name, a), b in zip(full_m.named_parameters(), chunk_m.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_attention_equals_explicit_softmax_attention():
+    """The fused causal SDPA of the training forward (no [T, T] score tensor) against the textbook
+    softmax(q k^T / sqrt(d) + causal mask) v, and the masked path against it on left padding."""
+    blk = MoETransformer(CFG).blocks[0]
+    x = torch.randn(2, 23, CFG.d_model, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(23)[None].expand(2, 23)
+    rope = rotary_angles(pos, CFG.head_dim, CFG.rope_theta)
+    q, k, v = blk.attn._qkv(x, rope)
+    scores = q @ k.transpose(-1, -2) / CFG.head_dim**0.5
+    scores = scores.masked_fill(~torch.ones(23, 23, dtype=torch.bool).tril(), float("-inf"))
+    ref = blk.attn.out((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(x.shape))
+    torch.testing.assert_close(blk.attn(x, rope, None), ref, rtol=1e-5, atol=1e-6)
+    mask = torch.ones(2, 1, 23, 23, dtype=torch.bool).tril()
+    torch.testing.assert_close(blk.attn(x, rope, mask), ref, rtol=1e-5, atol=1e-6)

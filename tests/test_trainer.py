@@ -4,12 +4,14 @@ checkpoints that the engine loads, and bad input."""
 from __future__ import annotations
 
 import copy
+import math
 
 import anyio
 import numpy as np
 import pytest
 import torch
 
+from t1async.learner import ppo
 from t1async.learner.batch import BatchError
 from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
 from t1async.learner.trainer import Trainer, TrainerConfig
@@ -242,3 +244,23 @@ def test_mismatch_counts_only_tokens_trained_at_the_version_that_sampled_them(lr
 def test_policy_shift_grows_with_the_learning_rate():
     shifts = [_shift_after_one_step(lr)[1].policy_shift for lr in (1e-12, 1e-4, 3e-3)]
     assert shifts[0] < 1e-4 < shifts[1] < shifts[2]
+
+
+def test_a_training_step_never_keeps_full_vocabulary_logits_for_backward():
+    """Activation memory of the head is one checkpointed chunk's: no tensor of T x V elements (the [B, T, V]
+    logits, their log-softmax) is saved for the backward pass. At 32k tokens those were 512 MB each."""
+    model = tiny()
+    t = 700
+    toks = np.random.default_rng(3).integers(0, CFG.vocab_size, size=t)
+    seg = sampled_segment(model, toks, range(350, t), reward=1.0)
+    saved: list[tuple[int, tuple[int, ...]]] = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved.append((x.numel(), tuple(x.shape)))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        m = Trainer(model, TrainerConfig(lr=1e-3, loss=ppo.LossConfig(entropy_coef=0.01))).step([seg], 0)
+    assert m.loss_tokens == t - 350 and math.isfinite(m.loss)
+    biggest = max(saved)
+    assert biggest[0] < t * CFG.vocab_size // 4, f"a {biggest[1]} tensor was saved for backward"

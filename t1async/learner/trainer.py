@@ -140,8 +140,9 @@ class Trainer:
 
     def _forward(self, b: Batch, *, replay: bool, with_entropy: bool):
         rp = b.recorded if (replay and b.recorded is not None) else None
-        out = self.model(b.tokens, replay=rp)
-        logp, ent = ppo.token_logprobs(out.logits, b.tokens, with_entropy=with_entropy)
+        # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
+        out = self.model(b.tokens, replay=rp, logits=False)
+        logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
         # value of the state token p was chosen in = value head at p - 1
         vals = torch.cat([torch.zeros_like(out.values[:, :1]), out.values[:, :-1]], dim=1)
         return out, logp, vals, ent

@@ -5,7 +5,8 @@
 1. Full-sequence forward (training, scoring)::
 
        out = model(input_ids, replay=None, attention_mask=None)   # input_ids: LongTensor [B, T]
-       out.logits        float [B, T, V]     next-token logits (model dtype)
+       out.logits        float [B, T, V]     next-token logits (model dtype); None with ``logits=False``
+       out.hidden        float [B, T, d]     the lm_head's input (final-norm hidden states)
        out.values        float32 [B, T]      scalar value head (actor-critic)
        out.routing       long [B, T, L, K]   the experts each MoE layer actually used
        out.free_topk     long [B, T, L, K]   the experts the live router would choose (routing drift = differ)
@@ -25,6 +26,13 @@
    the (costly) lm_head to one token per row, for prefill. ``topk`` [B, n, L, K] are the
    experts chosen for every fed token at every layer (the routing the sampler records).
 
+   Training wants only the log-prob of each next token, never the [B, T, V] logits (at 32k tokens and a
+   4096 vocabulary those are 512 MB, and log-softmax and its gradient hold three more copies): pass
+   ``logits=False`` and take ``model.token_logprobs(out.hidden, input_ids)``, which runs the lm_head in
+   chunks of ``LOGPROB_CHUNK`` positions under activation checkpointing (each chunk's logits are recomputed
+   in the backward pass), so the head's memory is one chunk's whatever T. Attention is always the fused
+   ``scaled_dot_product_attention`` (flash kernel, no [T, T] score matrix) when no ``attention_mask`` is given.
+
 Positions: rotary embeddings use absolute positions; with ``attention_mask`` (1 = real token) positions are
 ``cumsum(mask) - 1``, so left or right padding both work. Attention is causal.
 """
@@ -38,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from t1async.model.config import MoEConfig
 
@@ -45,13 +54,25 @@ from t1async.model.config import MoEConfig
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
+LOGPROB_CHUNK = 4096  # positions per lm_head chunk in ``token_logprobs`` (64 MB of fp32 logits at V = 4096)
+
+
+def _head_logprobs(h: Tensor, nxt: Tensor, weight: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
+    """Log-prob of ``nxt`` [B, n] under ``h @ weight.T`` (and its entropy; zeros unless asked), float32."""
+    lsm = torch.log_softmax(F.linear(h, weight).float(), dim=-1)
+    lp = lsm.gather(-1, nxt[..., None].long()).squeeze(-1)
+    ent = -(lsm.exp() * lsm).sum(-1) if with_entropy else torch.zeros_like(lp)
+    return lp, ent
+
+
 @dataclass(frozen=True)
 class ModelOutput:
-    logits: Tensor
+    logits: Tensor | None
     values: Tensor
     routing: Tensor
     free_topk: Tensor
     router_logits: Tensor
+    hidden: Tensor | None = None  # [B, T, d] final-norm hidden states (the lm_head's input)
 
 
 class RMSNorm(nn.Module):
@@ -295,7 +316,12 @@ class MoETransformer(nn.Module):
                 raise ValueError(f"replay repeats an expert within one (token, layer) row, first at [b, t, l] = {where}")
 
     def forward(
-        self, input_ids: Tensor, *, replay: Tensor | None = None, attention_mask: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        *,
+        replay: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        logits: bool = True,
     ) -> ModelOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -323,12 +349,34 @@ class MoETransformer(nn.Module):
             rlog.append(lg.float())
         h = self.norm(h)
         return ModelOutput(
-            logits=self.lm_head(h),
+            logits=self.lm_head(h) if logits else None,
             values=self.value_head(h).squeeze(-1).float(),
             routing=torch.stack(chosen, dim=2),
             free_topk=torch.stack(free, dim=2),
             router_logits=torch.stack(rlog, dim=2),
+            hidden=h,
         )
+
+    def token_logprobs(
+        self, hidden: Tensor, tokens: Tensor, *, with_entropy: bool = False, chunk: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """``ppo.token_logprobs(lm_head(hidden), tokens)`` without the [B, T, V] logits: log-prob of
+        ``tokens[:, p]`` under the logits at ``p - 1`` (0 at p = 0), and the entropy there if asked, float32
+        [B, T]. The head runs over ``chunk`` positions at a time (default ``LOGPROB_CHUNK`` tokens in all rows);
+        under autograd each chunk is checkpointed, so the backward pass recomputes one chunk's logits at a time."""
+        b, t = tokens.shape
+        step = max(1, (chunk or LOGPROB_CHUNK) // max(b, 1))
+        lp_parts, ent_parts = [], []
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or self.lm_head.weight.requires_grad)
+        for lo in range(0, t - 1, step):
+            hi = min(t - 1, lo + step)
+            args = (hidden[:, lo:hi], tokens[:, lo + 1 : hi + 1], self.lm_head.weight, with_entropy)
+            lp, ent = checkpoint(_head_logprobs, *args, use_reentrant=False) if grad else _head_logprobs(*args)
+            lp_parts.append(lp)
+            ent_parts.append(ent)
+        pad = torch.zeros(b, 1, dtype=torch.float32, device=hidden.device)
+        lp = torch.cat([pad, *lp_parts], dim=1)
+        return lp, (torch.cat([pad, *ent_parts], dim=1) if with_entropy else None)
 
     def forward_cached(
         self, input_ids: Tensor, cache, slot0: int, start: Tensor, logits_at: Tensor | None = None
