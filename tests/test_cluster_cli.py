@@ -148,12 +148,3 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(na
     bad = next(x for x in lines if x.startswith("!"))
     assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad
 
-
-def test_progress_line_shows_mismatch_and_policy_shift_apart():
-    from t1async.cluster.progress import status_line
-
-    rec = {"version": 3, "mean_abs_dlogp": 0.02, "mismatch": 0.0012, "mismatch_tokens": 40, "policy_shift": 0.031,
-           "policy_shift_tokens": 60}  # fmt: skip
-    line = status_line(rec, {})
-    assert "mismatch 0.0012 shift 0.0310" in line and "0.0200" not in line
-    assert "mismatch - shift 0.0310" in status_line({**rec, "mismatch_tokens": 0}, {})

@@ -109,8 +109,10 @@ def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float =
     return d
 
 
-def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None = None) -> list[Path]:
-    """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``."""
+def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None = None,
+             progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``; ``progress(k)``
+    after each of them (k tasks written so far)."""
     fams = list(families or FAMILIES)
     for f in fams:
         if f not in FAMILIES:
@@ -123,4 +125,6 @@ def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None 
     for i in range(n):
         tid, spec = make_task(fams[i % len(fams)], seed, i)
         paths.append(write_task(root, tid, spec))
+        if progress is not None:
+            progress(i + 1)
     return paths

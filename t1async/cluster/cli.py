@@ -55,18 +55,33 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = from_args(args)
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    # the terminal shows the progress line and warnings; the supervisor's full log goes to its file
+    # the terminal shows the dashboard and warnings; the supervisor's full log goes to its file
     configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "warning")
-    from t1async.cluster import components
+    from t1async.cluster import components, preflight
     from t1async.cluster.progress import show_progress
     from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
 
+    # every outside dependency first: a wrong URL or a missing tool fails now, in one line, not minutes later
+    if cfg.nats is not None:
+        preflight.check_nats(cfg.nats)
+    preflight.check_samplers(cfg.sampler_url)
+    preflight.check_sandbox()
     components.ensure_tasks(cfg)
+    preflight.check_tasks(components.tasks_dir(cfg))
     warm = components.warm_start_argv(cfg)
+    before = (ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=cfg.warm_start_steps),)
+
+    async def progress(nats_url: str, run_dir: Path) -> None:
+        urls = list(cfg.sampler_url)
+        ready = components.sampler_ready_file(cfg)
+        if not urls and ready.is_file():
+            urls = [ready.read_text().strip()]
+        await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain)
+
     sup = ClusterConfig(
         run_dir=run_dir, nats_url=cfg.nats, nats_port=cfg.nats_port, max_payload=cfg.max_payload,
         duration_s=cfg.duration, build=lambda url: components.specs(cfg, url),
-        before=(ProcessSpec("warm-start", warm),) if warm else (), progress=show_progress,
+        before=before if warm else (), progress=progress,
     )  # fmt: skip
     return _run(Supervisor(sup).run)
 
@@ -203,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     from t1async.cluster.config import add_up_arguments
 
     add_up_arguments(up)
+    up.add_argument("--plain", action="store_true",
+                    help="one compact status line every 10 s instead of the live dashboard (the default off a terminal)")  # fmt: skip
     up.set_defaults(func=cmd_up)
 
     down = add("down", "stop a running cluster",

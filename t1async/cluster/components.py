@@ -22,8 +22,11 @@ def ensure_tasks(cfg: UpConfig) -> Path:
     d = tasks_dir(cfg)
     if cfg.tasks is None and not any(d.glob("*/task.yaml")):
         from sandbox_agent.synth import generate
+        from t1async.cluster.progress import setup_bar
 
-        generate(d, cfg.synth_tasks, seed=cfg.seed)
+        print(f"tasks: synthesizing {cfg.synth_tasks} into {d}", flush=True)
+        with setup_bar("synthesizing tasks", cfg.synth_tasks) as bar:
+            generate(d, cfg.synth_tasks, seed=cfg.seed, progress=bar)
         log.info("cluster.tasks_synthesized", dir=str(d), n=cfg.synth_tasks, seed=cfg.seed)
     return d
 

@@ -1,7 +1,9 @@
-"""Live progress for ``cluster up``: one status line from the learner's and actors' metrics.
+"""Live progress for ``cluster up``: the dashboard (``dashboard.py``) fed from NATS and the samplers.
 
-Every metrics record is also appended to ``<run-dir>/metrics.jsonl``. On a terminal the line is redrawn in
-place every second; otherwise (a pipe, a log file) a line is printed every ``every_s`` seconds.
+Every metrics record is also appended to ``<run-dir>/metrics.jsonl``. On a terminal a rich ``Live`` redraws
+the dashboard every second and fits the terminal's width (long lines wrap, nothing is left behind);
+otherwise (a pipe, a log file, or ``--plain``) one compact line is printed every ``every_s`` seconds.
+Set-up steps that take minutes (task synthesis, the warm start) show a progress bar on a terminal.
 """
 
 from __future__ import annotations
@@ -11,10 +13,15 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator, Sequence
 
 import anyio
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from t1async.cluster.dashboard import RunView, plain_line, render
 from t1async.log import get_logger
 from t1async.transport import NatsTransport
 from t1async.wire import MetricsRecord
@@ -22,71 +29,114 @@ from t1async.wire import MetricsRecord
 log = get_logger("cluster.progress")
 
 
-def status_line(learner: dict[str, Any] | None, actors: dict[str, dict[str, Any]]) -> str:
-    running = sum(int(a.get("episodes_running", 0)) for a in actors.values())
-    done = sum(int(a.get("episodes_done", 0)) for a in actors.values())
-    a_turns = sum(float(a.get("turns_per_s", 0.0)) for a in actors.values())
-    a_tokens = sum(float(a.get("tokens_per_s", 0.0)) for a in actors.values())
-    parts = [f"actors {len(actors)}: episodes {running} running {done} done, {a_turns:.2f} turns/s {a_tokens:.0f} tok/s"]
-    if learner is None:
-        parts.append("learner: waiting for its first metrics")
-    else:
-        v = learner
-        drift = v.get("drift", {})
-        parts.append(
-            f"policy v{v.get('version', 0)} (step {v.get('step', 0)}), trained {v.get('turns_trained', 0)} turns "
-            f"{float(v.get('turns_per_s', 0.0)):.2f}/s | reward {float(v.get('reward_mean', 0.0)):.2f} "
-            f"resolved {float(v.get('resolved_rate', 0.0)):.0%} | staleness max {v.get('max_staleness', 0)} "
-            f"(η {v.get('eta', '?')}) | drift c/r/f {drift.get('clean', 0)}/{drift.get('realign', 0)}/{drift.get('fork', 0)} "
-            f"| {_dlogp(v)}"
-        )  # fmt: skip
-    return " | ".join(parts)
+def sampler_state(resp: httpx.Response | None, error: str = "") -> tuple[str, int | None]:
+    """("ok" or why not, requests in flight or None) from a /get_server_info answer."""
+    if resp is None:
+        return f"unreachable ({error})", None
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}", None
+    try:
+        states = resp.json().get("internal_states") or [{}]
+        running = states[0].get("running_requests", states[0].get("#running-req"))
+    except (ValueError, AttributeError, IndexError):
+        return "ok", None
+    return "ok", int(running) if isinstance(running, (int, float)) else None
 
 
-def _dlogp(v: dict[str, Any]) -> str:
-    """T1's mismatch (|Δlogp| on tokens trained by the weights that sampled them) and, apart, the policy's
-    own change on stale tokens; '-' when the last step had no such tokens."""
-    mm = f"{float(v['mismatch']):.4f}" if int(v.get("mismatch_tokens", 0)) else "-"
-    ps = f"{float(v['policy_shift']):.4f}" if int(v.get("policy_shift_tokens", 0)) else "-"
-    return f"mismatch {mm} shift {ps}"
+async def _poll_samplers(view: RunView, every_s: float) -> None:
+    async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
+        while True:
+            for url, s in view.samplers.items():
+                try:
+                    state, running = sampler_state(await client.get(f"{url}/get_server_info"))
+                except httpx.HTTPError as exc:
+                    state, running = sampler_state(None, type(exc).__name__)
+                s.record(view.clock(), state, running)
+            await anyio.sleep(every_s)
+
+
+async def _watch_metrics(t: NatsTransport, view: RunView, sink: IO[str]) -> None:
+    async with t.subscribe("t1.metrics.>") as msgs:
+        async for m in msgs:
+            rec = m.record
+            if not isinstance(rec, MetricsRecord):
+                continue
+            body = {"subject": m.subject, "component": rec.component, "step": rec.step, "version": rec.version,
+                    "t": time.time(), **rec.values}  # fmt: skip
+            sink.write(json.dumps(body, default=str) + "\n")
+            sink.flush()
+            view.on_metrics(rec.component, m.subject.rsplit(".", 1)[-1], rec.step, rec.version, dict(rec.values))
+
+
+async def _watch_traj(t: NatsTransport, view: RunView) -> None:
+    async with t.subscribe("t1.traj.>", include_malformed=True) as msgs:
+        async for m in msgs:
+            view.on_traj(len(m.data))
+
+
+async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[str] = (), out: IO[str] | None = None,
+                        plain: bool = False, every_s: float = 10.0, refresh_s: float = 1.0) -> None:  # fmt: skip
+    """Runs until cancelled (the supervisor's task group owns it)."""
+    out = out or sys.stdout
+    view = RunView(str(run_dir), nats_url, sampler_urls)
+    live_mode = out.isatty() and not plain
+    with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as sink:
+        async with NatsTransport(nats_url) as t, anyio.create_task_group() as tg:
+            view.nats_state = "connected"
+            tg.start_soon(_watch_metrics, t, view, sink)
+            tg.start_soon(_watch_traj, t, view)
+            if view.samplers:
+                tg.start_soon(_poll_samplers, view, min(refresh_s * 2, 2.0))
+            if live_mode:
+                console = Console(file=out)
+                with Live(render(view), console=console, refresh_per_second=4, transient=False) as live:
+                    while True:
+                        await anyio.sleep(refresh_s)
+                        live.update(render(view))
+            else:
+                while True:
+                    await anyio.sleep(every_s)
+                    out.write(plain_line(view) + "\n")
+                    out.flush()
+
+
+# ------------------------------------------------------------------------------------------ set-up bars
 
 
 @contextmanager
-def _ends_line(out: IO[str], tty: bool) -> Iterator[None]:
-    """Leave the terminal on a fresh line when the redrawn status line stops."""
-    try:
-        yield
-    finally:
-        if tty:
-            out.write("\n")
-            out.flush()
+def setup_bar(description: str, total: int | None, *, out: IO[str] | None = None) -> Iterator[Callable[[int], None]]:
+    """A progress bar for a long set-up step, on a terminal only (callers print their own plain lines).
+    Yields ``bar(completed)``; a bar with no total is a spinner."""
+    out = out or sys.stdout
+    if not out.isatty():
+        yield lambda completed: None
+        return
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=Console(file=out), transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda completed: progress.update(task, completed=completed)
 
 
-async def show_progress(nats_url: str, run_dir: Path, *, out: IO[str] = sys.stdout, every_s: float = 10.0) -> None:
-    """Runs until cancelled (the supervisor's task group owns it)."""
-    learner: dict[str, Any] | None = None
-    actors: dict[str, dict[str, Any]] = {}
-    tty = out.isatty()
-    last = 0.0
-    with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as sink, _ends_line(out, tty):
-        async with NatsTransport(nats_url) as t, t.subscribe("t1.metrics.>") as msgs:
-            async for m in msgs:
-                rec = m.record
-                if not isinstance(rec, MetricsRecord):
-                    continue
-                body = {"subject": m.subject, "component": rec.component, "step": rec.step, "version": rec.version,
-                        "t": time.time(), **rec.values}  # fmt: skip
-                sink.write(json.dumps(body, default=str) + "\n")
-                sink.flush()
-                if rec.component == "learner":
-                    learner = {"step": rec.step, "version": rec.version, **rec.values}
-                else:
-                    actors[m.subject.rsplit(".", 1)[-1]] = dict(rec.values)
-                now = time.monotonic()
-                if tty:
-                    out.write("\r\x1b[2K" + status_line(learner, actors)[: 400])
-                    out.flush()
-                elif now - last >= every_s:
-                    last = now
-                    out.write(status_line(learner, actors) + "\n")
-                    out.flush()
+async def watch_log_steps(log_path: Path, event: str, bar: Any, poll_s: float = 0.5) -> None:
+    """Move ``bar`` to ``step + 1`` (steps count from 0) for each ``event`` line in a JSON-lines log, until
+    cancelled."""
+    pos = 0
+    while True:
+        try:
+            with open(log_path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        end = chunk.rfind(b"\n") + 1
+        pos += end
+        for raw in chunk[:end].splitlines():
+            if event.encode() not in raw:
+                continue
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue
+            if rec.get("event") == event and isinstance(rec.get("step"), int):
+                bar(rec["step"] + 1)
+        await anyio.sleep(poll_s)

@@ -40,6 +40,8 @@ class ProcessSpec:
     ready_file: Path | None = None  # the next component starts only once this file exists
     ready_timeout_s: float = 300.0
     finishes: bool = False  # exiting with 0 is the cluster's normal end (the learner with --steps)
+    progress_event: str | None = None  # a one-shot job: move a progress bar with this log event's ``step``
+    progress_total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,6 @@ class Supervisor:
                 proc.kill()
                 await proc.wait()
 
-
     async def _wait_ready(self, spec: ProcessSpec, proc: anyio.abc.Process, log_path: Path) -> None:
         assert spec.ready_file is not None
         with anyio.move_on_after(spec.ready_timeout_s) as scope:
@@ -190,7 +191,16 @@ class Supervisor:
             self.state.components[job.name] = proc_info(job.name, proc.pid, str(path), list(job.argv))
             self.state.save()
             try:
-                await proc.wait()
+                if job.progress_event is None:
+                    await proc.wait()
+                else:
+                    from t1async.cluster.progress import setup_bar, watch_log_steps
+
+                    with setup_bar(f"{job.name} ({job.progress_event})", job.progress_total) as bar:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(watch_log_steps, path, job.progress_event, bar)
+                            await proc.wait()
+                            tg.cancel_scope.cancel()
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._terminate(proc)

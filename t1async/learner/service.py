@@ -86,6 +86,7 @@ class Learner:
         self.stale_masked_tokens = 0
         self.last_step: dict = {}
         self.t0 = time.monotonic()
+        self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self._arrived = anyio.Event()
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -126,6 +127,8 @@ class Learner:
             await self._next_arrival()
             return
         v = self.version
+        t_start = time.monotonic()
+        t_ckpt = t_push = 0.0
         self.credits.set_training(True)
         try:
             m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
@@ -135,20 +138,27 @@ class Learner:
             self.version = v + 1
             self.state = self.state.after_step(self.version, self.state.step + 1, trained, m.loss_tokens)
             # the state first: a checkpoint is only ever loaded together with the state of its version
+            t_ckpt = time.monotonic()
             self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
             ckpt = await anyio.to_thread.run_sync(lambda: save_checkpoint(
                 self.cfg.checkpoints, self.model, self.trainer.optimizer, version=self.version,
                 step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
+            t_ckpt = time.monotonic() - t_ckpt
             for key in trained:
                 self.untrained.pop(key, None)
             self._forget_unreachable()
             self.gate.on_trained(trained)
             if self.samplers is not None:
+                t_push = time.monotonic()
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
+                t_push = time.monotonic() - t_push
             self.gate.on_version(self.version)
         finally:
             self.credits.set_training(False)
-        self.last_step = {**m.to_dict(), "turns_trained_step": len(trained)}
+        wall = time.monotonic() - t_start
+        self.busy_s += wall
+        self.last_step = {**m.to_dict(), "turns_trained_step": len(trained), "t_checkpoint_s": t_ckpt,
+                          "t_push_s": t_push, "t_step_wall_s": wall}  # fmt: skip
         await self.transport.publish("t1.policy", wire.PolicyRecord(self.version, self.state.step, str(ckpt.path)))
         log.info("learner.step", step=self.state.step, version=self.version, turns=len(trained), loss=round(m.loss, 4),
                  dlogp=round(m.mean_abs_dlogp, 5), mismatch=round(m.mismatch, 5), policy_shift=round(m.policy_shift, 5),
@@ -266,11 +276,10 @@ class Learner:
             "tokens_per_s": self.state.session_tokens / el if self.state.session_tokens else 0.0,
             "max_staleness": self.hist.max,
             "staleness_hist": self.hist.as_dict(),
+            "t_busy_s": self.busy_s,
             "eta": self.cfg.max_staleness,
             "drift": {k: int(drift.get(k, 0)) for k in ("clean", "realign", "fork")},
             "drift_detail": {k: v for k, v in drift.items() if isinstance(v, (int, float))},
-            "reward_mean": float(np.mean([e.tests_passed for e in ended])) if ended else 0.0,
-            "resolved_rate": float(np.mean([e.resolved for e in ended])) if ended else 0.0,
             "episodes_ended": len(ended),
             "untrained_turns": len(self.untrained),
             "stale_masked_tokens": self.stale_masked_tokens,
@@ -281,6 +290,9 @@ class Learner:
     async def _publish_metrics(self) -> None:
         rec = wire.MetricsRecord("learner", self.state.step, self.version, self.metrics())
         await self.transport.publish("t1.metrics.learner", rec)
+            # over nothing there is no mean: absent until an episode has ended
+            **({"reward_mean": float(np.mean([e.tests_passed for e in ended])),
+                "resolved_rate": float(np.mean([e.resolved for e in ended]))} if ended else {}),
 
     async def _metrics_loop(self) -> None:
         while True:

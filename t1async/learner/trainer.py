@@ -75,7 +75,7 @@ class StepMetrics:
     loss: float
     policy_loss: float
     value_loss: float
-    entropy: float
+    entropy: float | None  # None when not computed (entropy_coef 0)
     clip_frac: float
     is_trunc_frac: float
     grad_norm: float
@@ -103,6 +103,9 @@ class StepMetrics:
     policy_shift: float = 0.0
     policy_shift_tokens: int = 0
     policy_shift_by_staleness: dict[int, float] = field(default_factory=dict)
+    # where t_step_s went: forwards (scoring and PPO), backward passes with the optimizer step
+    t_forward_s: float = 0.0
+    t_backward_s: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -184,6 +187,7 @@ class Trainer:
         self.model.train()
         scored: list[_Scored] = []
         differ = compared = missing = used_differ = 0
+        t_fwd = time.perf_counter()
         for b in batches:
             with torch.set_grad_enabled(single):
                 out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
@@ -197,6 +201,7 @@ class Trainer:
             scored.append(sc)
             del out
 
+        t_fwd = t_fwd_scoring = time.perf_counter() - t_fwd
         lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
         n_loss = int(lm_all.sum())
         if n_loss == 0:
@@ -210,6 +215,7 @@ class Trainer:
         # 2. PPO epochs: accumulate over micro-batches, one optimizer step per epoch
         sums: Counter[str] = Counter()
         grad_norm = 0.0
+        t_update = time.perf_counter()
         for _epoch in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for sc in scored:
@@ -217,7 +223,9 @@ class Trainer:
                     logp, vals, ent = sc.out_logp, sc.out_values, sc.out_entropy
                     sc.out_logp = sc.out_values = sc.out_entropy = None
                 else:
+                    t_f = time.perf_counter()
                     _, logp, vals, ent = self._forward(sc.batch, replay=cfg.replay, with_entropy=want_ent)
+                    t_fwd += time.perf_counter() - t_f
                 terms = ppo.ppo_loss(
                     logp, sc.prox_logp, sc.batch.behav_logp, sc.adv, vals, sc.old_values, sc.ret,
                     sc.batch.loss_mask, cfg.loss, normaliser=n_loss, entropy=ent,
@@ -238,6 +246,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
+        t_update = time.perf_counter() - t_update
 
         # 3. metrics over loss tokens
         prox = torch.cat([sc.prox_logp.flatten() for sc in scored])[lm_all]
@@ -254,7 +263,7 @@ class Trainer:
             tokens=int(sum(len(s.tokens) for s in segments)), loss_tokens=n_loss,
             turns=int(sum(len(s.turn_ends) for s in segments)),
             loss=sums["loss"], policy_loss=sums["policy_loss"], value_loss=sums["value_loss"],
-            entropy=sums["entropy"], clip_frac=sums["clip_frac"], is_trunc_frac=sums["is_trunc_frac"],
+            entropy=sums["entropy"] if want_ent else None, clip_frac=sums["clip_frac"], is_trunc_frac=sums["is_trunc_frac"],
             grad_norm=grad_norm, mean_abs_dlogp=float((prox - behav).abs().mean()),
             k3_kl=ppo.k3_kl(prox, behav, ones), ess=ppo.ess(prox - behav, ones),
             routing_drift=differ / compared if compared else 0.0, routing_compared=compared,
@@ -266,6 +275,7 @@ class Trainer:
             t_step_s=time.perf_counter() - t0, mismatch=split.mismatch, mismatch_tokens=split.mismatch_tokens,
             policy_shift=split.policy_shift, policy_shift_tokens=split.policy_shift_tokens,
             policy_shift_by_staleness=split.policy_shift_by_staleness,
+            t_forward_s=t_fwd, t_backward_s=max(t_update - (t_fwd - t_fwd_scoring), 0.0),
         )  # fmt: skip
         log.info(
             "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,

@@ -1,0 +1,125 @@
+"""The `cluster up` dashboard: figures over nothing are '–', it names the bottleneck from where the actors'
+time goes, it fits an 80-column terminal, and the progress task feeds it from a real nats-server."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import anyio
+from rich.console import Console
+
+from t1async.cluster.dashboard import DASH, RunView, lines, plain_line, render
+from t1async.cluster.progress import sampler_state, show_progress
+from t1async.transport import NatsTransport
+from t1async.wire import MetricsRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def actor(i: int, *, wait: float, sample: float, exec_: float, slots: int = 4) -> dict:
+    """Cumulative actor counters after ``i`` ticks, each tick adding the given seconds."""
+    return {"episodes_running": slots, "episodes_done": i, "turns": 10 * i, "tokens": 1000 * i,
+            "credit_wait_s": wait * i, "sample_s": sample * i, "exec_s": exec_ * i, "slots": slots}  # fmt: skip
+
+
+def learner(i: int, **extra) -> dict:
+    return {"turns_trained": 16 * i, "t_busy_s": 9.0 * i, "t_forward_s": 2.0, "t_backward_s": 5.0,
+            "t_checkpoint_s": 0.5, "t_push_s": 1.0, "t_step_wall_s": 8.6, "episodes_ended": 0, "max_staleness": 1,
+            "eta": 1, "drift": {"clean": 10, "realign": 1, "fork": 0}, **extra}  # fmt: skip
+
+
+def fed(ticks: int, **shares) -> RunView:
+    clock = Clock()
+    view = RunView("runs/x", "nats://127.0.0.1:4222", ["http://s:1"], clock=clock)
+    for i in range(ticks):
+        clock.t = 10.0 * i
+        view.on_metrics("actor", "actor-0", 0, 0, actor(i, **shares))
+        view.on_metrics("learner", "learner", i, i, learner(i))
+        view.samplers["http://s:1"].record(clock.t, "ok", 2 if i % 2 else 0)
+    return view
+
+
+def text(view: RunView) -> str:
+    return "\n".join(t for _, t in lines(view))
+
+
+def test_figures_over_nothing_are_dashes_not_zeros():
+    view = RunView("runs/x", "nats://h:1", [])
+    out = text(view)
+    assert "waiting for their first metrics" in out and "bottleneck: –" in out and "0.00" not in out
+    view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "reward_mean": 0.0, "resolved_rate": 0.0})
+    out = text(view)
+    assert f"reward {DASH} resolved {DASH} (0 ended)" in out and "reward 0.00" not in out
+    assert f"mismatch {DASH} shift {DASH}" in out and f"settled {DASH}" in out
+    assert f"reward {DASH} resolved {DASH}" in plain_line(view)
+    # figures over something are shown, the learner's split of its step time included
+    view.on_metrics("learner", "learner", 3, 3, learner(3, episodes_ended=4, reward_mean=1.5, resolved_rate=0.25,
+                                                         mismatch=0.0012, mismatch_tokens=40, policy_shift=0.031,
+                                                         policy_shift_tokens=60, settled={"trained": 7, "expired": 1}))  # fmt: skip
+    out = text(view)
+    assert "reward 1.50 resolved 25% (4 ended)" in out and "mismatch 0.0012 shift 0.0310" in out
+    assert "step 8.6s: fwd 2.0s bwd 5.0s ckpt 0.5s push 1.0s" in out and "settled expired 1 trained 7" in out
+    view.on_metrics("learner", "learner", 4, 4, learner(4, mismatch=0.0, mismatch_tokens=0))
+    assert f"mismatch {DASH}" in text(view), "a mismatch over no tokens is not a figure"
+
+
+def test_it_names_the_bottleneck_from_where_actor_time_goes():
+    assert fed(5, wait=30, sample=35, exec_=2).bottleneck().startswith("learner: actors wait 75%")
+    sampler = fed(5, wait=1, sample=30, exec_=2).bottleneck()
+    assert sampler.startswith("sampler: actors wait 72%") and "sampler busy" in sampler
+    assert fed(5, wait=1, sample=3, exec_=30).bottleneck().startswith("sandbox: actors spend 75%")
+    assert fed(1, wait=30, sample=35, exec_=2).bottleneck() == DASH, "one sample is no rate"
+    view = fed(5, wait=30, sample=35, exec_=2)
+    assert view.actor_series.rate("turns") == 1.0 and view.learner_busy() == 0.9
+    assert "limit: learner (credits 75%)" in plain_line(view)
+
+
+def test_the_dashboard_fits_80_columns_and_the_plain_line_has_no_escapes():
+    view = fed(5, wait=30, sample=35, exec_=2)
+    console = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)
+    console.print(render(view))
+    rendered = console.export_text()
+    assert rendered.strip() and all(len(x) <= 80 for x in rendered.splitlines())
+    for name in ("actors", "sampler", "learner", "nats", "eval"):
+        assert any(x.startswith(name) for x in rendered.splitlines()), name
+    line = plain_line(view)
+    assert "\x1b" not in line and "\r" not in line and "\n" not in line
+
+
+def test_sampler_state_reads_sglang_and_embedded_answers():
+    import httpx
+
+    def resp(status: int, body: object) -> httpx.Response:
+        return httpx.Response(status, json=body)
+
+    assert sampler_state(resp(200, {"internal_states": [{"running_requests": 3}]})) == ("ok", 3)
+    assert sampler_state(resp(200, {"internal_states": [{"#running-req": 0}]})) == ("ok", 0)
+    assert sampler_state(resp(200, {"version": "x"})) == ("ok", None)
+    assert sampler_state(resp(503, {})) == ("HTTP 503", None)
+    assert sampler_state(None, "ConnectError") == ("unreachable (ConnectError)", None)
+
+
+async def test_show_progress_writes_metrics_and_plain_lines_from_a_real_nats(nats_server, tmp_path):
+    out = io.StringIO()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: show_progress(nats_server.url, tmp_path, out=out, every_s=0.3))
+        async with NatsTransport(nats_server.url) as t:
+            with anyio.fail_after(30):
+                while "v2" not in out.getvalue():
+                    await t.publish("t1.metrics.learner", MetricsRecord("learner", 2, 2, learner(2)))
+                    await t.publish("t1.metrics.actor.a0", MetricsRecord("actor", 0, 0, actor(2, wait=1, sample=2, exec_=3)))
+                    await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
+    plain = out.getvalue().splitlines()
+    assert plain and all("\x1b" not in x for x in plain)
+    assert any("step 8.6s (fwd 2.0 bwd 5.0 ckpt 0.5 push 1.0)" in x for x in plain)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["component"] for r in recs} == {"learner", "actor"}
+    assert any(r["subject"] == "t1.metrics.actor.a0" and r["slots"] == 4 for r in recs)
