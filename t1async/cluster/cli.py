@@ -34,7 +34,7 @@ def _run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return anyio.run(fn, *args, backend=backend)
     except ExceptionGroup as group:  # a task group wrapped our one error: show it plainly
         leaves = _leaves(group)
-        if len(leaves) == 1 and isinstance(leaves[0], T1Error):
+        if len(leaves) == 1 and isinstance(leaves[0], (T1Error, BrokenPipeError)):
             raise leaves[0] from None
         raise
 
@@ -169,13 +169,22 @@ def cmd_tail(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise ConfigError(f"no --nats given and {exc}; or pass --nats nats://HOST:PORT") from None
         if state.status == "stopped" or not state.nats_url:
-            raise ConfigError(f"the cluster in {args.run_dir} is not running (status {state.status}): "
-                              f"start it with `python -m t1async.cluster up`, or pass --nats URL")  # fmt: skip
+            raise ConfigError(f"the cluster in {args.run_dir} is not running (status {state.status}): start it with "
+                              f"`python -m t1async.cluster up --run-dir {args.run_dir}`, or pass --nats URL")  # fmt: skip
         url = state.nats_url
-    configure(args.log_level)
-    from t1async.cluster.tail import TailConfig, tail  # after configure(): modules bind loggers on import
+    # stdout carries records only; the tail's own logs go to stderr, and only warnings and worse
+    configure(args.log_level, console_level=args.log_level or "warning")
+    from t1async.cluster.glossary import TURN_FIELDS
+    from t1async.cluster.tail import TailConfig, tail
 
-    cfg = TailConfig(nats_url=url, subject=args.subject, json=args.json, episode=args.episode, text=not args.no_text)
+    fields = tuple(f.strip() for f in (args.fields or "").split(",") if f.strip())
+    unknown = [f for f in fields if f not in TURN_FIELDS] if not args.json else []
+    if unknown:
+        raise ConfigError(f"--fields: unknown field(s) {', '.join(unknown)}; known: {','.join(TURN_FIELDS)}")
+    if args.max_text < 0:
+        raise ConfigError(f"--max-text must be >= 0 (0: no limit), got {args.max_text}")
+    cfg = TailConfig(nats_url=url, subject=args.subject, json=args.json, episode=args.episode, text=not args.no_text,
+                     fields=fields, max_text=args.max_text)  # fmt: skip
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -235,18 +244,26 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.set_defaults(func=cmd_status)
 
+    from t1async.cluster.glossary import LEGEND, TURN_FIELDS
+
     tl = add("tail", "print records as they are published",
              "Subscribe to SUBJECT (default t1.traj.>, every episode's records; also t1.policy, t1.metrics.>,\n"
              "t1.dead.>) and print each record decoded: turns show episode, turn, policy version, token counts,\n"
              "reward, tests, drift (keep vs the previous sequence length) and routing start/rows, action,\n"
              "observation and output text (when the tokenizer loads). --json prints one object per record\n"
              "(token ids and logprobs as lists, routing as {start, dtype, shape}, bytes as hex). Malformed\n"
-             "messages print one line starting with '!'. Live only: nothing published before it started.")  # fmt: skip
+             "messages print one line starting with '!'. Live only: nothing published before it started.\n"
+             "Records go to stdout (plain text, colours on a terminal only), the header and logs to stderr.\n\n"
+             + LEGEND)  # fmt: skip
     tl.add_argument("subject", nargs="?", default="t1.traj.>", help="NATS subject, wildcards allowed (default t1.traj.>)")
     tl.add_argument("--nats", default=None, metavar="URL", help="NATS URL (default: the running cluster's, from --run-dir)")
     tl.add_argument("--json", action="store_true", help="one JSON object per record")
     tl.add_argument("--episode", default=None, metavar="ID", help="only this episode's records")
     tl.add_argument("--no-text", action="store_true", help="do not decode output ids to text")
+    tl.add_argument("--fields", default=None, metavar="A,B,...",
+                    help=f"show only these parts of a turn ({','.join(TURN_FIELDS)}); with --json, only these keys")  # fmt: skip
+    tl.add_argument("--max-text", type=int, default=160, metavar="N",
+                    help="clip action, observation and text to N characters (default 160; 0: no limit)")  # fmt: skip
     tl.set_defaults(func=cmd_tail)
     return p
 
@@ -264,3 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `status | head`: the reader left; say nothing more, and let exit not flush again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell tool killed by the broken pipe
