@@ -27,7 +27,7 @@ from t1async.errors import ConfigError
 from t1async.log import get_logger
 from t1async.sampler.base import Sampler
 from t1async.transport.base import Transport
-from t1async.wire import MetricsRecord
+from t1async.wire import Heartbeat, MetricsRecord
 
 log = get_logger("actors.actor")
 
@@ -41,6 +41,7 @@ class ActorConfig:
     episodes: int = 0  # stop after this many episodes in total (0: run until cancelled)
     seed: int = 0
     metrics_every_s: float = 2.0
+    heartbeat_every_s: float = 3.0  # t1.actor.<id>: the learner releases an actor silent for --actor-timeout
     work_root: Path | None = None
 
 
@@ -95,7 +96,17 @@ async def run_actor(
         }  # fmt: skip
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
+    async def heartbeat() -> None:
+        """A sign of life: the learner leases credits only to a live actor (DESIGN §7)."""
+        while True:
+            try:
+                await transport.publish(f"t1.actor.{config.actor_id}", Heartbeat(config.actor_id, time.time()))
+            except Exception as exc:  # NATS reconnecting: the next beat retries; the learner's timeout is ~5 beats
+                log.warning("actor.heartbeat_failed", actor=config.actor_id, error=str(exc))
+            await anyio.sleep(config.heartbeat_every_s)
+
     async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
         tg.start_soon(metrics)
         task_status.started(stats)
         async with anyio.create_task_group() as workers:

@@ -196,9 +196,10 @@ class CreditLedger:
             self.version = version
 
     def on_delivered(self, episode: str, turn: int, now: float) -> Ticket | None:
-        """A turn arrived: it uses the episode's ticket asked for this turn, else its oldest ticket asked for
-        no particular turn. None: unadmitted (no live ticket). A redelivered (episode, turn) returns its
-        ticket again and changes nothing."""
+        """A turn arrived: it uses the episode's ticket asked for this turn, else the episode's oldest running
+        ticket (an actor that skips an empty output numbers its turns below its samples: the ticket used is
+        never newer than the one matched, so the bound holds). None: unadmitted (no live ticket). A
+        redelivered (episode, turn) returns its ticket again and changes nothing."""
         seen = self._seen.get((episode, turn))
         if seen is not None:
             return seen
@@ -206,7 +207,7 @@ class CreditLedger:
         q = self._by_episode.get(episode)
         t = None
         if q:
-            t = next((x for x in q if x.turn == turn), None) or next((x for x in q if x.turn < 0), None)
+            t = next((x for x in q if x.turn == turn), q[0])
         if t is None:
             self.stats.unadmitted += 1
             return None

@@ -136,6 +136,16 @@ class CreditGrant:
 
 
 @dataclass(frozen=True, eq=False)
+class Heartbeat:
+    """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner leases credits to
+    live actors and closes a silent actor's episodes as ``aborted`` (DESIGN §7)."""
+
+    actor: str
+    sent_at: float  # the actor's wall clock (for humans; liveness uses the learner's receive time)
+    kind = "heartbeat"
+
+
+@dataclass(frozen=True, eq=False)
 class MetricsRecord:
     component: str
     step: int
@@ -144,9 +154,10 @@ class MetricsRecord:
     kind = "metrics"
 
 
-Record = StartRecord | TurnRecord | EndRecord | PolicyRecord | CreditRequest | CreditGrant | MetricsRecord
+Record = StartRecord | TurnRecord | EndRecord | PolicyRecord | CreditRequest | CreditGrant | MetricsRecord | Heartbeat
 _KINDS: dict[str, type] = {
-    c.kind: c for c in (StartRecord, TurnRecord, EndRecord, PolicyRecord, CreditRequest, CreditGrant, MetricsRecord)
+    c.kind: c
+    for c in (StartRecord, TurnRecord, EndRecord, PolicyRecord, CreditRequest, CreditGrant, MetricsRecord, Heartbeat)
 }
 
 
@@ -335,6 +346,8 @@ def from_map(m: Any) -> Record:
                          f.float("unstreamed_reward", default=0.0))  # fmt: skip
     if kind == "policy":
         return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
+    if kind == "heartbeat":
+        return Heartbeat(f.str("actor"), f.float("sent_at"))
     if kind == "credit_request":
         return CreditRequest(f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1))
     return CreditGrant(f.int("granted"), f.int("version"), f.float("lease_s"), f.str("grant_id"))

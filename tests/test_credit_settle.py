@@ -76,16 +76,15 @@ def test_a_silent_actors_running_credits_are_released_at_once():
     assert led.on_delivered("d1", 1, 2.0) is None and led.stats.unadmitted == 1  # too late: unadmitted
 
 
-def test_a_turn_uses_the_credit_asked_for_it():
-    """A redelivered old turn (e.g. after a learner restart) must not take the credit of the episode's next
-    turn: tickets asked for a turn match that turn."""
+def test_a_turn_uses_the_credit_asked_for_it_else_the_oldest():
     led = CreditLedger(max_staleness=1, batch_turns=4, lease_s=100.0)
     led.try_grant("a", "e", 1, 0.0, turn=7)
-    assert led.on_delivered("e", 6, 1.0) is None
-    t = led.on_delivered("e", 7, 1.0)
-    assert t is not None and t.turn == 7 and led.running == 0
-    led.try_grant("a", "e", 1, 2.0)  # asked for no particular turn: the next delivered one uses it
-    assert led.on_delivered("e", 9, 3.0) is not None
+    led.try_grant("a", "e", 1, 0.0, turn=8)
+    t = led.on_delivered("e", 8, 1.0)
+    assert t is not None and t.turn == 8 and led.running == 1
+    # an actor that skipped an empty output delivers turn 7 with the credit it asked for its next sample
+    assert led.on_delivered("e", 6, 1.0).turn == 6 and led.running == 0
+    assert led.on_delivered("e", 7, 1.0) is None and led.stats.unadmitted == 1
 
 
 # ------------------------------------------------------------------------------------------ assembler

@@ -90,4 +90,14 @@ def check_tasks(tasks_dir: Path, split: str = "train") -> int:
     try:
         return len(load_task_pool(Path(tasks_dir), split))
     except ConfigError as exc:
-        raise ConfigError(f"--tasks {tasks_dir}: {exc}") from None
+        raise ConfigError(f"--tasks {tasks_dir}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """A loader's error as one line (a YAML error spans several: keep where and what)."""
+    cause = exc.__cause__
+    mark, problem = getattr(cause, "problem_mark", None), getattr(cause, "problem", None)
+    text = str(exc)
+    if mark is not None and problem:
+        text = f"{text.split(':', 1)[0]}: invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return " ".join(text.split())

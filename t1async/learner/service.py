@@ -25,6 +25,8 @@ from t1async.assembly import Assembler
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
 from t1async.learner.journal import Journal
+from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
+from t1async.learner.settle import Settler, StepLog, loss_turns
 from t1async.learner.state import LearnerState
 from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.log import get_logger
@@ -33,7 +35,7 @@ from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.sampler.client import SGLangClient
 from t1async.staleness import CreditGate, CreditLedger, StalenessHistogram
 from t1async.tito import Segment
-from t1async.transport.base import Transport
+from t1async.transport.base import Transport, traj_subject
 
 log = get_logger("t1async.learner")
 
@@ -46,6 +48,7 @@ class LearnerConfig:
     batch_turns: int = 16
     steps: int = 0  # stop after this many steps (0: run until cancelled)
     lease_s: float = 180.0
+    actor_timeout_s: float = 15.0  # an actor silent this long is released: credits freed, episodes aborted
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
@@ -76,11 +79,14 @@ class Learner:
             self.resumed_from = ckpt
         self.version = self.state.version
         self.gate = CreditGate(CreditLedger(config.max_staleness, config.batch_turns, config.lease_s, self.version))
-        self.credits = CreditServer(self.gate, transport)
+        self.liveness = ActorLiveness(config.actor_timeout_s)
+        self.credits = CreditServer(self.gate, transport, on_actor=self.liveness.seen)
+        self.settler = Settler(self.gate, self.credits, lambda ep, t: self.state.was_trained(ep, t))
+        self.step_log = StepLog(config.run_dir / "learner" / "steps.jsonl")
         self.assembler = Assembler()
         self.journal = Journal(config.run_dir / "learner" / "journal.bin")
         self.ready: list[Segment] = []  # closed segments waiting for a step
-        self.untrained: dict[tuple[str, int], int] = {}  # delivered, not trained: (episode, turn) -> version
+        self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
         self.hist = StalenessHistogram()
         self.ended: deque[wire.EndRecord] = deque(maxlen=200)
         self.stale_masked_tokens = 0
@@ -93,9 +99,11 @@ class Learner:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         self._replay_journal()
+        self.liveness.restart_clocks()
         await self._sync_samplers()
         async with anyio.create_task_group() as tg:
             await tg.start(self.credits.serve)
+            await tg.start(watch_actors, self.liveness, self.transport, self._release_actor)
             await tg.start(self._ingest)
             tg.start_soon(self._metrics_loop)
             task_status.started()
@@ -131,8 +139,9 @@ class Learner:
         t_ckpt = t_push = 0.0
         self.credits.set_training(True)
         try:
+            self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
             m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
-            trained = sorted({(s.episode, int(t)) for s in segments for t in np.unique(s.turn_ids[s.loss_mask])})
+            trained = loss_turns(segments)
             for s in segments:
                 self.hist.record(v, s.versions[s.loss_mask])
             self.version = v + 1
@@ -144,10 +153,8 @@ class Learner:
                 self.cfg.checkpoints, self.model, self.trainer.optimizer, version=self.version,
                 step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
             t_ckpt = time.monotonic() - t_ckpt
-            for key in trained:
-                self.untrained.pop(key, None)
+            self.settler.settle(trained, "trained")
             self._forget_unreachable()
-            self.gate.on_trained(trained)
             if self.samplers is not None:
                 t_push = time.monotonic()
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
@@ -184,14 +191,54 @@ class Learner:
     def _take(self, rec: wire.Record, *, live: bool) -> None:
         if isinstance(rec, wire.TurnRecord):
             key = (rec.episode, rec.turn)
-            if live:
+            # a turn trained before a restart, or settled already (a redelivery), is not taken again
+            if self.settler.open(key, rec.policy_version) and live:
                 self.credits.on_delivered(*key)
                 self.gate.on_delivered(*key)
-            if not self.state.was_trained(*key):
-                self.untrained[key] = rec.policy_version
-        elif isinstance(rec, wire.EndRecord) and live:
-            self.ended.append(rec)
+            if rec.episode not in self.liveness.owner and rec.episode not in self.assembler.ended:
+                self.liveness.owns(rec.episode, actor_of(rec.episode))  # its start record was not seen
+        elif isinstance(rec, wire.StartRecord):
+            self.liveness.owns(rec.episode, rec.actor)
+        elif isinstance(rec, wire.EndRecord):
+            if live:
+                self.ended.append(rec)
+            self.liveness.closed(rec.episode)
+            # a credit still unspent when its episode ended (the last sample returned no tokens, failed, or was
+            # cut by the wall time) can never be used: release it now, not when its lease runs out
+            if self.gate.release_episode(rec.episode):
+                self.credits.forget(episodes={rec.episode})
         self.ready.extend(self.assembler.feed(rec))
+        if isinstance(rec, (wire.TurnRecord, wire.EndRecord)):
+            self._settle_dropped(rec.episode)
+
+    def settle(self, keys: list[tuple[str, int]], reason: str) -> int:
+        """Settle delivered turns (settle.Settler.settle): ``poisoned`` for a rejected record or a failed
+        step's turns; the learner settles the other reasons itself."""
+        return self.settler.settle(keys, reason)
+
+    def _settle_dropped(self, episode: str) -> None:
+        by_reason: dict[str, list[tuple[str, int]]] = {}
+        for ep, turn, reason in self.assembler.drain_dropped(episode):
+            by_reason.setdefault(reason, []).append((ep, turn))
+        for reason, keys in by_reason.items():
+            self.settler.settle(keys, reason)
+
+    async def _release_actor(self, actor: str) -> None:
+        """``actor`` went silent: free its running credits now and end its open episodes as ``aborted`` (the
+        end goes through the stream like an actor's own, so it is journaled and assembled in order)."""
+        freed = self.gate.release_actor(actor)
+        self.credits.forget(actor=actor)
+        episodes = self.liveness.episodes_of(actor)
+        for ep in episodes:
+            a = self.assembler.open.get(ep)
+            turns = a.next_turn if a is not None else 0
+            end = wire.EndRecord(ep, turns, wire.EndReason.ABORTED, 0, 0, False,
+                                 f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s")  # fmt: skip
+            await self.transport.publish(traj_subject(ep), end)
+        if episodes or freed:
+            self.liveness.timeouts += 1
+            log.warning("learner.actor_silent", actor=actor, credits_released=freed, episodes_aborted=len(episodes),
+                        timeout_s=self.liveness.timeout_s)  # fmt: skip
 
     def _replay_journal(self) -> None:
         n = 0
@@ -228,7 +275,8 @@ class Learner:
 
     def _mask(self, s: Segment) -> Segment | None:
         """Drop from the loss what was trained before a restart, and (a safety net for turns delivered
-        after their credit's lease expired) what would exceed the staleness bound. Counted."""
+        after their credit's lease expired) what would exceed the staleness bound. Counted; a turn left with
+        no loss token is settled ``stale_masked``."""
         keep = s.loss_mask.copy()
         trained = self.state.trained.get(s.episode)
         if trained:
@@ -237,7 +285,10 @@ class Learner:
         if too_stale.any():
             self.stale_masked_tokens += int(too_stale.sum())
             log.warning("learner.stale_masked", episode=s.episode, tokens=int(too_stale.sum()), version=self.version)
+            before = set(np.unique(s.turn_ids[keep]).tolist())
             keep &= ~too_stale
+            gone = before - set(np.unique(s.turn_ids[keep]).tolist())
+            self.settler.settle([(s.episode, int(t)) for t in sorted(gone)], "stale_masked")
         if not keep.any():
             return None
         if np.array_equal(keep, s.loss_mask):
@@ -249,8 +300,10 @@ class Learner:
         """Turns the assembler will never emit (their episode is closed: untrainable, late, or abandoned)
         stop counting as work waiting for a step. Counted by the assembler's drift stats."""
         waiting = {s.episode for s in self.ready}
-        for key in [k for k in self.untrained if k[0] not in self.assembler.open and k[0] not in waiting]:
-            del self.untrained[key]
+        gone = [k for k in self.untrained if k[0] not in self.assembler.open and k[0] not in waiting]
+        if gone:  # the assembler names what it drops (_settle_dropped): anything left here is a gap in that
+            log.warning("learner.unreachable_turns", turns=len(gone), first=f"{gone[0][0]}#{gone[0][1]}")
+            self.settler.settle(gone, "abandoned")
 
     def _drift(self) -> dict[str, int]:
         d = self.assembler.stats().as_dict()
@@ -283,6 +336,11 @@ class Learner:
             "episodes_ended": len(ended),
             "untrained_turns": len(self.untrained),
             "stale_masked_tokens": self.stale_masked_tokens,
+            "settled": dict(self.settler.counts),  # delivered turns settled, by reason (DESIGN §7)
+            "ledger_size": self.gate.ledger.size,
+            "actors_timed_out": self.liveness.timeouts,
+            "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
+            "credits": self.gate.ledger.snapshot(),
             "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
             "credits": self.gate.ledger.snapshot(),
         }

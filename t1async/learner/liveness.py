@@ -1,0 +1,98 @@
+"""Which actors are alive (DESIGN §7): credits are leased to a live actor.
+
+Actors publish a ``heartbeat`` on ``t1.actor.<id>`` every few seconds (actors/actor.py); a credit request
+is a sign of life too. The learner knows each open episode's actor from its ``start`` record (journaled, so
+a restarted learner knows it too) or, failing that, from its credit requests and its id
+(``<actor>-<hex>``). An actor silent for ``timeout_s`` is released: the learner frees its running credits at
+once and publishes an ``end`` (reason ``aborted``) for each of its open episodes, which ingest journals and
+assembles like any end, so what arrived is trained and compaction can drop the episode.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import anyio
+import anyio.abc
+
+from t1async.log import get_logger
+
+if TYPE_CHECKING:
+    from t1async.transport.base import Transport
+
+log = get_logger("t1async.learner.liveness")
+RELEASED_MEMORY = 10_000
+HEARTBEAT_SUBJECTS = "t1.actor.>"  # an actor heartbeats on t1.actor.<actor id>
+
+
+def actor_of(episode: str) -> str:
+    """The actor named in an episode id made by ``actors.episode.new_episode_id`` (``<actor>-<hex>``)."""
+    return episode.rsplit("-", 1)[0] if "-" in episode else episode
+
+
+class ActorLiveness:
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = anyio.current_time) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"actor timeout must be > 0 seconds, got {timeout_s}")
+        self.timeout_s, self.clock = float(timeout_s), clock
+        self.last_seen: dict[str, float] = {}
+        self.owner: dict[str, str] = {}  # open episode -> actor
+        self.released: OrderedDict[str, float] = OrderedDict()  # actors declared silent -> when
+        self.timeouts = 0  # actors released with work (open episodes) in hand
+
+    def seen(self, actor: str) -> None:
+        self.last_seen[actor] = self.clock()
+        self.released.pop(actor, None)
+
+    def owns(self, episode: str, actor: str) -> None:
+        """``episode`` is open and run by ``actor``; its silence clock starts now if it has none yet."""
+        self.owner[episode] = actor
+        self.last_seen.setdefault(actor, self.clock())
+
+    def closed(self, episode: str) -> None:
+        self.owner.pop(episode, None)
+
+    def episodes_of(self, actor: str) -> list[str]:
+        return sorted(ep for ep, a in self.owner.items() if a == actor)
+
+    def silent(self) -> list[str]:
+        """Actors not heard from for ``timeout_s``; each is reported once (until it is heard from again)."""
+        now = self.clock()
+        out = [a for a, t in self.last_seen.items() if now - t > self.timeout_s]
+        for a in out:
+            del self.last_seen[a]
+            self.released[a] = now
+            while len(self.released) > RELEASED_MEMORY:
+                self.released.popitem(last=False)
+        return out
+
+    def restart_clocks(self) -> None:
+        """After a restart nothing was heard yet: every known actor gets a full timeout to show up."""
+        now = self.clock()
+        for a in set(self.owner.values()):
+            self.last_seen[a] = now
+
+
+async def watch_actors(
+    liveness: ActorLiveness,
+    transport: "Transport",
+    on_silent: Callable[[str], Awaitable[None]],
+    *,
+    task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Record heartbeats from ``t1.actor.>``, and call ``on_silent(actor)`` for each actor that goes silent."""
+    from t1async import wire
+
+    async def reap() -> None:
+        while True:
+            await anyio.sleep(min(1.0, liveness.timeout_s / 4))
+            for actor in liveness.silent():
+                await on_silent(actor)
+
+    async with transport.subscribe(HEARTBEAT_SUBJECTS) as msgs, anyio.create_task_group() as tg:
+        tg.start_soon(reap)
+        task_status.started()
+        async for m in msgs:
+            if isinstance(m.record, wire.Heartbeat):
+                liveness.seen(m.record.actor)
