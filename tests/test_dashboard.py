@@ -79,6 +79,9 @@ def test_it_names_the_bottleneck_from_where_actor_time_goes():
     view = fed(5, wait=30, sample=35, exec_=2)
     assert view.actor_series.rate("turns") == 1.0 and view.learner_busy() == 0.9
     assert "limit: learner (credits 75%)" in plain_line(view)
+    # turn times land when a turn ends, credit waits when granted: a window can hold more than its slot time
+    over = fed(5, wait=30, sample=60, exec_=20).actor_shares()
+    assert over is not None and abs(sum(over.values()) - 1.0) < 1e-9 and over["sandbox"] == 0.25
 
 
 def test_the_dashboard_fits_80_columns_and_the_plain_line_has_no_escapes():

@@ -139,10 +139,12 @@ class RunView:
         wait, sample, exec_ = s.delta("credit_wait_s"), s.delta("sample_s"), s.delta("exec_s")
         if wait is None or sample is None or exec_ is None:
             return None
-        total = slots * span
         # the agent's sample time includes the credit wait (the credited sampler asks first)
-        return {"credits": max(wait, 0.0) / total, "sampler": max(sample - wait, 0.0) / total,
-                "sandbox": max(exec_, 0.0) / total}  # fmt: skip
+        parts = {"credits": max(wait, 0.0), "sampler": max(sample - wait, 0.0), "sandbox": max(exec_, 0.0)}
+        # a turn's times are counted when it ends, its credit wait when granted: over a window the sum can
+        # exceed the slot time, so the shares are scaled to at most all of it
+        total = max(slots * span, sum(parts.values()))
+        return {k: x / total for k, x in parts.items()}
 
     def learner_split(self) -> dict[str, float] | None:
         """The last step's seconds: forward, backward, checkpoint, push."""
@@ -221,10 +223,10 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         turns_s, tok_s = view.actor_series.rate("turns"), view.actor_series.rate("tokens")
         shares = view.actor_shares()
         where = DASH if shares is None else " ".join(f"{k} {x:.0%}" for k, x in shares.items())
-        compactions = _sum(a, "compactions")
+        compactions = (view.learner or {}).get("compactions", _sum(a, "compactions"))
         text = (f"{len(a)} up, {fmt(running, '.0f')} episodes running, {fmt(done, '.0f')} ended | "
                 f"{fmt(turns_s)} turns/s {fmt(tok_s, '.0f')} tok/s | waiting on: {where}")  # fmt: skip
-        if compactions is not None:
+        if isinstance(compactions, (int, float)):
             text += f" | compactions {compactions:.0f}"
         out.append(("actors", text))
     # samplers
