@@ -341,16 +341,14 @@ class Learner:
             "actors_timed_out": self.liveness.timeouts,
             "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
             "credits": self.gate.ledger.snapshot(),
-            "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
-            "credits": self.gate.ledger.snapshot(),
+            # over nothing there is no mean: absent until an episode has ended
+            **({"reward_mean": float(np.mean([e.tests_passed for e in ended])),
+                "resolved_rate": float(np.mean([e.resolved for e in ended]))} if ended else {}),
         }
 
     async def _publish_metrics(self) -> None:
         rec = wire.MetricsRecord("learner", self.state.step, self.version, self.metrics())
         await self.transport.publish("t1.metrics.learner", rec)
-            # over nothing there is no mean: absent until an episode has ended
-            **({"reward_mean": float(np.mean([e.tests_passed for e in ended])),
-                "resolved_rate": float(np.mean([e.resolved for e in ended]))} if ended else {}),
 
     async def _metrics_loop(self) -> None:
         while True:
