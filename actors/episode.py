@@ -36,6 +36,8 @@ class EpisodeStats:
     tests_passed: int = 0
     tests_total: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
+    compactions: int = 0  # inputs compacted by the context policy (each a FORK)
+    empty_outputs: int = 0  # samples that returned no tokens (not streamed; credit and reward carried)
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,11 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
 
     async def on_turn(t: TurnResult) -> None:
         nonlocal turns
-        if len(t.output_ids) == 0:
-            log.warning("turn.empty", episode=episode, turn=t.turn, finish=t.finish)
+        if len(t.output_ids) == 0:  # no turn on the wire: its credit and reward carry to the next turn
+            encoder.skip(t)
+            stats.empty_outputs += 1
+            log.warning("turn.empty", episode=episode, turn=t.turn, finish=t.finish, reward_carried=t.reward,
+                        hint="the sampler returned no tokens; not streamed, its credit pays for the next sample")  # fmt: skip
             return
         rec = encoder.encode(t)
         await ctx.transport.publish(subject, rec)
@@ -86,7 +91,9 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
                 on_turn=on_turn, rid=episode, work_root=ctx.work_root,
             )
             end = EndRecord(episode, turns, EndReason(res.reason), res.tests_passed, res.tests_total,
-                            res.resolved, res.detail[:1000], res.unstreamed_reward)  # fmt: skip
+                            res.resolved, res.detail[:1000], res.unstreamed_reward + encoder.carried_reward,
+                            compactions=res.compactions)  # fmt: skip
+            stats.compactions += res.compactions
         except T1Error as exc:  # task setup, sandbox, transport: the episode failed, the actor goes on
             log.warning("episode.failed", episode=episode, task=task.id, error=str(exc))
             end = EndRecord(episode, turns, EndReason.ERROR, 0, 0, False, f"{type(exc).__name__}: {exc}"[:1000])

@@ -6,6 +6,15 @@ on its own (``tokenizer.message_ids``) and the generation prompt. Earlier text i
 boundary is CLEAN. Routing is asked only for rows no earlier turn covered (DESIGN §3):
 ``routed_experts_start_len`` is 0 on the first turn, then the previous full sequence length - 1.
 
+When the next input would not fit ``max_context_tokens``, the context policy (``sandbox_agent.context``,
+``AgentConfig.context``) compacts the history, again from exact IDs, or stops the episode ("context"). A
+compacted input shares only a prefix with the previous sequence: that boundary is a FORK, the turn says so
+(``TurnResult.compacted``), and routing is asked from the end of that shared prefix, so the sampler routes
+every position of the new context that earlier turns did not.
+
+The loop reads as its seams: ``_sample``, ``_act``, ``_next_input`` (with the context policy),
+``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
+
 Rewards (DESIGN §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
 ends the episode) its ``reward`` is the change in the number of passing tests; otherwise 0. If the episode
 stops before a turn could carry the final verification (wall time ran out while sampling, a sampler
@@ -23,11 +32,13 @@ import anyio
 import numpy as np
 
 from sandbox_agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
+from sandbox_agent.context import ContextConfig, ContextPolicy, History, make_policy
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.verifier import VerifyResult
 from t1async.errors import SamplerError, SandboxError
-from t1async.sampler.base import Sampler, SamplingParams
 from t1async.log import get_logger
+from t1async.sampler.base import Generation, Sampler, SamplingParams
+from t1async.tito import common_prefix_len
 
 log = get_logger("sandbox_agent.agent")
 
@@ -63,6 +74,7 @@ class AgentConfig:
     min_new_tokens: int = 16  # stop for "context" when fewer tokens than this are left to generate
     stop_when_resolved: bool = True  # a periodic verification that resolves the task ends the episode
     request_routing: bool = True
+    context: ContextConfig = field(default_factory=ContextConfig)  # what to do when the history outgrows max_context
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,7 @@ class TurnResult:
     t_sample_s: float
     t_exec_s: float
     last: bool = False
+    compacted: bool = False  # this turn's input was compacted by the context policy (a FORK)
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class EpisodeResult:
     detail: str = ""
     unstreamed_reward: float = 0.0
     wall_s: float = 0.0
+    compactions: int = 0  # inputs the context policy compacted
 
 
 OnTurn = Callable[[TurnResult], Awaitable[None]]
@@ -167,6 +181,75 @@ async def _act(action: Action, sandbox: Sandbox, cfg: AgentConfig, deadline: flo
     return observation, res, ""
 
 
+@dataclass
+class _Loop:
+    """The mutable state of one episode's turn loop."""
+
+    input_ids: list[int]
+    history: History
+    deadline: float
+    routed_start: int = 0  # the first position no earlier turn's routing covered (DESIGN §3)
+    compacted: bool = False  # this turn's input is a compaction (a FORK by construction)
+    last_passed: int = 0
+    last_verify: VerifyResult | None = None
+    verified_last_turn: bool = False
+
+
+async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
+                  ) -> tuple[Generation | None, StopReason | None, str]:
+    """Sample turn ``k``: (generation, None, "") or (None, stop reason, detail)."""
+    try:
+        with anyio.move_on_after(st.deadline - anyio.current_time()):
+            return await sampler.generate(
+                st.input_ids, params, routed_experts_start_len=st.routed_start if cfg.request_routing else None,
+                rid=f"{rid}/{k}",
+            ), None, ""
+    except SamplerError as exc:
+        return None, "error", f"sampler failed on turn {k}: {exc}"
+    return None, "timeout", f"wall time ran out while sampling turn {k}"
+
+
+def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, policy: ContextPolicy,
+                out: list[int], observation: str) -> tuple[list[int] | None, str]:
+    """The next turn's input from exact IDs (sets ``st.routed_start`` and ``st.compacted``), or (None, why)
+    when it cannot fit ``max_context`` and the context policy gives up."""
+    suffix = turn_suffix_ids(tokenizer, out, observation, cfg.observation_role)
+    st.history.add(out, observation, suffix)
+    seq = st.input_ids + out
+    nxt = seq + suffix
+    # an output with no tokens is never streamed (a wire turn samples at least one token): the rows its
+    # request covered are asked again with the next one, and a compaction before it belongs to the next turn
+    covered = len(seq) - 1 if out else st.routed_start
+    st.routed_start, st.compacted = covered, st.compacted and not out
+    limit = cfg.max_context_tokens - cfg.min_new_tokens
+    if len(nxt) <= limit:
+        return nxt, ""
+    compacted = policy.compact(st.history, limit, min(limit, int(cfg.max_context_tokens * cfg.context.compact_to)))
+    if compacted is None:
+        return None, f"{len(nxt)} tokens of {cfg.max_context_tokens} used (context policy {policy.name})"
+    # the routing of a position depends only on the tokens up to it: rows the sampler already sent for the
+    # shared prefix stay valid, every later position of the new context must be routed again
+    lcp = common_prefix_len(np.asarray(compacted, dtype=np.int64), np.asarray(seq, dtype=np.int64))
+    st.routed_start, st.compacted = min(lcp, covered), True
+    log.info("agent.compacted", policy=policy.name, before=len(nxt), after=len(compacted), shared=lcp,
+             turns_dropped=st.history.dropped, compactions=st.history.compactions)
+    return compacted, ""
+
+
+async def _verify_turn(st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, stop: StopReason | None
+                       ) -> tuple[int | None, float, StopReason | None, str]:
+    """Verify when the episode stops or every ``verify_every`` turns: (tests passed, reward, stop, detail)."""
+    periodic = cfg.verify_every > 0 and (k + 1) % cfg.verify_every == 0
+    if stop is None and not periodic:
+        return None, 0.0, None, ""
+    st.last_verify = await verify()
+    reward = float(st.last_verify.passed - st.last_passed)
+    st.last_passed = st.last_verify.passed
+    if stop is None and cfg.stop_when_resolved and st.last_verify.resolved:
+        return st.last_verify.passed, reward, "solved", f"tests resolved at turn {k}"
+    return st.last_verify.passed, reward, stop, ""
+
+
 async def run_agent(
     *,
     instruction: str,
@@ -182,44 +265,33 @@ async def run_agent(
     """Run one episode in an open sandbox. ``verify`` runs the task's tests over the sandbox's work dir."""
     cfg = config
     t_start = time.monotonic()
-    deadline = anyio.current_time() + (cfg.wall_time_s or wall_time_s)
-    input_ids = prompt_ids(tokenizer, instruction, cfg.system_prompt)
+    first = prompt_ids(tokenizer, instruction, cfg.system_prompt)
+    st = _Loop(first, History(tokenizer, first, cfg.observation_role),
+               anyio.current_time() + (cfg.wall_time_s or wall_time_s))  # fmt: skip
+    policy = make_policy(cfg.context)
     stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
-    routed_start = 0
-    last_passed = 0
-    last_verify: VerifyResult | None = None
-    verified_last_turn = False
     reason: StopReason = "max_turns"
     detail = ""
     turns = 0
     for k in range(cfg.max_turns):
-        budget = cfg.max_context_tokens - len(input_ids)
+        budget = cfg.max_context_tokens - len(st.input_ids)
         if budget < cfg.min_new_tokens:
-            reason, detail = "context", f"{len(input_ids)} tokens of {cfg.max_context_tokens} used"
+            reason, detail = "context", f"{len(st.input_ids)} tokens of {cfg.max_context_tokens} used"
             break
         params = replace(
             cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), stop_token_ids=stop_ids
         )
+        # -- sample
         t0 = time.monotonic()
-        gen = None
-        try:
-            with anyio.move_on_after(deadline - anyio.current_time()):
-                gen = await sampler.generate(
-                    input_ids,
-                    params,
-                    routed_experts_start_len=routed_start if cfg.request_routing else None,
-                    rid=f"{rid}/{k}",
-                )
-        except SamplerError as exc:
-            reason, detail = "error", f"sampler failed on turn {k}: {exc}"
-            break
+        gen, stop, detail = await _sample(sampler, st, cfg, params, k, rid)
         if gen is None:
-            reason, detail = "timeout", f"wall time ran out while sampling turn {k}"
+            assert stop is not None
+            reason = stop
             break
         t_sample = time.monotonic() - t0
         out = [int(t) for t in gen.output_ids]
-        seq_len = len(input_ids) + len(out)
-        stop: StopReason | None = None
+        seq_len = len(st.input_ids) + len(out)
+        # -- act
         t1 = time.monotonic()
         if gen.finish == "abort":
             action, observation, res = Action("invalid"), "", None
@@ -227,31 +299,27 @@ async def run_agent(
         else:
             action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
             kind = action.kind
-            observation, res, failure = await _act(action, sandbox, cfg, deadline)
+            observation, res, failure = await _act(action, sandbox, cfg, st.deadline)
             if failure:
                 stop, detail = "error", f"sandbox failed on turn {k}: {failure}"
             elif action.done:
                 stop, observation = "solved", ""
         t_exec = time.monotonic() - t1
+        # -- the next input (compacted by the context policy when it would not fit)
+        input_ids, compacted = st.input_ids, st.compacted
         next_ids: list[int] | None = None
         if stop is None:
-            next_ids = input_ids + out + turn_suffix_ids(tokenizer, out, observation, cfg.observation_role)
             if k + 1 >= cfg.max_turns:
                 stop = "max_turns"
-            elif cfg.max_context_tokens - len(next_ids) < cfg.min_new_tokens:
-                stop, detail = "context", f"{len(next_ids)} tokens of {cfg.max_context_tokens} used"
-            elif anyio.current_time() >= deadline:
-                stop, detail = "timeout", f"wall time ran out after turn {k}"
-        tests_passed = None
-        reward = 0.0
-        periodic = cfg.verify_every > 0 and (k + 1) % cfg.verify_every == 0
-        if stop is not None or periodic:
-            last_verify = await verify()
-            tests_passed = last_verify.passed
-            reward = float(last_verify.passed - last_passed)
-            last_passed = last_verify.passed
-            if stop is None and cfg.stop_when_resolved and last_verify.resolved:
-                stop, detail = "solved", f"tests resolved at turn {k}"
+            else:
+                next_ids, why = _next_input(tokenizer, st, cfg, policy, out, observation)
+                if next_ids is None:
+                    stop, detail = "context", why
+                elif anyio.current_time() >= st.deadline:
+                    stop, detail = "timeout", f"wall time ran out after turn {k}"
+        # -- verify, then stream the turn
+        tests_passed, reward, stop, vdetail = await _verify_turn(st, verify, cfg, k, stop)
+        detail = vdetail or detail
         turns = k + 1
         if on_turn is not None:
             await on_turn(
@@ -264,26 +332,32 @@ async def run_agent(
                     action_kind=kind, action_text=action.command, observation=observation,
                     exit_code=res.exit_code if res else None, timed_out=bool(res and res.timed_out),
                     truncated=bool(res and res.truncated), tests_passed=tests_passed, reward=reward,
-                    t_sample_s=t_sample, t_exec_s=t_exec, last=stop is not None,
+                    t_sample_s=t_sample, t_exec_s=t_exec, last=stop is not None, compacted=compacted,
                 )
             )
         log.debug("agent.turn", rid=rid, turn=k, action=kind, tokens=seq_len, tests_passed=tests_passed)
-        verified_last_turn = tests_passed is not None
-        routed_start = seq_len - 1
+        st.verified_last_turn = tests_passed is not None
         if stop is not None:
             reason = stop
             break
         assert next_ids is not None
-        input_ids = next_ids
+        st.input_ids = next_ids
+    return await _finish(st, verify, rid, turns, reason, detail, t_start)
+
+
+async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: StopReason, detail: str,
+                  t_start: float) -> EpisodeResult:
+    """The episode's result; verifies once more if the last turn could not carry the final verification."""
     unstreamed = 0.0
-    if not verified_last_turn or last_verify is None:
+    last_verify = st.last_verify
+    if not st.verified_last_turn or last_verify is None:
         last_verify = await verify()
-        unstreamed = float(last_verify.passed - last_passed)
+        unstreamed = float(last_verify.passed - st.last_passed)
     result = EpisodeResult(
         turns=turns, reason=reason, tests_passed=last_verify.passed, tests_total=last_verify.total,
         resolved=last_verify.resolved, verify=last_verify, detail=detail, unstreamed_reward=unstreamed,
-        wall_s=time.monotonic() - t_start,
+        wall_s=time.monotonic() - t_start, compactions=st.history.compactions,
     )
     log.info("agent.episode_end", rid=rid, turns=turns, reason=reason, passed=result.tests_passed,
-             total=result.tests_total, resolved=result.resolved)
+             total=result.tests_total, resolved=result.resolved, compactions=result.compactions)
     return result

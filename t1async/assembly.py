@@ -175,6 +175,7 @@ class EpisodeAssembler:
         st, b, out = self.stats, self.builder, []
         st.turns += 1
         st.compactions += rec.compacted
+        st.compactions += rec.compacted
         prev = _EMPTY if b is None else b.tokens[: b.n]
         chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
                           rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip

@@ -116,6 +116,7 @@ class DriftStats:
     clean: int = 0
     realign: int = 0
     fork: int = 0
+    compactions: int = 0  # turns whose input the actor's context policy compacted (each a FORK by construction)
     keep_understated: int = 0  # keep < true common prefix (the actor promised less than it shared)
     digest_mismatch: int = 0  # S_k[:keep] + delta did not hash to input_digest: the keep claim was wrong
     untrainable_turns: int = 0  # turns whose input could not be reconstructed (not trained)

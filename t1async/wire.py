@@ -91,6 +91,7 @@ class TurnRecord:
     t_exec_s: float
     action: str = ""  # the parsed action, for humans (tail); never trained on
     observation: str = ""
+    compacted: bool = False  # the context policy compacted this turn's input: a FORK by construction (§12)
     kind = "turn"
 
 
@@ -106,6 +107,7 @@ class EndRecord:
     # the change in tests passed that no turn could carry (the episode stopped mid-sample: wall time, a
     # sampler failure); the learner adds it to the last turn's reward, so rewards still sum to tests_passed
     unstreamed_reward: float = 0.0
+    compactions: int = 0  # inputs the context policy compacted in this episode (§12)
     kind = "end"
 
 
@@ -308,6 +310,7 @@ def _decode_turn(f: _Fields) -> TurnRecord:
         finish=f.enum("finish", Finish), routing=routing, reward=f.float("reward"),
         tests_passed=f.int("tests_passed", lo=-1), t_sample_s=f.float("t_sample_s"), t_exec_s=f.float("t_exec_s"),
         action=f.str("action", nonempty=False, default=""), observation=f.str("observation", nonempty=False, default=""),
+        compacted=f.get("compacted", bool, default=False, what="bool"),
     )  # fmt: skip
 
 
@@ -343,7 +346,7 @@ def from_map(m: Any) -> Record:
             raise f._err("tests_passed", f"{passed} > tests_total {total}")
         return EndRecord(f.str("episode"), f.int("turns"), f.enum("reason", EndReason), passed, total,
                          f.get("resolved", bool, what="bool"), f.str("detail", nonempty=False, default=""),
-                         f.float("unstreamed_reward", default=0.0))  # fmt: skip
+                         f.float("unstreamed_reward", default=0.0), f.int("compactions", default=0))  # fmt: skip
     if kind == "policy":
         return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
     if kind == "heartbeat":

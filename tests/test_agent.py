@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_agent.agent import AgentConfig, TurnResult, initial_messages, run_agent
+from sandbox_agent.context import ContextConfig
 from sandbox_agent.runner import run_episode
 from sandbox_agent.sandbox import ExecResult, MemorySandbox
 from sandbox_agent.tasks import load_task
@@ -217,7 +218,7 @@ async def test_max_turns_stop_verifies_last_turn():
 
 
 async def test_context_budget_stops():
-    cfg = AgentConfig(max_context_tokens=1400, min_new_tokens=16)
+    cfg = AgentConfig(max_context_tokens=1400, min_new_tokens=16, context=ContextConfig(policy="stop"))
     res, turns, sampler, _, _ = await episode([bash("touch t0 " + "y" * 200)], config=cfg)
     assert res.reason == "context" and turns[-1].last
     assert all(len(c["input_ids"]) + c["params"].max_new_tokens <= 1400 for c in sampler.calls)

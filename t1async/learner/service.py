@@ -332,6 +332,7 @@ class Learner:
             "t_busy_s": self.busy_s,
             "eta": self.cfg.max_staleness,
             "drift": {k: int(drift.get(k, 0)) for k in ("clean", "realign", "fork")},
+            "compactions": int(drift.get("compactions", 0)),  # context-policy compactions (FORKs by construction)
             "drift_detail": {k: v for k, v in drift.items() if isinstance(v, (int, float))},
             "episodes_ended": len(ended),
             "untrained_turns": len(self.untrained),

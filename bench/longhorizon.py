@@ -1,0 +1,325 @@
+"""Cost per turn over one long episode: does turn 300 cost what turn 10 did?
+
+One episode of ``--turns`` turns (default 320) through the real pieces: the agent loop with the shipped
+chat tokenizer, a REAL bubblewrap sandbox running every command, the actor's ``TurnEncoder`` (``keep`` /
+``input_delta`` / digest / routing rows from the first uncovered position), a REAL ``nats-server``
+(``t1async.natsd``) and ``NatsTransport``. The sampler is scripted (shell commands, no model) so that what
+is measured is the infrastructure. On the learner side a core subscription receives each turn's bytes and
+the bench times ``wire.decode`` + ``Assembler.feed`` (decode, TITO check and repair, routing alignment).
+
+Per turn index it reports the bytes on the wire, that ingest time, and the sandbox round trip of the turn's
+command. Ingest is also re-timed offline over the received bytes (``--replays`` fresh assemblers, per-turn
+minimum), which takes the noise of a shared machine out of the ratio. Then, separately:
+
+- ``exec_p50_ms``: the round trip of ``true`` through ``BwrapSandbox.exec`` (the sandbox's public API);
+- ``train_peak_rss_gb_32k``: one PPO step of the shipped model on a single 32k-token segment, in a child
+  process so that its ``ru_maxrss`` is its own peak.
+
+Targets (issue 9 item 5): ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 10-30)
+<= 1.5, ``exec_p50_ms`` <= 10, ``train_peak_rss_gb_32k`` < 4.
+
+    python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import anyio
+import numpy as np
+
+from actors.records import TurnEncoder
+from bench._common import emit_json, print_grid, print_table
+from sandbox_agent.agent import AgentConfig, TurnResult
+from sandbox_agent.backend import BwrapBackend
+from sandbox_agent.runner import run_episode
+from sandbox_agent.sandbox import SandboxConfig
+from sandbox_agent.sandbox.bwrap import BwrapSandbox
+from sandbox_agent.tasks import load_task
+from t1async import wire
+from t1async.assembly import Assembler, AssemblerConfig
+from t1async.log import configure
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.natsd import NatsServer
+from t1async.sampler.base import Generation, SamplingParams
+from t1async.transport.base import traj_subject
+from t1async.transport.nats import NatsTransport
+
+TASK = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures" / "tb1" / "hello-world"
+EARLY = (10, 30)  # turns compared with the last 20 (300-320 at the default --turns 320)
+LAYERS, TOPK, EXPERTS = 4, 2, 8  # the shipped model's routing shape
+
+
+class ScriptedSampler:
+    """Answers every turn with a shell command (a fixed cycle), exact IDs and routing rows only from
+    ``routed_experts_start_len``, as a token-in/token-out sampler with a prefix cache does."""
+
+    COMMANDS = ("true", "echo step {k}", "ls -la", "pwd", "printf 'line %s of the log\\n' {k} {k} {k} {k}", "seq {k} {k2}")
+    # ~80 tokens a turn (action, observation, template): ~26k tokens of context by turn 320
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self.tok, self.calls = tok, 0
+
+    async def generate(
+        self, input_ids: Sequence[int], params: SamplingParams, *, routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+    ) -> Generation:  # fmt: skip
+        k = self.calls
+        self.calls += 1
+        cmd = self.COMMANDS[k % len(self.COMMANDS)].format(k=k, k2=k + 40)
+        out = self.tok.encode(f"Next.\n```bash\n{cmd}\n```") + [self.tok.im_end_id]
+        out = out[: params.max_new_tokens]
+        start = 0 if routed_experts_start_len is None else routed_experts_start_len
+        pos = np.arange(start, len(input_ids) + len(out) - 1)
+        first = (pos * 7 + 3) % EXPERTS
+        rows = np.stack([(first + j) % EXPERTS for j in range(TOPK)], -1)[:, None, :]
+        routing = np.broadcast_to(rows, (len(pos), LAYERS, TOPK)).astype(np.uint8)
+        await anyio.lowlevel.checkpoint()
+        return Generation(
+            output_ids=np.asarray(out, dtype=np.int32), logprobs=np.full(len(out), -0.25, np.float32),
+            finish="stop", weight_version=0, routing=routing if routed_experts_start_len is not None else None,
+            routing_start=start, prompt_tokens=len(input_ids),
+        )  # fmt: skip
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass
+class TurnRow:
+    turn: int
+    context: int  # full input length of the turn
+    wire_bytes: int
+    ingest_live_s: float = 0.0
+    ingest_best_s: float = float("inf")
+    exec_s: float = 0.0
+    encode_s: float = 0.0  # the actor's TurnEncoder.encode + wire.encode (keep, digest, routing rows)
+
+
+@dataclass
+class EpisodeRun:
+    rows: dict[int, TurnRow] = field(default_factory=dict)
+    payloads: list[bytes] = field(default_factory=list)  # every record of the episode as received, in order
+    reason: str = ""
+    drift: dict = field(default_factory=dict)
+    segments: int = 0
+
+
+def _ingest(assembler: Assembler, data: bytes) -> tuple[wire.Record, int, float]:
+    t0 = time.perf_counter()
+    rec = wire.decode(data)
+    n = len(assembler.feed(rec))
+    return rec, n, time.perf_counter() - t0
+
+
+async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
+    tok = ChatTokenizer.load()
+    task = load_task(TASK)
+    run = EpisodeRun()
+    episode = "longhorizon-0"
+    subject = traj_subject(episode)
+    asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+    encoder = TurnEncoder(episode)
+    done = anyio.Event()
+    cfg = AgentConfig(max_turns=turns, verify_every=0, stop_when_resolved=False,
+                      sampling=SamplingParams(max_new_tokens=64))  # fmt: skip
+
+    async with NatsServer.start(work / "nats") as srv, NatsTransport(srv.url) as nt:
+
+        async def learner(*, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+            async with nt.subscribe(subject) as msgs:
+                task_status.started()
+                async for m in msgs:
+                    rec, nseg, dt = _ingest(asm, m.data)
+                    run.payloads.append(bytes(m.data))
+                    run.segments += nseg
+                    if isinstance(rec, wire.TurnRecord):
+                        run.rows[rec.turn].ingest_live_s = dt
+                    elif isinstance(rec, wire.EndRecord):
+                        done.set()
+                        return
+
+        async def on_turn(t: TurnResult) -> None:
+            t0 = time.perf_counter()
+            rec = encoder.encode(t)
+            size = len(wire.encode(rec))
+            dt = time.perf_counter() - t0
+            run.rows[t.turn] = TurnRow(t.turn, len(t.input_ids), size, exec_s=t.t_exec_s, encode_s=dt)
+            await nt.publish(subject, rec)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(learner)
+            await nt.publish(subject, wire.StartRecord(episode, "bench", task.id, turns, time.time()))
+            res = await run_episode(task, sampler=ScriptedSampler(tok), tokenizer=tok, backend=BwrapBackend(),
+                                    config=cfg, on_turn=on_turn, rid=episode, work_root=work)  # fmt: skip
+            await nt.publish(subject, wire.EndRecord(episode, len(run.rows), wire.EndReason(res.reason),
+                                                     res.tests_passed, res.tests_total, res.resolved))  # fmt: skip
+            with anyio.fail_after(60):
+                await done.wait()
+    run.reason = res.reason
+    run.drift = {k: v for k, v in asm.stats().as_dict().items() if isinstance(v, int) and v}
+    return run
+
+
+def replay_ingest(run: EpisodeRun, replays: int) -> None:
+    """Feed the received bytes to fresh assemblers; keep each turn's fastest ingest."""
+    for _ in range(replays):
+        asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+        for data in run.payloads:
+            rec, _, dt = _ingest(asm, data)
+            if isinstance(rec, wire.TurnRecord):
+                row = run.rows[rec.turn]
+                row.ingest_best_s = min(row.ingest_best_s, dt)
+
+
+async def exec_true_ms(n: int, work: Path) -> list[float]:
+    wd = work / "exec"
+    wd.mkdir()
+    async with BwrapSandbox.open(wd, SandboxConfig()) as sb:
+        for _ in range(10):  # warm the shell
+            await sb.exec("true")
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = await sb.exec("true")
+            out.append((time.perf_counter() - t0) * 1000.0)
+            if r.exit_code != 0:
+                raise RuntimeError(f"`true` exited {r.exit_code} in the sandbox: {r.output!r}")
+    return out
+
+
+# ------------------------------------------------------------------------------ the 32k training step
+
+
+def train_step_child(tokens: int) -> None:
+    """Child process: one Trainer.step of the shipped model on one ``tokens``-long segment; prints JSON."""
+    import torch
+
+    from t1async.learner.trainer import Trainer, TrainerConfig
+    from t1async.model.config import MoEConfig
+    from t1async.model.moe import MoETransformer
+    from t1async.tito import Segment
+
+    cfg = MoEConfig()
+    model = MoETransformer(cfg)
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, cfg.vocab_size, tokens).astype(np.int32)
+    lm = np.zeros(tokens, bool)
+    lm[tokens // 2 :] = True  # a long context, then the actions
+    with torch.no_grad():
+        routing = model(torch.from_numpy(toks[None, :2048].astype(np.int64))).routing[0].numpy().astype(np.int16)
+    routing = routing[np.arange(tokens) % 2048]
+    seg = Segment(
+        episode="e", index=0, tokens=toks, loss_mask=lm, logprobs=np.where(lm, -8.0, 0).astype(np.float32),
+        versions=np.where(lm, 0, -1).astype(np.int32), turn_ids=np.zeros(tokens, np.int32), routing=routing,
+        turn_ends=np.array([tokens - 1], np.int32), turn_rewards=np.array([1.0], np.float32), done=True,
+    )  # fmt: skip
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    m = Trainer(model, TrainerConfig()).step([seg], policy_version=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_gb": peak / 2**20, "base_gb": base / 2**20, "step_s": time.perf_counter() - t0,
+                      "loss": m.loss, "tokens": tokens}))  # fmt: skip
+
+
+def train_peak(tokens: int) -> dict:
+    p = subprocess.run([sys.executable, "-m", "bench.longhorizon", "--train-child", str(tokens)],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if p.returncode != 0:
+        raise RuntimeError(f"the training child failed (rc {p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def _window(rows: dict[int, TurnRow], lo: int, hi: int, attr: str) -> float:
+    vals = [getattr(rows[t], attr) for t in range(lo, hi) if t in rows]
+    return float(np.median(vals)) if vals else float("nan")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.longhorizon", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=320, help="turns of the episode (default 320)")
+    ap.add_argument("--replays", type=int, default=5, help="offline ingest re-timings per turn (default 5)")
+    ap.add_argument("--exec-n", type=int, default=300, help="`true` round trips timed (default 300)")
+    ap.add_argument("--train-tokens", type=int, default=32768, help="segment length of the training step")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-step peak RSS")
+    ap.add_argument("--every", type=int, default=20, help="print every Nth turn in the table (default 20)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    configure(level="warning")  # logs to stderr; stdout is the table and the JSON line
+    if a.train_child:
+        train_step_child(a.train_child)
+        return 0
+    if a.turns < 2 * EARLY[1]:
+        ap.error(f"--turns must be >= {2 * EARLY[1]}: the last 20 turns are compared with turns {EARLY[0]}-{EARLY[1]}")
+    late = (a.turns - 20, a.turns)
+
+    with tempfile.TemporaryDirectory(prefix="t1-longhorizon-") as tmp:
+        run = anyio.run(run_episode_over_nats, a.turns, Path(tmp), backend="trio")
+        replay_ingest(run, a.replays)
+        exec_ms = anyio.run(exec_true_ms, a.exec_n, Path(tmp), backend="trio")
+    train = None if a.no_train else train_peak(a.train_tokens)
+
+    rows = run.rows
+    max_turn = max(rows) + 1 if rows else 0
+    grid = [
+        (t, r.context, r.wire_bytes, r.ingest_live_s * 1e6, r.ingest_best_s * 1e6, r.encode_s * 1e6, r.exec_s * 1e3)
+        for t, r in sorted(rows.items()) if t % a.every == 0 or t == max_turn - 1
+    ]  # fmt: skip
+    print_grid(("turn", "context", "wire B", "ingest us (live)", "ingest us (best)", "actor encode us", "exec ms"), grid,
+               title=f"one {max_turn}-turn episode (ended: {run.reason}), real bwrap + nats-server")  # fmt: skip
+    early_best, late_best = _window(rows, *EARLY, "ingest_best_s"), _window(rows, *late, "ingest_best_s")
+    early_live, late_live = _window(rows, *EARLY, "ingest_live_s"), _window(rows, *late, "ingest_live_s")
+    res = {
+        "max_turn": max_turn,
+        "ingest_ratio_late_early": late_best / early_best,
+        "ingest_ratio_late_early_live": late_live / early_live,
+        "ingest_early_us": early_best * 1e6,
+        "ingest_late_us": late_best * 1e6,
+        "wire_bytes_early": _window(rows, *EARLY, "wire_bytes"),
+        "wire_bytes_late": _window(rows, *late, "wire_bytes"),
+        "context_late": _window(rows, *late, "context"),
+        "actor_encode_ratio_late_early": _window(rows, *late, "encode_s") / _window(rows, *EARLY, "encode_s"),
+        "turn_exec_p50_ms": float(np.median([r.exec_s for r in rows.values()])) * 1e3,
+        "exec_p50_ms": float(np.percentile(exec_ms, 50)),
+        "exec_p99_ms": float(np.percentile(exec_ms, 99)),
+        "drift": run.drift,
+        "train_peak_rss_gb_32k": None if train is None else train["peak_gb"],
+        "train_step_s": None if train is None else train["step_s"],
+        "train_tokens": a.train_tokens,
+    }
+    table = [
+        ("turns", max_turn),
+        (f"ingest us, turns {EARLY[0]}-{EARLY[1]} (median of best)", res["ingest_early_us"]),
+        (f"ingest us, turns {late[0]}-{late[1]} (median of best)", res["ingest_late_us"]),
+        ("ingest ratio late/early (target <= 1.5)", res["ingest_ratio_late_early"]),
+        ("ingest ratio late/early, live", res["ingest_ratio_late_early_live"]),
+        ("wire bytes/turn early -> late", f"{res['wire_bytes_early']:.0f} -> {res['wire_bytes_late']:.0f}"),
+        ("context at the late turns (tokens)", f"{res['context_late']:.0f}"),
+        ("actor encode ratio late/early", res["actor_encode_ratio_late_early"]),
+        ("exec `true` p50 / p99 ms (target p50 <= 10)", f"{res['exec_p50_ms']:.2f} / {res['exec_p99_ms']:.2f}"),
+        ("turn command exec p50 ms", res["turn_exec_p50_ms"]),
+    ]
+    if train is not None:
+        table.append((f"train step peak RSS GB, {a.train_tokens} tokens (target < 4)", train["peak_gb"]))
+        table.append(("train step s", train["step_s"]))
+    print_table("bench.longhorizon", table)
+    if a.json:
+        emit_json(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Long-horizon episodes: the context policy (sandbox_agent/context.py), empty outputs, and one 350-turn
+episode through the real actor loop, memory transport, real learner service and a real bwrap sandbox.
+
+The scripted sampler here routes like a real MoE: the experts of position p depend on every token up to p
+(a hash of the prefix), so a row reused from a different context, or a row never asked for, is caught.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from actors.actor import ActorConfig, run_actor
+from sandbox_agent.agent import AgentConfig, TurnResult, run_agent
+from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObservations, make_policy
+from sandbox_agent.sandbox import MemorySandbox
+from sandbox_agent.synth import generate
+from sandbox_agent.verifier import VerifyResult
+from t1async import wire
+from t1async.errors import ConfigError
+from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.trainer import TrainerConfig
+from t1async.model.config import MoEConfig
+from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import save_pretrained
+from t1async.sampler.base import Generation, SamplingParams
+from t1async.tito import common_prefix_len
+from t1async.transport import MemoryBroker, MemoryTransport
+
+LAYERS, TOPK, EXPERTS = 2, 2, 4
+PAIRS = [(a, b) for a in range(EXPERTS) for b in range(a + 1, EXPERTS)]
+MASK = (1 << 61) - 1
+
+
+def prefix_routing(tokens) -> np.ndarray:
+    """[len, LAYERS, TOPK] u1: the experts of position p are a function of tokens[0..p] (all of them)."""
+    out = np.empty((len(tokens), LAYERS, TOPK), dtype=np.uint8)
+    h = 1469598103934665603
+    for p, t in enumerate(tokens):
+        h = ((h * 1099511628211) ^ (int(t) + 1)) & MASK
+        for layer in range(LAYERS):
+            out[p, layer] = PAIRS[(h >> (7 * layer + 3)) % len(PAIRS)]
+    return out
+
+
+class ScriptedMoESampler:
+    """Replies ``script(k)`` (the k-th call) as a fenced bash block + <|im_end|>, with prefix-dependent routing
+    and per-call logprobs; ``empty_at`` calls return no tokens (``finish`` as given)."""
+
+    def __init__(self, tok, script, *, empty_at: dict[int, str] | None = None) -> None:
+        self.tok, self.script, self.empty_at = tok, script, dict(empty_at or {})
+        self.weight_version = 0
+        self.calls: list[dict] = []
+
+    async def update_weights_from_disk(self, path: str, version: int) -> None:
+        self.weight_version = int(version)
+
+    async def generate(self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None) -> Generation:
+        k = len(self.calls)
+        ids = [int(t) for t in input_ids]
+        assert len(ids) + params.max_new_tokens <= 4096
+        if k in self.empty_at:
+            out, finish = [], self.empty_at[k]
+        else:
+            out = self.tok.encode(f"```bash\n{self.script(k)}\n```") + [self.tok.im_end_id]
+            finish = "stop" if len(out) <= params.max_new_tokens else "length"
+            out = out[: params.max_new_tokens]
+        start = routed_experts_start_len or 0
+        full = ids + out
+        routing = prefix_routing(full[:-1])[start:] if routed_experts_start_len is not None else None
+        lps = -np.random.default_rng(k).uniform(0.01, 3.0, len(out)).astype(np.float32)
+        self.calls.append({"input": ids, "out": out, "logprobs": lps, "start": routed_experts_start_len})
+        await anyio.lowlevel.checkpoint()
+        return Generation(output_ids=np.asarray(out, dtype=np.int32), logprobs=lps, finish=finish,
+                          weight_version=self.weight_version, routing=routing, routing_start=start)  # fmt: skip
+
+    async def aclose(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------- the policy
+
+
+async def _agent_episode(tok, script, *, turns: int, max_context: int, context: ContextConfig, empty_at=None):
+    sampler = ScriptedMoESampler(tok, script, empty_at=empty_at)
+    sb = MemorySandbox(lambda c: "\n".join(f"line {i} of {c}" for i in range(6)))
+    seen: list[TurnResult] = []
+
+    async def on_turn(t: TurnResult) -> None:
+        seen.append(t)
+
+    async def verify() -> VerifyResult:
+        return VerifyResult.from_tests({"a": True, "b": False})
+
+    cfg = AgentConfig(max_turns=turns, max_context_tokens=max_context, context=context,
+                      sampling=SamplingParams(max_new_tokens=48))  # fmt: skip
+    res = await run_agent(instruction="Count the lines.", sampler=sampler, tokenizer=tok, sandbox=sb,
+                          verify=verify, config=cfg, on_turn=on_turn)  # fmt: skip
+    return res, seen, sampler
+
+
+async def test_truncate_observations_keeps_going_from_exact_ids():
+    tok = ChatTokenizer.load()
+    res, seen, sampler = await _agent_episode(tok, lambda k: f"wc -l notes{k}.txt", turns=120, max_context=1500,
+                                              context=ContextConfig(keep_last=4, compact_to=0.6))  # fmt: skip
+    assert res.reason == "max_turns" and res.turns == 120
+    compacted = [t.turn for t in seen if t.compacted]
+    assert res.compactions == len(compacted) >= 3
+    assert len(compacted) <= 120 // 5  # compacting to half the window leaves room for many turns each time
+    head = sampler.calls[0]["input"]
+    task = head[: len(head) - len(tok.generation_prompt_ids())]  # system prompt and task
+    for k, call in enumerate(sampler.calls):
+        assert len(call["input"]) + 48 <= 1500 or len(call["input"]) + 16 <= 1500
+        if k == 0:
+            continue
+        prev = sampler.calls[k - 1]["input"] + sampler.calls[k - 1]["out"]
+        if k in compacted:
+            # a FORK by construction: the system prompt and task stay, the rest is rebuilt from exact IDs
+            lcp = common_prefix_len(np.asarray(call["input"]), np.asarray(prev))
+            assert lcp < len(prev) and call["input"][: len(task)] == task
+            assert call["start"] == lcp  # routing is asked for every position of the new context
+            ins = call["input"]
+            for j in range(max(0, k - 4), k):  # the last K turns whole: outputs as sampled, observations whole
+                out = sampler.calls[j]["out"]
+                assert any(ins[i : i + len(out)] == out for i in range(len(ins) - len(out) + 1)), (k, j)
+                assert tok.decode(tok.message_ids("user", seen[j].observation)) in tok.decode(ins)
+            assert OMITTED in tok.decode(ins)
+        else:
+            assert call["input"][: len(prev)] == prev and call["start"] == len(prev) - 1  # CLEAN
+
+
+async def test_stop_policy_ends_with_context():
+    tok = ChatTokenizer.load()
+    res, seen, _ = await _agent_episode(tok, lambda k: f"wc -l notes{k}.txt", turns=120, max_context=1500,
+                                        context=ContextConfig(policy="stop"))  # fmt: skip
+    assert res.reason == "context" and res.compactions == 0 and not any(t.compacted for t in seen)
+    assert res.turns < 120
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ConfigError, match="unknown context policy 'summarize'.*truncate-observations, stop"):
+        ContextConfig(policy="summarize")
+    assert make_policy(ContextConfig(policy="stop")).name == "stop"
+
+
+def test_history_drops_oldest_turns_when_shortening_is_not_enough():
+    tok = ChatTokenizer.load()
+    head = tok.render([{"role": "system", "content": "s"}, {"role": "user", "content": "task"}])
+    h = History(tok, head)
+    for k in range(30):
+        out = tok.encode(f"echo {k} " + "x" * 80) + [tok.im_end_id]
+        h.add(out, f"[exit code: 0]\n{k}", tok.bridge_ids(out) + tok.message_ids("user", f"[exit code: 0]\n{k}")
+              + tok.generation_prompt_ids())  # fmt: skip
+    ids = TruncateObservations(keep_last=3).compact(h, limit=600, target=400)
+    assert ids is not None and len(ids) <= 400 and h.dropped > 0
+    text = tok.decode(ids)
+    assert f"[{h.dropped} earlier turns were dropped" in text and text.startswith(tok.decode(head[: -len(tok.generation_prompt_ids())]))
+    assert "echo 29 " in text and "echo 0 " not in text
+    assert TruncateObservations(keep_last=3).compact(History(tok, head), limit=len(head) - 1, target=10) is None
+
+
+# --------------------------------------------------------------------------------------------- 350 turns
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=LAYERS, n_heads=2,
+                    n_experts=EXPERTS, top_k=TOPK, d_ff=32, max_seq_len=4096, seed=0)  # fmt: skip
+    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
+    return d
+
+
+def lh_script(k: int) -> str:
+    if k == 0:
+        return "export LH_MARK=kept-at-turn-1 && mkdir -p lh/deep && cd lh/deep"
+    if k == 349:
+        return 'echo "mark=$LH_MARK cwd=$(pwd)"'
+    return f"echo turn {k}; seq {k} {k + k % 7}"
+
+
+@pytest.mark.slow
+async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
+    tasks = tmp_path / "tasks"
+    generate(tasks, 1, seed=3, families=["files"])
+    tok = ChatTokenizer.load()
+    sampler = ScriptedMoESampler(tok, lh_script)
+    broker = MemoryBroker()
+    B, TURNS = 35, 350
+    lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, max_staleness=0, batch_turns=B,
+                         steps=TURNS // B, lease_s=120.0, metrics_every_s=0.5, trainer=TrainerConfig(lr=1e-3))  # fmt: skip
+    agent = AgentConfig(max_turns=TURNS, max_context_tokens=1536, command_timeout_s=10.0, wall_time_s=600.0,
+                        sampling=SamplingParams(max_new_tokens=48, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+    records: list = []
+    steps: list[list] = []
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
+        learner = Learner(lcfg, lt, sampler)
+        real_step = learner.trainer.step
+
+        def recording_step(segments, version, **kw):
+            steps.append(list(segments))
+            return real_step(segments, version, **kw)
+
+        learner.trainer.step = recording_step
+        async with mt.subscribe("t1.traj.>") as sub, anyio.create_task_group() as tg:
+
+            async def watch():
+                async for m in sub:
+                    records.append(m.record)
+
+            tg.start_soon(watch)
+            await tg.start(learner.run)
+            stats = await run_actor(ActorConfig("lh", tasks, concurrency=1, split="all", episodes=1),
+                                    transport=at, sampler=sampler, tokenizer=tok, agent=agent)  # fmt: skip
+            with anyio.fail_after(120):
+                while learner.state.step < TURNS // B or not any(isinstance(r, wire.EndRecord) for r in records):
+                    await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+    learner.journal.close()
+
+    turns = [r for r in records if isinstance(r, wire.TurnRecord)]
+    end = next(r for r in records if isinstance(r, wire.EndRecord))
+    assert [r.turn for r in turns] == list(range(TURNS)) and stats.done == 1
+    assert end.reason is wire.EndReason.MAX_TURNS and end.turns == TURNS
+    # the shell state set at turn 1 is still there at turn 350
+    assert "mark=kept-at-turn-1" in turns[-1].observation and "lh/deep" in turns[-1].observation
+
+    # FORKs only at compactions: every other boundary extends the assembled sequence exactly
+    compacted = {r.turn for r in turns if r.compacted}
+    assert len(compacted) >= 5 and end.compactions == len(compacted)
+    for prev, r in zip(turns, turns[1:]):
+        prev_len = prev.input_len + len(prev.output_ids)
+        assert (r.keep < prev_len) == (r.turn in compacted), r.turn
+    drift = learner.assembler.stats()
+    assert drift.fork == drift.compactions == len(compacted) and drift.realign == 0
+    assert drift.clean == TURNS - 1 - len(compacted) and drift.untrainable_turns == 0
+    assert learner.metrics()["compactions"] == len(compacted)
+    rs = learner.assembler.routing_stats()
+    assert rs.gap_rows == rs.missing_rows == rs.rejected_traces == 0
+
+    # every turn trained exactly once, each loss token the sampled ID with its logprob and its routing
+    trained: list[tuple[str, int]] = []
+    for segs in steps:
+        for s in segs:
+            ids = np.unique(s.turn_ids[s.loss_mask])
+            trained += [(s.episode, int(t)) for t in ids]
+            for t in ids:
+                call = sampler.calls[int(t)]
+                at_t = s.loss_mask & (s.turn_ids == t)
+                assert s.tokens[at_t].tolist() == call["out"]  # loss-region drift 0
+                assert np.array_equal(s.logprobs[at_t], call["logprobs"])
+            want = prefix_routing(s.tokens[:-1])  # the routes the sampler used, in this segment's context
+            assert s.routing is not None and np.array_equal(s.routing[:-1], want.astype(np.int16))
+    assert sorted(trained) == sorted(set(trained)) and len(trained) == TURNS
+    assert learner.state.turns_trained == TURNS
