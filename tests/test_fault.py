@@ -39,7 +39,7 @@ def stop(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 
 def journal_turns(run: Path) -> set[tuple[str, int]]:
-    return {(r.episode, r.turn) for r in read_journal(run / "learner" / "journal.bin") if isinstance(r, wire.TurnRecord)}
+    return {(r.episode, r.turn) for r in read_journal(run / "learner" / "journal") if isinstance(r, wire.TurnRecord)}
 
 
 async def read_stream_turns(url: str) -> set[tuple[str, int]]:

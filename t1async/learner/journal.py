@@ -1,30 +1,84 @@
-"""The learner's journal: what it has durably taken from the trajectory stream.
+"""The learner's journal: what it has durably taken from the trajectory stream (DESIGN §7).
 
-The learner appends every trajectory record it consumes (as wire bytes, length-prefixed) and fsyncs before
-it acknowledges the batch to JetStream. A restarted learner replays the journal to rebuild its episodes
-(context included), and skips the turns its last checkpoint says were trained: no admitted turn is lost, and
-none is trained twice. ``compact()`` drops the records of episodes that ended and were fully trained.
+A log-structured store of wire records (length-prefixed), in numbered segment files under one directory:
 
-A torn tail (a crash mid-append) is detected by the length prefix and truncated on open.
+    journal/000000000001.seg   sealed: never written again, deleted whole once every episode in it is settled
+    journal/000000000002.seg   sealed
+    journal/000000000003.seg   active: appended and fsynced before the learner acks JetStream
+
+- One writer: ``append`` (the ingest task, through a worker thread) and ``compact`` (any thread) are
+  serialised by one lock held only for the file write and the bookkeeping, never for a deletion.
+- ``append`` rolls over to a new segment once the active one reaches ``segment_bytes``.
+- ``compact(live)`` deletes sealed segments whose episodes are all settled (not in ``live``). Settled episodes
+  that still have records in kept segments are listed in ``settled.json`` (written before the deletion) and
+  skipped by replay, so a restart never sees half an episode. Records are never rewritten: a record acked
+  into a segment stays there until the whole segment goes.
+- The directory is fsynced after every create, rename and delete.
+- Replay reads the segments in order. A torn tail (a crash mid-append) can only be in the last segment; it
+  is truncated on open.
+- Migration: a run dir with the old single ``journal.bin`` is moved in as segment 0 (one atomic rename).
+
+A restarted learner replays the journal to rebuild its episodes (context included) and skips the turns its
+last checkpoint says were trained: no admitted turn is lost, and none is trained twice.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import struct
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Collection, Iterable, Iterator
 
 from t1async import wire
-from t1async.errors import WireError
+from t1async.errors import T1Error, WireError
 from t1async.log import get_logger
 
 _LEN = struct.Struct("<I")
+_SEG = re.compile(r"^(\d{12})\.seg$")
+LEGACY_NAME = "journal.bin"
+SETTLED_NAME = "settled.json"
 log = get_logger("t1async.learner.journal")
 
 
-def read_journal(path: str | Path) -> Iterator[wire.Record]:
-    """The records of a journal, read-only (safe while a learner appends; a torn tail is left alone)."""
+class JournalClosedError(T1Error):
+    """The journal was used after ``close()``: a bug in the caller (the learner closes it last)."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a create, rename or delete in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seg_path(root: Path, seq: int) -> Path:
+    return root / f"{seq:012d}.seg"
+
+
+def _segments(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _SEG.match(p.name)))
+
+
+def _good_prefix(data: bytes | memoryview) -> int:
+    """Length of the longest prefix of whole frames."""
+    pos = 0
+    while pos + 4 <= len(data):
+        (n,) = _LEN.unpack_from(data, pos)
+        if pos + 4 + n > len(data):
+            break
+        pos += 4 + n
+    return pos
+
+
+def _read_file(path: Path) -> Iterator[wire.Record]:
     with open(path, "rb") as f:
         data = f.read()
     pos = 0
@@ -37,74 +91,197 @@ def read_journal(path: str | Path) -> Iterator[wire.Record]:
         try:
             yield wire.decode(chunk)
         except WireError as exc:  # cannot happen for what we wrote, unless the disk lies
-            log.error("journal.bad_record", offset=pos, error=str(exc))
+            log.error("journal.bad_record", path=str(path), offset=pos, error=str(exc))
+
+
+def _load_settled(path: Path) -> set[str]:
+    if not path.exists():
+        return set()
+    try:
+        return {str(e) for e in json.loads(path.read_text())}
+    except (ValueError, TypeError) as exc:
+        raise T1Error(f"{path} is not a JSON list of episode ids ({exc}); it is rewritten whole on every "
+                      "compaction, so this is disk damage: restore it or delete the journal") from exc
+
+
+def read_journal(path: str | Path) -> Iterator[wire.Record]:
+    """The records of a journal directory (its segments in order, less settled episodes) or of one journal
+    file, read-only: safe while a learner appends (a torn tail is left alone). A learner's journal is
+    ``<run_dir>/learner/journal``; given a run's not yet migrated ``learner/journal.bin``, that file is read."""
+    path = Path(path)
+    if path.is_dir():
+        settled = _load_settled(path / SETTLED_NAME)
+        for _, p in _segments(path):
+            yield from (r for r in _read_file(p) if getattr(r, "episode", "") not in settled)
+    elif path.exists():
+        yield from _read_file(path)
+
+
+@dataclass
+class _Segment:
+    seq: int
+    path: Path
+    size: int = 0
+    episodes: set[str] | None = field(default_factory=set)  # None: not scanned yet (never deleted before replay)
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    deleted_segments: int
+    deleted_bytes: int
+    kept_segments: int
+    kept_bytes: int
 
 
 class Journal:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._repair_tail()
-        self._f = open(self.path, "ab")  # noqa: SIM115 - closed in close()
-        self.records = 0
+    """``Journal(run_dir / "learner" / "journal")``; ``legacy``: an old single-file journal to take over."""
 
-    def _repair_tail(self) -> None:
-        if not self.path.exists():
+    def __init__(self, root: str | Path, *, segment_bytes: int = 32 << 20, legacy: str | Path | None = None) -> None:
+        self.root = Path(root)
+        self.segment_bytes = segment_bytes
+        self._lock = threading.Lock()
+        self._closed = False
+        self.records = 0
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True)
+            fsync_dir(self.root.parent)
+        if legacy is not None:
+            self._migrate(Path(legacy))
+        self._settled: set[str] = _load_settled(self.root / SETTLED_NAME)
+        found = _segments(self.root)
+        self._segs = [_Segment(seq, p, p.stat().st_size, None) for seq, p in found]
+        if self._segs:
+            self._repair_tail(self._segs[-1])
+        if not self._segs or self._segs[-1].size >= segment_bytes:
+            self._segs.append(self._create(self._segs[-1].seq + 1 if self._segs else 1))
+        self._f = open(self._segs[-1].path, "ab")  # noqa: SIM115 - closed in close()
+
+    # -- opening -------------------------------------------------------------------------------------
+
+    def _migrate(self, legacy: Path) -> None:
+        if not legacy.exists():
             return
-        good = 0
-        with open(self.path, "rb") as f:
+        target = _seg_path(self.root, 0)
+        if target.exists():  # cannot happen: the rename below is atomic and removes the legacy file
+            raise T1Error(f"both {legacy} and {target} exist: move one away, then restart the learner")
+        os.replace(legacy, target)
+        fsync_dir(self.root)
+        fsync_dir(legacy.parent)
+        log.info("journal.migrated", legacy=str(legacy), segment=str(target))
+
+    def _repair_tail(self, seg: _Segment) -> None:
+        with open(seg.path, "rb") as f:
             data = f.read()
-        while good + 4 <= len(data):
-            (n,) = _LEN.unpack_from(data, good)
-            if good + 4 + n > len(data):
-                break
-            good += 4 + n
+        good = _good_prefix(data)
         if good != len(data):
-            log.warning("journal.torn_tail", path=str(self.path), kept_bytes=good, dropped_bytes=len(data) - good)
-            with open(self.path, "r+b") as f:
+            log.warning("journal.torn_tail", path=str(seg.path), kept_bytes=good, dropped_bytes=len(data) - good)
+            with open(seg.path, "r+b") as f:
                 f.truncate(good)
+                os.fsync(f.fileno())
+            seg.size = good
+
+    def _create(self, seq: int) -> _Segment:
+        path = _seg_path(self.root, seq)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+        fsync_dir(self.root)
+        return _Segment(seq, path)
+
+    # -- the writer ----------------------------------------------------------------------------------
 
     def append(self, records: Iterable[wire.Record]) -> int:
-        """Append and fsync. Returns the number of records written."""
+        """Append and fsync (then the records may be acked). Returns the number of records written."""
         buf = bytearray()
+        episodes: set[str] = set()
         n = 0
         for r in records:
             b = wire.encode(r)
             buf += _LEN.pack(len(b)) + b
+            episodes.add(getattr(r, "episode", ""))
             n += 1
-        if n:
+        if not n:
+            return 0
+        with self._lock:
+            if self._closed:
+                raise JournalClosedError(f"journal {self.root} was appended to after close(); nothing was written")
+            seg = self._segs[-1]
             self._f.write(buf)
             self._f.flush()
             os.fsync(self._f.fileno())
+            seg.size += len(buf)
+            if seg.episodes is not None:
+                seg.episodes |= episodes
             self.records += n
+            if seg.size >= self.segment_bytes:
+                self._roll()
         return n
 
-    def replay(self) -> Iterator[wire.Record]:
-        self._f.flush()
-        return read_journal(self.path)
+    def _roll(self) -> None:
+        new = self._create(self._segs[-1].seq + 1)
+        old, self._f = self._f, open(new.path, "ab")  # noqa: SIM115 - closed in close()
+        self._segs.append(new)
+        old.close()
 
-    def compact(self, keep: Callable[[wire.Record], bool]) -> tuple[int, int]:
-        """Rewrite the journal with only the records ``keep`` accepts (atomic rename). Returns (kept, dropped)."""
-        kept: list[wire.Record] = []
-        before = 0
-        for r in self.replay():
-            before += 1
-            if keep(r):
-                kept.append(r)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for r in kept:
-                b = wire.encode(r)
-                f.write(_LEN.pack(len(b)) + b)
+    def replay(self) -> Iterator[wire.Record]:
+        """Every record, segments in order; learns which episodes each segment holds (for ``compact``).
+        Call before the first append of this process."""
+        for seg in list(self._segs):
+            eps: set[str] = set()
+            for rec in _read_file(seg.path):
+                ep = getattr(rec, "episode", "")
+                eps.add(ep)
+                if ep not in self._settled:
+                    yield rec
+            with self._lock:
+                seg.episodes = eps if seg.episodes is None else seg.episodes | eps
+
+    def compact(self, live: Collection[str]) -> CompactResult:
+        """Delete the sealed segments whose episodes are all settled (none in ``live``). Safe to run in a
+        thread beside ``append``: the lock is held only to pick the segments.
+
+        Settled episodes that still have records in kept segments are listed first (``settled.json``, written
+        atomically) and skipped by ``replay``, so a restart never sees half an episode."""
+        with self._lock:
+            if any(s.episodes is None for s in self._segs):  # not replayed yet: cannot know what is settled
+                return CompactResult(0, 0, len(self._segs), self.size_bytes())
+            gone = [s for s in self._segs[:-1] if s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
+            if not gone:
+                return CompactResult(0, 0, len(self._segs), self.size_bytes())
+            self._segs = [s for s in self._segs if s not in gone]
+            kept_eps: set[str] = set().union(*(s.episodes or () for s in self._segs))
+            # this round's episodes stay listed whole (a late record of one may be appended right now); older
+            # entries only while a kept segment still holds a record of theirs
+            settled = (self._settled & kept_eps) | set().union(*(s.episodes or () for s in gone))
+            kept_bytes = self.size_bytes()
+        if settled != self._settled:
+            self._write_settled(settled)  # before the deletions: a crash between leaves no half episode
+        for s in gone:  # no lock: sealed files are never written again
+            s.path.unlink(missing_ok=True)
+        fsync_dir(self.root)
+        return CompactResult(len(gone), sum(s.size for s in gone), len(self._segs), kept_bytes)
+
+    def _write_settled(self, settled: set[str]) -> None:
+        path = self.root / SETTLED_NAME
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(sorted(settled), f)
             f.flush()
             os.fsync(f.fileno())
-        self._f.close()
-        os.replace(tmp, self.path)
-        self._f = open(self.path, "ab")  # noqa: SIM115
-        return len(kept), before - len(kept)
+        os.replace(tmp, path)
+        fsync_dir(self.root)
+        self._settled = settled
+
+    # -- inspection and lifecycle --------------------------------------------------------------------
+
+    @property
+    def segments(self) -> int:
+        return len(self._segs)
 
     def size_bytes(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
+        return sum(s.size for s in self._segs)
 
     def close(self) -> None:
-        self._f.close()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._f.close()

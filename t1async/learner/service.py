@@ -52,7 +52,7 @@ class LearnerConfig:
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
-    compact_journal_bytes: int = 256 << 20
+    journal_segment_bytes: int = 32 << 20  # the journal rolls over to a new segment file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property
@@ -84,7 +84,9 @@ class Learner:
         self.settler = Settler(self.gate, self.credits, lambda ep, t: self.state.was_trained(ep, t))
         self.step_log = StepLog(config.run_dir / "learner" / "steps.jsonl")
         self.assembler = Assembler()
-        self.journal = Journal(config.run_dir / "learner" / "journal.bin")
+        learner_dir = config.run_dir / "learner"
+        self.journal = Journal(learner_dir / "journal", segment_bytes=config.journal_segment_bytes,
+                               legacy=learner_dir / "journal.bin")  # fmt: skip
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
         self.hist = StalenessHistogram()
@@ -171,8 +173,7 @@ class Learner:
                  dlogp=round(m.mean_abs_dlogp, 5), mismatch=round(m.mismatch, 5), policy_shift=round(m.policy_shift, 5),
                  routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
         await self._publish_metrics()
-        if self.journal.size_bytes() > self.cfg.compact_journal_bytes:
-            self._compact_journal()
+        await self._compact_journal()
 
     # ------------------------------------------------------------------------------------------ ingest
 
@@ -248,10 +249,14 @@ class Learner:
         if n:
             log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version)
 
-    def _compact_journal(self) -> None:
-        live = set(self.assembler.open) | {ep for ep, _ in self.untrained}
-        kept, dropped = self.journal.compact(lambda r: getattr(r, "episode", None) in live)
-        log.info("learner.journal_compacted", kept=kept, dropped=dropped)
+    async def _compact_journal(self) -> None:
+        """Delete the journal segments whose episodes are all settled, in a worker thread: ingest keeps
+        appending (to the active segment) and credits keep flowing meanwhile."""
+        live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
+        r = await anyio.to_thread.run_sync(self.journal.compact, live)
+        if r.deleted_segments:
+            log.info("learner.journal_compacted", deleted_segments=r.deleted_segments, deleted_bytes=r.deleted_bytes,
+                     kept_segments=r.kept_segments, kept_bytes=r.kept_bytes)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ batches
 
@@ -336,6 +341,8 @@ class Learner:
             "drift_detail": {k: v for k, v in drift.items() if isinstance(v, (int, float))},
             "episodes_ended": len(ended),
             "untrained_turns": len(self.untrained),
+            "journal_bytes": self.journal.size_bytes(),
+            "journal_segments": self.journal.segments,
             "stale_masked_tokens": self.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (DESIGN §7)
             "ledger_size": self.gate.ledger.size,
