@@ -26,11 +26,18 @@ class TurnEncoder:
     def encode(self, t: TurnResult) -> TurnRecord:
         inp = np.asarray(t.input_ids, dtype=np.int32)
         keep = common_prefix_len(inp, self.seq)
+        # per-token versions only when a weight update split the turn; policy_version is the oldest (§7)
+        versions, version = None, int(t.weight_version)
+        ov = getattr(t, "output_versions", None)
+        if ov is not None and len(ov) == len(t.output_ids) and len(ov):
+            version = int(np.min(ov))
+            versions = np.asarray(ov, dtype=np.int32) if np.ptp(ov) > 0 else None
         routing = None
         if t.routing is not None:
             routing = Routing(int(t.routing_start), np.asarray(t.routing))
         rec = TurnRecord(
-            episode=self.episode, turn=self.turns, policy_version=int(t.weight_version), keep=keep,
+            episode=self.episode, turn=self.turns, keep=keep,
+            policy_version=version,
             input_delta=inp[keep:].copy(), input_len=len(inp), input_digest=digest_ids(inp),
             output_ids=np.asarray(t.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(t.logprobs, dtype=np.float32),
@@ -39,7 +46,7 @@ class TurnEncoder:
             tests_passed=-1 if t.tests_passed is None else int(t.tests_passed),
             t_sample_s=float(t.t_sample_s), t_exec_s=float(t.t_exec_s),
             action=t.action_text[:2000] if t.action_kind == "bash" else t.action_kind,
-            observation=t.observation[:2000], compacted=bool(t.compacted),
+            observation=t.observation[:2000], compacted=bool(t.compacted), output_versions=versions,
         )  # fmt: skip
         self.seq = np.concatenate([inp, rec.output_ids])
         self.turns += 1

@@ -99,6 +99,7 @@ class TurnResult:
     t_exec_s: float
     last: bool = False
     compacted: bool = False  # this turn's input was compacted by the context policy (a FORK)
+    output_versions: np.ndarray | None = None  # int32: each output token's weight version (None: weight_version)
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,7 @@ async def run_agent(
                     exit_code=res.exit_code if res else None, timed_out=bool(res and res.timed_out),
                     truncated=bool(res and res.truncated), tests_passed=tests_passed, reward=reward,
                     t_sample_s=t_sample, t_exec_s=t_exec, last=stop is not None, compacted=compacted,
+                    output_versions=gen.output_versions,
                 )
             )
         log.debug("agent.turn", rid=rid, turn=k, action=kind, tokens=seq_len, tests_passed=tests_passed)

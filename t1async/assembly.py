@@ -8,6 +8,9 @@ duplicate (same turn, different content: the first one wins), checks and repairs
 Segments come out when they are complete:
 
 - a FORK closes the open segment (``done=False``; its last turn's value is the bootstrap);
+- so does a "route fork": a turn whose trace reaches back into the context with routes other than the ones
+  recorded there (the sampler recomputed it after a weight update flushed its prefix cache, DESIGN §6). Its
+  new segment replays that turn's own routes for the context; counted in ``DriftStats.route_forks``;
 - the episode's ``end`` record (once every turn up to ``end.turns`` has arrived) closes it with ``done=True``;
 - ``cut()`` returns the open segment *so far* (``done=False``) for partial-trajectory training. The segment
   stays open: its next return re-includes the whole context (so every later turn is still trained in exactly
@@ -175,7 +178,6 @@ class EpisodeAssembler:
         st, b, out = self.stats, self.builder, []
         st.turns += 1
         st.compactions += rec.compacted
-        st.compactions += rec.compacted
         prev = _EMPTY if b is None else b.tokens[: b.n]
         chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
                           rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip
@@ -193,6 +195,11 @@ class EpisodeAssembler:
         if chk.lcp > rec.keep:
             st.keep_understated += 1
         keep, lcp, n, carry = rec.keep, chk.lcp, len(prev), 0.0
+        # the sampler recomputed context rows with other routes (a weight update flushed its prefix cache):
+        # this turn gets its own segment, replayed with the routes the sampler used for it (DESIGN §6)
+        rerouted = 0
+        if b is not None and chk.kind is not Boundary.FORK:
+            rerouted = b.track.rerouted(rec.routing, chk.input_len, len(rec.output_ids), lcp)
         if b is None:  # first turn, or a resync after untrainable turns
             st.resyncs += self.lost
             b = self.builder = SegmentBuilder(self.routing, self.config.num_experts)
@@ -201,7 +208,8 @@ class EpisodeAssembler:
             b.append_context(rec.input_delta)
         elif chk.kind is Boundary.CLEAN:
             st.clean += 1
-            b.append_context(rec.input_delta[n - keep :])
+            if not rerouted:
+                b.append_context(rec.input_delta[n - keep :])
         elif chk.kind is Boundary.REALIGN:
             st.realign += 1
             st.note_first_diff(lcp - n)
@@ -211,20 +219,19 @@ class EpisodeAssembler:
                 self.dropped.append((last.turn, "realign_dropped"))
             st.tokens_dropped += dropped
             st.dropped_after_cut += after_cut
-            b.append_context(rec.input_delta[lcp - keep :])
+            if not rerouted:
+                b.append_context(rec.input_delta[lcp - keep :])
         else:
             st.fork += 1
             st.note_first_diff(lcp - n)
             st.tokens_recontextualised += chk.input_len - lcp
-            old = b
-            b = SegmentBuilder(self.routing, self.config.num_experts, cap=max(4096, 2 * chk.input_len))
-            b.forked = True
-            b.append_context(old.tokens[:lcp], old.turn_ids[:lcp])
-            b.append_context(rec.input_delta[lcp - keep :])
-            b.track.fork_from(old.track, lcp)
-            b.share_checkpoints(old, lcp)
-            out = self._close(done=False)  # the old segment ends at the boundary, in its own context
-            self.builder = b
+            b, out = self._fork(b, rec, lcp, chk.input_len)
+        if rerouted:
+            st.route_forks += 1
+            st.rerouted_rows += rerouted
+            self.log.info("tito.route_fork", episode=self.episode, turn=rec.turn, rerouted_rows=rerouted,
+                          routing_start=rec.routing.start if rec.routing else None, context=b.n)  # fmt: skip
+            b, out = self._fork(b, rec, b.n, chk.input_len)  # b.n: S_k, or its shared part after a REALIGN
         assert b.n == chk.input_len, (b.n, chk.input_len)
         b.hasher = chk.hasher
         b.checkpoint()
@@ -233,6 +240,20 @@ class EpisodeAssembler:
         b.checkpoint()
         b.track.add(rec.routing, chk.input_len, len(rec.output_ids))
         return out
+
+
+    def _fork(self, old: SegmentBuilder, rec: wire.TurnRecord, lcp: int, input_len: int) -> tuple[SegmentBuilder, list[Segment]]:
+        """End the open segment at the boundary, in its own context, and open one whose context is this turn's
+        input: ``old``'s first ``lcp`` tokens (and routing rows) and the rest of the input."""
+        b = SegmentBuilder(self.routing, self.config.num_experts, cap=max(4096, 2 * input_len))
+        b.forked = True
+        b.append_context(old.tokens[:lcp], old.turn_ids[:lcp])
+        b.append_context(rec.input_delta[lcp - rec.keep :])
+        b.track.fork_from(old.track, lcp)
+        b.share_checkpoints(old, lcp)
+        out = self._close(done=False)
+        self.builder = b
+        return b, out
 
 
 class Assembler:

@@ -13,6 +13,12 @@ the new request's trace, which must start at or before ``lcp`` (the actor asks f
 position it had not been told about). A position whose rows came from a *different* context is never used:
 if the new trace starts after ``lcp`` the gap stays -1 (route freely) and is counted as missing.
 
+A trace that reaches back into positions the segment already holds is compared with them
+(``RouteTrack.rerouted``): identical rows are an overlap (an actor that asked from an earlier position);
+different rows mean the sampler recomputed the context with other routes (a weight update flushed its prefix
+cache), and the assembler starts a new segment for that turn, a counted "route fork", so every turn is
+replayed with the routes the sampler used for it.
+
 ``RouteTrack`` keeps one segment's aligned routing (as references to the traces, turned into int16
 ``[T, L, K]`` with -1 for missing when the segment is returned) and the end of the contiguous covered run,
 so tiling is checked as traces arrive: a trace starting after the covered end is
@@ -222,6 +228,35 @@ class RouteTrack:
                 self.stats.rejected_layers += int(bad.sum())
             self.chunks.append(_Chunk(start, end, ex, bad if bad.any() else None))
         self.n, self.covered = new_n, end
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        """Positions ``[a, b)`` as int16 ``[b - a, L, K]``, -1 where missing (needs ``shape``)."""
+        assert self.shape is not None
+        out = np.full((max(b - a, 0), *self.shape), MISSING, dtype=np.int16)
+        for c in self.chunks:
+            lo, hi = max(a, c.start), min(b, c.end)
+            if lo >= hi:
+                continue
+            out[lo - a : hi - a] = c.rows[lo - c.start : hi - c.start]
+            if c.bad is not None:
+                out[lo - a : hi - a, c.bad] = MISSING
+        return out
+
+    def rerouted(self, routing: wire.Routing | None, input_len: int, n_out: int, upto: int) -> int:
+        """How many positions below ``upto`` the new trace routes differently from the rows this segment holds
+        for them (0 when it does not reach back into them, or would be rejected). A sampler that recomputed
+        those positions under new weights (its prefix cache was flushed) returns the routes it actually used
+        (DESIGN §6): a turn whose context was routed differently needs its own segment (a "route fork")."""
+        if routing is None or self.shape is None:
+            return 0
+        hi = min(upto, self.covered, self.n)
+        if routing.start >= hi or check_trace(routing, input_len, n_out, *self.shape, self.num_experts):
+            return 0
+        held = self.rows(routing.start, hi)
+        new = np.sort(routing.experts[: hi - routing.start].astype(np.int16), axis=-1)
+        present = (held >= 0).all(axis=-1)
+        differ = (np.sort(held, axis=-1) != new).any(axis=-1) & present
+        return int(differ.any(axis=-1).sum())
 
     def take(self) -> np.ndarray | None:
         """The segment's routing as a new int16 ``[n, L, K]`` array, -1 where missing; None without routing."""

@@ -69,7 +69,7 @@ class Segment:
     tokens: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
     logprobs: np.ndarray  # float32 [T]: sampler logprob at loss positions, 0 elsewhere
-    versions: np.ndarray  # int32 [T]: policy_version that sampled each loss token, -1 elsewhere
+    versions: np.ndarray  # int32 [T]: the weight version that sampled each loss token (per token), -1 elsewhere
     turn_ids: np.ndarray  # int32 [T]: turn owning each output position (loss or context), -1 for non-output
     routing: np.ndarray | None  # int16 [T, L, K]: experts used to compute position t, -1 = missing
     turn_ends: np.ndarray  # int32 [n]: position of the last output token of each turn trained here
@@ -122,6 +122,8 @@ class DriftStats:
     untrainable_turns: int = 0  # turns whose input could not be reconstructed (not trained)
     resyncs: int = 0  # a full input (keep = 0) after untrainable turns restarted the episode
     tokens_recontextualised: int = 0  # FORK: tokens of I_{k+1} from the first difference on
+    route_forks: int = 0  # turns whose context the sampler re-routed (prefix cache flushed): own segment (§6)
+    rerouted_rows: int = 0  # context positions whose recorded routes the sampler no longer used
     tokens_dropped: int = 0  # REALIGN: sampled tokens that left the sequence and the loss
     dropped_after_cut: int = 0  # of those, tokens already returned (and maybe trained) in an earlier cut
     ended_after_cut: int = 0  # episodes that ended with nothing new after a cut (that cut was not marked done)
@@ -310,7 +312,7 @@ class SegmentBuilder:
         self.tokens[a:b] = out
         self.loss[a:b] = True
         self.logprobs[a:b] = rec.output_logprobs
-        self.versions[a:b] = rec.policy_version
+        self.versions[a:b] = rec.policy_version if rec.output_versions is None else rec.output_versions
         self.turn_ids[a:b] = rec.turn
         self.n = b
         self.spans.append(TurnSpan(rec.turn, a, b, float(rec.reward) + carry))

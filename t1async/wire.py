@@ -92,6 +92,9 @@ class TurnRecord:
     action: str = ""  # the parsed action, for humans (tail); never trained on
     observation: str = ""
     compacted: bool = False  # the context policy compacted this turn's input: a FORK by construction (§12)
+    # int32 [len(output_ids)]: the weight version that produced each output token (a weight update may land
+    # mid-turn, DESIGN §7); ``policy_version`` is then the oldest of them. None: all are ``policy_version``.
+    output_versions: np.ndarray | None = None
     kind = "turn"
 
 
@@ -156,6 +159,8 @@ class MetricsRecord:
     kind = "metrics"
 
 
+_OPTIONAL_ABSENT = {"output_versions"}  # optional fields left off the wire when None
+
 Record = StartRecord | TurnRecord | EndRecord | PolicyRecord | CreditRequest | CreditGrant | MetricsRecord | Heartbeat
 _KINDS: dict[str, type] = {
     c.kind: c
@@ -202,6 +207,8 @@ def to_map(record: Record) -> dict:
             val = {"start": val.start, **arr}
         elif f.name == "values":
             m.update(val)
+            continue
+        elif val is None and f.name in _OPTIONAL_ABSENT:
             continue
         m[f.name] = val
     return m
@@ -297,6 +304,15 @@ def _decode_turn(f: _Fields) -> TurnRecord:
     digest = f.get("input_digest", bytes, what="bin")
     if len(digest) != 16:
         raise f._err("input_digest", f"expected 16 bytes, got {len(digest)}")
+    versions = None
+    if f.m.get("output_versions") is not None:
+        versions = f.array("output_versions", dtypes=("i4",), ndim=1)
+        if len(versions) != len(out):
+            raise f._err("output_versions", f"has {len(versions)} values for {len(out)} output_ids")
+        lo = int(versions.min())
+        if lo != f.int("policy_version"):
+            raise f._err("output_versions", f"oldest version {lo} != policy_version {f.m['policy_version']} "
+                         "(policy_version must be the oldest per-token version)")  # fmt: skip
     routing = None
     rm = f.get("routing", (dict, type(None)), default=None, what="routing map or nil")
     if rm is not None:
@@ -311,6 +327,7 @@ def _decode_turn(f: _Fields) -> TurnRecord:
         tests_passed=f.int("tests_passed", lo=-1), t_sample_s=f.float("t_sample_s"), t_exec_s=f.float("t_exec_s"),
         action=f.str("action", nonempty=False, default=""), observation=f.str("observation", nonempty=False, default=""),
         compacted=f.get("compacted", bool, default=False, what="bool"),
+        output_versions=versions,
     )  # fmt: skip
 
 

@@ -164,13 +164,15 @@ async def test_prefix_reuse_across_turns(engine, ref):
     assert r2.routing.shape == (len(p2) + len(r2.output_ids) - 1 - start, CFG.n_layers, CFG.top_k)
     assert np.array_equal(r2.routing[: len(seq1) - 1 - start], r1.routing[start:])
     check_against_full_forward(ref, p2, r2)
-    # the same request again with the cache flushed: identical tokens and logprobs, nothing cached
+    assert r2.routing_start == start  # the cache held everything before start
+    # the same request again with the cache flushed: identical tokens and logprobs, nothing cached; it
+    # recomputed positions before start, so it returns every row it used (here the same weights: same rows)
     engine.flush_cache()
     r3 = await engine.collect(req("t3", p2, n=10, temperature=1.0, seed=2, return_routing=True, routing_start=start))
     assert r3.cached_tokens == 0
     assert r3.output_ids == r2.output_ids
     assert np.allclose(r3.logprobs, r2.logprobs, atol=1e-5)
-    assert np.array_equal(r3.routing, r2.routing)
+    assert r3.routing_start == 0 and np.array_equal(r3.routing[start:], r2.routing)
 
 
 async def test_episode_routing_tiles_the_sequence(engine, ref):
@@ -317,15 +319,20 @@ async def test_weight_update_bumps_version_and_changes_outputs(engine, tmp_path)
     assert after.weight_version == "1" and after.output_ids != before.output_ids
     assert after.cached_tokens == 0  # the prefix cache was flushed with the old weights
     check_against_full_forward(load_pretrained(other), p, after)
-    # a request running across an update continues on the new weights; its KV (mixed) is not cached
-    out, versions = [], []
+    # a request running across an update continues on the new weights; its KV (mixed) is not cached; each
+    # token carries the version that produced it
+    out, versions, per_token = [], [], []
     async with engine.submit(req("span", p, n=60, ignore_eos=True)) as events:
         async for ev in events:
             out += ev.new_ids
+            per_token += ev.new_versions
             versions.append(ev.weight_version)
             if len(versions) == 1:
                 await engine.update_weights_from_disk(other, "step-7")
     assert engine.weight_version == "step-7" and versions[0] == "1" and versions[-1] == "step-7"
+    assert len(per_token) == len(out) == 60
+    split = per_token.index("step-7")
+    assert 0 < split < 60 and set(per_token[:split]) == {"1"} and set(per_token[split:]) == {"step-7"}
     follow = await engine.collect(req("follow", p + out + TOK.encode("ok"), n=2))
     assert follow.cached_tokens == 0
     wrong = save_pretrained(MoETransformer(MoEConfig(**{**CFG.__dict__, "n_experts": 8})), tmp_path / "bad")
@@ -365,3 +372,27 @@ async def test_bf16_serving_is_close_but_not_exact(model_dir, ref):
     diffs = [abs(lp[n0 - 1 + i, t].item() - r.logprobs[i]) for i, t in enumerate(r.output_ids)]
     assert 0 < max(diffs) < 0.5 and all(math.isfinite(d) for d in diffs)
     assert eng.model_info()["dtype"] == "bfloat16"
+
+
+async def test_a_turn_after_a_weight_update_returns_the_routes_it_recomputed(engine, tmp_path):
+    """The update flushes the prefix cache, so the next turn of an episode re-routes its whole context under
+    the new weights: it returns every row it used (routing_start 0), each equal to the new model's own
+    routing, not only the rows from routed_experts_start_len (which would leave the old weights' rows in the
+    learner's context)."""
+    p1 = PROMPTS[2]
+    r1 = await engine.collect(req("u1", p1, n=8, temperature=1.0, seed=3, return_routing=True, ignore_eos=True))
+    assert r1.routing_start == 0 and r1.versions == ["0"] * 8
+    new = MoETransformer(MoEConfig(**{**CFG.__dict__, "seed": 5}))
+    await engine.update_weights_from_disk(save_pretrained(new, tmp_path / "v1"))
+    p2 = p1 + r1.output_ids + TOK.bridge_ids(r1.output_ids) + TOK.message_ids("tool", "ok") + TOK.generation_prompt_ids()
+    start = len(p1) + 8 - 1
+    r2 = await engine.collect(req("u2", p2, n=6, temperature=1.0, seed=4, return_routing=True, routing_start=start))
+    assert r2.cached_tokens == 0 and r2.versions == ["1"] * 6
+    assert r2.routing_start == 0 and r2.routing.shape[0] == len(p2) + 6 - 1
+    check_against_full_forward(new, p2, r2)
+    _, old_routing = full_forward(load_pretrained(engine.model_dir), p2)
+    assert not np.array_equal(r2.routing[:start], old_routing[:start])  # the held rows are no longer the ones used
+    # the next turn hits the (new) cache again: rows from its start only
+    p3 = p2 + r2.output_ids + TOK.encode("x")
+    r3 = await engine.collect(req("u3", p3, n=2, return_routing=True, routing_start=len(p2) + 6 - 1))
+    assert r3.cached_tokens == len(p2) + 6 - 1 and r3.routing_start == len(p2) + 6 - 1

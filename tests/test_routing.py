@@ -137,3 +137,99 @@ def test_routing_drift_compares_sets_and_skips_missing():
     rec = np.array([[[1, 2], [3, 4]], [[-1, -1], [5, 6]]], np.int16)
     comp = np.array([[[2, 1], [3, 5]], [[0, 0], [5, 6]]], np.int16)
     assert routing_drift(rec, comp) == (1, 3)
+
+
+# ------------------------------------------------------------------ R3 across a weight update (real engine)
+
+
+def _replay_logprobs(model, seg) -> np.ndarray:
+    """The learner's replay forward of a segment: its logprob of each loss token, with the recorded routing."""
+    import torch
+
+    x = torch.from_numpy(seg.tokens[None].astype(np.int64))
+    with torch.no_grad():
+        out = model(x, replay=torch.from_numpy(seg.routing[None].astype(np.int64)))
+    lp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1).numpy()
+    return np.concatenate([[0.0], lp])[seg.loss_mask]
+
+
+async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(tmp_path):
+    """Turn 0 is sampled under weights w0, then an update flushes the sampler's prefix cache and turn 1 is
+    sampled under w1: the sampler re-routes the whole context and returns those rows (routing_start 0), the
+    learner cuts a route fork, and replaying each segment with its sampler's weights reproduces every sampled
+    logprob (< 1e-4, fp32). Without the fork (turn 0's rows kept for turn 1's context) turn 1 is not
+    reproduced: the context was computed with other experts."""
+    import trio
+
+    from actors.records import TurnEncoder
+    from sandbox_agent.agent import TurnResult
+    from t1async.model.config import MoEConfig
+    from t1async.model.engine import Engine, EngineConfig, GenRequest
+    from t1async.model.moe import MoETransformer
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.model.weights import save_pretrained
+
+    cfg = MoEConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32,
+                    max_seq_len=512, init_std=0.3, seed=21)  # fmt: skip
+    w0, w1 = MoETransformer(cfg), MoETransformer(MoEConfig(**{**cfg.__dict__, "seed": 22}))
+    tok = ChatTokenizer.load()
+    enc = TurnEncoder("ep")
+    engine = Engine(save_pretrained(w0, tmp_path / "w0"), EngineConfig(max_batch=4))
+    records = []
+
+    async def turn(k: int, ids: list[int], start: int):
+        r = await engine.collect(GenRequest(rid=f"t{k}", input_ids=tuple(ids), max_new_tokens=8, temperature=1.0,
+                                            seed=k, ignore_eos=True, return_routing=True, routing_start=start))  # fmt: skip
+        res = TurnResult(turn=k, input_ids=np.asarray(ids, np.int32), output_ids=np.asarray(r.output_ids, np.int32),
+                         logprobs=np.asarray(r.logprobs, np.float32), finish="length",
+                         weight_version=int(r.weight_version), routing=r.routing.astype(np.uint8),
+                         routing_start=r.routing_start, action_kind="none", action_text="", observation="",
+                         exit_code=None, timed_out=False, truncated=False, tests_passed=None, reward=1.0,
+                         t_sample_s=0.0, t_exec_s=0.0, output_versions=np.asarray([int(v) for v in r.versions], np.int32))  # fmt: skip
+        records.append(wire.decode(wire.encode(enc.encode(res))))
+        return r
+
+    async with trio.open_nursery() as n:
+        await n.start(engine.run)
+        p0 = tok.render([{"role": "user", "content": "list the files in /tmp and count them"}])
+        r0 = await turn(0, p0, 0)
+        await engine.update_weights_from_disk(save_pretrained(w1, tmp_path / "w1"), "1")
+        p1 = p0 + r0.output_ids + tok.bridge_ids(r0.output_ids) + tok.message_ids("tool", "a b c")
+        p1 += tok.generation_prompt_ids()
+        start = len(p0) + len(r0.output_ids) - 1
+        r1 = await turn(1, p1, start)
+        n.cancel_scope.cancel()
+    assert r1.routing_start == 0 and records[1].routing.start == 0 and records[1].policy_version == 1
+    asm = Assembler()
+    segs = [s for r in records for s in asm.feed(r)]
+    segs += asm.end(wire.EndRecord("ep", 2, wire.EndReason.MAX_TURNS, 0, 1, False))
+    assert [s.turn_numbers.tolist() for s in segs] == [[0], [1]], "turn 1 trains in its own segment"
+    assert asm.stats().route_forks == 1 and asm.stats().rerouted_rows > 0 and asm.stats().fork == 0
+    a, b = segs
+    assert not a.done and b.done and b.forked and len(b) == len(p1) + 8 and (b.routing[:-1] >= 0).all()
+    assert np.abs(_replay_logprobs(w0, a) - a.logprobs[a.loss_mask]).max() < 1e-4
+    assert np.abs(_replay_logprobs(w1, b) - b.logprobs[b.loss_mask]).max() < 1e-4
+    # what the learner replayed before: turn 0's rows (w0's routes) for the context turn 1 was sampled in
+    stale = b.routing.copy()
+    stale[: len(a) - 1] = a.routing[:-1]
+    assert not np.array_equal(stale, b.routing)
+    stale_seg = type(b)(**{**b.__dict__, "routing": stale})
+    assert np.abs(_replay_logprobs(w1, stale_seg) - b.logprobs[b.loss_mask]).max() > 1e-3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_fork_followed_by_a_turn_without_routing_keeps_no_row_from_the_old_context(seed):
+    """After a FORK the new segment shares the old rows only below the fork point (RouteTrack.fork_from trims
+    the rest). When the turn after the fork brings no trace, nothing else trims them: every row the new segment
+    holds past the fork point would come from the old, different context."""
+    rng = np.random.default_rng(seed)
+    kinds = ["clean", "fork", "clean", "fork", "realign", "fork"]
+    after_fork = [i + 1 for i, k in enumerate(kinds) if k == "fork"]
+    case = make_episode(rng, kinds, layers=3, topk=2, num_experts=16, no_routing=after_fork)
+    asm = Assembler()
+    segs = [s for r in case.records for s in asm.feed(r)]
+    assert asm.stats().fork == 3 and asm.routing_stats().absent_traces == 3
+    check_segments(case, segs, full_routing=False)  # every row present is from its own context
+    forked = [s for s in segs if s.forked]
+    assert len(forked) == 3 and all((s.routing[-1] == -1).all() for s in forked)
+    assert asm.routing_stats().missing_rows > 0

@@ -17,7 +17,9 @@ from t1async.errors import SamplerError, SamplerRequestError
 from t1async.model.config import MoEConfig
 from t1async.model.weights import default_model_dir
 from t1async.sampler.base import SamplingParams
-from t1async.sampler.client import SamplerClosedError, SGLangClient, parse_generation, parse_weight_version
+from t1async.sampler.client import (
+    SamplerClosedError, SamplerVersionError, SGLangClient, parse_generation, parse_weight_version,
+)
 from t1async.sampler.conformance import check_sampler
 from t1async.sampler.memory import MemorySampler
 
@@ -195,18 +197,47 @@ async def test_use_after_close_fails_loudly(sampler_url):
 
 def test_parse_generation_tolerates_real_sglang_responses():
     rows = np.arange(2 * 6 * 2, dtype="<i4").reshape(6, 2, 2) % 300  # experts up to 299 -> u2
-    out = _response([4, 5, 6], version="default")
+    out = _response([4, 5, 6], version="7")
     out["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
     out["meta_info"]["prompt_tokens"] = 4
     out["meta_info"]["spec_verify_ct"] = 0  # extra fields are fine
     del out["output_ids"]  # older servers: ids from output_token_logprobs
     # a server that ignores routed_experts_start_len returns all rows: the client keeps the tail
     g = parse_generation(out, 4, 2, (2, 2, 300))
-    assert g.output_ids.tolist() == [4, 5, 6] and g.weight_version == -1 and g.extra["weight_version"] == "default"
+    assert g.output_ids.tolist() == [4, 5, 6] and g.weight_version == 7 and g.extra["weight_version"] == "7"
+    assert g.output_versions.tolist() == [7, 7, 7]  # no per-token versions from a real SGLang: the request's
     assert g.routing.dtype == np.uint16 and np.array_equal(g.routing, rows[2:])
     with pytest.raises(SamplerError, match="rows"):
         parse_generation(out, 4, 1, (3, 2, 300))  # 4 rows of 3x2: neither 4 + 3 - 1 - 1 nor 4 + 3 - 1
-    assert parse_weight_version(" 12 ") == 12 and parse_weight_version("v2") == -1
+    assert parse_weight_version(" 12 ") == 12 and parse_weight_version(3) == 3
+
+
+@pytest.mark.parametrize("version", ["default", "v2", "-1", "", None, 1.5, True])
+def test_a_non_integer_weight_version_is_an_error_naming_the_sampler(version):
+    """A real SGLang server answers weight_version "default" until someone sets it: staleness would be
+    meaningless, so it is an error that names the sampler and says how to fix it, never a silent -1."""
+    out = _response([4, 5], version=version)
+    with pytest.raises(SamplerVersionError, match=r"http://sglang-a:30000 reports weight_version .*--weight-version"):
+        parse_generation(out, 3, None, None, url="http://sglang-a:30000")
+    with pytest.raises(SamplerVersionError, match="the sampler reports"):
+        parse_weight_version(version)
+
+
+def test_per_token_versions_and_an_earlier_routing_start_are_read():
+    out = _response([4, 5, 6], version="2")
+    out["meta_info"]["output_token_weight_versions"] = ["1", "1", "2"]
+    rows = np.arange(5 * 2 * 2, dtype="<i4").reshape(5, 2, 2) % 8
+    out["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
+    out["meta_info"]["routed_experts_start_len"] = 0  # the server recomputed positions before the asked 2
+    g = parse_generation(out, 3, 2, (2, 2, 8))
+    assert g.weight_version == 2 and g.output_versions.tolist() == [1, 1, 2]
+    assert g.routing_start == 0 and np.array_equal(g.routing, rows)
+    out["meta_info"]["output_token_weight_versions"] = ["1", "default", "2"]
+    with pytest.raises(SamplerVersionError, match=r"output_token_weight_versions\[1\] 'default'"):
+        parse_generation(out, 3, 2, (2, 2, 8))
+    out["meta_info"]["output_token_weight_versions"] = ["1", "2"]
+    with pytest.raises(SamplerError, match="2 entries for 3 output tokens"):
+        parse_generation(out, 3, 2, (2, 2, 8))
 
 
 async def test_routing_needs_a_shape_for_a_server_that_does_not_say_it():
@@ -245,12 +276,16 @@ async def test_memory_sampler_scripts_versions_and_cache():
     m = MemorySampler(vocab_size=50, script=lambda ids: [ids[-1] + 1, ids[-1] + 2, 3], eos_token_id=3)
     g = await m.generate([1, 5], SamplingParams(max_new_tokens=10), routed_experts_start_len=1)
     assert g.output_ids.tolist() == [6, 7, 3] and g.finish == "stop" and g.matched_stop == 3
-    assert g.routing.shape == (2 + 3 - 1 - 1, 4, 2)
-    assert np.array_equal(g.routing, m.routing_for([1, 5, 6, 7])[1:])
-    g2 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1))
+    # nothing was cached, so position 0 was recomputed too: every row comes back, from 0
+    assert g.routing_start == 0 and g.routing.shape == (2 + 3 - 1, 4, 2)
+    assert np.array_equal(g.routing, m.routing_for([1, 5, 6, 7]))
+    assert g.output_versions.tolist() == [0, 0, 0]
+    g2 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1), routed_experts_start_len=4)
     assert g2.cached_tokens == 5 and g2.finish == "length"
+    assert g2.routing_start == 4 and np.array_equal(g2.routing, m.routing_for([1, 5, 6, 7, 3, 9])[4:])
     await m.update_weights_from_disk("/ckpt/4", 4)
-    g3 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1))
+    g3 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1), routed_experts_start_len=4)
     assert g3.weight_version == 4 and g3.cached_tokens == 0 and m.weight_paths == ["/ckpt/4"]
+    assert g3.routing_start == 0 and g3.output_versions.tolist() == [4]  # the flush re-routed the context
     assert (await m.model_info())["weight_version"] == "4" and await m.health() == {"memory": True}
     assert [c.input_ids for c in m.calls][0] == (1, 5)

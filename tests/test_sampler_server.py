@@ -328,3 +328,54 @@ def test_streamed_text_holds_back_partial_characters(tok):
     final = tok.decode(ids)
     assert seen[-1] == final
     assert all(final.startswith(t) and not t.endswith("\ufffd") for t in seen)
+
+
+async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
+    """A weight update landing between two decode steps of one request: each output token carries the
+    version that produced it (our meta_info extension), the client reads them as ints, and the turn record
+    and the learner's segment keep them per token, with policy_version the oldest."""
+    from actors.records import TurnEncoder
+    from sandbox_agent.agent import TurnResult
+    from t1async import wire
+    from t1async.assembly import Assembler
+    from t1async.sampler.client import parse_generation
+
+    new = load_pretrained(default_model_dir())
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.01)
+    save_pretrained(new, tmp_path / "v1")
+    body = {"input_ids": PROMPT, "return_logprob": True, "stream": True, "return_routed_experts": True,
+            "routed_experts_start_len": 0, "sampling_params": {"max_new_tokens": 600, "temperature": 1.0,
+                                                               "ignore_eos": True}}  # fmt: skip
+    async with launch_sampler(max_batch=4) as url, httpx.AsyncClient(timeout=120) as c:
+        chunks = []
+        async with c.stream("POST", url + "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 1:  # the request is decoding: push new weights under it
+                    up = await c.post(url + "/update_weights_from_disk",
+                                      json={"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+                    assert up.json()["success"] is True, up.text
+    last = chunks[-1]
+    meta = last["meta_info"]
+    raw = meta["output_token_weight_versions"]
+    assert len(raw) == len(last["output_ids"]) == 600 and meta["weight_version"] == "1"
+    split = raw.index("1")
+    assert 0 < split < 600 and set(raw[:split]) == {"0"} and set(raw[split:]) == {"1"}, "one switch, 0 then 1"
+    g = parse_generation(last, len(PROMPT), 0, (L, K, E), url=url)
+    assert g.weight_version == 1 and g.output_versions.dtype == np.int32
+    assert g.output_versions.tolist() == [0] * split + [1] * (600 - split)
+    t = TurnResult(turn=0, input_ids=np.asarray(PROMPT, np.int32), output_ids=g.output_ids, logprobs=g.logprobs,
+                   finish=g.finish, weight_version=g.weight_version, routing=g.routing, routing_start=g.routing_start,
+                   action_kind="none", action_text="", observation="", exit_code=None, timed_out=False,
+                   truncated=False, tests_passed=None, reward=0.0, t_sample_s=0.0, t_exec_s=0.0,
+                   output_versions=g.output_versions)  # fmt: skip
+    rec = wire.decode(wire.encode(TurnEncoder("mid").encode(t)))
+    assert rec.policy_version == 0 and rec.output_versions.tolist() == g.output_versions.tolist()
+    asm = Assembler()
+    asm.add(rec)
+    (seg,) = asm.end(wire.EndRecord("mid", 1, wire.EndReason.MAX_TURNS, 0, 1, False))
+    assert seg.versions[seg.loss_mask].tolist() == g.output_versions.tolist()

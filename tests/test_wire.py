@@ -33,8 +33,14 @@ def turns(draw):
         ).reshape(rows, layers, topk))
     if keep + len(delta) == 0:
         keep = 1
+    version = draw(st.integers(0, 10**6))
+    versions = None
+    if draw(st.booleans()):  # a weight update landed mid-turn: per-token versions, the oldest is policy_version
+        versions = version + np.sort(np.asarray(draw(st.lists(st.integers(0, 3), min_size=n_out, max_size=n_out)), np.int32))
+        versions -= versions.min() - version
     return wire.TurnRecord(
-        episode=draw(name), turn=draw(st.integers(0, 10_000)), policy_version=draw(st.integers(0, 10**6)),
+        output_versions=versions,
+        episode=draw(name), turn=draw(st.integers(0, 10_000)), policy_version=version,
         keep=keep, input_delta=delta, input_len=keep + len(delta), input_digest=draw(st.binary(min_size=16, max_size=16)),
         output_ids=out, output_logprobs=lps, finish=draw(st.sampled_from(list(wire.Finish))), routing=routing,
         reward=draw(st.floats(-100, 100)), tests_passed=draw(st.integers(-1, 50)), t_sample_s=draw(st.floats(0, 1e4)),
@@ -123,6 +129,23 @@ def test_errors_name_the_field(mutate, field):
     with pytest.raises(WireError) as info:
         wire.decode(msgpack.packb(m, use_bin_type=True))
     assert info.value.field.startswith(field.split(".")[0]) and field in str(info.value)
+
+
+def test_output_versions_are_optional_per_token_and_checked():
+    plain = msgpack.unpackb(wire.encode(_turn()), raw=False)
+    assert "output_versions" not in plain and wire.decode(wire.encode(_turn())).output_versions is None
+    rec = _turn(output_versions=np.array([3, 4], np.int32))
+    m = msgpack.unpackb(wire.encode(rec), raw=False)
+    assert m["output_versions"]["dtype"] == "i4" and np.frombuffer(m["output_versions"]["data"], "<i4").tolist() == [3, 4]
+    assert wire.decode(wire.encode(rec)).output_versions.tolist() == [3, 4]
+    for versions, what in (([3], "has 1 values for 2 output_ids"), ([4, 5], "oldest version 4 != policy_version 3"),
+                           ([2, 3], "oldest version 2 != policy_version 3")):  # fmt: skip
+        with pytest.raises(WireError, match=what) as info:
+            wire.decode(wire.encode(_turn(output_versions=np.array(versions, np.int32))))
+        assert info.value.field == "output_versions"
+    with pytest.raises(WireError, match="output_versions.dtype"):
+        m["output_versions"]["dtype"] = "f4"
+        wire.decode(msgpack.packb(m, use_bin_type=True))
 
 
 def test_ext_types_and_wrong_versions_are_refused():

@@ -27,7 +27,10 @@ request extending an earlier request's prompt + output reuses its KV and routing
 
 Weight updates swap weights between steps; running requests continue on the new weights, the prefix
 cache is flushed (its KV belongs to the old weights), and ``weight_version`` becomes the given version or
-previous + 1. Each event reports the version current when it was produced.
+previous + 1. Each event reports the version current when it was produced, and ``new_versions`` the
+version that produced each of its tokens (an update landing mid-request splits its output between versions).
+A request whose prompt could not be taken whole from the prefix cache up to its ``routing_start`` (flushed by
+an update, or evicted) returns its routing from position 0: the routes it actually used (records.py).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
 from t1async.model.scheduler import (
-    EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice,
+    EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice, routing_start,
 )
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
@@ -66,9 +69,11 @@ class _Handle:
         self.rid = seq.req.rid
         self.pending_ids: list[int] = []
         self.pending_lps: list[float] = []
+        self.pending_versions: list[str] = []  # the weight version that produced each pending token
         self.done = False
         self.finish_reason: dict | None = None
         self.routing: np.ndarray | None = None
+        self.routing_start = 0
         self.prompt_tokens = seq.prompt_len
         self.cached_tokens = 0
         self.version = "0"
@@ -109,8 +114,10 @@ class EventStream:
             cached_tokens=h.cached_tokens,
             weight_version=h.version,
             routing=h.routing if h.done else None,
+            new_versions=h.pending_versions,
+            routing_start=h.routing_start,
         )
-        h.pending_ids, h.pending_lps = [], []
+        h.pending_ids, h.pending_lps, h.pending_versions = [], [], []
         self._closed = h.done
         return ev
 
@@ -245,12 +252,15 @@ class Engine:
             h.version = self.weight_version
             h.pending_ids.extend(s.out_ids[s.reported :])
             h.pending_lps.extend(s.out_lps[s.reported :])
+            # every token of this step was sampled after the step's weight updates: the current version
+            h.pending_versions.extend([self.weight_version] * (len(s.out_ids) - s.reported))
             s.reported = len(s.out_ids)
             if s.finish is not None:
                 h.done = True
                 h.finish_reason = s.finish
                 if s.req.return_routing:
                     h.routing = routing_slice(s)
+                    h.routing_start = routing_start(s)
                 del self._handles[h.rid]
             h.wake.set()
 
@@ -296,10 +306,12 @@ class Engine:
         """Run ``req`` to the end and return the whole generation."""
         ids: list[int] = []
         lps: list[float] = []
+        versions: list[str] = []
         async with self.submit(req) as events:
             async for ev in events:
                 ids += ev.new_ids
                 lps += ev.new_logprobs
+                versions += ev.new_versions or []
                 last = ev
         return GenResult(
             rid=req.rid,
@@ -310,6 +322,8 @@ class Engine:
             cached_tokens=last.cached_tokens,
             weight_version=last.weight_version,
             routing=last.routing,
+            versions=versions,
+            routing_start=last.routing_start,
         )
 
     def abort(self, rid: str) -> bool:

@@ -5,8 +5,12 @@ A bad request raises ``SamplerRequestError`` (HTTP 400 at the server) with the o
 ``finish_reason`` has SGLang's shape: ``{"type": "stop", "matched": token_id_or_str}`` |
 ``{"type": "length", "length": n}`` | ``{"type": "abort", "message": str}``.
 
-Routing rows: an int32 array [seqlen - 1 - routing_start, L, K] for positions [routing_start, seqlen - 1)
-of prompt + output (the last sampled token is never fed, so never routed).
+Routing rows: an int32 array [seqlen - 1 - start, L, K] for positions [start, seqlen - 1) of prompt + output
+(the last sampled token is never fed, so never routed). ``start`` is the request's ``routing_start``, except
+when the engine recomputed a position before it (its prefix cache was flushed, by a weight update or
+``flush_cache``, or the entry was evicted): then ``start`` is 0 and the rows are every route this request
+used, since the reused prefix may have come from another sequence computed under the current weights, not
+the one whose rows the caller holds (DESIGN §6). The events report the actual ``routing_start``.
 """
 
 from __future__ import annotations
@@ -106,6 +110,9 @@ class GenEvent:
     cached_tokens: int
     weight_version: str
     routing: np.ndarray | None = None  # final event only, when return_routing
+    # the weight version that produced each of ``new_ids`` (a weight update may land between two decode steps)
+    new_versions: list[str] | None = None
+    routing_start: int = 0  # final event with routing: the position of routing[0] (see GenRequest.routing_start)
 
 
 @dataclass(frozen=True)
@@ -120,3 +127,5 @@ class GenResult:
     cached_tokens: int
     weight_version: str
     routing: np.ndarray | None
+    versions: list[str] | None = None  # the weight version that produced each output token
+    routing_start: int = 0  # the position of routing[0]

@@ -316,11 +316,21 @@ def decodes_per_hop(running: int) -> int:
     return min(MAX_DECODES_PER_HOP, max(1, running // SEQS_PER_EXTRA_DECODE))
 
 
+def routing_start(s: Seq) -> int:
+    """Where a finished sequence's returned rows start: the request's ``routing_start``, or 0 when this request
+    recomputed a prompt position before it (its prefix was not all in the cache: flushed by a weight update,
+    or evicted). Those rows are then what the sampler actually used, not what the caller holds (DESIGN §6); the
+    reused cached prefix may come from another sequence, so every row is returned. The prompt's last position
+    is always computed by its own request, so it never counts."""
+    start = min(s.req.routing_start, s.prompt_len + len(s.out_ids) - 1)
+    return 0 if s.cached < min(start, s.prompt_len - 1) else start
+
+
 def routing_slice(s: Seq) -> np.ndarray:
-    """Rows [routing_start, seqlen - 1) as int32 [rows, L, K]."""
+    """Rows [routing_start(s), seqlen - 1) as int32 [rows, L, K]."""
     rows = s.routing_rows()
     end = s.prompt_len + len(s.out_ids) - 1
-    return rows[min(s.req.routing_start, end) : end].astype(np.int32)
+    return rows[routing_start(s) : end].astype(np.int32)
 
 
 def request_seed(engine_seed: int, counter: int) -> int:

@@ -22,6 +22,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = False
     no_stop_trim: bool = True
+    seed: int | None = None  # SGLang's sampling_seed: the same seed, weights and input give the same sample
 
     def to_sglang(self) -> dict:
         d = {
@@ -36,6 +37,8 @@ class SamplingParams:
             d["stop_token_ids"] = list(self.stop_token_ids)
         if self.stop:
             d["stop"] = list(self.stop)
+        if self.seed is not None:
+            d["sampling_seed"] = self.seed
         return d
 
 
@@ -45,6 +48,8 @@ class Generation:
 
     ``routing`` rows cover sequence positions ``[routing_start, len(input_ids) + len(output_ids) - 1)``,
     shape ``[rows, layers, topk]``, dtype u1 when experts <= 256 else u2; None if not requested.
+    ``routing_start`` may be earlier than the ``routed_experts_start_len`` asked for: the sampler recomputed
+    those positions (its prefix cache was flushed) and returns the routes it actually used (DESIGN §6).
     """
 
     output_ids: np.ndarray  # int32 [n]
@@ -58,6 +63,9 @@ class Generation:
     latency_s: float = 0.0
     matched_stop: int | str | None = None
     text: str = ""
+    # int32 [n]: the weight version that produced each output token (a weight update may land mid-request);
+    # None: the sampler did not say, read ``weight_version`` for all of them
+    output_versions: np.ndarray | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 

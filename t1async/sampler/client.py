@@ -4,7 +4,8 @@ or the embedded one, interchangeably.
 Errors (all from t1async.errors)::
 
     SamplerError                 no URL answered usably after the retries (names the URL and the cause),
-    │                            or the client was used after ``aclose()`` (SamplerClosedError)
+    │                            the client was used after ``aclose()`` (SamplerClosedError), or a sampler
+    │                            reports a weight_version that is not an integer (SamplerVersionError)
     └── SamplerRequestError      the server rejected the request (HTTP 400): our fault, never retried
 
 Connection errors, timeouts and HTTP 502/503/504/429 are retried with exponential backoff and jitter,
@@ -58,12 +59,38 @@ class _State(enum.Enum):
     CLOSED = 3
 
 
-def parse_weight_version(raw: Any) -> int:
-    """SGLang's weight_version is a free string (default ``"default"``); ours are ints. -1 when not an int."""
-    try:
-        return int(str(raw).strip())
-    except ValueError:
-        return -1
+class SamplerVersionError(SamplerError):
+    """A sampler reported a ``weight_version`` that is not an integer: the world's fault (its configuration),
+    never silently defaulted, since staleness is computed from it (DESIGN §7)."""
+
+
+def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight_version") -> int:
+    """SGLang's weight_version is a free string (a real server's default is ``"default"``); ours are ints,
+    set by the learner on every push. Anything else raises ``SamplerVersionError`` naming the sampler."""
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+        return raw
+    text = str(raw).strip() if isinstance(raw, str) else ""
+    if text.isascii() and text.isdigit():
+        return int(text)
+    raise SamplerVersionError(
+        f"{url} reports {what} {raw!r}, not a non-negative integer; t1async needs integer policy versions: start "
+        "SGLang with --weight-version 0 (the learner then sets the version on every weight push)"
+    )
+
+
+def parse_output_versions(meta: dict, n: int, version: int, url: str) -> np.ndarray:
+    """Per-token weight versions from ``meta_info.output_token_weight_versions`` (the embedded server's
+    extension; a weight update may land mid-request), else ``version`` for every token (a real SGLang)."""
+    raw = meta.get("output_token_weight_versions")
+    if raw is None:
+        return np.full(n, version, dtype=np.int32)
+    if not isinstance(raw, list) or len(raw) != n:
+        got = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
+        raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
+    if len(set(raw)) == 1:  # the usual case: one version for the whole turn
+        return np.full(n, parse_weight_version(raw[0], url, "output_token_weight_versions[0]"), dtype=np.int32)
+    return np.asarray([parse_weight_version(v, url, f"output_token_weight_versions[{i}]")
+                       for i, v in enumerate(raw)], dtype=np.int32)  # fmt: skip
 
 
 class SGLangClient:
@@ -328,6 +355,9 @@ def parse_generation(
     if routing_start is not None and meta.get("routed_experts") is not None and shape is not None:
         layers, topk, experts = shape
         start = int(routing_start)
+        actual = meta.get("routed_experts_start_len")  # our server: earlier when it recomputed those positions
+        if isinstance(actual, int) and not isinstance(actual, bool) and 0 <= actual <= start:
+            start = actual
         raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
         prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
         want = prompt_tokens + len(output_ids) - 1 - start
@@ -345,11 +375,14 @@ def parse_generation(
         dtype = routing_dtype(experts or int(arr.max(initial=0)) + 1)
         routing = arr.astype(dtype)
     raw_version = meta.get("weight_version", "")
+    version = parse_weight_version(raw_version, url or "the sampler")
+    versions = parse_output_versions(meta, len(output_ids), version, url or "the sampler")
     return Generation(
         output_ids=output_ids,
         logprobs=logprobs,
         finish=finish if finish in ("stop", "length", "abort") else "abort",
-        weight_version=parse_weight_version(raw_version),
+        weight_version=version,
+        output_versions=versions,
         routing=routing,
         routing_start=start,
         prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),

@@ -27,6 +27,10 @@ def _check_generation(g: Generation, prompt_len: int, params: SamplingParams, vo
     if g.finish == "length":
         assert n == params.max_new_tokens, f"finish=length after {n} of {params.max_new_tokens} tokens"
     assert isinstance(g.weight_version, int), f"weight_version {g.weight_version!r} is not an int"
+    ov = g.output_versions
+    if ov is not None:  # per-token versions: one int per output token, none newer than the reported version
+        assert ov.dtype == np.int32 and ov.shape == (n,), f"output_versions {ov.dtype} {ov.shape} for {n} tokens"
+        assert (ov <= g.weight_version).all(), f"output_versions {ov[:8]} newer than weight_version {g.weight_version}"
     assert g.prompt_tokens == prompt_len, f"prompt_tokens {g.prompt_tokens}, sent {prompt_len}"
     assert 0 <= g.cached_tokens < prompt_len, f"cached_tokens {g.cached_tokens} of {prompt_len}"
 

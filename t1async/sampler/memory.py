@@ -5,7 +5,9 @@ routing of a position is a function of (weight_version, position, token), so a p
 way turn after turn, as a real MoE does. It validates its input as the server does (SamplerRequestError),
 honours max_new_tokens, stop_token_ids (the eos token unless ignored), temperature 0 (greedy: no
 dependence on the call count) and routed_experts_start_len, and reports prefix-cache hits
-(``cached_tokens``: the longest prefix shared with an earlier request). Stop strings need a tokenizer and
+(``cached_tokens``: the longest prefix shared with an earlier request). Like the embedded server, a request
+that recomputed positions before its routed_experts_start_len (the cache was flushed by a weight update)
+returns every row from 0, and each output token's version in ``output_versions``. Stop strings need a tokenizer and
 are ignored.
 """
 
@@ -155,9 +157,12 @@ class MemorySampler:
         cached = max((_common_prefix(ids, s) for s in self._seen), default=0)
         self._seen.append(tuple(ids + out))
         del self._seen[:-64]
+        cached = min(cached, len(ids) - 1) if cached else 0
         routing, start = None, 0
         if routed_experts_start_len is not None:
             start = routed_experts_start_len
+            if cached < min(start, len(ids) - 1):  # recomputed positions the caller holds: every row it used
+                start = 0
             full = ids + out
             routing = self.routing_for(full[:-1])[start:]
         return Generation(
@@ -168,9 +173,10 @@ class MemorySampler:
             routing=routing,
             routing_start=start,
             prompt_tokens=len(ids),
-            cached_tokens=min(cached, len(ids) - 1) if cached else 0,
+            cached_tokens=cached,
             latency_s=time.perf_counter() - t0,
             matched_stop=matched,
+            output_versions=np.full(len(out), self.weight_version, dtype=np.int32),
             extra={"weight_version": str(self.weight_version), "rid": rid},
         )
 

@@ -9,6 +9,12 @@ The embedded server (server.py) uses these functions; the field names and shapes
   ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency``, ``output_token_logprobs``
   ([[logprob, token_id, null], ...]), ``routed_experts`` (base64 of little-endian int32,
   logical shape ``[seqlen - 1 - start, num_layers, topk]``)};
+- our extensions to ``meta_info`` (a real SGLang server sends neither; clients fall back to the request's
+  values): ``output_token_weight_versions`` (with ``return_logprob``: the ``weight_version`` that produced
+  each output token, since a weight update may land between two decode steps of one request; as AReaL's
+  ``output_versions``) and ``routed_experts_start_len`` (the position of the first ``routed_experts`` row:
+  the request's value, or earlier when the server recomputed positions before it after a prefix-cache
+  flush, so the rows are the routes it actually used, DESIGN §6);
 - errors: HTTP 400 with ``{"error": {"message": ...}}`` (SGLang's shape; we add ``type``, ``code`` and
   ``param``, the offending field).
 
@@ -311,7 +317,9 @@ class ResponseState:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str = ""
+    versions: list[str] = field(default_factory=list)  # the weight version of each output token
     routing: np.ndarray | None = None
+    routing_start: int = 0  # the position of routing[0]: the request's start, or earlier (see to_json)
     # streaming decodes only the new ids: text of output_ids[:_done_n] (a whole number of characters)
     _done_n: int = field(default=0, repr=False)
     _done_text: str = field(default="", repr=False)
@@ -319,6 +327,10 @@ class ResponseState:
     def apply(self, ev: Any) -> None:
         self.output_ids.extend(int(t) for t in ev.new_ids)
         self.logprobs.extend(float(x) for x in ev.new_logprobs)
+        per_token = getattr(ev, "new_versions", None)
+        if per_token is None:  # an engine that does not report per-token versions
+            per_token = [ev.weight_version] * len(ev.new_ids)
+        self.versions.extend(str(v) for v in per_token)
         self.prompt_tokens = ev.prompt_tokens or len(self.req.input_ids)
         self.cached_tokens = ev.cached_tokens
         self.weight_version = str(ev.weight_version)
@@ -326,6 +338,7 @@ class ResponseState:
             self.finish_reason = ev.finish_reason
             if ev.routing is not None:
                 self.routing = ev.routing
+                self.routing_start = int(getattr(ev, "routing_start", self.req.routed_experts_start_len))
 
     @property
     def finished(self) -> bool:
@@ -363,7 +376,8 @@ class ResponseState:
         }
         if self.req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+            meta["output_token_weight_versions"] = list(self.versions)
         if self.req.return_routed_experts and self.routing is not None:
             meta["routed_experts"] = encode_routing(self.routing)
-            meta["routed_experts_start_len"] = self.req.routed_experts_start_len
+            meta["routed_experts_start_len"] = self.routing_start
         return {"text": self.text(decode), "output_ids": list(self.output_ids), "meta_info": meta}

@@ -17,7 +17,7 @@ and duplicated. ``check_segments`` asserts the TITO invariant against the ground
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -113,10 +113,12 @@ def make_episode(
     rng: np.random.Generator, kinds: Sequence[str], *, episode: str = "ep", keep_modes: Sequence[str] | None = None,
     sizes: Sizes = SMALL, layers: int = 3, topk: int = 2, num_experts: int = 16, routing: bool = True,
     shuffle: float = 0.0, duplicate: float = 0.0, with_end: bool = True, fork_window: int | None = None,
+    no_routing: Collection[int] = (),
 ) -> EpisodeCase:  # fmt: skip
     """An episode of ``len(kinds) + 1`` turns; ``kinds[i]`` is the drift at the boundary before turn i+1.
     A FORK's first difference is anywhere in the prefix, or within ``fork_window`` tokens before turn k's
-    output (re-rendering usually differs near the boundary)."""
+    output (re-rendering usually differs near the boundary). Turns in ``no_routing`` are sent without a trace
+    (a sampler that did not return one), e.g. right after a FORK."""
 
     def draw(lo_hi: tuple[int, int]) -> int:
         return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
@@ -172,7 +174,7 @@ def make_episode(
         full = np.concatenate([inp, out])
         hfull = prefix_hash(full, hseq, lcp)
         rt = None
-        if routing:
+        if routing and t not in no_routing:
             start = 0 if t == 0 else min(keep, n - 1)
             rt = wire.Routing(start, rows_from_hash(hfull[start : len(full) - 1], layers, topk, num_experts))
         reward = float(rng.integers(-1, 3))
