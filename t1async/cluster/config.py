@@ -50,6 +50,7 @@ class UpConfig:
     batch_turns: int = 16
     lr: float = 1e-4
     lease: float = 180.0
+    actor_timeout: float = 15.0
     no_replay: bool = False
     # lifetime
     duration: float | None = None
@@ -66,6 +67,8 @@ class UpConfig:
         for name in ("max_staleness", "steps", "verify_every", "warm_start_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.actor_timeout > 0:
+            raise ConfigError(f"--actor-timeout must be > 0 seconds, got {self.actor_timeout}")
         if self.duration is not None and self.duration <= 0:
             raise ConfigError(f"--duration must be > 0 seconds, got {self.duration}")
         if self.sampler_dtype not in ("float32", "bfloat16"):
@@ -151,6 +154,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-turns", type=int, default=None, help=f"B, turns per training step (default {d.batch_turns})")
     g.add_argument("--lr", type=float, default=None, help=f"learning rate (default {d.lr})")
     g.add_argument("--lease", type=float, default=None, help=f"seconds an unused credit is held (default {d.lease})")
+    g.add_argument("--actor-timeout", type=float, default=None, help="seconds an actor may go without a heartbeat "
+                   f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})")  # fmt: skip
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
     g = p.add_argument_group("lifetime")
     g.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")

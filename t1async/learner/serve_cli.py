@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--batch-turns", type=int, default=16, help="B: turns per training step (default 16)")
     s.add_argument("--steps", type=int, default=0, help="exit after this many steps (default 0: never)")
     s.add_argument("--lease", type=float, default=180.0, help="seconds an unused credit is held (default 180)")
+    s.add_argument("--actor-timeout", type=float, default=15.0, help="seconds an actor may go without a heartbeat "
+                   "before its credits are released and its open episodes end as aborted (default 15)")  # fmt: skip
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
     s.add_argument("--microbatch-tokens", type=int, default=65536, help="padded tokens per forward (default 65536; "
@@ -52,11 +54,14 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
     if args.batch_turns < 1:
         raise ConfigError(f"--batch-turns must be >= 1, got {args.batch_turns}")
+    if not args.actor_timeout > 0:
+        raise ConfigError(f"--actor-timeout must be > 0 seconds, got {args.actor_timeout}")
     if args.max_staleness < 0 or args.steps < 0:
         raise ConfigError("--max-staleness and --steps must be >= 0")
     torch.set_num_threads(max(1, args.threads))
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
-                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, durable=args.durable,
+                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, actor_timeout_s=args.actor_timeout,
+                        durable=args.durable,
                         trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay,
                                               microbatch_tokens=args.microbatch_tokens))  # fmt: skip
 
