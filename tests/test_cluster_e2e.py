@@ -123,3 +123,10 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     assert {p.name for p in started} >= {"nats", "sampler", "learner", "actor-0", "actor-1"}
     for info in started + [st.supervisor]:
         assert info is None or not is_ours(info), f"{info.name} (pid {info.pid}) outlived the cluster"
+
+    # the run's metrics.jsonl pictures: one page with the learner's steps and their time split
+    from t1async.cluster.report import load, report
+
+    png, page, numbers = report(run_dir)
+    assert png.stat().st_size > 20_000 and "data:image/png;base64," in page.read_text()
+    assert numbers["steps"] >= 3 and len(load(run_dir / "metrics.jsonl").steps) >= 3

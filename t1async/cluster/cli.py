@@ -1,4 +1,4 @@
-"""``python -m t1async.cluster up|down|status|tail``: run the t1async cluster on one machine and watch it.
+"""``python -m t1async.cluster up|down|status|tail|report``: run the t1async cluster on one machine and watch it.
 
 Every subcommand takes ``--run-dir`` (default ``runs/latest``, relative to the current directory): ``up``
 writes ``<run-dir>/cluster.json`` (PIDs, NATS URL) and ``<run-dir>/logs/``; ``down``, ``status`` and ``tail``
@@ -198,13 +198,25 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- report
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from t1async.cluster.report import report
+
+    png, page, numbers = report(Path(args.run_dir), Path(args.out) if args.out else None)
+    print(f"wrote {png} and {page}")
+    print("  ".join(f"{k} {v}" for k, v in numbers.items()))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m t1async.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    sub = p.add_subparsers(dest="command", required=True, metavar="{up,down,status,tail}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{up,down,status,tail,report}")
 
     def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=description,
@@ -265,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--max-text", type=int, default=160, metavar="N",
                     help="clip action, observation and text to N characters (default 160; 0: no limit)")  # fmt: skip
     tl.set_defaults(func=cmd_tail)
+
+    rp = add("report", "picture a run: one page from its metrics.jsonl",
+             "Read <run-dir>/metrics.jsonl (a running or a stopped cluster) and write one page: reward and\n"
+             "resolved rate, throughput, the staleness histogram, TITO drift counts, mismatch and policy shift,\n"
+             "and the learner's step time (forward, backward, checkpoint, push). Writes <run-dir>/report.png and\n"
+             "report.html (the PNG embedded, with the headline numbers), and prints those numbers.")  # fmt: skip
+    rp.add_argument("--out", default=None, metavar="PATH", help="write PATH.png and PATH.html instead (default <run-dir>/report)")
+    rp.set_defaults(func=cmd_report)
     return p
 
 
