@@ -92,7 +92,8 @@ async def run_actor(
             "episodes_running": stats.running, "episodes_done": stats.done, "turns": stats.turns,
             "tokens": stats.tokens, "turns_per_s": stats.turns / el, "tokens_per_s": stats.tokens / el,
             "resolved": stats.resolved, "tests_passed": stats.tests_passed, "tests_total": stats.tests_total,
-            "credit_wait_s": credits.wait_s, "reasons": dict(stats.reasons),
+            **credits.wait_stats(), "reasons": dict(stats.reasons),
+            "sample_s": stats.sample_s, "exec_s": stats.exec_s, "slots": config.concurrency,
         }  # fmt: skip
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 

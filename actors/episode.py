@@ -38,6 +38,8 @@ class EpisodeStats:
     reasons: dict[str, int] = field(default_factory=dict)
     compactions: int = 0  # inputs compacted by the context policy (each a FORK)
     empty_outputs: int = 0  # samples that returned no tokens (not streamed; credit and reward carried)
+    sample_s: float = 0.0  # summed over turns: waiting for the sampler (credit wait included)
+    exec_s: float = 0.0  # summed over turns: running the action in the sandbox
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
 
     async def on_turn(t: TurnResult) -> None:
         nonlocal turns
+        stats.sample_s += t.t_sample_s
+        stats.exec_s += t.t_exec_s
         if len(t.output_ids) == 0:  # no turn on the wire: its credit and reward carry to the next turn
             encoder.skip(t)
             stats.empty_outputs += 1
