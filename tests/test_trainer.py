@@ -264,3 +264,18 @@ def test_a_training_step_never_keeps_full_vocabulary_logits_for_backward():
     assert m.loss_tokens == t - 350 and math.isfinite(m.loss)
     biggest = max(saved)
     assert biggest[0] < t * CFG.vocab_size // 4, f"a {biggest[1]} tensor was saved for backward"
+
+
+def test_a_step_with_checkpointed_blocks_updates_the_weights_as_without():
+    toks = np.random.default_rng(5).integers(0, CFG.vocab_size, size=90)
+    after = []
+    for ck in (False, True):
+        model = tiny()
+        segs = [sampled_segment(model, toks, range(40, 90), reward=1.0),
+                sampled_segment(model, toks[:60], range(30, 60), reward=0.0, episode="b")]  # fmt: skip
+        m = Trainer(model, TrainerConfig(lr=1e-3, checkpoint_blocks=ck, microbatch_tokens=100)).step(segs, 0)
+        after.append((m, [p.detach().clone() for p in model.parameters()]))
+    (m0, p0), (m1, p1) = after
+    assert m0.loss == pytest.approx(m1.loss, rel=1e-5) and m0.grad_norm == pytest.approx(m1.grad_norm, rel=1e-4)
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

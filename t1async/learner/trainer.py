@@ -48,6 +48,9 @@ class TrainerConfig:
     replay: bool = True  # R3: force the recorded experts in the training forward
     ppo_epochs: int = 1
     microbatch_tokens: int = 16384  # padded B x T per forward
+    # recompute each block in the backward pass instead of keeping its activations (~72 KB a token with the
+    # shipped model; kept instead: each block's input, 0.5 KB a token a layer): one more forward per pass
+    checkpoint_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.discount_per not in ("turn", "token"):
@@ -144,7 +147,7 @@ class Trainer:
     def _forward(self, b: Batch, *, replay: bool, with_entropy: bool):
         rp = b.recorded if (replay and b.recorded is not None) else None
         # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
-        out = self.model(b.tokens, replay=rp, logits=False)
+        out = self.model(b.tokens, replay=rp, logits=False, checkpoint_blocks=self.config.checkpoint_blocks)
         logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
         # value of the state token p was chosen in = value head at p - 1
         vals = torch.cat([torch.zeros_like(out.values[:, :1]), out.values[:, :-1]], dim=1)

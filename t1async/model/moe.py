@@ -32,6 +32,9 @@
    chunks of ``LOGPROB_CHUNK`` positions under activation checkpointing (each chunk's logits are recomputed
    in the backward pass), so the head's memory is one chunk's whatever T. Attention is always the fused
    ``scaled_dot_product_attention`` (flash kernel, no [T, T] score matrix) when no ``attention_mask`` is given.
+   ``checkpoint_blocks=True`` keeps only each block's input under autograd and recomputes the block in the
+   backward pass (one more forward; activation memory ~d floats a token a layer plus one block's worth).
+   Recomputing is deterministic, so R3 replay and the free routing are the same in both passes.
 
 Positions: rotary embeddings use absolute positions; with ``attention_mask`` (1 = real token) positions are
 ``cumsum(mask) - 1``, so left or right padding both work. Attention is causal.
@@ -262,6 +265,13 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe = MoE(cfg)
 
+    def forward(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, replay: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One training-path block: (h out, chosen [B, T, K], free [B, T, K], router logits [B, T, E])."""
+        h = h + self.attn(self.attn_norm(h), rope, mask)
+        return self._moe(h, replay)
+
     def _moe(self, h: Tensor, replay: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         b, n, d = h.shape
         flat_replay = None if replay is None else replay.reshape(b * n, -1)
@@ -322,6 +332,7 @@ class MoETransformer(nn.Module):
         replay: Tensor | None = None,
         attention_mask: Tensor | None = None,
         logits: bool = True,
+        checkpoint_blocks: bool = False,
     ) -> ModelOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -341,9 +352,13 @@ class MoETransformer(nn.Module):
         rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
         h = self.embed(input_ids)
         chosen, free, rlog = [], [], []
+        ckpt = checkpoint_blocks and torch.is_grad_enabled()
         for i, blk in enumerate(self.blocks):
-            h = h + blk.attn(blk.attn_norm(h), rope, mask)
-            h, c, f, lg = blk._moe(h, None if replay is None else replay[:, :, i])
+            rp = None if replay is None else replay[:, :, i]
+            if ckpt:  # keep only the block's input; its activations are recomputed in the backward pass
+                h, c, f, lg = checkpoint(blk, h, rope, mask, rp, use_reentrant=False)
+            else:
+                h, c, f, lg = blk(h, rope, mask, rp)
             chosen.append(c)
             free.append(f)
             rlog.append(lg.float())
