@@ -18,6 +18,7 @@ import anyio
 
 from actors.actor import ActorConfig, run_actor
 from sandbox_agent.agent import AgentConfig
+from sandbox_agent.context import POLICIES, ContextConfig
 from t1async.errors import T1Error
 from t1async.log import configure, get_logger
 from t1async.model.tokenizer import ChatTokenizer
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=300, help="turns per episode at most (default 300)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens sampled per turn at most (default 256)")
     p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
+    p.add_argument("--context-policy", choices=tuple(POLICIES), default="truncate-observations",
+                   help="when the next input would not fit --max-context: truncate-observations (default; keeps the "
+                   "system prompt, the task and the last K turns whole, shortens older observations, drops the oldest "
+                   "turns if needed) or stop (end the episode with reason context)")  # fmt: skip
+    p.add_argument("--context-keep-turns", type=int, default=8, metavar="K",
+                   help="turns truncate-observations keeps whole (default 8)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--verify-every", type=int, default=0, help="run the verifier every N turns for a dense "
                    "per-turn reward (default 0: only at the end)")  # fmt: skip
@@ -64,6 +71,8 @@ def validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     for name in ("concurrency", "max_turns", "max_new_tokens", "max_context"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.context_keep_turns < 0:
+        p.error(f"--context-keep-turns must be >= 0, got {args.context_keep_turns}")
     if any(c in args.actor_id for c in ".*> "):
         p.error(f"--actor-id {args.actor_id!r} may not contain '.', '*', '>' or spaces (it names NATS subjects)")
 
@@ -74,6 +83,7 @@ async def amain(args: argparse.Namespace) -> int:
     agent = AgentConfig(
         max_turns=args.max_turns, max_context_tokens=args.max_context, verify_every=args.verify_every,
         command_timeout_s=args.command_timeout,
+        context=ContextConfig(policy=args.context_policy, keep_last=args.context_keep_turns),
         sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop_token_ids=tuple(tokenizer.eos_ids)),
     )  # fmt: skip

@@ -257,3 +257,18 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
             assert s.routing is not None and np.array_equal(s.routing[:-1], want.astype(np.int16))
     assert sorted(trained) == sorted(set(trained)) and len(trained) == TURNS
     assert learner.state.turns_trained == TURNS
+
+
+def test_context_policy_flags_reach_the_actors(tmp_path):
+    from actors.__main__ import build_parser
+    from t1async.cluster.components import specs
+    from t1async.cluster.config import UpConfig
+
+    with pytest.raises(ConfigError, match="--context-policy 'summarize' is not one of: truncate-observations, stop"):
+        UpConfig(run_dir=tmp_path, context_policy="summarize").check()
+    cfg = UpConfig(run_dir=tmp_path, sampler_url=("http://127.0.0.1:1",), context_policy="stop",
+                   context_keep_turns=3).check()  # fmt: skip
+    actor = next(s for s in specs(cfg, "nats://127.0.0.1:1") if s.name == "actor-0")
+    argv = actor.argv[actor.argv.index("actors") + 1 :]
+    args = build_parser().parse_args(argv)
+    assert (args.context_policy, args.context_keep_turns) == ("stop", 3)

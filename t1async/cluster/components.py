@@ -90,6 +90,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
             "actors", "--nats", nats_url, "--tasks", str(tasks_dir(cfg)), "--concurrency", str(cfg.concurrency),
             "--max-turns", str(cfg.max_turns), "--max-new-tokens", str(cfg.max_new_tokens),
             "--max-context", str(cfg.max_context), "--temperature", str(cfg.temperature),
+            "--context-policy", cfg.context_policy, "--context-keep-turns", str(cfg.context_keep_turns),
             "--verify-every", str(cfg.verify_every), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i),
         )  # fmt: skip
         if model is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandbox_agent.context import POLICIES
 from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.errors import ConfigError
 
@@ -43,6 +44,8 @@ class UpConfig:
     max_turns: int = 300
     max_new_tokens: int = 128
     max_context: int = 8192
+    context_policy: str = "truncate-observations"  # what an episode does when its history outgrows max_context
+    context_keep_turns: int = 8  # turns truncate-observations keeps whole
     temperature: float = 1.0
     verify_every: int = 0
     # learner
@@ -64,7 +67,9 @@ class UpConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps"):
+        if self.context_policy not in POLICIES:
+            raise ConfigError(f"--context-policy {self.context_policy!r} is not one of: {', '.join(POLICIES)}")
+        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.actor_timeout > 0:
@@ -147,6 +152,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-turns", type=int, default=None, help=f"turns per episode at most (default {d.max_turns})")
     g.add_argument("--max-new-tokens", type=int, default=None, help=f"tokens per turn at most (default {d.max_new_tokens})")
     g.add_argument("--max-context", type=int, default=None, help=f"context budget per episode (default {d.max_context})")
+    g.add_argument("--context-policy", default=None, choices=tuple(POLICIES), help="when an episode's history would "
+                   f"not fit --max-context: compact it, or stop the episode (default {d.context_policy})")  # fmt: skip
+    g.add_argument("--context-keep-turns", type=int, default=None, metavar="K",
+                   help=f"turns truncate-observations keeps whole (default {d.context_keep_turns})")  # fmt: skip
     g.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default {d.temperature})")
     g.add_argument("--verify-every", type=int, default=None, help="verify every N turns for dense per-turn rewards (default 0: at the end)")
     g = p.add_argument_group("learner")
