@@ -289,3 +289,28 @@ async def test_memory_sampler_scripts_versions_and_cache():
     assert g3.routing_start == 0 and g3.output_versions.tolist() == [4]  # the flush re-routed the context
     assert (await m.model_info())["weight_version"] == "4" and await m.health() == {"memory": True}
     assert [c.input_ids for c in m.calls][0] == (1, 5)
+
+
+async def test_memory_sampler_splits_a_turn_that_a_weight_update_lands_in(autojump_clock):
+    """An update landing mid-request: the first half of the output is the old version's (tokens' versions,
+    logprobs' version, the rows computed then), the rest the new one's; the mixed sequence is not cached, so
+    the next turn recomputes its context and returns every row from 0."""
+    m = MemorySampler(vocab_size=50, num_experts=8, latency_s=10.0, script=lambda ids: list(range(10, 16)))
+    prompt = [1, 2, 3, 4]
+    got = {}
+
+    async def sample():
+        got["g"] = await m.generate(prompt, SamplingParams(max_new_tokens=6), routed_experts_start_len=0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        await anyio.sleep(7.0)  # after the prompt and the first half, before the rest
+        m.update_weights(3)
+    g = got["g"]
+    assert g.output_versions.tolist() == [0, 0, 0, 3, 3, 3] and g.weight_version == 3
+    seq = prompt + list(range(10, 16))
+    split = len(prompt) + 3 - 1  # the row of position p is computed when output p - len(prompt) + 1 is sampled
+    assert np.array_equal(g.routing[:split], m.routing_for(seq[:split], version=0))
+    assert np.array_equal(g.routing[split:], m.routing_for(seq[:-1], version=3)[split:])
+    nxt = await m.generate(seq + [7], SamplingParams(max_new_tokens=1), routed_experts_start_len=len(seq) - 1)
+    assert nxt.cached_tokens == 0 and nxt.routing_start == 0 and nxt.output_versions.tolist() == [3]

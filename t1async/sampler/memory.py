@@ -89,11 +89,13 @@ class MemorySampler:
     async def health(self) -> dict[str, bool]:
         return {"memory": not self._closed}
 
-    def routing_for(self, tokens: Sequence[int]) -> np.ndarray:
-        """The experts of each position of ``tokens``: [len, layers, topk], distinct within a row."""
+    def routing_for(self, tokens: Sequence[int], version: int | None = None) -> np.ndarray:
+        """The experts of each position of ``tokens`` under ``version`` (default: the current weights):
+        [len, layers, topk], distinct within a row."""
+        v = self.weight_version if version is None else version
         out = np.empty((len(tokens), self.num_layers, self.topk), dtype=np.int64)
         for pos, tok in enumerate(tokens):
-            rng = np.random.default_rng(_seed("route", self.seed, self.weight_version, pos, int(tok)))
+            rng = np.random.default_rng(_seed("route", self.seed, v, pos, int(tok)))
             for layer in range(self.num_layers):
                 out[pos, layer] = rng.choice(self.num_experts, size=self.topk, replace=False)
         return out.astype(routing_dtype(self.num_experts))
@@ -127,16 +129,23 @@ class MemorySampler:
         self._validate(ids, params, routed_experts_start_len)
         self.calls.append(MemoryCall(tuple(ids), params, routed_experts_start_len, rid))
         t0 = time.perf_counter()
+        # a request runs in two halves of ``latency_s``: the prompt and the first half of the output under the
+        # version current after the first half, the rest under the version current after the second, so a
+        # weight update landing meanwhile splits the output (its tokens, logprobs and routing rows) as it does
+        # in a real engine; the prefix cache is flushed by the update and a mixed sequence is not cached
         if self.latency_s:
-            await anyio.sleep(self.latency_s)
+            await anyio.sleep(self.latency_s / 2)
         else:
             await checkpoint()
         self._counter += 1
+        v0 = self.weight_version
+        cached = max((_common_prefix(ids, s) for s in self._seen), default=0)
+        cached = min(cached, len(ids) - 1) if cached else 0
         if self.script is not None:
             proposal = [int(t) for t in self.script(ids)]
         else:
             nonce = 0 if params.temperature == 0 else self._counter
-            rng = np.random.default_rng(_seed("gen", self.seed, self.weight_version, tuple(ids), nonce))
+            rng = np.random.default_rng(_seed("gen", self.seed, v0, tuple(ids), nonce))
             proposal = rng.integers(0, self.vocab_size, size=params.max_new_tokens).tolist()
         stops = set(params.stop_token_ids)
         if self.eos_token_id is not None:
@@ -150,34 +159,42 @@ class MemorySampler:
                 break
         if len(out) < params.max_new_tokens and finish == "length" and self.script is not None:
             finish = "stop"  # a script that ends early is an end of turn
+        if self.latency_s:
+            await anyio.sleep(self.latency_s / 2)
+        v1 = self.weight_version
+        half = (len(out) + 1) // 2
+        versions = np.array([v0] * half + [v1] * (len(out) - half), dtype=np.int32)
         logprobs = np.array(
-            [-((_seed("lp", self.weight_version, len(ids) + i, t) % 4000) / 1000.0) for i, t in enumerate(out)],
+            [-((_seed("lp", int(v), len(ids) + i, t) % 4000) / 1000.0) for i, (t, v) in enumerate(zip(out, versions))],
             dtype=np.float32,
         )
-        cached = max((_common_prefix(ids, s) for s in self._seen), default=0)
-        self._seen.append(tuple(ids + out))
-        del self._seen[:-64]
-        cached = min(cached, len(ids) - 1) if cached else 0
+        if v1 == v0:
+            self._seen.append(tuple(ids + out))
+            del self._seen[:-64]
         routing, start = None, 0
         if routed_experts_start_len is not None:
             start = routed_experts_start_len
             if cached < min(start, len(ids) - 1):  # recomputed positions the caller holds: every row it used
                 start = 0
             full = ids + out
-            routing = self.routing_for(full[:-1])[start:]
+            split = len(ids) + half - 1  # position p is computed by the step that samples output p - len(ids) + 1
+            rows = self.routing_for(full[:split], version=v0)
+            if len(full) - 1 > split:
+                rows = np.concatenate([rows, self.routing_for(full[: len(full) - 1], version=v1)[split:]])
+            routing = rows[start:]
         return Generation(
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=logprobs,
             finish=finish,
-            weight_version=self.weight_version,
+            weight_version=v1,
             routing=routing,
             routing_start=start,
             prompt_tokens=len(ids),
             cached_tokens=cached,
             latency_s=time.perf_counter() - t0,
             matched_stop=matched,
-            output_versions=np.full(len(out), self.weight_version, dtype=np.int32),
-            extra={"weight_version": str(self.weight_version), "rid": rid},
+            output_versions=versions,
+            extra={"weight_version": str(v1), "rid": rid},
         )
 
     async def aclose(self) -> None:
