@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from t1async import wire
@@ -328,6 +329,7 @@ class CreditGate:
 
     async def acquire(self, actor: str, episode: str, n: int = 1, turn: int = -1) -> wire.CreditGrant:
         while True:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a hold cancelled while it was being woken grants nothing
             grant = None if self.held else self.ledger.try_grant(actor, episode, n, self.clock(), turn)
             if grant is not None:
                 self._notify()

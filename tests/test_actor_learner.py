@@ -14,6 +14,7 @@ from sandbox_agent.agent import AgentConfig
 from sandbox_agent.synth import generate
 from t1async import wire
 from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.settle import trained_counts
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.tokenizer import ChatTokenizer
@@ -99,6 +100,18 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
     metrics = [r for r in seen if isinstance(r, wire.MetricsRecord) and r.component == "learner"]
     assert metrics[-1].values["max_staleness"] <= eta and metrics[-1].values["drift"]["fork"] == 0
     assert learner.state.turns_trained >= 3 * 4
+    assert_trained_once(tmp_path / "run", learner)
+
+
+def assert_trained_once(run: Path, learner: Learner) -> None:
+    """Every step's trained set (written before the step ran, from the segments the trainer got) has each
+    turn at most once, and the steps together are exactly what the final checkpoint's state says."""
+    steps, counts = trained_counts(run, learner.state.version)
+    assert sorted(steps) == list(range(learner.state.version)), sorted(steps)
+    twice = sorted(k for k, c in counts.items() if c > 1)
+    assert not twice, f"trained twice: {twice[:5]}"
+    assert set(counts) == {(ep, t) for ep, ts in learner.state.trained.items() for t in ts}
+    assert all(r["max_staleness"] <= learner.cfg.max_staleness for r in steps.values())
 
 
 async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
@@ -116,6 +129,7 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     trained_second = {(ep, t) for ep, ts in second.state.trained.items() for t in ts}
     assert trained_first <= trained_second
     # every turn the learner journaled and had trained before the restart was not trained again
+    assert_trained_once(tmp_path / "run", second)
     assert second.state.turns_trained == len(trained_second)
 
 

@@ -69,3 +69,33 @@ async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant():
         assert len({g.grant_id for g in grants}) == 2
 
     await _with_server(0, body, batch_turns=1)
+
+
+async def test_a_released_actors_held_request_is_never_granted():
+    """A dead actor's request still held when it is released must not turn into a credit later: that credit
+    would sit unused until its lease ends, holding the training order (η = 0) for minutes."""
+
+    async def body(server: CreditServer, t: MemoryTransport) -> None:
+        await t.request(CREDIT_SUBJECT, CreditRequest("live", "l1", 1, 0), timeout=5)  # capacity 1 used
+        seen: list[str] = []
+        server.on_actor = seen.append
+
+        async def dead_asks() -> None:
+            with anyio.move_on_after(3):
+                await t.request(CREDIT_SUBJECT, CreditRequest("dead", "d1", 1, 0), timeout=10)
+                raise AssertionError("the released actor's held request was granted")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dead_asks)
+            await anyio.sleep(0.3)
+            assert seen == ["dead"]  # a request is a sign of life
+            server.gate.release_actor("dead")
+            server.forget(actor="dead")
+            server.gate.on_delivered("l1", 0)
+            server.gate.on_version(1)  # capacity for one more
+            await anyio.sleep(0.3)
+            assert server.gate.ledger.running == 0, "a credit was granted to the released actor"
+            g = await t.request(CREDIT_SUBJECT, CreditRequest("live", "l1", 1, 1), timeout=5)
+            assert isinstance(g, CreditGrant) and server.gate.ledger.running == 1
+
+    await _with_server(0, body, batch_turns=1)

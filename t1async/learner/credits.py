@@ -31,6 +31,7 @@ class CreditServer:
         self.training = False
         self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
         self._granted: dict[tuple[str, int], tuple[str, CreditGrant]] = {}  # granted, turn not delivered: (actor, grant)
+        self._holds: dict[tuple[str, int], tuple[str, anyio.CancelScope]] = {}  # running holds: (actor, scope)
         self.bad_requests = 0
         self._anonymous = itertools.count(1)  # requests that name no turn cannot be deduplicated
 
@@ -43,10 +44,16 @@ class CreditServer:
         self._granted.pop((episode, turn), None)
 
     def forget(self, *, actor: str | None = None, episodes: set[str] | frozenset[str] = frozenset()) -> int:
-        """Drop the remembered grants of a released actor or of closed episodes (their tickets are gone)."""
+        """Drop the remembered grants of a released actor or of closed episodes (their tickets are gone), and
+        cancel their held requests: a grant made later would be a credit nobody uses until its lease ends."""
         gone = [k for k, (a, _) in self._granted.items() if a == actor or k[0] in episodes]
         for k in gone:
             del self._granted[k]
+        for k, (a, scope) in list(self._holds.items()):
+            if a == actor or k[0] in episodes:
+                scope.cancel()
+                del self._holds[k]
+                self._pending.pop(k, None)
         return len(gone)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -70,7 +77,11 @@ class CreditServer:
                     tg.start_soon(self._hold, key, rec)
 
     async def _hold(self, key: tuple[str, int], rec: CreditRequest) -> None:
-        grant = await self.gate.acquire(rec.actor, rec.episode, 1, rec.turn)
+        with anyio.CancelScope() as scope:
+            self._holds[key] = (rec.actor, scope)
+            grant = await self.gate.acquire(rec.actor, rec.episode, 1, rec.turn)
+        if scope.cancel_called or self._holds.pop(key, None) is None:
+            return  # its actor was released or its episode closed: no reply (the actor, if alive, asks again)
         if rec.turn >= 0:
             self._granted[key] = (rec.actor, grant)
         req = self._pending.pop(key)

@@ -125,3 +125,14 @@ def read_step_log(path: Path, upto_version: int | None = None) -> dict[int, dict
             del steps[old]
         steps[v] = rec
     return {v: r for v, r in steps.items() if upto_version is None or v < upto_version}
+
+
+def trained_counts(run_dir: Path, upto_version: int) -> tuple[dict[int, dict], dict[Key, int]]:
+    """The counted steps of a run (``read_step_log``) and how many of them trained each (episode, turn): the
+    exactly-once check reads this, not ``LearnerState``."""
+    steps = read_step_log(run_dir / "learner" / "steps.jsonl", upto_version)
+    counts: dict[Key, int] = {}
+    for rec in steps.values():
+        for ep, t in rec["turns"]:
+            counts[(ep, int(t))] = counts.get((ep, int(t)), 0) + 1
+    return steps, counts
