@@ -70,9 +70,11 @@ def _yaml_block(text: str, indent: str = "  ") -> str:
     return "|-\n" + "\n".join(indent + ln if ln else "" for ln in text.splitlines())
 
 
-def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 600.0,
+def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 3600.0,
                test_timeout_s: float = 60.0) -> Path:
-    """Write one task directory ``out/tid`` (replacing any old one) and return its path."""
+    """Write one task directory ``out/tid`` (replacing any old one) and return its path. The agent timeout
+    leaves room for a 300+-turn episode: in a default ``cluster up`` on a loaded 2-core box (8 episodes sharing
+    the embedded sampler and the learner) an episode ran 0.26 turns/s, so 320 turns take ~20 min."""
     d = out / tid
     if d.exists():
         shutil.rmtree(d)
