@@ -1,8 +1,5 @@
-"""The learner's command line.
+"""The learner's command line: ``serve`` (the RL learner service) and ``sft`` (the warm start)."""
 
-    python -m t1async.learner sft --synth 64 --steps 300 --out runs/sft
-    python -m t1async.learner sft --tasks path/to/tasks --steps 300 --out runs/sft --model path/to/model
-"""
 
 from __future__ import annotations
 
@@ -12,6 +9,16 @@ import sys
 from pathlib import Path
 
 from t1async.errors import T1Error
+
+SFT_HELP = """\
+Warm start: supervised fine-tuning on oracle demonstrations. Runs each task's oracle solution in the
+sandbox, keeps the demonstrations whose tests pass, trains on them (next-token loss on the agent's reply
+tokens) and writes a model directory the sampler and the learner can load.
+
+examples:
+  python -m t1async.learner sft --synth 64 --steps 300 --out runs/sft
+  python -m t1async.learner sft --tasks path/to/tasks --steps 300 --out runs/sft --model path/to/model
+"""
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -39,19 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m t1async.learner", description="t1async learner commands")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sft", help="warm-start SFT on oracle demonstrations; writes a model directory",
-                       description=__doc__)  # fmt: skip
+                       description=SFT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--tasks", help="a directory of task directories (Terminal-Bench 1 or 2 format)")
     src.add_argument("--synth", type=int, help="generate this many synthetic tasks (sandbox_agent.synth)")
     s.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
     s.add_argument("--out", required=True, help="output model directory (loadable by the sampler)")
     s.add_argument("--model", default=None, help="starting model directory (default: the shipped embedded model)")
-    s.add_argument("--lr", type=float, default=1e-3)
+    s.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     s.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per step")
     s.add_argument("--max-len", type=int, default=4096, help="truncate demonstrations to this many tokens")
     s.add_argument("--concurrency", type=int, default=2, help="oracle runs in parallel")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed for the synthetic tasks (--synth) and the batch order (default 0)")
     s.add_argument("--json", action="store_true", help="print the summary as JSON on the last stdout line")
     from t1async.learner import serve_cli
 
