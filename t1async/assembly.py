@@ -82,6 +82,7 @@ class EpisodeAssembler:
         # turns that will never reach a segment, with why ("realign_dropped" or "abandoned"): the learner
         # drains them (Assembler.drain_dropped) to settle their credits (DESIGN §7)
         self.dropped: list[tuple[int, str]] = []
+        self.stop_at: int | None = None  # the learner poisoned this turn: the episode stops before it (stop())
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -103,6 +104,10 @@ class EpisodeAssembler:
         if self.end_record is not None and rec.turn >= self.end_record.turns:
             self.stats.late_turns += 1
             self.log.warning("tito.turn_after_end", episode=self.episode, turn=rec.turn, turns=self.end_record.turns)
+            self.dropped.append((rec.turn, "abandoned"))
+            return []
+        if self.stop_at is not None and rec.turn >= self.stop_at:
+            self.stats.late_turns += 1
             self.dropped.append((rec.turn, "abandoned"))
             return []
         self.seen[rec.turn] = fp
@@ -133,6 +138,24 @@ class EpisodeAssembler:
         self.stats.late_turns += len(late)
         return self._maybe_finish()
 
+    def stop(self, turns: int) -> list[Segment]:
+        """The learner poisoned turn ``turns`` (DESIGN §7): the episode stops before it. Later turns are
+        dropped (``abandoned``); the turns before it are returned once all have arrived, as a cut
+        (``done=False``: the episode did not end there). If the episode was assembled past ``turns`` (a step
+        failed on those turns), its open segment is dropped, unreturned."""
+        if self.finished:
+            return []
+        self.stop_at = turns if self.stop_at is None else min(self.stop_at, turns)
+        late = [t for t in self.pending if t >= self.stop_at]
+        for t in late:
+            del self.pending[t]
+            self.dropped.append((t, "abandoned"))
+        self.stats.late_turns += len(late)
+        if self.next_turn > self.stop_at:
+            self.builder, self.finished = None, True
+            return []
+        return self._maybe_finish()
+
     def cut(self) -> list[Segment]:
         if self.builder is None or self.finished:
             return []
@@ -156,6 +179,12 @@ class EpisodeAssembler:
         return self._count([b.emit(self.episode, self.index, done=done, copy=False)])
 
     def _maybe_finish(self) -> list[Segment]:
+        stop = self.stop_at
+        if not self.finished and stop is not None and self.next_turn >= stop and (
+            self.end_record is None or self.end_record.turns > stop
+        ):
+            self.finished = True
+            return self._close(done=False)
         if self.finished or self.end_record is None or self.next_turn < self.end_record.turns:
             return []
         self.finished = True
@@ -229,7 +258,7 @@ class EpisodeAssembler:
         if rerouted:
             st.route_forks += 1
             st.rerouted_rows += rerouted
-            self.log.info("tito.route_fork", episode=self.episode, turn=rec.turn, rerouted_rows=rerouted,
+            self.log.debug("tito.route_fork", episode=self.episode, turn=rec.turn, rerouted_rows=rerouted,
                           routing_start=rec.routing.start if rec.routing else None, context=b.n)  # fmt: skip
             b, out = self._fork(b, rec, b.n, chk.input_len)  # b.n: S_k, or its shared part after a REALIGN
         assert b.n == chk.input_len, (b.n, chk.input_len)
@@ -322,6 +351,15 @@ class Assembler:
         if isinstance(rec, wire.EndRecord):
             return self.end(rec)
         return []
+
+    def stop(self, episode: str, turns: int) -> list[Segment]:
+        """End ``episode`` before turn ``turns`` (the learner poisoned that turn): see ``EpisodeAssembler.stop``."""
+        ep = self._episode(episode)
+        if ep is None:
+            return []
+        out = ep.stop(turns)
+        self._retire(ep)
+        return out
 
     def drain_dropped(self, episode: str | None = None) -> list[tuple[str, int, str]]:
         """(episode, turn, reason) of turns that will never reach a segment since the last drain: a REALIGN
