@@ -54,8 +54,10 @@ def test_figures_over_nothing_are_dashes_not_zeros():
     view = RunView("runs/x", "nats://h:1", [])
     out = text(view)
     assert "waiting for their first metrics" in out and "bottleneck: –" in out and "0.00" not in out
-    view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "reward_mean": 0.0, "resolved_rate": 0.0})
+    view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "reward_mean": 0.0, "resolved_rate": 0.0,
+                                                 "turns_trained": 0, "max_staleness": 0, "eta": 1})  # fmt: skip
     out = text(view)
+    assert f"staleness max {DASH} (η 1)" in out, "no maximum over no trained token"
     assert f"reward {DASH} resolved {DASH} (0 ended)" in out and "reward 0.00" not in out
     assert f"mismatch {DASH} shift {DASH}" in out and f"settled {DASH}" in out
     assert f"reward {DASH} resolved {DASH}" in plain_line(view)

@@ -197,6 +197,11 @@ def _over(v: dict[str, Any], key: str, count: str) -> Any:
     return v.get(key) if isinstance(v.get(count), int) and v[count] > 0 else None
 
 
+def _trained(v: dict[str, Any], key: str) -> Any:
+    """``v[key]``, or None before the learner trained anything (a maximum over nothing)."""
+    return v.get(key) if int(v.get("turns_trained", 0) or 0) > 0 else None
+
+
 def _mismatch(v: dict[str, Any]) -> str:
     mm, ps = _over(v, "mismatch", "mismatch_tokens"), _over(v, "policy_shift", "policy_shift_tokens")
     return f"mismatch {fmt(mm, '.4f')} shift {fmt(ps, '.4f')}"
@@ -255,7 +260,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         drift = v.get("drift") or {}
         drift_s = "/".join(str(drift.get(k, 0)) for k in ("clean", "realign", "fork")) if drift else DASH
         out.append(("", f"reward {fmt(reward)} resolved {fmt(resolved, '.0%')} ({ended} ended) | "
-                        f"staleness max {fmt(v.get('max_staleness'), 'd')} (η {v.get('eta', DASH)}) | "
+                        f"staleness max {fmt(_trained(v, 'max_staleness'), 'd')} (η {v.get('eta', DASH)}) | "
                         f"drift c/r/f {drift_s} | {_mismatch(v)} | {_settled(v)}"))  # fmt: skip
     # NATS
     rate, bps = view.traj.rate("msgs"), view.traj.rate("bytes")
@@ -263,7 +268,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
                         f"{fmt(None if bps is None else bps / 1024, '.1f')} KiB/s"))  # fmt: skip
     e = view.eval
     if e is None:
-        out.append(("eval", DASH))
+        out.append(("eval", f"{DASH} (no evaluator reports on t1.metrics.eval)"))
     else:
         shown = " ".join(f"{k} {fmt(x, '.3g') if not isinstance(x, int) else x}" for k, x in sorted(e.items())
                          if isinstance(x, (int, float)) and not isinstance(x, bool))  # fmt: skip
@@ -298,7 +303,7 @@ def plain_line(view: RunView) -> str:
         f"sampler busy {fmt(view.sampler_busy(), '.0%')}",
         f"step {step}",
         f"reward {fmt(v.get('reward_mean') if ended else None)} resolved {fmt(v.get('resolved_rate') if ended else None, '.0%')}",
-        f"stale {fmt(v.get('max_staleness'), 'd')}/η {v.get('eta', DASH)}",
+        f"stale {fmt(_trained(v, 'max_staleness'), 'd')}/η {v.get('eta', DASH)}",
         f"mismatch {fmt(_over(v, 'mismatch', 'mismatch_tokens'), '.4f')}",
         f"limit: {view.bottleneck(short=True)}",
     ]  # fmt: skip

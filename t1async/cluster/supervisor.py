@@ -196,7 +196,7 @@ class Supervisor:
                 else:
                     from t1async.cluster.progress import setup_bar, watch_log_steps
 
-                    with setup_bar(f"{job.name} ({job.progress_event})", job.progress_total) as bar:
+                    with setup_bar(f"{job.name}: steps", job.progress_total) as bar:
                         async with anyio.create_task_group() as tg:
                             tg.start_soon(watch_log_steps, path, job.progress_event, bar)
                             await proc.wait()
