@@ -3,7 +3,8 @@
 How it is put together (the host must be root; the reason is the uid, see below)::
 
     bwrap --args FD (root, privileged mode: no user namespace)   ← our child, own session
-      --unshare-ipc/pid/net/uts/cgroup  --die-with-parent --new-session
+      --unshare-ipc/pid/net/uts/cgroup  --die-with-parent --new-session   (forked by spawn.py's one
+                                                                         long-lived thread: see there)
       / = empty tmpfs, remounted read-only; /usr ro (+ /bin /lib /lib64 /sbin symlinks); a minimal /etc
       (generated passwd/group/hosts/hostname + ld.so.cache, alternatives, python3*...; no shadow);
       /proc; /dev (+ a small /dev/shm); /tmp tmpfs of tmp_size_bytes; the work dir rw at /workspace;
@@ -43,13 +44,10 @@ import signal
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from subprocess import PIPE
 from typing import AsyncIterator
 
 import anyio
 import structlog
-from anyio.abc import Process
-
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
     ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
@@ -57,13 +55,14 @@ from sandbox_agent.sandbox.base import (
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
 from sandbox_agent.sandbox.shell import Done, ShellChannel, ShellEOF
+from sandbox_agent.sandbox.spawn import HostProcess, spawn
 
 log = structlog.get_logger("sandbox_agent.sandbox")
 
 class _Session:
     """One running bwrap + shell."""
 
-    def __init__(self, proc: Process, channel: ShellChannel) -> None:
+    def __init__(self, proc: HostProcess, channel: ShellChannel) -> None:
         self.proc, self.channel = proc, channel
         self.shell_pid: int | None = None  # host pid of the persistent bash (for its abort signal)
         self.init_pid: int | None = None  # host pid of the sandbox's pid-1 (bwrap's reaper)
@@ -125,9 +124,8 @@ class BwrapSandbox:
         options, command = build_argv(self.config, self.workdir, self.uid, data_fds)
         args_fd = memfd("bwrap-args", "".join(a + "\0" for a in options))
         try:
-            proc = await anyio.open_process(
-                [self._bwrap, "--args", str(args_fd), "--", *command], stdin=PIPE, stdout=PIPE, stderr=PIPE,
-                pass_fds=(args_fd, *data_fds.values()), start_new_session=True)
+            proc = await spawn([self._bwrap, "--args", str(args_fd), "--", *command],
+                               pass_fds=(args_fd, *data_fds.values()), start_new_session=True)
         except OSError as exc:
             raise SandboxStartError(f"could not run {self._bwrap!r}: {exc}") from exc
         finally:

@@ -1,0 +1,217 @@
+"""Start a sandbox's host process from one thread that lives as long as the Python process.
+
+Why. bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and Linux sends that signal when the *thread*
+that forked the child exits, not when its process does. Under trio, ``anyio.open_process`` forks from a
+worker thread of trio's cache, and an idle worker exits after 10 s: every sandbox it had started was then
+SIGKILLed ten seconds into any idle gap (issue 9). So every sandbox is forked here, by one dedicated
+thread that never returns (a daemon thread blocked on its queue): the death signal then fires only when
+the process itself dies, which is exactly the guard we want (a SIGKILLed actor takes its sandboxes down,
+since the kernel ends the thread with the process).
+
+``spawn()`` returns a ``HostProcess``: the subset of ``anyio.abc.Process`` the sandboxes use, over raw
+non-blocking pipes (``FdSendStream``/``FdReceiveStream``) and a pidfd for ``wait()``, so it works the
+same under trio and asyncio, whichever thread the event loop runs in.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import ByteReceiveStream, ByteSendStream
+
+_CHUNK = 1 << 16
+
+
+class _Spawner:
+    """One thread that runs submitted callables, forever. Never joined: it must outlive every child."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="t1-sandbox-spawner", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # handed to the waiting caller
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _forget_spawner() -> None:  # a forked child has no copy of the thread: it makes its own on demand
+    global _spawner
+    _spawner = None
+
+
+os.register_at_fork(after_in_child=_forget_spawner)
+
+
+def spawner_thread() -> threading.Thread:
+    """The dedicated thread (started on first use)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+        return _spawner.thread
+
+
+class FdReceiveStream(ByteReceiveStream):
+    """The read end of a pipe, non-blocking, as an anyio byte stream."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd: int | None = fd
+
+    async def receive(self, max_bytes: int = _CHUNK) -> bytes:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self.fd is None:
+                raise anyio.ClosedResourceError
+            try:
+                data = os.read(self.fd, max_bytes)
+            except BlockingIOError:
+                await anyio.wait_readable(self.fd)
+                continue
+            except OSError as exc:
+                raise anyio.BrokenResourceError from exc
+            if not data:
+                raise anyio.EndOfStream
+            return data
+
+    async def aclose(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            anyio.notify_closing(fd)
+            os.close(fd)
+        await anyio.lowlevel.checkpoint()
+
+
+class FdSendStream(ByteSendStream):
+    """The write end of a pipe, non-blocking, as an anyio byte stream."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd: int | None = fd
+
+    async def send(self, item: bytes) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        view = memoryview(item)
+        while view:
+            if self.fd is None:
+                raise anyio.ClosedResourceError
+            try:
+                n = os.write(self.fd, view)
+            except BlockingIOError:
+                await anyio.wait_writable(self.fd)
+                continue
+            except OSError as exc:  # EPIPE: the reader is gone
+                raise anyio.BrokenResourceError from exc
+            view = view[n:]
+
+    async def aclose(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            anyio.notify_closing(fd)
+            os.close(fd)
+        await anyio.lowlevel.checkpoint()
+
+
+class HostProcess:
+    """A child started by ``spawn``: pipes, ``returncode``, ``wait``, ``kill``, ``aclose``."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], pidfd: int, stdin: int, stdout: int, stderr: int) -> None:
+        self._popen, self._pidfd = popen, pidfd
+        self.pid = popen.pid
+        self.stdin = FdSendStream(stdin)
+        self.stdout = FdReceiveStream(stdout)
+        self.stderr = FdReceiveStream(stderr)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        while self._popen.poll() is None:
+            await anyio.wait_readable(self._pidfd)  # a pidfd reads ready once the process has exited
+        rc = self._popen.returncode
+        assert rc is not None
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        if self._popen.poll() is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    async def aclose(self) -> None:
+        """Close the pipes and wait for the process (the caller has made it exit, or will)."""
+        with anyio.CancelScope(shield=True):
+            for s in (self.stdin, self.stdout, self.stderr):
+                await s.aclose()
+            await self.wait()
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+
+
+def _popen(argv: Sequence[str], pass_fds: Sequence[int], start_new_session: bool,
+           env: dict[str, str] | None) -> HostProcess:
+    ours: list[int] = []
+    theirs: list[int] = []
+    try:
+        for _ in range(3):
+            r, w = os.pipe2(os.O_CLOEXEC)
+            ours.append(r)
+            theirs.append(w)
+        ours[0], theirs[0] = theirs[0], ours[0]  # stdin: the child reads, we write
+        popen = subprocess.Popen(list(argv), stdin=theirs[0], stdout=theirs[1], stderr=theirs[2],
+                                 pass_fds=tuple(pass_fds), start_new_session=start_new_session, env=env)
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    pidfd = os.pidfd_open(popen.pid)  # nobody else reaps it, so this is our child
+    return HostProcess(popen, pidfd, *ours)
+
+
+async def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = (), start_new_session: bool = True,
+                env: dict[str, str] | None = None) -> HostProcess:
+    """Start ``argv`` with piped stdin/stdout/stderr, forked by the dedicated spawner thread.
+
+    Raises OSError if it cannot be executed. The call blocks only a worker thread while the spawner forks.
+    """
+    spawner_thread()
+    assert _spawner is not None
+    fut = _spawner.submit(lambda: _popen(argv, pass_fds, start_new_session, env))
+    return await anyio.to_thread.run_sync(fut.result)
