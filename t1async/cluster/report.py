@@ -67,7 +67,7 @@ def _rate(points: list[tuple[float, float]], window_s: float = 30.0) -> tuple[li
     """Rate of a cumulative counter over a trailing window, at each point."""
     ts, rs = [], []
     j = 0
-    for i, (t, v) in enumerate(points):
+    for t, v in points:
         while points[j][0] < t - window_s:
             j += 1
         t_a, v_a = points[j]
