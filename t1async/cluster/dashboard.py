@@ -197,6 +197,14 @@ def _over(v: dict[str, Any], key: str, count: str) -> Any:
     return v.get(key) if isinstance(v.get(count), int) and v[count] > 0 else None
 
 
+def _learner_state(v: dict[str, Any]) -> str:
+    if v.get("training") is True:
+        return "training"
+    if isinstance(v.get("untrained_turns"), int):
+        return f"waiting ({v['untrained_turns']} turns in hand)"
+    return ""
+
+
 def _trained(v: dict[str, Any], key: str) -> Any:
     """``v[key]``, or None before the learner trained anything (a maximum over nothing)."""
     return v.get(key) if int(v.get("turns_trained", 0) or 0) > 0 else None
@@ -250,7 +258,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         step_s = v.get("t_step_wall_s")
         where = DASH if split is None else " ".join(f"{k} {x:.1f}s" for k, x in split.items())
         busy = view.learner_busy()
-        out.append(("learner", f"policy v{v.get('version', 0)} step {v.get('step', 0)} | "
+        out.append(("learner", f"policy v{v.get('version', 0)} step {v.get('step', 0)} {_learner_state(v)} | "
                                f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
                                f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
                                f"busy {fmt(busy, '.0%')}"))  # fmt: skip

@@ -340,6 +340,7 @@ class Learner:
             "compactions": int(drift.get("compactions", 0)),  # context-policy compactions (FORKs by construction)
             "drift_detail": {k: v for k, v in drift.items() if isinstance(v, (int, float))},
             "episodes_ended": len(ended),
+            "training": bool(self.credits.training),  # a step is running now (the dashboard's learner state)
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.journal.size_bytes(),
             "journal_segments": self.journal.segments,
