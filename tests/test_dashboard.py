@@ -132,3 +132,19 @@ async def test_show_progress_writes_metrics_and_plain_lines_from_a_real_nats(nat
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {r["component"] for r in recs} == {"learner", "actor"}
     assert any(r["subject"] == "t1.metrics.actor.a0" and r["slots"] == 4 for r in recs)
+
+
+async def test_the_nats_line_shows_the_servers_health(nats_server):
+    from t1async.cluster.progress import _poll_nats_health
+    from t1async.natsd import free_port
+
+    view = RunView("r", nats_server.url, [])
+    for url, want in ((nats_server.monitor_url, "healthy"),
+                      (f"http://127.0.0.1:{free_port()}", "monitor unreachable (ConnectError)")):  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_poll_nats_health, view, url, 0.1)  # runs until cancelled
+            with anyio.fail_after(20):
+                while view.nats_state != want:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    assert f"{nats_server.url} monitor unreachable (ConnectError)" in text(view)

@@ -55,6 +55,18 @@ async def _poll_samplers(view: RunView, every_s: float) -> None:
             await anyio.sleep(every_s)
 
 
+async def _poll_nats_health(view: RunView, monitor_url: str, every_s: float) -> None:
+    """The embedded nats-server's /healthz (JetStream included), as the NATS line's state."""
+    async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
+        while True:
+            try:
+                resp = await client.get(f"{monitor_url}/healthz?js-enabled-only=true")
+                view.nats_state = "healthy" if resp.status_code == 200 else f"unhealthy (HTTP {resp.status_code})"
+            except httpx.HTTPError as exc:
+                view.nats_state = f"monitor unreachable ({type(exc).__name__})"
+            await anyio.sleep(every_s)
+
+
 async def _watch_metrics(t: NatsTransport, view: RunView, sink: IO[str]) -> None:
     async with t.subscribe("t1.metrics.>") as msgs:
         async for m in msgs:
@@ -87,6 +99,9 @@ async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[
             tg.start_soon(_watch_traj, t, view)
             if view.samplers:
                 tg.start_soon(_poll_samplers, view, min(refresh_s * 2, 2.0))
+            monitor = _monitor_url(run_dir)
+            if monitor:
+                tg.start_soon(_poll_nats_health, view, monitor, 5.0)
             if live_mode:
                 console = Console(file=out)
                 with Live(render(view), console=console, refresh_per_second=4, transient=False) as live:
@@ -98,6 +113,17 @@ async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[
                     await anyio.sleep(every_s)
                     out.write(plain_line(view) + "\n")
                     out.flush()
+
+
+def _monitor_url(run_dir: Path) -> str:
+    """The embedded nats-server's monitoring URL from cluster.json ('' for an external NATS or no state)."""
+    from t1async.cluster.state import ClusterState
+    from t1async.errors import ConfigError
+
+    try:
+        return ClusterState.load(run_dir).monitor_url
+    except ConfigError:
+        return ""
 
 
 # ------------------------------------------------------------------------------------------ set-up bars
