@@ -68,6 +68,8 @@ def test_figures_over_nothing_are_dashes_not_zeros():
     out = text(view)
     assert "reward 1.50 resolved 25% (4 ended)" in out and "mismatch 0.0012 shift 0.0310" in out
     assert "step 8.6s: fwd 2.0s bwd 5.0s ckpt 0.5s push 1.0s" in out and "settled expired 1 trained 7" in out
+    view.on_metrics("learner", "learner", 3, 3, learner(3, settled={"trained": 0, "poisoned": 0}))
+    assert "settled 0" in text(view), "reasons with no turns are left out"
     view.on_metrics("learner", "learner", 3, 3, learner(3, training=True))
     assert "policy v3 step 3 training |" in text(view)
     view.on_metrics("learner", "learner", 3, 3, learner(3, training=False, untrained_turns=5))

@@ -218,7 +218,8 @@ def _mismatch(v: dict[str, Any]) -> str:
 def _settled(v: dict[str, Any]) -> str:
     s = v.get("settled")
     if isinstance(s, dict) and s:
-        return "settled " + " ".join(f"{k} {n}" for k, n in sorted(s.items()))
+        shown = [f"{k} {n}" for k, n in sorted(s.items()) if n]
+        return "settled " + (" ".join(shown) if shown else "0")
     return f"settled {fmt(s, 'd')}"
 
 
