@@ -14,6 +14,7 @@ from typing import AsyncContextManager, Callable, Protocol
 
 import anyio
 
+from sandbox_agent import dockerfile
 from sandbox_agent.sandbox import BwrapSandbox, Sandbox, SandboxConfig
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.tasks import Task, TaskNeedsImage
@@ -42,7 +43,8 @@ class SandboxBackend(Protocol):
 
 def require_backend(task: Task, backend: SandboxBackend) -> None:
     if not backend.supports(task):
-        raise TaskNeedsImage(task, backend.name)
+        why = getattr(backend, "refusal", lambda t: None)(task)
+        raise TaskNeedsImage(task, backend.name, why)
 
 
 @dataclasses.dataclass
@@ -53,7 +55,16 @@ class BwrapBackend:
     name: str = "bwrap"
 
     def supports(self, task: Task) -> bool:
-        return task.docker_image is None
+        return self.refusal(task) is None
+
+    def refusal(self, task: Task) -> str | None:
+        """Why this backend cannot run ``task`` exactly (None: it can)."""
+        if task.docker_image is None:
+            return None
+        p = dockerfile.plan(task)
+        if p is None:
+            return f"it names image {task.docker_image!r}"
+        return p.refusal
 
     def open(
         self,
@@ -67,7 +78,19 @@ class BwrapBackend:
         cfg = config or self.config
         if ro_binds:
             cfg = dataclasses.replace(cfg, extra_ro_binds=tuple(cfg.extra_ro_binds) + tuple(ro_binds))
+        p = dockerfile.plan(task)
+        if p is not None:  # the Dockerfile subset: WORKDIR, ENV, COPY outside the work dir
+            rw = tuple((str(host), inside) for inside, host in dockerfile.mounts(p, Path(workdir)).items())
+            cfg = dataclasses.replace(
+                cfg, workdir_mount=p.workdir if p.workdir != "/" else cfg.workdir_mount,
+                env=tuple(cfg.env) + p.env, extra_rw_binds=tuple(cfg.extra_rw_binds) + rw)
         return BwrapSandbox.open(workdir, config=cfg)
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        """Stage the task's Dockerfile COPYs (into the work dir and its ``.mnt`` dirs) before the episode."""
+        p = dockerfile.plan(task)
+        if p is not None:
+            dockerfile.stage(p, Path(workdir))
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         # every BwrapSandbox session chowns the work dir to its own uid; hand it back to the agent's

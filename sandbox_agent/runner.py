@@ -49,6 +49,9 @@ async def prepared_workdir(
     wd = Path(tempfile.mkdtemp(prefix=f"t1w-{_safe(task.id)}-", dir=work_root))
     try:
         populate_workdir(task, wd)
+        prepare = getattr(backend, "prepare", None)
+        if prepare is not None:  # the task's Dockerfile COPYs (bwrap), or nothing (an image has them)
+            await anyio.to_thread.run_sync(prepare, task, wd)
         if task.setup_script is not None:
             with tempfile.TemporaryDirectory(prefix="t1s-") as tmp:
                 shutil.copy2(task.setup_script, Path(tmp) / "setup.sh")
@@ -64,6 +67,7 @@ async def prepared_workdir(
     finally:
         if not keep:
             shutil.rmtree(wd, ignore_errors=True)
+            shutil.rmtree(f"{wd}.mnt", ignore_errors=True)
 
 
 def _safe(s: str) -> str:

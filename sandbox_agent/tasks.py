@@ -55,11 +55,13 @@ class TaskFormatError(ConfigError):
 class TaskNeedsImage(T1Error):
     """The task needs its own container image, and the chosen backend cannot provide one."""
 
-    def __init__(self, task: "Task", backend: str) -> None:
+    def __init__(self, task: "Task", backend: str, why: str | None = None) -> None:
         super().__init__(
             f"task {task.id!r} needs image {task.docker_image!r}; no container backend is available "
-            f"(backend {backend!r} runs only tasks with the default environment). Pick a task without "
-            f"a Dockerfile/docker_image, or run it with a container backend."
+            f"(backend {backend!r} runs only tasks with the default environment"
+            + (f"; bwrap cannot reproduce {why}" if why else "")
+            + "). Pick a task without a Dockerfile/docker_image, or run it with a container backend "
+            "(--backend container; install podman: apt-get install -y podman runc)."
         )
         self.task_id = task.id
         self.image = task.docker_image
@@ -301,8 +303,11 @@ def _test_files(tests_dir: Path) -> tuple[str, ...]:
 
 
 def populate_workdir(task: Task, workdir: Path) -> None:
-    """Copy the task's ``environment/`` files (not its Dockerfile) into ``workdir`` (which must exist)."""
-    if task.environment_dir is None:
+    """Copy the task's ``environment/`` files (not its Dockerfile) into ``workdir`` (which must exist).
+
+    A task with a Dockerfile gets exactly what its Dockerfile COPYs instead (the backend's ``prepare``):
+    ``environment/`` is then its build context, not a list of inputs."""
+    if task.environment_dir is None or (task.docker_image or "").startswith("dockerfile:"):
         return
     for src in sorted(task.environment_dir.iterdir()):
         if src.name in _NOT_COPIED:

@@ -73,20 +73,30 @@ def test_split_is_deterministic_and_roughly_ten_percent():
     assert 120 < splits.count("eval") < 280
 
 
-def test_populate_workdir_copies_environment_but_not_dockerfile(tmp_path):
+def test_populate_workdir_copies_environment_files(tmp_path):
     src = tmp_path / "task"
     shutil.copytree(FIXTURES / "tb2" / "word-count", src)
-    (src / "environment" / "Dockerfile").write_text("FROM scratch\n")
     (src / "environment" / "sub").mkdir()
     (src / "environment" / "sub" / "run.sh").write_text("echo hi\n")
     (src / "environment" / "sub" / "run.sh").chmod(0o750)
     wd = tmp_path / "wd"
     wd.mkdir()
     t = load_task(src)
-    assert t.docker_image is not None  # an environment/Dockerfile means its own image
     populate_workdir(t, wd)
     assert sorted(p.name for p in wd.iterdir()) == ["poem.txt", "sub"]
     assert (wd / "sub" / "run.sh").stat().st_mode & 0o777 == 0o750
+
+
+def test_with_a_dockerfile_environment_is_the_build_context_and_nothing_is_copied(tmp_path):
+    src = tmp_path / "task"
+    shutil.copytree(FIXTURES / "tb2" / "word-count", src)
+    (src / "environment" / "Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\n")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    t = load_task(src)
+    assert t.docker_image is not None  # an environment/Dockerfile means its own image
+    populate_workdir(t, wd)
+    assert list(wd.iterdir()) == []  # only what the Dockerfile COPYs (none here) reaches the work dir
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,12 @@ class SandboxConfig:
     tmp_size_bytes: int = 256 << 20  # size of the private /tmp tmpfs (and, capped at 64 MiB, of /dev/shm)
     base_uid: int = 20000  # slot k runs as uid base_uid + k
     extra_ro_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-only
+    # A task's Dockerfile subset (sandbox_agent.dockerfile): where the work dir appears (its WORKDIR, e.g.
+    # /app; the shell starts there), its ENV, and dirs its COPY put outside the work dir (read-write).
+    workdir_mount: str = SANDBOX_WORKDIR
+    env: tuple[tuple[str, str], ...] = ()
+    extra_rw_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-write
+    python_link: bool = True  # a `python` -> python3 on PATH when the host has no `python`
     # Not part of the first contract; defaults are what you want.
     bwrap_path: str = "bwrap"  # a name looked up on PATH, or an absolute path
     kill_grace_s: float = 1.0  # SIGTERM -> SIGKILL grace for a timed-out command
@@ -86,16 +92,31 @@ class SandboxConfig:
                               f"got {self.open_files}")
         if not 1000 <= self.base_uid <= 2**31 - 1 - self.max_slots:
             raise ConfigError(f"SandboxConfig.base_uid must be an unused uid >= 1000, got {self.base_uid}")
+        for what in ("extra_ro_binds", "extra_rw_binds", "env"):
+            for pair in getattr(self, what):
+                if len(pair) != 2 or not all(isinstance(p, str) for p in pair):
+                    raise ConfigError(f"SandboxConfig.{what} entries must be pairs of strings, got {pair!r}")
         for pair in self.extra_ro_binds:
-            if len(pair) != 2 or not all(isinstance(p, str) for p in pair):
-                raise ConfigError(f"SandboxConfig.extra_ro_binds entries must be (host, sandbox) strings, got {pair!r}")
             if not posixpath.isabs(pair[1]) or posixpath.normpath(pair[1]) in _RESERVED:
                 raise ConfigError(f"extra_ro_binds sandbox path {pair[1]!r} must be absolute and not one of "
                                   f"{sorted(_RESERVED)}")
+        for pair in self.extra_rw_binds:
+            if not posixpath.isabs(pair[1]) or _reserved(posixpath.normpath(pair[1])):
+                raise ConfigError(f"extra_rw_binds sandbox path {pair[1]!r} must be absolute and not one of "
+                                  f"{sorted(_RESERVED)} (nor below /usr, /proc, /dev, /etc)")
+        m = self.workdir_mount
+        if m != SANDBOX_WORKDIR and (not posixpath.isabs(m) or posixpath.normpath(m) != m or _reserved(m)):
+            raise ConfigError(f"SandboxConfig.workdir_mount {m!r} must be a normalised absolute path, not one of "
+                              f"{sorted(_RESERVED)} nor below /usr, /proc, /dev, /etc (a Dockerfile WORKDIR there "
+                              f"needs a container backend)")
 
 
 _RESERVED = frozenset({"/", "/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc", "/proc", "/dev", "/tmp",
                        SANDBOX_WORKDIR})
+
+
+def _reserved(path: str) -> bool:
+    return path in _RESERVED or path.startswith(("/usr/", "/proc/", "/dev/", "/etc/", "/bin/", "/lib/", "/sbin/"))
 
 
 @runtime_checkable

@@ -110,7 +110,8 @@ class BwrapSandbox:
         held = procs.slot_pool(config.base_uid, config.max_slots, config.slot_lock_dir).acquire(slot)
         sb = cls(workdir, config, held, bwrap)
         try:
-            await anyio.to_thread.run_sync(chown_tree, workdir, sb.uid, sb.uid)
+            for d in (workdir, *(Path(host) for host, _ in config.extra_rw_binds)):
+                await anyio.to_thread.run_sync(chown_tree, d, sb.uid, sb.uid)
             await sb._start()
             yield sb
         finally:

@@ -12,13 +12,14 @@ import shutil
 import stat
 from pathlib import Path
 
-from sandbox_agent.sandbox.base import SANDBOX_WORKDIR, SandboxConfig, SandboxStartError
+from sandbox_agent.sandbox.base import SandboxConfig, SandboxStartError
 from sandbox_agent.sandbox.shell import DRIVER
 
 _ETC_FROM_HOST = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
                   "python3", "python3.11", "python3.12", "python3.13", "mime.types", "protocols", "services",
                   "nsswitch.conf", "bash.bashrc", "inputrc", "magic", "magic.mime")
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_LINKS = "/.t1/bin"  # on the sandbox's own root (tmpfs), after /usr/bin on PATH
 
 
 def memfd(name: str, data: str) -> int:
@@ -52,13 +53,22 @@ def build_argv(cfg: SandboxConfig, workdir: Path, uid: int, data_fds: dict[str, 
     a += ["--proc", "/proc", "--dev", "/dev",
           "--perms", "1777", "--size", str(min(cfg.tmp_size_bytes, 64 << 20)), "--tmpfs", "/dev/shm",
           "--perms", "1777", "--size", str(cfg.tmp_size_bytes), "--tmpfs", "/tmp",
-          "--bind", str(workdir), SANDBOX_WORKDIR]
+          "--bind", str(workdir), cfg.workdir_mount]
+    for host, inside in cfg.extra_rw_binds:
+        a += ["--bind", host, inside]
     for host, inside in cfg.extra_ro_binds:
         a += ["--ro-bind", host, inside]
-    a += ["--remount-ro", "/", "--chdir", SANDBOX_WORKDIR, "--clearenv",
-          "--setenv", "PATH", _PATH, "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+    path = dict(cfg.env).get("PATH", _PATH)  # a task's Dockerfile ENV PATH replaces the default
+    if cfg.python_link and not os.path.exists("/usr/bin/python") and os.path.exists("/usr/bin/python3"):
+        a += ["--dir", _LINKS, "--symlink", "/usr/bin/python3", f"{_LINKS}/python"]  # python:3 images have one
+        path += ":" + _LINKS
+    a += ["--remount-ro", "/", "--chdir", cfg.workdir_mount, "--clearenv",
+          "--setenv", "PATH", path, "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
           "--setenv", "TERM", "dumb", "--setenv", "USER", "agent", "--setenv", "LOGNAME", "agent",
           "--cap-add", "CAP_SETUID,CAP_SETGID,CAP_SETPCAP"]
+    for k, v in cfg.env:  # a task's Dockerfile ENV
+        if k != "PATH":
+            a += ["--setenv", k, v]
     command = ["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
           "--bounding-set=-all", "--no-new-privs", "--",
           "/usr/bin/prlimit", *(f"--{k}={v}:{v}" for k, v in (

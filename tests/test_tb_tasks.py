@@ -1,0 +1,65 @@
+"""Published-layout Terminal-Bench tasks (tests/tb_tasks) on the bwrap backend: the Dockerfile subset it
+honours exactly (WORKDIR, COPY, ENV, python -> python3), and a clear refusal for anything else (RUN)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandbox_agent.backend import BwrapBackend
+from sandbox_agent.dockerfile import plan_text
+from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
+from sandbox_agent.tasks import TaskNeedsImage, load_task
+
+TB = Path(__file__).resolve().parent / "tb_tasks"
+
+
+@pytest.mark.parametrize("task_dir", ["tb1/log-summary", "tb2/csv-stats"])
+async def test_published_task_resolves_with_its_oracle_and_not_with_nothing_under_bwrap(task_dir: str) -> None:
+    task = load_task(TB / task_dir)
+    assert task.docker_image and task.docker_image.startswith("dockerfile:")
+    assert BwrapBackend().supports(task)
+    oracle = await run_policy(task, OracleAgent())
+    assert oracle.act is not None and oracle.act.exit_code == 0, oracle.act
+    assert oracle.verify.status == "ok" and oracle.verify.resolved, oracle.verify
+    null = await run_policy(task, NullAgent())
+    assert null.verify.status == "ok" and null.verify.passed == 0 and not null.verify.resolved, null.verify
+
+
+@pytest.mark.parametrize("task_dir, line", [("tb1/jq-query", "Dockerfile:3: RUN apt-get update"),
+                                            ("tb2/gen-data", "Dockerfile:5: RUN mkdir -p /data")])
+async def test_a_run_step_needs_a_container_and_bwrap_says_which_line(task_dir: str, line: str) -> None:
+    task = load_task(TB / task_dir)
+    assert not BwrapBackend().supports(task)
+    with pytest.raises(TaskNeedsImage, match=line) as info:
+        await run_policy(task, OracleAgent())
+    assert "--backend container" in str(info.value)
+
+
+def test_plan_keeps_workdir_env_and_copies_and_expands_variables(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x")
+    (tmp_path / "d").mkdir()
+    p = plan_text(
+        "# comment\nFROM python:3.11-slim\nARG V=1\nWORKDIR /app\nENV A=b PATH=/opt/bin:$PATH\n"
+        "ENV C \"two words\"\nCOPY a.txt ./\nCOPY d/ /data/\nCOPY --chown=1:1 a.txt /srv/x-${V}.txt\n"
+        "CMD [\"bash\"]\n", tmp_path)
+    assert p.refusal is None and p.workdir == "/app" and p.base == "python:3.11-slim"
+    env = dict(p.env)
+    assert env["A"] == "b" and env["PATH"].startswith("/opt/bin:/usr/local/sbin") and env["C"] == "two words"
+    assert [c.dest for c in p.copies] == ["/app/", "/data/", "/srv/x-1.txt"]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("FROM nvidia/cuda:12.4\n", "not one the host"),
+    ("FROM ubuntu:24.04\nRUN true\n", "needs a container backend to run"),
+    ("FROM ubuntu:24.04\nUSER agent\n", "another user"),
+    ("FROM ubuntu:24.04 AS b\nFROM debian\n", "multi-stage"),
+    ("FROM ubuntu:24.04\nCOPY missing.txt /app/\n", "does not exist"),
+    ("FROM ubuntu:24.04\nCOPY a.txt /usr/local/bin/\n", "copying into /usr/local/bin"),
+    ("FROM ubuntu:24.04\nADD https://example.com/x /app/\n", "only local files"),
+])
+def test_plan_refuses_what_bwrap_cannot_reproduce(tmp_path: Path, text: str, why: str) -> None:
+    (tmp_path / "a.txt").write_text("x")
+    p = plan_text(text, tmp_path)
+    assert p.refusal is not None and why in p.refusal, p.refusal
