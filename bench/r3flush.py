@@ -65,7 +65,7 @@ def turn_result(k: int, ids: list[int], r, rows: np.ndarray, start: int) -> Turn
 async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[str, list[list[wire.TurnRecord]]]:
     """Records of every episode, as streamed with the rows the sampler returns (``exact``) and with only the
     rows from the requested start (``old``)."""
-    recs: dict[str, list[list[wire.TurnRecord]]] = {"exact": [[] for _ in range(episodes)], "old": [[] for _ in range(episodes)]}
+    recs: dict[str, list[list[wire.TurnRecord]]] = {name: [[] for _ in range(episodes)] for name in ("exact", "old")}
     encs = {name: [TurnEncoder(f"e{e}") for e in range(episodes)] for name in recs}
     state = {e: (tok.render([{"role": "user", "content": f"task {e}: count the lines of /etc/passwd"}]), 0)
              for e in range(episodes)}  # fmt: skip
@@ -85,8 +85,8 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
                 for name, (rows, at) in given.items():
                     recs[name][e].append(encs[name][e].encode(turn_result(k, ids, r, rows, at)))
                 seq = list(ids) + r.output_ids
-                nxt = seq + tok.bridge_ids(r.output_ids) + tok.message_ids("tool", f"out {k}") + tok.generation_prompt_ids()
-                state[e] = (nxt, len(seq) - 1)
+                obs = tok.message_ids("tool", f"out {k}")
+                state[e] = (seq + tok.bridge_ids(r.output_ids) + obs + tok.generation_prompt_ids(), len(seq) - 1)
 
             async with trio.open_nursery() as inner:
                 for e in range(episodes):
@@ -141,10 +141,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.episodes < 1 or args.turns < 2:
         ap.error("--episodes must be >= 1 and --turns >= 2 (a weight update needs a turn after it)")
     res = run(args.episodes, args.turns, args.noise)
-    rows = [(name, res[name]["tokens"], f"{res[name]['mean_abs_dlogp']:.2e}", f"{res[name]['max_abs_dlogp']:.2e}",
-             res[name]["route_forks"], res[name]["rerouted_rows"], res[name]["segments"]) for name in ("exact", "old")]  # fmt: skip
-    print_grid(["rows given", "loss tokens", "mean |dlogp|", "max |dlogp|", "route forks", "rerouted rows", "segments"],
-               rows, title=f"R3 replay vs sampler, {args.episodes} episodes x {args.turns} turns, an update before each turn")  # fmt: skip
+    rows = [
+        (name, r["tokens"], f"{r['mean_abs_dlogp']:.2e}", f"{r['max_abs_dlogp']:.2e}", r["route_forks"],
+         r["rerouted_rows"], r["segments"])
+        for name, r in ((n, res[n]) for n in ("exact", "old"))
+    ]  # fmt: skip
+    header = ["rows given", "loss tokens", "mean |dlogp|", "max |dlogp|", "route forks", "rerouted rows", "segments"]
+    title = f"R3 replay vs sampler, {args.episodes} episodes x {args.turns} turns, an update before each turn"
+    print_grid(header, rows, title=title)
     if args.json:
         emit_json(res)
 

@@ -271,7 +271,9 @@ class EpisodeAssembler:
         return out
 
 
-    def _fork(self, old: SegmentBuilder, rec: wire.TurnRecord, lcp: int, input_len: int) -> tuple[SegmentBuilder, list[Segment]]:
+    def _fork(
+        self, old: SegmentBuilder, rec: wire.TurnRecord, lcp: int, input_len: int
+    ) -> tuple[SegmentBuilder, list[Segment]]:
         """End the open segment at the boundary, in its own context, and open one whose context is this turn's
         input: ``old``'s first ``lcp`` tokens (and routing rows) and the rest of the input."""
         b = SegmentBuilder(self.routing, self.config.num_experts, cap=max(4096, 2 * input_len))

@@ -179,13 +179,15 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
 
     async def turn(k: int, ids: list[int], start: int):
         r = await engine.collect(GenRequest(rid=f"t{k}", input_ids=tuple(ids), max_new_tokens=8, temperature=1.0,
-                                            seed=k, ignore_eos=True, return_routing=True, routing_start=start))  # fmt: skip
+                                            seed=k, ignore_eos=True, return_routing=True,
+                                            routing_start=start))  # fmt: skip
         res = TurnResult(turn=k, input_ids=np.asarray(ids, np.int32), output_ids=np.asarray(r.output_ids, np.int32),
                          logprobs=np.asarray(r.logprobs, np.float32), finish="length",
                          weight_version=int(r.weight_version), routing=r.routing.astype(np.uint8),
                          routing_start=r.routing_start, action_kind="none", action_text="", observation="",
                          exit_code=None, timed_out=False, truncated=False, tests_passed=None, reward=1.0,
-                         t_sample_s=0.0, t_exec_s=0.0, output_versions=np.asarray([int(v) for v in r.versions], np.int32))  # fmt: skip
+                         t_sample_s=0.0, t_exec_s=0.0,
+                         output_versions=np.asarray([int(v) for v in r.versions], np.int32))  # fmt: skip
         records.append(wire.decode(wire.encode(enc.encode(res))))
         return r
 

@@ -36,7 +36,8 @@ def turns(draw):
     version = draw(st.integers(0, 10**6))
     versions = None
     if draw(st.booleans()):  # a weight update landed mid-turn: per-token versions, the oldest is policy_version
-        versions = version + np.sort(np.asarray(draw(st.lists(st.integers(0, 3), min_size=n_out, max_size=n_out)), np.int32))
+        steps = draw(st.lists(st.integers(0, 3), min_size=n_out, max_size=n_out))
+        versions = version + np.sort(np.asarray(steps, np.int32))
         versions -= versions.min() - version
     return wire.TurnRecord(
         output_versions=versions,
@@ -136,7 +137,8 @@ def test_output_versions_are_optional_per_token_and_checked():
     assert "output_versions" not in plain and wire.decode(wire.encode(_turn())).output_versions is None
     rec = _turn(output_versions=np.array([3, 4], np.int32))
     m = msgpack.unpackb(wire.encode(rec), raw=False)
-    assert m["output_versions"]["dtype"] == "i4" and np.frombuffer(m["output_versions"]["data"], "<i4").tolist() == [3, 4]
+    assert m["output_versions"]["dtype"] == "i4"
+    assert np.frombuffer(m["output_versions"]["data"], "<i4").tolist() == [3, 4]
     assert wire.decode(wire.encode(rec)).output_versions.tolist() == [3, 4]
     for versions, what in (([3], "has 1 values for 2 output_ids"), ([4, 5], "oldest version 4 != policy_version 3"),
                            ([2, 3], "oldest version 2 != policy_version 3")):  # fmt: skip
