@@ -218,6 +218,12 @@ def encode(record: Record) -> bytes:
     return msgpack.packb(to_map(record), use_bin_type=True)
 
 
+def encode_map(m: Mapping[str, Any]) -> bytes:
+    """msgpack of a plain map whose numpy arrays become array maps: the payload of a dead letter for
+    something that is not a record (a segment a training step failed on)."""
+    return msgpack.packb({k: _enc_array(v) if isinstance(v, np.ndarray) else v for k, v in m.items()}, use_bin_type=True)
+
+
 # --------------------------------------------------------------------------------------------- decode
 
 

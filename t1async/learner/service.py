@@ -22,9 +22,12 @@ import numpy as np
 
 from t1async import wire
 from t1async.assembly import Assembler
+from t1async.errors import WireError
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
 from t1async.learner.journal import Journal
+from t1async.learner.poison import TRAIN_STEP, Poison, PoisonBook, Screened, segment_letter
+from t1async.learner.validate import ModelLimits
 from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
 from t1async.learner.settle import Settler, StepLog, loss_turns
 from t1async.learner.state import LearnerState
@@ -85,6 +88,7 @@ class Learner:
         self.step_log = StepLog(config.run_dir / "learner" / "steps.jsonl")
         self.assembler = Assembler()
         learner_dir = config.run_dir / "learner"
+        self.poison = PoisonBook(learner_dir / "poisoned.jsonl", ModelLimits.of(self.model.cfg))
         self.journal = Journal(learner_dir / "journal", segment_bytes=config.journal_segment_bytes,
                                legacy=learner_dir / "journal.bin")  # fmt: skip
         self.ready: list[Segment] = []  # closed segments waiting for a step
@@ -94,6 +98,7 @@ class Learner:
         self.stale_masked_tokens = 0
         self.last_step: dict = {}
         self.t0 = time.monotonic()
+        self._replay_dead: list[Screened] = []  # bad records found replaying the journal, dead-lettered by run()
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self._arrived = anyio.Event()
 
@@ -101,6 +106,9 @@ class Learner:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         self._replay_journal()
+        for s in self._replay_dead:
+            await self._dead_letter(s)
+        self._replay_dead.clear()
         self.liveness.restart_clocks()
         await self._sync_samplers()
         async with anyio.create_task_group() as tg:
@@ -142,7 +150,11 @@ class Learner:
         self.credits.set_training(True)
         try:
             self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
-            m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
+            try:
+                m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
+            except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
+                await self._step_failed(segments, v, exc)
+                return
             trained = loss_turns(segments)
             for s in segments:
                 self.hist.record(v, s.versions[s.loss_mask])
@@ -181,11 +193,15 @@ class Learner:
         async with self.transport.consume(self.cfg.durable) as batches:
             task_status.started()
             async for batch in batches:
-                recs = [d.record for d in batch]
-                await anyio.to_thread.run_sync(self.journal.append, recs)
-                await batch.ack()  # durably taken: in the journal
-                for rec in recs:
+                s = self.poison.screen([d.record for d in batch], self.version)  # validate.py: what a step relies on
+                if s.bad or s.dropped:  # dead letters and the poison book first: durable before the ack
+                    await self._dead_letter(s)
+                await anyio.to_thread.run_sync(self.journal.append, s.good)
+                await batch.ack()  # durably taken: in the journal, or dead-lettered
+                for rec in s.good:
                     self._take(rec, live=True)
+                if s.bad or s.dropped:
+                    self._poisoned(self.poison.add(s.poisons), s.rejected_keys)
                 self._arrived.set()
                 self._arrived = anyio.Event()
 
@@ -242,12 +258,55 @@ class Learner:
                         timeout_s=self.liveness.timeout_s)  # fmt: skip
 
     def _replay_journal(self) -> None:
+        """Rebuild from the journal, screened as at ingest: a record journaled before validation existed (or
+        under a model with other sizes) is dead-lettered once ``run`` starts, never trained."""
         n = 0
         for rec in self.journal.replay():
-            self._take(rec, live=False)
+            s = self.poison.screen([rec], self.version)
+            if s.bad:
+                self._replay_dead.append(s)
+                self.poison.add(s.poisons)
+            for good in s.good:
+                self._take(good, live=False)
             n += 1
+        for p in self.poison.at.values():
+            if p.episode in self.assembler.open:
+                self.ready.extend(self.assembler.stop(p.episode, p.turn))
         if n:
             log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version)
+
+    async def _dead_letter(self, s: Screened) -> None:
+        for rec, err in s.bad:
+            await self.transport.publish_dead(traj_subject(rec.episode), wire.encode(rec), err)  # type: ignore[union-attr]
+        self.poison.count(s)
+
+    def _poisoned(self, changed: list[Poison], keys: list[tuple[str, int]]) -> None:
+        """Settle the poisoned turns and stop their episodes before the first of them (poison.py)."""
+        for p in changed:
+            keys += [k for k in self.untrained if k[0] == p.episode and k[1] >= p.turn]
+        if keys:
+            self.settle(keys, "poisoned")
+        for p in changed:
+            self.ready.extend(self.assembler.stop(p.episode, p.turn))
+            self._settle_dropped(p.episode)
+
+    async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
+        """Trainer.step raised despite validation: dead-letter the step's segments, poison their episodes at
+        the first turn each held (so no restart retries it), and go on."""
+        self.poison.failed_steps += 1
+        log.error("learner.step_failed", version=version, segments=len(segments), error=f"{type(exc).__name__}: {exc}",
+                  hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped")  # fmt: skip
+        err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
+        poisons = []
+        for s in segments:
+            turns = s.turn_ids[s.loss_mask]
+            await self.transport.publish_dead(traj_subject(s.episode), segment_letter(s), err)
+            self.poison.dead[TRAIN_STEP] += 1
+            if turns.size:
+                poisons.append(Poison(s.episode, int(turns.min()), TRAIN_STEP, str(err)))
+        changed = await anyio.to_thread.run_sync(self.poison.add, poisons)
+        self._poisoned(changed, loss_turns(segments))
+        await self._publish_metrics()
 
     async def _compact_journal(self) -> None:
         """Delete the journal segments whose episodes are all settled, in a worker thread: ingest keeps
@@ -344,6 +403,7 @@ class Learner:
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.journal.size_bytes(),
             "journal_segments": self.journal.segments,
+            "poison": self.poison.metrics(),
             "stale_masked_tokens": self.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (DESIGN §7)
             "ledger_size": self.gate.ledger.size,

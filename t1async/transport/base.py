@@ -176,6 +176,13 @@ class Transport(abc.ABC):
         """Receive requests on ``subject`` (servers sharing a ``queue`` split them). Replies may be held."""
 
     @abc.abstractmethod
+    async def publish_dead(self, subject: str, data: bytes, error: WireError) -> None:
+        """Dead-letter ``data``, a message first published on ``subject`` that a consumer cannot use: to
+        ``t1.dead.<error.reason>`` with the ``T1-Dead-*`` headers, counted in ``stats.dead`` and logged, as
+        the transport does for malformed messages. Returns once the server has it (JetStream keeps
+        ``t1.dead.>`` in stream ``T1_DEAD``)."""
+
+    @abc.abstractmethod
     async def aclose(self) -> None:
         """Flush what was published, then close. Idempotent."""
 

@@ -180,6 +180,11 @@ class MemoryTransport(Transport):
         self.stats.published += 1
         await anyio.lowlevel.checkpoint()
 
+    async def publish_dead(self, subject: str, data: bytes, error: WireError) -> None:
+        self._check_open()
+        self._dead(subject, data, error)
+        await anyio.lowlevel.checkpoint()
+
     def _dead(self, subject: str, data: bytes, err: WireError) -> None:
         dsubj, headers, payload = count_dead(self.stats, subject, data, err, self.broker.max_payload)
         self.broker.core(dsubj, payload, headers)

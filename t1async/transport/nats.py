@@ -197,6 +197,12 @@ class NatsTransport(Transport):
         await self._pipeline.put(subject, pieces, js)
         self.stats.published += 1
 
+    async def publish_dead(self, subject: str, data: bytes, error: WireError) -> None:
+        self._check_open()
+        letter = count_dead(self.stats, subject, data, error, self.max_payload)
+        await self._bridge.run(self._aio_settle, [], [], [], [letter])
+        await self._bridge.run(self._aio_sync)
+
     def _fatal(self, exc: BaseException, item: Outgoing, expired: bool) -> Exception | None:
         """The error a failed publish raises, or None to retry it."""
         if expired or isinstance(exc, _PERMANENT):
