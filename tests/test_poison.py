@@ -269,3 +269,27 @@ def test_input_token_ids_are_checked_too():
     with pytest.raises(WireError, match=r"input_delta \[7\] = 999") as err:
         check_turn(replace(rec, input_delta=delta), LIM)
     assert err.value.reason == "token_range"
+
+
+# ---------------------------------------------------------------------------------------------- real NATS
+
+
+async def test_over_real_nats_the_dead_letter_stream_keeps_the_record_and_its_reason(tmp_path, tiny_model, nats_server):
+    from t1async.transport import NatsTransport
+
+    recs = episode("nan-ep", 7, version=0)
+    recs[1] = spoil(recs[1], "logprob", 0)
+    records = recs + good(0, 0)
+    cfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, batch_turns=4, steps=1, metrics_every_s=60)
+    async with NatsTransport(nats_server.url) as t:
+        for r in records:
+            await t.publish(traj_subject(r.episode), r)
+        learner = Learner(cfg, t, None)
+        with anyio.fail_after(120):
+            await learner.run()
+        learner.journal.close()
+        # read back from JetStream's T1_DEAD, as an operator would (nats stream get T1_DEAD --last-for ...)
+        msg = await t._bridge.run(t._js.get_last_msg, "T1_DEAD", "t1.dead.logprob")
+    assert learner.state.step == 1 and not learner.state.was_trained("nan-ep", 1)
+    assert msg.headers[HDR_DEAD_REASON] == "logprob" and "nan-ep#1" in msg.headers[HDR_DEAD_ERROR]
+    assert wire.records_equal(wire.decode(msg.data), recs[1])
