@@ -127,6 +127,7 @@ def run(episodes: int, turns: int, noise: float) -> dict:
             "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "tokens": int(d.size),
             "route_forks": sum(p[1].stats().route_forks for p in parts),
             "rerouted_rows": sum(p[1].stats().rerouted_rows for p in parts), "segments": sum(p[2] for p in parts),
+            "stale_context_routes": sum(p[1].stats().stale_context_routes for p in parts),
         }  # fmt: skip
     return result
 
@@ -143,10 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     res = run(args.episodes, args.turns, args.noise)
     rows = [
         (name, r["tokens"], f"{r['mean_abs_dlogp']:.2e}", f"{r['max_abs_dlogp']:.2e}", r["route_forks"],
-         r["rerouted_rows"], r["segments"])
+         r["rerouted_rows"], r["stale_context_routes"], r["segments"])
         for name, r in ((n, res[n]) for n in ("exact", "old"))
     ]  # fmt: skip
-    header = ["rows given", "loss tokens", "mean |dlogp|", "max |dlogp|", "route forks", "rerouted rows", "segments"]
+    header = ["rows given", "loss tokens", "mean |dlogp|", "max |dlogp|", "route forks", "rerouted rows",
+              "stale-context turns", "segments"]  # fmt: skip
     title = f"R3 replay vs sampler, {args.episodes} episodes x {args.turns} turns, an update before each turn"
     print_grid(header, rows, title=title)
     if args.json:

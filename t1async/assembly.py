@@ -79,6 +79,7 @@ class EpisodeAssembler:
         self.end_record: wire.EndRecord | None = None
         self.finished = False
         self.index = 0
+        self.last_version = 0  # the newest version that sampled the last assembled turn
         # turns that will never reach a segment, with why ("realign_dropped" or "abandoned"): the learner
         # drains them (Assembler.drain_dropped) to settle their credits (DESIGN §7)
         self.dropped: list[tuple[int, str]] = []
@@ -229,6 +230,11 @@ class EpisodeAssembler:
         rerouted = 0
         if b is not None and chk.kind is not Boundary.FORK:
             rerouted = b.track.rerouted(rec.routing, chk.input_len, len(rec.output_ids), lcp)
+            # newer weights than the last turn's flushed the sampler's cache, yet its trace did not reach back
+            # (a sampler without our routing-start extension, e.g. a real SGLang): the context rows replayed
+            # are the old weights' (counted, not fixable here)
+            if rec.routing is not None and rec.policy_version > self.last_version:
+                st.stale_context_routes += rec.routing.start >= min(b.track.covered, lcp)
         if b is None:  # first turn, or a resync after untrainable turns
             st.resyncs += self.lost
             b = self.builder = SegmentBuilder(self.routing, self.config.num_experts)
@@ -268,6 +274,8 @@ class EpisodeAssembler:
         b.append_output(rec, carry)
         b.checkpoint()
         b.track.add(rec.routing, chk.input_len, len(rec.output_ids))
+        ov = rec.output_versions
+        self.last_version = rec.policy_version if ov is None else int(ov.max())
         return out
 
 

@@ -124,6 +124,7 @@ class DriftStats:
     tokens_recontextualised: int = 0  # FORK: tokens of I_{k+1} from the first difference on
     route_forks: int = 0  # turns whose context the sampler re-routed (prefix cache flushed): own segment (§6)
     rerouted_rows: int = 0  # context positions whose recorded routes the sampler no longer used
+    stale_context_routes: int = 0  # turns sampled under newer weights whose trace did not re-route the context
     tokens_dropped: int = 0  # REALIGN: sampled tokens that left the sequence and the loss
     dropped_after_cut: int = 0  # of those, tokens already returned (and maybe trained) in an earlier cut
     ended_after_cut: int = 0  # episodes that ended with nothing new after a cut (that cut was not marked done)

@@ -19,6 +19,7 @@ def test_bench_r3flush_runs_and_prints_json_last():
     exact, old = data["exact"], data["old"]
     assert exact["tokens"] == old["tokens"] == 2 * 3 * 24
     assert exact["route_forks"] >= 1 and exact["rerouted_rows"] > 0 and old["route_forks"] == 0
+    assert exact["stale_context_routes"] == 0 and old["stale_context_routes"] == 2 * 2  # each turn after an update
     assert exact["max_abs_dlogp"] < 1e-4 < old["max_abs_dlogp"]
 
 

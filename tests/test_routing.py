@@ -207,6 +207,7 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
     segs += asm.end(wire.EndRecord("ep", 2, wire.EndReason.MAX_TURNS, 0, 1, False))
     assert [s.turn_numbers.tolist() for s in segs] == [[0], [1]], "turn 1 trains in its own segment"
     assert asm.stats().route_forks == 1 and asm.stats().rerouted_rows > 0 and asm.stats().fork == 0
+    assert asm.stats().stale_context_routes == 0
     a, b = segs
     assert not a.done and b.done and b.forked and len(b) == len(p1) + 8 and (b.routing[:-1] >= 0).all()
     assert np.abs(_replay_logprobs(w0, a) - a.logprobs[a.loss_mask]).max() < 1e-4
@@ -235,3 +236,17 @@ def test_a_fork_followed_by_a_turn_without_routing_keeps_no_row_from_the_old_con
     forked = [s for s in segs if s.forked]
     assert len(forked) == 3 and all((s.routing[-1] == -1).all() for s in forked)
     assert asm.routing_stats().missing_rows > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_newer_version_whose_trace_does_not_reach_back_is_counted(seed):
+    """A sampler without the routing-start extension (a real SGLang) returns rows only from the asked start
+    after a weight update flushed its cache: the context it re-routed is not in the trace, so the learner
+    replays the old weights' rows there. It cannot repair that, but it counts every such turn."""
+    rng = np.random.default_rng(seed)
+    case = make_episode(rng, ["clean"] * 10)  # its version goes up now and then, traces never reach back
+    want = sum(b.version > a.version for a, b in zip(case.truth, case.truth[1:]))
+    asm = Assembler()
+    for r in case.records:
+        asm.feed(r)
+    assert want > 0 and asm.stats().stale_context_routes == want and asm.stats().route_forks == 0
