@@ -177,9 +177,11 @@ class CreditLedger:
         self.stats.released += len(gone)
         return len(gone)
 
-    def release_episode(self, episode: str) -> int:
-        """Release the running tickets of an episode the learner closed (poisoned, aborted)."""
-        gone = list(self._by_episode.get(episode, ()))
+    def release_episode(self, episode: str, from_turn: int | None = None) -> int:
+        """Release the running tickets of an episode (None: all of them), or those asked for turns >=
+        ``from_turn``: an episode that ended after ``from_turn`` turns never delivers those, but its earlier
+        turns may still be on their way (records can arrive after their episode's end)."""
+        gone = [t for t in self._by_episode.get(episode, ()) if from_turn is None or t.turn >= from_turn]
         for t in gone:
             self._release(t)
         self.stats.released += len(gone)
@@ -372,7 +374,7 @@ class CreditGate:
         self._notify()
         return n
 
-    def release_episode(self, episode: str) -> int:
-        n = self.ledger.release_episode(episode)
+    def release_episode(self, episode: str, from_turn: int | None = None) -> int:
+        n = self.ledger.release_episode(episode, from_turn)
         self._notify()
         return n

@@ -127,3 +127,14 @@ def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
         asm.add(_turn("f", t, [1], [2]))
     assert sorted(asm.drain_dropped()) == [("e", 4, "abandoned"), ("f", 2, "abandoned"), ("f", 3, "abandoned"),
                                            ("f", 4, "abandoned")]  # fmt: skip
+
+
+def test_an_end_releases_only_the_credits_its_turns_will_never_use():
+    """Records can arrive after their episode's end: an end for 2 turns releases the credit asked for turn 2
+    (never sampled, or its output was empty), not those of turns 0 and 1 still on their way."""
+    led = CreditLedger(max_staleness=0, batch_turns=4, lease_s=100.0)
+    for t in range(3):
+        led.try_grant("a", "e", 1, 0.0, turn=t)
+    assert led.release_episode("e", from_turn=2) == 1 and led.running == 2
+    assert led.on_delivered("e", 1, 1.0).turn == 1 and led.on_delivered("e", 0, 1.0).turn == 0
+    assert led.stats.unadmitted == 0

@@ -222,7 +222,7 @@ class Learner:
             self.liveness.closed(rec.episode)
             # a credit still unspent when its episode ended (the last sample returned no tokens, failed, or was
             # cut by the wall time) can never be used: release it now, not when its lease runs out
-            if self.gate.release_episode(rec.episode):
+            if self.gate.release_episode(rec.episode, from_turn=rec.turns):
                 self.credits.forget(episodes={rec.episode})
         self.ready.extend(self.assembler.feed(rec))
         if isinstance(rec, (wire.TurnRecord, wire.EndRecord)):

@@ -43,6 +43,7 @@ class Settler:
         self.gate, self.credits, self.was_trained = gate, credits, was_trained
         self.untrained: dict[Key, int] = {}
         self.counts: dict[str, int] = dict.fromkeys(SETTLE_REASONS, 0)
+        self.opened = 0  # turns taken: opened == sum(counts) + len(untrained) at every moment
         self._settled: OrderedDict[Key, str] = OrderedDict()
 
     def open(self, key: Key, version: int) -> bool:
@@ -50,6 +51,7 @@ class Settler:
         if key in self.untrained or key in self._settled or self.was_trained(*key):
             return False
         self.untrained[key] = version
+        self.opened += 1
         return True
 
     def settle(self, keys: Iterable[Key], reason: str) -> int:
@@ -65,6 +67,7 @@ class Settler:
             if self.untrained.pop(key, None) is None:  # not open: only a record rejected before it was taken
                 if reason != "poisoned" or self.was_trained(*key):
                     continue
+                self.opened += 1
                 self.gate.on_delivered(*key)  # it uses its credit now
                 self.credits.on_delivered(*key)
             self._settled[key] = reason

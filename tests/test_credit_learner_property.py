@@ -1,0 +1,254 @@
+"""The staleness and settling properties on the REAL learner service (DESIGN §7), not the simulator.
+
+Scripted actors (credits through ``t1.credit``, heartbeats, the actors' own ``TurnEncoder``) drive a real
+``Learner`` (memory transport, tiny real MoE, real trainer) in seeded random scenarios: records arrive in
+random order (turns of one episode too, ends before their turns), weight updates land mid-turn (per-token
+versions), leases expire, an actor is killed, the learner is cancelled mid-step and restarted on its run
+dir. Checked from the step log (each step's trained set and token staleness, written before the step):
+
+- no (episode, turn) is trained twice, and the steps are exactly 0..v-1;
+- the staleness of every trained token is <= η;
+- ``stale_masked_tokens == 0`` in a learner that saw no lease expire (and did not inherit leases from a
+  crashed predecessor);
+- every turn the learner took is settled at most once, and opened == settled + still open;
+- the ledger holds only the work in flight.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from actors.credits import CreditClient
+from actors.records import TurnEncoder
+from sandbox_agent.agent import TurnResult
+from t1async import wire
+from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.settle import trained_counts
+from t1async.learner.trainer import TrainerConfig
+from t1async.model.config import MoEConfig
+from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import save_pretrained
+from t1async.sampler.base import SamplingParams
+from t1async.sampler.memory import MemorySampler
+from t1async.transport import MemoryBroker, MemoryTransport
+from t1async.transport.base import traj_subject
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=16, n_layers=2, n_heads=2, n_experts=4,
+                    top_k=2, d_ff=16, max_seq_len=4096, seed=0)  # fmt: skip
+    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
+    return d
+
+
+class SplitSampler(MemorySampler):
+    """A memory sampler whose weight updates may land mid-request: the tokens sampled after the update carry
+    the new version (``output_versions``), as the embedded engine reports them."""
+
+    def __init__(self, rng: random.Random, **kw) -> None:
+        super().__init__(**kw)
+        self.rng = rng
+        self.split_turns = 0
+
+    async def update_weights_from_disk(self, path: str, version: int | str | None = None) -> list[dict]:
+        return await super().update_weights_from_disk(path, version)
+
+    async def generate(self, input_ids, params, *, routed_experts_start_len=None, rid=None):
+        v0 = self.weight_version
+        g = await super().generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
+        await anyio.sleep(self.rng.uniform(0, 0.05))  # decoding: a weight update may land meanwhile
+        n, v1 = len(g.output_ids), self.weight_version
+        if v1 != v0 and n >= 2:
+            k = self.rng.randint(1, n - 1)
+            g = replace(g, output_versions=np.array([v0] * k + [v1] * (n - k), np.int32), weight_version=v1)
+            self.split_turns += 1
+        return g
+
+
+@dataclass
+class Scenario:
+    seed: int
+    eta: int
+    batch_turns: int
+    actors: int
+    concurrency: int
+    kill: bool  # SIGKILL-like: an actor stops mid-episode, its unpublished records are lost
+    restart: bool  # the learner is cancelled mid-step and a new one resumes from the run dir
+    expire: bool  # short leases and late deliveries: some leases run out
+    inject: bool  # inputs that discard a whole output (REALIGN), turns after their end, NaN logprobs (poison)
+    steps: int = 8
+
+    @classmethod
+    def draw(cls, seed: int) -> "Scenario":
+        r = random.Random(seed)
+        return cls(seed, r.choice([0, 1, 2]), r.choice([2, 3, 4]), r.choice([2, 3]), r.choice([1, 2, 3]),
+                   kill=r.random() < 0.6, restart=r.random() < 0.5, expire=r.random() < 0.35,
+                   inject=r.random() < 0.5)  # fmt: skip
+
+
+async def scripted_actor(name: str, transport: MemoryTransport, sampler: SplitSampler, sc: Scenario,
+                         rng: random.Random, vocab: int) -> None:  # fmt: skip
+    credits = CreditClient(transport, name, request_timeout_s=1.0)
+    outbox: list[tuple[str, wire.Record]] = []
+    late_s = 3.0 if sc.expire else 0.0  # > the 1.5 s lease of an `expire` scenario
+
+    async def episode() -> None:
+        ep = f"{name}-{uuid.uuid4().hex[:8]}"
+        enc = TurnEncoder(ep)
+        await transport.publish(traj_subject(ep), wire.StartRecord(ep, name, "task", 99, 0.0))
+        seq = np.array([rng.randrange(vocab) for _ in range(rng.randint(4, 12))], np.int32)
+        turns = rng.randint(2, 6)
+
+        async def sample(t: int, start: int) -> wire.TurnRecord:
+            g = await sampler.generate(seq.tolist(), SamplingParams(max_new_tokens=rng.randint(2, 6), temperature=1.0),
+                                       routed_experts_start_len=start)  # fmt: skip
+            lps = g.logprobs.copy()
+            if sc.inject and rng.random() < 0.03:
+                lps[0] = np.nan  # a null logprob from a sampler: fails validation, its episode is poisoned
+            tr = TurnResult(t, seq, g.output_ids, lps, "length", g.weight_version, g.routing, g.routing_start,
+                            "bash", "true", "ok", 0, False, False, None, 0.0, 0.0, 0.0,
+                            output_versions=g.output_versions)  # fmt: skip
+            return enc.encode(tr)
+
+        realign = False
+        for t in range(turns):
+            await credits.acquire(ep, t)
+            outbox.append((traj_subject(ep), await sample(t, 0 if t == 0 or realign else len(enc.seq) - 1)))
+            obs = np.array([rng.randrange(vocab) for _ in range(rng.randint(1, 4))], np.int32)
+            realign = sc.inject and rng.random() < 0.15  # the agent drops this turn's whole output (TITO REALIGN)
+            seq = np.concatenate([enc.seq[: len(seq)] if realign else enc.seq, obs])
+            if realign and obs[0] == enc.seq[len(seq) - len(obs)]:
+                seq[len(seq) - len(obs)] = (int(obs[0]) + 1) % vocab  # really differs from the dropped output
+        outbox.append((traj_subject(ep), wire.EndRecord(ep, turns, wire.EndReason.MAX_TURNS, 0, 1, False)))
+        if sc.inject and rng.random() < 0.1:  # a turn past its episode's end (no credit): never trained
+            outbox.append((traj_subject(ep), await sample(turns, 0)))
+
+    async def episodes() -> None:
+        while True:
+            await episode()
+
+    async def deliver() -> None:  # any order: a random record of the outbox, sometimes held back past a lease
+        while True:
+            await anyio.sleep(rng.uniform(0, 0.05))
+            if outbox:
+                subject, rec = outbox.pop(rng.randrange(len(outbox)))
+                if late_s and rng.random() < 0.05:
+                    await anyio.sleep(late_s)
+                await transport.publish(subject, rec)
+
+    async def heartbeat() -> None:
+        while True:
+            await transport.publish(f"t1.actor.{name}", wire.Heartbeat(name, 0.0))
+            await anyio.sleep(0.2)
+
+    async with anyio.create_task_group() as tg:
+        for fn in [deliver, heartbeat] + [episodes] * sc.concurrency:
+            tg.start_soon(fn)
+
+
+async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | None = None) -> tuple[list[Learner], SplitSampler]:
+    rng = random.Random(sc.seed)
+    tok = ChatTokenizer.load()
+    cfg = MoEConfig.load(model / "config.json")
+    sampler = SplitSampler(rng, vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
+                           num_experts=cfg.n_experts, eos_token_id=tok.im_end_id, seed=sc.seed)  # fmt: skip
+    broker = MemoryBroker(ack_wait_s=1.0)
+    lcfg = LearnerConfig(run_dir=run, model_dir=model, max_staleness=sc.eta, batch_turns=sc.batch_turns,
+                         lease_s=1.5 if sc.expire else 60.0, actor_timeout_s=1.0, metrics_every_s=60.0,
+                         trainer=TrainerConfig(lr=1e-3))  # fmt: skip
+    learners: list[Learner] = []
+    async with anyio.create_task_group() as actors_tg:
+        actor_scopes = []
+        for i in range(sc.actors):
+            scope = anyio.CancelScope()
+            actor_scopes.append(scope)
+
+            async def one(i=i, scope=scope) -> None:
+                async with MemoryTransport(broker) as at:
+                    with scope:
+                        await scripted_actor(f"a{i}", at, sampler, sc, random.Random(sc.seed * 100 + i), cfg.vocab_size)
+
+            actors_tg.start_soon(one)
+        restart_at = rng.randint(1, sc.steps - 2) if sc.restart else None
+        kill_at = rng.randint(1, sc.steps - 2) if sc.kill else None
+        with anyio.fail_after(60 + 20 * sc.steps):
+            while True:
+                async with MemoryTransport(broker) as lt, anyio.create_task_group() as tg:
+                    learner = Learner(lcfg, lt, sampler)
+                    learners.append(learner)
+                    await tg.start(learner.run)
+                    while learner.state.step < sc.steps:
+                        if kill_at is not None and learner.state.step >= kill_at:
+                            actor_scopes[0].cancel()  # its outbox and open episodes are lost with it
+                            kill_at = None
+                        if restart_at is not None and learner.state.step >= restart_at and learner.credits.training:
+                            break  # a step is in flight: crash the learner here
+                        if sizes is not None:
+                            sizes.append(learner.gate.ledger.size)
+                        await anyio.sleep(0.01)
+                    restarted = learner.state.step < sc.steps
+                    if restarted:
+                        restart_at = None
+                    else:
+                        await anyio.sleep(0.2)
+                    tg.cancel_scope.cancel()
+                learner.journal.close()
+                if not restarted:
+                    break
+        actors_tg.cancel_scope.cancel()
+    return learners, sampler
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each_turn_once(seed, tmp_path, tiny_model):
+    sc = Scenario.draw(seed)
+    learners, sampler = await run_scenario(sc, tmp_path / "run", tiny_model)
+    final = learners[-1]
+    assert final.state.step >= sc.steps and len(learners) == 1 + sc.restart
+    steps, counts = trained_counts(tmp_path / "run", final.state.version)
+    assert sorted(steps) == list(range(final.state.version)), sorted(steps)
+    twice = sorted(k for k, c in counts.items() if c > 1)
+    assert not twice, f"{sc}: trained twice: {twice[:5]}"
+    assert set(counts) == {(ep, t) for ep, ts in final.state.trained.items() for t in ts}
+    worst = max(r["max_staleness"] for r in steps.values())
+    assert worst <= sc.eta, f"{sc}: a token trained {worst} versions after it was sampled"
+    for i, lr in enumerate(learners):
+        led = lr.gate.ledger
+        assert lr.hist.max <= sc.eta
+        if led.stats.expired == 0 and i == 0:
+            assert lr.stale_masked_tokens == 0, f"{sc}: {lr.stale_masked_tokens} tokens masked with no lease expired"
+        s = lr.settler
+        assert s.opened == sum(s.counts.values()) + len(s.untrained), (s.opened, s.counts, len(s.untrained))
+        assert led.size <= (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency, led.snapshot()
+    if sc.kill and len(learners) == 1:
+        assert final.liveness.timeouts >= 1 or "a0" not in final.liveness.released, "the killed actor was not released"
+
+
+@pytest.mark.slow
+async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(tmp_path, tiny_model):
+    """40 steps at η = 0 with every way a delivered turn can end: trained, stale-masked (delivered after its
+    lease ran out), dropped by a REALIGN, poisoned (NaN logprob), abandoned (past its end). The ledger holds
+    the work in flight at every moment, not every ticket since the start."""
+    sc = Scenario(seed=11, eta=0, batch_turns=3, actors=3, concurrency=2, kill=True, restart=False, expire=True,
+                  inject=True, steps=40)  # fmt: skip
+    sizes: list[int] = []
+    (learner,), _ = await run_scenario(sc, tmp_path / "run", tiny_model, sizes)
+    s, led = learner.settler, learner.gate.ledger
+    assert all(n > 0 for n in s.counts.values()), s.counts
+    assert s.opened == sum(s.counts.values()) + len(s.untrained)
+    assert learner.metrics()["settled"] == s.counts
+    steps, counts = trained_counts(tmp_path / "run", learner.state.version)
+    assert max(counts.values()) == 1 and max(r["max_staleness"] for r in steps.values()) == 0
+    assert led.stats.granted > 100 and len(sizes) > 100
+    bound = (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency
+    assert max(sizes) <= bound, (max(sizes), bound, led.snapshot())
