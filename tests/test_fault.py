@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -16,6 +17,7 @@ import pytest
 from sandbox_agent.synth import generate
 from t1async import wire
 from t1async.learner.journal import read_journal
+from t1async.learner.settle import trained_counts
 from t1async.learner.state import LearnerState
 from t1async.sampler.launch import launch_sampler
 from t1async.transport import NatsTransport
@@ -122,6 +124,78 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     assert in_stream and in_stream <= journaled, f"lost: {sorted(in_stream - journaled)[:5]}"
     assert any(ep.startswith("a1-") for ep, _ in in_stream), "the killed actor's turns reached the stream"
     state = LearnerState.load(run / "checkpoints")
-    trained = {(ep, t) for ep, ts in state.trained.items() for t in ts}
-    assert state.turns_trained == len(trained), "a turn was trained twice"
+    # the independent record: each step's trained set, written before the step ran (a crashed step's line is
+    # superseded by the resumed learner's line for the same version)
+    counted, counts = trained_counts(run, state.version)
+    assert sorted(counted) == list(range(state.version))
+    twice = sorted(k for k, c in counts.items() if c > 1)
+    assert not twice, f"trained twice: {twice[:5]}"
+    trained = set(counts)
+    assert trained == {(ep, t) for ep, ts in state.trained.items() for t in ts}
     assert trained <= journaled and any(ep.startswith("a1-") for ep, _ in trained)
+
+
+async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(tmp_path, repo_env, nats_server):
+    """η = 0: a SIGKILLed actor's credits (granted or held) would stop the training order until their 180 s
+    lease ran out. It stops heartbeating; after --actor-timeout (15 s) the learner releases its credits and
+    ends its open episodes as aborted, and training resumes well within 30 s of the kill."""
+    tasks = tmp_path / "tasks"
+    generate(tasks, 12, seed=7)
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    url = nats_server.url
+    procs: list[subprocess.Popen] = []
+    steps: list[tuple[float, int]] = []
+    last: dict = {}
+    async with launch_sampler(port=0, log_path=logs / "sampler.log") as sampler_url:
+
+        def actor(name: str, concurrency: int) -> subprocess.Popen:
+            p = spawn(["actors", "--nats", url, "--sampler-url", sampler_url, "--tasks", str(tasks), "--split", "all",
+                       "--concurrency", str(concurrency), "--max-turns", "30", "--max-new-tokens", "16",
+                       "--actor-id", name], logs / f"{name}.log", repo_env)  # fmt: skip
+            procs.append(p)
+            return p
+
+        async def wait_step(n: int, timeout: float) -> None:
+            with anyio.fail_after(timeout):
+                while not steps or steps[-1][1] < n:
+                    await anyio.sleep(0.2)
+
+        try:
+            async with NatsTransport(url) as t, t.subscribe("t1.metrics.learner") as msgs, anyio.create_task_group() as tg:
+
+                async def watch() -> None:
+                    async for m in msgs:
+                        steps.append((time.monotonic(), m.record.step))
+                        last.update(m.record.values)
+
+                tg.start_soon(watch)
+                procs.append(spawn(["t1async.learner", "serve", "--nats", url, "--sampler-url", sampler_url,
+                                    "--run-dir", str(run), "--batch-turns", "2", "--max-staleness", "0"],
+                                   logs / "learner.log", repo_env))  # fmt: skip
+                actor("a0", 1)
+                a1 = actor("a1", 3)  # most of the η = 0 capacity is a1's at any moment
+                await wait_step(2, 180)
+                stop(a1, signal.SIGKILL)
+                killed_at, at_kill = time.monotonic(), steps[-1][1]
+                await wait_step(at_kill + 2, 60)  # a step in flight at the kill, then one more
+                resumed_after = next(ts for ts, st in steps if st >= at_kill + 2) - killed_at
+                with anyio.fail_after(30):
+                    while last.get("actors_timed_out", 0) < 1:
+                        await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+        finally:
+            for p in procs:
+                stop(p, signal.SIGKILL if p is not procs[0] else signal.SIGTERM)
+    assert resumed_after < 30, f"training resumed {resumed_after:.0f} s after the kill"
+    events = [json.loads(x) for x in (logs / "learner.log").read_text().splitlines() if x.startswith("{")]
+    silent = [e for e in events if e.get("event") == "learner.actor_silent"]
+    assert [e["actor"] for e in silent] == ["a1"], silent
+    assert silent[0]["credits_released"] + silent[0]["episodes_aborted"] >= 1
+    recs = list(read_journal(run / "learner" / "journal"))
+    started = {r.episode for r in recs if isinstance(r, wire.StartRecord) and r.actor == "a1"}
+    ends = {r.episode: r for r in recs if isinstance(r, wire.EndRecord)}
+    assert started and started <= set(ends), f"a1 episodes left open: {sorted(started - set(ends))[:3]}"
+    aborted = [ends[ep] for ep in started if ends[ep].detail.startswith("the learner ended it")]
+    assert len(aborted) == silent[0]["episodes_aborted"] >= 1
+    assert all(e.reason == wire.EndReason.ABORTED for e in aborted)
