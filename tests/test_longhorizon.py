@@ -272,3 +272,52 @@ def test_context_policy_flags_reach_the_actors(tmp_path):
     argv = actor.argv[actor.argv.index("actors") + 1 :]
     args = build_parser().parse_args(argv)
     assert (args.context_policy, args.context_keep_turns) == ("stop", 3)
+
+
+async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
+    """A sample with no tokens is no wire turn: its credit pays for the next sample, its reward reaches the
+    next turn or the end, and a credit still unspent when the episode ends is released by the end record
+    (before: the turn was dropped, the next turns' numbers had a gap the learner waited on forever, the
+    credit was held until its lease ran out, and the final reward was lost)."""
+    tasks = tmp_path / "tasks"
+    generate(tasks, 1, seed=3, families=["files"])
+    solution = next(tasks.iterdir()) / "solution.sh"
+    solve = "\n".join(ln for ln in solution.read_text().splitlines() if not ln.startswith(("#!", "set -e")))
+    tok = ChatTokenizer.load()
+    script = {6: solve}
+    # call 3 returns nothing mid-episode; call 7 (after the solution ran) is aborted before its first token
+    sampler = ScriptedMoESampler(tok, lambda k: script.get(k, f"echo {k}"), empty_at={3: "stop", 7: "abort"})
+    broker = MemoryBroker()
+    lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, max_staleness=0, batch_turns=3, steps=0,
+                         lease_s=600.0, metrics_every_s=0.5)  # fmt: skip
+    agent = AgentConfig(max_turns=20, max_context_tokens=4000, command_timeout_s=10.0,
+                        sampling=SamplingParams(max_new_tokens=400, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+    records: list = []
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
+        learner = Learner(lcfg, lt, sampler)
+        async with mt.subscribe("t1.traj.>") as sub, anyio.create_task_group() as tg:
+
+            async def watch():
+                async for m in sub:
+                    records.append(m.record)
+
+            tg.start_soon(watch)
+            tg.start_soon(learner.run)
+            with anyio.fail_after(120):  # before the fix: the actor waited for a credit the learner never freed
+                stats = await run_actor(ActorConfig("em", tasks, concurrency=1, split="all", episodes=1),
+                                        transport=at, sampler=sampler, tokenizer=tok, agent=agent)  # fmt: skip
+            ledger = learner.gate.ledger
+            with anyio.fail_after(60):  # the unspent credit is released by the end, not by its 600 s lease
+                while learner.state.step < 2 or ledger.running or ledger.stats.released < 1:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    learner.journal.close()
+    turns = [r for r in records if isinstance(r, wire.TurnRecord)]
+    end = next(r for r in records if isinstance(r, wire.EndRecord))
+    assert len(sampler.calls) == 8 and stats.empty_outputs == 2
+    assert [r.turn for r in turns] == list(range(6)) and end.turns == 6 and end.reason is wire.EndReason.ABORTED
+    assert end.tests_passed > 0 and sum(r.reward for r in turns) + end.unstreamed_reward == end.tests_passed
+    assert (ledger.stats.granted, ledger.stats.delivered, ledger.stats.released) == (7, 6, 1)
+    assert learner.state.turns_trained == 6
+    rs = learner.assembler.routing_stats()
+    assert rs.gap_rows == rs.missing_rows == 0  # the empty sample's rows were asked again by the next one
