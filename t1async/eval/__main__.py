@@ -1,0 +1,171 @@
+"""``python -m t1async.eval``: evaluate a policy on a task set with the real agent loop and sandbox.
+
+    python -m t1async.eval --model DIR --tasks runs/latest/tasks --split eval --samples 4 --concurrency 8
+    python -m t1async.eval --sampler-url http://HOST:30000 --tasks DIR --families csv,json --json
+
+``--model`` starts the embedded sampler on that model dir; ``--sampler-url`` (repeatable) uses running
+SGLang-compatible samplers. Prints a progress bar (on a terminal), a per-task table, pass@1 (pass@k for
+K > 1) and mean tests passed with 95% bootstrap CIs, overall and per family; writes ``episodes.jsonl`` (every
+episode, as it finishes), ``summary.json`` and ``eval.png`` under ``--out``. With ``--json`` the summary is
+the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+
+from sandbox_agent.agent import AgentConfig
+from sandbox_agent.backend import BwrapBackend
+from sandbox_agent.tasks import Task, load_tasks
+from t1async.errors import T1Error
+from t1async.eval.report import plot, print_report
+from t1async.eval.run import EvalConfig, progress_stream, run_eval
+from t1async.eval.stats import by_family, summarise, task_scores
+from t1async.log import configure, get_logger
+from t1async.sampler.base import Sampler, SamplingParams
+
+log = get_logger("t1async.eval")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m t1async.eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", type=Path, default=None, help="model dir: start the embedded sampler on it")
+    src.add_argument("--sampler-url", action="append", default=[], metavar="URL",
+                     help="a running SGLang-compatible sampler; repeat for several")  # fmt: skip
+    p.add_argument("--tasks", type=Path, required=True, help="a directory of tasks (Terminal-Bench 1/2 format)")
+    p.add_argument("--split", choices=("eval", "train", "all"), default="eval", help="which tasks (default eval)")
+    p.add_argument("--families", default="", help="comma-separated task families (default: all)")
+    p.add_argument("--samples", type=int, default=1, help="episodes per task, K (default 1); pass@k for k <= K")
+    p.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: episodes are seeded per (task, sample, turn)")
+    p.add_argument("--max-turns", type=int, default=20, help="turns per episode at most (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn at most (default 256)")
+    p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="embedded sampler dtype")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="the embedded sampler's prefix cache in tokens (default 0 = off: a cached prefix's KV comes "
+                        "from another batch, and its rounding can flip a sample, so two evals of the same weights "
+                        "differ now and then; a cache is faster on long episodes)")  # fmt: skip
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("runs/eval"), help="where episodes.jsonl, summary.json, eval.png go")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
+    p.add_argument("--log-level", default="warning", help="debug, info, warning (default)")
+    return p
+
+
+def select_tasks(root: Path, split: str, families: str) -> tuple[list[Task], list[str]]:
+    """The tasks to run, and one line per task left out because the bwrap backend cannot run it."""
+    tasks = load_tasks(root)
+    if split != "all":
+        tasks = [t for t in tasks if t.split == split]
+    if families:
+        want = {f.strip() for f in families.split(",") if f.strip()}
+        known = {t.family for t in tasks}
+        if want - known:
+            raise T1Error(f"--families names {sorted(want - known)}, not among this task set's {sorted(known)}")
+        tasks = [t for t in tasks if t.family in want]
+    backend = BwrapBackend()
+    skipped = [f"{t.id}: needs image {t.docker_image!r} (a container backend)" for t in tasks if not backend.supports(t)]
+    return [t for t in tasks if backend.supports(t)], skipped
+
+
+@asynccontextmanager
+async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
+    from t1async.sampler.client import SGLangClient
+
+    if args.model is not None:
+        from t1async.sampler.launch import launch_sampler
+
+        async with launch_sampler(args.model, dtype=args.dtype, seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens
+                                  ) as url, SGLangClient([url]) as c:  # fmt: skip
+            yield c
+    else:
+        async with SGLangClient(list(args.sampler_url)) as c:
+            yield c
+
+
+async def amain(args: argparse.Namespace, tasks: list[Task]) -> dict:
+    from t1async.model.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
+    agent = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False,
+                        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))  # fmt: skip
+    cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
+    args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / "episodes.jsonl"
+    jsonl.write_text("")
+    t0 = time.monotonic()
+    async with open_sampler(args) as sampler:
+        rows = await run_eval(tasks, sampler, tok, cfg, jsonl=jsonl, progress=progress_stream())
+    ks = list(range(1, args.samples + 1))
+    scores = task_scores(rows)
+    overall = summarise(scores, k_values=ks, seed=args.seed)
+    fams = by_family(scores, k_values=ks, seed=args.seed)
+    print_report(scores, overall, fams, ks, sys.stdout)
+    src = str(args.model) if args.model is not None else ",".join(args.sampler_url)
+    plot(overall, fams, args.out / "eval.png",
+         f"{src}: {overall['tasks']} tasks x {args.samples} samples, split {args.split}, seed {args.seed}")  # fmt: skip
+    reasons: dict[str, int] = {}
+    for r in rows:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    return {
+        "pass1": overall["pass@1"]["mean"], "pass1_ci95": overall["pass@1"]["ci95"],
+        "tests_mean": overall["tests"]["mean"], "tests_ci95": overall["tests"]["ci95"],
+        "tests_frac": overall["tests_frac"]["mean"], "resolved_rate": overall["resolved_rate"],
+        "pass_at_k": {k: overall[k]["mean"] for k in overall if k.startswith("pass@")},
+        "tasks": overall["tasks"], "episodes": overall["episodes"], "samples": args.samples, "seed": args.seed,
+        "split": args.split, "source": src, "reasons": reasons, "overall": overall, "families": fams,
+        "minutes": (time.monotonic() - t0) / 60.0, "out": str(args.out),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    configure(level=args.log_level)
+    if args.model is None and not args.sampler_url:
+        p.error("no policy: pass --model DIR (starts the embedded sampler) or --sampler-url URL (a running one)")
+    if args.prefix_cache_tokens < 0:
+        p.error(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
+    for name in ("samples", "concurrency", "max_turns", "max_new_tokens", "max_context"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
+                "of `python -m t1async.learner sft`")  # fmt: skip
+    if not args.tasks.is_dir():
+        p.error(f"--tasks {args.tasks} is not a directory; make one with `python -m sandbox_agent synth --out DIR --n 60`")
+    try:
+        tasks, skipped = select_tasks(args.tasks, args.split, args.families)
+    except T1Error as exc:
+        p.error(str(exc))
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
+    if not tasks:
+        p.error(f"no runnable tasks in {args.tasks} for --split {args.split}"
+                + (f" --families {args.families}" if args.families else ""))  # fmt: skip
+    summary = anyio.run(amain, args, tasks, backend="trio")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    o = summary
+    print(f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
+          f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "
+          f"{o['samples']} samples in {o['minutes']:.1f} min; episodes in {args.out / 'episodes.jsonl'}")  # fmt: skip
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The numbers of an evaluation, pure and numpy-only: pass@k, mean tests passed, 95% bootstrap CIs.
+
+Episodes are grouped by task. Every figure is a mean over tasks of a per-task value (each task weighs the
+same, however many samples it has), and its confidence interval comes from resampling *tasks* with
+replacement (the samples of a task are not independent draws of the benchmark):
+
+- ``pass@k``: the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` for a task with
+  ``n`` samples of which ``c`` resolved; ``pass@1`` is then ``c / n``;
+- ``tests``: the mean number of the task's tests that pass (DESIGN §8's dense reward), and ``tests_frac``
+  the same as a share of the task's tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of ``k`` samples drawn without replacement from ``n`` (``c`` correct)
+    is correct. Needs ``1 <= k <= n`` and ``0 <= c <= n``."""
+    if not (1 <= k <= n and 0 <= c <= n):
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    # 1 - prod_{i = n - c + 1}^{n} (1 - k / i), numerically stable (Chen et al.)
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def bootstrap_ci(values: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
+                 ) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean of ``values`` (one value per task); (v, v) for a single value."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return (float("nan"), float("nan"))
+    if v.size == 1:
+        return (float(v[0]), float(v[0]))
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(means, [a, 1.0 - a])
+    return (float(lo), float(hi))
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    task: str
+    family: str
+    n: int  # samples
+    resolved: int  # samples that resolved the task
+    tests_mean: float  # mean tests passed over the samples
+    tests_total: int
+    turns_mean: float
+
+
+def task_scores(episodes: Iterable[Mapping]) -> list[TaskScore]:
+    """One score per task from episode rows (``task, family, resolved, tests_passed, tests_total, turns``)."""
+    by: dict[str, list[Mapping]] = {}
+    for e in episodes:
+        by.setdefault(str(e["task"]), []).append(e)
+    out = []
+    for task in sorted(by):
+        es = by[task]
+        out.append(TaskScore(
+            task=task, family=str(es[0].get("family", "")), n=len(es), resolved=sum(bool(e["resolved"]) for e in es),
+            tests_mean=float(np.mean([e["tests_passed"] for e in es])),
+            tests_total=max(int(e.get("tests_total", 0)) for e in es),
+            turns_mean=float(np.mean([e.get("turns", 0) for e in es])),
+        ))  # fmt: skip
+    return out
+
+
+def _figure(values: Sequence[float], seed: int) -> dict:
+    lo, hi = bootstrap_ci(values, seed=seed)
+    return {"mean": float(np.mean(values)) if len(values) else float("nan"), "ci95": [lo, hi]}
+
+
+def summarise(scores: Sequence[TaskScore], *, k_values: Sequence[int] = (1,), seed: int = 0) -> dict:
+    """Overall figures with CIs: ``tasks, episodes, pass@k`` for each k no larger than every task's
+    sample count, ``tests``, ``tests_frac``, ``resolved_rate`` (share of episodes)."""
+    if not scores:
+        return {"tasks": 0, "episodes": 0}
+    n_min = min(s.n for s in scores)
+    out: dict = {"tasks": len(scores), "episodes": int(sum(s.n for s in scores))}
+    for k in sorted({k for k in k_values if 1 <= k <= n_min}):
+        out[f"pass@{k}"] = _figure([pass_at_k(s.n, s.resolved, k) for s in scores], seed)
+    out["tests"] = _figure([s.tests_mean for s in scores], seed)
+    out["tests_frac"] = _figure([s.tests_mean / s.tests_total if s.tests_total else 0.0 for s in scores], seed)
+    out["resolved_rate"] = sum(s.resolved for s in scores) / out["episodes"]
+    return out
+
+
+def by_family(scores: Sequence[TaskScore], *, k_values: Sequence[int] = (1,), seed: int = 0) -> dict[str, dict]:
+    fams: dict[str, list[TaskScore]] = {}
+    for s in scores:
+        fams.setdefault(s.family, []).append(s)
+    return {f: summarise(v, k_values=k_values, seed=seed) for f, v in sorted(fams.items())}
