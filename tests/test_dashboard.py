@@ -58,6 +58,9 @@ def test_figures_over_nothing_are_dashes_not_zeros():
                                                  "turns_trained": 0, "max_staleness": 0, "eta": 1})  # fmt: skip
     out = text(view)
     assert f"staleness max {DASH} (η 1)" in out, "no maximum over no trained token"
+    view.on_metrics("learner", "learner", 4, 4, {"turns_trained": 81, "max_staleness": 0, "staleness_hist": {}, "eta": 1})
+    assert f"staleness max {DASH} (η 1)" in text(view), "a resumed learner has trained nothing yet this session"
+    view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "turns_trained": 0, "max_staleness": 0, "eta": 1})
     assert f"reward {DASH} resolved {DASH} (0 ended)" in out and "reward 0.00" not in out
     assert f"mismatch {DASH} shift {DASH}" in out and f"settled {DASH}" in out
     assert f"reward {DASH} resolved {DASH}" in plain_line(view)

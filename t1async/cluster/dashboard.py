@@ -206,7 +206,10 @@ def _learner_state(v: dict[str, Any]) -> str:
 
 
 def _trained(v: dict[str, Any], key: str) -> Any:
-    """``v[key]``, or None before the learner trained anything (a maximum over nothing)."""
+    """``v[key]``, or None before this learner trained anything (a maximum over nothing; a resumed learner's
+    histogram starts empty)."""
+    if "staleness_hist" in v:
+        return v.get(key) if v["staleness_hist"] else None
     return v.get(key) if int(v.get("turns_trained", 0) or 0) > 0 else None
 
 

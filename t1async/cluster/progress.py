@@ -104,7 +104,7 @@ async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[
                 tg.start_soon(_poll_nats_health, view, monitor, 5.0)
             if live_mode:
                 console = Console(file=out)
-                with Live(render(view), console=console, refresh_per_second=4, transient=False) as live:
+                with _no_echo(out), Live(render(view), console=console, refresh_per_second=4) as live:
                     while True:
                         await anyio.sleep(refresh_s)
                         live.update(render(view))
@@ -113,6 +113,27 @@ async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[
                     await anyio.sleep(every_s)
                     out.write(plain_line(view) + "\n")
                     out.flush()
+
+
+@contextmanager
+def _no_echo(out: IO[str]) -> Iterator[None]:
+    """Keys typed while the dashboard is drawn are not echoed: the terminal's "^C" echo of Ctrl-C moved the
+    cursor under rich, and the last frame landed a line low, leaving a stale line behind."""
+    try:
+        import termios
+
+        fd = out.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):  # not a real terminal (or not POSIX)
+        yield
+        return
+    changed = list(saved)
+    changed[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+    termios.tcsetattr(fd, termios.TCSANOW, changed)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _monitor_url(run_dir: Path) -> str:
