@@ -235,6 +235,9 @@ def test_per_token_versions_and_an_earlier_routing_start_are_read():
     out["meta_info"]["output_token_weight_versions"] = ["1", "default", "2"]
     with pytest.raises(SamplerVersionError, match=r"output_token_weight_versions\[1\] 'default'"):
         parse_generation(out, 3, 2, (2, 2, 8))
+    out["meta_info"]["output_token_weight_versions"] = [{"v": 1}, {"v": 1}, {"v": 1}]
+    with pytest.raises(SamplerVersionError, match=r"output_token_weight_versions\[0\] \{'v': 1\}"):
+        parse_generation(out, 3, 2, (2, 2, 8))
     out["meta_info"]["output_token_weight_versions"] = ["1", "2"]
     with pytest.raises(SamplerError, match="2 entries for 3 output tokens"):
         parse_generation(out, 3, 2, (2, 2, 8))

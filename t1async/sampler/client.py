@@ -87,7 +87,7 @@ def parse_output_versions(meta: dict, n: int, version: int, url: str) -> np.ndar
     if not isinstance(raw, list) or len(raw) != n:
         got = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
         raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
-    if len(set(raw)) == 1:  # the usual case: one version for the whole turn
+    if all(v == raw[0] for v in raw):  # the usual case: one version for the whole turn (no hashing: any JSON)
         return np.full(n, parse_weight_version(raw[0], url, "output_token_weight_versions[0]"), dtype=np.int32)
     return np.asarray([parse_weight_version(v, url, f"output_token_weight_versions[{i}]")
                        for i, v in enumerate(raw)], dtype=np.int32)  # fmt: skip
