@@ -4,7 +4,8 @@
     ├── WireError                a message failed validation (bad bytes, bad field): the sender's fault
     ├── TransportError           the message bus misbehaved or is unreachable: the world's fault
     ├── SamplerError             a sampler answered badly or could not be reached
-    │   └── SamplerRequestError  the sampler rejected our request (HTTP 400): our fault
+    │   ├── SamplerRequestError  the sampler rejected our request (HTTP 400): our fault
+    │   └── SamplerVersionError  the sampler reports a weight_version that is not an integer: its setup's fault
     ├── SandboxError             a sandbox could not start or died
     ├── ConfigError              a bad flag, file or setting: the user's fault
     └── ServerStartError         an embedded server (nats-server, sampler) failed to start
@@ -38,6 +39,11 @@ class SamplerError(T1Error):
 
 class SamplerRequestError(SamplerError):
     """The sampler rejected the request as invalid (HTTP 400)."""
+
+
+class SamplerVersionError(SamplerError):
+    """A sampler reported a ``weight_version`` that is not a non-negative integer (a real SGLang server says
+    ``"default"`` until one is set): staleness is computed from it, so it is never silently defaulted (§7)."""
 
 
 class SandboxError(T1Error):

@@ -30,7 +30,7 @@ import anyio
 import httpx
 import numpy as np
 
-from t1async.errors import SamplerError, SamplerRequestError
+from t1async.errors import SamplerError, SamplerRequestError, SamplerVersionError
 from t1async.sampler.base import Generation, SamplingParams
 
 try:
@@ -57,11 +57,6 @@ class _State(enum.Enum):
     UNOPENED = 1
     OPENED = 2
     CLOSED = 3
-
-
-class SamplerVersionError(SamplerError):
-    """A sampler reported a ``weight_version`` that is not an integer: the world's fault (its configuration),
-    never silently defaulted, since staleness is computed from it (DESIGN §7)."""
 
 
 def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight_version") -> int:
