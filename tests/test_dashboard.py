@@ -153,3 +153,25 @@ async def test_the_nats_line_shows_the_servers_health(nats_server):
                     await anyio.sleep(0.05)
             tg.cancel_scope.cancel()
     assert f"{nats_server.url} monitor unreachable (ConnectError)" in text(view)
+
+
+def test_keys_are_not_echoed_while_the_dashboard_is_drawn_and_echo_comes_back():
+    import os
+    import pty
+    import termios
+
+    from t1async.cluster.progress import _no_echo
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            before = termios.tcgetattr(slave)[3]
+            assert before & termios.ECHO
+            with _no_echo(tty):
+                assert not termios.tcgetattr(slave)[3] & (termios.ECHO | termios.ECHOCTL)
+            assert termios.tcgetattr(slave)[3] == before
+        with _no_echo(io.StringIO()):  # not a terminal: nothing to do
+            pass
+    finally:
+        os.close(master)
+        os.close(slave)
