@@ -12,8 +12,8 @@ compacted input shares only a prefix with the previous sequence: that boundary i
 (``TurnResult.compacted``), and routing is asked from the end of that shared prefix, so the sampler routes
 every position of the new context that earlier turns did not.
 
-The loop reads as its seams: ``_sample``, ``_act``, ``_next_input`` (with the context policy),
-``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
+The loop reads as its seams: ``_sample``, ``_respond`` (parse, ``_act``), ``_next_input`` (with the context
+policy), ``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
 
 Rewards (DESIGN §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
 ends the episode) its ``reward`` is the change in the number of passing tests; otherwise 0. If the episode
@@ -210,6 +210,21 @@ async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: Samplin
     return None, "timeout", f"wall time ran out while sampling turn {k}"
 
 
+async def _respond(gen: Generation, out: list[int], tokenizer: ChatTokenizerLike, sandbox: Sandbox,
+                   cfg: AgentConfig, st: _Loop, k: int
+                   ) -> tuple[Action, str, str, ExecResult | None, StopReason | None, str]:
+    """Parse the output and run its action: (action, kind, observation, exec result, stop, detail)."""
+    if gen.finish == "abort":
+        return Action("invalid"), "none", "", None, "aborted", f"sampler aborted turn {k}"
+    action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
+    observation, res, failure = await _act(action, sandbox, cfg, st.deadline)
+    if failure:
+        return action, action.kind, observation, res, "error", f"sandbox failed on turn {k}: {failure}"
+    if action.done:
+        return action, action.kind, "", res, "solved", ""
+    return action, action.kind, observation, res, None, ""
+
+
 def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, policy: ContextPolicy,
                 out: list[int], observation: str) -> tuple[list[int] | None, str]:
     """The next turn's input from exact IDs (sets ``st.routed_start`` and ``st.compacted``), or (None, why)
@@ -294,17 +309,7 @@ async def run_agent(
         seq_len = len(st.input_ids) + len(out)
         # -- act
         t1 = time.monotonic()
-        if gen.finish == "abort":
-            action, observation, res = Action("invalid"), "", None
-            kind, stop, detail = "none", "aborted", f"sampler aborted turn {k}"
-        else:
-            action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
-            kind = action.kind
-            observation, res, failure = await _act(action, sandbox, cfg, st.deadline)
-            if failure:
-                stop, detail = "error", f"sandbox failed on turn {k}: {failure}"
-            elif action.done:
-                stop, observation = "solved", ""
+        action, kind, observation, res, stop, detail = await _respond(gen, out, tokenizer, sandbox, cfg, st, k)
         t_exec = time.monotonic() - t1
         # -- the next input (compacted by the context policy when it would not fit)
         input_ids, compacted = st.input_ids, st.compacted
