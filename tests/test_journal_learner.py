@@ -1,0 +1,86 @@
+"""The real learner service keeps its journal bounded: segments of settled episodes go, a restart still
+replays what is not settled, and an old run's journal.bin is taken over."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from t1async import wire
+from t1async.learner.journal import read_journal
+from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.trainer import TrainerConfig
+from t1async.model.config import MoEConfig
+from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import save_pretrained
+from t1async.testing.episodes import Sizes, make_episode
+from t1async.transport import MemoryBroker, MemoryTransport
+from t1async.transport.base import traj_subject
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("model")
+    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=2, n_heads=2, n_experts=4,
+                    top_k=2, d_ff=32, max_seq_len=8192, seed=0)  # fmt: skip
+    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
+    return d
+
+
+def episodes(first: int, n: int, version: int, *, end: bool = True) -> list:
+    out = []
+    for i in range(first, first + n):
+        case = make_episode(np.random.default_rng(i), ["clean"] * 3, episode=f"e{i}", with_end=end,
+                            sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
+                            layers=2, topk=2, num_experts=4)  # fmt: skip
+        out += [replace(r, policy_version=version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
+    return out
+
+
+async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_unsettled(tmp_path, tiny_model):
+    steps = 12
+    cfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, batch_turns=4, steps=steps, metrics_every_s=60,
+                        journal_segment_bytes=4096, trainer=TrainerConfig(lr=1e-4))  # fmt: skip
+    broker = MemoryBroker()
+    sizes: list[int] = []
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
+        learner = Learner(cfg, lt, None)
+        async with anyio.create_task_group() as tg:
+
+            async def feed():  # one wave of 3 finished episodes per step, sampled by the version it serves
+                for k in range(steps):
+                    while learner.state.step < k:
+                        await anyio.sleep(0.02)
+                    sizes.append(learner.journal.size_bytes())
+                    # the first wave also starts an episode that never ends: it must survive every compaction
+                    extra = episodes(1000, 1, 0, end=False) if k == 0 else []
+                    for r in episodes(10 * k, 3, learner.version) + extra:
+                        await pub.publish(traj_subject(r.episode), r)
+
+            tg.start_soon(feed)
+            with anyio.fail_after(180):
+                await learner.run()
+            tg.cancel_scope.cancel()
+    learner.journal.close()
+    wave = sizes[1] - sizes[0]
+    assert wave > 4096  # each wave rolls over at least one segment
+    # settled waves' segments go; the first one stays, pinned by the running episode: no growth
+    assert max(sizes) < 3 * wave + 3 * 4096, sizes
+    assert learner.metrics()["journal_segments"] <= 5
+    replayed: dict[str, set] = {}
+    for r in read_journal(tmp_path / "run" / "learner" / "journal"):
+        replayed.setdefault(r.episode, set()).add(getattr(r, "turn", "end"))
+    assert replayed.pop("e1000") == {0, 1, 2, 3} and len(replayed) < 3 * steps / 2
+    # no half episode: whatever else replays is whole (it shares a kept segment), and trained already
+    assert all(turns == {0, 1, 2, 3, "end"} for turns in replayed.values()), replayed
+
+    again = Learner(replace(cfg, steps=0), MemoryTransport(broker), None)
+    again._replay_journal()
+    again.journal.close()
+    assert "e1000" in again.assembler.open and list(again.assembler.open) == ["e1000"]
+    assert not [k for k in again.untrained if k[0] != "e1000"]  # everything else was trained: nothing to redo
