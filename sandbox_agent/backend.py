@@ -8,14 +8,16 @@ a remote sandbox service) implements the same two members.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import AsyncContextManager, Callable, Protocol
+from typing import AsyncContextManager, AsyncIterator, Callable, Protocol
 
 import anyio
 
-from sandbox_agent import dockerfile
-from sandbox_agent.sandbox import BwrapSandbox, Sandbox, SandboxConfig
+from sandbox_agent import dockerfile, images
+from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, SandboxConfig
+from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.tasks import Task, TaskNeedsImage
 
@@ -121,3 +123,74 @@ class FactoryBackend:
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         return None
+
+
+@dataclasses.dataclass
+class ContainerBackend:
+    """Tasks as published, in podman containers (sandbox_agent.images, sandbox.container): the task's image
+    built once, one container per episode (``episode``), a persistent shell per session (``open``)."""
+
+    config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    limits: ContainerLimits = dataclasses.field(default_factory=ContainerLimits)
+    name: str = "container"
+    _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def supports(self, task: Task) -> bool:
+        return images.podman_available()
+
+    def refusal(self, task: Task) -> str | None:
+        return None if images.podman_available() else f"podman is not installed ({images.INSTALL_HINT})"
+
+    @contextlib.asynccontextmanager
+    async def episode(self, task: Task, workdir: Path) -> AsyncIterator[str]:
+        """The episode's container (its image built first if needed); removed on exit."""
+        podman, env = images.podman(), images.podman_env()
+        image = await anyio.to_thread.run_sync(images.task_image, task)
+        if dockerfile.dockerfile_of(task) is None:  # default environment: the work dir is the state
+            inside, volumes = SANDBOX_WORKDIR, ((str(workdir), SANDBOX_WORKDIR),)
+        else:
+            inside, volumes = await anyio.to_thread.run_sync(images.image_workdir, image), ()
+        async with start_container(podman, env, image, limits=self.limits, volumes=volumes) as cid:
+            self._episodes[str(workdir)] = (cid, inside)
+            try:
+                yield cid
+            finally:
+                self._episodes.pop(str(workdir), None)
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncIterator[Sandbox]:
+        cfg = config or self.config
+        podman, env = images.podman(), images.podman_env()
+        ep = self._episodes.get(str(workdir))
+        if ep is None:  # no episode around this session: a container for it alone
+            async with self.episode(task, workdir), self.open(task, workdir, config=cfg, ro_binds=ro_binds) as sb:
+                yield sb
+            return
+        cid, inside = ep
+        async with ContainerSandbox.open(podman, env, cid, inside, cfg, copies=ro_binds) as sb:
+            yield sb
+
+    async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
+        return None
+
+
+def pick_backend(name: str, tasks: list[Task] | None = None) -> SandboxBackend:
+    """``auto``: bwrap when it runs every task exactly, else containers (podman must be installed)."""
+    if name == "bwrap":
+        return BwrapBackend()
+    if name == "container":
+        images.podman()  # a clear error now if it is missing
+        return ContainerBackend()
+    if name != "auto":
+        raise ValueError(f"backend must be auto, bwrap or container, got {name!r}")
+    bw = BwrapBackend()
+    if all(bw.supports(t) for t in tasks or ()) or not images.podman_available():
+        return bw
+    return ContainerBackend()

@@ -48,26 +48,35 @@ async def prepared_workdir(
     require_backend(task, backend)
     wd = Path(tempfile.mkdtemp(prefix=f"t1w-{_safe(task.id)}-", dir=work_root))
     try:
-        populate_workdir(task, wd)
-        prepare = getattr(backend, "prepare", None)
-        if prepare is not None:  # the task's Dockerfile COPYs (bwrap), or nothing (an image has them)
-            await anyio.to_thread.run_sync(prepare, task, wd)
-        if task.setup_script is not None:
-            with tempfile.TemporaryDirectory(prefix="t1s-") as tmp:
-                shutil.copy2(task.setup_script, Path(tmp) / "setup.sh")
-                share_read_only(Path(tmp))
-                async with backend.open(task, wd, ro_binds=((tmp, SETUP_MOUNT),)) as sb:
-                    res = await sb.exec(f"bash {SETUP_MOUNT}/setup.sh", timeout=120.0)
-                if res.exit_code != 0 or res.timed_out:
-                    raise TaskSetupError(
-                        f"task {task.id}: setup.sh failed (exit {res.exit_code}, timed out {res.timed_out}): "
-                        f"{res.output[-1000:]}"
-                    )
-        yield wd
+        async with contextlib.AsyncExitStack() as stack:
+            await _prepare(task, backend, wd, stack)
+            yield wd
     finally:
         if not keep:
             shutil.rmtree(wd, ignore_errors=True)
             shutil.rmtree(f"{wd}.mnt", ignore_errors=True)
+
+
+async def _prepare(task: Task, backend: SandboxBackend, wd: Path, stack: contextlib.AsyncExitStack) -> None:
+    """Environment files, the Dockerfile's COPYs (bwrap) or the episode's container, then setup.sh."""
+    populate_workdir(task, wd)
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:  # the task's Dockerfile COPYs (bwrap), or nothing (an image has them)
+        await anyio.to_thread.run_sync(prepare, task, wd)
+    episode = getattr(backend, "episode", None)
+    if episode is not None:  # one container for the whole episode: every session runs in it
+        await stack.enter_async_context(episode(task, wd))
+    if task.setup_script is not None:
+        with tempfile.TemporaryDirectory(prefix="t1s-") as tmp:
+            shutil.copy2(task.setup_script, Path(tmp) / "setup.sh")
+            share_read_only(Path(tmp))
+            async with backend.open(task, wd, ro_binds=((tmp, SETUP_MOUNT),)) as sb:
+                res = await sb.exec(f"bash {SETUP_MOUNT}/setup.sh", timeout=120.0)
+            if res.exit_code != 0 or res.timed_out:
+                raise TaskSetupError(
+                    f"task {task.id}: setup.sh failed (exit {res.exit_code}, timed out {res.timed_out}): "
+                    f"{res.output[-1000:]}"
+                )
 
 
 def _safe(s: str) -> str:

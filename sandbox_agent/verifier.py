@@ -47,16 +47,18 @@ class VerifyResult:
     status: VerifyStatus
     detail: str = ""
     duration_s: float = 0.0
+    path: str = "pytest"  # how it ran: "pytest" (the test files, directly) or "script" (the task's own)
 
     @classmethod
-    def failed(cls, status: VerifyStatus, detail: str, duration_s: float = 0.0) -> "VerifyResult":
-        return cls({}, 0, 0, False, status, detail, duration_s)
+    def failed(cls, status: VerifyStatus, detail: str, duration_s: float = 0.0, path: str = "pytest") -> "VerifyResult":
+        return cls({}, 0, 0, False, status, detail, duration_s, path)
 
     @classmethod
-    def from_tests(cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0) -> "VerifyResult":
+    def from_tests(cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0, path: str = "pytest"
+                   ) -> "VerifyResult":
         passed = sum(tests.values())
         total = len(tests)
-        return cls(dict(tests), passed, total, total > 0 and passed == total, "ok", detail, duration_s)
+        return cls(dict(tests), passed, total, total > 0 and passed == total, "ok", detail, duration_s, path)
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,52 @@ def build_command(task: Task, nonce: str, python: str) -> str:
     )
 
 
+_NETWORK = re.compile(r"\b(curl|wget)\s|astral\.sh|\buvx?\s|\bpip3?\s+install|apt(-get)?\s+(update|install)")
+
+
+def needs_network(script: Path) -> bool:
+    """Whether a test script fetches something (uv, pytest, packages): offline it cannot run as written."""
+    try:
+        text = script.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return True
+    return bool(_NETWORK.search("\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))))
+
+
+def script_command(task: Task, nonce: str) -> str:
+    """Terminal-Bench's own entry point, as its harness runs it (cwd = the task's working dir):
+    TB1 ``bash /tests/run-tests.sh``, TB2 ``bash /tests/test.sh`` and then /logs/verifier/reward.*."""
+    out = f"/tmp/t1v-{nonce}.out"
+    name = "run-tests.sh" if task.format == "tb1" else "test.sh"
+    return (
+        "mkdir -p /logs/verifier; rm -f /logs/verifier/reward.txt /logs/verifier/reward.json; "
+        f'T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1; '
+        f"t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
+        f"echo; echo '{nonce} OUT'; tail -c 65536 {out}; echo; "
+        f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null || cat /logs/verifier/reward.json 2>/dev/null "
+        f"| tr -d '\n'); rm -f {out}"
+    )
+
+
+def harbor_reward(text: str) -> float | None:
+    """Harbor's reward from reward.txt (a number) or reward.json ({"reward": x}); None if absent/unreadable."""
+    import json
+
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    r = v.get("reward") if isinstance(v, dict) else None
+    return float(r) if isinstance(r, (int, float)) else None
+
+
 def split_output(text: str, nonce: str) -> tuple[int | None, str | None, str]:
     """(pytest exit code, junit XML or None, pytest output) from the verifier command's output."""
     m = re.search(rf"^{nonce} RC (\d+)$", text, re.MULTILINE)
@@ -207,15 +255,24 @@ async def verify(
         return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh needs network)")
     timeout = config.timeout_s or task.test_timeout_s
     nonce = secrets.token_hex(8)
+    # Containers run the task's own script when it can run offline; otherwise (and under bwrap, whose
+    # host env is not the task's image) what it means: its test files with pytest -rA, TEST_DIR=/tests.
+    use_script = (backend.name == "container" and task.test_script is not None
+                  and not needs_network(task.test_script))
+    path = "script" if use_script else "pytest"
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
     try:
         tests_copy = tmp / "tests"
         shutil.copytree(task.tests_dir, tests_copy, symlinks=False)
+        if use_script and task.format == "tb1":
+            assert task.test_script is not None
+            shutil.copy2(task.test_script, tests_copy / "run-tests.sh")
         share_read_only(tmp)
         cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
+        command = script_command(task, nonce) if use_script else build_command(task, nonce, config.python)
         try:
             async with backend.open(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
-                res = await sb.exec(build_command(task, nonce, config.python), timeout=timeout)
+                res = await sb.exec(command, timeout=timeout)
         except SandboxError as exc:
             return VerifyResult.failed("error", f"sandbox failed: {exc}", time.monotonic() - t0)
     finally:
@@ -226,10 +283,28 @@ async def verify(
     code, junit, out = split_output(res.output, nonce)
     if code is None:
         return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}", dt)
+    if use_script:
+        return _script_result(task, code, out, nonce, dt)
     if not task.test_files:  # tb2 test.sh only: one test, its exit status
         return VerifyResult.from_tests({"test.sh": code == 0}, out[-2000:], dt)
     tests, status, detail = interpret(code, junit, out)
+    if task.test_script is not None and needs_network(task.test_script):
+        detail = f"ran tests/test_*.py with pytest -rA: {task.test_script.name} needs the network. " + detail
     if tests is None:
         log.info("verify.failed", task=task.id, status=status, detail=detail[:200])
         return VerifyResult.failed(status, detail + "\n" + out[-2000:], dt)
     return VerifyResult.from_tests(tests, detail, dt)
+
+
+def _script_result(task: Task, code: int, out: str, nonce: str, dt: float) -> VerifyResult:
+    """Per-test results from the script's pytest -rA summary where it printed one; else Harbor's reward
+    (TB2) or the script's exit status (TB1) as one test."""
+    text, _, reward_text = out.rpartition(f"\n{nonce} REWARD")
+    reward = harbor_reward(reward_text)
+    tests, status, detail = interpret(code if reward is None else (0 if reward >= 1 else 1), None, text)
+    if tests is not None:
+        return VerifyResult.from_tests(tests, detail, dt, path="script")
+    if task.format == "tb2" and reward is not None:
+        return VerifyResult.from_tests({"reward": reward >= 1}, f"reward {reward:g}\n" + text[-2000:], dt, path="script")
+    name = "run-tests.sh" if task.format == "tb1" else "test.sh"  # no per-test results: its exit status
+    return VerifyResult.from_tests({name: code == 0}, (detail + "\n" + text[-2000:]).strip(), dt, path="script")

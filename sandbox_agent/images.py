@@ -1,0 +1,254 @@
+"""Container images for the container backend: podman set-up, the base image, the image map, task images.
+
+Image registries are unreachable here; Debian's and PyPI's package registries are not. So:
+
+- ``build_base()`` makes ``localhost/t1async/base:bookworm`` once: ``mmdebstrap --variant=minbase`` of
+  Debian bookworm (python3 3.11, pip, venv, pytest, tmux, asciinema, curl, git, procps...), ``podman
+  import``, then ``uv`` and ``pytest==8.4.1`` from PyPI wheels (downloaded on the host) and ``python``/
+  ``pip`` links, as ``python:3.11-slim`` has them. Cached: a second call returns at once.
+- The image map sends a Dockerfile's ``FROM`` to a local image: ``ubuntu:*``, ``debian:*``,
+  ``python:3*``, ``buildpack-deps:*`` and ``ghcr.io/laude-institute/t-bench/*`` go to the base image.
+  Users add ``[images]`` entries (fnmatch pattern = local image) in ``$T1_IMAGE_MAP`` (a TOML file,
+  default ``~/.config/t1async/images.toml``); theirs win.
+- ``task_image(task)`` builds the task's Dockerfile with ``--pull=never`` and the mapped ``FROM``, tagged by
+  a content hash of its build context, so an unchanged task is built once.
+
+Podman runs with ``--runtime runc`` (crun fails here on hybrid cgroups) and a ``containers.conf`` with
+``default_ulimits = []`` (otherwise "setrlimit RLIMIT_NOFILE: Operation not permitted"), both through
+``CONTAINERS_CONF`` pointing at a file we write, so the host's configuration is left alone.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+from sandbox_agent.dockerfile import build_context, dockerfile_of
+from sandbox_agent.sandbox.base import SandboxStartError
+from sandbox_agent.tasks import Task
+from t1async.log import get_logger
+
+log = get_logger("sandbox_agent.images")
+
+BASE_IMAGE = "localhost/t1async/base:bookworm"
+ROOTFS_IMAGE = "localhost/t1async/rootfs:bookworm"
+BASE_PACKAGES = ("python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,"
+                 "git,less,file")
+PYPI_PACKAGES = ("uv", "pytest==8.4.1")
+DEFAULT_MAP = {
+    "ubuntu": BASE_IMAGE, "ubuntu:*": BASE_IMAGE, "debian": BASE_IMAGE, "debian:*": BASE_IMAGE,
+    "python:3*": BASE_IMAGE, "buildpack-deps:*": BASE_IMAGE, "docker.io/library/*": BASE_IMAGE,
+    "ghcr.io/laude-institute/t-bench/*": BASE_IMAGE,
+}
+CONTAINERS_CONF = """[containers]
+default_ulimits = []
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+INSTALL_HINT = "install it with `apt-get install -y podman runc mmdebstrap`"
+
+
+class ImageError(SandboxStartError):
+    """An image could not be built or resolved; the message names the step and the fix."""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("T1_IMAGE_CACHE", "/var/cache/t1async/images"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def podman() -> str:
+    exe = shutil.which(os.environ.get("T1_PODMAN", "podman"))
+    if exe is None:
+        raise SandboxStartError(f"the container backend needs podman, which is not installed: {INSTALL_HINT}")
+    return exe
+
+
+def podman_available() -> bool:
+    return shutil.which(os.environ.get("T1_PODMAN", "podman")) is not None
+
+
+def podman_env() -> dict[str, str]:
+    conf = cache_dir() / "containers.conf"
+    if not conf.exists() or conf.read_text() != CONTAINERS_CONF:
+        conf.write_text(CONTAINERS_CONF)
+    return {**os.environ, "CONTAINERS_CONF": str(conf)}
+
+
+def run_podman(*args: str, timeout: float = 600, check: bool = True, input: bytes | None = None,
+               quiet: bool = True) -> subprocess.CompletedProcess[bytes]:
+    out = subprocess.run([podman(), *args], env=podman_env(), capture_output=quiet, timeout=timeout, input=input)
+    if check and out.returncode != 0:
+        err = (out.stderr or b"").decode(errors="replace").strip()[-1500:]
+        raise ImageError(f"podman {' '.join(args[:3])}... failed (exit {out.returncode}): {err}")
+    return out
+
+
+def image_exists(ref: str) -> bool:
+    return run_podman("image", "exists", ref, check=False).returncode == 0
+
+
+def cgroup_version() -> int:
+    return 2 if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else 1
+
+
+# ------------------------------------------------------------------------------------- base image
+
+
+def build_base(*, force: bool = False, mirror: str = "http://deb.debian.org/debian") -> str:
+    """Build the base image once (skipped when it exists, unless ``force``); returns its name."""
+    if not force and image_exists(BASE_IMAGE):
+        return BASE_IMAGE
+    cache = cache_dir()
+    tar = cache / "base-rootfs.tar"
+    if force or not tar.exists():
+        if shutil.which("mmdebstrap") is None:
+            raise ImageError(f"building the base image needs mmdebstrap: {INSTALL_HINT}")
+        part = tar.with_suffix(".part.tar")
+        log.info("images.mmdebstrap", out=str(tar), packages=BASE_PACKAGES)
+        r = subprocess.run(["mmdebstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm",
+                            str(part), mirror], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ImageError(f"mmdebstrap failed (exit {r.returncode}): {r.stderr[-1500:]}")
+        part.rename(tar)
+    if force or not image_exists(ROOTFS_IMAGE):
+        run_podman("import", "--change", 'CMD ["/bin/bash"]', str(tar), ROOTFS_IMAGE)
+    with tempfile.TemporaryDirectory(prefix="t1-base-") as tmp:
+        wheels = Path(tmp) / "wheels"
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", "3.11",
+                            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+                            "--platform", "any", "-d", str(wheels), *PYPI_PACKAGES], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ImageError(f"pip download {' '.join(PYPI_PACKAGES)} failed: {r.stderr[-1500:]}")
+        (Path(tmp) / "Containerfile").write_text(
+            f"FROM {ROOTFS_IMAGE}\n"
+            "COPY wheels /tmp/wheels\n"
+            "RUN pip install --no-index --break-system-packages --root-user-action=ignore /tmp/wheels/*.whl"
+            " && rm -rf /tmp/wheels"
+            " && ln -sf /usr/bin/python3 /usr/local/bin/python && ln -sf /usr/bin/pip3 /usr/local/bin/pip"
+            " && mkdir -p /logs/verifier /app\n"
+            "ENV LANG=C.UTF-8\n"
+            'CMD ["/bin/bash"]\n')
+        run_podman("build", "--pull=never", "--network=none", "-t", BASE_IMAGE, tmp, timeout=1200)
+    log.info("images.base_built", image=BASE_IMAGE)
+    return BASE_IMAGE
+
+
+# -------------------------------------------------------------------------------------- image map
+
+
+def image_map() -> dict[str, str]:
+    """Pattern -> local image: the defaults, then the user's TOML ``[images]`` table (theirs win)."""
+    out = dict(DEFAULT_MAP)
+    path = Path(os.environ.get("T1_IMAGE_MAP", Path.home() / ".config" / "t1async" / "images.toml"))
+    if path.is_file():
+        try:
+            doc = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ImageError(f"image map {path}: invalid TOML: {exc}") from exc
+        table = doc.get("images", {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ImageError(f'image map {path}: expected an [images] table of "pattern" = "local image" strings')
+        out.update(table)
+    return out
+
+
+def resolve(ref: str, mapping: dict[str, str] | None = None) -> str | None:
+    """The local image for ``ref``: the last matching pattern's (user entries come last), else ``ref`` itself
+    when it exists locally, else None."""
+    mapping = image_map() if mapping is None else mapping
+    hit = None
+    for pat, local in mapping.items():
+        if fnmatch.fnmatchcase(ref, pat):
+            hit = local
+    if hit is not None:
+        return hit
+    return ref if image_exists(ref) else None
+
+
+# ------------------------------------------------------------------------------------- task images
+
+
+def context_hash(context: Path, dockerfile: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(context.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(dockerfile.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE | re.MULTILINE)
+
+
+def task_image(task: Task) -> str:
+    """The task's image, built once per content hash of its build context (``--pull=never``)."""
+    df = dockerfile_of(task)
+    if df is None:
+        if task.docker_image is None:
+            return build_base()
+        local = resolve(task.docker_image)
+        if local is None:
+            raise ImageError(f"task {task.id!r} names image {task.docker_image!r}, which is not local and not in the "
+                             f"image map: add it to $T1_IMAGE_MAP ([images] \"{task.docker_image}\" = \"local/image\")")
+        return _ensure(local)
+    ctx = build_context(task)
+    assert ctx is not None
+    tag = f"localhost/t1async/task-{_safe(task.id)}:{context_hash(ctx, df)}"
+    if image_exists(tag):
+        return tag
+    mapping = image_map()
+    stages: set[str] = set()
+
+    def repl(m: re.Match[str]) -> str:
+        ref = m.group(3)
+        rest = m.group(4)
+        alias = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)
+        local = ref if ref in stages else resolve(ref, mapping)
+        if alias:
+            stages.add(alias.group(1))
+        if local is None:
+            raise ImageError(f"task {task.id!r}: base image {ref!r} ({df}) is not local and not in the image map: "
+                             f"add it to $T1_IMAGE_MAP or run `python -m sandbox_agent images build-base`")
+        if ref not in stages:
+            _ensure(local)
+        return f"{m.group(1)}{m.group(2)}{local}{rest}"
+
+    text = _FROM.sub(repl, df.read_text(encoding="utf-8"))
+    with tempfile.NamedTemporaryFile("w", suffix=".Dockerfile", delete=False) as f:
+        f.write(text)
+    try:
+        log.info("images.task_build", task=task.id, tag=tag)
+        run_podman("build", "--pull=never", "-f", f.name, "-t", tag, str(ctx), timeout=1800)
+    finally:
+        os.unlink(f.name)
+    return tag
+
+
+def _ensure(local: str) -> str:
+    if local == BASE_IMAGE:
+        return build_base()
+    if not image_exists(local):
+        raise ImageError(f"mapped image {local!r} does not exist locally: build or import it (podman images)")
+    return local
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^a-z0-9_.-]", "-", s.lower())[:60] or "task"
+
+
+def image_workdir(image: str) -> str:
+    out = run_podman("image", "inspect", "--format", "{{.Config.WorkingDir}}", image)
+    return out.stdout.decode().strip() or "/"

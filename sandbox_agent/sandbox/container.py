@@ -1,0 +1,271 @@
+"""ContainerSandbox: the same persistent-shell protocol as bwrap (shell.py), in a podman container.
+
+One container per episode (``start_container``): ``podman run -d --init --network=none`` with memory,
+pids and CPU limits, kept alive by ``sleep infinity`` under podman's init (which reaps orphans), labelled
+with the owner's pid, and removed with ``podman rm -f -t 0`` on every exit path (also when cancelled).
+Each session (the agent's, the verifier's) is one ``podman exec -i`` of ``setsid bash`` running the
+driver, so variables, cwd and background jobs persist within it, and the container's filesystem persists
+across sessions of the episode, as in Terminal-Bench.
+
+A timed-out command: the shell gets SIGUSR1 (its abort trap) and every other process of its session is
+SIGTERMed, then SIGKILLed (``kill_grace_s``), inside the container; a shell that does not recover is
+killed and the next call starts a fresh one in the same cwd.
+
+If the actor process is SIGKILLed, no ``aclose`` runs: ``reap_orphans()`` (called before every new
+container) removes containers whose owner pid is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import anyio
+
+from sandbox_agent.sandbox.base import (
+    ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+)
+from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
+from sandbox_agent.sandbox.spawn import HostProcess, spawn
+from t1async.log import get_logger
+
+log = get_logger("sandbox_agent.sandbox.container")
+
+OWNER_LABEL = "t1async.owner"
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    memory_bytes: int = 2 << 30
+    pids: int = 512
+    cpus: float = 2.0
+
+
+async def _podman(argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
+                  ) -> tuple[int, bytes, bytes]:
+    with anyio.fail_after(timeout):
+        r = await anyio.run_process(argv, env=env, check=False, input=stdin)
+    return r.returncode, r.stdout, r.stderr
+
+
+async def reap_orphans(podman: str, env: dict[str, str]) -> list[str]:
+    """Remove our containers whose owner process is gone (it was SIGKILLed before it could)."""
+    rc, out, _ = await _podman([podman, "ps", "-a", "--filter", f"label={OWNER_LABEL}",
+                                "--format", "{{.ID}} {{.Labels}}"], env)
+    dead = []
+    for line in out.decode().splitlines():
+        cid, _, labels = line.partition(" ")
+        pid = next((int(x.split(":", 1)[1]) for x in labels.strip("map[]").split()
+                    if x.startswith(OWNER_LABEL + ":") and x.split(":", 1)[1].isdigit()), None)
+        if pid is not None and not os.path.exists(f"/proc/{pid}"):
+            dead.append(cid)
+    if dead:
+        await _podman([podman, "rm", "-f", "-t", "0", *dead], env)
+        log.warning("container.orphans_removed", containers=dead)
+    return dead
+
+
+@asynccontextmanager
+async def start_container(podman: str, env: dict[str, str], image: str, *, limits: ContainerLimits,
+                          volumes: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[str]:
+    """One container for an episode; removed (SIGKILL, no grace) on exit, whatever happened."""
+    await reap_orphans(podman, env)
+    name = f"t1-{secrets.token_hex(6)}"
+    argv = [podman, "run", "-d", "--init", "--name", name, "--network=none", "--label", f"{OWNER_LABEL}={os.getpid()}",
+            f"--memory={limits.memory_bytes}", f"--memory-swap={limits.memory_bytes}", f"--pids-limit={limits.pids}",
+            f"--cpus={limits.cpus:g}"]
+    for host, inside in volumes:
+        argv += ["-v", f"{host}:{inside}"]
+    rc, out, err = await _podman([*argv, image, "sleep", "infinity"], env)
+    if rc != 0:
+        raise SandboxStartError(f"podman run {image} failed (exit {rc}): {err.decode(errors='replace').strip()[-800:]}")
+    try:
+        yield name
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _podman([podman, "rm", "-f", "-t", "0", name], env)
+
+
+class ContainerSandbox:
+    """A persistent bash in a running container. Open with ``async with ContainerSandbox.open(...)``."""
+
+    def __init__(self, podman: str, env: dict[str, str], container: str, workdir: str, config: SandboxConfig
+                 ) -> None:
+        self.podman, self._env, self.container, self.workdir, self.config = podman, env, container, workdir, config
+        self._proc: HostProcess | None = None
+        self._channel: ShellChannel | None = None
+        self._shell_pid: int | None = None  # inside the container
+        self._cwd_quoted: str | None = None
+        self._lock = anyio.Lock()
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, podman: str, env: dict[str, str], container: str, workdir: str,
+                   config: SandboxConfig = SandboxConfig(), copies: tuple[tuple[str, str], ...] = ()
+                   ) -> AsyncIterator[ContainerSandbox]:
+        """A shell session in ``container`` (cwd ``workdir``), after copying host dirs in (``copies``)."""
+        for host, inside in copies:
+            rc, _, err = await _podman([podman, "exec", container, "rm", "-rf", inside], env)
+            rc, _, err = await _podman([podman, "cp", host, f"{container}:{inside}"], env)
+            if rc != 0:
+                raise SandboxStartError(f"podman cp {host} -> {inside} failed: {err.decode(errors='replace')[-500:]}")
+        sb = cls(podman, env, container, workdir, config)
+        try:
+            await sb._start()
+            yield sb
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sb.aclose()
+
+    async def _start(self) -> None:
+        cmd = [self.podman, "exec", "-i", "-w", self.workdir, "-e", "HOME=/root", "-e", "TERM=dumb",
+               self.container, "setsid", "-w", "bash", "--noprofile", "--norc", "-c", DRIVER]
+        try:
+            proc = await spawn(cmd, env=self._env)
+        except OSError as exc:
+            raise SandboxStartError(f"could not run {self.podman!r}: {exc}") from exc
+        self._proc, self._channel = proc, ShellChannel(proc.stdin, proc.stdout)
+        setup = "echo $$" if self._cwd_quoted is None else f"builtin cd -- {self._cwd_quoted} 2>/dev/null; echo $$"
+        nonce = secrets.token_hex(16)
+        buf = OutputBuffer(4096)
+        done = None
+        with anyio.move_on_after(self.config.startup_timeout_s):
+            try:
+                await self._channel.send(setup, nonce)
+                done = await self._channel.read_until_done(nonce, buf)
+            except (ShellEOF, anyio.BrokenResourceError):
+                done = None
+        if done is None or not buf.text().strip().isdigit():
+            err = b""
+            with anyio.move_on_after(1.0):
+                try:
+                    err = await proc.stderr.receive(8192)
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    pass
+            await self._kill_session()
+            raise SandboxStartError(f"the shell in container {self.container} did not start: "
+                                    f"{(err.decode(errors='replace') or buf.text()).strip()[-600:]}")
+        self._shell_pid = int(buf.text().strip())
+        self._cwd_quoted = done.cwd_quoted
+
+    async def _kill_session(self) -> None:
+        proc, self._proc, self._channel = self._proc, None, None
+        if self._shell_pid is not None:
+            await self._in_container(f"kill -KILL -- -{self._shell_pid} 2>/dev/null")
+            self._shell_pid = None
+        if proc is not None:
+            with anyio.CancelScope(shield=True):
+                await proc.stdin.aclose()
+                with anyio.move_on_after(2.0):
+                    await proc.wait()
+                proc.kill()
+                await proc.aclose()
+
+    async def _in_container(self, script: str) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await _podman([self.podman, "exec", self.container, "sh", "-c", script], self._env)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._kill_session()
+
+    async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
+        if "\0" in command:
+            raise ValueError("command contains a NUL byte, which bash cannot run: remove it")
+        timeout = self.config.command_timeout_s if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        async with self._lock:
+            if self._closed:
+                raise SandboxClosedError("exec() on a closed sandbox")
+            notes: list[str] = []
+            if self._channel is None:
+                await self._start()
+                notes.append("[note: the shell was restarted: cwd kept; variables, functions and background "
+                             "jobs from earlier commands are gone]")
+            channel = self._channel
+            assert channel is not None
+            out = OutputBuffer(self.config.output_limit_bytes)
+            nonce = secrets.token_hex(16)
+            t0 = time.monotonic()
+            done: Done | None = None
+            try:
+                with anyio.move_on_after(timeout):
+                    await channel.send(command, nonce)
+                    done = await channel.read_until_done(nonce, out)
+                if done is None:
+                    done = await self._abort(channel, nonce, out)
+                    notes.append(f"[timed out after {timeout:g} s: the command's processes were killed]")
+                    if done is None:
+                        channel.take_pending(out)
+                        await self._kill_session()
+                        notes.append("[the shell did not recover and was stopped; the next command starts a fresh "
+                                     "shell in the same directory]")
+                    return self._result(out, None, True, t0, notes)
+            except (ShellEOF, anyio.BrokenResourceError):
+                rc = self._proc.returncode if self._proc is not None else None
+                await self._kill_session()
+                notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
+                             f"directory (variables and background jobs are lost)]")
+                return self._result(out, rc, False, t0, notes)
+            self._cwd_quoted = done.cwd_quoted
+            return self._result(out, done.status, False, t0, notes)
+
+    async def _abort(self, channel: ShellChannel, nonce: str, out: OutputBuffer) -> Done | None:
+        sid = self._shell_pid
+        grace = self.config.kill_grace_s
+        others = f"ps -o pid= -s {sid} | while read p; do [ \"$p\" != {sid} ] && echo $p; done"
+        await self._in_container(f"kill -USR1 {sid}; kill -TERM $({others}) 2>/dev/null; sleep {grace:g}; "
+                                 f"kill -KILL $({others}) 2>/dev/null; true")
+        with anyio.move_on_after(grace + 2.0):
+            try:
+                return await channel.read_until_done(nonce, out)
+            except (ShellEOF, anyio.BrokenResourceError):
+                return None
+        return None
+
+    def _result(self, out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]
+                ) -> ExecResult:
+        text = out.text()
+        if notes:
+            text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+        return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
+                          duration_s=time.monotonic() - t0)
+
+    def _path(self, path: str) -> str:
+        return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
+
+    async def read_file(self, path: str) -> bytes:
+        if self._closed:
+            raise SandboxClosedError("read_file() on a closed sandbox")
+        rc, out, err = await _podman([self.podman, "exec", self.container, "cat", "--", self._path(path)], self._env)
+        if rc != 0:
+            raise SandboxError(f"read_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}")
+        return out
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        if self._closed:
+            raise SandboxClosedError("write_file() on a closed sandbox")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
+        p = self._path(path)
+        script = f"mkdir -p -- {shlex.quote(os.path.dirname(p) or '/')} && cat > {shlex.quote(p)}"
+        rc, _, err = await _podman([self.podman, "exec", "-i", self.container, "sh", "-c", script], self._env,
+                                   stdin=bytes(data))
+        if rc != 0:
+            raise SandboxError(f"write_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}")
+
+    async def __aenter__(self) -> ContainerSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+

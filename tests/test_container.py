@@ -1,0 +1,178 @@
+"""The container backend with real podman (runc) and the base image built from Debian packages: published
+TB1/TB2 tasks resolve with their oracle and fail with nothing, the persistent shell, the verifier's two
+paths, containment, and no container or image left behind.
+
+Needs podman, runc and mmdebstrap (``.ci/run`` installs them); the base image is built once and cached.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from sandbox_agent import images
+from sandbox_agent.backend import ContainerBackend, pick_backend
+from sandbox_agent.runner import NullAgent, OracleAgent, prepared_workdir, run_policy
+from sandbox_agent.sandbox import SandboxConfig
+from sandbox_agent.sandbox.container import OWNER_LABEL, reap_orphans
+from sandbox_agent.tasks import load_task
+
+TB = Path(__file__).resolve().parent / "tb_tasks"
+FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
+FAST = SandboxConfig(command_timeout_s=30.0, kill_grace_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    if not images.podman_available():
+        pytest.fail(f"podman is missing: {images.INSTALL_HINT} (then `python -m sandbox_agent images build-base`)")
+    return images.build_base()  # cached: returns at once when it exists
+
+
+def _ours() -> set[str]:
+    out = images.run_podman("ps", "-a", "--filter", f"label={OWNER_LABEL}", "--format", "{{.Names}}").stdout
+    return set(out.decode().split())
+
+
+@pytest.mark.parametrize("task_dir", [TB / "tb1/log-summary", TB / "tb1/jq-query", TB / "tb2/csv-stats",
+                                      TB / "tb2/gen-data", FIXTURES / "tb1/hello-world",
+                                      FIXTURES / "tb2/exit-status-only"])
+async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(base_image: str, task_dir: Path) -> None:
+    task = load_task(task_dir)
+    backend = ContainerBackend(config=FAST)
+    oracle = await run_policy(task, OracleAgent(), backend=backend)
+    assert oracle.verify.status == "ok" and oracle.verify.resolved, oracle.verify
+    null = await run_policy(task, NullAgent(), backend=backend)
+    assert null.verify.status == "ok" and not null.verify.resolved, null.verify
+
+
+async def test_verifier_runs_the_task_script_offline_and_falls_back_to_pytest_when_it_needs_the_network(
+        base_image: str) -> None:
+    backend = ContainerBackend(config=FAST)
+    offline = await run_policy(load_task(FIXTURES / "tb2/exit-status-only"), OracleAgent(), backend=backend)
+    assert offline.verify.path == "script" and offline.verify.tests == {"test.sh": True}
+    online = await run_policy(load_task(TB / "tb2/csv-stats"), OracleAgent(), backend=backend)
+    assert online.verify.path == "pytest" and "test.sh needs the network" in online.verify.detail
+    assert online.verify.passed == 3  # the dense reward: every test counted, not Harbor's 0/1
+
+
+async def test_container_shell_keeps_state_and_survives_a_timeout(base_image: str) -> None:
+    task = load_task(TB / "tb2/csv-stats")
+    backend = ContainerBackend(config=FAST)
+    async with prepared_workdir(task, backend) as wd, backend.open(task, wd) as sb:
+        r = await sb.exec("pwd; export X=kept; cd /tmp; f() { echo fn; }; sleep 300 &")
+        assert r.exit_code == 0 and r.output.strip() == "/app", r
+        r = await sb.exec('echo "$X $PWD $(f)"; test -n "$CURRENCY" && echo "$CURRENCY"; python --version')
+        assert r.output.split()[:4] == ["kept", "/tmp", "fn", "EUR"] and "Python 3" in r.output, r
+        r = await sb.exec("sleep 100; echo never", timeout=1.0)
+        assert r.timed_out and "never" not in r.output, r
+        r = await sb.exec('echo "$X $PWD"; exit 3')
+        assert r.output.startswith("kept /tmp") and r.exit_code == 3, r
+        r = await sb.exec("echo $PWD; cat /app/sales.csv | head -1")
+        assert r.output.split()[:2] == ["/tmp", "region,amount"] and "restarted" in r.output, r
+        await sb.write_file("notes/a.txt", b"hi")
+        assert await sb.read_file("/app/notes/a.txt") == b"hi"
+
+
+async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Path) -> None:
+    marker = tmp_path / "host-secret"
+    marker.write_text("host")
+    task = load_task(TB / "tb2/csv-stats")
+    backend = ContainerBackend(config=SandboxConfig(command_timeout_s=20.0, kill_grace_s=0.5, output_limit_bytes=4096))
+    async with prepared_workdir(task, backend) as wd:
+        async with backend.open(task, wd) as sb:
+            r = await sb.exec("timeout 5 bash -c 'echo > /dev/tcp/1.1.1.1/80' && echo EGRESS; "
+                              "getent hosts deb.debian.org || echo nodns")
+            assert "EGRESS" not in r.output and "nodns" in r.output, r
+            r = await sb.exec(f"cat {marker} || echo hidden")
+            assert "hidden" in r.output, r
+            r = await sb.exec("python -c 'x = bytearray(8 << 30)'; echo rc=$?")
+            assert "rc=0" not in r.output, r  # the memory limit (2 GiB) stops it
+            r = await sb.exec("yes flood | head -c 50000000")
+            assert r.truncated and len(r.output) < 10_000, len(r.output)
+            r = await sb.exec("bomb() { bomb | bomb & }; bomb", timeout=5.0)
+            r = await sb.exec("echo alive")
+            assert "alive" in r.output, r
+            r = await sb.exec("(trap '' TERM; sleep 1000) & nohup sleep 1000 >/dev/null 2>&1 & echo started")
+            assert "started" in r.output
+        name = backend._episodes[str(wd)][0]
+        assert name in _ours()
+    assert name not in _ours()  # sleepers, TERM-ignorers and bombs went with the container
+
+
+@pytest.mark.slow
+async def test_no_container_or_image_leaks_across_50_episodes(base_image: str) -> None:
+    task = load_task(TB / "tb2/csv-stats")
+    backend = ContainerBackend(config=FAST)
+    before_images = images.run_podman("images", "-q").stdout.split()
+    before = _ours()
+
+    async def one(i: int) -> None:
+        async with prepared_workdir(task, backend) as wd, backend.open(task, wd) as sb:
+            r = await sb.exec(f"echo {i} > /app/i.txt; (sleep 1000 &); cat /app/i.txt")
+            assert r.output.strip() == str(i)
+
+    limit = anyio.CapacityLimiter(4)
+
+    async def limited(i: int) -> None:
+        async with limit:
+            await one(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(50):
+            tg.start_soon(limited, i)
+    assert _ours() == before
+    assert images.run_podman("images", "-q").stdout.split() == before_images
+
+
+_OWNER = r"""
+import anyio, sys
+from sandbox_agent.backend import ContainerBackend
+from sandbox_agent.runner import prepared_workdir
+from sandbox_agent.tasks import load_task
+
+async def main():
+    task = load_task(sys.argv[1])
+    b = ContainerBackend()
+    async with prepared_workdir(task, b) as wd, b.open(task, wd) as sb:
+        await sb.exec("sleep 1000 &")
+        print("NAME", b._episodes[str(wd)][0], flush=True)
+        await anyio.sleep(600)
+
+anyio.run(main)
+"""
+
+
+async def test_a_sigkilled_owner_s_container_is_removed_by_the_next_start(base_image: str) -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", _OWNER, str(TB / "tb2/csv-stats")], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert p.stdout is not None
+        line = "-"
+        while line and not line.startswith("NAME "):
+            line = await anyio.to_thread.run_sync(p.stdout.readline)
+        name = line.split()[1]
+        assert name in _ours()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        assert name in _ours()  # nobody could remove it...
+        removed = await reap_orphans(images.podman(), images.podman_env())
+        assert name not in _ours() and removed  # ...until the next container start reaps it
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_auto_picks_bwrap_when_it_runs_every_task_exactly_else_containers(base_image: str) -> None:
+    bwrap_ok = [load_task(TB / "tb1/log-summary"), load_task(FIXTURES / "tb1/hello-world")]
+    assert pick_backend("auto", bwrap_ok).name == "bwrap"
+    assert pick_backend("auto", [*bwrap_ok, load_task(TB / "tb1/jq-query")]).name == "container"
