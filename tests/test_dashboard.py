@@ -87,6 +87,11 @@ def test_it_names_the_bottleneck_from_where_actor_time_goes():
     assert sampler.startswith("sampler: actors wait 72%") and "sampler busy" in sampler
     assert fed(5, wait=1, sample=3, exec_=30).bottleneck().startswith("sandbox: actors spend 75%")
     assert fed(1, wait=30, sample=35, exec_=2).bottleneck() == DASH, "one sample is no rate"
+    short = RunView("r", "n", [], clock=lambda: 0.0)
+    short.on_metrics("actor", "a", 0, 0, actor(0, wait=0, sample=0, exec_=0))
+    short.clock = lambda: 2.0
+    short.on_metrics("actor", "a", 0, 0, actor(1, wait=0.1, sample=0.1, exec_=0))
+    assert short.bottleneck() == DASH, "two seconds of history name no bottleneck"
     view = fed(5, wait=30, sample=35, exec_=2)
     assert view.actor_series.rate("turns") == 1.0 and view.learner_busy() == 0.9
     assert "limit: learner (credits 75%)" in plain_line(view)

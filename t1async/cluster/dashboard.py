@@ -21,6 +21,7 @@ from rich.text import Text
 
 DASH = "–"
 WINDOW_S = 60.0  # rates and time shares are over the last minute
+MIN_SPAN_S = 10.0  # time shares need this much history before they name a bottleneck
 
 
 def fmt(value: Any, spec: str = ".2f", *, suffix: str = "") -> str:
@@ -134,7 +135,7 @@ class RunView:
         s = self.actor_series
         slots = s.points[-1][1].get("slots") if s.points else None
         span = s.span()
-        if not slots or span <= 0:
+        if not slots or span < MIN_SPAN_S:
             return None
         wait, sample, exec_ = s.delta("credit_wait_s"), s.delta("sample_s"), s.delta("exec_s")
         if wait is None or sample is None or exec_ is None:
