@@ -321,3 +321,23 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
     assert learner.state.turns_trained == 6
     rs = learner.assembler.routing_stats()
     assert rs.gap_rows == rs.missing_rows == 0  # the empty sample's rows were asked again by the next one
+
+
+def test_tail_names_a_compaction_not_drift():
+    from t1async.cluster.tail import Formatter
+    from t1async.transport.base import Message
+
+    fmt = Formatter(text=False)
+
+    def line(rec) -> str:
+        return fmt.line(Message("t1.traj.e", b"", rec))
+
+    base = dict(episode="e", policy_version=0, output_ids=np.array([5, 6], np.int32), input_digest=b"0" * 16,
+                output_logprobs=np.zeros(2, np.float32), finish=wire.Finish.STOP, routing=None, reward=0.0,
+                tests_passed=-1, t_sample_s=0.1, t_exec_s=0.0)  # fmt: skip
+    line(wire.TurnRecord(turn=0, keep=0, input_delta=np.arange(10, dtype=np.int32), input_len=10, **base))
+    comp = line(wire.TurnRecord(turn=1, keep=4, input_delta=np.arange(3, dtype=np.int32), input_len=7,
+                                compacted=True, **base))  # fmt: skip
+    assert "prev=12 COMPACTED keep-prev=-8" in comp and "DRIFT" not in comp
+    end = line(wire.EndRecord("e", 2, wire.EndReason.MAX_TURNS, 0, 3, False, compactions=1))
+    assert "reason=max_turns" in end and "compactions=1" in end

@@ -10,6 +10,7 @@ turn lines: ep=episode t=turn v=policy version that sampled it; in=input tokens,
   the sequence so far, delta=new input tokens (in = keep + delta), out=output tokens; tests=verifier tests
   passed (– when the verifier did not run this turn); prev=sequence length after the episode's previous
   turn as this tail saw it (– when it did not see it): "clean" when keep = prev, DRIFT when keep < prev
-  (retokenized: the learner repairs it), GAP when keep > prev (a turn this tail missed); routing start/rows:
+  (retokenized: the learner repairs it), COMPACTED when the context policy rebuilt the input (a FORK by
+  construction, counted), GAP when keep > prev (a turn this tail missed); routing start/rows:
   the R3 trace (on a clean boundary start = keep-1); sample/exec: seconds sampling (credit wait included)
   and running the action. Text is clipped (--max-text) and control characters are escaped (\\n, \\x1b)."""

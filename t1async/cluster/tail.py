@@ -89,6 +89,7 @@ class Formatter:
         if isinstance(rec, wire.EndRecord):
             return escape(f"end   ep={rec.episode} turns={rec.turns} reason={rec.reason.value} "
                           f"tests={rec.tests_passed}/{rec.tests_total} resolved={rec.resolved}"
+                          + (f" compactions={rec.compactions}" if rec.compactions else "")
                           + (f" detail={_clip(rec.detail, self.max_text)}" if rec.detail else ""))  # fmt: skip
         if isinstance(rec, wire.MetricsRecord):
             vals = " ".join(f"{k}={_short(v)}" for k, v in sorted(rec.values.items()))
@@ -105,6 +106,8 @@ class Formatter:
             drift = "prev=–"
         elif r.keep == prev:
             drift = f"prev={prev} clean"
+        elif r.keep < prev and r.compacted:  # the context policy rebuilt the input: a FORK by construction
+            drift = f"prev={prev} COMPACTED keep-prev={r.keep - prev}"
         elif r.keep < prev:
             drift = f"prev={prev} DRIFT keep-prev={r.keep - prev}"
         else:
