@@ -124,7 +124,8 @@ class History:
         """Drop the oldest turn still present; False if that is impossible."""
         if not self.can_drop or self.dropped >= len(self.turns):
             return False
-        self.turns[self.dropped].state = DROPPED
+        t = self.turns[self.dropped]
+        t.state, t.output, t.suffix, t.short = DROPPED, [], [], None  # never rendered again: free its IDs
         self.dropped += 1
         return True
 
