@@ -94,6 +94,7 @@ async def run_actor(
             "resolved": stats.resolved, "tests_passed": stats.tests_passed, "tests_total": stats.tests_total,
             **credits.wait_stats(), "reasons": dict(stats.reasons),
             "sample_s": stats.sample_s, "exec_s": stats.exec_s, "slots": config.concurrency,
+            "compactions": stats.compactions, "empty_outputs": stats.empty_outputs,
         }  # fmt: skip
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
