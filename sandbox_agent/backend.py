@@ -136,10 +136,12 @@ class ContainerBackend:
     _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
 
     def supports(self, task: Task) -> bool:
-        return images.podman_available()
+        return self.refusal(task) is None
 
     def refusal(self, task: Task) -> str | None:
-        return None if images.podman_available() else f"podman is not installed ({images.INSTALL_HINT})"
+        if not images.podman_available():
+            return f"podman is not installed ({images.INSTALL_HINT})"
+        return images.missing_image(task)
 
     @contextlib.asynccontextmanager
     async def episode(self, task: Task, workdir: Path) -> AsyncIterator[str]:
@@ -194,3 +196,16 @@ def pick_backend(name: str, tasks: list[Task] | None = None) -> SandboxBackend:
     if all(bw.supports(t) for t in tasks or ()) or not images.podman_available():
         return bw
     return ContainerBackend()
+
+
+def task_backend(task: Task, choice: str = "auto") -> tuple[str, str]:
+    """(backend that would run ``task``, its image status) for ``list``: status is ``-`` (no image),
+    ``built``, ``not built`` (built on first use), or why it cannot run (``refused: ...``)."""
+    bw = BwrapBackend()
+    if choice == "bwrap" or (choice == "auto" and bw.supports(task)):
+        why = bw.refusal(task)
+        return "bwrap", "-" if why is None else f"refused: {why}"
+    why = ContainerBackend().refusal(task)
+    if why is not None:
+        return "container", f"refused: {why}"
+    return "container", "built" if images.image_exists(images.task_image_tag(task)) else "not built"

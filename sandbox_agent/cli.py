@@ -2,9 +2,13 @@
 
     python -m sandbox_agent synth --out DIR --n N --seed S [--families a,b]
     python -m sandbox_agent decontam --corpus DIR --against DIR [--ngram 8] [--threshold 0.5] [--json]
-    python -m sandbox_agent run-task TASK_DIR [--oracle | --agent null|oracle] [--json]
-    python -m sandbox_agent check TASKS_DIR [--sample K] [--seed S] [--json]
-    python -m sandbox_agent list TASKS_DIR [--json]
+    python -m sandbox_agent run-task TASK_DIR [--oracle | --agent null|oracle] [--backend B] [--json]
+    python -m sandbox_agent check TASKS_DIR [--sample K] [--seed S] [--backend B] [--json]
+    python -m sandbox_agent list TASKS_DIR [--backend B] [--json]
+    python -m sandbox_agent images build-base [--force]
+
+``--backend auto|bwrap|container`` (default auto): bwrap when it reproduces the task exactly (no
+Dockerfile, or only FROM/WORKDIR/COPY/ENV), else the container backend (podman).
 
 Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImage, a broken
 task, a sandbox failure), 2 bad usage. With ``--json`` the last line of stdout is one JSON object.
@@ -50,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
     g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
+    r.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
 
     c = sub.add_parser("check", help="oracle must resolve and do-nothing must not, on (a sample of) tasks",
@@ -59,12 +64,25 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--sample", type=int, default=0, help="check a random sample of K tasks (default: all)")
     c.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     c.add_argument("--concurrency", type=int, default=2, help="tasks run at once (default 2)")
+    c.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     c.add_argument("--json", action="store_true", help="print a JSON summary (last line)")
 
     ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
     ls.add_argument("tasks_dir", type=Path, metavar="TASKS_DIR")
+    ls.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     ls.add_argument("--json", action="store_true", help="print JSON (last line)")
+
+    im = sub.add_parser("images", help="container images: build the base image",
+                        description="Build the container backend's base image from Debian packages (mmdebstrap + "
+                        "podman import + uv/pytest from PyPI); cached, so a second run takes seconds.")
+    im.add_argument("action", choices=("build-base",), help="what to do")
+    im.add_argument("--force", action="store_true", help="rebuild even if the image exists")
     return p
+
+
+BACKENDS = ("auto", "bwrap", "container")
+BACKEND_HELP = ("sandbox backend (default auto: bwrap when it reproduces every task exactly, else containers "
+                "with podman)")
 
 
 def _cmd_synth(a: argparse.Namespace) -> int:
@@ -101,11 +119,14 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
     from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
     from sandbox_agent.tasks import load_task
 
+    from sandbox_agent.backend import pick_backend
+
     task = load_task(a.task_dir)
     policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
-    run = trio.run(run_policy, task, policy)
+    backend = pick_backend(a.backend, [task])
+    run = trio.run(lambda: run_policy(task, policy, backend=backend))
     v = run.verify
-    print(f"task {task.id} ({task.format}) agent={policy.name}")
+    print(f"task {task.id} ({task.format}) agent={policy.name} backend={backend.name} verifier={v.path}")
     if run.act is not None:
         print(f"  solution exit code {run.act.exit_code}{' (timed out)' if run.act.timed_out else ''}")
     for name, ok in sorted(v.tests.items()):
@@ -119,6 +140,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
             "task": task.id, "format": task.format, "agent": policy.name, "status": v.status,
             "reward": v.passed, "passed": v.passed, "total": v.total, "resolved": v.resolved,
             "tests": v.tests, "detail": v.detail[:2000], "wall_s": round(run.wall_s, 3),
+            "backend": backend.name, "verifier_path": v.path,
         }))
     return 0
 
@@ -126,7 +148,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
 def _cmd_check(a: argparse.Namespace) -> int:
     import random
 
-    from sandbox_agent.backend import BwrapBackend
+    from sandbox_agent.backend import pick_backend
     from sandbox_agent.runner import check_tasks
     from sandbox_agent.tasks import load_tasks
 
@@ -135,12 +157,24 @@ def _cmd_check(a: argparse.Namespace) -> int:
     tasks = load_tasks(a.tasks_dir)
     if a.sample and a.sample < len(tasks):
         tasks = random.Random(a.seed).sample(tasks, a.sample)
-    backend = BwrapBackend()
-    skipped = [t for t in tasks if not backend.supports(t)]
-    for t in skipped:
-        print(f"skip {t.id:<40} needs image {t.docker_image}")
-    tasks = [t for t in tasks if backend.supports(t)]
-    rows = trio.run(lambda: check_tasks(tasks, backend=backend, concurrency=a.concurrency))
+    groups: dict[str, tuple[object, list]] = {}  # auto: each task on the backend that runs it exactly
+    skipped = []
+    for t in tasks:
+        backend = pick_backend(a.backend, [t])
+        if backend.supports(t):
+            groups.setdefault(backend.name, (backend, []))[1].append(t)
+        else:
+            skipped.append(t)
+            why = getattr(backend, "refusal", lambda t: None)(t) or f"needs image {t.docker_image}"
+            print(f"skip {t.id:<40} {why}")
+
+    async def run_all() -> list:
+        out = []
+        for backend, group in groups.values():
+            out += await check_tasks(group, backend=backend, concurrency=a.concurrency)  # type: ignore[arg-type]
+        return out
+
+    rows = trio.run(run_all)
     for r in rows:
         print(f"{'ok ' if r.ok else 'BAD'} {r.task_id:<40} oracle {r.oracle.status} {r.oracle.passed}/{r.oracle.total}"
               f"  null {r.null.status} {r.null.passed}/{r.null.total}")
@@ -157,13 +191,31 @@ def _cmd_check(a: argparse.Namespace) -> int:
 def _cmd_list(a: argparse.Namespace) -> int:
     from sandbox_agent.tasks import load_tasks
 
+    from sandbox_agent.backend import task_backend
+
     tasks = load_tasks(a.tasks_dir)
+    rows = []
     for t in tasks:
         img = t.docker_image or "-"
-        print(f"{t.id:<40} {t.format} {t.split:<5} {t.family:<14} tests={len(t.test_files)} image={img}")
+        backend, status = task_backend(t, a.backend)
+        rows.append((t, backend, status))
+        print(f"{t.id:<40} {t.format} {t.split:<5} {t.family:<14} tests={len(t.test_files)} backend={backend} "
+              f"image={status} ({img})")
     if a.json:
         print(json.dumps([{"id": t.id, "format": t.format, "split": t.split, "family": t.family,
-                           "path": str(t.path), "docker_image": t.docker_image} for t in tasks]))
+                           "path": str(t.path), "docker_image": t.docker_image, "backend": b, "image_status": st}
+                          for t, b, st in rows]))
+    return 0
+
+
+def _cmd_images(a: argparse.Namespace) -> int:
+    import time
+
+    from sandbox_agent.images import build_base
+
+    t0 = time.monotonic()
+    name = build_base(force=a.force)
+    print(f"base image {name} ready ({time.monotonic() - t0:.1f} s)")
     return 0
 
 
@@ -176,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
     handlers = {"synth": _cmd_synth, "decontam": _cmd_decontam, "run-task": _cmd_run_task, "check": _cmd_check,
-                "list": _cmd_list}
+                "list": _cmd_list, "images": _cmd_images}
     try:
         return handlers[a.cmd](a)
     except _Usage as exc:

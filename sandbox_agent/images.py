@@ -193,22 +193,54 @@ def context_hash(context: Path, dockerfile: Path) -> str:
 _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE | re.MULTILINE)
 
 
-def task_image(task: Task) -> str:
-    """The task's image, built once per content hash of its build context (``--pull=never``)."""
+def task_image_tag(task: Task) -> str:
+    """The image the task runs in (not built here): its Dockerfile's content-hash tag, or the mapped image."""
     df = dockerfile_of(task)
     if df is None:
         if task.docker_image is None:
-            return build_base()
+            return BASE_IMAGE
         local = resolve(task.docker_image)
         if local is None:
             raise ImageError(f"task {task.id!r} names image {task.docker_image!r}, which is not local and not in the "
                              f"image map: add it to $T1_IMAGE_MAP ([images] \"{task.docker_image}\" = \"local/image\")")
-        return _ensure(local)
+        return local
     ctx = build_context(task)
     assert ctx is not None
-    tag = f"localhost/t1async/task-{_safe(task.id)}:{context_hash(ctx, df)}"
+    return f"localhost/t1async/task-{_safe(task.id)}:{context_hash(ctx, df)}"
+
+
+def missing_image(task: Task) -> str | None:
+    """Why the task's image cannot be had (a base or image neither local nor in the image map), or None."""
+    try:
+        tag = task_image_tag(task)
+    except ImageError as exc:
+        return str(exc)
+    df = dockerfile_of(task)
+    if df is None:
+        return None if tag == BASE_IMAGE or image_exists(tag) else f"image {tag!r} does not exist locally"
+    mapping = image_map()
+    stages: set[str] = set()
+    for m in _FROM.finditer(df.read_text(encoding="utf-8", errors="replace")):
+        ref = m.group(3)
+        if ref not in stages and resolve(ref, mapping) is None:
+            return (f"base image {ref!r} ({df}) is not local and not in the image map: add it to $T1_IMAGE_MAP "
+                    f"([images] \"{ref}\" = \"local/image\")")
+        alias = re.search(r"\bAS\s+(\S+)", m.group(4), re.IGNORECASE)
+        if alias:
+            stages.add(alias.group(1))
+    return None
+
+
+def task_image(task: Task) -> str:
+    """The task's image, built once per content hash of its build context (``--pull=never``)."""
+    tag = task_image_tag(task)
+    df = dockerfile_of(task)
+    if df is None:
+        return _ensure(tag)
     if image_exists(tag):
         return tag
+    ctx = build_context(task)
+    assert ctx is not None
     mapping = image_map()
     stages: set[str] = set()
 

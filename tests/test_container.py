@@ -176,3 +176,28 @@ def test_auto_picks_bwrap_when_it_runs_every_task_exactly_else_containers(base_i
     bwrap_ok = [load_task(TB / "tb1/log-summary"), load_task(FIXTURES / "tb1/hello-world")]
     assert pick_backend("auto", bwrap_ok).name == "bwrap"
     assert pick_backend("auto", [*bwrap_ok, load_task(TB / "tb1/jq-query")]).name == "container"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sandbox_agent", *args], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_status(base_image: str) -> None:
+    import json
+
+    r = _cli("run-task", str(TB / "tb1/log-summary"), "--oracle", "--backend", "container", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["backend"], out["resolved"], out["verifier_path"]) == ("container", True, "pytest")
+    r = _cli("run-task", str(TB / "tb1/jq-query"), "--oracle", "--backend", "bwrap")
+    assert r.returncode == 1 and "Dockerfile:3: RUN apt-get update" in r.stderr and "--backend container" in r.stderr
+    r = _cli("list", str(TB), "--json")
+    rows = {t["id"]: t for t in json.loads(r.stdout.strip().splitlines()[-1])}
+    assert rows["log-summary"]["backend"] == "bwrap" and rows["jq-query"]["backend"] == "container"
+    assert rows["jq-query"]["image_status"] in ("built", "not built")
+    r = _cli("list", str(FIXTURES), "--json")
+    rows = {t["id"]: t for t in json.loads(r.stdout.strip().splitlines()[-1])}
+    assert rows["needs-image"]["image_status"].startswith("refused: base image 'rust:1.80-slim'")
+    r = _cli("images", "build-base")
+    assert r.returncode == 0 and "ready" in r.stdout, r.stderr
