@@ -78,6 +78,7 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
                         hint="the sampler returned no tokens; not streamed, its credit pays for the next sample")  # fmt: skip
             return
         rec = encoder.encode(t)
+        stats.compactions += rec.compacted
         await ctx.transport.publish(subject, rec)
         turns += 1
         stats.turns += 1
@@ -97,7 +98,6 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
             end = EndRecord(episode, turns, EndReason(res.reason), res.tests_passed, res.tests_total,
                             res.resolved, res.detail[:1000], res.unstreamed_reward + encoder.carried_reward,
                             compactions=res.compactions)  # fmt: skip
-            stats.compactions += res.compactions
         except T1Error as exc:  # task setup, sandbox, transport: the episode failed, the actor goes on
             log.warning("episode.failed", episode=episode, task=task.id, error=str(exc))
             end = EndRecord(episode, turns, EndReason.ERROR, 0, 0, False, f"{type(exc).__name__}: {exc}"[:1000])
