@@ -201,3 +201,14 @@ def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_statu
     assert rows["needs-image"]["image_status"].startswith("refused: base image 'rust:1.80-slim'")
     r = _cli("images", "build-base")
     assert r.returncode == 0 and "ready" in r.stdout, r.stderr
+
+
+def test_bench_sandbox_container_runs_and_prints_json_last(base_image: str) -> None:
+    import json
+
+    r = subprocess.run([sys.executable, "-m", "bench.sandbox", "--backend", "container", "--execs", "20", "--starts", "1"],
+                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    assert 0 < data["container_exec_p50_ms"] <= data["container_exec_p99_ms"]
+    assert data["container_start_cold_ms"] > 0 and data["container_warm_start_ms"] > 0 and data["container_verify_ms"] > 0
