@@ -189,6 +189,7 @@ class _Loop:
     input_ids: list[int]
     history: History
     deadline: float
+    rid: str = "episode"
     routed_start: int = 0  # the first position no earlier turn's routing covered (DESIGN §3)
     compacted: bool = False  # this turn's input is a compaction (a FORK by construction)
     last_passed: int = 0
@@ -247,7 +248,7 @@ def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, polic
     # shared prefix stay valid, every later position of the new context must be routed again
     lcp = common_prefix_len(np.asarray(compacted, dtype=np.int64), np.asarray(seq, dtype=np.int64))
     st.routed_start, st.compacted = min(lcp, covered), True
-    log.info("agent.compacted", policy=policy.name, before=len(nxt), after=len(compacted), shared=lcp,
+    log.info("agent.compacted", rid=st.rid, policy=policy.name, before=len(nxt), after=len(compacted), shared=lcp,
              turns_dropped=st.history.dropped, compactions=st.history.compactions)
     return compacted, ""
 
@@ -283,7 +284,7 @@ async def run_agent(
     t_start = time.monotonic()
     first = prompt_ids(tokenizer, instruction, cfg.system_prompt)
     st = _Loop(first, History(tokenizer, first, cfg.observation_role),
-               anyio.current_time() + (cfg.wall_time_s or wall_time_s))  # fmt: skip
+               anyio.current_time() + (cfg.wall_time_s or wall_time_s), rid)  # fmt: skip
     policy = make_policy(cfg.context)
     stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
     reason: StopReason = "max_turns"
