@@ -139,11 +139,12 @@ class EpisodeAssembler:
         self.stats.late_turns += len(late)
         return self._maybe_finish()
 
-    def stop(self, turns: int) -> list[Segment]:
+    def stop(self, turns: int, *, emit: bool = True) -> list[Segment]:
         """The learner poisoned turn ``turns`` (DESIGN §7): the episode stops before it. Later turns are
         dropped (``abandoned``); the turns before it are returned once all have arrived, as a cut
         (``done=False``: the episode did not end there). If the episode was assembled past ``turns`` (a step
-        failed on those turns), its open segment is dropped, unreturned."""
+        failed on those turns), its open segment is dropped, unreturned; so it is with ``emit=False`` (taking a
+        turn raised: the open segment may hold half of it)."""
         if self.finished:
             return []
         self.stop_at = turns if self.stop_at is None else min(self.stop_at, turns)
@@ -152,7 +153,7 @@ class EpisodeAssembler:
             del self.pending[t]
             self.dropped.append((t, "abandoned"))
         self.stats.late_turns += len(late)
-        if self.next_turn > self.stop_at:
+        if self.next_turn > self.stop_at or not emit:
             self.builder, self.finished = None, True
             return []
         return self._maybe_finish()
@@ -362,12 +363,12 @@ class Assembler:
             return self.end(rec)
         return []
 
-    def stop(self, episode: str, turns: int) -> list[Segment]:
+    def stop(self, episode: str, turns: int, *, emit: bool = True) -> list[Segment]:
         """End ``episode`` before turn ``turns`` (the learner poisoned that turn): see ``EpisodeAssembler.stop``."""
         ep = self._episode(episode)
         if ep is None:
             return []
-        out = ep.stop(turns)
+        out = ep.stop(turns, emit=emit)
         self._retire(ep)
         return out
 

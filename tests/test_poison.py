@@ -221,6 +221,33 @@ async def test_a_step_that_raises_dead_letters_its_segments_and_is_never_retried
     assert second.state.step == 3 and not trained & failed[0]
 
 
+async def test_a_record_whose_assembly_raises_drops_its_episode_and_the_learner_goes_on(tmp_path, tiny_model):
+    """A defect no check foresaw, in taking a validated record (injected into the assembler): the record goes
+    to t1.dead.assembly, its episode is dropped whole, and neither this learner nor a restart dies on it."""
+    broker = MemoryBroker()
+    await publish(broker, good(0, 0))
+
+    def patch(learner: Learner) -> None:
+        real = learner.assembler.feed
+
+        def feed(rec):
+            if getattr(rec, "episode", "") == "good1" and getattr(rec, "turn", -1) == 2:
+                raise IndexError("injected: an assembly defect")
+            return real(rec)
+
+        learner.assembler.feed = feed
+
+    dead: list = []
+    first = await run_learner(tmp_path / "run", tiny_model, broker, 2, dead, patch=patch, waves=(good(10, 1),))
+    assert first.state.step == 2
+    assert [(m.subject, m.record.episode, m.record.turn) for m in dead] == [("t1.dead.assembly", "good1", 2)]
+    assert "injected" in dead[0].headers[HDR_DEAD_ERROR]
+    assert not any(first.state.was_trained("good1", t) for t in (2, 3))
+    await publish(broker, good(20, 2))
+    second = await run_learner(tmp_path / "run", tiny_model, broker, 3, [], patch=patch)  # replay meets it again
+    assert second.state.step == 3 and not any(second.state.was_trained("good1", t) for t in (2, 3))
+
+
 # ---------------------------------------------------------------------------------------------- the checks
 
 

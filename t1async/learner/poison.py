@@ -9,7 +9,9 @@
 turn poisons its episode at that turn: it and every later turn of the episode are dropped (counted) and
 their credits settled; the earlier turns still train, the episode stopping before the poisoned turn as a cut
 (``Assembler.stop``). A training step that raises anyway dead-letters its segments (reason ``train_step``)
-and poisons their episodes at the first turn it held, so the same step is never retried.
+and poisons their episodes at the first turn it held, so the same step is never retried. A record whose
+assembly raises (a defect no check foresaw) is dead-lettered (reason ``assembly``) and its episode dropped
+whole (poisoned at turn 0): its assembly state can no longer be trusted.
 
 The book of poisoned episodes (``<run_dir>/learner/poisoned.jsonl``, one JSON line per episode and turn,
 fsynced before the batch is acked) survives a restart: replay drops what it dropped live, so a poison record
@@ -35,6 +37,7 @@ from t1async.tito import Segment
 
 log = get_logger("t1async.learner.poison")
 TRAIN_STEP = "train_step"  # the dead-letter reason of a segment a training step failed on
+ASSEMBLY = "assembly"  # ... of a validated record that taking (assembly) still failed on: its episode goes whole
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from t1async.errors import WireError
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
 from t1async.learner.journal import Journal
-from t1async.learner.poison import TRAIN_STEP, Poison, PoisonBook, Screened, segment_letter
+from t1async.learner.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, segment_letter
 from t1async.learner.validate import ModelLimits
 from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
 from t1async.learner.settle import Settler, StepLog, loss_turns
@@ -198,10 +198,11 @@ class Learner:
                     await self._dead_letter(s)
                 await anyio.to_thread.run_sync(self.journal.append, s.good)
                 await batch.ack()  # durably taken: in the journal, or dead-lettered
-                for rec in s.good:
-                    self._take(rec, live=True)
+                failed = [f for rec in s.good if (f := self._take_safely(rec, live=True)) is not None]
                 if s.bad or s.dropped:
                     self._poisoned(self.poison.add(s.poisons), s.rejected_keys)
+                for f in failed:
+                    await self._dead_letter(f)
                 self._arrived.set()
                 self._arrived = anyio.Event()
 
@@ -267,13 +268,29 @@ class Learner:
                 self._replay_dead.append(s)
                 self.poison.add(s.poisons)
             for good in s.good:
-                self._take(good, live=False)
+                if (f := self._take_safely(good, live=False)) is not None:
+                    self._replay_dead.append(f)
             n += 1
         for p in self.poison.at.values():
             if p.episode in self.assembler.open:
                 self.ready.extend(self.assembler.stop(p.episode, p.turn))
         if n:
             log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version)
+
+    def _take_safely(self, rec: wire.Record, *, live: bool) -> Screened | None:
+        """``_take`` behind a fault barrier: a validated record that still makes taking it raise (an assembly
+        defect) poisons its whole episode, so neither this learner nor a restart replaying it dies on it.
+        Returns the dead letter to send."""
+        try:
+            self._take(rec, live=live)
+            return None
+        except Exception as exc:  # noqa: BLE001 - one record must never take the learner down
+            ep, turn = getattr(rec, "episode", ""), getattr(rec, "turn", -1)
+            log.exception("learner.take_failed", episode=ep, turn=turn, error=f"{type(exc).__name__}: {exc}")
+            err = WireError(f"turn {ep}#{turn}: taking it failed ({type(exc).__name__}: {exc}); its episode is "
+                            "dropped whole", field="", reason=ASSEMBLY)  # fmt: skip
+            self._poisoned(self.poison.add([Poison(ep, 0, ASSEMBLY, str(err))]), [])
+            return Screened(bad=[(rec, err)])
 
     async def _dead_letter(self, s: Screened) -> None:
         for rec, err in s.bad:
@@ -287,7 +304,7 @@ class Learner:
         if keys:
             self.settle(keys, "poisoned")
         for p in changed:
-            self.ready.extend(self.assembler.stop(p.episode, p.turn))
+            self.ready.extend(self.assembler.stop(p.episode, p.turn, emit=p.reason != ASSEMBLY))
             self._settle_dropped(p.episode)
 
     async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
