@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+import torch
 
 from t1async import wire
 from t1async.learner.service import Learner, LearnerConfig
@@ -194,21 +195,27 @@ async def test_a_step_that_raises_dead_letters_its_segments_and_is_never_retried
     broker = MemoryBroker()
     await publish(broker, [r for r in records if not r.episode.startswith("bad")])
     failed: list[set] = []
+    restored: list[bool] = []
 
     def patch(learner: Learner) -> None:
         real = learner.trainer.step
+        before = {k: v.clone() for k, v in learner.model.state_dict().items()}
 
         def step(segments, version, **kw):
-            if not failed:  # the first step fails the way an unforeseen defect would
+            if not failed:  # the first step fails the way an unforeseen defect would: after the update
                 failed.append({(s.episode, int(t)) for s in segments for t in np.unique(s.turn_ids[s.loss_mask])})
-                raise RuntimeError("injected: the forward pass hit something no check saw")
+                real(segments, version, **kw)
+                raise RuntimeError("injected: the step's metrics hit something no check saw")
+            if not restored:  # the next step starts from the weights of its version, not the failed update
+                restored.append(all(torch.equal(v, before[k]) for k, v in learner.model.state_dict().items()))
+                restored.append(learner.trainer.steps == 0 and not learner.trainer.optimizer.state)
             return real(segments, version, **kw)
 
         learner.trainer.step = step
 
     dead: list = []
     first = await run_learner(tmp_path / "run", tiny_model, broker, 2, dead, patch=patch, waves=(good(10, 0), good(20, 1)))
-    assert first.state.step == 2 and failed and failed[0]
+    assert first.state.step == 2 and failed and failed[0] and restored == [True, True]
     assert dead and {m.headers[HDR_DEAD_REASON] for m in dead} == {"train_step"}
     assert {m.subject for m in dead} == {"t1.dead.train_step"}
     assert "injected" in dead[0].headers[HDR_DEAD_ERROR]

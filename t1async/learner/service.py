@@ -26,7 +26,7 @@ from t1async.errors import WireError
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
 from t1async.learner.journal import Journal
-from t1async.learner.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, segment_letter
+from t1async.learner.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, restore_weights, segment_letter
 from t1async.learner.validate import ModelLimits
 from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
 from t1async.learner.settle import Settler, StepLog, loss_turns
@@ -308,11 +308,15 @@ class Learner:
             self._settle_dropped(p.episode)
 
     async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
-        """Trainer.step raised despite validation: dead-letter the step's segments, poison their episodes at
-        the first turn each held (so no restart retries it), and go on."""
+        """Trainer.step raised despite validation: put the weights back at ``version`` (it may have stepped),
+        dead-letter the step's segments, poison their episodes at the first turn each held (so no restart
+        retries it), and go on."""
         self.poison.failed_steps += 1
         log.error("learner.step_failed", version=version, segments=len(segments), error=f"{type(exc).__name__}: {exc}",
                   hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped")  # fmt: skip
+        initial = self.cfg.model_dir or default_model_dir()
+        restored = await anyio.to_thread.run_sync(restore_weights, self.trainer, self.cfg.checkpoints, version, initial)
+        log.info("learner.weights_restored", version=version, source=restored)
         err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
         poisons = []
         for s in segments:
