@@ -126,3 +126,15 @@ def test_cli_says_what_is_missing(tmp_path, capsys):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_tasks_the_backend_cannot_run_are_skipped_with_the_reason():
+    from t1async.eval.__main__ import select_tasks
+
+    fixtures = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
+    tasks, skipped, backend = select_tasks(fixtures, "all", "", "bwrap")
+    assert backend.name == "bwrap" and {t.id for t in tasks} >= {"hello-world", "word-count"}
+    assert sorted(s.split(" ")[0] for s in skipped) == ["custom-image", "needs-image"]
+    assert all("bwrap backend" in s for s in skipped)
+    with pytest.raises(Exception, match="not among"):
+        select_tasks(fixtures, "all", "no-such-family", "bwrap")

@@ -23,7 +23,7 @@ from typing import AsyncIterator
 import anyio
 
 from sandbox_agent.agent import AgentConfig
-from sandbox_agent.backend import BwrapBackend
+from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.errors import T1Error
 from t1async.eval.report import plot, print_report
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--sampler-url", action="append", default=[], metavar="URL",
                      help="a running SGLang-compatible sampler; repeat for several")  # fmt: skip
     p.add_argument("--tasks", type=Path, required=True, help="a directory of tasks (Terminal-Bench 1/2 format)")
+    p.add_argument("--backend", choices=("auto", "bwrap", "container"), default="auto",
+                   help="sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap "
+                        "when it runs every selected task exactly, else containers)")  # fmt: skip
     p.add_argument("--split", choices=("eval", "train", "all"), default="eval", help="which tasks (default eval)")
     p.add_argument("--families", default="", help="comma-separated task families (default: all)")
     p.add_argument("--samples", type=int, default=1, help="episodes per task, K (default 1); pass@k for k <= K")
@@ -65,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def select_tasks(root: Path, split: str, families: str) -> tuple[list[Task], list[str]]:
-    """The tasks to run, and one line per task left out because the bwrap backend cannot run it."""
+def select_tasks(root: Path, split: str, families: str, backend: str = "auto"
+                 ) -> tuple[list[Task], list[str], SandboxBackend]:  # fmt: skip
+    """The tasks to run, one line per task left out because the backend cannot run it, and the backend."""
     tasks = load_tasks(root)
     if split != "all":
         tasks = [t for t in tasks if t.split == split]
@@ -76,9 +80,14 @@ def select_tasks(root: Path, split: str, families: str) -> tuple[list[Task], lis
         if want - known:
             raise T1Error(f"--families names {sorted(want - known)}, not among this task set's {sorted(known)}")
         tasks = [t for t in tasks if t.family in want]
-    backend = BwrapBackend()
-    skipped = [f"{t.id}: needs image {t.docker_image!r} (a container backend)" for t in tasks if not backend.supports(t)]
-    return [t for t in tasks if backend.supports(t)], skipped
+    b = pick_backend(backend, tasks)
+
+    def why(t: Task) -> str:
+        refusal = getattr(b, "refusal", None)
+        return (refusal(t) if refusal is not None else None) or f"needs image {t.docker_image!r}"
+
+    skipped = [f"{t.id} ({b.name} backend): {why(t)}" for t in tasks if not b.supports(t)]
+    return [t for t in tasks if b.supports(t)], skipped, b
 
 
 @asynccontextmanager
@@ -96,7 +105,7 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
             yield c
 
 
-async def amain(args: argparse.Namespace, tasks: list[Task]) -> dict:
+async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBackend) -> dict:
     from t1async.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
@@ -108,7 +117,7 @@ async def amain(args: argparse.Namespace, tasks: list[Task]) -> dict:
     jsonl.write_text("")
     t0 = time.monotonic()
     async with open_sampler(args) as sampler:
-        rows = await run_eval(tasks, sampler, tok, cfg, jsonl=jsonl, progress=progress_stream())
+        rows = await run_eval(tasks, sampler, tok, cfg, backend=backend, jsonl=jsonl, progress=progress_stream())
     ks = list(range(1, args.samples + 1))
     scores = task_scores(rows)
     overall = summarise(scores, k_values=ks, seed=args.seed)
@@ -126,7 +135,7 @@ async def amain(args: argparse.Namespace, tasks: list[Task]) -> dict:
         "tests_frac": overall["tests_frac"]["mean"], "resolved_rate": overall["resolved_rate"],
         "pass_at_k": {k: overall[k]["mean"] for k in overall if k.startswith("pass@")},
         "tasks": overall["tasks"], "episodes": overall["episodes"], "samples": args.samples, "seed": args.seed,
-        "split": args.split, "source": src, "reasons": reasons, "overall": overall, "families": fams,
+        "split": args.split, "source": src, "backend": backend.name, "reasons": reasons, "overall": overall, "families": fams,
         "minutes": (time.monotonic() - t0) / 60.0, "out": str(args.out),
     }  # fmt: skip
 
@@ -148,15 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tasks.is_dir():
         p.error(f"--tasks {args.tasks} is not a directory; make one with `python -m sandbox_agent synth --out DIR --n 60`")
     try:
-        tasks, skipped = select_tasks(args.tasks, args.split, args.families)
-    except T1Error as exc:
+        tasks, skipped, backend = select_tasks(args.tasks, args.split, args.families, args.backend)
+    except (T1Error, ValueError) as exc:
         p.error(str(exc))
     for line in skipped:
         print(f"skipped {line}", file=sys.stderr)
     if not tasks:
         p.error(f"no runnable tasks in {args.tasks} for --split {args.split}"
                 + (f" --families {args.families}" if args.families else ""))  # fmt: skip
-    summary = anyio.run(amain, args, tasks, backend="trio")
+    summary = anyio.run(amain, args, tasks, backend, backend="trio")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     o = summary
     print(f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
