@@ -148,3 +148,26 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(na
     bad = next(x for x in lines if x.startswith("!"))
     assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad
 
+
+
+@pytest.mark.slow
+def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, repo_env):
+    """The terminal shows the outcome in words; the supervisor's log lines stay in its file."""
+    import os
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120",
+            "--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state = _wait_running(run_dir, proc, timeout=180)
+        learner = state.components["learner"].pid
+        os.kill(learner, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 1
+    assert out.splitlines()[-1].startswith(f"cluster stopped: learner (pid {learner}) exited with code -9; see ")
+    raw = [x for x in (out + err).splitlines() if x.startswith("{") or "[error" in x or "component_exited" in x]
+    assert not raw, raw
+    assert "cluster.component_exited" in (run_dir / "logs" / "supervisor.jsonl").read_text()
