@@ -55,8 +55,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = from_args(args)
     run_dir = Path(cfg.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    # the terminal shows the dashboard and warnings; the supervisor's full log goes to its file
-    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "warning")
+    # the terminal shows the dashboard and one closing line (why it stopped); the supervisor's log goes to its
+    # file, and to the terminal too only when --log-level asks for it
+    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "critical")
     from t1async.cluster import components, preflight
     from t1async.cluster.progress import show_progress
     from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
@@ -233,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
              "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
              "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"
              "  4. the learner (checkpoints in <run-dir>/checkpoints), then --actors actor processes.\n"
-             "Shows live progress; writes <run-dir>/cluster.json (PIDs), <run-dir>/logs/, <run-dir>/metrics.jsonl.\n"
+             "Checks --nats, --sampler-url, bubblewrap and the tasks first, and stops with a one-line error if\n"
+             "one is missing. Shows a live dashboard (--plain: one line every 10 s); the supervisor's own log\n"
+             "goes to <run-dir>/logs/supervisor.jsonl, and to the terminal only with --log-level.\n"
+             "Writes <run-dir>/cluster.json (PIDs), <run-dir>/logs/, <run-dir>/metrics.jsonl.\n"
              "Runs until Ctrl-C, SIGTERM, `down`, --duration or --steps; then stops every component\n"
              "(SIGTERM, then SIGKILL), NATS last. Run it again on the same --run-dir to resume training.")  # fmt: skip
     from t1async.cluster.config import add_up_arguments
