@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
@@ -40,6 +41,13 @@ FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "logs": logs_family,
     "env": env_family,
 }
+# families outside the default cycle (so the default corpus stays as it was): easy chores for learning from
+# scratch, named explicitly (``families=[...]``, ``--families``), used by the ``learn`` preset
+EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
+    "mkfile": mkfile_family,
+    "copy": copy_family,
+}
+ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}
 
 RUN_TESTS = """\
 #!/bin/bash
@@ -60,9 +68,9 @@ def task_id(family: str, seed: int, index: int) -> str:
 
 
 def make_task(family: str, seed: int, index: int) -> tuple[str, SynthSpec]:
-    if family not in FAMILIES:
-        raise ConfigError(f"unknown task family {family!r}; known: {', '.join(FAMILIES)}")
-    spec = FAMILIES[family](task_rng(seed, index, family))
+    if family not in ALL_FAMILIES:
+        raise ConfigError(f"unknown task family {family!r}; known: {', '.join(ALL_FAMILIES)}")
+    spec = ALL_FAMILIES[family](task_rng(seed, index, family))
     return task_id(family, seed, index), spec
 
 
@@ -117,8 +125,8 @@ def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None 
     after each of them (k tasks written so far)."""
     fams = list(families or FAMILIES)
     for f in fams:
-        if f not in FAMILIES:
-            raise ConfigError(f"unknown task family {f!r}; known: {', '.join(FAMILIES)}")
+        if f not in ALL_FAMILIES:
+            raise ConfigError(f"unknown task family {f!r}; known: {', '.join(ALL_FAMILIES)}")
     if n < 1:
         raise ConfigError(f"--n must be >= 1, got {n}")
     root = Path(out)

@@ -26,13 +26,19 @@ def ensure_tasks(cfg: UpConfig) -> Path:
 
         print(f"tasks: synthesizing {cfg.synth_tasks} into {d}", flush=True)
         with setup_bar("synthesizing tasks", cfg.synth_tasks) as bar:
-            generate(d, cfg.synth_tasks, seed=cfg.seed, progress=bar)
+            generate(d, cfg.synth_tasks, seed=cfg.seed, families=list(cfg.synth_families) or None, progress=bar)
         log.info("cluster.tasks_synthesized", dir=str(d), n=cfg.synth_tasks, seed=cfg.seed)
     return d
 
 
 def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     """The SFT command to run before anything starts, or None (no warm start, or it already ran)."""
+    if cfg.warm_start:  # a named recipe: built once into the cache, shared by every run that names it
+        from t1async.learner.warmstart import get_recipe, is_built
+
+        if is_built(get_recipe(cfg.warm_start)):
+            return None
+        return python_module("t1async.learner.warmstart", "--recipe", cfg.warm_start)
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
@@ -47,7 +53,20 @@ def warm_model_dir(cfg: UpConfig) -> Path:
     return Path(cfg.run_dir) / "warm-start"
 
 
+def warm_start_total(cfg: UpConfig) -> int:
+    """SFT steps of the warm start (its progress bar's total)."""
+    if cfg.warm_start:
+        from t1async.learner.warmstart import get_recipe
+
+        return get_recipe(cfg.warm_start).sft.steps
+    return cfg.warm_start_steps
+
+
 def model_dir(cfg: UpConfig) -> Path | None:
+    if cfg.warm_start:
+        from t1async.learner.warmstart import cache_dir, get_recipe
+
+        return cache_dir(get_recipe(cfg.warm_start))
     if cfg.warm_start_steps > 0:
         return warm_model_dir(cfg)
     return cfg.model

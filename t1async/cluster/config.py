@@ -36,9 +36,11 @@ class UpConfig:
     sampler_max_batch: int = 64
     prefix_cache_tokens: int = 262_144
     warm_start_steps: int = 0  # >0: SFT on oracle demonstrations first
+    warm_start: str = ""  # a named warm-start recipe (t1async.learner.warmstart): its cached model is the policy
     # tasks and actors
     tasks: Path | None = None  # None: a synthetic corpus in <run-dir>/tasks
     synth_tasks: int = 220
+    synth_families: tuple[str, ...] = ()  # families of the synthesized corpus (default: the 11 default ones)
     actors: int = 2
     concurrency: int = 4
     max_turns: int = 300
@@ -80,6 +82,16 @@ class UpConfig:
             raise ConfigError(f"--sampler-dtype must be float32 or bfloat16, got {self.sampler_dtype!r}")
         if self.tasks is not None and not Path(self.tasks).is_dir():
             raise ConfigError(f"--tasks {self.tasks}: no such directory (make one: python -m sandbox_agent synth --out DIR)")
+        if self.warm_start:
+            from t1async.learner.warmstart import get_recipe
+
+            get_recipe(self.warm_start)  # an unknown name fails now, in one line
+        if self.synth_families:
+            from sandbox_agent.synth import ALL_FAMILIES
+
+            bad = [f for f in self.synth_families if f not in ALL_FAMILIES]
+            if bad:
+                raise ConfigError(f"--synth-families {','.join(bad)}: unknown; known: {', '.join(ALL_FAMILIES)}")
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
         return self
@@ -92,10 +104,12 @@ _PATHS = {"run_dir", "model", "tasks"}
 def _coerce(name: str, value: Any, source: str) -> Any:
     if name in _PATHS:
         return None if value is None else Path(value)
-    if name == "sampler_url":
+    if name in ("sampler_url", "synth_families"):
         vals = [value] if isinstance(value, str) else list(value or [])
         if not all(isinstance(v, str) for v in vals):
-            raise ConfigError(f"{source}: sampler-url must be a string or a list of strings")
+            raise ConfigError(f"{source}: {name.replace('_', '-')} must be a string or a list of strings")
+        if name == "synth_families":
+            vals = [f.strip() for v in vals for f in v.split(",") if f.strip()]
         return tuple(vals)
     default = _FIELDS[name].default
     if isinstance(default, bool) and not isinstance(value, bool):
@@ -132,6 +146,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     """Flags for every setting; defaults are None so a TOML file's value stands unless a flag overrides it."""
     d = UpConfig()
     p.add_argument("--config", type=Path, default=None, metavar="FILE.toml", help="read settings from a TOML file (flags win)")
+    from t1async.cluster.presets import PRESETS
+
+    p.add_argument("--preset", default=None, choices=tuple(PRESETS), help="start from a named recipe's settings "
+                   "(then the TOML file, then flags); learn: the warm-started policy on the learnable families")  # fmt: skip
     g = p.add_argument_group("NATS")
     g.add_argument("--nats", default=None, metavar="URL", help="use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one")
     g.add_argument("--nats-port", type=int, default=None, help="port of the embedded nats-server (default: a free one)")
@@ -144,9 +162,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampler-max-batch", type=int, default=None, help=f"embedded sampler batch (default {d.sampler_max_batch})")
     g.add_argument("--prefix-cache-tokens", type=int, default=None, help=f"embedded sampler prefix cache (default {d.prefix_cache_tokens})")
     g.add_argument("--warm-start-steps", type=int, default=None, help="first fine-tune on oracle demonstrations for N steps (default 0: no)")
+    g.add_argument("--warm-start", default=None, metavar="RECIPE", help="policy = this warm-start recipe's cached "
+                   "model (built first if missing; python -m t1async.learner.warmstart)")  # fmt: skip
     g = p.add_argument_group("actors")
     g.add_argument("--tasks", type=Path, default=None, help="task directory (default: synthesize a corpus into <run-dir>/tasks)")
     g.add_argument("--synth-tasks", type=int, default=None, help=f"tasks to synthesize when --tasks is not given (default {d.synth_tasks})")
+    g.add_argument("--synth-families", default=None, metavar="A,B", help="families to synthesize (default: the 11 default ones)")
     g.add_argument("--actors", type=int, default=None, help=f"actor processes (default {d.actors})")
     g.add_argument("--concurrency", type=int, default=None, help=f"episodes per actor at once (default {d.concurrency})")
     g.add_argument("--max-turns", type=int, default=None, help=f"turns per episode at most (default {d.max_turns})")
@@ -174,6 +195,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
 
 def from_args(args: argparse.Namespace) -> UpConfig:
     values: dict[str, Any] = {}
+    if getattr(args, "preset", None):
+        from t1async.cluster.presets import preset_values
+
+        values.update(preset_values(args.preset))
     if getattr(args, "config", None) is not None:
         values.update(load_toml(args.config))
     for name in _FIELDS:

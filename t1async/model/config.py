@@ -101,3 +101,12 @@ class MoEConfig:
         if not p.is_file():
             raise ConfigError(f"no model config at {p}: expected a model directory holding config.json")
         return cls.from_json(p.read_text())
+
+
+# Named model shapes. "tiny" is the shipped default (assets/config.json). "learn" is the model the ``learn``
+# warm-start recipe trains from its seeded init (t1async.learner.warmstart): still a CPU-sized MoE with
+# top-k routing, so R3 routing replay stays meaningful.
+MODEL_PRESETS: dict[str, MoEConfig] = {
+    "tiny": MoEConfig(),
+    "learn": MoEConfig(),
+}

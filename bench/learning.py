@@ -1,0 +1,309 @@
+"""Does the whole loop learn? Warm start -> held-out eval -> RL with the real cluster -> the same eval again.
+
+    python -m bench.learning [--recipe learn] [--rl-steps 40] [--samples 2] [--json]
+
+1. the warm start: ``t1async.learner.warmstart`` builds the recipe's model once (seeded) and caches it;
+2. a corpus of the recipe's families (``--eval-corpus`` tasks, seed 0) is written into the run dir; its eval
+   split (a hash of the task id, ~10%) is never drawn by the actors;
+3. eval before: ``t1async.eval.run_eval`` with the embedded sampler on the warm start, ``--samples`` seeded
+   episodes per held-out task (seeded per task, sample and turn);
+4. RL: ``python -m t1async.cluster up --preset learn --steps N`` on that corpus: nats-server with JetStream,
+   the embedded sampler, the learner (PPO, credits, R3), actors in the bwrap sandbox; the train split only;
+5. eval after: the learner's last checkpoint, the same tasks, the same seeds;
+6. out of distribution, no target: the 11 default families (never trained on), before and after.
+
+Prints the learning curve (per learner step: reward per trained turn, the share of episodes ending at that
+policy version that resolved, mean |Δlogp| between sampler and learner), the before/after table with 95%
+bootstrap CIs over tasks (the differences are paired: the same tasks resampled for both), writes
+``learning.png`` and ``summary.json`` into the run dir; the last stdout line is JSON with ``pass1_before``,
+``pass1_after``, ``reward_before``, ``reward_after`` (mean tests passed per episode), ``ci95_diff`` and
+``minutes`` (evals + RL, not the cached warm start).
+
+Targets (issue 12): pass@1 after >= before + 10 points, mean tests >= 1.2x before, both diffs' CIs exclude
+0, mean |Δlogp| <= 0.02 at every step, ``minutes`` <= 60 on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bench._common import emit_json, print_grid
+from t1async.log import configure, get_logger
+
+log = get_logger("bench.learning")
+DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
+
+
+def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns: int, max_new_tokens: int,
+                max_context: int, concurrency: int, out: Path) -> list[dict]:  # fmt: skip
+    """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
+    import anyio
+
+    from sandbox_agent.agent import AgentConfig
+    from t1async.eval.run import EvalConfig, progress_stream, run_eval
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.sampler.base import SamplingParams
+    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.launch import launch_sampler
+
+    tok = ChatTokenizer.load(model)
+    agent = AgentConfig(max_turns=max_turns, max_context_tokens=max_context, request_routing=False,
+                        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0))  # fmt: skip
+    cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("")
+
+    async def go() -> list[dict]:
+        async with launch_sampler(model, seed=seed, prefix_cache_tokens=0) as url, SGLangClient([url]) as c:
+            return await run_eval(tasks, c, tok, cfg, jsonl=out, progress=progress_stream())
+
+    return anyio.run(go, backend="trio")
+
+
+def per_task(rows: Sequence[dict]) -> dict[str, tuple[float, float]]:
+    """task -> (share of its episodes resolved, mean tests passed)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["task"], []).append(r)
+    return {t: (float(np.mean([e["resolved"] for e in es])), float(np.mean([e["tests_passed"] for e in es])))
+            for t, es in by.items()}  # fmt: skip
+
+
+def paired_diff(before: dict, after: dict, idx: int, seed: int = 0, resamples: int = 4000) -> dict:
+    """Mean over tasks of after - before, with a paired percentile bootstrap CI (tasks resampled)."""
+    tasks = sorted(set(before) & set(after))
+    d = np.array([after[t][idx] - before[t][idx] for t in tasks])
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return {"mean": float(d.mean()), "ci95": [float(lo), float(hi)], "tasks": int(d.size)}
+
+
+def figure(scores: dict, idx: int, seed: int = 0) -> dict:
+    from t1async.eval.stats import bootstrap_ci
+
+    v = [s[idx] for s in scores.values()]
+    lo, hi = bootstrap_ci(v, seed=seed)
+    return {"mean": float(np.mean(v)) if v else float("nan"), "ci95": [lo, hi]}
+
+
+def learning_curve(metrics: Path) -> list[dict]:
+    """Per learner step: reward per trained turn, mean |Δlogp|, and the resolved share of the episodes the
+    actors finished while that policy version was current (from the actors' cumulative counters)."""
+    steps: dict[int, dict] = {}
+    last: dict[str, tuple[int, int, int]] = {}  # actor -> (episodes_done, resolved, tests_passed) seen so far
+    ends: dict[int, list[int]] = {}  # version -> [episodes, resolved, tests]
+    if not metrics.is_file():
+        return []
+    for line in metrics.read_text().splitlines():
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if m.get("component") == "learner" and m.get("step", 0) >= 1 and "reward_sum" in m:
+            steps[int(m["step"])] = {"step": int(m["step"]), "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
+                                     "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
+                                     "loss": float(m.get("loss", float("nan")))}  # fmt: skip
+        elif m.get("component") == "actor" and "episodes_done" in m:
+            a = str(m.get("subject", ""))
+            cur = (int(m["episodes_done"]), int(m["resolved"]), int(m["tests_passed"]))
+            prev = last.get(a, (0, 0, 0))
+            if cur[0] > prev[0]:
+                e = ends.setdefault(int(m.get("version", 0)), [0, 0, 0])
+                for i in range(3):
+                    e[i] += cur[i] - prev[i]
+            last[a] = cur
+    for s, row in steps.items():
+        e = ends.get(s - 1)  # episodes ended while version s-1 (the policy step s trained on) was current
+        row["episodes"] = e[0] if e else 0
+        row["resolved_rate"] = e[1] / e[0] if e and e[0] else float("nan")
+        row["tests_per_episode"] = e[2] / e[0] if e and e[0] else float("nan")
+    return [steps[s] for s in sorted(steps)]
+
+
+def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float) -> Path:
+    """The real cluster (``cluster up --preset learn``) for ``steps`` learner steps; the last checkpoint."""
+    from t1async.learner.checkpoint import latest_checkpoint
+
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--preset", "learn", "--tasks", str(tasks),
+            "--run-dir", str(run_dir), "--steps", str(steps), "--plain", *extra]  # fmt: skip
+    print("rl: " + " ".join(argv[1:]), flush=True)
+    with open(run_dir.parent / "cluster-up.log", "w") as logf:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the supervisor stops every component it started
+            rc = proc.wait(timeout=120)
+            print(f"rl: stopped after {timeout_s:.0f} s (--rl-timeout)", flush=True)
+    ck = latest_checkpoint(run_dir / "checkpoints")
+    if ck is None:
+        raise SystemExit(f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
+                         f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}")  # fmt: skip
+    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.version})", flush=True)
+    return Path(ck.path)
+
+
+def plot(curve: list[dict], table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    xs = [r["step"] for r in curve]
+    ax[0].plot(xs, [r["reward_per_turn"] for r in curve], label="reward / trained turn")
+    ax[0].plot(xs, [r["resolved_rate"] for r in curve], "o-", ms=3, label="resolved (episodes ended at v-1)")
+    ax[0].set_xlabel("learner step")
+    ax[0].legend()
+    ax[0].set_title("training")
+    ax[1].plot(xs, [r["mean_abs_dlogp"] for r in curve])
+    ax[1].axhline(0.02, color="r", ls="--", label="bound 0.02")
+    ax[1].set_xlabel("learner step")
+    ax[1].set_title("mean |Δlogp| sampler vs learner")
+    ax[1].legend()
+    names = ["pass@1", "tests/4"]
+    for j, (who, off) in enumerate((("before", -0.2), ("after", 0.2))):
+        vals = [table[who]["pass1"]["mean"], table[who]["tests"]["mean"] / 4]
+        err = [[v - lo for v, lo in zip(vals, (table[who]["pass1"]["ci95"][0], table[who]["tests"]["ci95"][0] / 4))],
+               [hi - v for v, hi in zip(vals, (table[who]["pass1"]["ci95"][1], table[who]["tests"]["ci95"][1] / 4))]]
+        ax[2].bar(np.arange(2) + off, vals, 0.4, yerr=err, label=who, capsize=3)
+    ax[2].set_xticks(range(2), names)
+    ax[2].set_title("held-out eval split")
+    ax[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="learn", help="warm-start recipe (default learn)")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/learning"))
+    p.add_argument("--eval-corpus", type=int, default=600, help="tasks in the corpus (~10%% are the eval split)")
+    p.add_argument("--samples", type=int, default=2, help="seeded episodes per held-out task (default 2)")
+    p.add_argument("--rl-steps", type=int, default=40, help="learner steps of RL (default 40)")
+    p.add_argument("--rl-timeout", type=float, default=2400.0, help="stop RL after this many seconds anyway")
+    p.add_argument("--ood-tasks", type=int, default=220, help="default-family corpus for the OOD eval (0: skip)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-arg", action="append", default=[], help="extra flag for cluster up (repeatable)")
+    p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
+    args = p.parse_args(argv)
+    configure(level="warning")
+    from sandbox_agent.synth import generate
+    from sandbox_agent.tasks import load_task
+    from t1async.cluster.presets import preset_values
+    from t1async.learner.warmstart import build, get_recipe
+
+    pv = preset_values("learn")
+    ev = {"max_turns": pv["max_turns"], "max_new_tokens": pv["max_new_tokens"], "max_context": pv["max_context"],
+          "concurrency": args.concurrency, "seed": args.seed}  # fmt: skip
+    recipe = get_recipe(args.recipe)
+    run = args.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    warm = build(recipe)
+    t_warm = time.perf_counter() - t0
+    print(f"warm start: {warm} ({t_warm:.0f} s; {json.loads((warm / 'sft_metrics.json').read_text())})", flush=True)
+    tasks_dir = run / "tasks"
+    if not any(tasks_dir.glob("*/task.yaml")):
+        generate(tasks_dir, args.eval_corpus, seed=args.seed, families=list(recipe.families))
+    held = [t for t in (load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file())
+            if t.split == "eval"]  # fmt: skip
+    ood = []
+    if args.ood_tasks:
+        ood_dir = run / "ood-tasks"
+        if not any(ood_dir.glob("*/task.yaml")):
+            generate(ood_dir, args.ood_tasks, seed=args.seed, families=list(DEFAULT_FAMILIES))
+        ood = [t for t in (load_task(d) for d in sorted(ood_dir.iterdir()) if (d / "task.yaml").is_file())
+               if t.split == "eval"]  # fmt: skip
+    print(f"held-out: {len(held)} tasks x {args.samples} samples; OOD: {len(ood)} tasks x 1", flush=True)
+    t1 = time.perf_counter()
+    rows_b = eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)
+    print(f"eval before: {time.perf_counter() - t1:.0f} s", flush=True)
+    rl_dir = run / "rl"
+    t2 = time.perf_counter()
+    ckpt = run_rl(rl_dir, tasks_dir, args.rl_steps, args.cluster_arg, args.rl_timeout)
+    t_rl = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    rows_a = eval_policy(ckpt, held, samples=args.samples, out=run / "eval-after.jsonl", **ev)
+    print(f"eval after: {time.perf_counter() - t3:.0f} s", flush=True)
+    minutes = (time.perf_counter() - t1) / 60.0
+    ood_b = ood_a = []
+    if ood:
+        ood_b = eval_policy(warm, ood, samples=1, out=run / "ood-before.jsonl", **ev)
+        ood_a = eval_policy(ckpt, ood, samples=1, out=run / "ood-after.jsonl", **ev)
+    b, a = per_task(rows_b), per_task(rows_a)
+    table = {w: {"pass1": figure(s, 0), "tests": figure(s, 1)} for w, s in (("before", b), ("after", a))}
+    diff = {"pass1": paired_diff(b, a, 0), "tests": paired_diff(b, a, 1)}
+    curve = learning_curve(rl_dir / "metrics.jsonl")
+    print_grid(["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
+               [[r["step"], r["reward_per_turn"], r["episodes"], r["resolved_rate"], r["tests_per_episode"],
+                 f"{r['mean_abs_dlogp']:.4f}"] for r in curve], title="\nlearning curve (RL, train split)")  # fmt: skip
+
+    def fmt(f: dict, pct: bool) -> str:
+        m, (lo, hi) = f["mean"], f["ci95"]
+        return f"{m:.1%} [{lo:.1%}, {hi:.1%}]" if pct else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+
+    print_grid(["", "pass@1", "mean tests passed (of 4)"],
+               [["before (warm start)", fmt(table["before"]["pass1"], True), fmt(table["before"]["tests"], False)],
+                ["after RL", fmt(table["after"]["pass1"], True), fmt(table["after"]["tests"], False)],
+                ["after - before (paired)", fmt(diff["pass1"], True), fmt(diff["tests"], False)]],
+               title=f"\nheld-out eval split: {len(b)} tasks x {args.samples} seeded samples")  # fmt: skip
+    fam = {}
+    for name, rows in (("before", rows_b), ("after", rows_a), ("ood_before", ood_b), ("ood_after", ood_a)):
+        by: dict[str, list[dict]] = {}
+        for r in rows:
+            by.setdefault(r["family"], []).append(r)
+        fam[name] = {f: {"resolved": float(np.mean([r["resolved"] for r in rs])),
+                         "tests": float(np.mean([r["tests_passed"] for r in rs])), "episodes": len(rs)}
+                     for f, rs in sorted(by.items())}  # fmt: skip
+    print_grid(["family", "resolved before", "after", "tests before", "after"],
+               [[f, fam["before"][f]["resolved"], fam["after"].get(f, {}).get("resolved", float("nan")),
+                 fam["before"][f]["tests"], fam["after"].get(f, {}).get("tests", float("nan"))] for f in fam["before"]]
+               + [[f"OOD {f}", fam["ood_before"][f]["resolved"], fam["ood_after"].get(f, {}).get("resolved", float("nan")),
+                   fam["ood_before"][f]["tests"], fam["ood_after"].get(f, {}).get("tests", float("nan"))]
+                  for f in fam["ood_before"]], title="\nper family (OOD: default families, never trained on, no target)")  # fmt: skip
+    dl = [r["mean_abs_dlogp"] for r in curve if np.isfinite(r["mean_abs_dlogp"])]
+    tb, ta = table["before"]["tests"]["mean"], table["after"]["tests"]["mean"]
+    checks = {
+        "pass1_up_10_points": diff["pass1"]["mean"] >= 0.10,
+        "tests_1.2x": ta >= 1.2 * tb,
+        "ci_pass1_excludes_0": diff["pass1"]["ci95"][0] > 0,
+        "ci_tests_excludes_0": diff["tests"]["ci95"][0] > 0,
+        "dlogp_le_0.02": bool(dl) and max(dl) <= 0.02,
+        "minutes_le_60": minutes <= 60,
+    }
+    print("\ntargets: " + ", ".join(f"{k} {'OK' if v else 'MISSED'}" for k, v in checks.items()), flush=True)
+    try:
+        plot(curve, table, run / "learning.png")
+    except Exception as exc:  # a missing matplotlib must not lose the numbers
+        print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
+    summary = {
+        "pass1_before": table["before"]["pass1"]["mean"], "pass1_after": table["after"]["pass1"]["mean"],
+        "reward_before": tb, "reward_after": ta,
+        "ci95_diff": {"pass1": diff["pass1"]["ci95"], "tests": diff["tests"]["ci95"]},
+        "diff": diff, "table": table, "families": fam, "checks": checks, "minutes": minutes,
+        "rl_minutes": t_rl / 60.0, "warm_start_s": t_warm, "rl_steps": len(curve),
+        "max_abs_dlogp": max(dl) if dl else None, "mean_abs_dlogp": float(np.mean(dl)) if dl else None,
+        "held_out_tasks": len(b), "samples": args.samples, "curve": curve, "checkpoint": str(ckpt),
+        "warm_start": str(warm), "recipe": recipe.name, "threads": os.cpu_count(),
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    emit_json({k: summary[k] for k in ("pass1_before", "pass1_after", "reward_before", "reward_after", "ci95_diff",
+                                       "minutes", "max_abs_dlogp", "rl_steps", "held_out_tasks")})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Named ``cluster up`` recipes (``--preset NAME``): a preset sets defaults, a TOML file and flags override.
+
+``learn``: RL that measurably learns on 2 CPU cores (``bench.learning`` runs it). The policy is the ``learn``
+warm start (``t1async.learner.warmstart``: a seeded MoE trained on oracle demonstrations of the ``mkfile`` and
+``copy`` families, cached, built first if missing); the actors draw the train split of a corpus of the same
+families; every turn is verified (``verify-every 1``), so each command's reward is the tests it made pass;
+episodes are short (a demonstration takes 2-3 turns).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from t1async.errors import ConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "learn": {
+        "warm_start": "learn",
+        "synth_families": ("mkfile", "copy"),
+        "synth_tasks": 600,
+        "actors": 2,
+        "concurrency": 4,
+        "max_turns": 6,
+        "max_new_tokens": 128,
+        "max_context": 4096,
+        "temperature": 1.0,
+        "verify_every": 1,
+        "max_staleness": 1,
+        "batch_turns": 16,
+        "lr": 3e-5,
+        "sampler_max_batch": 16,
+    },
+}
+
+
+def preset_values(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown --preset {name!r}; known: {', '.join(PRESETS)}")
+    return dict(PRESETS[name])

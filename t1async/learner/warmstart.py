@@ -1,0 +1,164 @@
+"""The warm start as a reproducible build step: a named recipe -> a cached model directory.
+
+A ``Recipe`` says everything the warm-started weights depend on: the model shape (``MoEConfig``, whose
+``seed`` fixes the random init), the synthetic task families, how many tasks and from which corpus seed (only
+their ``train`` split gives demonstrations, so the eval split of any corpus stays held out), and the SFT
+settings (steps, lr, batch, seed of the batch order). ``build(recipe)`` generates the tasks, runs each
+oracle in the real sandbox (``sft.collect_demos``), trains from the seeded init and writes the model
+directory into ``<cache>/warm-start/<recipe hash>/`` atomically (temp dir + rename); a second call finds it
+and returns at once. ``recipe.json`` and ``sft_metrics.json`` sit beside the weights. No weights in git.
+
+    python -m t1async.learner.warmstart --recipe learn            # builds (or finds) it; prints the dir
+    python -m t1async.learner.warmstart --recipe learn --print-dir   # where it is/would be; builds nothing
+
+The cache root is ``$T1ASYNC_CACHE`` or ``$XDG_CACHE_HOME/t1async`` or ``~/.cache/t1async``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from t1async.errors import ConfigError, T1Error
+from t1async.learner.sft import SFTConfig
+from t1async.log import get_logger
+from t1async.model.config import MODEL_PRESETS, MoEConfig
+
+log = get_logger("t1async.learner.warmstart")
+
+RECIPE_VERSION = "warmstart-v1"  # bump when the build itself changes (demo rendering, training loop)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    model: MoEConfig = field(default_factory=MoEConfig)
+    families: tuple[str, ...] = ("mkfile", "copy")
+    tasks: int = 400  # generated; the train split of them gives the demonstrations
+    task_seed: int = 1000  # a corpus seed of its own: the bench's eval tasks (seed 0) are other tasks
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def to_dict(self) -> dict:
+        return {"version": RECIPE_VERSION, "name": self.name, "model": self.model.to_dict(),
+                "families": list(self.families), "tasks": self.tasks, "task_seed": self.task_seed,
+                "sft": dataclasses.asdict(self.sft)}  # fmt: skip
+
+    def digest(self) -> str:
+        d = self.to_dict()
+        d.pop("name")  # the name is a label: two names for the same recipe share one build
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+RECIPES: dict[str, Recipe] = {
+    "learn": Recipe(
+        name="learn", model=MODEL_PRESETS["learn"], families=("mkfile", "copy"), tasks=400, task_seed=1000,
+        sft=SFTConfig(steps=600, lr=1e-3, warmup_steps=20, batch_tokens=8192, seed=0),
+    ),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ConfigError(f"unknown warm-start recipe {name!r}; known: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def cache_dir(recipe: Recipe, cache_root: Path | None = None) -> Path:
+    from t1async.model.weights import _cache_root
+
+    return (cache_root or _cache_root()) / "warm-start" / f"{recipe.name}-{recipe.digest()}"
+
+
+def is_built(recipe: Recipe, cache_root: Path | None = None) -> bool:
+    d = cache_dir(recipe, cache_root)
+    return (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (d / "recipe.json").is_file()
+
+
+def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 2, threads: int = 2) -> Path:
+    """The recipe's model directory: found in the cache, or built into it (atomically)."""
+    import anyio
+    import torch
+
+    from sandbox_agent.synth import generate
+    from sandbox_agent.tasks import load_task
+    from t1async.learner.sft import collect_demos, demo_loss, demo_tokens, sft_train
+    from t1async.model.moe import MoETransformer
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.model.weights import default_model_dir, save_pretrained
+
+    dest = cache_dir(recipe, cache_root)
+    if is_built(recipe, cache_root):
+        log.info("warmstart.cached", recipe=recipe.name, dir=str(dest))
+        return dest
+    torch.set_num_threads(max(1, threads))
+    torch.manual_seed(recipe.sft.seed)
+    t0 = time.perf_counter()
+    tok = ChatTokenizer.load(default_model_dir())
+    with tempfile.TemporaryDirectory(prefix="t1-warmstart-tasks-") as tmp:
+        paths = generate(Path(tmp), recipe.tasks, seed=recipe.task_seed, families=list(recipe.families))
+        tasks = [t for t in (load_task(p) for p in paths) if t.split == "train"]
+        demos = anyio.run(lambda: collect_demos(tasks, concurrency=concurrency), backend="trio")
+    t_demos = time.perf_counter() - t0
+    if len(demos) < len(tasks) // 2:
+        raise T1Error(f"warm start {recipe.name}: only {len(demos)} of {len(tasks)} oracle runs resolved; "
+                      "the sandbox is broken (try: python -m sandbox_agent check)")  # fmt: skip
+    examples = [demo_tokens(d, tok) for d in demos]
+    model = MoETransformer(recipe.model)  # the seeded init (MoEConfig.seed)
+    before = demo_loss(model, examples, pad_id=tok.pad_id)
+    losses = sft_train(model, examples, recipe.sft, pad_id=tok.pad_id)
+    after = demo_loss(model, examples, pad_id=tok.pad_id)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmpd = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
+    try:
+        save_pretrained(model, tmpd, tok)
+        metrics = {"recipe": recipe.name, "digest": recipe.digest(), "tasks": len(tasks), "demos": len(demos),
+                   "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)), "loss_before": before,
+                   "loss_after": after, "losses_every_50": losses[::50] + losses[-1:], "t_demos_s": round(t_demos, 1),
+                   "t_total_s": round(time.perf_counter() - t0, 1),
+                   "params": int(sum(p.numel() for p in model.parameters()))}  # fmt: skip
+        (tmpd / "sft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        (tmpd / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
+        if dest.exists():  # a half-built or foreign dir (no recipe.json): replace it
+            shutil.rmtree(dest)
+        tmpd.rename(dest)
+    finally:
+        shutil.rmtree(tmpd, ignore_errors=True)
+    log.info("warmstart.built", dir=str(dest), **{k: v for k, v in metrics.items() if not isinstance(v, list)})
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    from t1async.log import configure
+
+    p = argparse.ArgumentParser(prog="python -m t1async.learner.warmstart", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="learn", help=f"recipe name (known: {', '.join(RECIPES)})")
+    p.add_argument("--cache", type=Path, default=None, help="cache root (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
+    p.add_argument("--print-dir", action="store_true", help="print the model dir and whether it is built; build nothing")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    configure(level=args.log_level)
+    try:
+        recipe = get_recipe(args.recipe)
+        if args.print_dir:
+            print(f"{cache_dir(recipe, args.cache)} {'built' if is_built(recipe, args.cache) else 'not built'}")
+            return 0
+        t0 = time.perf_counter()
+        d = build(recipe, args.cache, threads=args.threads)
+    except T1Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"warm start {recipe.name}: {d} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The learn recipe's pieces: the easy families (real sandbox), the cached seeded warm-start build, the
+``--preset learn`` settings, and bench.learning's curve and paired-difference arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from bench.learning import learning_curve, paired_diff
+from sandbox_agent.runner import check_tasks
+from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
+from sandbox_agent.tasks import load_task
+from t1async.cluster.config import add_up_arguments, from_args
+from t1async.errors import ConfigError
+from t1async.learner import warmstart
+from t1async.learner.sft import SFTConfig
+from t1async.model.config import MoEConfig
+
+
+async def test_easy_families_oracle_resolves_and_null_does_not(tmp_path):
+    paths = generate(tmp_path, 6, seed=3, families=list(EXTRA_FAMILIES))
+    rows = await check_tasks([load_task(p) for p in paths], concurrency=3)
+    for r in rows:
+        assert r.ok and r.oracle.passed == r.oracle.total == 4, (r.task_id, r.oracle.detail[-500:])
+        assert r.null.passed == 0 and r.null.total == 4, r.task_id
+
+
+def test_easy_families_stay_out_of_the_default_corpus(tmp_path):
+    assert not set(EXTRA_FAMILIES) & set(FAMILIES)
+    fams = {load_task(p).family for p in generate(tmp_path, 2 * len(FAMILIES), seed=1)}
+    assert fams == set(FAMILIES)
+
+
+def _tiny_recipe(steps: int = 3) -> warmstart.Recipe:
+    model = MoEConfig(d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, d_ff=32, seed=7)
+    return warmstart.Recipe(name="t", model=model, families=("mkfile",), tasks=6, task_seed=5,
+                            sft=SFTConfig(steps=steps, lr=1e-3, warmup_steps=1, batch_tokens=2048, seed=0))
+
+
+def test_recipe_digest_names_every_setting():
+    a = _tiny_recipe()
+    assert a.digest() == _tiny_recipe().digest()
+    assert a.digest() != _tiny_recipe(steps=4).digest()
+    assert warmstart.get_recipe("learn").digest() != a.digest()
+    with pytest.raises(ConfigError, match="unknown warm-start recipe 'nope'; known: learn"):
+        warmstart.get_recipe("nope")
+
+
+def test_build_is_cached_and_loadable(tmp_path):
+    from t1async.model.weights import load_pretrained
+
+    r = _tiny_recipe()
+    assert not warmstart.is_built(r, tmp_path)
+    d = warmstart.build(r, tmp_path, concurrency=2, threads=1)
+    assert d == warmstart.cache_dir(r, tmp_path) and warmstart.is_built(r, tmp_path)
+    m = json.loads((d / "sft_metrics.json").read_text())
+    assert m["demos"] >= 1 and m["loss_after"] < m["loss_before"]
+    assert json.loads((d / "recipe.json").read_text())["sft"]["steps"] == 3
+    model = load_pretrained(d)
+    assert model.config.d_model == 32
+    stamp = (d / "model.safetensors").stat().st_mtime_ns
+    assert warmstart.build(r, tmp_path) == d  # found, not rebuilt
+    assert (d / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(d.parent.glob(".tmp-*"))
+
+
+def _cfg(*argv: str):
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", type=Path, default=None)  # cluster up's own flag (not a setting of add_up_arguments)
+    add_up_arguments(p)
+    return from_args(p.parse_args(list(argv)))
+
+
+def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
+    from t1async.cluster import components
+
+    c = _cfg("--preset", "learn", "--run-dir", str(tmp_path))
+    assert c.warm_start == "learn" and c.synth_families == ("mkfile", "copy") and c.verify_every == 1
+    assert components.model_dir(c) == warmstart.cache_dir(warmstart.get_recipe("learn"))
+    assert _cfg("--preset", "learn", "--lr", "1e-6", "--max-turns", "9").lr == 1e-6
+    toml = tmp_path / "c.toml"
+    toml.write_text("max-turns = 4\n")
+    assert _cfg("--preset", "learn", "--config", str(toml)).max_turns == 4
+    with pytest.raises(ConfigError, match="--synth-families bogus: unknown"):
+        _cfg("--synth-families", "mkfile,bogus")
+
+
+def test_cluster_tasks_use_the_preset_families(tmp_path):
+    from t1async.cluster import components
+
+    c = _cfg("--preset", "learn", "--run-dir", str(tmp_path), "--synth-tasks", "4")
+    d = components.ensure_tasks(c)
+    assert sorted({load_task(p).family for p in d.iterdir()}) == ["copy", "mkfile"]
+
+
+def test_learning_curve_and_paired_diff(tmp_path):
+    lines = [
+        {"component": "actor", "subject": "a0", "version": 0, "episodes_done": 4, "resolved": 1, "tests_passed": 8},
+        {"component": "learner", "step": 1, "reward_sum": 4.0, "turns": 16, "mean_abs_dlogp": 0.01, "loss": 0.1},
+        {"component": "actor", "subject": "a0", "version": 1, "episodes_done": 6, "resolved": 3, "tests_passed": 16},
+        {"component": "learner", "step": 2, "reward_sum": 8.0, "turns": 16, "mean_abs_dlogp": 0.02, "loss": 0.1},
+    ]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    c = learning_curve(f)
+    assert [r["step"] for r in c] == [1, 2]
+    assert c[0]["reward_per_turn"] == 0.25 and c[0]["resolved_rate"] == 0.25 and c[0]["episodes"] == 4
+    assert c[1]["resolved_rate"] == 1.0 and c[1]["tests_per_episode"] == 4.0
+    before = {f"t{i}": (0.0, 1.0) for i in range(20)}
+    after = {f"t{i}": (1.0 if i % 2 else 0.0, 2.0) for i in range(20)}
+    d = paired_diff(before, after, 0)
+    assert d["mean"] == 0.5 and 0.2 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.8
+    assert paired_diff(before, after, 1) == {"mean": 1.0, "ci95": [1.0, 1.0], "tasks": 20}
