@@ -93,6 +93,22 @@ def test_compaction_deletes_settled_segments_and_a_restart_never_sees_half_an_ep
     again.close()
 
 
+def test_a_segment_sealed_after_the_live_set_was_taken_is_never_deleted(tmp_path):
+    """The learner computes ``live`` on its event loop, then compacts in a thread; meanwhile ingest may append
+    a new episode's first record and seal that segment. ``before`` keeps such a segment."""
+    j = Journal(tmp_path / "j", segment_bytes=200)
+    list(j.replay())
+    j.append([rec("old", 0)])  # settled
+    live, before = set(), j.active_seq  # what the loop computed ...
+    j.append([rec("new", 0)] * 3)  # ... before ingest appended a new episode and rolled over
+    assert j.segments == 2
+    j.compact(live, before)
+    assert keys(read_journal(tmp_path / "j")) == [("old", 0)] + [("new", 0)] * 3
+    j.compact(live)  # what a compaction without the watermark does: acked records of "new" gone
+    assert keys(read_journal(tmp_path / "j")) == []
+    j.close()
+
+
 def test_journal_size_stays_bounded_in_a_long_run(tmp_path):
     j = Journal(tmp_path / "j", segment_bytes=4096)
     list(j.replay())

@@ -235,16 +235,19 @@ class Journal:
             with self._lock:
                 seg.episodes = eps if seg.episodes is None else seg.episodes | eps
 
-    def compact(self, live: Collection[str]) -> CompactResult:
+    def compact(self, live: Collection[str], before: int | None = None) -> CompactResult:
         """Delete the sealed segments whose episodes are all settled (none in ``live``). Safe to run in a
         thread beside ``append``: the lock is held only to pick the segments.
+
+        ``before``: only segments numbered below it (``active_seq`` read when ``live`` was computed): a
+        segment sealed later may hold records of an episode that began after ``live`` was computed.
 
         Settled episodes that still have records in kept segments are listed first (``settled.json``, written
         atomically) and skipped by ``replay``, so a restart never sees half an episode."""
         with self._lock:
             if any(s.episodes is None for s in self._segs):  # not replayed yet: cannot know what is settled
                 return CompactResult(0, 0, len(self._segs), self.size_bytes())
-            gone = [s for s in self._segs[:-1] if s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
+            gone = [s for s in self._segs[:-1] if (before is None or s.seq < before) and s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
             if not gone:
                 return CompactResult(0, 0, len(self._segs), self.size_bytes())
             self._segs = [s for s in self._segs if s not in gone]
@@ -272,6 +275,11 @@ class Journal:
         self._settled = settled
 
     # -- inspection and lifecycle --------------------------------------------------------------------
+
+    @property
+    def active_seq(self) -> int:
+        """The number of the segment appends go to now (see ``compact(before=)``)."""
+        return self._segs[-1].seq
 
     @property
     def segments(self) -> int:

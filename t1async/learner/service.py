@@ -98,6 +98,7 @@ class Learner:
         self.stale_masked_tokens = 0
         self.last_step: dict = {}
         self.t0 = time.monotonic()
+        self._taking: set[str] = set()  # episodes of the batch ingest is journaling and taking now
         self._replay_dead: list[Screened] = []  # bad records found replaying the journal, dead-lettered by run()
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self._arrived = anyio.Event()
@@ -194,6 +195,8 @@ class Learner:
             task_status.started()
             async for batch in batches:
                 s = self.poison.screen([d.record for d in batch], self.version)  # validate.py: what a step relies on
+                # journaled before the assembler knows them: live for compaction until taken
+                self._taking = {getattr(r, "episode", "") for r in s.good}
                 if s.bad or s.dropped:  # dead letters and the poison book first: durable before the ack
                     await self._dead_letter(s)
                 await anyio.to_thread.run_sync(self.journal.append, s.good)
@@ -201,6 +204,7 @@ class Learner:
                 failed = [f for rec in s.good if (f := self._take_safely(rec, live=True)) is not None]
                 if s.bad or s.dropped:
                     self._poisoned(self.poison.add(s.poisons), s.rejected_keys)
+                self._taking = set()
                 for f in failed:
                     await self._dead_letter(f)
                 self._arrived.set()
@@ -332,8 +336,9 @@ class Learner:
     async def _compact_journal(self) -> None:
         """Delete the journal segments whose episodes are all settled, in a worker thread: ingest keeps
         appending (to the active segment) and credits keep flowing meanwhile."""
+        before = self.journal.active_seq  # segments sealed after this may hold episodes ``live`` does not know
         live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
-        r = await anyio.to_thread.run_sync(self.journal.compact, live)
+        r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
         if r.deleted_segments:
             log.info("learner.journal_compacted", deleted_segments=r.deleted_segments, deleted_bytes=r.deleted_bytes,
                      kept_segments=r.kept_segments, kept_bytes=r.kept_bytes)  # fmt: skip
