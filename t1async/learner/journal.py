@@ -143,8 +143,10 @@ class Journal:
         self._closed = False
         self.records = 0
         if not self.root.is_dir():
+            made = [p for p in [self.root, *self.root.parents] if not p.exists()]
             self.root.mkdir(parents=True)
-            fsync_dir(self.root.parent)
+            for p in made:  # each new directory's entry, in its parent
+                fsync_dir(p.parent)
         if legacy is not None:
             self._migrate(Path(legacy))
         self._settled: set[str] = _load_settled(self.root / SETTLED_NAME)

@@ -32,6 +32,7 @@ import numpy as np
 from t1async import wire
 from t1async.errors import T1Error, WireError
 from t1async.learner.checkpoint import latest_checkpoint
+from t1async.learner.journal import fsync_dir
 from t1async.learner.validate import ModelLimits, check_record
 from t1async.log import get_logger
 from t1async.model.weights import load_weights_into
@@ -121,11 +122,14 @@ class PoisonBook:
         earlier turn than before."""
         changed = [p for p in poisons if self._remember(p)]
         if changed:
+            new = not self.path.exists()
             with open(self.path, "a", encoding="utf-8") as f:
                 for p in changed:
                     f.write(json.dumps({"episode": p.episode, "turn": p.turn, "reason": p.reason, "error": p.error}) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
+            if new:
+                fsync_dir(self.path.parent)
             for p in changed:
                 log.warning("learner.episode_poisoned", episode=p.episode, turn=p.turn, reason=p.reason, error=p.error)
         return changed
