@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     import torch
 
+    from t1async.learner import memory
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer import TrainerConfig
     from t1async.sampler.client import SGLangClient
@@ -59,6 +60,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_staleness < 0 or args.steps < 0:
         raise ConfigError("--max-staleness and --steps must be >= 0")
     torch.set_num_threads(max(1, args.threads))
+    memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
                         batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, actor_timeout_s=args.actor_timeout,
                         durable=args.durable,

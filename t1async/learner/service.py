@@ -31,6 +31,7 @@ from t1async.learner.validate import ModelLimits
 from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
 from t1async.learner.settle import Settler, StepLog, loss_turns
 from t1async.learner.state import LearnerState
+from t1async.learner import memory
 from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
@@ -156,6 +157,7 @@ class Learner:
             except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
                 await self._step_failed(segments, v, exc)
                 return
+            await anyio.to_thread.run_sync(memory.trim)  # the step's freed heap goes back to the kernel
             trained = loss_turns(segments)
             for s in segments:
                 self.hist.record(v, s.versions[s.loss_mask])
@@ -428,6 +430,7 @@ class Learner:
             "training": bool(self.credits.training),  # a step is running now (the dashboard's learner state)
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.journal.size_bytes(),
+            "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
             "journal_segments": self.journal.segments,
             "poison": self.poison.metrics(),
             "stale_masked_tokens": self.stale_masked_tokens,
