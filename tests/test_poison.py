@@ -228,6 +228,35 @@ async def test_a_step_that_raises_dead_letters_its_segments_and_is_never_retried
     assert second.state.step == 3 and not trained & failed[0]
 
 
+class Crash(BaseException):
+    """A learner killed at one point (nothing catches it), as a SIGKILL would stop it there."""
+
+
+async def test_a_poisoned_episode_is_remembered_by_the_time_its_batch_is_acked(tmp_path, tiny_model):
+    """The learner is killed right after acking a batch with a bad turn, before taking anything: the restarted
+    learner still drops the episode's later turns (else they would wait forever for the poisoned one)."""
+    vocab = MoEConfig.load(tiny_model / "config.json").vocab_size
+    recs = episode("bad-ep", 3)
+    recs[1] = spoil(recs[1], "logprob", vocab)
+    broker = MemoryBroker()
+    await publish(broker, recs[:2] + good(0, 0))
+
+    def patch(learner: Learner) -> None:
+        def crash(rec, *, live):
+            raise Crash
+
+        learner._take_safely = crash
+
+    with pytest.raises(BaseExceptionGroup) as err:
+        await run_learner(tmp_path / "run", tiny_model, broker, 1, [], patch=patch)
+    assert err.group_contains(Crash)
+    await publish(broker, recs[2:])  # the episode's later turns and its end arrive after the restart
+    learner = await run_learner(tmp_path / "run", tiny_model, broker, 1, [])
+    assert learner.poison.stop_turn("bad-ep") == 1
+    assert learner.poison.dropped_turns == 2 and not [k for k in learner.untrained if k[0] == "bad-ep"]
+    assert "bad-ep" not in learner.assembler.open
+
+
 async def test_a_record_whose_assembly_raises_drops_its_episode_and_the_learner_goes_on(tmp_path, tiny_model):
     """A defect no check foresaw, in taking a validated record (injected into the assembler): the record goes
     to t1.dead.assembly, its episode is dropped whole, and neither this learner nor a restart dies on it."""

@@ -199,13 +199,15 @@ class Learner:
                 s = self.poison.screen([d.record for d in batch], self.version)  # validate.py: what a step relies on
                 # journaled before the assembler knows them: live for compaction until taken
                 self._taking = {getattr(r, "episode", "") for r in s.good}
-                if s.bad or s.dropped:  # dead letters and the poison book first: durable before the ack
+                changed: list[Poison] = []
+                if s.bad or s.dropped:  # the poison book and dead letters first: durable before the ack
+                    changed = await anyio.to_thread.run_sync(self.poison.add, s.poisons)
                     await self._dead_letter(s)
                 await anyio.to_thread.run_sync(self.journal.append, s.good)
                 await batch.ack()  # durably taken: in the journal, or dead-lettered
                 failed = [f for rec in s.good if (f := self._take_safely(rec, live=True)) is not None]
                 if s.bad or s.dropped:
-                    self._poisoned(self.poison.add(s.poisons), s.rejected_keys)
+                    self._poisoned(changed, s.rejected_keys)
                 self._taking = set()
                 for f in failed:
                     await self._dead_letter(f)
