@@ -21,7 +21,7 @@ import anyio.abc
 from actors.credits import CreditClient
 from actors.episode import EpisodeContext, EpisodeStats, run_one
 from sandbox_agent.agent import AgentConfig, ChatTokenizerLike
-from sandbox_agent.backend import BwrapBackend, SandboxBackend
+from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.errors import ConfigError
 from t1async.log import get_logger
@@ -45,14 +45,17 @@ class ActorConfig:
     work_root: Path | None = None
 
 
-def load_task_pool(tasks_dir: Path, split: str) -> list[Task]:
+def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None = None) -> list[Task]:
     if not tasks_dir.is_dir():
         raise ConfigError(f"task directory {tasks_dir} does not exist: make one with "
                           f"`python -m sandbox_agent synth --out {tasks_dir} --n 200`")  # fmt: skip
+    backend = backend or AutoBackend()  # bwrap where it reproduces a task exactly, else a container
     tasks = [t for t in load_tasks(tasks_dir) if split == "all" or t.split == split]
-    tasks = [t for t in tasks if t.docker_image is None]
+    tasks = [t for t in tasks if backend.supports(t)]
     if not tasks:
-        raise ConfigError(f"no runnable {split!r} tasks under {tasks_dir} (tasks needing their own image are skipped)")
+        raise ConfigError(f"no runnable {split!r} tasks under {tasks_dir} (tasks that need a container image are "
+                          f"skipped when podman or their base image is missing: `python -m sandbox_agent list "
+                          f"{tasks_dir}` says why)")
     return tasks
 
 
@@ -66,11 +69,12 @@ async def run_actor(
     backend: SandboxBackend | None = None,
     task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
 ) -> EpisodeStats:
-    tasks = load_task_pool(config.tasks_dir, config.split)
+    backend = backend or AutoBackend()
+    tasks = load_task_pool(config.tasks_dir, config.split, backend)
     rng = random.Random(config.seed)
     order = itertools.count()
     credits = CreditClient(transport, config.actor_id)
-    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend or BwrapBackend(),
+    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend,
                          agent, config.work_root)  # fmt: skip
     stats = EpisodeStats()
     t0 = time.monotonic()

@@ -183,6 +183,50 @@ class ContainerBackend:
         return None
 
 
+@dataclasses.dataclass
+class AutoBackend:
+    """Each task on the backend that runs it exactly: bwrap when it can, else a container (the actors')."""
+
+    bwrap: BwrapBackend = dataclasses.field(default_factory=BwrapBackend)
+    container: ContainerBackend = dataclasses.field(default_factory=ContainerBackend)
+    name: str = "auto"
+
+    def kind(self, task: Task) -> str:
+        return "bwrap" if self.bwrap.supports(task) else "container"
+
+    def supports(self, task: Task) -> bool:
+        return self.bwrap.supports(task) or self.container.supports(task)
+
+    def refusal(self, task: Task) -> str | None:
+        if self.bwrap.supports(task):
+            return None
+        why = self.container.refusal(task)
+        return None if why is None else f"{self.bwrap.refusal(task)}; and the container backend: {why}"
+
+    def open(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
+             ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncContextManager[Sandbox]:
+        b: SandboxBackend = self.bwrap if self.kind(task) == "bwrap" else self.container
+        return b.open(task, workdir, config=config, ro_binds=ro_binds)
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        if self.kind(task) == "bwrap":
+            self.bwrap.prepare(task, workdir)
+
+    def episode(self, task: Task, workdir: Path) -> AsyncContextManager[object]:
+        if self.kind(task) == "bwrap":
+            return contextlib.nullcontext()
+        return self.container.episode(task, workdir)
+
+    async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
+        await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
+
+
+def backend_kind(backend: SandboxBackend, task: Task) -> str:
+    """Where ``task`` runs on ``backend``: "bwrap", "container", or the backend's own name."""
+    kind = getattr(backend, "kind", None)
+    return kind(task) if kind is not None else backend.name
+
+
 def pick_backend(name: str, tasks: list[Task] | None = None) -> SandboxBackend:
     """``auto``: bwrap when it runs every task exactly, else containers (podman must be installed)."""
     if name == "bwrap":

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from sandbox_agent.backend import SandboxBackend
+from sandbox_agent.backend import SandboxBackend, backend_kind
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
 from t1async.errors import SandboxError
@@ -257,7 +257,7 @@ async def verify(
     nonce = secrets.token_hex(8)
     # Containers run the task's own script when it can run offline; otherwise (and under bwrap, whose
     # host env is not the task's image) what it means: its test files with pytest -rA, TEST_DIR=/tests.
-    use_script = (backend.name == "container" and task.test_script is not None
+    use_script = (backend_kind(backend, task) == "container" and task.test_script is not None
                   and not needs_network(task.test_script))
     path = "script" if use_script else "pytest"
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))

@@ -22,6 +22,7 @@ from sandbox_agent.runner import NullAgent, OracleAgent, prepared_workdir, run_p
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.container import OWNER_LABEL, reap_orphans
 from sandbox_agent.tasks import load_task
+from test_actor_learner import tiny_model  # noqa: F401 (a module fixture)
 
 TB = Path(__file__).resolve().parent / "tb_tasks"
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -212,3 +213,31 @@ def test_bench_sandbox_container_runs_and_prints_json_last(base_image: str) -> N
     data = json.loads(r.stdout.strip().splitlines()[-1])
     assert 0 < data["container_exec_p50_ms"] <= data["container_exec_p99_ms"]
     assert data["container_start_cold_ms"] > 0 and data["container_warm_start_ms"] > 0 and data["container_verify_ms"] > 0
+
+
+async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_their_turns(
+        base_image: str, tmp_path: Path, tiny_model: Path) -> None:
+    """The real actor loop and learner over the published tasks: the RUN-step ones go to containers (auto)."""
+    import shutil
+
+    from t1async import wire
+    from t1async.model.config import MoEConfig
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.transport import MemoryBroker
+    from test_actor_learner import VersionedMemorySampler, run_loop
+
+    tasks = tmp_path / "tasks"
+    for d in ("tb1/jq-query", "tb2/gen-data"):  # container-only tasks: every episode runs in one
+        shutil.copytree(TB / d, tasks / d)
+    cfg = MoEConfig.load(tiny_model / "config.json")
+    sampler = VersionedMemorySampler(vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
+                                     num_experts=cfg.n_experts, eos_token_id=ChatTokenizer.load().im_end_id, seed=1)
+    seen: list = []
+    before = _ours()
+    learner = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen)
+    assert learner.version == 2
+    starts = {r.episode: r.task for r in seen if isinstance(r, wire.StartRecord)}
+    ends = [r for r in seen if isinstance(r, wire.EndRecord)]
+    assert ends and {starts[e.episode] for e in ends} <= {"jq-query", "gen-data"}, ends
+    assert all(e.tests_total > 0 for e in ends), ends  # the verifier ran each one in its container
+    assert _ours() == before  # every episode's container is gone

@@ -211,7 +211,10 @@ class ContainerSandbox:
                                      "shell in the same directory]")
                     return self._result(out, None, True, t0, notes)
             except (ShellEOF, anyio.BrokenResourceError):
-                rc = self._proc.returncode if self._proc is not None else None
+                rc = None
+                if self._proc is not None:  # stdout closed: podman exec passes on the shell's status
+                    with anyio.move_on_after(5.0):
+                        rc = await self._proc.wait()
                 await self._kill_session()
                 notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
                              f"directory (variables and background jobs are lost)]")
