@@ -61,12 +61,12 @@ async def test_tail_through_a_pipe_prints_only_escaped_records(nats_server, repo
     async with await anyio.open_process(argv, env=env) as proc:
         try:
             out, err = bytearray(), bytearray()
-            await _read_until(proc.stderr, err, b"# tailing t1.traj.>")
+            await _read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
             async with NatsTransport(nats_server.url) as t:
                 await t.publish(traj_subject("ep-p"), start("ep-p"))
                 await t.publish(traj_subject("ep-p"), dataclasses.replace(turn("ep-p", 0), action=NASTY))
                 await t.publish(traj_subject("ep-p"), end("ep-p", 1))
-            await _read_until(proc.stdout, out, b"resolved=True")
+            await _read_until(proc.stdout, out, b"resolved=True", timeout=60)
             proc.send_signal(signal.SIGINT)
             with anyio.fail_after(10):
                 await proc.wait()
