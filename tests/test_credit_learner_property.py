@@ -200,6 +200,11 @@ async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | 
                     if restarted:
                         restart_at = None
                     else:
+                        # the killed actor's silence is noticed and its open episodes' aborted ends are taken
+                        with anyio.move_on_after(10):
+                            while sc.kill and ("a0" not in learner.liveness.released
+                                               or any(ep.startswith("a0-") for ep in learner.assembler.open)):
+                                await anyio.sleep(0.05)
                         await anyio.sleep(0.2)
                     tg.cancel_scope.cancel()
                 learner.journal.close()
@@ -230,8 +235,13 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
         s = lr.settler
         assert s.opened == sum(s.counts.values()) + len(s.untrained), (s.opened, s.counts, len(s.untrained))
         assert led.size <= (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency, led.snapshot()
-    if sc.kill and len(learners) == 1:
-        assert final.liveness.timeouts >= 1 or "a0" not in final.liveness.released, "the killed actor was not released"
+    # the actors' open episodes only: an ended (or stopped) episode is no longer anyone's work
+    assert not [ep for ep in final.liveness.owner if ep in final.assembler.ended]
+    assert len(final.liveness.owner) <= sc.actors * sc.concurrency, final.liveness.owner
+    if sc.kill:  # released, and none of its episodes is left open
+        assert "a0" in final.liveness.released, (final.liveness.last_seen, final.liveness.released)
+        left = {ep: (a.next_turn, a.end_record) for ep, a in final.assembler.open.items() if ep.startswith("a0-")}
+        assert not left, f"{sc}: the killed actor's episodes are still open: {left}"
 
 
 @pytest.mark.slow

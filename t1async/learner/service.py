@@ -221,21 +221,26 @@ class Learner:
             if self.settler.open(key, rec.policy_version) and live:
                 self.credits.on_delivered(*key)
                 self.gate.on_delivered(*key)
-            if rec.episode not in self.liveness.owner and rec.episode not in self.assembler.ended:
-                self.liveness.owns(rec.episode, actor_of(rec.episode))  # its start record was not seen
         elif isinstance(rec, wire.StartRecord):
-            self.liveness.owns(rec.episode, rec.actor)
+            if self._running(rec.episode):
+                self.liveness.owns(rec.episode, rec.actor)
         elif isinstance(rec, wire.EndRecord):
             if live:
                 self.ended.append(rec)
-            self.liveness.closed(rec.episode)
             # a credit still unspent when its episode ended (the last sample returned no tokens, failed, or was
             # cut by the wall time) can never be used: release it now, not when its lease runs out
             if self.gate.release_episode(rec.episode, from_turn=rec.turns):
                 self.credits.forget(episodes={rec.episode})
         self.ready.extend(self.assembler.feed(rec))
         if isinstance(rec, (wire.TurnRecord, wire.EndRecord)):
-            self._settle_dropped(rec.episode)
+            self._settle_dropped(rec.episode)  # and no longer the actor's open work once its end arrived
+            if self._running(rec.episode) and rec.episode not in self.liveness.owner:  # its start record was not seen
+                self.liveness.owns(rec.episode, actor_of(rec.episode))
+
+    def _running(self, episode: str) -> bool:
+        """Is ``episode`` still being run by its actor (no end seen)?"""
+        a = self.assembler.open.get(episode)
+        return a.end_record is None if a is not None else episode not in self.assembler.ended
 
     def settle(self, keys: list[tuple[str, int]], reason: str) -> int:
         """Settle delivered turns (settle.Settler.settle): ``poisoned`` for a rejected record or a failed
@@ -248,6 +253,8 @@ class Learner:
             by_reason.setdefault(reason, []).append((ep, turn))
         for reason, keys in by_reason.items():
             self.settler.settle(keys, reason)
+        if not self._running(episode):  # ended or stopped (poisoned): no longer its actor's open work
+            self.liveness.closed(episode)
 
     async def _release_actor(self, actor: str) -> None:
         """``actor`` went silent: free its running credits now and end its open episodes as ``aborted`` (the
