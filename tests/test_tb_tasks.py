@@ -63,3 +63,17 @@ def test_plan_refuses_what_bwrap_cannot_reproduce(tmp_path: Path, text: str, why
     (tmp_path / "a.txt").write_text("x")
     p = plan_text(text, tmp_path)
     assert p.refusal is not None and why in p.refusal, p.refusal
+
+
+async def test_bwrap_mounts_the_work_dir_at_the_dockerfile_workdir_and_the_file_api_follows(tmp_path: Path) -> None:
+    from sandbox_agent.runner import prepared_workdir
+
+    task = load_task(TB / "tb1/log-summary")
+    backend = BwrapBackend()
+    async with prepared_workdir(task, backend) as wd, backend.open(task, wd) as sb:
+        r = await sb.exec("pwd; ls; cat /tmp/warehouse/items.csv | wc -l; echo $REPORT_NAME; python -c 'print(7)'")
+        assert r.output.split() == ["/app", "access_log", "4", "report.txt", "7"], r
+        await sb.write_file("/app/notes.txt", b"n")
+        assert (wd / "notes.txt").read_bytes() == b"n" and await sb.read_file("/app/access_log") == (wd / "access_log").read_bytes()
+        r = await sb.exec("echo staged > /tmp/warehouse/out.txt")
+    assert not wd.exists() and not Path(f"{wd}.mnt").exists()  # both removed with the episode

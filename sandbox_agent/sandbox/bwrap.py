@@ -50,7 +50,7 @@ import anyio
 import structlog
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
-    ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+    SANDBOX_WORKDIR, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
 )
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
@@ -313,17 +313,25 @@ class BwrapSandbox:
         return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
                           duration_s=time.monotonic() - t0)
 
+    def _as_workspace(self, path: str) -> str:
+        """A path under the task's WORKDIR mount (e.g. /app/x) as the file API names it (/workspace/x)."""
+        m = self.config.workdir_mount
+        if m != SANDBOX_WORKDIR and (path == m or path.startswith(m + "/")):
+            return SANDBOX_WORKDIR + path[len(m):]
+        return path
+
     async def read_file(self, path: str) -> bytes:
         if self._closed:
             raise SandboxClosedError("read_file() on a closed sandbox")
-        return await anyio.to_thread.run_sync(read_beneath, self.workdir, path)
+        return await anyio.to_thread.run_sync(read_beneath, self.workdir, self._as_workspace(path))
 
     async def write_file(self, path: str, data: bytes) -> None:
         if self._closed:
             raise SandboxClosedError("write_file() on a closed sandbox")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
-        await anyio.to_thread.run_sync(write_beneath, self.workdir, path, bytes(data), (self.uid, self.uid))
+        await anyio.to_thread.run_sync(write_beneath, self.workdir, self._as_workspace(path), bytes(data),
+                                       (self.uid, self.uid))
 
     async def __aenter__(self) -> BwrapSandbox:
         return self
