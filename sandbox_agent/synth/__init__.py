@@ -28,6 +28,9 @@ from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
 from sandbox_agent.tasks import split_for
 from t1async.errors import ConfigError
 
+__all__ = ["ALL_FAMILIES", "EXTRA_FAMILIES", "FAMILIES", "RUN_TESTS", "generate", "make_task", "task_id", "task_rng",
+           "write_task"]  # fmt: skip
+
 FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "files": files_family,
     "text": text_family,

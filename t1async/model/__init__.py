@@ -11,3 +11,6 @@ Modules (import them directly; this package imports nothing, so ``t1async.model.
     scheduler.py        the engine's synchronous step (prefill, decode, retire); kvcache.py, sampling.py
     speed.py            python -m t1async.model.speed: decode tokens/s at several batch sizes
 """
+
+# This package imports nothing (its modules stay light to import): import the modules directly.
+__all__: list[str] = []
