@@ -5,7 +5,9 @@ across η, and ``bench.staleness`` can reuse it. Actors loop: ask a credit (held
 sample a turn with the version the samplers serve at that moment, execute it, deliver it. The learner
 trains a step when ``can_train`` allows and at least B turns wait, training every ``due`` turn (plus the
 oldest others up to B), then publishes a new version that samplers serve ``load_s`` later. Some actors
-may die holding a credit (``die_p``): their lease expires.
+may die holding a credit (``die_p``): their lease expires. Some delivered turns are never trained
+(``drop_p``: a REALIGN discarded the output, a poisoned record): they are settled at once, which gives their
+capacity back.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SimConfig:
     train_s: float = 2.0
     load_s: float = 0.5
     die_p: float = 0.0
+    drop_p: float = 0.0  # a delivered turn is settled untrained (realign_dropped) instead of trained
     horizon_s: float = 600.0
     seed: int = 0
     respect_order: bool = True  # False: a naive learner that trains any B delivered turns (shows the bound needs it)
@@ -128,7 +131,10 @@ def simulate(cfg: SimConfig) -> SimResult:
             count, turn = state[a]
             ep = f"a{a}e{count}"
             if led.on_delivered(ep, turn, now) is not None:
-                delivered[(ep, turn)] = u
+                if rng.random() < cfg.drop_p:
+                    led.settle([(ep, turn)], "realign_dropped")
+                else:
+                    delivered[(ep, turn)] = u
             state[a] = (count + 1, 0) if turn + 1 >= cfg.episode_turns else (count, turn + 1)
             request(a, now)
         elif kind == "restart":
