@@ -95,6 +95,8 @@ async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Pa
             assert "hidden" in r.output, r
             r = await sb.exec("python -c 'x = bytearray(8 << 30)'; echo rc=$?")
             assert "rc=0" not in r.output, r  # the memory limit (2 GiB) stops it
+            r = await sb.exec("head -c 400000000 /dev/zero > /tmp/big; echo rc=$?; stat -c %s /tmp/big; rm /tmp/big")
+            assert "rc=0" not in r.output and str(256 << 20) in r.output, r  # RLIMIT_FSIZE: a file stops at 256 MiB
             r = await sb.exec("yes flood | head -c 50000000")
             assert r.truncated and len(r.output) < 10_000, len(r.output)
             r = await sb.exec("bomb() { bomb | bomb & }; bomb", timeout=5.0)

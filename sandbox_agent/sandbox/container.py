@@ -37,6 +37,8 @@ from t1async.log import get_logger
 log = get_logger("sandbox_agent.sandbox.container")
 
 OWNER_LABEL = "t1async.owner"
+# podman's --memory/--pids-limit/--cpus map onto cgroup v1 controllers or v2 files alike; recorded in logs
+_CGROUP = "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ async def start_container(podman: str, env: dict[str, str], image: str, *, limit
     rc, out, err = await _podman([*argv, image, "sleep", "infinity"], env)
     if rc != 0:
         raise SandboxStartError(f"podman run {image} failed (exit {rc}): {err.decode(errors='replace').strip()[-800:]}")
+    log.debug("container.started", name=name, image=image, cgroup=_CGROUP, memory=limits.memory_bytes,
+              pids=limits.pids, cpus=limits.cpus)
     try:
         yield name
     finally:
@@ -103,6 +107,7 @@ class ContainerSandbox:
         self._cwd_quoted: str | None = None
         self._lock = anyio.Lock()
         self._closed = False
+        self._has_prlimit: bool | None = None
 
     @classmethod
     @asynccontextmanager
@@ -116,6 +121,8 @@ class ContainerSandbox:
             if rc != 0:
                 raise SandboxStartError(f"podman cp {host} -> {inside} failed: {err.decode(errors='replace')[-500:]}")
         sb = cls(podman, env, container, workdir, config)
+        rc, _, _ = await _podman([podman, "exec", container, "sh", "-c", "command -v prlimit"], env)
+        sb._has_prlimit = True if rc == 0 else None
         try:
             await sb._start()
             yield sb
@@ -125,7 +132,7 @@ class ContainerSandbox:
 
     async def _start(self) -> None:
         cmd = [self.podman, "exec", "-i", "-w", self.workdir, "-e", "HOME=/root", "-e", "TERM=dumb",
-               self.container, "setsid", "-w", "bash", "--noprofile", "--norc", "-c", DRIVER]
+               self.container, "setsid", "-w", *self._fsize(), "bash", "--noprofile", "--norc", "-c", DRIVER]
         try:
             proc = await spawn(cmd, env=self._env)
         except OSError as exc:
@@ -153,6 +160,12 @@ class ContainerSandbox:
                                     f"{(err.decode(errors='replace') or buf.text()).strip()[-600:]}")
         self._shell_pid = int(buf.text().strip())
         self._cwd_quoted = done.cwd_quoted
+
+    def _fsize(self) -> list[str]:
+        """RLIMIT_FSIZE on the shell (podman's --ulimit fails here), when the image has prlimit (ours do)."""
+        if self._has_prlimit is None:
+            return []
+        return ["prlimit", f"--fsize={self.config.file_size_bytes}:{self.config.file_size_bytes}", "--"]
 
     async def _kill_session(self) -> None:
         proc, self._proc, self._channel = self._proc, None, None
