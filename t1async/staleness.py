@@ -51,7 +51,7 @@ from t1async.errors import ConfigError
 
 RUNNING, DELIVERED, SETTLED, EXPIRED = "running", "delivered", "settled", "expired"
 SETTLE_REASONS = ("trained", "stale_masked", "realign_dropped", "poisoned", "abandoned")
-SEEN_MEMORY = 1_000_000  # delivered (episode, turn) keys remembered to ignore redeliveries
+SEEN_MEMORY = 65_536  # delivered keys remembered to ignore redeliveries (they come within an ack wait, seconds)
 
 
 @dataclass(eq=False)

@@ -31,7 +31,7 @@ from t1async.staleness import SETTLE_REASONS, CreditGate
 from t1async.tito import Segment
 
 log = get_logger("t1async.learner.settle")
-SETTLED_MEMORY = 200_000  # settled keys remembered so a redelivery does not reopen them
+SETTLED_MEMORY = 65_536  # settled keys remembered so a redelivery (within an ack wait) does not reopen them
 
 Key = tuple[str, int]
 
