@@ -100,6 +100,20 @@ def test_it_names_the_bottleneck_from_where_actor_time_goes():
     assert over is not None and abs(sum(over.values()) - 1.0) < 1e-9 and over["sandbox"] == 0.25
 
 
+def test_rates_need_history_and_decay_when_nothing_moves():
+    clock = Clock()
+    view = RunView("r", "n", [], clock=clock)
+    for _ in range(4):  # a burst a few milliseconds apart
+        clock.t += 0.001
+        view.on_traj(1000)
+    assert view.traj.rate("msgs") is None, "a burst over 3 ms is not 1000 records/s"
+    clock.t = 10.0
+    assert view.traj.rate("msgs") == 3 / (10.0 - 0.001)
+    clock.t = 200.0  # nothing published for minutes
+    assert view.traj.rate("msgs") == 0.0
+    assert "0.00 turn records/s" in text(view)
+
+
 def test_the_dashboard_fits_80_columns_and_the_plain_line_has_no_escapes():
     view = fed(5, wait=30, sample=35, exec_=2)
     console = Console(width=80, record=True, file=io.StringIO(), force_terminal=True)

@@ -22,6 +22,7 @@ from rich.text import Text
 DASH = "–"
 WINDOW_S = 60.0  # rates and time shares are over the last minute
 MIN_SPAN_S = 10.0  # time shares need this much history before they name a bottleneck
+MIN_RATE_S = 5.0  # and rates this much
 
 
 def fmt(value: Any, spec: str = ".2f", *, suffix: str = "") -> str:
@@ -39,15 +40,19 @@ def duration(seconds: float) -> str:
 
 
 class Series:
-    """Timestamped samples of cumulative counters; rates over the last ``WINDOW_S`` seconds."""
+    """Timestamped samples of cumulative counters; rates over the last ``WINDOW_S`` seconds, up to now."""
 
-    def __init__(self, window_s: float = WINDOW_S):
-        self.window_s = window_s
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S):
+        self.clock, self.window_s = clock, window_s
         self.points: deque[tuple[float, dict[str, float]]] = deque()
 
     def add(self, t: float, values: dict[str, float]) -> None:
         self.points.append((t, values))
-        while len(self.points) > 2 and self.points[1][0] <= t - self.window_s:
+        self._prune(t)
+
+    def _prune(self, now: float) -> None:
+        """Keep the points inside the window and the newest one before it (the baseline)."""
+        while len(self.points) > 1 and self.points[1][0] <= now - self.window_s:
             self.points.popleft()
 
     def span(self) -> float:
@@ -62,8 +67,16 @@ class Series:
         return b[key] - a[key]
 
     def rate(self, key: str) -> float | None:
-        d = self.delta(key)
-        return None if d is None else d / self.span()
+        """Per second from the baseline to now: a counter that stopped moving decays to 0, and a series
+        younger than ``MIN_RATE_S`` has no rate yet (two events a millisecond apart are not 2000/s)."""
+        now = self.clock()
+        self._prune(now)
+        if not self.points or now - self.points[0][0] < MIN_RATE_S:
+            return None
+        (t0, a), (_, b) = self.points[0], self.points[-1]
+        if key not in a or key not in b:
+            return None
+        return (b[key] - a[key]) / (now - t0)
 
 
 @dataclass
@@ -100,12 +113,15 @@ class RunView:
         self.actors: dict[str, dict[str, Any]] = {}
         self.eval: dict[str, Any] | None = None
         self.samplers = {u: SamplerView(u) for u in sampler_urls}
-        self.actor_series = Series()
-        self.learner_series = Series()
-        self.traj = Series()
+        self.actor_series = Series(self._now)
+        self.learner_series = Series(self._now)
+        self.traj = Series(self._now)
         self.traj_msgs = 0
         self.traj_bytes = 0
         self.nats_state = "connecting"
+
+    def _now(self) -> float:
+        return self.clock()  # through self: a test may swap the clock
 
     # -- feeding ------------------------------------------------------------------------------------
 

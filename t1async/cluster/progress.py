@@ -104,10 +104,11 @@ async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[
                 tg.start_soon(_poll_nats_health, view, monitor, 5.0)
             if live_mode:
                 console = Console(file=out)
-                with _no_echo(out), Live(render(view), console=console, refresh_per_second=4) as live:
+                # redrawn from this task only: no rich refresh thread outside the task group
+                with _no_echo(out), Live(render(view), console=console, auto_refresh=False) as live:
                     while True:
                         await anyio.sleep(refresh_s)
-                        live.update(render(view))
+                        live.update(render(view), refresh=True)
             else:
                 while True:
                     await anyio.sleep(every_s)
