@@ -59,6 +59,7 @@ async def test_eval_counts_what_the_verifier_says(tasks, tmp_path, oracle):
     cfg = EvalConfig(samples=2, concurrency=3, seed=4, agent=AgentConfig(max_turns=40, request_routing=False))
     rows = await run_eval(ts, sampler, tok, cfg, jsonl=tmp_path / "ep.jsonl")
     assert [(r["task"], r["sample"]) for r in rows] == sorted((t.id, s) for t in ts for s in range(2))
+    assert all(r["backend"] == "bwrap" for r in rows)
     lines = [json.loads(x) for x in (tmp_path / "ep.jsonl").read_text().splitlines()]
     assert sorted((r["task"], r["sample"]) for r in lines) == [(r["task"], r["sample"]) for r in rows]
     s = summarise(task_scores(rows), k_values=(1, 2))

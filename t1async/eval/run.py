@@ -110,7 +110,7 @@ async def run_one(task: Task, sample: int, sampler: Sampler, tokenizer, cfg: Eva
                       "exit_code": t.exit_code, "tokens": int(len(t.output_ids)), "reward": float(t.reward)})  # fmt: skip
 
     row = {"task": task.id, "family": task.family, "split": task.split, "sample": sample,
-           "seed": episode_seed(cfg.seed, task.id, sample, 0)}  # fmt: skip
+           "seed": episode_seed(cfg.seed, task.id, sample, 0), "backend": getattr(backend, "name", "")}  # fmt: skip
     t0 = time.monotonic()
     seeded = SeededSampler(sampler, cfg.seed, task.id, sample)
     try:
