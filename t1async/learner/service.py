@@ -1,6 +1,7 @@
 """The learner service: consume trajectories, serve credits, train, publish weights (DESIGN §1, §7).
 
-    ingest  ─ T1_TRAJ (durable consumer) → journal (fsync) → ack → credits delivered → TITO assembly
+    ingest  ─ T1_TRAJ (durable consumer) → validated → journal (fsync) → ack → credits delivered → TITO
+              assembly; a record no step could use goes to t1.dead.<reason> instead (learner/intake.py)
     credits ─ t1.credit: held until the staleness rule grants (learner/credits.py)
     train   ─ wait for B turns and the step's due credits → PPO step (R3) → checkpoint →
               /update_weights_from_disk on every sampler → t1.policy → t1.metrics.learner
