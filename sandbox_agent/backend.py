@@ -20,6 +20,7 @@ from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, Sandbo
 from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.tasks import Task, TaskNeedsImage
+from t1async.errors import SandboxError
 
 
 class SandboxBackend(Protocol):
@@ -182,6 +183,26 @@ class ContainerBackend:
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         return None
 
+    @contextlib.asynccontextmanager
+    async def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
+                             ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[Sandbox]:
+        """A session with network (the verifier, when the user allows it): the episode's container is
+        committed and the session runs in a copy of it on podman's bridge network; both removed after."""
+        ep = self._episodes.get(str(workdir))
+        if ep is None:
+            raise SandboxError(f"no episode container for {workdir}: open_networked runs inside an episode")
+        cid, inside = ep
+        podman, env = images.podman(), images.podman_env()
+        snap = f"localhost/t1async/verify-{cid}:latest"
+        await anyio.to_thread.run_sync(lambda: images.run_podman("commit", "-q", cid, snap))
+        try:
+            async with start_container(podman, env, snap, limits=self.limits, network="bridge") as copy:
+                async with ContainerSandbox.open(podman, env, copy, inside, config or self.config, copies=ro_binds) as sb:
+                    yield sb
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(lambda: images.run_podman("rmi", "-f", snap, check=False))
+
 
 @dataclasses.dataclass
 class AutoBackend:
@@ -219,6 +240,10 @@ class AutoBackend:
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
+
+    def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
+                       ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncContextManager[Sandbox]:
+        return self.container.open_networked(task, workdir, config=config, ro_binds=ro_binds)
 
 
 def backend_kind(backend: SandboxBackend, task: Task) -> str:

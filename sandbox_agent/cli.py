@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
     g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
     r.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    r.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
 
     c = sub.add_parser("check", help="oracle must resolve and do-nothing must not, on (a sample of) tasks",
@@ -65,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     c.add_argument("--concurrency", type=int, default=2, help="tasks run at once (default 2)")
     c.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    c.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
     c.add_argument("--json", action="store_true", help="print a JSON summary (last line)")
 
     ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
@@ -81,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 BACKENDS = ("auto", "bwrap", "container")
+NETWORK_HELP = ("containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
+                "written (default: no network; such scripts are replaced by their test files under pytest -rA)")
 BACKEND_HELP = ("sandbox backend (default auto: bwrap when it reproduces every task exactly, else containers "
                 "with podman)")
 
@@ -124,7 +128,10 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
     task = load_task(a.task_dir)
     policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
     backend = pick_backend(a.backend, [task])
-    run = trio.run(lambda: run_policy(task, policy, backend=backend))
+    from sandbox_agent.verifier import VerifierConfig
+
+    verifier = VerifierConfig(allow_network=a.verifier_network)
+    run = trio.run(lambda: run_policy(task, policy, backend=backend, verifier=verifier))
     v = run.verify
     print(f"task {task.id} ({task.format}) agent={policy.name} backend={backend.name} verifier={v.path}")
     if run.act is not None:
@@ -150,6 +157,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
 
     from sandbox_agent.backend import pick_backend
     from sandbox_agent.runner import check_tasks
+    from sandbox_agent.verifier import VerifierConfig
     from sandbox_agent.tasks import load_tasks
 
     if a.sample < 0 or a.concurrency < 1:
@@ -171,7 +179,8 @@ def _cmd_check(a: argparse.Namespace) -> int:
     async def run_all() -> list:
         out = []
         for backend, group in groups.values():
-            out += await check_tasks(group, backend=backend, concurrency=a.concurrency)  # type: ignore[arg-type]
+            out += await check_tasks(group, backend=backend, concurrency=a.concurrency,  # type: ignore[arg-type]
+                                     verifier=VerifierConfig(allow_network=a.verifier_network))
         return out
 
     rows = trio.run(run_all)

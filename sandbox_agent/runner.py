@@ -202,7 +202,8 @@ class TaskCheck:
         return o.status == "ok" and o.resolved and n.status == "ok" and not n.resolved
 
 
-async def check_tasks(tasks: list[Task], *, backend: SandboxBackend | None = None, concurrency: int = 2) -> list[TaskCheck]:
+async def check_tasks(tasks: list[Task], *, backend: SandboxBackend | None = None, concurrency: int = 2,
+                      verifier: VerifierConfig = VerifierConfig()) -> list[TaskCheck]:
     """Run the oracle and the do-nothing agent on every task, ``concurrency`` at a time (in task order)."""
     backend = backend or BwrapBackend()
     out: dict[int, TaskCheck] = {}
@@ -210,8 +211,8 @@ async def check_tasks(tasks: list[Task], *, backend: SandboxBackend | None = Non
 
     async def one(i: int, t: Task) -> None:
         async with limit:
-            o = await run_policy(t, OracleAgent(), backend=backend)
-            n = await run_policy(t, NullAgent(), backend=backend)
+            o = await run_policy(t, OracleAgent(), backend=backend, verifier=verifier)
+            n = await run_policy(t, NullAgent(), backend=backend, verifier=verifier)
         out[i] = TaskCheck(t.id, o.verify, n.verify)
 
     async with anyio.create_task_group() as tg:

@@ -66,6 +66,9 @@ class VerifierConfig:
     python: str = "/usr/bin/python3"
     output_limit_bytes: int = 4 << 20  # the verifier's session reads the junit XML through exec output
     timeout_s: float | None = None  # None: the task's test_timeout_s
+    # Containers only: the verifier gets the network (a copy of the episode's container on podman's
+    # bridge), so a task's script that fetches uv/pytest runs as written. Off unless the user asks.
+    allow_network: bool = False
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
@@ -257,8 +260,10 @@ async def verify(
     nonce = secrets.token_hex(8)
     # Containers run the task's own script when it can run offline; otherwise (and under bwrap, whose
     # host env is not the task's image) what it means: its test files with pytest -rA, TEST_DIR=/tests.
-    use_script = (backend_kind(backend, task) == "container" and task.test_script is not None
-                  and not needs_network(task.test_script))
+    in_container = backend_kind(backend, task) == "container"
+    networked = in_container and config.allow_network
+    use_script = (in_container and task.test_script is not None
+                  and (networked or not needs_network(task.test_script)))
     path = "script" if use_script else "pytest"
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
     try:
@@ -271,7 +276,8 @@ async def verify(
         cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
         command = script_command(task, nonce) if use_script else build_command(task, nonce, config.python)
         try:
-            async with backend.open(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
+            opener = backend.open_networked if networked else backend.open  # type: ignore[attr-defined]
+            async with opener(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
                 res = await sb.exec(command, timeout=timeout)
         except SandboxError as exc:
             return VerifyResult.failed("error", f"sandbox failed: {exc}", time.monotonic() - t0)

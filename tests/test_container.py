@@ -36,8 +36,10 @@ def base_image() -> str:
     return images.build_base()  # cached: returns at once when it exists
 
 
-def _ours() -> set[str]:
-    out = images.run_podman("ps", "-a", "--filter", f"label={OWNER_LABEL}", "--format", "{{.Names}}").stdout
+def _ours(owner: int | None = os.getpid()) -> set[str]:
+    """Our containers: this test process's (default), or any t1async owner's (owner=None)."""
+    label = OWNER_LABEL if owner is None else f"{OWNER_LABEL}={owner}"
+    out = images.run_podman("ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}").stdout
     return set(out.decode().split())
 
 
@@ -163,12 +165,12 @@ async def test_a_sigkilled_owner_s_container_is_removed_by_the_next_start(base_i
         while line and not line.startswith("NAME "):
             line = await anyio.to_thread.run_sync(p.stdout.readline)
         name = line.split()[1]
-        assert name in _ours()
+        assert name in _ours(None)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
-        assert name in _ours()  # nobody could remove it...
+        assert name in _ours(None)  # nobody could remove it...
         removed = await reap_orphans(images.podman(), images.podman_env())
-        assert name not in _ours() and removed  # ...until the next container start reaps it
+        assert name not in _ours(None) and removed  # ...until the next container start reaps it
     finally:
         if p.poll() is None:
             p.kill()
@@ -243,3 +245,24 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     assert ends and {starts[e.episode] for e in ends} <= {"jq-query", "gen-data"}, ends
     assert all(e.tests_total > 0 for e in ends), ends  # the verifier ran each one in its container
     assert _ours() == before  # every episode's container is gone
+
+
+async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tmp_path: Path) -> None:
+    import shutil
+
+    from sandbox_agent.verifier import VerifierConfig
+
+    t = tmp_path / "net-task"
+    shutil.copytree(TB / "tb2/csv-stats", t)
+    (t / "tests" / "test.sh").write_text(  # fetches from Debian's registry (reachable here) as scripts fetch uv
+        "#!/bin/bash\napt-get update >/dev/null 2>&1 || { echo 0 > /logs/verifier/reward.txt; exit 0; }\n"
+        "python3 -m pytest /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = load_task(t)
+    backend = ContainerBackend(config=FAST)
+    before = _ours()
+    on = await run_policy(task, OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
+    assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
+    off = await run_policy(task, OracleAgent(), backend=backend)
+    assert off.verify.path == "pytest" and "needs the network" in off.verify.detail, off.verify
+    assert _ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())

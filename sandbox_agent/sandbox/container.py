@@ -74,11 +74,12 @@ async def reap_orphans(podman: str, env: dict[str, str]) -> list[str]:
 
 @asynccontextmanager
 async def start_container(podman: str, env: dict[str, str], image: str, *, limits: ContainerLimits,
-                          volumes: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[str]:
-    """One container for an episode; removed (SIGKILL, no grace) on exit, whatever happened."""
+                          volumes: tuple[tuple[str, str], ...] = (), network: str = "none") -> AsyncIterator[str]:
+    """One container for an episode; removed (SIGKILL, no grace) on exit, whatever happened. ``network``
+    stays "none" while an agent acts; only a verifier the user allowed the network gets "bridge"."""
     await reap_orphans(podman, env)
     name = f"t1-{secrets.token_hex(6)}"
-    argv = [podman, "run", "-d", "--init", "--name", name, "--network=none", "--label", f"{OWNER_LABEL}={os.getpid()}",
+    argv = [podman, "run", "-d", "--init", "--name", name, f"--network={network}", "--label", f"{OWNER_LABEL}={os.getpid()}",
             f"--memory={limits.memory_bytes}", f"--memory-swap={limits.memory_bytes}", f"--pids-limit={limits.pids}",
             f"--cpus={limits.cpus:g}"]
     for host, inside in volumes:
