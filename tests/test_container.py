@@ -266,3 +266,15 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     off = await run_policy(task, OracleAgent(), backend=backend)
     assert off.verify.path == "pytest" and "needs the network" in off.verify.detail, off.verify
     assert _ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())
+
+
+async def test_a_container_shell_holds_its_state_for_320_turns(base_image: str) -> None:
+    task = load_task(TB / "tb2/gen-data")
+    backend = ContainerBackend(config=FAST)
+    async with prepared_workdir(task, backend) as wd, backend.open(task, wd) as sb:
+        await sb.exec("export FIRST=turn1; cd /data; n=0")
+        for i in range(2, 321):
+            r = await sb.exec("n=$((n+1)); true")
+            assert r.exit_code == 0, (i, r)
+        r = await sb.exec('echo "$FIRST $PWD $n"')
+        assert r.output.split() == ["turn1", "/data", "319"], r

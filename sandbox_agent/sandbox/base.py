@@ -4,6 +4,7 @@ Error tree (all under ``t1async.errors.SandboxError``)::
 
     SandboxError               a sandbox could not start, or died under us
     ├── SandboxStartError      it could not start (no bwrap, bwrap refused, not root...); says how to fix it
+    │   └── ImageError         (sandbox_agent.images) a container image could not be built or resolved
     ├── SandboxClosedError     used after ``aclose()``: the caller's fault
     └── SandboxPathError       read_file/write_file on a path outside the work dir, or not a regular file
 """
