@@ -127,15 +127,12 @@ class Intake:
             self._settle_dropped(p.episode)
 
     async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
-        """Trainer.step raised despite validation: put the weights back at ``version`` (it may have stepped),
-        dead-letter the step's segments, poison their episodes at the first turn each held (so no restart
-        retries it), and go on."""
+        """Trainer.step raised despite validation: dead-letter the step's segments, poison their episodes at
+        the first turn each held (so no restart retries it), put the weights back at ``version`` (it may have
+        stepped), and go on."""
         self.poison.failed_steps += 1
         log.error("learner.step_failed", version=version, segments=len(segments), error=f"{type(exc).__name__}: {exc}",
                   hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped")  # fmt: skip
-        initial = self.cfg.model_dir or default_model_dir()
-        restored = await anyio.to_thread.run_sync(restore_weights, self.trainer, self.cfg.checkpoints, version, initial)
-        log.info("learner.weights_restored", version=version, source=restored)
         err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
         poisons = []
         for s in segments:
@@ -146,6 +143,11 @@ class Intake:
                 poisons.append(Poison(s.episode, int(turns.min()), TRAIN_STEP, str(err)))
         changed = await anyio.to_thread.run_sync(self.poison.add, poisons)
         self._poisoned(changed, loss_turns(segments))
+        # after the poison book: if restoring fails too, the restarted learner loads the checkpoint itself and
+        # never retries this step
+        initial = self.cfg.model_dir or default_model_dir()
+        restored = await anyio.to_thread.run_sync(restore_weights, self.trainer, self.cfg.checkpoints, version, initial)
+        log.info("learner.weights_restored", version=version, source=restored)
         await self._publish_metrics()
 
     async def _compact_journal(self) -> None:
