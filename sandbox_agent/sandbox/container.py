@@ -11,8 +11,9 @@ A timed-out command: the shell gets SIGUSR1 (its abort trap) and every other pro
 SIGTERMed, then SIGKILLed (``kill_grace_s``), inside the container; a shell that does not recover is
 killed and the next call starts a fresh one in the same cwd.
 
-If the actor process is SIGKILLed, no ``aclose`` runs: ``reap_orphans()`` (called before every new
-container) removes containers whose owner pid is gone.
+If the actor process is SIGKILLed, no ``aclose`` runs: a guard process per container (``start_container``)
+sees its pipe from the actor close and removes the container; ``reap_orphans()`` (called before every new
+container) removes any whose owner pid is gone all the same (say the guard was killed too).
 """
 
 from __future__ import annotations
@@ -89,10 +90,18 @@ async def start_container(podman: str, env: dict[str, str], image: str, *, limit
         raise SandboxStartError(f"podman run {image} failed (exit {rc}): {err.decode(errors='replace').strip()[-800:]}")
     log.debug("container.started", name=name, image=image, cgroup=_CGROUP, memory=limits.memory_bytes,
               pids=limits.pids, cpus=limits.cpus)
+    guard: HostProcess | None = None
     try:
+        # A guard in its own session waits on a pipe only we hold: if this process dies (SIGKILL included),
+        # the pipe closes and the guard removes the container. On a normal exit we stop it and remove it here.
+        guard = await spawn(["/bin/sh", "-c", f"read _; exec {shlex.quote(podman)} rm -f -t 0 {name}"], env=env,
+                            start_new_session=True)
         yield name
     finally:
         with anyio.CancelScope(shield=True):
+            if guard is not None:
+                guard.kill()
+                await guard.aclose()
             await _podman([podman, "rm", "-f", "-t", "0", name], env)
 
 
