@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topk", type=int, default=8, help="experts per token per layer")
     ap.add_argument("--experts", type=int, default=128, help="experts per layer (<= 256: u1 traces)")
     ap.add_argument("--loop-turns", type=int, default=0, help="turns the loop version runs over (0: all)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each side after a warm-up; the best is reported")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs of each side after a warm-up; the best is reported")  # fmt: skip
     ap.add_argument("--realign-rate", type=float, default=0.03, help="share of boundaries that are REALIGN")
     ap.add_argument("--fork-rate", type=float, default=0.01, help="share of boundaries that are FORK")
     ap.add_argument("--seed", type=int, default=0)

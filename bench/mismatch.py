@@ -17,7 +17,8 @@
    sampled logprob), ``mean_abs_dlogp_id_matched`` (the same over loss tokens whose ID equals the sampled ID
    at that place of the turn; for the retokenized configs the raw mean also pairs the logprob of one token
    with the sampled logprob of a *different* token, so only the ID-matched figure measures mismatch),
-   ``loss_id_mismatch_tokens`` (loss tokens whose ID differs from the sampled one), ``loss_drift_tokens`` (loss tokens whose ID or context differs from what was sampled,
+   ``loss_id_mismatch_tokens`` (loss tokens whose ID differs from the sampled one), ``loss_drift_tokens``
+   (loss tokens whose ID or context differs from what was sampled,
    plus sampled tokens the retokenized turn dropped) and ``routing_drift`` (share of (token, layer) choices
    where the learner's own top-k differs from the recorded experts, over aligned tokens).
 
@@ -276,9 +277,11 @@ def _print(result: dict) -> None:
     print("-" * len(hdr))
     for c in CONFIGS:
         d = result["details"][c]
-        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['mean_abs_dlogp_id_matched']:>19.5f} {d['p99_abs_dlogp']:>9.4f} "
+        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['mean_abs_dlogp_id_matched']:>19.5f} "
+              f"{d['p99_abs_dlogp']:>9.4f} "
               f"{d['loss_drift_tokens']:>11d} {d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f}")
-    print(f"raw: every loss token with a sampled logprob; for baseline and r3 {result['baseline_id_mismatch_share']:.0%} "
+    share = result["baseline_id_mismatch_share"]
+    print(f"raw: every loss token with a sampled logprob; for baseline and r3 {share:.0%} "
           "of them pair the logprob of one token with the sampled logprob of a different token")
     print("id-matched: loss tokens whose ID is the sampled ID (TITO: all of them)")
     print(f"tito_r3 / baseline (id-matched) = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-steps", type=int, default=None,
                    help=_size_help("warm-start SFT steps on oracle demonstrations before sampling, 0 = serve the "
                                    "untrained shipped model", "sft_steps"))  # fmt: skip
-    p.add_argument("--sft-tasks", type=int, default=None, help=_size_help("synthetic tasks for the warm start", "sft_tasks"))
+    p.add_argument("--sft-tasks", type=int, default=None,
+                   help=_size_help("synthetic tasks for the warm start", "sft_tasks"))  # fmt: skip
     p.add_argument("--sft-batch-tokens", type=int, default=None,
                    help=_size_help("padded tokens per SFT step", "sft_batch_tokens"))  # fmt: skip
     p.add_argument("--warm-cache", default=_default_cache(),

@@ -111,7 +111,8 @@ def summarise(records: list[dict], eta: int, *, slots: int) -> dict:
             t_actor[m["subject"]] = (t0, m["t"])
     waits = sum(int(a.get("credit_waits", a.get("turns", 0))) for a in actors.values())
     wait_s = sum(float(a.get("credit_wait_s", 0.0)) for a in actors.values())
-    slot_s = slots * max((max(b for _, b in t_actor.values()) - min(a for a, _ in t_actor.values())) if t_actor else 0.0, 1e-9)
+    span = (max(b for _, b in t_actor.values()) - min(a for a, _ in t_actor.values())) if t_actor else 0.0
+    slot_s = slots * max(span, 1e-9)
     return {
         "eta": eta, "turns_per_s": turns_per_s, "max_staleness": int(last["max_staleness"]),
         "stale_masked_tokens": int(last.get("stale_masked_tokens", 0)), "steps": int(last["step"]),
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 title="bench.staleness: the real loop at each η")  # fmt: skip
     at0 = next((r for r in runs if r["eta"] == 0), None)
     if at0 is not None:
-        print(f"overlap bound at η=0: (T_sample + T_train) / max = ({at0['t_sample_s']:.1f} + {at0['t_train_s']:.1f}) / "
+        print(f"overlap bound at η=0: (T_sample + T_train) / max = ({at0['t_sample_s']:.1f} + "
+              f"{at0['t_train_s']:.1f}) / "
               f"max = {at0['overlap_bound']:.2f}x")
     ok = all(r["max_staleness"] <= r["eta"] for r in runs)
     print(f"max trained staleness <= η in every run: {ok}")

@@ -89,7 +89,8 @@ async def test_seeded_sampler_seeds_each_turn_of_each_episode_apart():
         await b.generate([1], SamplingParams())
     assert got == [episode_seed(0, "t", 0, 0), episode_seed(0, "t", 1, 0), episode_seed(0, "t", 0, 1),
                    episode_seed(0, "t", 1, 1)] and len(set(got)) == 4  # fmt: skip
-    assert SamplingParams(seed=7).to_sglang()["sampling_seed"] == 7 and "sampling_seed" not in SamplingParams().to_sglang()
+    assert SamplingParams(seed=7).to_sglang()["sampling_seed"] == 7
+    assert "sampling_seed" not in SamplingParams().to_sglang()
 
 
 @pytest.mark.slow

@@ -42,7 +42,8 @@ def test_summary_weighs_every_task_the_same_and_splits_by_family():
         + [{"task": "c", "family": "g", "resolved": False, "tests_passed": 0, "tests_total": 2, "turns": 1}] * 2
     )  # fmt: skip
     scores = task_scores(eps)
-    assert [(s.task, s.n, s.resolved, s.tests_mean) for s in scores] == [("a", 2, 2, 4.0), ("b", 2, 1, 2.5), ("c", 2, 0, 0.0)]
+    got = [(s.task, s.n, s.resolved, s.tests_mean) for s in scores]
+    assert got == [("a", 2, 2, 4.0), ("b", 2, 1, 2.5), ("c", 2, 0, 0.0)]
     s = summarise(scores, k_values=(1, 2, 5))
     assert s["tasks"] == 3 and s["episodes"] == 6 and "pass@5" not in s  # k above the samples per task: omitted
     assert s["pass@1"]["mean"] == pytest.approx((1 + 0.5 + 0) / 3)

@@ -37,7 +37,8 @@ log = get_logger("t1async.eval")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m t1async.eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, default=None, help="model dir: start the embedded sampler on it")
     src.add_argument("--sampler-url", action="append", default=[], metavar="URL",
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "differ now and then; a cache is faster on long episodes)")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("runs/eval"), help="where episodes.jsonl, summary.json, eval.png go")
+    p.add_argument("--out", type=Path, default=Path("runs/eval"),
+                   help="where episodes.jsonl, summary.json, eval.png go")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
     p.add_argument("--log-level", default="warning", help="debug, info, warning (default)")
     return p
@@ -97,8 +99,8 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
     if args.model is not None:
         from t1async.sampler.launch import launch_sampler
 
-        async with launch_sampler(args.model, dtype=args.dtype, seed=args.seed, prefix_cache_tokens=args.prefix_cache_tokens
-                                  ) as url, SGLangClient([url]) as c:  # fmt: skip
+        opts = {"dtype": args.dtype, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens}
+        async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
             yield c
     else:
         async with SGLangClient(list(args.sampler_url)) as c:
@@ -109,8 +111,9 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
     from t1async.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     agent = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False,
-                        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature))  # fmt: skip
+                        sampling=sampling)
     cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "episodes.jsonl"
@@ -135,7 +138,8 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
         "tests_frac": overall["tests_frac"]["mean"], "resolved_rate": overall["resolved_rate"],
         "pass_at_k": {k: overall[k]["mean"] for k in overall if k.startswith("pass@")},
         "tasks": overall["tasks"], "episodes": overall["episodes"], "samples": args.samples, "seed": args.seed,
-        "split": args.split, "source": src, "backend": backend.name, "reasons": reasons, "overall": overall, "families": fams,
+        "split": args.split, "source": src, "backend": backend.name, "reasons": reasons, "overall": overall,
+        "families": fams,
         "minutes": (time.monotonic() - t0) / 60.0, "out": str(args.out),
     }  # fmt: skip
 
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
                 "of `python -m t1async.learner sft`")  # fmt: skip
     if not args.tasks.is_dir():
-        p.error(f"--tasks {args.tasks} is not a directory; make one with `python -m sandbox_agent synth --out DIR --n 60`")
+        p.error(f"--tasks {args.tasks} is not a directory; make one with "
+                "`python -m sandbox_agent synth --out DIR --n 60`")
     try:
         tasks, skipped, backend = select_tasks(args.tasks, args.split, args.families, args.backend)
     except (T1Error, ValueError) as exc:

@@ -38,13 +38,14 @@ class EvalConfig:
     samples: int = 1  # episodes per task (K)
     concurrency: int = 4  # episodes at once
     seed: int = 0
-    agent: AgentConfig = field(default_factory=lambda: AgentConfig(max_turns=20, max_context_tokens=8192,
-                                                                   sampling=SamplingParams(max_new_tokens=256)))  # fmt: skip
+    agent: AgentConfig = field(default_factory=lambda: AgentConfig(
+        max_turns=20, max_context_tokens=8192, request_routing=False, sampling=SamplingParams(max_new_tokens=256)))
     max_command_chars: int = 400  # per turn in the JSONL
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
-            raise ConfigError(f"EvalConfig needs samples >= 1 and concurrency >= 1, got {self.samples}, {self.concurrency}")
+            raise ConfigError(
+                f"EvalConfig needs samples >= 1 and concurrency >= 1, got {self.samples}, {self.concurrency}")
 
 
 def episode_seed(seed: int, task: str, sample: int, turn: int) -> int:
@@ -107,7 +108,8 @@ async def run_one(task: Task, sample: int, sampler: Sampler, tokenizer, cfg: Eva
         versions.add(int(t.weight_version))
         steps.append({"turn": t.turn, "out": hashlib.sha256(t.output_ids.astype("<i4").tobytes()).hexdigest()[:8],
                       "action": t.action_kind, "command": t.action_text[: cfg.max_command_chars],
-                      "exit_code": t.exit_code, "tokens": int(len(t.output_ids)), "reward": float(t.reward)})  # fmt: skip
+                      "exit_code": t.exit_code, "tokens": int(len(t.output_ids)),
+                      "reward": float(t.reward)})  # fmt: skip
 
     row = {"task": task.id, "family": task.family, "split": task.split, "sample": sample,
            "seed": episode_seed(cfg.seed, task.id, sample, 0), "backend": getattr(backend, "name", "")}  # fmt: skip
