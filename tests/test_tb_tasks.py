@@ -77,3 +77,18 @@ async def test_bwrap_mounts_the_work_dir_at_the_dockerfile_workdir_and_the_file_
         assert (wd / "notes.txt").read_bytes() == b"n" and await sb.read_file("/app/access_log") == (wd / "access_log").read_bytes()
         r = await sb.exec("echo staged > /tmp/warehouse/out.txt")
     assert not wd.exists() and not Path(f"{wd}.mnt").exists()  # both removed with the episode
+
+
+async def test_without_podman_a_run_step_task_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandbox_agent.backend import AutoBackend, pick_backend
+    from sandbox_agent.sandbox import SandboxStartError
+
+    monkeypatch.setenv("T1_PODMAN", "podman-not-installed-here")
+    task = load_task(TB / "tb1/jq-query")
+    with pytest.raises(SandboxStartError, match=r"podman, which is not installed: install it with `apt-get install"):
+        pick_backend("container")
+    backend = pick_backend("auto", [task])
+    assert backend.name == "bwrap"
+    with pytest.raises(TaskNeedsImage, match="apt-get install -y podman runc"):
+        await run_policy(task, OracleAgent(), backend=backend)
+    assert "podman is not installed" in (AutoBackend().refusal(task) or "")
