@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import tomllib
 from pathlib import Path
 
@@ -107,10 +108,20 @@ def cgroup_version() -> int:
 # ------------------------------------------------------------------------------------- base image
 
 
+_base_lock = threading.Lock()
+
+
 def build_base(*, force: bool = False, mirror: str = "http://deb.debian.org/debian") -> str:
     """Build the base image once (skipped when it exists, unless ``force``); returns its name."""
     if not force and image_exists(BASE_IMAGE):
         return BASE_IMAGE
+    with _base_lock:  # threads of one process build it once; the others find it built
+        if not force and image_exists(BASE_IMAGE):
+            return BASE_IMAGE
+        return _build_base(force, mirror)
+
+
+def _build_base(force: bool, mirror: str) -> str:
     cache = cache_dir()
     tar = cache / "base-rootfs.tar"
     if force or not tar.exists():
@@ -231,9 +242,21 @@ def missing_image(task: Task) -> str | None:
     return None
 
 
+_build_locks: dict[str, threading.Lock] = {}
+_build_locks_guard = threading.Lock()
+
+
 def task_image(task: Task) -> str:
-    """The task's image, built once per content hash of its build context (``--pull=never``)."""
+    """The task's image, built once per content hash of its build context (``--pull=never``). Concurrent
+    episodes of one task (actor threads) wait for the one build instead of each running their own."""
     tag = task_image_tag(task)
+    with _build_locks_guard:
+        lock = _build_locks.setdefault(tag, threading.Lock())
+    with lock:
+        return _task_image(task, tag)
+
+
+def _task_image(task: Task, tag: str) -> str:
     df = dockerfile_of(task)
     if df is None:
         return _ensure(tag)
