@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import json
 import signal
 import subprocess
@@ -149,12 +150,9 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(na
     assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad
 
 
-
 @pytest.mark.slow
 def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, repo_env):
     """The terminal shows the outcome in words; the supervisor's log lines stay in its file."""
-    import os
-
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120",
             "--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]  # fmt: skip
@@ -171,3 +169,30 @@ def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, r
     raw = [x for x in (out + err).splitlines() if x.startswith("{") or "[error" in x or "component_exited" in x]
     assert not raw, raw
     assert "cluster.component_exited" in (run_dir / "logs" / "supervisor.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env):
+    """Closing the terminal (SIGHUP) stops every component, as Ctrl-C does; the components run in their own
+    sessions, so a supervisor killed by the hang-up used to leave them all running."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120",
+            "--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = []
+    try:
+        state = _wait_running(run_dir, proc, timeout=180)
+        started = list(state.components.values())
+        proc.send_signal(signal.SIGHUP)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        _stop(proc)
+        for info in started:  # never leave them behind, whatever happened
+            if alive(info.pid):
+                os.kill(info.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and out.splitlines()[-1] == "cluster stopped", out
+    assert {i.name for i in started} >= {"nats", "sampler", "learner", "actor-0"}
+    deadline = time.monotonic() + 10
+    while any(alive(i.pid) for i in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [i.name for i in started if alive(i.pid)]

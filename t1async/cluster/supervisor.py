@@ -18,7 +18,7 @@ import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -77,6 +77,9 @@ class Supervisor:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.state.supervisor = proc_info("supervisor", os.getpid())
         self.state.save()
+        # a closed terminal (SIGHUP) must not kill the supervisor while its components run in their own
+        # sessions: they would be orphaned. It is ignored while starting and stopping, a stop request between.
+        saved = _set_handlers({signal.SIGHUP: signal.SIG_IGN})
         try:
             for job in self.config.before:
                 await self._run_oneshot(job)
@@ -102,6 +105,9 @@ class Supervisor:
                     if self.config.progress is not None:
                         tg.start_soon(self.config.progress, nats_url, run_dir)
                     await self._wait_for_stop()
+                    # a second Ctrl-C or a hang-up while stopping would leave components behind: let it finish
+                    saved.update({k: v for k, v in _set_handlers(
+                        {signal.SIGHUP: signal.SIG_IGN, signal.SIGINT: signal.SIG_IGN}).items() if k not in saved})  # fmt: skip
                     self.state.status = "stopping"
                     self.state.save()
                     tg.cancel_scope.cancel()
@@ -109,6 +115,7 @@ class Supervisor:
             self.state.status = "stopped"
             self.state.components.clear()
             self.state.save()
+            _set_handlers(saved)
         log.info("cluster.down", run_dir=str(run_dir), failed=self.failed)
         why = self.failed or self.finished
         print(f"cluster stopped{': ' + why if why else ''}", flush=True)
@@ -126,7 +133,7 @@ class Supervisor:
     async def _wait_for_stop(self) -> None:
         duration = self.config.duration_s if self.config.duration_s is not None else math.inf
         with anyio.move_on_after(duration):
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
                 async for sig in signals:
                     log.info("cluster.signal", signal=signal.Signals(sig).name)
                     return
@@ -209,6 +216,17 @@ class Supervisor:
         if proc.returncode != 0:
             raise ServerStartError(f"{job.name} failed with exit code {proc.returncode}; see {path}")
         print(f"{job.name}: done", flush=True)
+
+
+def _set_handlers(handlers: Mapping[signal.Signals, Any]) -> dict[signal.Signals, Any]:
+    """Install signal handlers; returns the previous ones (none off the main thread, where Python forbids it)."""
+    old: dict[signal.Signals, Any] = {}
+    for sig, handler in handlers.items():
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return old
 
 
 def python_module(module: str, *args: str) -> list[str]:
