@@ -151,3 +151,33 @@ def test_up_without_bubblewrap_fails_first(tmp_path, monkeypatch, capsys):
     assert err.startswith("error: the actors cannot run their sandbox here: bubblewrap not found") and err.count("\n") == 1
     assert "apt-get install bubblewrap" in err
     assert not (tmp_path / "run" / "tasks").exists() and not (tmp_path / "run" / "cluster.json").exists()
+
+
+def test_an_interrupted_synthesis_leaves_no_partial_corpus(tmp_path, monkeypatch):
+    """Ctrl-C while the corpus is written: the next `up` must not take a partial corpus as done."""
+    import sandbox_agent.synth as synth
+    from t1async.cluster.components import ensure_tasks
+    from t1async.cluster.config import UpConfig
+
+    cfg = UpConfig(run_dir=tmp_path / "run", synth_tasks=6)
+    real, calls = synth.write_task, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(synth, "write_task", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_tasks(cfg)
+    assert not (tmp_path / "run" / "tasks").exists()
+    monkeypatch.setattr(synth, "write_task", real)
+    d = ensure_tasks(cfg)
+    assert len(list(d.glob("*/task.yaml"))) == 6 and not (tmp_path / "run" / "tasks.partial").exists()
+    assert ensure_tasks(cfg) == d  # whole: not written again
+    junk = tmp_path / "other"
+    (junk / "tasks").mkdir(parents=True)
+    (junk / "tasks" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds files but no task: move them away, or pass --tasks DIR"):
+        ensure_tasks(UpConfig(run_dir=junk, synth_tasks=2))

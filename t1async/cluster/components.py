@@ -3,10 +3,13 @@ learner, then the actors. Also the work before them: the task corpus and the opt
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from t1async.cluster.config import UpConfig
 from t1async.cluster.supervisor import ProcessSpec, python_module
+from t1async.errors import ConfigError
 from t1async.log import get_logger
 from t1async.natsd import free_port
 
@@ -18,15 +21,25 @@ def tasks_dir(cfg: UpConfig) -> Path:
 
 
 def ensure_tasks(cfg: UpConfig) -> Path:
-    """The actors' task directory; synthesizes the corpus into the run dir the first time."""
+    """The actors' task directory; synthesizes the corpus into the run dir the first time. The corpus is
+    written beside it and renamed into place when whole, so a Ctrl-C midway never leaves a partial corpus
+    that the next run would take as done."""
     d = tasks_dir(cfg)
     if cfg.tasks is None and not any(d.glob("*/task.yaml")):
         from sandbox_agent.synth import generate
         from t1async.cluster.progress import setup_bar
 
         print(f"tasks: synthesizing {cfg.synth_tasks} into {d}", flush=True)
+        partial = d.with_name(d.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # what an interrupted run left
         with setup_bar("synthesizing tasks", cfg.synth_tasks) as bar:
-            generate(d, cfg.synth_tasks, seed=cfg.seed, families=list(cfg.synth_families) or None, progress=bar)
+            generate(partial, cfg.synth_tasks, seed=cfg.seed, families=list(cfg.synth_families) or None, progress=bar)
+        if d.is_dir():
+            try:
+                d.rmdir()  # an empty leftover
+            except OSError:
+                raise ConfigError(f"{d} holds files but no task: move them away, or pass --tasks DIR") from None
+        os.replace(partial, d)
         log.info("cluster.tasks_synthesized", dir=str(d), n=cfg.synth_tasks, seed=cfg.seed)
     return d
 
