@@ -155,11 +155,10 @@ def demo_loss(model: nn.Module, examples: Sequence[Example], *, pad_id: int = 0,
 
 
 def _nll(model: nn.Module, toks: torch.Tensor) -> torch.Tensor:
-    """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask)."""
-    logits = model(toks).logits[:, :-1].float()
-    b, t, v = logits.shape
-    tgt = toks[:, 1:].reshape(-1)
-    return nn.functional.cross_entropy(logits.reshape(b * t, v), tgt, reduction="none").view(b, t)
+    """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask). The
+    lm_head runs in checkpointed chunks (``MoETransformer.token_logprobs``): no [B, T, V] logits."""
+    out = model(toks, logits=False)
+    return -model.token_logprobs(out.hidden, toks)[0][:, 1:]
 
 
 def sft_train(model: nn.Module, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0) -> list[float]:
