@@ -12,6 +12,7 @@ import argparse
 import os
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "per-turn reward (default 0: only at the end)")  # fmt: skip
     p.add_argument("--command-timeout", type=float, default=30.0, help="seconds per shell command (default 30)")
     p.add_argument("--model", type=Path, default=None, help="model dir whose tokenizer to use (default: shipped)")
+    p.add_argument("--system-prompt-file", type=Path, default=None, metavar="FILE",
+                   help="the agent's system prompt (default: the built-in one); a warm start's model dir has its "
+                        "own, system_prompt.txt, which cluster up passes here")  # fmt: skip
     p.add_argument("--actor-id", default=f"{socket.gethostname().split('.')[0]}-{os.getpid()}",
                    help="this actor's name, unique across the cluster (default host-pid)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="task-draw seed")
@@ -87,6 +91,10 @@ async def amain(args: argparse.Namespace) -> int:
         sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop_token_ids=tuple(tokenizer.eos_ids)),
     )  # fmt: skip
+    if args.system_prompt_file is not None:
+        if not args.system_prompt_file.is_file():
+            raise T1Error(f"--system-prompt-file {args.system_prompt_file}: no such file")
+        agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
     config = ActorConfig(actor_id=args.actor_id, tasks_dir=args.tasks, concurrency=args.concurrency,
                          split=args.split, episodes=args.episodes, seed=args.seed)  # fmt: skip
     async with NatsTransport(args.nats) as transport, SGLangClient(args.sampler_url) as sampler:

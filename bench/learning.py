@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -44,7 +45,7 @@ DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "
 
 
 def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns: int, max_new_tokens: int,
-                max_context: int, concurrency: int, out: Path) -> list[dict]:  # fmt: skip
+                max_context: int, concurrency: int, out: Path, system_prompt: str | None) -> list[dict]:  # fmt: skip
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
     import anyio
 
@@ -58,6 +59,8 @@ def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns:
     tok = ChatTokenizer.load(model)
     agent = AgentConfig(max_turns=max_turns, max_context_tokens=max_context, request_routing=False,
                         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0))  # fmt: skip
+    if system_prompt is not None:  # the prompt the warm start was trained with (the actors use it too)
+        agent = replace(agent, system_prompt=system_prompt)
     cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
@@ -203,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sandbox_agent.synth import generate
     from sandbox_agent.tasks import load_task
     from t1async.cluster.presets import preset_values
-    from t1async.learner.warmstart import build, get_recipe
+    from t1async.learner.warmstart import build, get_recipe, system_prompt_of
 
     pv = preset_values("learn")
     ev = {"max_turns": pv["max_turns"], "max_new_tokens": pv["max_new_tokens"], "max_context": pv["max_context"],
@@ -214,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     warm = build(recipe)
     t_warm = time.perf_counter() - t0
+    ev["system_prompt"] = system_prompt_of(warm)
     print(f"warm start: {warm} ({t_warm:.0f} s; {json.loads((warm / 'sft_metrics.json').read_text())})", flush=True)
     tasks_dir = run / "tasks"
     if not any(tasks_dir.glob("*/task.yaml")):

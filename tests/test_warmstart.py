@@ -59,7 +59,7 @@ def test_build_is_cached_and_loadable(tmp_path):
     assert m["demos"] >= 1 and m["loss_after"] < m["loss_before"]
     assert json.loads((d / "recipe.json").read_text())["sft"]["steps"] == 3
     model = load_pretrained(d)
-    assert model.config.d_model == 32
+    assert model.cfg.d_model == 32
     stamp = (d / "model.safetensors").stat().st_mtime_ns
     assert warmstart.build(r, tmp_path) == d  # found, not rebuilt
     assert (d / "model.safetensors").stat().st_mtime_ns == stamp

@@ -127,6 +127,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         )  # fmt: skip
         if model is not None:
             argv += ["--model", str(model)]
+            if cfg.warm_start:  # the prompt the warm start was trained with (t1async.learner.warmstart)
+                argv += ["--system-prompt-file", str(Path(model) / "system_prompt.txt")]
         for u in urls:
             argv += ["--sampler-url", u]
         out.append(ProcessSpec(f"actor-{i}", argv))

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "differ now and then; a cache is faster on long episodes)")  # fmt: skip
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)")  # fmt: skip
+    p.add_argument("--system-prompt-file", type=Path, default=None, metavar="FILE",
+                   help="the agent's system prompt (default: the built-in one); a warm start trained with its own "
+                        "has it in its model dir as system_prompt.txt")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("runs/eval"),
                    help="where episodes.jsonl, summary.json, eval.png go")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
@@ -114,6 +118,8 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     agent = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False,
                         sampling=sampling)
+    if args.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.learner.warmstart)
+        agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
     cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "episodes.jsonl"
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
                 "of `python -m t1async.learner sft`")  # fmt: skip
+    if args.system_prompt_file is not None and not args.system_prompt_file.is_file():
+        p.error(f"--system-prompt-file {args.system_prompt_file}: no such file")
     if not args.tasks.is_dir():
         p.error(f"--tasks {args.tasks} is not a directory; make one with "
                 "`python -m sandbox_agent synth --out DIR --n 60`")
