@@ -246,10 +246,10 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
 
 @pytest.mark.slow
 async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(tmp_path, tiny_model):
-    """40 steps at η = 0 with every way a delivered turn can end: trained, stale-masked (delivered after its
+    """40 steps at η = 1 with every way a delivered turn can end: trained, stale-masked (delivered after its
     lease ran out), dropped by a REALIGN, poisoned (NaN logprob), abandoned (past its end). The ledger holds
     the work in flight at every moment, not every ticket since the start."""
-    sc = Scenario(seed=11, eta=0, batch_turns=3, actors=3, concurrency=2, kill=True, restart=False, expire=True,
+    sc = Scenario(seed=11, eta=1, batch_turns=3, actors=3, concurrency=2, kill=True, restart=False, expire=True,
                   inject=True, steps=40)  # fmt: skip
     sizes: list[int] = []
     (learner,), _ = await run_scenario(sc, tmp_path / "run", tiny_model, sizes)
@@ -258,7 +258,7 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(t
     assert s.opened == sum(s.counts.values()) + len(s.untrained)
     assert learner.metrics()["settled"] == s.counts
     steps, counts = trained_counts(tmp_path / "run", learner.state.version)
-    assert max(counts.values()) == 1 and max(r["max_staleness"] for r in steps.values()) == 0
+    assert max(counts.values()) == 1 and max(r["max_staleness"] for r in steps.values()) <= sc.eta
     assert led.stats.granted > 100 and len(sizes) > 100
     bound = (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency
     assert max(sizes) <= bound, (max(sizes), bound, led.snapshot())
