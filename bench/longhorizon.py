@@ -63,7 +63,9 @@ class ScriptedSampler:
     """Answers every turn with a shell command (a fixed cycle), exact IDs and routing rows only from
     ``routed_experts_start_len``, as a token-in/token-out sampler with a prefix cache does."""
 
-    COMMANDS = ("true", "echo step {k}", "ls -la", "pwd", "printf 'line %s of the log\\n' {k} {k} {k} {k}", "seq {k} {k2}")
+    COMMANDS = (
+        "true", "echo step {k}", "ls -la", "pwd", "printf 'line %s of the log\\n' {k} {k} {k} {k}", "seq {k} {k2}",
+    )  # fmt: skip
     # ~80 tokens a turn (action, observation, template): ~26k tokens of context by turn 320
 
     def __init__(self, tok: ChatTokenizer) -> None:
@@ -278,8 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (t, r.context, r.wire_bytes, r.ingest_live_s * 1e6, r.ingest_best_s * 1e6, r.encode_s * 1e6, r.exec_s * 1e3)
         for t, r in sorted(rows.items()) if t % a.every == 0 or t == max_turn - 1
     ]  # fmt: skip
-    print_grid(("turn", "context", "wire B", "ingest us (live)", "ingest us (best)", "actor encode us", "exec ms"), grid,
-               title=f"one {max_turn}-turn episode (ended: {run.reason}), real bwrap + nats-server")  # fmt: skip
+    header = ("turn", "context", "wire B", "ingest us (live)", "ingest us (best)", "actor encode us", "exec ms")
+    print_grid(header, grid, title=f"one {max_turn}-turn episode (ended: {run.reason}), real bwrap + nats-server")
     early_best, late_best = _window(rows, *EARLY, "ingest_best_s"), _window(rows, *late, "ingest_best_s")
     early_live, late_live = _window(rows, *EARLY, "ingest_live_s"), _window(rows, *late, "ingest_live_s")
     res = {

@@ -226,8 +226,8 @@ def test_checkpointed_blocks_give_the_same_outputs_and_gradients_under_replay():
     with some rows missing, which route freely) and every parameter gradient match the plain forward."""
     x = ids(2, 29, seed=6)
     g = torch.Generator().manual_seed(9)
-    replay = torch.stack([torch.randperm(CFG.n_experts, generator=g)[: CFG.top_k] for _ in range(2 * 29 * CFG.n_layers)])
-    replay = replay.view(2, 29, CFG.n_layers, CFG.top_k)
+    rows = [torch.randperm(CFG.n_experts, generator=g)[: CFG.top_k] for _ in range(2 * 29 * CFG.n_layers)]
+    replay = torch.stack(rows).view(2, 29, CFG.n_layers, CFG.top_k)
     replay[1, 4:9, 1] = -1
     runs = []
     for ck in (False, True):

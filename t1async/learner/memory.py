@@ -50,10 +50,8 @@ def bound_malloc(*, mmap_threshold: int = 1 << 20, arena_max: int = 2, trim_thre
     if libc is None:
         log.info("memory.no_glibc")
         return False
-    ok = all(
-        libc.mallopt(opt, val) == 1
-        for opt, val in ((_M_MMAP_THRESHOLD, mmap_threshold), (_M_ARENA_MAX, arena_max), (_M_TRIM_THRESHOLD, trim_threshold))
-    )
+    opts = ((_M_MMAP_THRESHOLD, mmap_threshold), (_M_ARENA_MAX, arena_max), (_M_TRIM_THRESHOLD, trim_threshold))
+    ok = all(libc.mallopt(opt, val) == 1 for opt, val in opts)
     log.info("memory.malloc_bounded", ok=ok, mmap_threshold=mmap_threshold, arena_max=arena_max)
     return ok
 
