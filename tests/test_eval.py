@@ -95,12 +95,14 @@ async def test_seeded_sampler_seeds_each_turn_of_each_episode_apart():
 
 @pytest.mark.slow
 def test_cli_on_the_embedded_sampler_is_reproducible(tasks, tmp_path, capsys):
+    """One episode at a time: with several at once, which requests share a decode batch changes the rounding
+    of their logits, and a near-tie draw can flip (seen: 2 runs in 21 differed in the same one episode)."""
     from t1async.eval.__main__ import main
     from t1async.model.weights import default_model_dir
 
     def once(out: Path) -> dict:
         rc = main(["--model", str(default_model_dir()), "--tasks", str(tasks), "--split", "all", "--samples", "2",
-                   "--concurrency", "3", "--max-turns", "2", "--max-new-tokens", "24", "--seed", "3", "--json",
+                   "--concurrency", "1", "--max-turns", "2", "--max-new-tokens", "24", "--seed", "3", "--json",
                    "--out", str(out)])  # fmt: skip
         assert rc == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

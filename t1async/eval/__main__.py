@@ -58,10 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="embedded sampler dtype")
-    p.add_argument("--prefix-cache-tokens", type=int, default=0,
-                   help="the embedded sampler's prefix cache in tokens (default 0 = off: a cached prefix's KV comes "
-                        "from another batch, and its rounding can flip a sample, so two evals of the same weights "
-                        "differ now and then; a cache is faster on long episodes)")  # fmt: skip
+    p.add_argument("--prefix-cache-tokens", type=int, default=None,
+                   help="the embedded sampler's prefix cache in tokens (default: the sampler's own; 0 = off)")
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)")  # fmt: skip
     p.add_argument("--system-prompt-file", type=Path, default=None, metavar="FILE",
@@ -103,7 +101,9 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
     if args.model is not None:
         from t1async.sampler.launch import launch_sampler
 
-        opts = {"dtype": args.dtype, "seed": args.seed, "prefix_cache_tokens": args.prefix_cache_tokens}
+        opts = {"dtype": args.dtype, "seed": args.seed}
+        if args.prefix_cache_tokens is not None:
+            opts["prefix_cache_tokens"] = args.prefix_cache_tokens
         async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
             yield c
     else:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(level=args.log_level)
     if args.model is None and not args.sampler_url:
         p.error("no policy: pass --model DIR (starts the embedded sampler) or --sampler-url URL (a running one)")
-    if args.prefix_cache_tokens < 0:
+    if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
         p.error(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
     for name in ("samples", "concurrency", "max_turns", "max_new_tokens", "max_context"):
         if getattr(args, name) < 1:
