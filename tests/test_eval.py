@@ -132,6 +132,20 @@ def test_cli_says_what_is_missing(tmp_path, capsys):
         assert info.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_cli_refuses_a_sampler_url_nobody_serves(tasks, tmp_path, capsys):
+    import socket
+
+    from t1async.eval.__main__ import main
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc = main(["--sampler-url", f"http://127.0.0.1:{port}", "--tasks", str(tasks), "--split", "all",
+               "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 2 and "no healthy sampler" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists()
+
+
 def test_tasks_the_backend_cannot_run_are_skipped_with_the_reason():
     from t1async.eval.__main__ import select_tasks
 

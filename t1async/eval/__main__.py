@@ -26,7 +26,7 @@ import anyio
 from sandbox_agent.agent import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
-from t1async.errors import T1Error
+from t1async.errors import SamplerError, T1Error
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, summarise, task_scores
@@ -108,6 +108,10 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
             yield c
     else:
         async with SGLangClient(list(args.sampler_url)) as c:
+            down = [u for u, ok in (await c.health()).items() if not ok]
+            if down:
+                raise SamplerError(f"no healthy sampler at {', '.join(down)} (GET /health failed); start one "
+                                   "(python -m t1async.sampler serve) or fix --sampler-url")  # fmt: skip
             yield c
 
 
@@ -178,12 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     if not tasks:
         p.error(f"no runnable tasks in {args.tasks} for --split {args.split}"
                 + (f" --families {args.families}" if args.families else ""))  # fmt: skip
-    summary = anyio.run(amain, args, tasks, backend, backend="trio")
+    try:
+        summary = anyio.run(amain, args, tasks, backend, backend="trio")
+    except SamplerError as exc:
+        print(f"python -m t1async.eval: error: {exc}", file=sys.stderr)
+        return 2
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     o = summary
     print(f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
           f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "
           f"{o['samples']} samples in {o['minutes']:.1f} min; episodes in {args.out / 'episodes.jsonl'}")  # fmt: skip
+    if summary["reasons"].get("error"):
+        print(f"warning: {summary['reasons']['error']} of {o['episodes']} episodes ended in an error (sampler or "
+              "sandbox); their `detail` in episodes.jsonl says which", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0
