@@ -76,7 +76,11 @@ class CreditedSampler:
     A generate that returned no output tokens is not a turn (the wire has no empty turn; actors/episode.py
     does not stream it), so its credit is not spent: the next generate uses it, and the turn numbers the
     credits name stay the streamed turn numbers. A credit still unspent when the episode ends is released
-    by the learner when the ``end`` arrives."""
+    by the learner when the ``end`` arrives.
+
+    ``wait_turn()`` takes the next turn's credit ahead of ``generate``: the agent calls it outside its wall
+    clock (``sandbox_agent.agent.TurnGate``), because the learner's backpressure pauses the episode; it is
+    not time the agent spent."""
 
     def __init__(self, inner: Sampler, credits: CreditClient, episode: str) -> None:
         self.inner, self.credits, self.episode = inner, credits, episode
@@ -93,8 +97,7 @@ class CreditedSampler:
         routed_experts_start_len: int | None = None,
         rid: str | None = None,
     ) -> Generation:
-        if self.unspent is None:
-            self.unspent = await self.credits.acquire(self.episode, self.turn)
+        await self.wait_turn()
         self.last_grant = self.unspent
         gen = await self.inner.generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
         if len(gen.output_ids) == 0:
@@ -105,6 +108,11 @@ class CreditedSampler:
             self.unspent = None
             self.turn += 1
         return gen
+
+    async def wait_turn(self) -> None:
+        """Hold a credit for the next turn (waits while the learner holds it back)."""
+        if self.unspent is None:
+            self.unspent = await self.credits.acquire(self.episode, self.turn)
 
     async def aclose(self) -> None:  # the inner sampler is shared and owned by the actor
         return None

@@ -64,7 +64,7 @@ class ChatTokenizerLike(Protocol):
 class AgentConfig:
     max_turns: int = 300
     max_context_tokens: int = 32768
-    wall_time_s: float | None = None  # None: the task's agent timeout
+    wall_time_s: float | None = None  # None: the task's agent timeout (time held back by credits is not counted)
     verify_every: int = 0  # 0: verify only when the episode ends
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))  # no stop ids: the tokenizer's end-of-turn and eos
     system_prompt: str = SYSTEM_PROMPT
@@ -119,6 +119,15 @@ class EpisodeResult:
     unstreamed_reward: float = 0.0
     wall_s: float = 0.0
     compactions: int = 0  # inputs the context policy compacted
+    paused_s: float = 0.0  # time the sampler held the episode before sampling (credits), not on the wall clock
+
+
+class TurnGate(Protocol):
+    """A sampler that may make an episode wait before each sample (``actors.credits.CreditedSampler``: the
+    learner's credits) offers ``wait_turn()``. The agent awaits it before sampling and adds the wait to its
+    wall-time deadline: backpressure pauses the episode, it is not the agent's time."""
+
+    async def wait_turn(self) -> None: ...
 
 
 OnTurn = Callable[[TurnResult], Awaitable[None]]
@@ -190,6 +199,7 @@ class _Loop:
     history: History
     deadline: float
     rid: str = "episode"
+    paused_s: float = 0.0  # time the sampler held the episode before sampling (credits), not on the wall clock
     routed_start: int = 0  # the first position no earlier turn's routing covered (DESIGN §3)
     compacted: bool = False  # this turn's input is a compaction (a FORK by construction)
     last_passed: int = 0
@@ -200,7 +210,13 @@ class _Loop:
 async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
                   ) -> tuple[Generation | None, StopReason | None, str]:
     """Sample turn ``k``: (generation, None, "") or (None, stop reason, detail)."""
+    wait_turn = getattr(sampler, "wait_turn", None)
     try:
+        if wait_turn is not None:  # outside the wall clock: a paused episode is not spending the agent's time
+            t0 = anyio.current_time()
+            await wait_turn()
+            st.paused_s += anyio.current_time() - t0
+            st.deadline += anyio.current_time() - t0
         with anyio.move_on_after(st.deadline - anyio.current_time()):
             return await sampler.generate(
                 st.input_ids, params, routed_experts_start_len=st.routed_start if cfg.request_routing else None,
@@ -364,8 +380,9 @@ async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: Sto
     result = EpisodeResult(
         turns=turns, reason=reason, tests_passed=last_verify.passed, tests_total=last_verify.total,
         resolved=last_verify.resolved, verify=last_verify, detail=detail, unstreamed_reward=unstreamed,
-        wall_s=time.monotonic() - t_start, compactions=st.history.compactions,
+        wall_s=time.monotonic() - t_start, compactions=st.history.compactions, paused_s=st.paused_s,
     )
     log.info("agent.episode_end", rid=rid, turns=turns, reason=reason, passed=result.tests_passed,
-             total=result.tests_total, resolved=result.resolved, compactions=result.compactions)
+             total=result.tests_total, resolved=result.resolved, compactions=result.compactions,
+             paused_s=round(result.paused_s, 3))
     return result

@@ -341,3 +341,47 @@ def test_tail_names_a_compaction_not_drift():
     assert "prev=12 COMPACTED keep-prev=-8" in comp and "DRIFT" not in comp
     end = line(wire.EndRecord("e", 2, wire.EndReason.MAX_TURNS, 0, 3, False, compactions=1))
     assert "reason=max_turns" in end and "compactions=1" in end
+
+
+class GatedSampler(ScriptedMoESampler):
+    """Holds every turn for ``hold_s`` before sampling, as a CreditedSampler does: ``gate`` True exposes the
+    hold as ``wait_turn`` (credits; ``generate`` takes it itself if the caller did not), False keeps it
+    inside ``generate`` (a slow sampler)."""
+
+    def __init__(self, tok, script, *, hold_s: float, gate: bool) -> None:
+        super().__init__(tok, script)
+        self.hold_s, self.held = hold_s, False
+        if gate:
+            self.wait_turn = self._wait_turn
+
+    async def _wait_turn(self) -> None:
+        if not self.held:
+            await anyio.sleep(self.hold_s)
+            self.held = True
+
+    async def generate(self, input_ids, params, *, routed_experts_start_len=None, rid=None) -> Generation:
+        if hasattr(self, "wait_turn"):
+            await self.wait_turn()
+            self.held = False
+        else:
+            await anyio.sleep(self.hold_s)
+        return await super().generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
+
+
+@pytest.mark.parametrize("gate", [True, False])
+async def test_credit_waits_are_not_the_agents_wall_time(autojump_clock, gate):
+    """Five turns each held 60 s by the learner's backpressure fit a 100 s wall time (the episode was paused);
+    the same 60 s spent inside the sampler does not."""
+    tok = ChatTokenizer.load()
+    sampler = GatedSampler(tok, lambda k: f"echo {k}", hold_s=60.0, gate=gate)
+    sb = MemorySandbox(lambda c: "ok")
+
+    async def verify() -> VerifyResult:
+        return VerifyResult.from_tests({"a": True})
+
+    cfg = AgentConfig(max_turns=5, wall_time_s=100.0, sampling=SamplingParams(max_new_tokens=32))
+    res = await run_agent(instruction="x", sampler=sampler, tokenizer=tok, sandbox=sb, verify=verify, config=cfg)
+    if gate:
+        assert res.reason == "max_turns" and res.turns == 5 and res.paused_s == pytest.approx(300.0)
+    else:
+        assert res.reason == "timeout" and res.turns == 1 and res.paused_s == 0
