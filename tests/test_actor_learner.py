@@ -131,6 +131,14 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     # every turn the learner journaled and had trained before the restart was not trained again
     assert_trained_once(tmp_path / "run", second)
     assert second.state.turns_trained == len(trained_second)
+    # the TensorBoard curves (t1async.tb), read back from the event files: one point per version, the resumed
+    # learner's steps continuing the first one's
+    from t1async.tb import read_scalars
+
+    curves = read_scalars(tmp_path / "run" / "tb" / "learner")
+    assert [s for s, _ in curves["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in curves["train/reward_per_turn"]] == [1, 2, 3, 4]
+    assert all(v >= 0 for _, v in curves["train/mean_abs_dlogp"]) and "drift/clean" in curves
 
 
 def test_a_state_without_its_checkpoint_is_not_resumed(tmp_path, tiny_model):

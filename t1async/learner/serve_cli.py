@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--microbatch-tokens", type=int, default=65536, help="padded tokens per forward (default 65536; "
                    "a step that fits in one micro-batch needs one forward instead of two)")  # fmt: skip
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    s.add_argument("--wandb", action="store_true", help="also log the per-step curves to Weights & Biases "
+                   "(needs wandb; WANDB_MODE=offline works); TensorBoard files are always in <run-dir>/tb/learner")
     s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
     s.set_defaults(func=serve)
 
@@ -63,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
     memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
                         batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, actor_timeout_s=args.actor_timeout,
-                        durable=args.durable,
+                        durable=args.durable, wandb=args.wandb,
                         trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay,
                                               microbatch_tokens=args.microbatch_tokens))  # fmt: skip
 

@@ -59,6 +59,8 @@ class LearnerConfig:
     keep_checkpoints: int = 3
     journal_segment_bytes: int = 32 << 20  # the journal rolls over to a new segment file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.tb)
+    wandb: bool = False  # and to Weights & Biases, when wandb is installed
 
     @property
     def checkpoints(self) -> Path:
@@ -104,6 +106,11 @@ class Learner(Intake):
         self._replay_dead: list[Screened] = []  # bad records found replaying the journal, dead-lettered by run()
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self._arrived = anyio.Event()
+        self.curves = None
+        if config.tensorboard:
+            from t1async.tb import Curves
+
+            self.curves = Curves(config.run_dir / "tb" / "learner", wandb=config.wandb, name=config.run_dir.name)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -189,6 +196,10 @@ class Learner(Intake):
                  dlogp=round(m.mean_abs_dlogp, 5), mismatch=round(m.mismatch, 5), policy_shift=round(m.policy_shift, 5),
                  routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
         await self._publish_metrics()
+        if self.curves is not None:  # the step's curves in TensorBoard (t1async.tb), at the version it made
+            from t1async.tb import learner_scalars
+
+            self.curves.scalars(self.version, learner_scalars(self.last_step, self.metrics()))
         await self._compact_journal()
 
     # ------------------------------------------------------------------------------------------ ingest
