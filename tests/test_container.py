@@ -101,9 +101,11 @@ async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Pa
             assert "rc=0" not in r.output and str(256 << 20) in r.output, r  # RLIMIT_FSIZE: a file stops at 256 MiB
             r = await sb.exec("yes flood | head -c 50000000")
             assert r.truncated and len(r.output) < 10_000, len(r.output)
-            r = await sb.exec("bomb() { bomb | bomb & }; bomb", timeout=5.0)
-            r = await sb.exec("echo alive")
-            assert "alive" in r.output, r
+            await sb.exec("export KEEP=kept")
+            r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 100", timeout=5.0)
+            assert r.timed_out, r
+            r = await sb.exec("echo $KEEP; ls / | wc -l")  # the shell kept its state, and forks again
+            assert r.exit_code == 0 and r.output.split()[0] == "kept" and int(r.output.split()[1]) > 5, r
             r = await sb.exec("(trap '' TERM; sleep 1000) & nohup sleep 1000 >/dev/null 2>&1 & echo started")
             assert "started" in r.output
         name = backend._episodes[str(wd)][0]

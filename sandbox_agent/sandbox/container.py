@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import signal
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class ContainerSandbox:
         self._lock = anyio.Lock()
         self._closed = False
         self._has_prlimit: bool | None = None
+        self._host_shell: int | None = None  # the shell's host pid, found when first needed
 
     @classmethod
     @asynccontextmanager
@@ -180,8 +182,14 @@ class ContainerSandbox:
     async def _kill_session(self) -> None:
         proc, self._proc, self._channel = self._proc, None, None
         if self._shell_pid is not None:
-            await self._in_container(f"kill -KILL -- -{self._shell_pid} 2>/dev/null")
-            self._shell_pid = None
+            shell = await self._host_shell_pid()
+            if shell is not None:
+                for _ in range(3):  # frozen first, so a fork bomb cannot outrun the kill
+                    for pid in _session(shell):
+                        _signal(pid, signal.SIGSTOP)
+                for pid in _session(shell):
+                    _signal(pid, signal.SIGKILL)
+            self._shell_pid = self._host_shell = None
         if proc is not None:
             with anyio.CancelScope(shield=True):
                 await proc.stdin.aclose()
@@ -189,10 +197,6 @@ class ContainerSandbox:
                     await proc.wait()
                 proc.kill()
                 await proc.aclose()
-
-    async def _in_container(self, script: str) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-            await _podman([self.podman, "exec", self.container, "sh", "-c", script], self._env)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -246,17 +250,35 @@ class ContainerSandbox:
             return self._result(out, done.status, False, t0, notes)
 
     async def _abort(self, channel: ShellChannel, nonce: str, out: OutputBuffer) -> Done | None:
-        sid = self._shell_pid
-        grace = self.config.kill_grace_s
-        others = f"ps -o pid= -s {sid} | while read p; do [ \"$p\" != {sid} ] && echo $p; done"
-        await self._in_container(f"kill -USR1 {sid}; kill -TERM $({others}) 2>/dev/null; sleep {grace:g}; "
-                                 f"kill -KILL $({others}) 2>/dev/null; true")
-        with anyio.move_on_after(grace + 2.0):
+        """Stop a timed-out command from the host (a fork bomb at the pids limit leaves no room for a
+        ``podman exec`` inside): SIGUSR1 to the shell, SIGTERM to the rest of its session, then after the
+        grace the session frozen (SIGSTOP, so nothing forks while we look) and SIGKILLed, the shell spared."""
+        shell = await self._host_shell_pid()
+        if shell is None:
+            return None
+        _signal(shell, signal.SIGUSR1)
+        for pid in _session(shell) - {shell}:
+            _signal(pid, signal.SIGTERM)
+        await anyio.sleep(self.config.kill_grace_s)
+        for _ in range(3):
+            for pid in _session(shell) - {shell}:
+                _signal(pid, signal.SIGSTOP)
+        for pid in _session(shell) - {shell}:
+            _signal(pid, signal.SIGKILL)
+        with anyio.move_on_after(5.0):
             try:
                 return await channel.read_until_done(nonce, out)
             except (ShellEOF, anyio.BrokenResourceError):
                 return None
         return None
+
+    async def _host_shell_pid(self) -> int | None:
+        """The shell's pid as the host sees it (rootful podman: the container's processes are ours)."""
+        if self._host_shell is None and self._shell_pid is not None:
+            rc, out, _ = await _podman([self.podman, "inspect", "--format", "{{.State.Pid}}", self.container], self._env)
+            init = int(out.decode().strip() or 0) if rc == 0 else 0
+            self._host_shell = _host_pid(init, self._shell_pid) if init > 0 else None
+        return self._host_shell
 
     def _result(self, out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]
                 ) -> ExecResult:
@@ -295,3 +317,55 @@ class ContainerSandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+
+
+def _pidns(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _host_pid(init: int, inner: int) -> int | None:
+    """The host pid of the process that is ``inner`` in the pid namespace of host pid ``init``."""
+    ns = _pidns(init)
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or _pidns(int(name)) != ns:
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:") and line.split()[-1] == str(inner):
+                        return int(name)
+        except OSError:
+            continue
+    return None
+
+
+def _session(leader: int) -> set[int]:
+    """Live host pids whose session is ``leader``'s (the shell ran ``setsid``, so: the shell and its jobs)."""
+    out: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and fields[3] == str(leader) and fields[0] not in ("Z", "X"):
+            out.add(int(name))
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        signal.pidfd_send_signal(fd, sig)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
