@@ -20,7 +20,7 @@ import sysconfig
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, AsyncIterator, Sequence
+from typing import IO, AsyncIterator, Callable, Sequence
 
 import anyio
 import httpx
@@ -72,6 +72,11 @@ class NatsServerConfig:
     start_timeout_s: float = 15.0
     stop_timeout_s: float = 5.0
     log_file: Path | None = None  # default: <store_dir>/nats-server.log
+    # cluster mode (NatsCluster): a unique server_name, and a cluster {name, listen, routes} block
+    server_name: str = ""
+    cluster_name: str = ""
+    cluster_port: int = 0  # 0: a free loopback port, chosen once and kept across restarts
+    routes: tuple[str, ...] = ()  # nats-route://host:port of the other nodes
 
 
 class NatsServer:
@@ -81,6 +86,7 @@ class NatsServer:
         self.config, self.binary = config, binary
         self.port = config.port or free_port(config.host)
         self.monitor_port = config.monitor_port or free_port(config.host)
+        self.cluster_port = (config.cluster_port or free_port(config.host)) if config.cluster_name else 0
         self._proc: Process | None = None
         self._log: IO[bytes] | None = None
 
@@ -93,6 +99,15 @@ class NatsServer:
     @property
     def monitor_url(self) -> str:
         return f"http://{self.config.host}:{self.monitor_port}"
+
+    @property
+    def route_url(self) -> str:
+        """This node's cluster listen address, as the other nodes' ``routes`` name it."""
+        return f"nats-route://{self.config.host}:{self.cluster_port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
 
     @property
     def pid(self) -> int | None:
@@ -188,13 +203,20 @@ class NatsServer:
     def _render_config(self) -> str:
         c = self.config
         store = str(Path(c.store_dir).resolve()).replace('"', '\\"')
-        return (
+        out = (
             f"listen: {c.host}:{self.port}\n"
             f"http: {c.host}:{self.monitor_port}\n"
             f"max_payload: {c.max_payload}\n"
             "max_pending: 268435456\n"
             f'jetstream {{\n  store_dir: "{store}"\n}}\n'
         )
+        if c.server_name:
+            out += f'server_name: "{c.server_name}"\n'
+        if c.cluster_name:
+            routes = "".join(f"    {r}\n" for r in c.routes)
+            out += (f'cluster {{\n  name: "{c.cluster_name}"\n  listen: {c.host}:{self.cluster_port}\n'
+                    f"  routes: [\n{routes}  ]\n}}\n")  # fmt: skip
+        return out
 
     def _log_tail(self, n: int = 15) -> str:
         try:
@@ -228,3 +250,118 @@ class NatsServer:
             f"(last: {last}); its log says:\n{self._log_tail()}"
         )
 
+
+
+@dataclass(frozen=True)
+class NatsClusterConfig:
+    store_dir: Path  # node i keeps its JetStream store, config and log under <store_dir>/node-<i>
+    nodes: int = 3
+    name: str = "t1"  # the cluster's name; node i is server_name "<name>-<i>"
+    host: str = "127.0.0.1"
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    start_timeout_s: float = 30.0  # until every node reports a healthy JetStream meta group
+    log_dir: Path | None = None  # default: each node's store dir
+
+
+class NatsCluster:
+    """``nodes`` nats-server processes routed into one JetStream cluster on loopback ports.
+
+    Every node gets a unique ``server_name``, a ``cluster { name, listen, routes }`` block naming the others,
+    and its own store dir. Ports are chosen once and kept, so ``kill(i)`` then ``restart(i)`` brings node i
+    back on the same ports and store, and it rejoins. ``url`` lists every node (clients fail over)."""
+
+    def __init__(self, config: NatsClusterConfig, binary: Path):
+        if config.nodes < 1:
+            raise ServerStartError(f"a NATS cluster needs at least 1 node, got {config.nodes}")
+        self.config = config
+        ports = [(free_port(config.host), free_port(config.host)) for _ in range(config.nodes)]
+        routes = [f"nats-route://{config.host}:{cp}" for _, cp in ports]
+        self.nodes = [
+            NatsServer(NatsServerConfig(
+                Path(config.store_dir) / f"node-{i}", port=port, host=config.host, max_payload=config.max_payload,
+                log_file=Path(config.log_dir) / f"nats-server-{i}.log" if config.log_dir else None,
+                server_name=f"{config.name}-{i}", cluster_name=config.name, cluster_port=cport,
+                routes=tuple(r for j, r in enumerate(routes) if j != i)), binary)
+            for i, (port, cport) in enumerate(ports)
+        ]  # fmt: skip
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.urls)
+
+    @classmethod
+    @asynccontextmanager
+    async def start(
+        cls, store_dir: str | Path, nodes: int = 3, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
+        log_dir: str | Path | None = None, binary: Path | None = None, name: str = "t1",
+    ) -> AsyncIterator[NatsCluster]:
+        """Start every node, wait until the cluster is healthy; stop them all (by PID) when the block ends."""
+        cfg = NatsClusterConfig(Path(store_dir), nodes=nodes, name=name, max_payload=max_payload,
+                                log_dir=Path(log_dir) if log_dir else None)  # fmt: skip
+        cl = cls(cfg, binary or find_binary())
+        try:
+            await cl.launch()
+            yield cl
+        finally:
+            with anyio.CancelScope(shield=True):
+                await cl.stop()
+
+    async def launch(self) -> None:
+        """Start the nodes not running, then wait until each one's ``/healthz`` (meta group included) is 200."""
+        async with anyio.create_task_group() as tg:  # at once: JetStream waits for its peers to form a meta group
+            for node in self.nodes:
+                tg.start_soon(node.launch)
+        await self.wait_healthy()
+        log.info("natsd.cluster_ready", name=self.config.name, urls=self.url)
+
+    async def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Until every node answers ``/healthz`` with 200 (it is routed and its JetStream is current)."""
+        timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        last: dict[str, str] = {}
+        with anyio.move_on_after(timeout_s):
+            async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+                while True:
+                    for node in self.nodes:
+                        try:
+                            resp = await client.get(f"{node.monitor_url}/healthz")
+                            last[node.config.server_name] = "ok" if resp.status_code == 200 else resp.text.strip()[:200]
+                        except httpx.TransportError as exc:
+                            last[node.config.server_name] = type(exc).__name__
+                    if all(v == "ok" for v in last.values()):
+                        return
+                    await anyio.sleep(0.1)
+        raise ServerStartError(f"the NATS cluster {self.config.name!r} was not healthy within {timeout_s}s: "
+                               + "; ".join(f"{k}: {v}" for k, v in last.items()))  # fmt: skip
+
+    async def stop(self) -> None:
+        for node in reversed(self.nodes):
+            await node.stop()
+
+    async def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (a crash, for tests)."""
+        log.warning("natsd.node_kill", node=self.nodes[i].config.server_name, pid=self.nodes[i].pid)
+        await self.nodes[i].kill()
+
+    async def restart(self, i: int) -> None:
+        """Bring node ``i`` back on its ports and store; it rejoins the cluster."""
+        await self.nodes[i].restart()
+        log.info("natsd.node_restarted", node=self.nodes[i].config.server_name, pid=self.nodes[i].pid)
+
+    async def watch(self, every_s: float = 1.0, on_restart: Callable[[int], None] | None = None) -> None:
+        """Restart any node that died, forever (``cluster up`` runs this: a crashed node rejoins on its own);
+        ``on_restart(i)`` is told each time (to record the new PID)."""
+        while True:
+            await anyio.sleep(every_s)
+            for i, node in enumerate(self.nodes):
+                if node.pid is not None and not node.running:
+                    log.warning("natsd.node_died", node=node.config.server_name, log=str(node.log_path))
+                    try:
+                        await self.restart(i)
+                        if on_restart is not None:
+                            on_restart(i)
+                    except ServerStartError as exc:  # tried again on the next round
+                        log.error("natsd.node_restart_failed", node=node.config.server_name, error=str(exc))

@@ -79,8 +79,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             urls = [ready.read_text().strip()]
         await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain)
 
+    from t1async.cluster.natscluster import default_replicas
+
     sup = ClusterConfig(
         run_dir=run_dir, nats_url=cfg.nats, nats_port=cfg.nats_port, max_payload=cfg.max_payload,
+        nats_nodes=cfg.nats_nodes,
+        stream_replicas=default_replicas(cfg.nats_nodes, cfg.stream_replicas, external=cfg.nats is not None),
         duration_s=cfg.duration, build=lambda url: components.specs(cfg, url),
         before=before if warm else (), progress=progress,
     )  # fmt: skip

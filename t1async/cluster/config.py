@@ -29,6 +29,8 @@ class UpConfig:
     nats: str | None = None  # external NATS URL(s); None starts the embedded nats-server
     nats_port: int = 0
     max_payload: int = 8 << 20
+    nats_nodes: int = 1  # >1: start an embedded JetStream cluster of this many nodes
+    stream_replicas: int = 0  # replicas of T1_TRAJ; 0: min(nats_nodes, 3) embedded, an external stream as it is
     # samplers
     sampler_url: tuple[str, ...] = ()  # real SGLang servers; none starts the embedded sampler
     model: Path | None = None
@@ -57,6 +59,10 @@ class UpConfig:
     lease: float = 180.0
     actor_timeout: float = 15.0
     no_replay: bool = False
+    wandb: bool = False  # the learner's curves to Weights & Biases too (TensorBoard files are always written)
+    # the held-out eval inside the loop (t1async.eval.loop): every N policy versions, 0 = off
+    eval_every: int = 0
+    eval_samples: int = 1
     # lifetime
     duration: float | None = None
     steps: int = 0
@@ -65,15 +71,26 @@ class UpConfig:
 
     def check(self) -> "UpConfig":
         positive = ("actors", "concurrency", "max_turns", "max_new_tokens", "max_context", "batch_turns",
-                    "sampler_max_batch", "synth_tasks")  # fmt: skip
+                    "sampler_max_batch", "synth_tasks", "eval_samples")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.context_policy not in POLICIES:
             raise ConfigError(f"--context-policy {self.context_policy!r} is not one of: {', '.join(POLICIES)}")
-        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns"):
+        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.nats_nodes <= 9:
+            raise ConfigError(f"--nats-nodes must be 1..9, got {self.nats_nodes}")
+        if self.nats is not None and self.nats_nodes > 1:
+            raise ConfigError(f"--nats-nodes {self.nats_nodes} starts an embedded cluster, --nats uses an external one: "
+                              "give one of them")  # fmt: skip
+        if not 0 <= self.stream_replicas <= 5:
+            raise ConfigError(f"--stream-replicas must be 1..5 (JetStream's limit), or 0 for the default; "
+                              f"got {self.stream_replicas}")  # fmt: skip
+        if self.nats is None and self.stream_replicas > self.nats_nodes:
+            raise ConfigError(f"--stream-replicas {self.stream_replicas} needs as many NATS servers, but the embedded "
+                              f"NATS has {self.nats_nodes}: pass --nats-nodes {self.stream_replicas}")  # fmt: skip
         if not self.actor_timeout > 0:
             raise ConfigError(f"--actor-timeout must be > 0 seconds, got {self.actor_timeout}")
         if self.duration is not None and self.duration <= 0:
@@ -153,6 +170,10 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("NATS")
     g.add_argument("--nats", default=None, metavar="URL", help="use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one")
     g.add_argument("--nats-port", type=int, default=None, help="port of the embedded nats-server (default: a free one)")
+    g.add_argument("--nats-nodes", type=int, default=None, metavar="N", help="start an embedded JetStream cluster "
+                   "of N nats-server nodes (default 1; 3 survives losing one node)")  # fmt: skip
+    g.add_argument("--stream-replicas", type=int, default=None, metavar="R", help="replicas of the T1_TRAJ stream: "
+                   "created with R, or scaled to R (default: min(--nats-nodes, 3); with --nats, the stream as it is)")  # fmt: skip
     g.add_argument("--max-payload", type=int, default=None, metavar="BYTES", help="max_payload of the embedded nats-server (default 8 MiB)")
     g = p.add_argument_group("samplers")
     g.add_argument("--sampler-url", action="append", default=None, metavar="URL",
@@ -187,6 +208,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor-timeout", type=float, default=None, help="seconds an actor may go without a heartbeat "
                    f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})")  # fmt: skip
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
+    g.add_argument("--wandb", action="store_const", const=True, default=None,
+                   help="also log the learner's curves to Weights & Biases (needs wandb; WANDB_MODE=offline works)")
+    g = p.add_argument_group("eval in the loop")
+    g.add_argument("--eval-every", type=int, default=None, metavar="N", help="score the held-out split (the tasks' "
+                   "eval split) every N policy versions, and the starting policy first (default 0: off)")  # fmt: skip
+    g.add_argument("--eval-samples", type=int, default=None, metavar="K", help=f"episodes per held-out task (default {d.eval_samples})")
     g = p.add_argument_group("lifetime")
     g.add_argument("--duration", type=float, default=None, metavar="SECONDS", help="stop after this many seconds")
     g.add_argument("--steps", type=int, default=None, help="stop after the learner trained this many steps")

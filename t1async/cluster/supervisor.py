@@ -49,6 +49,8 @@ class ClusterConfig:
     run_dir: Path
     nats_url: str | None = None  # an external NATS; None starts the embedded nats-server
     nats_port: int = 0  # 0: a free loopback port
+    nats_nodes: int = 1  # >1: an embedded JetStream cluster of this many nodes (cluster/natscluster.py)
+    stream_replicas: int | None = None  # create/scale the T1 streams to this many replicas; None: as they are
     max_payload: int = 8 << 20
     duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
     stop_timeout_s: float = 10.0
@@ -85,13 +87,22 @@ class Supervisor:
                 await self._run_oneshot(job)
             async with AsyncExitStack() as stack:
                 nats_url = self.config.nats_url
-                if nats_url is None:
+                if nats_url is None and self.config.nats_nodes > 1:
+                    from t1async.cluster.natscluster import start_embedded_cluster
+
+                    nats_url = await start_embedded_cluster(stack, run_dir, self.config.nats_nodes,
+                                                            self.config.max_payload, self.state)  # fmt: skip
+                elif nats_url is None:
                     srv = await stack.enter_async_context(NatsServer.start(
                         run_dir / "nats", port=self.config.nats_port, max_payload=self.config.max_payload,
                         log_file=run_dir / "logs" / "nats-server.log"))  # fmt: skip
                     nats_url = srv.url
                     self.state.monitor_url = srv.monitor_url
                     self.state.components["nats"] = proc_info("nats", srv.pid or 0, str(srv.log_path))
+                if self.config.stream_replicas:
+                    from t1async.cluster.natscluster import ensure_replicas
+
+                    await ensure_replicas(nats_url, self.config.stream_replicas)
                 self.state.nats_url = nats_url
                 self.state.save()
                 async with anyio.create_task_group() as tg:

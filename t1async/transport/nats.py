@@ -18,6 +18,7 @@ nats-py errors are translated here into TransportError subclasses with the cause
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -67,6 +68,9 @@ class NatsConfig:
     max_inflight_batches: int = 8
     pending_bytes: int = 2 << 20  # nats-py flushes to the socket past this; also what it buffers while reconnecting
     queue_size: int = 4096
+    # JetStream replicas of the T1 streams; None: create with 1 and leave an existing stream as it is (a
+    # set count scales an existing stream to it: `cluster up --stream-replicas` on a 3-node cluster)
+    stream_replicas: int | None = None
 
 
 class _Bridge:
@@ -212,7 +216,10 @@ class NatsTransport(Transport):
     async def _before_retry(self, results: list[BaseException | None]) -> None:
         if any(isinstance(r, nats.js.errors.NoStreamResponseError) for r in results):  # a fresh server: recreate
             with anyio.move_on_after(self.config.ack_timeout_s):
-                await self._bridge.run(self._aio_ensure_streams)
+                try:
+                    await self._bridge.run(self._aio_ensure_streams)
+                except (nats.errors.Error, nats.js.errors.APIError) as exc:  # a cluster without quorum: retried
+                    log.warning("transport.ensure_streams_failed", error=repr(exc))
 
     def _translate(self, exc: BaseException, doing: str) -> TransportError:
         url = self.config.url
@@ -394,20 +401,36 @@ class NatsTransport(Transport):
 
     async def _aio_ensure_streams(self) -> None:
         cfg = self.config
+        r = cfg.stream_replicas or 1
         wanted = [
             api.StreamConfig(name=TRAJ_STREAM, subjects=[TRAJ_SUBJECTS], storage=api.StorageType.FILE,
-                             duplicate_window=cfg.duplicate_window_s, retention=api.RetentionPolicy.LIMITS),
+                             duplicate_window=cfg.duplicate_window_s, retention=api.RetentionPolicy.LIMITS,
+                             num_replicas=r),
             api.StreamConfig(name=DEAD_STREAM, subjects=["t1.dead.>"], storage=api.StorageType.FILE,
-                             max_msgs=100_000, max_bytes=1 << 30, discard=api.DiscardPolicy.OLD),
+                             max_msgs=100_000, max_bytes=1 << 30, discard=api.DiscardPolicy.OLD, num_replicas=r),
         ]  # fmt: skip
         for sc in wanted:
             try:
-                await self._js.stream_info(sc.name)
-            except nats.js.errors.NotFoundError:
                 try:
-                    await self._js.add_stream(sc)
-                except nats.js.errors.BadRequestError:
-                    await self._js.stream_info(sc.name)  # created concurrently by another client: fine
+                    info = await self._js.stream_info(sc.name)
+                except nats.js.errors.NotFoundError:
+                    try:
+                        await self._js.add_stream(sc)
+                        continue
+                    except nats.js.errors.BadRequestError:
+                        info = await self._js.stream_info(sc.name)  # created concurrently by another client: fine
+                have = info.config.num_replicas or 1
+                if cfg.stream_replicas is not None and have != cfg.stream_replicas:
+                    await self._js.update_stream(dataclasses.replace(info.config, num_replicas=cfg.stream_replicas))
+                    log.info("transport.stream_replicas", stream=sc.name, was=have, now=cfg.stream_replicas)
+            except nats.js.errors.APIError as exc:
+                if cfg.stream_replicas and cfg.stream_replicas > 1 and exc.err_code in (10005, 10074, 10023):
+                    raise TransportError(
+                        f"JetStream at {cfg.url} cannot keep stream {sc.name} with {cfg.stream_replicas} replicas "
+                        f"({exc.description}): it needs that many JetStream servers in the cluster; pass "
+                        f"--stream-replicas 1 for a single server, or start a cluster (`cluster up --nats-nodes 3`)"
+                    ) from exc
+                raise
 
     async def _aio_init_acks(self) -> None:
         """JetStream publish acks come back on our own inbox, handled in bulk: no future per message (nats-py's
