@@ -101,10 +101,10 @@ def figure(scores: dict, idx: int, seed: int = 0) -> dict:
 
 def learning_curve(metrics: Path) -> list[dict]:
     """Per learner step: reward per trained turn, mean |Δlogp|, and the resolved share of the episodes the
-    actors finished while that policy version was current (from the actors' cumulative counters)."""
+    actors finished between the previous step and this one (from the actors' cumulative counters, by time)."""
     steps: dict[int, dict] = {}
+    deltas: list[tuple[float, int, int, int]] = []  # (t, episodes, resolved, tests) ended since the last report
     last: dict[str, tuple[int, int, int]] = {}  # actor -> (episodes_done, resolved, tests_passed) seen so far
-    ends: dict[int, list[int]] = {}  # version -> [episodes, resolved, tests]
     if not metrics.is_file():
         return []
     for line in metrics.read_text().splitlines():
@@ -113,24 +113,27 @@ def learning_curve(metrics: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if m.get("component") == "learner" and m.get("step", 0) >= 1 and "reward_sum" in m:
-            steps[int(m["step"])] = {"step": int(m["step"]), "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
-                                     "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
-                                     "loss": float(m.get("loss", float("nan")))}  # fmt: skip
+            if int(m["step"]) not in steps:  # the first report of a step is when it finished
+                steps[int(m["step"])] = {"step": int(m["step"]), "t": float(m.get("t", 0.0)),
+                                         "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
+                                         "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
+                                         "loss": float(m.get("loss", float("nan")))}  # fmt: skip
         elif m.get("component") == "actor" and "episodes_done" in m:
             a = str(m.get("subject", ""))
             cur = (int(m["episodes_done"]), int(m["resolved"]), int(m["tests_passed"]))
             prev = last.get(a, (0, 0, 0))
             if cur[0] > prev[0]:
-                e = ends.setdefault(int(m.get("version", 0)), [0, 0, 0])
-                for i in range(3):
-                    e[i] += cur[i] - prev[i]
+                deltas.append((float(m.get("t", 0.0)), cur[0] - prev[0], cur[1] - prev[1], cur[2] - prev[2]))
             last[a] = cur
-    for s, row in steps.items():
-        e = ends.get(s - 1)  # episodes ended while version s-1 (the policy step s trained on) was current
-        row["episodes"] = e[0] if e else 0
-        row["resolved_rate"] = e[1] / e[0] if e and e[0] else float("nan")
-        row["tests_per_episode"] = e[2] / e[0] if e and e[0] else float("nan")
-    return [steps[s] for s in sorted(steps)]
+    rows = [steps[s] for s in sorted(steps)]
+    for i, row in enumerate(rows):
+        lo = rows[i - 1]["t"] if i else float("-inf")
+        got = [d for d in deltas if lo < d[0] <= row["t"]]
+        n = sum(d[1] for d in got)
+        row["episodes"] = n
+        row["resolved_rate"] = sum(d[2] for d in got) / n if n else float("nan")
+        row["tests_per_episode"] = sum(d[3] for d in got) / n if n else float("nan")
+    return rows
 
 
 def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float) -> Path:
@@ -282,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tb, ta = table["before"]["tests"]["mean"], table["after"]["tests"]["mean"]
     checks = {
         "pass1_up_10_points": diff["pass1"]["mean"] >= 0.10,
-        "tests_1.2x": ta >= 1.2 * tb,
+        "tests_1.2x": ta >= 1.2 * tb and ta > tb,
         "ci_pass1_excludes_0": diff["pass1"]["ci95"][0] > 0,
         "ci_tests_excludes_0": diff["tests"]["ci95"][0] > 0,
         "dlogp_le_0.02": bool(dl) and max(dl) <= 0.02,

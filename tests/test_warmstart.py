@@ -97,10 +97,11 @@ def test_cluster_tasks_use_the_preset_families(tmp_path):
 
 def test_learning_curve_and_paired_diff(tmp_path):
     lines = [
-        {"component": "actor", "subject": "a0", "version": 0, "episodes_done": 4, "resolved": 1, "tests_passed": 8},
-        {"component": "learner", "step": 1, "reward_sum": 4.0, "turns": 16, "mean_abs_dlogp": 0.01, "loss": 0.1},
-        {"component": "actor", "subject": "a0", "version": 1, "episodes_done": 6, "resolved": 3, "tests_passed": 16},
-        {"component": "learner", "step": 2, "reward_sum": 8.0, "turns": 16, "mean_abs_dlogp": 0.02, "loss": 0.1},
+        {"component": "actor", "subject": "a0", "t": 1.0, "episodes_done": 4, "resolved": 1, "tests_passed": 8},
+        {"component": "learner", "step": 1, "t": 2.0, "reward_sum": 4.0, "turns": 16, "mean_abs_dlogp": 0.01},
+        {"component": "learner", "step": 1, "t": 2.5, "reward_sum": 4.0, "turns": 16, "mean_abs_dlogp": 0.01},
+        {"component": "actor", "subject": "a0", "t": 3.0, "episodes_done": 6, "resolved": 3, "tests_passed": 16},
+        {"component": "learner", "step": 2, "t": 4.0, "reward_sum": 8.0, "turns": 16, "mean_abs_dlogp": 0.02},
     ]
     f = tmp_path / "metrics.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")

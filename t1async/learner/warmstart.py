@@ -71,7 +71,7 @@ RECIPES: dict[str, Recipe] = {
     # deliberately under-trained, so sampled at temperature 1 it copies some file names and misses others
     "micro": Recipe(
         name="micro", model=MODEL_PRESETS["tiny"], families=("touch4",), tasks=160, task_seed=2000,
-        sft=SFTConfig(steps=40, lr=1.5e-3, warmup_steps=5, batch_tokens=2048, seed=0),
+        sft=SFTConfig(steps=200, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
 }
 
@@ -126,7 +126,7 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
     return demos, len(tasks)
 
 
-def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 2, threads: int = 2) -> Path:
+def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 2, threads: int = 1) -> Path:
     """The recipe's model directory: found in the cache, or built into it (atomically)."""
     import torch
 
@@ -182,12 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="learn", help=f"recipe name (known: {', '.join(RECIPES)})")
     p.add_argument("--cache", type=Path, default=None, help="cache root (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
     p.add_argument("--print-dir", action="store_true", help="print the model dir and whether it is built; build nothing")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--steps", type=int, default=None, help="override the recipe's SFT steps (another recipe hash)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a busy 2-core box two "
+                   "threads waited on each other)")  # fmt: skip
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure(level=args.log_level)
     try:
         recipe = get_recipe(args.recipe)
+        if args.steps is not None:
+            recipe = dataclasses.replace(recipe, sft=dataclasses.replace(recipe.sft, steps=args.steps))
         if args.print_dir:
             print(f"{cache_dir(recipe, args.cache)} {'built' if is_built(recipe, args.cache) else 'not built'}")
             return 0
