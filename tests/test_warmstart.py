@@ -114,3 +114,21 @@ def test_learning_curve_and_paired_diff(tmp_path):
     d = paired_diff(before, after, 0)
     assert d["mean"] == 0.5 and 0.2 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.8
     assert paired_diff(before, after, 1) == {"mean": 1.0, "ci95": [1.0, 1.0], "tasks": 20}
+
+
+def test_eval_cli_says_when_the_system_prompt_file_is_missing(tmp_path, capsys):
+    from t1async.eval.__main__ import main
+
+    (tmp_path / "config.json").write_text("{}")  # passes the model-dir check, which comes first
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path), "--tasks", str(tmp_path), "--system-prompt-file", str(tmp_path / "nope.txt")])
+    assert f"--system-prompt-file {tmp_path / 'nope.txt'}: no such file" in capsys.readouterr().err
+
+
+def test_actor_argv_carries_the_warm_starts_prompt(tmp_path):
+    from t1async.cluster import components
+
+    c = _cfg("--preset", "learn", "--run-dir", str(tmp_path))
+    actors = [s for s in components.specs(c, "nats://127.0.0.1:1") if s.name.startswith("actor-")]
+    want = str(warmstart.cache_dir(warmstart.get_recipe("learn")) / warmstart.PROMPT_FILE)
+    assert actors and all(s.argv[s.argv.index("--system-prompt-file") + 1] == want for s in actors)
