@@ -358,6 +358,25 @@ class Engine:
         if u.error is not None:
             raise u.error
 
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's state_dict names and shapes (what a distributed update may name)."""
+        return {k: tuple(v.shape) for k, v in self._core.model.state_dict().items()}
+
+    async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+        """Copy named tensors (some or all of the state dict) into the model between steps, as one update:
+        the same swap as ``update_weights_from_disk`` (cache flushed, version set); raises ConfigError if a
+        name or shape does not fit (the model is then unchanged)."""
+        if self._state != "running":
+            raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
+        version = weight_version if weight_version is not None else self._next_version()
+        u = WeightUpdate(Path(""), str(version), tensors=dict(tensors))
+        done = anyio.Event()
+        self._updates.append((u, done))
+        self._wake.set()
+        await done.wait()
+        if u.error is not None:
+            raise u.error
+
     def _next_version(self) -> str:
         try:
             return str(int(self.weight_version) + 1)

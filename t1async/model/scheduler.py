@@ -32,7 +32,7 @@ from t1async.model.moe import MoETransformer
 from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.sampling import StopStrings, sample
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import load_weights_into
+from t1async.model.weights import load_state_into, load_weights_into
 
 log = get_logger("model.engine")
 
@@ -77,6 +77,7 @@ class WeightUpdate:
     model_path: Path
     version: str
     error: Exception | None = None
+    tensors: dict | None = None  # named tensors received over a weight-update group (no model_path then)
 
 
 @dataclass
@@ -155,7 +156,10 @@ class EngineCore:
 
     def _apply_update(self, u: WeightUpdate) -> None:
         try:
-            load_weights_into(self.model, u.model_path)
+            if u.tensors is not None:
+                load_state_into(self.model, u.tensors, where=f"weight update to version {u.version}")
+            else:
+                load_weights_into(self.model, u.model_path)
         except Exception as exc:  # reported to the caller of update_weights_from_disk
             u.error = exc
             log.warning("engine.weights_update_failed", path=str(u.model_path), error=str(exc))

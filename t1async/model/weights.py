@@ -80,6 +80,26 @@ def load_weights_into(model: MoETransformer, directory: str | Path) -> None:
             p.copy_(state[k].to(p.dtype))
 
 
+def check_state(shapes: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor], where: str = "the update") -> None:
+    """Raise ConfigError unless every named tensor is in ``shapes`` (a model's state_dict names) with that shape."""
+    unknown = sorted(set(state) - set(shapes))
+    if unknown:
+        raise ConfigError(f"{where}: names not in the model: {unknown[:5]} (send names from the same model's state_dict)")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(shapes[k]):
+            raise ConfigError(f"{where}: {k} has shape {tuple(v.shape)}, model expects {tuple(shapes[k])}")
+
+
+def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor], where: str = "the update") -> None:
+    """Copy some named tensors (a subset of the state dict: one bucket of a distributed update) into ``model``
+    in place, casting to the model's dtype. Every name and shape is checked before anything is copied."""
+    own = model.state_dict()
+    check_state({k: tuple(v.shape) for k, v in own.items()}, state, where)
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
     d = Path(directory)
     model = MoETransformer(MoEConfig.load(d))

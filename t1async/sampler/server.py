@@ -306,8 +306,12 @@ def build_app(
     """The ASGI app. ``request_type`` defaults to the engine's ``GenRequest`` (tests may pass their own)."""
     a = SamplerApp(engine, tokenizer, config or ServerConfig(), model_path, request_type)
     get_post = ["GET", "POST"]
+    from t1async.sampler.weightsync_server import WeightSync
+
+    ws = WeightSync(a)  # SGLang's distributed weight update over a gloo group; pausing gates /generate
     routes = [
-        Route("/generate", a.generate, methods=["POST", "PUT"]),
+        Route("/generate", ws.gate(a.generate), methods=["POST", "PUT"]),
+        *ws.routes(),
         Route("/update_weights_from_disk", a.update_weights_from_disk, methods=["POST"]),
         Route("/flush_cache", a.flush_cache, methods=get_post),
         Route("/abort_request", a.abort_request, methods=["POST"]),
@@ -324,6 +328,7 @@ def build_app(
 
     app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
     app.state.sampler = a
+    app.state.weightsync = ws
     return app
 
 

@@ -1,0 +1,155 @@
+"""The learner's weight push over torch.distributed, with SGLang's protocol (DESIGN §10; ``--weight-sync
+distributed``).
+
+    pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=64))
+    await pusher.connect()                 # rank 0 hosts the store; every sampler joins (rank 1..N)
+    await pusher.push(model, version=7)    # pause -> buckets (HTTP names/dtypes/shapes + broadcasts) -> continue
+    await pusher.aclose()                  # /destroy_weights_update_group
+
+Each bucket is one ``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent
+concurrently (the sampler receives while its HTTP call waits). ``/continue_generation`` is always sent, even
+when a bucket failed, so the samplers never stay paused; a failed push raises SamplerError and leaves the
+group closed (the next push reconnects).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from t1async.errors import ConfigError, SamplerError
+from t1async.log import get_logger
+from t1async.sampler import weightsync as W
+
+log = get_logger("learner.weightpush")
+
+
+@dataclass(frozen=True)
+class WeightPushConfig:
+    bucket_mb: float = 64.0  # --weight-bucket-mb: tensors per /update_weights_from_distributed call
+    host: str = "127.0.0.1"  # the address samplers reach this learner's store at
+    port: int = 0  # 0: a free port
+    group_name: str = W.DEFAULT_GROUP
+    backend: str = "gloo"  # nccl for SGLang on GPUs
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--weight-bucket-mb must be > 0, got {self.bucket_mb}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"weight-sync backend must be gloo or nccl, got {self.backend!r}")
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most ``bucket_mb`` MiB (a larger tensor goes alone)."""
+    limit, out, cur, size = bucket_mb * 2**20, [], [], 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+class DistributedPusher:
+    def __init__(self, client: Any, config: WeightPushConfig = WeightPushConfig()) -> None:
+        self.client, self.cfg = client, config
+        self.pg: Any = None
+        self.store: Any = None
+        self.pushes = 0
+        self.last: dict = {}
+
+    async def connect(self) -> None:
+        urls = list(self.client.urls)
+        world = 1 + len(urls)
+        self.store = W.store_master(self.cfg.host, self.cfg.port, world, self.cfg.timeout_s)
+        port = self.store.port
+        result: dict = {}
+
+        async def rank0() -> None:
+            result["pg"] = await anyio.to_thread.run_sync(lambda: W.open_group(
+                self.store, host=self.cfg.host, port=port, rank=0, world_size=world,
+                group_name=self.cfg.group_name, backend=self.cfg.backend, timeout_s=self.cfg.timeout_s),
+                abandon_on_cancel=True)  # fmt: skip
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rank0)
+            for i, u in enumerate(urls):
+                tg.start_soon(lambda u=u, i=i: W.init_weights_update_group(
+                    self.client, u, master_address=self.cfg.host, master_port=port, rank_offset=1 + i,
+                    world_size=world, group_name=self.cfg.group_name, backend=self.cfg.backend))  # fmt: skip
+        self.pg = result["pg"]
+        log.info("learner.weight_group", samplers=len(urls), port=port, backend=self.cfg.backend,
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+
+    async def push(self, model: torch.nn.Module, version: int) -> dict:
+        """Send every tensor of ``model``'s state dict to every sampler as ``version``; returns timings."""
+        if self.pg is None:
+            await self.connect()
+        named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+        parts = buckets(named, self.cfg.bucket_mb)
+        t0 = time.perf_counter()
+        await W.pause_generation(self.client)
+        try:
+            for part in parts:
+                await self._bucket(part, version)
+        except BaseException:
+            with anyio.CancelScope(shield=True):  # the group may be half-used: drop it, reconnect next time
+                try:
+                    await W.continue_generation(self.client)
+                except SamplerError as exc:
+                    log.warning("learner.continue_failed", error=str(exc))
+                await self.aclose()
+            raise
+        else:
+            await W.continue_generation(self.client)
+        self.pushes += 1
+        mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
+        self.last = {"seconds": time.perf_counter() - t0, "buckets": len(parts), "mb": mb, "version": version}
+        log.info("learner.weights_pushed", path="distributed", version=version, buckets=len(parts),
+                 mb=round(mb, 2), seconds=round(self.last["seconds"], 3))  # fmt: skip
+        return self.last
+
+    async def _bucket(self, part: list[tuple[str, torch.Tensor]], version: int) -> None:
+        names = [n for n, _ in part]
+        dtypes = [W.dtype_name(t.dtype) for _, t in part]
+        shapes = [list(t.shape) for _, t in part]
+        tensors = [t for _, t in part]
+        errors: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def one(u: str) -> None:
+                try:
+                    await W.update_weights_from_distributed(
+                        self.client, u, names=names, dtypes=dtypes, shapes=shapes, group_name=self.cfg.group_name,
+                        flush_cache=True, weight_version=version)  # fmt: skip
+                except SamplerError as exc:
+                    errors.append(str(exc))
+                    tg.cancel_scope.cancel()  # a sampler that did not receive would leave the broadcast waiting
+
+            for u in self.client.urls:
+                tg.start_soon(one, u)
+            tg.start_soon(lambda: anyio.to_thread.run_sync(W.broadcast, self.pg, tensors, abandon_on_cancel=True))
+        if errors:
+            raise SamplerError(f"weight push v{version} failed on {len(errors)} of {len(self.client.urls)} "
+                               f"samplers: {errors[0]}")  # fmt: skip
+
+    async def aclose(self) -> None:
+        if self.pg is None:
+            return
+        self.pg = None
+        with anyio.CancelScope(shield=True):
+            for u in self.client.urls:
+                try:
+                    await W.destroy_weights_update_group(self.client, u, self.cfg.group_name)
+                except SamplerError as exc:  # the sampler is gone: nothing to tear down there
+                    log.warning("learner.weight_group_destroy_failed", url=u, error=str(exc))

@@ -1,0 +1,145 @@
+"""SGLang's distributed weight update, client side and shared pieces (DESIGN §10).
+
+The learner (rank 0) and every sampler (ranks ``rank_offset..``) join one torch.distributed group, outside
+any default group, and the learner broadcasts each tensor; an HTTP call tells the sampler which tensors to
+expect. The endpoints and body fields are SGLang's (``python/sglang/srt/managers/io_struct.py``):
+
+- ``POST /init_weights_update_group`` {``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
+  ``group_name``, ``backend``}: join the group (returns once every rank has joined);
+- ``POST /update_weights_from_distributed`` {``names``, ``dtypes``, ``shapes``, ``group_name``,
+  ``flush_cache``, ``weight_version``}: receive one broadcast per name, in order, from rank 0;
+- ``POST /pause_generation`` / ``POST /continue_generation``: hold new requests while an update is sent;
+- ``POST /destroy_weights_update_group`` {``group_name``}.
+
+All return ``{"success": bool, "message": str}``. ``open_group`` is how either side joins: a TCPStore that
+rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process group on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import anyio
+import httpx
+import torch
+import torch.distributed as dist
+
+from t1async.errors import SamplerError
+from t1async.log import get_logger
+
+log = get_logger("sampler.weightsync")
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's spelling of a dtype in ``dtypes`` (``"bfloat16"``; ``getattr(torch, name)`` on its side)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: Any, where: str = "dtypes") -> torch.dtype:
+    if isinstance(name, str) and name.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[name.removeprefix("torch.")]
+    raise ValueError(f"{where}: unknown dtype {name!r}; send one of {sorted(_DTYPES)}")
+
+
+def store_master(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store (port 0: a free port, read back from ``.port``)."""
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def open_group(
+    store: dist.Store | None, *, host: str, port: int, rank: int, world_size: int, group_name: str,
+    backend: str = "gloo", timeout_s: float = 120.0,
+) -> Any:
+    """Join the weight-update group (blocks until all ``world_size`` ranks joined). Rank 0 passes its store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":  # a real SGLang on GPUs; the embedded sampler is CPU-only and takes gloo
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+
+
+def broadcast(pg: Any, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
+    """Broadcast each tensor in order from ``root`` (both sides call this with same-shaped tensors)."""
+    for t in tensors:
+        pg.broadcast(t, root).wait()
+
+
+# ------------------------------------------------------------------------------- client calls (SGLangClient)
+
+
+async def _post(client: Any, url: str, path: str, body: dict) -> dict:
+    """POST once to one sampler (never retried: a resent update would wait for a broadcast already sent);
+    a non-2xx status or ``success: false`` raises SamplerError with the server's message."""
+    client._check_open()
+    try:
+        resp = await client._http.post(url + path, json=body)
+    except httpx.TransportError as exc:
+        raise SamplerError(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
+    try:
+        out = resp.json()
+    except ValueError:
+        out = {"success": resp.status_code < 300, "message": resp.text}
+    if not isinstance(out, dict):
+        out = {"success": resp.status_code < 300, "message": str(out)}
+    if resp.status_code >= 300 or out.get("success") is False:
+        msg = out.get("message") or (out.get("error") or {}).get("message") or resp.text
+        raise SamplerError(f"{url}{path} failed (HTTP {resp.status_code}): {msg}")
+    return out
+
+
+async def init_weights_update_group(client: Any, url: str, *, master_address: str, master_port: int,
+                                    rank_offset: int, world_size: int, group_name: str = DEFAULT_GROUP,
+                                    backend: str = "gloo") -> dict:  # fmt: skip
+    body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+    return await _post(client, url, "/init_weights_update_group", body)
+
+
+async def update_weights_from_distributed(
+    client: Any, url: str, *, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP, flush_cache: bool = True, weight_version: int | str | None = None,
+) -> dict:
+    body: dict = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                  "group_name": group_name, "flush_cache": flush_cache}  # fmt: skip
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return await _post(client, url, "/update_weights_from_distributed", body)
+
+
+async def destroy_weights_update_group(client: Any, url: str, group_name: str = DEFAULT_GROUP) -> dict:
+    return await _post(client, url, "/destroy_weights_update_group", {"group_name": group_name})
+
+
+async def _every(client: Any, path: str, body: dict) -> None:
+    errors: list[str] = []
+
+    async def one(u: str) -> None:
+        try:
+            await _post(client, u, path, body)
+        except SamplerError as exc:
+            errors.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        for u in client.urls:
+            tg.start_soon(one, u)
+    if errors:
+        raise SamplerError(f"{path} failed on {len(errors)} of {len(client.urls)} samplers: {errors[0]}")
+
+
+async def pause_generation(client: Any, mode: str = "in_place") -> None:
+    """``/pause_generation`` on every sampler. ``in_place`` keeps running requests (SGLang's default,
+    ``abort``, aborts them)."""
+    await _every(client, "/pause_generation", {"mode": mode})
+
+
+async def continue_generation(client: Any) -> None:
+    await _every(client, "/continue_generation", {})

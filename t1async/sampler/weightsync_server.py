@@ -1,0 +1,212 @@
+"""The embedded sampler's side of SGLang's distributed weight update, over a gloo group (DESIGN §10).
+
+Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``.
+
+- While paused, new ``/generate`` requests wait (``gate``) and received buckets are staged; continue applies
+  the staged tensors as ONE engine update (the same atomic swap between engine steps as a disk update: no
+  token is ever computed with half-old, half-new weights) and then lets the waiting requests in. Requests
+  already running keep decoding on the old weights until that swap (SGLang's ``in_place`` mode);
+  ``mode: "abort"`` (SGLang's default) aborts them instead.
+- Not paused, each bucket is applied as it arrives (as SGLang does).
+- A bucket whose names or shapes do not fit the model is still received (so the learner's broadcast never
+  hangs) and then rejected with 400; the model is unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Awaitable, Callable
+
+import anyio
+import torch
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from t1async.log import get_logger
+from t1async.model.weights import check_state
+from t1async.sampler import weightsync as W
+
+log = get_logger("sampler.weightsync")
+_MODES = ("abort", "retract", "in_place")
+
+
+def _reply(success: bool, message: str, status: int | None = None) -> Response:
+    body = json.dumps({"success": success, "message": message})
+    return Response(body, status_code=status or (200 if success else 400), media_type="application/json")
+
+
+class _Bad(ValueError):
+    pass
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _Bad(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _Bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _need(body: dict, key: str, kind: type, default: Any = ...) -> Any:
+    v = body.get(key, default)
+    if v is ... or not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise _Bad(f"{key} must be a {kind.__name__}, got {body.get(key)!r}")
+    return v
+
+
+class WeightSync:
+    """The group, the pause gate and the staged tensors of one embedded sampler (``app.engine``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.groups: dict[str, Any] = {}  # group_name -> ProcessGroup
+        self.paused = False
+        self._resumed = anyio.Event()
+        self._resumed.set()
+        self.staged: dict[str, torch.Tensor] = {}
+        self.staged_version: str | None = None
+        self._lock = anyio.Lock()  # one update at a time (broadcasts must be received in order)
+
+    # ------------------------------------------------------------------ the /generate gate
+
+    def gate(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def gated(request: Request) -> Response:
+            await self._resumed.wait()
+            return await handler(request)
+
+        return gated
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def init_group(self, request: Request) -> Response:
+        try:
+            b = await _body(request)
+            host, port = _need(b, "master_address", str), _need(b, "master_port", int)
+            offset, world = _need(b, "rank_offset", int), _need(b, "world_size", int)
+            name, backend = _need(b, "group_name", str, W.DEFAULT_GROUP), _need(b, "backend", str, "gloo")
+            if backend != "gloo":
+                raise _Bad(f"backend {backend!r}: the embedded sampler runs on CPU; use backend 'gloo'")
+            if not 0 < offset < world:
+                raise _Bad(f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {offset} of {world}")
+            if name in self.groups:
+                raise _Bad(f"group {name!r} exists; /destroy_weights_update_group it first")
+        except _Bad as exc:
+            return _reply(False, str(exc))
+        t0 = time.perf_counter()
+        try:
+            pg = await anyio.to_thread.run_sync(lambda: W.open_group(
+                None, host=host, port=port, rank=offset, world_size=world, group_name=name, backend=backend))  # fmt: skip
+        except Exception as exc:  # rendezvous timed out, the store is unreachable
+            log.warning("sampler.weight_group_failed", group=name, error=repr(exc))
+            return _reply(False, f"Failed to init group {name}: {exc}", 500)
+        self.groups[name] = pg
+        log.info("sampler.weight_group", group=name, rank=offset, world_size=world,
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        return _reply(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, request: Request) -> Response:
+        try:
+            name = _need(await _body(request), "group_name", str, W.DEFAULT_GROUP)
+        except _Bad as exc:
+            return _reply(False, str(exc))
+        if self.groups.pop(name, None) is None:
+            return _reply(False, f"no weight update group {name!r}; nothing to destroy")
+        log.info("sampler.weight_group_destroyed", group=name)
+        return _reply(True, f"Succeeded to destroy group {name}.")
+
+    async def update(self, request: Request) -> Response:
+        try:
+            b = await _body(request)
+            names, dtypes, shapes = _need(b, "names", list), _need(b, "dtypes", list), _need(b, "shapes", list)
+            if not (len(names) == len(dtypes) == len(shapes)) or not names:
+                raise _Bad(f"names, dtypes and shapes must be non-empty and of one length, got "
+                           f"{len(names)}, {len(dtypes)}, {len(shapes)}")  # fmt: skip
+            tensors = []
+            for n, d, s in zip(names, dtypes, shapes):
+                if not isinstance(n, str) or not isinstance(s, list) or not all(
+                        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+                    raise _Bad(f"each name must be a string and each shape a list of ints >= 0, got {n!r} {s!r}")
+                tensors.append(torch.empty(s, dtype=W.parse_dtype(d)))
+            name = _need(b, "group_name", str, W.DEFAULT_GROUP)
+            version = b.get("weight_version")
+            if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
+                raise _Bad(f"weight_version must be a string, got {version!r}")
+            pg = self.groups.get(name)
+            if pg is None:
+                raise _Bad(f"no weight update group {name!r}: call /init_weights_update_group first")
+        except (_Bad, ValueError) as exc:
+            return _reply(False, str(exc))
+        async with self._lock:
+            t0 = time.perf_counter()
+            try:
+                await anyio.to_thread.run_sync(W.broadcast, pg, tensors)
+            except Exception as exc:  # the trainer went away mid-bucket: the group is unusable
+                self.groups.pop(name, None)
+                log.warning("sampler.weight_receive_failed", group=name, error=repr(exc))
+                return _reply(False, f"Failed to receive weights over group {name} (group dropped): {exc}", 500)
+            bucket = dict(zip(names, tensors))
+            try:  # names and shapes checked now, the model untouched; applied now or at continue
+                if hasattr(self.app.engine, "state_shapes"):
+                    check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
+            except Exception as exc:
+                return _reply(False, f"Failed to update weights: {exc}")
+            version = None if version is None else str(version)
+            if self.paused:
+                self.staged.update(bucket)
+                self.staged_version = version if version is not None else self.staged_version
+            else:
+                try:
+                    await self.app.engine.update_weights_from_tensors(bucket, weight_version=version)
+                except Exception as exc:  # the engine stopped; the model is unchanged
+                    return _reply(False, f"Failed to update weights: {exc}")
+        log.info("sampler.weights_received", group=name, tensors=len(names), staged=self.paused,
+                 mb=round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2),
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        return _reply(True, "Succeeded to update parameter online.")
+
+    async def pause(self, request: Request) -> Response:
+        try:
+            mode = _need(await _body(request), "mode", str, "abort")
+            if mode not in _MODES:
+                raise _Bad(f"mode must be one of {_MODES}, got {mode!r}")
+        except _Bad as exc:
+            return _reply(False, str(exc))
+        if not self.paused:
+            self.paused, self._resumed = True, anyio.Event()
+        aborted = [r for r in list(self.app.active) if self.app.engine.abort(r)] if mode == "abort" else []
+        log.info("sampler.paused", mode=mode, aborted=len(aborted))
+        return _reply(True, "Generation paused.")
+
+    async def resume(self, request: Request) -> Response:
+        async with self._lock:
+            staged, version = self.staged, self.staged_version
+            self.staged, self.staged_version = {}, None
+            error = None
+            if staged:
+                try:
+                    await self.app.engine.update_weights_from_tensors(staged, weight_version=version)
+                except Exception as exc:
+                    error = exc
+            self.paused = False
+            self._resumed.set()
+        if error is not None:
+            log.warning("sampler.weights_update_failed", error=repr(error))
+            return _reply(False, f"Generation continued on the old weights; the staged update failed: {error}")
+        log.info("sampler.continued", applied=len(staged), weight_version=str(self.app.engine.weight_version))
+        return _reply(True, "Generation continued.")
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/init_weights_update_group", self.init_group, methods=["POST"]),
+            Route("/update_weights_from_distributed", self.update, methods=["POST"]),
+            Route("/destroy_weights_update_group", self.destroy_group, methods=["POST"]),
+            Route("/pause_generation", self.pause, methods=["POST"]),
+            Route("/continue_generation", self.resume, methods=["POST"]),
+        ]
+

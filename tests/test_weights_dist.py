@@ -1,0 +1,137 @@
+"""SGLang's distributed weight update for real: the learner side in this process (rank 0 of a gloo group on
+127.0.0.1), a real embedded sampler server process (rank 1), weights broadcast in buckets between
+/pause_generation and /continue_generation (DESIGN §10)."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from t1async.errors import ConfigError, SamplerError
+from t1async.learner.weightpush import DistributedPusher, WeightPushConfig, buckets
+from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+from t1async.sampler import weightsync as W
+from t1async.sampler.base import SamplingParams
+from t1async.sampler.client import SGLangClient
+
+PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]
+
+
+@pytest.fixture
+def own_sampler():
+    """A sampler process of our own (these tests change its weights)."""
+    from t1async.sampler.launch import SamplerProcess
+
+    proc = SamplerProcess(max_batch=8)
+    try:
+        yield proc.start()
+    finally:
+        proc.stop()
+
+
+def _perturbed(seed: int) -> torch.nn.Module:
+    model = load_pretrained(default_model_dir())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+async def _logprobs(client: SGLangClient) -> tuple[np.ndarray, np.ndarray, int]:
+    gen = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))
+    return gen.output_ids, gen.logprobs, gen.weight_version
+
+
+async def _version(client: SGLangClient) -> str:
+    async with __import__("httpx").AsyncClient() as http:
+        return str((await http.get(client.urls[0] + "/get_model_info")).json()["weight_version"])
+
+
+async def test_distributed_push_lands_the_same_weights_as_disk(own_sampler, tmp_path):
+    model = _perturbed(3)
+    async with SGLangClient([own_sampler]) as client:
+        ids0, lp0, _ = await _logprobs(client)
+        pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))  # several buckets
+        try:
+            out = await pusher.push(model, version=5)
+            assert out["buckets"] > 1
+            assert await _version(client) == "5"
+            ids1, lp1, v1 = await _logprobs(client)
+            assert v1 == 5
+            assert not (np.array_equal(ids0, ids1) and np.allclose(lp0, lp1))  # the weights did change
+            # the same weights through the disk path give the same tokens and logprobs
+            await client.update_weights_from_disk(str(save_pretrained(model, tmp_path / "m")), 6)
+            ids2, lp2, v2 = await _logprobs(client)
+            assert v2 == 6 and np.array_equal(ids1, ids2)
+            np.testing.assert_allclose(lp1, lp2, rtol=0, atol=1e-6)
+            # a second push over the same group: back to the shipped weights
+            await pusher.push(load_pretrained(default_model_dir()), version=7)
+            ids3, lp3, v3 = await _logprobs(client)
+            assert v3 == 7 and np.array_equal(ids0, ids3)
+            np.testing.assert_allclose(lp0, lp3, rtol=0, atol=1e-6)
+        finally:
+            await pusher.aclose()
+
+
+async def test_paused_sampler_stages_buckets_and_holds_new_requests_until_continue(own_sampler):
+    model = _perturbed(4)
+    async with SGLangClient([own_sampler]) as client:
+        pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))
+        await pusher.connect()
+        try:
+            await W.pause_generation(client)
+            got: dict = {}
+            async with anyio.create_task_group() as tg:
+
+                async def gen() -> None:
+                    got["v"] = (await _logprobs(client))[2]
+
+                tg.start_soon(gen)  # sent after the pause: it waits at the gate
+                named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+                for part in buckets(named, 0.25):
+                    await pusher._bucket(part, 9)
+                assert await _version(client) == "0"  # staged, not applied while paused
+                assert "v" not in got
+                await W.continue_generation(client)
+            assert got["v"] == 9  # the held request ran on the whole new weights
+            assert await _version(client) == "9"
+        finally:
+            await pusher.aclose()
+
+
+async def test_bad_updates_are_clear_errors_and_leave_the_weights(own_sampler):
+    async with SGLangClient([own_sampler]) as client:
+        with pytest.raises(SamplerError, match="init_weights_update_group first"):
+            await W.update_weights_from_distributed(client, own_sampler, names=["a"], dtypes=["float32"],
+                                                    shapes=[[2]], group_name="nope")  # fmt: skip
+        with pytest.raises(SamplerError, match="unknown dtype"):
+            await W.update_weights_from_distributed(client, own_sampler, names=["a"], dtypes=["int7"], shapes=[[2]])
+        with pytest.raises(SamplerError, match="use backend 'gloo'"):
+            await W.init_weights_update_group(client, own_sampler, master_address="127.0.0.1", master_port=1,
+                                              rank_offset=1, world_size=2, backend="nccl")  # fmt: skip
+        ids0, lp0, v0 = await _logprobs(client)
+        bogus = torch.nn.Module()
+        bogus.register_buffer("not_a_weight", torch.ones(3))
+        pusher = DistributedPusher(client, WeightPushConfig())
+        with pytest.raises(SamplerError, match="names not in the model"):
+            await pusher.push(bogus, version=3)  # received, then rejected; the sampler is continued
+        ids1, lp1, v1 = await _logprobs(client)
+        assert v1 == v0 and np.array_equal(ids0, ids1)
+        np.testing.assert_allclose(lp0, lp1, rtol=0, atol=1e-6)
+        # the failed push dropped its group: the next push makes a new one and works
+        try:
+            await pusher.push(_perturbed(5), version=4)
+            assert (await _logprobs(client))[2] == 4
+        finally:
+            await pusher.aclose()
+
+
+def test_buckets_and_config():
+    t = [("a", torch.zeros(256)), ("b", torch.zeros(256)), ("c", torch.zeros(1024)), ("d", torch.zeros(1))]
+    parts = buckets(t, 2048 / 2**20)  # 2 KiB: a+b (1 KiB each), c alone (4 KiB), d
+    assert [[n for n, _ in p] for p in parts] == [["a", "b"], ["c"], ["d"]]
+    with pytest.raises(ConfigError, match="weight-bucket-mb"):
+        WeightPushConfig(bucket_mb=0)
