@@ -216,3 +216,18 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
     assert proc.returncode == 0, log[-3000:]
     assert ClusterState.load(run_dir).status == "stopped"
     assert not any(is_ours(p) for p in [victim, back])
+
+
+async def test_supervisor_scales_the_stream_of_an_external_cluster(tmp_path):
+    """``cluster up --nats a,b,c --stream-replicas 3``: the stream is made R3 before any component starts."""
+    from t1async.cluster.supervisor import ClusterConfig, Supervisor
+
+    async with NatsCluster.start(tmp_path / "ext", 3) as cl:
+        async with NatsTransport(config=fast(cl.url, None)) as t:  # an older run made it with one replica
+            assert (await stream_info(t)).config.num_replicas == 1
+        sup = Supervisor(ClusterConfig(run_dir=tmp_path / "run", nats_url=cl.url, stream_replicas=3, duration_s=0.5))
+        assert await sup.run() == 0
+        assert ClusterState.load(tmp_path / "run").nats_url == cl.url
+        async with NatsTransport(config=fast(cl.url, None)) as t:
+            info = await stream_info(t)
+            assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
