@@ -114,6 +114,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         learner += ["--model", str(model)]
     if cfg.no_replay:
         learner.append("--no-replay")
+    if cfg.wandb:
+        learner.append("--wandb")
     for u in urls:
         learner += ["--sampler-url", u]
     out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
@@ -132,4 +134,22 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         for u in urls:
             argv += ["--sampler-url", u]
         out.append(ProcessSpec(f"actor-{i}", argv))
+    if cfg.eval_every > 0:
+        out.append(eval_spec(cfg, nats_url, model))
     return out
+
+
+def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:
+    """The in-loop evaluator (t1async.eval.loop): the eval split, every ``--eval-every`` versions, its own
+    sampler on each scored checkpoint, the starting policy first."""
+    from t1async.model.weights import default_model_dir
+
+    start = model if model is not None else default_model_dir()
+    argv = python_module("t1async.eval.loop", "--nats", nats_url, "--tasks", str(tasks_dir(cfg)), "--run-dir",
+                         str(cfg.run_dir), "--every", str(cfg.eval_every), "--model", str(start), "--samples",
+                         str(cfg.eval_samples), "--seed", str(cfg.seed), "--max-turns", str(cfg.max_turns),
+                         "--max-new-tokens", str(cfg.max_new_tokens), "--max-context", str(cfg.max_context),
+                         "--temperature", str(cfg.temperature))  # fmt: skip
+    if cfg.warm_start:
+        argv += ["--system-prompt-file", str(Path(start) / "system_prompt.txt")]
+    return ProcessSpec("eval", argv)

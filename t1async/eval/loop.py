@@ -1,0 +1,199 @@
+"""The held-out eval inside the RL loop (``cluster up --eval-every N``): one more cluster component.
+
+    python -m t1async.eval.loop --nats URL --tasks DIR --run-dir RUN --every N [--model DIR] [...]
+
+It follows ``t1.policy``: when the learner publishes a version that is a multiple of N, it copies that
+checkpoint into ``<run-dir>/eval/v<version>/model`` (the learner prunes old checkpoints), starts an embedded
+sampler of its own on it (the actors' samplers are not touched, and the eval sees exactly that version), runs
+``t1async.eval.run_eval`` on the eval split of ``--tasks`` (seeded per task and sample: every version is
+scored on the same episodes' seeds) and publishes the summary on ``t1.metrics.eval`` (pass@1, mean tests
+passed, their 95% CIs, tasks, minutes): ``cluster up`` writes it into ``metrics.jsonl`` and shows it on its
+``eval`` line. The curves go to TensorBoard in ``<run-dir>/tb/eval`` at step = version, the episodes to
+``<run-dir>/eval/v<version>.jsonl``. With ``--model`` the starting policy (version 0) is scored first.
+
+"Spare capacity": one eval at a time, at low CPU priority; versions published while one runs are not
+queued, the newest due version is evaluated next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import anyio
+
+from t1async import wire
+from t1async.errors import T1Error
+from t1async.log import configure, get_logger
+
+log = get_logger("t1async.eval.loop")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    run_dir: Path
+    tasks: Path
+    every: int
+    model: Path | None = None  # the starting policy (scored as version 0); None: start at the first due version
+    samples: int = 1
+    concurrency: int = 2
+    seed: int = 0
+    max_turns: int = 20
+    max_new_tokens: int = 128
+    max_context: int = 8192
+    temperature: float = 1.0
+    system_prompt_file: Path | None = None
+
+
+def held_out(tasks: Path) -> list:
+    from sandbox_agent.tasks import load_tasks
+
+    held = [t for t in load_tasks(tasks) if t.split == "eval"]
+    if not held:
+        raise T1Error(f"--tasks {tasks}: no task of the eval split (the held-out ~10%); give more tasks")
+    return held
+
+
+async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> dict:
+    """Score ``model`` on ``tasks``; the summary record's values."""
+    from sandbox_agent.agent import AgentConfig
+    from t1async.eval.run import EvalConfig, run_eval
+    from t1async.eval.stats import summarise, task_scores
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.sampler.base import SamplingParams
+    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.launch import launch_sampler
+
+    tok = ChatTokenizer.load(model)
+    agent = AgentConfig(max_turns=cfg.max_turns, max_context_tokens=cfg.max_context, request_routing=False,
+                        sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))  # fmt: skip
+    if cfg.system_prompt_file is not None:
+        agent = replace(agent, system_prompt=Path(cfg.system_prompt_file).read_text())
+    ecfg = EvalConfig(samples=cfg.samples, concurrency=cfg.concurrency, seed=cfg.seed, agent=agent)
+    t0 = time.monotonic()
+    out = cfg.run_dir / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    async with launch_sampler(model, seed=cfg.seed, prefix_cache_tokens=0,
+                              log_path=out / f"sampler-v{version}.log") as url, SGLangClient([url]) as c:  # fmt: skip
+        rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{version}.jsonl")
+    s = summarise(task_scores(rows), seed=cfg.seed)
+    return {"pass1": s["pass@1"]["mean"], "pass1_lo": s["pass@1"]["ci95"][0], "pass1_hi": s["pass@1"]["ci95"][1],
+            "tests_mean": s["tests"]["mean"], "tests_lo": s["tests"]["ci95"][0], "tests_hi": s["tests"]["ci95"][1],
+            "tests_frac": s["tests_frac"]["mean"], "tasks": s["tasks"], "episodes": s["episodes"],
+            "eval_minutes": (time.monotonic() - t0) / 60.0}  # fmt: skip
+
+
+def snapshot(src: Path, dest: Path) -> Path:
+    """A private copy of a checkpoint's model files (the learner keeps only its last few checkpoints)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("optimizer*", "trainer*", "*.tmp"))
+    return dest
+
+
+async def run_loop(cfg: LoopConfig, transport) -> None:
+    """Until cancelled: evaluate every due policy version, newest first, one at a time."""
+    from t1async.tb import Curves
+
+    tasks = held_out(cfg.tasks)
+    curves = Curves(cfg.run_dir / "tb" / "eval")
+    due: dict[str, object] = {"version": None, "path": None, "step": 0}
+    if cfg.model is not None:
+        due.update(version=0, path=str(cfg.model), step=0)
+    wake = anyio.Event()
+    done = -1
+
+    async def follow() -> None:
+        nonlocal wake
+        async with transport.subscribe("t1.policy") as msgs:
+            async for m in msgs:
+                rec = m.record
+                if isinstance(rec, wire.PolicyRecord) and rec.version % cfg.every == 0 and rec.version > done:
+                    due.update(version=rec.version, path=rec.weights, step=rec.step)
+                    wake.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            log.info("eval_loop.ready", every=cfg.every, tasks=len(tasks), baseline=cfg.model is not None)
+            while True:
+                if due["version"] is None or due["version"] <= done:
+                    wake = anyio.Event()
+                    await wake.wait()
+                    continue
+                version, path, step = int(due["version"]), Path(str(due["path"])), int(due["step"])
+                done = version
+                try:
+                    model = snapshot(path, cfg.run_dir / "eval" / f"v{version}" / "model") if version else path
+                    values = await evaluate(cfg, model, version, tasks)
+                except (OSError, T1Error) as exc:  # a pruned checkpoint, a sampler that would not start: next one
+                    log.warning("eval_loop.failed", version=version, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                curves.scalars(version, {f"eval/{k}": v for k, v in values.items()})  # on disk before it is announced
+                await transport.publish("t1.metrics.eval", wire.MetricsRecord("eval", step, version, values))
+                log.info("eval_loop.scored", version=version, **{k: round(v, 4) for k, v in values.items()})
+    finally:
+        curves.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m t1async.eval.loop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nats", required=True, help="NATS URL the learner publishes t1.policy on")
+    p.add_argument("--tasks", type=Path, required=True, help="task dir; its eval split is scored")
+    p.add_argument("--run-dir", type=Path, required=True, help="where eval/ and tb/eval go")
+    p.add_argument("--every", type=int, required=True, help="score every N-th policy version")
+    p.add_argument("--model", type=Path, default=None, help="the starting policy: scored first as version 0")
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-turns", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-context", type=int, default=8192)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--system-prompt-file", type=Path, default=None)
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    configure(level=args.log_level)
+    if args.every < 1:
+        print(f"error: --every must be >= 1, got {args.every}", file=sys.stderr)
+        return 2
+    cfg = LoopConfig(run_dir=args.run_dir, tasks=args.tasks, every=args.every, model=args.model,
+                     samples=args.samples, concurrency=args.concurrency, seed=args.seed, max_turns=args.max_turns,
+                     max_new_tokens=args.max_new_tokens, max_context=args.max_context, temperature=args.temperature,
+                     system_prompt_file=args.system_prompt_file)  # fmt: skip
+    try:
+        os.nice(10)  # spare capacity: the actors, sampler and learner come first
+    except OSError:
+        pass
+
+    async def amain() -> None:
+        from t1async.transport.nats import NatsTransport
+
+        async with NatsTransport(args.nats) as t, anyio.create_task_group() as tg:
+
+            async def stop_on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(stop_on_signal)
+            await run_loop(cfg, t)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(amain, backend="trio")
+    except T1Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
