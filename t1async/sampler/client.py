@@ -10,7 +10,8 @@ Errors (all from t1async.errors)::
 
 Connection errors, timeouts and HTTP 502/503/504/429 are retried with exponential backoff and jitter,
 moving to the least-loaded other URL where there is one. Requests go to the URL with the fewest
-outstanding requests (ties rotate).
+outstanding requests (ties rotate), under a load cap; an episode's turns stay on one sampler, and a client
+running ``monitor()`` takes dead samplers out and brings them back (t1async/sampler/pool.py).
 
 Routing needs the model's (layers, topk, experts): taken from ``routing_shape`` if given, else from each
 URL's ``/get_model_info`` (the embedded server adds ``num_hidden_layers``, ``num_experts_per_tok`` and
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import enum
-import itertools
 import random
 import time
 from typing import Any, Sequence
@@ -32,6 +32,7 @@ import numpy as np
 
 from t1async.errors import SamplerError, SamplerRequestError, SamplerVersionError
 from t1async.sampler.base import Generation, SamplingParams
+from t1async.sampler.pool import PoolConfig, SamplerPool
 
 try:
     from t1async.log import get_logger
@@ -101,6 +102,7 @@ class SGLangClient:
         http2: bool = False,
         routing_shape: tuple[int, int, int] | None = None,  # (layers, topk, experts)
         transport: httpx.AsyncBaseTransport | None = None,
+        pool: PoolConfig | None = None,  # pinning, load cap, health (t1async/sampler/pool.py)
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -111,7 +113,8 @@ class SGLangClient:
         self.routing_shape = routing_shape
         self.outstanding = {u: 0 for u in self.urls}
         self.requests_sent = {u: 0 for u in self.urls}
-        self._rr = itertools.count()
+        self.pool = SamplerPool(self.urls, self.outstanding, pool)
+        self._monitored = False  # only a client running monitor() takes failed samplers out (and back)
         self._info: dict[str, dict] = {}
         self._state = _State.UNOPENED
         self._http = httpx.AsyncClient(
@@ -143,20 +146,34 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- HTTP with retries
 
-    def _pick(self, avoid: str | None = None) -> str:
-        candidates = [u for u in self.urls if u != avoid] or self.urls
-        low = min(self.outstanding[u] for u in candidates)
-        best = [u for u in candidates if self.outstanding[u] == low]
-        return best[next(self._rr) % len(best)]
+    def _pick(self, avoid: str | None = None, key: str | None = None) -> str:
+        return self.pool.pick(key, avoid)
+
+    async def monitor(self) -> None:
+        """Probe every sampler's ``/health_generate`` forever; take failed ones out, bring them back healthy and
+        at the current weight version (SamplerPool). Run it in the owner's task group."""
+        self._monitored = True
+        try:
+            await self.pool.monitor(self._probe)
+        finally:
+            self._monitored = False
+
+    async def _probe(self, url: str) -> tuple[bool, int | None]:
+        try:
+            ok = (await self._http.get(url + "/health_generate")).status_code == 200
+            info = (await self._http.get(url + "/get_server_info")).json() if ok else {}
+            return ok, parse_weight_version(info["weight_version"], url) if "weight_version" in info else None
+        except (httpx.HTTPError, ValueError, SamplerVersionError):
+            return False, None
 
     async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
-                       rid_attempts: bool = False) -> tuple[str, httpx.Response]:
+                       rid_attempts: bool = False, pin: str | None = None) -> tuple[str, httpx.Response]:
         """Send with retries; returns (url, response) for a 2xx. ``url`` pins one server (no balancing)."""
         self._check_open()
         last: str | None = None
         cause = ""
         for attempt in range(self.max_retries + 1):
-            target = url or self._pick(avoid=last)
+            target = url or self._pick(avoid=last, key=pin)
             body = json
             if rid_attempts and attempt and isinstance(json, dict) and json.get("rid"):
                 body = {**json, "rid": f"{json['rid']}-retry{attempt}"}  # the first try may still run there
@@ -167,6 +184,8 @@ class SGLangClient:
             except httpx.TransportError as exc:
                 cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 resp = None
+                if self._monitored and url is None:  # unreachable: out until the monitor sees it healthy
+                    self.pool.mark_down(target, cause)
             finally:
                 self.outstanding[target] -= 1
             if resp is not None:
@@ -212,7 +231,8 @@ class SGLangClient:
         if rid is not None:
             body["rid"] = rid
         t0 = time.perf_counter()
-        url, resp = await self._request("POST", "/generate", json=body, rid_attempts=True)
+        pin = rid.rsplit("/", 1)[0] if rid and "/" in rid else None  # the agent's rid: "<episode>/<turn>"
+        url, resp = await self._request("POST", "/generate", json=body, rid_attempts=True, pin=pin)
         latency = time.perf_counter() - t0
         try:
             out = resp.json()
