@@ -135,3 +135,62 @@ def test_buckets_and_config():
     assert [[n for n, _ in p] for p in parts] == [["a", "b"], ["c"], ["d"]]
     with pytest.raises(ConfigError, match="weight-bucket-mb"):
         WeightPushConfig(bucket_mb=0)
+
+
+async def test_learner_pushes_each_version_over_the_group(tmp_path):
+    """The real learner service (in-memory NATS, real trainer) with --weight-sync distributed, and a real
+    sampler process that the actor samples from: every step's version reaches the sampler over the gloo
+    group, and the sampler ends with exactly the weights of the learner's last checkpoint."""
+    from actors.actor import ActorConfig, run_actor
+    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.synth import generate
+    from t1async.learner.checkpoint import latest_checkpoint
+    from t1async.learner.service import Learner, LearnerConfig
+    from t1async.learner.trainer import TrainerConfig
+    from t1async.model.config import MoEConfig
+    from t1async.model.moe import MoETransformer
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.sampler.launch import SamplerProcess
+    from t1async.transport import MemoryBroker, MemoryTransport
+
+    tok = ChatTokenizer.load()
+    model_dir = tmp_path / "model"
+    cfg = MoEConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32,
+                    max_seq_len=8192, seed=0)  # fmt: skip
+    save_pretrained(MoETransformer(cfg), model_dir, tok)
+    generate(tmp_path / "tasks", 6, seed=3)
+    proc = SamplerProcess(model_dir, max_batch=8)
+    url = proc.start()
+    try:
+        lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=model_dir, max_staleness=1, batch_turns=4, steps=2,
+                             lease_s=30.0, metrics_every_s=0.2, trainer=TrainerConfig(lr=1e-2))  # fmt: skip
+        agent = AgentConfig(max_turns=3, max_context_tokens=4096, command_timeout_s=5.0,
+                            sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+        broker = MemoryBroker()
+        async with SGLangClient([url]) as client, MemoryTransport(broker) as lt, MemoryTransport(broker) as at:
+            learner = Learner(lcfg, lt, client)
+            learner.weight_pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.05))
+            try:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(learner.run)
+                    tg.start_soon(lambda: run_actor(ActorConfig("a1", tmp_path / "tasks", concurrency=3, split="all"),
+                                                    transport=at, sampler=client, tokenizer=tok, agent=agent))
+                    with anyio.fail_after(300):
+                        while learner.weight_pusher.pushes < 2:  # the step counts before its push
+                            await anyio.sleep(0.1)
+                    tg.cancel_scope.cancel()
+                assert learner.weight_pusher.pushes == 2 and learner.weight_pusher.last["buckets"] > 1
+                assert await _version(client) == "2"
+                ids1, lp1, v1 = await _logprobs(client)
+                assert v1 == 2
+                ckpt = latest_checkpoint(lcfg.checkpoints)
+                assert ckpt.version == 2
+                await client.update_weights_from_disk(str(ckpt.path), 3)  # the checkpoint through the disk path
+                ids2, lp2, v2 = await _logprobs(client)
+                assert v2 == 3 and np.array_equal(ids1, ids2)
+                np.testing.assert_allclose(lp1, lp2, rtol=0, atol=1e-6)
+            finally:
+                await learner.weight_pusher.aclose()
+                learner.journal.close()
+    finally:
+        proc.stop()

@@ -40,6 +40,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     s.add_argument("--wandb", action="store_true", help="also log the per-step curves to Weights & Biases "
                    "(needs wandb; WANDB_MODE=offline works); TensorBoard files are always in <run-dir>/tb/learner")
+    s.add_argument("--weight-sync", choices=["disk", "distributed"], default="disk",
+                   help="how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint, "
+                   "default) or distributed (SGLang's /update_weights_from_distributed over a torch.distributed "
+                   "group this learner hosts, in buckets between /pause_generation and /continue_generation)")
+    s.add_argument("--weight-bucket-mb", type=float, default=64.0, help="MiB of tensors per "
+                   "/update_weights_from_distributed call with --weight-sync distributed (default 64)")
+    s.add_argument("--weight-sync-host", default="127.0.0.1", help="address the samplers reach this learner's "
+                   "weight-update group at (default 127.0.0.1)")
     s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
     s.set_defaults(func=serve)
 
@@ -61,6 +69,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--actor-timeout must be > 0 seconds, got {args.actor_timeout}")
     if args.max_staleness < 0 or args.steps < 0:
         raise ConfigError("--max-staleness and --steps must be >= 0")
+    if not args.weight_bucket_mb > 0:
+        raise ConfigError(f"--weight-bucket-mb must be > 0, got {args.weight_bucket_mb}")
     torch.set_num_threads(max(1, args.threads))
     memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
@@ -76,6 +86,14 @@ def serve(args: argparse.Namespace) -> int:
             transport = await stack.enter_async_context(NatsTransport(config=NatsConfig(url=args.nats, ack_wait_s=10.0)))
             samplers = await stack.enter_async_context(SGLangClient(args.sampler_url)) if args.sampler_url else None
             learner = Learner(cfg, transport, samplers)
+            if args.weight_sync == "distributed":
+                from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
+
+                if samplers is None:
+                    raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
+                learner.weight_pusher = DistributedPusher(samplers, WeightPushConfig(
+                    bucket_mb=args.weight_bucket_mb, host=args.weight_sync_host))  # fmt: skip
+                stack.push_async_callback(learner.weight_pusher.aclose)
             async with anyio.create_task_group() as tg:
 
                 async def stop_on_signal() -> None:

@@ -13,6 +13,7 @@ and skips the turns that checkpoint says were trained: no admitted turn is lost,
 from __future__ import annotations
 
 import time
+from typing import Any
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -104,6 +105,7 @@ class Learner(Intake):
         self.t0 = time.monotonic()
         self._taking: set[str] = set()  # episodes of the batch ingest is journaling and taking now
         self._replay_dead: list[Screened] = []  # bad records found replaying the journal, dead-lettered by run()
+        self.weight_pusher: Any = None  # --weight-sync distributed: a learner.weightpush.DistributedPusher
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self._arrived = anyio.Event()
         self.curves = None
@@ -180,7 +182,11 @@ class Learner(Intake):
             t_ckpt = time.monotonic() - t_ckpt
             self.settler.settle(trained, "trained")
             self._forget_unreachable()
-            if self.samplers is not None:
+            if self.weight_pusher is not None:  # the same weights as the checkpoint, over the group
+                t_push = time.monotonic()
+                await self.weight_pusher.push(self.model, self.version)
+                t_push = time.monotonic() - t_push
+            elif self.samplers is not None:
                 t_push = time.monotonic()
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
                 t_push = time.monotonic() - t_push
@@ -323,7 +329,10 @@ class Learner(Intake):
 
     async def _sync_samplers(self) -> None:
         """After a resume, make every sampler serve the checkpoint this learner continues from."""
-        if self.samplers is not None and self.resumed_from is not None:
+        if self.weight_pusher is not None and self.resumed_from is not None:
+            await self.weight_pusher.push(self.model, self.version)
+            log.info("learner.samplers_synced", version=self.version, path="distributed")
+        elif self.samplers is not None and self.resumed_from is not None:
             await self.samplers.update_weights_from_disk(str(self.resumed_from.path), self.version)
             log.info("learner.samplers_synced", version=self.version, path=str(self.resumed_from.path))
 
