@@ -12,6 +12,8 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from actors.actor import ActorConfig, run_actor
 from sandbox_agent.agent import AgentConfig, TurnResult, run_agent
@@ -385,3 +387,34 @@ async def test_credit_waits_are_not_the_agents_wall_time(autojump_clock, gate):
         assert res.reason == "max_turns" and res.turns == 5 and res.paused_s == pytest.approx(300.0)
     else:
         assert res.reason == "timeout" and res.turns == 1 and res.paused_s == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=hst.lists(hst.tuples(hst.integers(1, 60), hst.integers(0, 400)), min_size=1, max_size=40),
+       keep=hst.integers(0, 10), limit=hst.integers(200, 1500), frac=hst.floats(0.2, 1.0))  # fmt: skip
+def test_compaction_property(sizes, keep, limit, frac):
+    """Whatever the turn sizes: a compaction fits the limit or gives up (None), keeps the system prompt and
+    task, is built from the turns' exact output IDs, and a second compaction never undoes the first."""
+    tok = ChatTokenizer.load()
+    head = tok.render([{"role": "system", "content": "sys"}, {"role": "user", "content": "the task"}])
+    h = History(tok, head)
+    outs = []
+    for k, (n_out, n_obs) in enumerate(sizes):
+        out = [7 + (k % 50)] * n_out + [tok.im_end_id]
+        obs = f"[exit code: 0]\n" + "z" * n_obs
+        outs.append(out)
+        h.add(out, obs, tok.bridge_ids(out) + tok.message_ids("user", obs) + tok.generation_prompt_ids())
+    policy = TruncateObservations(keep_last=keep)
+    first = policy.compact(h, limit, int(limit * frac))
+    if first is None:
+        return
+    assert len(first) <= limit
+    task = head[: -len(tok.generation_prompt_ids())]
+    assert first[: len(task)] == task and first[-len(tok.generation_prompt_ids()):] == tok.generation_prompt_ids()
+    states = [t.state for t in h.turns]
+    for t, out in zip(h.turns, outs):  # every turn still present shows its sampled IDs, unchanged
+        if t.state != "dropped":
+            assert any(first[i : i + len(out)] == out for i in range(len(first) - len(out) + 1))
+    second = policy.compact(h, limit, int(limit * frac))
+    assert second is not None and len(second) <= len(first)
+    assert all(a == b or a == "whole" or b == "dropped" for a, b in zip(states, (t.state for t in h.turns)))
