@@ -98,7 +98,11 @@ async def amain(args: argparse.Namespace) -> int:
     config = ActorConfig(actor_id=args.actor_id, tasks_dir=args.tasks, concurrency=args.concurrency,
                          split=args.split, episodes=args.episodes, seed=args.seed)  # fmt: skip
     async with NatsTransport(args.nats) as transport, SGLangClient(args.sampler_url) as sampler:
-        stats = await run_actor(config, transport=transport, sampler=sampler, tokenizer=tokenizer, agent=agent)
+        async with anyio.create_task_group() as tg:
+            if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
+                tg.start_soon(sampler.monitor)
+            stats = await run_actor(config, transport=transport, sampler=sampler, tokenizer=tokenizer, agent=agent)
+            tg.cancel_scope.cancel()
     log.info("actors.exit", episodes=stats.done, turns=stats.turns)
     return 0
 

@@ -138,3 +138,22 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
         k, url, start, covered = next(t for t in ts if t[1] != dead)
         assert k >= kill_after and start == 0 < covered, "the new sampler recomputed the prefix: routes from 0"
     assert np.all([u == alive_url for ts in moved for k, u, *_ in ts if k >= kill_after])
+
+
+async def test_a_push_skips_a_dead_sampler_only_while_another_took_the_weights():
+    import httpx
+
+    from t1async.errors import SamplerError
+
+    down = {"b"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host in down:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async with SGLangClient(["http://a", "http://b"], transport=httpx.MockTransport(handler), max_retries=0) as c:
+        assert await c.update_weights_from_disk("/w", 2) == [{"success": True, "message": "ok", "num_paused_requests": 0}]
+        down.add("a")
+        with pytest.raises(SamplerError, match=r"2 of 2 samplers"):
+            await c.update_weights_from_disk("/w", 3)

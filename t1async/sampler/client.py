@@ -54,6 +54,10 @@ class SamplerClosedError(SamplerError):
     """The client was used after ``aclose()``: your code closed it."""
 
 
+class SamplerUnreachableError(SamplerError):
+    """Every attempt failed to reach the sampler (refused, reset, timed out): it is down, not wrong."""
+
+
 class _State(enum.Enum):
     UNOPENED = 1
     OPENED = 2
@@ -202,7 +206,7 @@ class SGLangClient:
                 log.warning("sampler.retry", url=target, path=path, attempt=attempt + 1, cause=cause,
                             delay_s=round(delay, 3))
                 await anyio.sleep(delay)
-        raise SamplerError(
+        raise (SamplerUnreachableError if resp is None else SamplerError)(
             f"{last}{path} failed after {self.max_retries + 1} attempts (urls: {', '.join(self.urls)}); "
             f"last cause: {cause}"
         )
@@ -270,28 +274,38 @@ class SGLangClient:
         return result
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
-        """POST ``/update_weights_from_disk`` to every URL (concurrently); raises if any fails."""
+        """POST ``/update_weights_from_disk`` to every URL (concurrently); raises if any fails, except samplers
+        that cannot be reached while another took the weights (logged ``sampler.push_skipped``): a restarted
+        sampler is re-synced by the next push, and a monitoring client keeps it out until then."""
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         results: dict[str, dict] = {}
         errors: dict[str, str] = {}
+        unreachable: dict[str, str] = {}  # down (refused, timed out): tolerated if another sampler took the weights
 
         async def one(u: str) -> None:
             try:
                 _, resp = await self._request("POST", "/update_weights_from_disk", json=body, url=u)
                 results[u] = resp.json()
+            except SamplerUnreachableError as exc:
+                unreachable[u] = str(exc)
             except SamplerError as exc:
                 errors[u] = str(exc)
 
         async with anyio.create_task_group() as tg:
             for u in self.urls:
                 tg.start_soon(one, u)
+        if unreachable and (errors or not results or len(self.urls) == 1):
+            errors.update(unreachable)
+        elif unreachable:  # a dead sampler gets the next push when it is back (and stays out of use until then)
+            log.warning("sampler.push_skipped", urls=list(unreachable), model_path=model_path,
+                        weight_version=weight_version)  # fmt: skip
         if errors:
             raise SamplerError(f"update_weights_from_disk({model_path}) failed on {len(errors)} of "
                                f"{len(self.urls)} samplers: " + "; ".join(f"{u}: {e}" for u, e in errors.items()))
         self._info.clear()  # weight_version changed
-        return [results[u] for u in self.urls]
+        return [results[u] for u in self.urls if u in results]
 
     async def flush_cache(self) -> None:
         for u in self.urls:
