@@ -157,3 +157,54 @@ async def test_a_push_skips_a_dead_sampler_only_while_another_took_the_weights()
         down.add("a")
         with pytest.raises(SamplerError, match=r"2 of 2 samplers"):
             await c.update_weights_from_disk("/w", 3)
+
+
+@pytest.mark.slow
+async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_path, repo_env):
+    import subprocess
+    import sys
+
+    from t1async import wire
+    from t1async.cluster.state import ClusterState, is_ours
+    from t1async.transport import NatsTransport
+    from tests.test_cluster_e2e import check_episode_turns, wait_running
+
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--samplers", "2",
+            "--batch-turns", "6", "--actors", "2", "--concurrency", "2", "--max-turns", "6", "--max-new-tokens", "32",
+            "--synth-tasks", "20", "--duration", "400", "--plain"]  # fmt: skip
+    out = open(tmp_path / "up.out", "w")
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
+    try:
+        st = await wait_running(run_dir, proc)
+        assert {"sampler-0", "sampler-1"} <= st.components.keys()
+        async with NatsTransport(st.nats_url) as t, t.subscribe("t1.>") as msgs:
+            turns: dict[str, dict[int, wire.TurnRecord]] = {}
+            victim = None
+            with anyio.fail_after(300):
+                async for m in msgs:
+                    r = m.record
+                    if isinstance(r, wire.TurnRecord):
+                        turns.setdefault(r.episode, {})[r.turn] = r  # a retried publish is seen twice here
+                    if isinstance(r, wire.PolicyRecord) and r.version >= 2 and victim is None:
+                        victim = ClusterState.load(run_dir).components["sampler-0"]
+                        os.kill(victim.pid, signal.SIGKILL)
+                        killed_at = r.version
+                    if isinstance(r, wire.PolicyRecord) and victim is not None and r.version >= killed_at + 3:
+                        break  # training went on
+            back = ClusterState.load(run_dir).components["sampler-0"]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        out.close()
+    log = (tmp_path / "up.out").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert back.pid != victim.pid, "the supervisor restarted the killed sampler"
+    assert not is_ours(back)
+    for ep in turns.values():
+        check_episode_turns(list(ep.values()))
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("actor-*.log"))
+    assert "sampler.down" in logs, "an actor took the dead sampler out"

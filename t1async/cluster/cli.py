@@ -73,10 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     before = (ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),)
 
     async def progress(nats_url: str, run_dir: Path) -> None:
-        urls = list(cfg.sampler_url)
-        ready = components.sampler_ready_file(cfg)
-        if not urls and ready.is_file():
-            urls = [ready.read_text().strip()]
+        urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)
         await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain)
 
     from t1async.cluster.natscluster import default_replicas

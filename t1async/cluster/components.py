@@ -85,16 +85,25 @@ def model_dir(cfg: UpConfig) -> Path | None:
     return cfg.model
 
 
-def sampler_ready_file(cfg: UpConfig) -> Path:
-    return Path(cfg.run_dir) / "sampler.url"
+def sampler_ready_file(cfg: UpConfig, i: int = 0) -> Path:
+    return Path(cfg.run_dir) / ("sampler.url" if i == 0 else f"sampler-{i}.url")
+
+
+def embedded_sampler_urls(cfg: UpConfig) -> list[str]:
+    """The URLs the embedded samplers wrote (``--samplers N``), those that have started."""
+    files = [sampler_ready_file(cfg, i) for i in range(cfg.samplers)]
+    return [f.read_text().strip() for f in files if f.is_file()]
 
 
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     out: list[ProcessSpec] = []
     model = model_dir(cfg)
     urls = list(cfg.sampler_url)
-    if not urls:
-        ready = sampler_ready_file(cfg)
+    # --samplers N: one of N that dies is restarted on its port; the learner's next push re-syncs it, and the
+    # actors' pool keeps it out until then (t1async/sampler/pool.py)
+    embedded = []
+    for i in range(cfg.samplers if not urls else 0):
+        ready = sampler_ready_file(cfg, i)
         ready.unlink(missing_ok=True)
         port = free_port()
         argv = python_module("t1async.sampler", "serve", "--port", str(port), "--ready-file", str(ready),
@@ -102,8 +111,10 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
                              "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--seed", str(cfg.seed))  # fmt: skip
         if model is not None:
             argv += ["--model", str(model)]
-        out.append(ProcessSpec("sampler", argv, ready_file=ready))
-        urls = [f"http://127.0.0.1:{port}"]
+        name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
+        out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
+        embedded.append(f"http://127.0.0.1:{port}")
+    urls = urls or embedded
     learner = python_module(
         "t1async.learner", "serve", "--nats", nats_url, "--run-dir", str(cfg.run_dir),
         "--max-staleness", str(cfg.max_staleness), "--batch-turns", str(cfg.batch_turns),

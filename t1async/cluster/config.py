@@ -33,6 +33,7 @@ class UpConfig:
     stream_replicas: int = 0  # replicas of T1_TRAJ; 0: min(nats_nodes, 3) embedded, an external stream as it is
     # samplers
     sampler_url: tuple[str, ...] = ()  # real SGLang servers; none starts the embedded sampler
+    samplers: int = 1  # embedded samplers to start (without --sampler-url)
     model: Path | None = None
     sampler_dtype: str = "float32"
     sampler_max_batch: int = 64
@@ -80,6 +81,11 @@ class UpConfig:
         for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.samplers <= 16:
+            raise ConfigError(f"--samplers must be 1..16, got {self.samplers}")
+        if self.samplers > 1 and self.sampler_url:
+            raise ConfigError(f"--samplers {self.samplers} starts embedded samplers, --sampler-url uses running ones: "
+                              "give one of them")  # fmt: skip
         if not 1 <= self.nats_nodes <= 9:
             raise ConfigError(f"--nats-nodes must be 1..9, got {self.nats_nodes}")
         if self.nats is not None and self.nats_nodes > 1:
@@ -178,6 +184,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("samplers")
     g.add_argument("--sampler-url", action="append", default=None, metavar="URL",
                    help="an SGLang server to sample from (repeatable); none: start the embedded sampler")  # fmt: skip
+    g.add_argument("--samplers", type=int, default=None, metavar="N", help="start N embedded samplers (default 1); "
+                   "episodes are pinned to one, a dead one is restarted and re-synced")  # fmt: skip
     g.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped tiny MoE)")
     g.add_argument("--sampler-dtype", default=None, choices=("float32", "bfloat16"), help=f"embedded sampler precision (default {d.sampler_dtype})")
     g.add_argument("--sampler-max-batch", type=int, default=None, help=f"embedded sampler batch (default {d.sampler_max_batch})")

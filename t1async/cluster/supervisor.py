@@ -42,6 +42,7 @@ class ProcessSpec:
     finishes: bool = False  # exiting with 0 is the cluster's normal end (the learner with --steps)
     progress_event: str | None = None  # a one-shot job: move a progress bar with this log event's ``step``
     progress_total: int | None = None
+    restart: bool = False  # exiting restarts it (same argv) instead of stopping the cluster (one of N samplers)
 
 
 @dataclass(frozen=True)
@@ -154,16 +155,28 @@ class Supervisor:
                            *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
         path = Path(self.config.run_dir) / "logs" / f"{spec.name}.log"
         env = {**os.environ, "T1_NATS_URL": nats_url, **spec.env}
+        first = True
+        while not await self._run_once(spec, path, env, cluster, task_status if first else None):
+            first = False
+            await anyio.sleep(1.0)
+
+    async def _run_once(self, spec: ProcessSpec, path: Path, env: dict, cluster: anyio.CancelScope,
+                        task_status: TaskStatus[None] | None) -> bool:  # fmt: skip
+        """Run the process once; False when it exited and ``spec.restart`` asks for another run."""
         with open(path, "ab") as out:
             proc = await anyio.open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
         self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path), list(spec.argv))
         self.state.save()
         log.info("cluster.started", name=spec.name, pid=proc.pid, log=str(path))
         try:
-            if spec.ready_file is not None:
-                await self._wait_ready(spec, proc, path)
-            task_status.started()
+            if task_status is not None:
+                if spec.ready_file is not None:
+                    await self._wait_ready(spec, proc, path)
+                task_status.started()
             await proc.wait()
+            if spec.restart:
+                log.warning("cluster.component_restarting", name=spec.name, returncode=proc.returncode, log=str(path))
+                return False
             if spec.finishes and proc.returncode == 0:
                 self.finished = f"{spec.name} finished"
                 log.info("cluster.component_finished", name=spec.name)
@@ -171,6 +184,7 @@ class Supervisor:
                 self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}; see {path}"
                 log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
             cluster.cancel()
+            return True
         finally:
             with anyio.CancelScope(shield=True):
                 await self._terminate(proc)
