@@ -194,3 +194,38 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
                 learner.journal.close()
     finally:
         proc.stop()
+
+
+async def test_a_pause_without_continue_ends_by_itself_and_drops_that_push():
+    """A trainer that dies mid-push must not stall every actor: the pause expires, the old weights serve,
+    and the rest of that push is refused until the next pause; a whole push then works."""
+    from t1async.sampler.server import ServerConfig, serve
+
+    with anyio.fail_after(240):  # without the expiry the held request would wait forever
+        await _expiring_pause(serve, ServerConfig)
+
+
+async def _expiring_pause(serve, ServerConfig) -> None:
+    async with anyio.create_task_group() as tg:
+        url = await tg.start(serve, ServerConfig(port=0, max_batch=4, pause_timeout_s=1.0))
+        async with SGLangClient([url]) as client:
+            ids0, lp0, _ = await _logprobs(client)
+            model = _perturbed(6)
+            pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))
+            await pusher.connect()
+            named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+            parts = buckets(named, 0.25)
+            await W.pause_generation(client)
+            await pusher._bucket(parts[0], 1)  # staged; then the "trainer" goes silent
+            ids1, lp1, v1 = await _logprobs(client)  # held, until the pause expires
+            assert v1 == 0 and np.array_equal(ids0, ids1)
+            np.testing.assert_allclose(lp0, lp1, rtol=0, atol=1e-6)
+            with pytest.raises(SamplerError, match="pause ended"):
+                await pusher._bucket(parts[1], 1)  # received (the broadcast does not hang), refused
+            with pytest.raises(SamplerError, match="pause ended"):
+                await W.continue_generation(client)
+            assert await _version(client) == "0"
+            await pusher.push(model, version=2)  # the group still works: a whole push lands
+            assert (await _logprobs(client))[2] == 2
+            await pusher.aclose()
+        tg.cancel_scope.cancel()

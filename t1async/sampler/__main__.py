@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64)")
     s.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefix (KV) cache size in tokens")
     s.add_argument("--served-model-name", default="t1async-tiny-moe", help="the model id in /v1/models")
+    s.add_argument("--pause-timeout", type=float, default=300.0, help="seconds a /pause_generation lasts at most "
+                   "before generation goes on with the old weights (default 300)")
     s.add_argument("--ready-file", default=None, help="write the URL to this file once the server answers")
     s.add_argument("--log-level", default=None, help="debug|info|warning|error (default: T1_LOG_LEVEL or info)")
     return p
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.max_batch < 1:
         print(f"--max-batch must be >= 1, got {args.max_batch}", file=sys.stderr)
+        return 2
+    if not args.pause_timeout > 0:
+        print(f"--pause-timeout must be > 0 seconds, got {args.pause_timeout}", file=sys.stderr)
         return 2
     if not 0 <= args.port < 65536:
         print(f"--port must be in 0..65535, got {args.port}", file=sys.stderr)
@@ -59,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         host=args.host, port=args.port, model_dir=args.model, seed=args.seed, dtype=args.dtype,
         max_batch=args.max_batch, prefix_cache_tokens=args.prefix_cache_tokens,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, pause_timeout_s=args.pause_timeout,
     )
 
     async def run() -> None:

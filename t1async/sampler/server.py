@@ -56,6 +56,7 @@ class ServerConfig:
     prefix_cache_tokens: int | None = None
     served_model_name: str = "t1async-tiny-moe"
     health_timeout_s: float = 20.0
+    pause_timeout_s: float = 300.0  # /pause_generation ends by itself after this long (weightsync_server.py)
 
 
 def _json(obj: Any, status: int = 200) -> Response:

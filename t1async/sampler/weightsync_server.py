@@ -9,6 +9,10 @@ Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/update_w
   already running keep decoding on the old weights until that swap (SGLang's ``in_place`` mode);
   ``mode: "abort"`` (SGLang's default) aborts them instead.
 - Not paused, each bucket is applied as it arrives (as SGLang does).
+- A pause lasts at most ``pause_timeout_s`` (ServerConfig, default 300 s; a trainer that died mid-push must
+  not stall every actor): then the staged tensors are dropped, generation goes on with the old weights, and
+  that push's remaining buckets and its continue are refused (success false) until the next pause. A
+  broadcast that fails mid-bucket (the trainer went away) ends the pause the same way at once.
 - A bucket whose names or shapes do not fit the model is still received (so the learner's broadcast never
   hangs) and then rejected with 400; the model is unchanged.
 """
@@ -63,8 +67,12 @@ def _need(body: dict, key: str, kind: type, default: Any = ...) -> Any:
 class WeightSync:
     """The group, the pause gate and the staged tensors of one embedded sampler (``app.engine``)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, pause_timeout_s: float | None = None) -> None:
         self.app = app
+        cfg_timeout = getattr(getattr(app, "config", None), "pause_timeout_s", 300.0)
+        self.pause_timeout_s = float(pause_timeout_s if pause_timeout_s is not None else cfg_timeout)
+        self._paused_at = 0.0
+        self.expired = False  # the current push outlived its pause: refuse its buckets until the next pause
         self.groups: dict[str, Any] = {}  # group_name -> ProcessGroup
         self.paused = False
         self._resumed = anyio.Event()
@@ -77,10 +85,26 @@ class WeightSync:
 
     def gate(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def gated(request: Request) -> Response:
-            await self._resumed.wait()
+            while self.paused:
+                left = self._paused_at + self.pause_timeout_s - time.monotonic()
+                if left <= 0:
+                    self._expire(f"paused longer than {self.pause_timeout_s:g} s")
+                    break
+                with anyio.move_on_after(left):
+                    await self._resumed.wait()
             return await handler(request)
 
         return gated
+
+    def _expire(self, why: str) -> None:
+        """End a pause without its continue: drop the staged tensors, serve the old weights."""
+        if not self.paused:
+            return
+        log.warning("sampler.pause_expired", why=why, staged=len(self.staged),
+                    paused_s=round(time.monotonic() - self._paused_at, 3))  # fmt: skip
+        self.staged, self.staged_version = {}, None
+        self.paused, self.expired = False, True
+        self._resumed.set()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -148,9 +172,13 @@ class WeightSync:
                 await anyio.to_thread.run_sync(W.broadcast, pg, tensors)
             except Exception as exc:  # the trainer went away mid-bucket: the group is unusable
                 self.groups.pop(name, None)
+                self._expire(f"receive failed: {exc!r}")
                 log.warning("sampler.weight_receive_failed", group=name, error=repr(exc))
                 return _reply(False, f"Failed to receive weights over group {name} (group dropped): {exc}", 500)
             bucket = dict(zip(names, tensors))
+            if self.expired:
+                return _reply(False, f"the pause ended after {self.pause_timeout_s:g} s before this push finished; "
+                                     "its buckets were dropped: /pause_generation and push again")
             try:  # names and shapes checked now, the model untouched; applied now or at continue
                 if hasattr(self.app.engine, "state_shapes"):
                     check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
@@ -178,12 +206,16 @@ class WeightSync:
         except _Bad as exc:
             return _reply(False, str(exc))
         if not self.paused:
-            self.paused, self._resumed = True, anyio.Event()
+            self.paused, self._resumed, self._paused_at = True, anyio.Event(), time.monotonic()
+        self.expired = False
         aborted = [r for r in list(self.app.active) if self.app.engine.abort(r)] if mode == "abort" else []
         log.info("sampler.paused", mode=mode, aborted=len(aborted))
         return _reply(True, "Generation paused.")
 
     async def resume(self, request: Request) -> Response:
+        if self.expired:
+            return _reply(False, f"the pause ended after {self.pause_timeout_s:g} s before continue; the update "
+                                 "was dropped and the old weights serve: /pause_generation and push again")
         async with self._lock:
             staged, version = self.staged, self.staged_version
             self.staged, self.staged_version = {}, None
