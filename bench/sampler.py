@@ -13,6 +13,8 @@ Modes:
   latency against context length and ``cached_ratio`` = cached_tokens / prompt_tokens from turn 2 on.
 - ``--compare-concurrency 1,32``: the default run at each concurrency, in one process, and the ratio of
   output throughput (last level over first).
+- ``--samplers 1,2,4``: multi-turn sessions through the client's sampler pool over N embedded samplers,
+  pinned and unpinned (bench/_samplers.py): prefix-cache hit ratio and throughput per N.
 
 Without ``--url`` it starts the embedded sampler (launch.py) and stops it afterwards. ``--json`` prints one
 JSON object as the last stdout line; ``--output-file`` appends it as a JSON line.
@@ -245,6 +247,10 @@ def _main_rows(r: dict) -> list[tuple[str, object]]:
 
 
 async def amain(args: argparse.Namespace) -> dict:
+    if args.samplers:
+        from bench._samplers import run_samplers
+
+        return await run_samplers(args, [int(x) for x in args.samplers.split(",") if x.strip()])
     async with sampler_url(args) as url:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits) as client:
@@ -305,6 +311,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS", help="sessions of TURNS growing turns")
     p.add_argument("--compare-concurrency", default=None, metavar="C1,C2",
                    help="run at each concurrency and report the output-throughput ratio (e.g. 1,32)")
+    p.add_argument("--samplers", default=None, metavar="N1,N2", help="sessions of --multi-turn turns (default 4) "
+                   "through the client's sampler pool over N embedded samplers, pinned and unpinned, for each N "
+                   "(e.g. 1,2,4): prefix-cache hit ratio and throughput")  # fmt: skip
+    p.add_argument("--load-cap", type=int, default=16, help="--samplers: the pool's load cap (default 16)")
     p.add_argument("--disable-stream", action="store_true",
                    help="plain POSTs (TTFT = latency, no ITL), as bench_serving's --disable-stream")
     p.add_argument("--temperature", type=float, default=1.0)

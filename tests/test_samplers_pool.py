@@ -208,3 +208,17 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
         check_episode_turns(list(ep.values()))
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("actor-*.log"))
     assert "sampler.down" in logs, "an actor took the dead sampler out"
+
+
+@pytest.mark.slow
+def test_bench_sampler_samplers_reports_cache_ratio_and_throughput_per_n():
+    from tests.test_bench_sampler import bench
+
+    r, stdout = bench("--samplers", "1,2", "--num-prompts", "4", "--multi-turn", "3", "--input-len", "16",
+                      "--output-len", "8", timeout=300)  # fmt: skip
+    assert [(x["samplers"], x["pinned"]) for x in r["runs"]] == [(1, True), (2, True), (2, False)]
+    for x in r["runs"]:
+        assert sum(x["turns_per_sampler"]) == x["turns"] == 12 and 0 < x["cached_ratio"] <= 1
+        assert x["output_throughput"] > 0
+    assert r["runs"][1]["turns_per_sampler"] == [6, 6], "4 pinned sessions spread 2 + 2 over idle samplers"
+    assert "cached_ratio" in stdout
