@@ -229,3 +229,27 @@ async def _expiring_pause(serve, ServerConfig) -> None:
             assert (await _logprobs(client))[2] == 2
             await pusher.aclose()
         tg.cancel_scope.cancel()
+
+
+async def test_a_restarted_sampler_rejoins_at_the_next_push(tmp_path):
+    """A sampler that restarted has no group: the push fails there, and is tried once more over a new group
+    that the new sampler process joins."""
+    from t1async.sampler.launch import SamplerProcess
+
+    proc = SamplerProcess(max_batch=4)
+    url = proc.start()
+    port = int(url.rsplit(":", 1)[1])
+    model = _perturbed(7)
+    try:
+        async with SGLangClient([url]) as client:
+            pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))
+            await pusher.push(model, version=1)
+            proc.stop()
+            proc = SamplerProcess(max_batch=4, port=port)  # the same URL, a fresh process: no group
+            assert proc.start() == url
+            assert await _version(client) == "0"
+            await pusher.push(model, version=2)
+            assert (await _logprobs(client))[2] == 2
+            await pusher.aclose()
+    finally:
+        proc.stop()

@@ -8,8 +8,8 @@ distributed``).
 
 Each bucket is one ``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent
 concurrently (the sampler receives while its HTTP call waits). ``/continue_generation`` is always sent, even
-when a bucket failed, so the samplers never stay paused; a failed push raises SamplerError and leaves the
-group closed (the next push reconnects).
+when a bucket failed, so the samplers never stay paused; a failed push closes the group and is tried once
+more over a new one (how a restarted sampler rejoins), then raises SamplerError.
 """
 
 from __future__ import annotations
@@ -92,7 +92,17 @@ class DistributedPusher:
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
     async def push(self, model: torch.nn.Module, version: int) -> dict:
-        """Send every tensor of ``model``'s state dict to every sampler as ``version``; returns timings."""
+        """Send every tensor of ``model``'s state dict to every sampler as ``version``; returns timings.
+
+        A failed push is tried once more over a new group (a sampler that restarted has no group: the new one
+        takes it in); a second failure raises SamplerError."""
+        try:
+            return await self._push_once(model, version)
+        except SamplerError as exc:
+            log.warning("learner.weight_push_retry", version=version, error=str(exc))
+            return await self._push_once(model, version)
+
+    async def _push_once(self, model: torch.nn.Module, version: int) -> dict:
         if self.pg is None:
             await self.connect()
         named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
