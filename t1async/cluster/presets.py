@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "verify_every": 1,
         "max_staleness": 1,
         "batch_turns": 16,
-        "lr": 3e-5,
+        "lr": 6e-5,
         "sampler_max_batch": 16,
     },
 }

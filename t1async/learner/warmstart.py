@@ -66,12 +66,12 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "learn": Recipe(
         name="learn", model=MODEL_PRESETS["learn"], families=("mkfile", "copy"), tasks=400, task_seed=1000,
-        sft=SFTConfig(steps=300, lr=1.5e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+        sft=SFTConfig(steps=900, lr=1.5e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),    # the CI learning test's policy (tests/test_learning_ci.py): a short SFT on the one-command ``touch4`` family,
     # deliberately under-trained, so sampled at temperature 1 it copies some file names and misses others
     "micro": Recipe(
-        name="micro", model=MODEL_PRESETS["tiny"], families=("touch4",), tasks=160, task_seed=2000,
-        sft=SFTConfig(steps=200, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+        name="micro", model=MODEL_PRESETS["tiny"], families=("touch4",), tasks=160, task_seed=2001,
+        sft=SFTConfig(steps=80, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
 }
 
