@@ -137,11 +137,11 @@ async def scripted_actor(name: str, transport: MemoryTransport, sampler: SplitSa
         while True:
             await episode()
 
-    async def deliver() -> None:  # any order: a random record of the outbox, sometimes held back past a lease
+    async def deliver() -> None:  # what piled up, in any order; now and then one held back past a lease
         while True:
-            await anyio.sleep(rng.uniform(0, 0.05))
-            if outbox:
-                subject, rec = outbox.pop(rng.randrange(len(outbox)))
+            await anyio.sleep(rng.uniform(0, 0.2))
+            batch = [outbox.pop(rng.randrange(len(outbox))) for _ in range(len(outbox))]
+            for subject, rec in batch:
                 if late_s and rng.random() < 0.05:
                     await anyio.sleep(late_s)
                 await transport.publish(subject, rec)
@@ -164,7 +164,7 @@ async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | 
                            num_experts=cfg.n_experts, eos_token_id=tok.im_end_id, seed=sc.seed)  # fmt: skip
     broker = MemoryBroker(ack_wait_s=1.0)
     lcfg = LearnerConfig(run_dir=run, model_dir=model, max_staleness=sc.eta, batch_turns=sc.batch_turns,
-                         lease_s=1.5 if sc.expire else 60.0, actor_timeout_s=1.0, metrics_every_s=60.0,
+                         lease_s=1.5 if sc.expire else 60.0, actor_timeout_s=2.0, metrics_every_s=60.0,
                          trainer=TrainerConfig(lr=1e-3))  # fmt: skip
     learners: list[Learner] = []
     async with anyio.create_task_group() as actors_tg:
@@ -202,7 +202,7 @@ async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | 
                     else:
                         # the killed actor's silence is noticed and its open episodes' aborted ends are taken
                         with anyio.move_on_after(10):
-                            while sc.kill and ("a0" not in learner.liveness.released
+                            while sc.kill and (not any("a0" in lr.liveness.released for lr in learners)
                                                or any(ep.startswith("a0-") for ep in learner.assembler.open)):
                                 await anyio.sleep(0.05)
                         await anyio.sleep(0.2)
@@ -230,16 +230,17 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
     for i, lr in enumerate(learners):
         led = lr.gate.ledger
         assert lr.hist.max <= sc.eta
-        if led.stats.expired == 0 and i == 0:
+        if i == 0 and not sc.expire and not sc.inject:  # every turn had its credit: none arrives unadmitted
+            assert led.stats.unadmitted == 0, f"{sc}: {led.stats.unadmitted} turns arrived without their credit"
+        if i == 0 and led.stats.expired == 0 and led.stats.unadmitted == 0:  # (injected turns past an end have none)
             assert lr.stale_masked_tokens == 0, f"{sc}: {lr.stale_masked_tokens} tokens masked with no lease expired"
         s = lr.settler
         assert s.opened == sum(s.counts.values()) + len(s.untrained), (s.opened, s.counts, len(s.untrained))
-        assert led.size <= (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency, led.snapshot()
+        assert led.size <= 2 * ((sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency), led.snapshot()
     # the actors' open episodes only: an ended (or stopped) episode is no longer anyone's work
-    assert not [ep for ep in final.liveness.owner if ep in final.assembler.ended]
-    assert len(final.liveness.owner) <= sc.actors * sc.concurrency, final.liveness.owner
-    if sc.kill:  # released, and none of its episodes is left open
-        assert "a0" in final.liveness.released, (final.liveness.last_seen, final.liveness.released)
+    assert not [ep for ep in final.liveness.owner if ep in final.assembler.ended or not final._running(ep)]
+    if sc.kill:  # released (by the learner running then), and none of its episodes is left open
+        assert any("a0" in lr.liveness.released for lr in learners), [lr.liveness.released for lr in learners]
         left = {ep: (a.next_turn, a.end_record) for ep, a in final.assembler.open.items() if ep.startswith("a0-")}
         assert not left, f"{sc}: the killed actor's episodes are still open: {left}"
 
@@ -260,5 +261,7 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(t
     steps, counts = trained_counts(tmp_path / "run", learner.state.version)
     assert max(counts.values()) == 1 and max(r["max_staleness"] for r in steps.values()) <= sc.eta
     assert led.stats.granted > 100 and len(sizes) > 100
-    bound = (sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency
-    assert max(sizes) <= bound, (max(sizes), bound, led.snapshot())
+    # in flight: about (η + 1)·B admitted plus a credit per actor slot (ranks freed by untrained settles and
+    # releases are granted again, so not a hard cap); the old grant-order deque grew with every grant
+    bound = 2 * ((sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency)
+    assert max(sizes) <= bound and led.stats.granted > 3 * bound, (max(sizes), bound, led.snapshot())

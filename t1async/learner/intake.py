@@ -93,6 +93,7 @@ class Intake:
         for p in self.poison.at.values():
             if p.episode in self.assembler.open:
                 self.ready.extend(self.assembler.stop(p.episode, p.turn))
+                self._settle_dropped(p.episode)  # its dropped turns settled, no longer its actor's open work
         if n:
             log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version)
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from t1async.log import get_logger
 
@@ -70,7 +71,7 @@ class ActorLiveness:
     def restart_clocks(self) -> None:
         """After a restart nothing was heard yet: every known actor gets a full timeout to show up."""
         now = self.clock()
-        for a in set(self.owner.values()):
+        for a in set(self.owner.values()) | set(self.last_seen):
             self.last_seen[a] = now
 
 
@@ -85,10 +86,21 @@ async def watch_actors(
     from t1async import wire
 
     async def reap() -> None:
+        interval = min(1.0, liveness.timeout_s / 4)
+        last = liveness.clock()
         while True:
-            await anyio.sleep(min(1.0, liveness.timeout_s / 4))
-            for actor in liveness.silent():
-                await on_silent(actor)
+            await anyio.sleep(interval)
+            now = liveness.clock()
+            if now - last > interval + liveness.timeout_s / 2:
+                # this process stalled (a long step, swap): heartbeats wait unread, so silence means nothing
+                log.warning("liveness.stalled", stalled_s=round(now - last, 1), hint="every actor gets a fresh timeout")
+                liveness.restart_clocks()
+            else:
+                for _ in range(3):  # let heartbeats already received be read first
+                    await anyio.lowlevel.checkpoint()
+                for actor in liveness.silent():
+                    await on_silent(actor)
+            last = now
 
     async with transport.subscribe(HEARTBEAT_SUBJECTS) as msgs, anyio.create_task_group() as tg:
         tg.start_soon(reap)

@@ -229,14 +229,13 @@ class Learner(Intake):
                 self.credits.forget(episodes={rec.episode})
         self.ready.extend(self.assembler.feed(rec))
         if isinstance(rec, (wire.TurnRecord, wire.EndRecord)):
-            self._settle_dropped(rec.episode)  # and no longer the actor's open work once its end arrived
+            self._settle_dropped(rec.episode)  # and no longer the actor's open work once it is assembled
             if self._running(rec.episode) and rec.episode not in self.liveness.owner:  # its start record was not seen
                 self.liveness.owns(rec.episode, actor_of(rec.episode))
 
     def _running(self, episode: str) -> bool:
-        """Is ``episode`` still being run by its actor (no end seen)?"""
-        a = self.assembler.open.get(episode)
-        return a.end_record is None if a is not None else episode not in self.assembler.ended
+        """Is ``episode`` still open work of its actor (not yet retired by the assembler)?"""
+        return episode in self.assembler.open or episode not in self.assembler.ended
 
     def settle(self, keys: list[tuple[str, int]], reason: str) -> int:
         """Settle delivered turns (settle.Settler.settle): ``poisoned`` for a rejected record or a failed
@@ -249,7 +248,7 @@ class Learner(Intake):
             by_reason.setdefault(reason, []).append((ep, turn))
         for reason, keys in by_reason.items():
             self.settler.settle(keys, reason)
-        if not self._running(episode):  # ended or stopped (poisoned): no longer its actor's open work
+        if not self._running(episode):  # ended or stopped (poisoned, aborted): no longer its actor's open work
             self.liveness.closed(episode)
 
     async def _release_actor(self, actor: str) -> None:
@@ -260,8 +259,11 @@ class Learner(Intake):
         episodes = self.liveness.episodes_of(actor)
         for ep in episodes:
             a = self.assembler.open.get(ep)
-            turns = a.next_turn if a is not None else 0
-            end = wire.EndRecord(ep, turns, wire.EndReason.ABORTED, 0, 0, False,
+            if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
+                self.ready.extend(self.assembler.stop(ep, a.next_turn))  # there (a restart stops it again)
+                self._settle_dropped(ep)
+                continue
+            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False,
                                  f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s")  # fmt: skip
             await self.transport.publish(traj_subject(ep), end)
         if episodes or freed:
@@ -344,11 +346,11 @@ class Learner(Intake):
         return {
             **{k: v for k, v in self.last_step.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
             "turns_trained": turns_trained,
+            "t_busy_s": self.busy_s,
             "turns_per_s": self.state.session_turns / el,
             "tokens_per_s": self.state.session_tokens / el if self.state.session_tokens else 0.0,
             "max_staleness": self.hist.max,
             "staleness_hist": self.hist.as_dict(),
-            "t_busy_s": self.busy_s,
             "eta": self.cfg.max_staleness,
             "drift": {k: int(drift.get(k, 0)) for k in ("clean", "realign", "fork")},
             "compactions": int(drift.get("compactions", 0)),  # context-policy compactions (FORKs by construction)
