@@ -148,7 +148,14 @@ class DistributedPusher:
 
             for u in self.client.urls:
                 tg.start_soon(one, u)
-            tg.start_soon(lambda: anyio.to_thread.run_sync(W.broadcast, self.pg, tensors, abandon_on_cancel=True))
+            async def send() -> None:
+                try:
+                    await anyio.to_thread.run_sync(W.broadcast, self.pg, tensors, abandon_on_cancel=True)
+                except Exception as exc:  # a peer closed its side (a sampler died or restarted): gloo's error
+                    errors.append(f"broadcast: {exc}")
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(send)
         if errors:
             raise SamplerError(f"weight push v{version} failed on {len(errors)} of {len(self.client.urls)} "
                                f"samplers: {errors[0]}")  # fmt: skip
