@@ -103,3 +103,19 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
         np.testing.assert_allclose(lp2, lp4, rtol=0, atol=1e-6)
         info = httpx.get(surl + "/get_server_info", timeout=10).json()
         assert info["weight_version"] == "5"
+
+
+def test_cluster_up_with_distributed_weight_sync(tmp_path, repo_env):
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", "2", "--batch-turns", "4",
+            "--actors", "1", "--max-turns", "3", "--max-new-tokens", "24", "--weight-sync", "distributed",
+            "--weight-bucket-mb", "4", "--duration", "400", "--plain"]  # fmt: skip
+    out = subprocess.run(argv, env=repo_env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "learner finished" in out.stdout
+    pushed = events(run / "logs" / "learner.log", "learner.weights_pushed")
+    assert [e["version"] for e in pushed] == [1, 2] and all(e["path"] == "distributed" for e in pushed), pushed
+    assert not events(run / "logs" / "sampler.log", "sampler.weights_updated")  # nothing through the disk path
+    bad = subprocess.run([*argv[:4], "--run-dir", str(tmp_path / "bad"), "--weight-bucket-mb", "0"], env=repo_env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "--weight-bucket-mb must be > 0, got 0.0" in bad.stderr + bad.stdout

@@ -119,7 +119,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         "t1async.learner", "serve", "--nats", nats_url, "--run-dir", str(cfg.run_dir),
         "--max-staleness", str(cfg.max_staleness), "--batch-turns", str(cfg.batch_turns),
         "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--lease", str(cfg.lease),
-        "--actor-timeout", str(cfg.actor_timeout),
+        "--actor-timeout", str(cfg.actor_timeout), "--weight-sync", cfg.weight_sync,
+        "--weight-bucket-mb", str(cfg.weight_bucket_mb),
     )  # fmt: skip
     if model is not None:
         learner += ["--model", str(model)]

@@ -60,6 +60,8 @@ class UpConfig:
     lease: float = 180.0
     actor_timeout: float = 15.0
     no_replay: bool = False
+    weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
+    weight_bucket_mb: float = 64.0
     wandb: bool = False  # the learner's curves to Weights & Biases too (TensorBoard files are always written)
     # the held-out eval inside the loop (t1async.eval.loop): every N policy versions, 0 = off
     eval_every: int = 0
@@ -81,6 +83,10 @@ class UpConfig:
         for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.weight_sync not in ("disk", "distributed"):
+            raise ConfigError(f"--weight-sync must be disk or distributed, got {self.weight_sync!r}")
+        if not self.weight_bucket_mb > 0:
+            raise ConfigError(f"--weight-bucket-mb must be > 0, got {self.weight_bucket_mb}")
         if not 1 <= self.samplers <= 16:
             raise ConfigError(f"--samplers must be 1..16, got {self.samplers}")
         if self.samplers > 1 and self.sampler_url:
@@ -216,6 +222,11 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor-timeout", type=float, default=None, help="seconds an actor may go without a heartbeat "
                    f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})")  # fmt: skip
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
+    g.add_argument("--weight-sync", default=None, choices=("disk", "distributed"), help="how each version reaches "
+                   "the samplers: /update_weights_from_disk, or SGLang's /update_weights_from_distributed over a "
+                   f"gloo group (default {d.weight_sync})")  # fmt: skip
+    g.add_argument("--weight-bucket-mb", type=float, default=None, help="MiB per /update_weights_from_distributed "
+                   f"with --weight-sync distributed (default {d.weight_bucket_mb:g})")  # fmt: skip
     g.add_argument("--wandb", action="store_const", const=True, default=None,
                    help="also log the learner's curves to Weights & Biases (needs wandb; WANDB_MODE=offline works)")
     g = p.add_argument_group("eval in the loop")

@@ -165,7 +165,8 @@ class EngineCore:
             log.warning("engine.weights_update_failed", path=str(u.model_path), error=str(exc))
         else:
             self.epoch += 1
-            log.info("engine.weights_updated", path=str(u.model_path), version=u.version)
+            log.info("engine.weights_updated", path=str(u.model_path) if u.tensors is None else "(tensors)",
+                     version=u.version)
 
     # -- admission / prefill ----------------------------------------------------------------------------
 
