@@ -82,6 +82,8 @@ def test_cluster_flags_are_checked():
         UpConfig(stream_replicas=3).check()
     with pytest.raises(ConfigError, match=r"--nats-nodes 3 starts an embedded cluster, --nats uses an external"):
         UpConfig(nats="nats://a:4222", nats_nodes=3).check()
+    with pytest.raises(ConfigError, match=r"--nats-port .* drop --nats-port"):
+        UpConfig(nats_nodes=3, nats_port=4222).check()
     with pytest.raises(ConfigError, match=r"--stream-replicas must be 1..5"):
         UpConfig(nats="nats://a:4222", stream_replicas=7).check()
     assert UpConfig(nats="nats://a:4222,nats://b:4222,nats://c:4222", stream_replicas=3).check()
@@ -119,7 +121,7 @@ async def test_one_node_down_then_two_nothing_admitted_is_lost_or_duplicated(tmp
                 seen["one_down"] = len(published) - mark
                 await cl.restart(0)
                 await cl.wait_healthy(60)  # /healthz on every node: routed, JetStream current again
-                async with NatsTransport(config=fast(cl.nodes[0].url)) as direct:  # node 0 alone holds a replica
+                async with NatsTransport(cl.nodes[0].url) as direct:  # node 0 alone holds a replica
                     info = await stream_info(direct)
                     assert info.cluster.leader and len(info.cluster.replicas) == 2
                     assert all(p.current for p in info.cluster.replicas), info.cluster
@@ -139,7 +141,8 @@ async def test_one_node_down_then_two_nothing_admitted_is_lost_or_duplicated(tmp
                         tg.start_soon(publisher, lane)
                     tg.start_soon(faults)
                     tg.start_soon(consumer)
-            async with NatsTransport(config=fast(cl.url)) as t:
+            await cl.wait_healthy(60)  # the restarted nodes may still be electing: JetStream API calls time out
+            async with NatsTransport(cl.url) as t:
                 stored = (await stream_info(t)).state.messages
     assert seen["one_down"] >= 60, "publishing went on with one node down"
     assert seen["two_down"] <= 4 and seen["retries"] >= 1, f"without quorum, publishes failed loudly: {seen}"

@@ -97,6 +97,9 @@ class UpConfig:
         if self.nats is not None and self.nats_nodes > 1:
             raise ConfigError(f"--nats-nodes {self.nats_nodes} starts an embedded cluster, --nats uses an external one: "
                               "give one of them")  # fmt: skip
+        if self.nats_port and self.nats_nodes > 1:
+            raise ConfigError(f"--nats-port is the single embedded server's port; with --nats-nodes {self.nats_nodes} "
+                              "each node takes a free port: drop --nats-port")  # fmt: skip
         if not 0 <= self.stream_replicas <= 5:
             raise ConfigError(f"--stream-replicas must be 1..5 (JetStream's limit), or 0 for the default; "
                               f"got {self.stream_replicas}")  # fmt: skip
