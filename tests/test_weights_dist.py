@@ -253,3 +253,27 @@ async def test_a_restarted_sampler_rejoins_at_the_next_push(tmp_path):
             await pusher.aclose()
     finally:
         proc.stop()
+
+
+async def test_one_push_reaches_every_sampler():
+    """Two sampler processes are ranks 1 and 2 of one group; one push lands the same weights on both."""
+    from t1async.sampler.launch import SamplerProcess
+
+    procs = [SamplerProcess(max_batch=4), SamplerProcess(max_batch=4)]
+    try:
+        urls = [p.start() for p in procs]
+        model = _perturbed(8)
+        async with SGLangClient(urls) as both, SGLangClient(urls[:1]) as a, SGLangClient(urls[1:]) as b:
+            before = await _logprobs(a)
+            pusher = DistributedPusher(both, WeightPushConfig(bucket_mb=0.25))
+            try:
+                await pusher.push(model, version=3)
+            finally:
+                await pusher.aclose()
+            (ia, la, va), (ib, lb, vb) = await _logprobs(a), await _logprobs(b)
+            assert va == vb == 3 and np.array_equal(ia, ib)
+            np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
+            assert not (np.array_equal(before[0], ia) and np.allclose(before[1], la))
+    finally:
+        for p in procs:
+            p.stop()
