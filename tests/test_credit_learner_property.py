@@ -60,9 +60,6 @@ class SplitSampler(MemorySampler):
         self.rng = rng
         self.split_turns = 0
 
-    async def update_weights_from_disk(self, path: str, version: int | str | None = None) -> list[dict]:
-        return await super().update_weights_from_disk(path, version)
-
     async def generate(self, input_ids, params, *, routed_experts_start_len=None, rid=None):
         v0 = self.weight_version
         g = await super().generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
