@@ -362,7 +362,9 @@ class Engine:
         """The model's state_dict names and shapes (what a distributed update may name)."""
         return {k: tuple(v.shape) for k, v in self._core.model.state_dict().items()}
 
-    async def update_weights_from_tensors(self, tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+    async def update_weights_from_tensors(
+        self, tensors: dict[str, torch.Tensor], weight_version: str | None = None
+    ) -> None:
         """Copy named tensors (some or all of the state dict) into the model between steps, as one update:
         the same swap as ``update_weights_from_disk`` (cache flushed, version set); raises ConfigError if a
         name or shape does not fit (the model is then unchanged)."""

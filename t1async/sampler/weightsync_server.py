@@ -125,7 +125,8 @@ class WeightSync:
         t0 = time.perf_counter()
         try:
             pg = await anyio.to_thread.run_sync(lambda: W.open_group(
-                None, host=host, port=port, rank=offset, world_size=world, group_name=name, backend=backend))  # fmt: skip
+                None, host=host, port=port, rank=offset, world_size=world, group_name=name,
+                backend=backend))  # fmt: skip
         except Exception as exc:  # rendezvous timed out, the store is unreachable
             log.warning("sampler.weight_group_failed", group=name, error=repr(exc))
             return _reply(False, f"Failed to init group {name}: {exc}", 500)
