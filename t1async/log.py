@@ -14,7 +14,8 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import IO, Any
+from collections.abc import MutableMapping
+from typing import IO, Any, TextIO, cast
 
 import structlog
 
@@ -30,7 +31,7 @@ class _Tee:
         self.console_renderer, self.json_renderer = console_renderer, json_renderer
         self.console_level = console_level
 
-    def __call__(self, logger: Any, method: str, event: dict) -> str:
+    def __call__(self, logger: Any, method: str, event: MutableMapping[str, Any]) -> str:
         if self.file is not None:
             self.file.write(self.json_renderer(logger, method, dict(event)) + "\n")
             self.file.flush()
@@ -56,14 +57,14 @@ def configure(
     level: str | None = None,
     *,
     json: bool | None = None,
-    stream: IO[str] | None = None,
+    stream: TextIO | None = None,
     log_file: str | Path | None = None,
     console_level: str | None = None,
 ) -> None:
     """Set up structlog for this process. Safe to call more than once (the last call wins).
 
     ``console_level`` (default: ``level``) lets the console show less than the log file gets."""
-    stream = stream or _CurrentStderr()
+    stream = stream or cast(TextIO, _CurrentStderr())  # duck-typed: write/flush/isatty are all used
     level_name = (level or os.environ.get("T1_LOG_LEVEL") or "info").lower()
     if level_name not in _LEVELS:
         raise ValueError(f"log level {level_name!r} is not one of {sorted(_LEVELS)}")

@@ -208,12 +208,10 @@ class CreditLedger:
             return seen
         self.expire(now)
         q = self._by_episode.get(episode)
-        t = None
-        if q:
-            t = next((x for x in q if x.turn == turn), q[0])
-        if t is None:
+        if not q:
             self.stats.unadmitted += 1
             return None
+        t = next((x for x in q if x.turn == turn), q[0])
         q.remove(t)
         if not q:
             del self._by_episode[episode]

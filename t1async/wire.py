@@ -9,6 +9,7 @@ the dead-letter subject ``t1.dead.<reason>``. Arbitrary bytes never raise anythi
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import math
 from dataclasses import dataclass, field, fields
@@ -266,14 +267,16 @@ class _Fields:
             raise self._err(name, "must be a non-empty string")
         return val
 
-    def enum(self, name: str, enum: type[Enum]) -> Any:
+    def enum(self, name: builtins.str, enum: type[Enum]) -> Any:
         val = self.get(name, str, what="str")
         try:
             return enum(val)
         except ValueError:
             raise self._err(name, f"{val!r} is not one of {[e.value for e in enum]}") from None
 
-    def array(self, name: str, m: Any = None, *, dtypes: tuple[str, ...], ndim: int) -> np.ndarray:
+    def array(
+        self, name: builtins.str, m: Any = None, *, dtypes: tuple[builtins.str, ...], ndim: builtins.int
+    ) -> np.ndarray:
         m = self.get(name, dict, what="array map {dtype, shape, data}") if m is None else m
         for key in ("dtype", "shape", "data"):
             if key not in m:

@@ -7,7 +7,7 @@ both implement it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class SamplingParams:
     seed: int | None = None  # SGLang's sampling_seed: the same seed, weights and input give the same sample
 
     def to_sglang(self) -> dict:
-        d = {
+        d: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
