@@ -71,7 +71,7 @@ RECIPES: dict[str, Recipe] = {
     # deliberately under-trained, so sampled at temperature 1 it copies some file names and misses others
     "micro": Recipe(
         name="micro", model=MODEL_PRESETS["tiny"], families=("touch4",), tasks=160, task_seed=2001,
-        sft=SFTConfig(steps=80, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+        sft=SFTConfig(steps=200, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
 }
 
