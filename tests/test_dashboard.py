@@ -194,3 +194,11 @@ def test_keys_are_not_echoed_while_the_dashboard_is_drawn_and_echo_comes_back():
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_the_plain_line_shows_the_latest_in_loop_eval():
+    view = fed(5, wait=30, sample=35, exec_=2)
+    assert "pass@1" not in plain_line(view)  # no evaluator: nothing made up
+    view.on_metrics("eval", "eval", 3, 4, {"pass1": 0.25, "tests_mean": 1.5, "tasks": 18})
+    view.on_metrics("eval", "eval", 6, 8, {"pass1": 0.5, "tests_mean": 2.25, "tasks": 18})
+    assert plain_line(view).endswith("eval v8 pass@1 50% tests 2.25")

@@ -336,4 +336,7 @@ def plain_line(view: RunView) -> str:
         f"mismatch {fmt(_over(v, 'mismatch', 'mismatch_tokens'), '.4f')}",
         f"limit: {view.bottleneck(short=True)}",
     ]  # fmt: skip
+    if view.eval is not None and "pass1" in view.eval:  # the in-loop eval (cluster up --eval-every)
+        parts.append(f"eval v{view.eval.get('version', DASH)} pass@1 {fmt(view.eval['pass1'], '.0%')} "
+                     f"tests {fmt(view.eval.get('tests_mean'), '.2f')}")  # fmt: skip
     return " | ".join(parts)
