@@ -277,3 +277,33 @@ async def test_one_push_reaches_every_sampler():
     finally:
         for p in procs:
             p.stop()
+
+
+async def test_a_dead_sampler_is_left_out_and_taken_in_when_it_is_back():
+    """As with the disk path, a sampler that is down does not stop the push to the others; when it answers
+    again, the next push makes a new group that takes it in."""
+    from t1async.sampler.launch import SamplerProcess
+
+    procs = [SamplerProcess(max_batch=4), SamplerProcess(max_batch=4)]
+    try:
+        urls = [p.start() for p in procs]
+        port = int(urls[1].rsplit(":", 1)[1])
+        procs[1].stop()
+        model = _perturbed(9)
+        async with SGLangClient(urls) as both, SGLangClient(urls[:1]) as a, SGLangClient(urls[1:]) as b:
+            pusher = DistributedPusher(both, WeightPushConfig(bucket_mb=0.25))
+            try:
+                await pusher.push(model, version=1)
+                assert pusher.members == urls[:1] and (await _logprobs(a))[2] == 1
+                procs[1] = SamplerProcess(max_batch=4, port=port)
+                assert procs[1].start() == urls[1]
+                await pusher.push(model, version=2)
+                assert pusher.members == urls
+                (ia, la, va), (ib, lb, vb) = await _logprobs(a), await _logprobs(b)
+                assert va == vb == 2 and np.array_equal(ia, ib)
+                np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
+            finally:
+                await pusher.aclose()
+    finally:
+        for p in procs:
+            p.stop()

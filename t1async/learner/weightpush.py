@@ -64,11 +64,17 @@ class DistributedPusher:
         self.client, self.cfg = client, config
         self.pg: Any = None
         self.store: Any = None
+        self.members: list[str] = []  # the samplers in the current group (those reachable when it was made)
         self.pushes = 0
         self.last: dict = {}
 
     async def connect(self) -> None:
-        urls = list(self.client.urls)
+        urls = await W.reachable(self.client, self.client.urls)
+        if not urls:
+            raise SamplerError(f"no sampler answers /health ({', '.join(self.client.urls)}): cannot push weights")
+        if len(urls) < len(self.client.urls):  # as the disk path: a dead sampler is synced when it is back
+            log.warning("sampler.push_skipped", urls=[u for u in self.client.urls if u not in urls],
+                        path="distributed")
         world = 1 + len(urls)
         self.store = W.store_master(self.cfg.host, self.cfg.port, world, self.cfg.timeout_s)
         port = self.store.port
@@ -87,7 +93,7 @@ class DistributedPusher:
                 tg.start_soon(lambda u=u, i=i: W.init_weights_update_group(
                     self.client, u, master_address=self.cfg.host, master_port=port, rank_offset=1 + i,
                     world_size=world, group_name=self.cfg.group_name, backend=self.cfg.backend))  # fmt: skip
-        self.pg = result["pg"]
+        self.pg, self.members = result["pg"], urls
         log.info("learner.weight_group", samplers=len(urls), port=port, backend=self.cfg.backend,
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
@@ -103,25 +109,28 @@ class DistributedPusher:
             return await self._push_once(model, version)
 
     async def _push_once(self, model: torch.nn.Module, version: int) -> dict:
+        left_out = [u for u in self.client.urls if u not in self.members]
+        if self.pg is not None and left_out and await W.reachable(self.client, left_out):
+            await self.aclose()  # a sampler is back: a new group takes it in
         if self.pg is None:
             await self.connect()
         named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
         parts = buckets(named, self.cfg.bucket_mb)
         t0 = time.perf_counter()
-        await W.pause_generation(self.client)
+        await W.pause_generation(self.client, urls=self.members)
         try:
             for part in parts:
                 await self._bucket(part, version)
         except BaseException:
             with anyio.CancelScope(shield=True):  # the group may be half-used: drop it, reconnect next time
                 try:
-                    await W.continue_generation(self.client)
+                    await W.continue_generation(self.client, urls=self.members)
                 except SamplerError as exc:
                     log.warning("learner.continue_failed", error=str(exc))
                 await self.aclose()
             raise
         else:
-            await W.continue_generation(self.client)
+            await W.continue_generation(self.client, urls=self.members)
         self.pushes += 1
         mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
         self.last = {"seconds": time.perf_counter() - t0, "buckets": len(parts), "mb": mb, "version": version}
@@ -146,7 +155,7 @@ class DistributedPusher:
                     errors.append(str(exc))
                     tg.cancel_scope.cancel()  # a sampler that did not receive would leave the broadcast waiting
 
-            for u in self.client.urls:
+            for u in self.members:
                 tg.start_soon(one, u)
             async def send() -> None:
                 try:
@@ -157,15 +166,15 @@ class DistributedPusher:
 
             tg.start_soon(send)
         if errors:
-            raise SamplerError(f"weight push v{version} failed on {len(errors)} of {len(self.client.urls)} "
+            raise SamplerError(f"weight push v{version} failed on {len(errors)} of {len(self.members)} "
                                f"samplers: {errors[0]}")  # fmt: skip
 
     async def aclose(self) -> None:
         if self.pg is None:
             return
-        self.pg = None
+        self.pg, members, self.members = None, self.members, []
         with anyio.CancelScope(shield=True):
-            for u in self.client.urls:
+            for u in members:
                 try:
                     await W.destroy_weights_update_group(self.client, u, self.cfg.group_name)
                 except SamplerError as exc:  # the sampler is gone: nothing to tear down there

@@ -119,7 +119,8 @@ async def destroy_weights_update_group(client: Any, url: str, group_name: str = 
     return await _post(client, url, "/destroy_weights_update_group", {"group_name": group_name})
 
 
-async def _every(client: Any, path: str, body: dict) -> None:
+async def _every(client: Any, path: str, body: dict, urls: Sequence[str] | None = None) -> None:
+    urls = list(client.urls if urls is None else urls)
     errors: list[str] = []
 
     async def one(u: str) -> None:
@@ -129,17 +130,34 @@ async def _every(client: Any, path: str, body: dict) -> None:
             errors.append(str(exc))
 
     async with anyio.create_task_group() as tg:
-        for u in client.urls:
+        for u in urls:
             tg.start_soon(one, u)
     if errors:
-        raise SamplerError(f"{path} failed on {len(errors)} of {len(client.urls)} samplers: {errors[0]}")
+        raise SamplerError(f"{path} failed on {len(errors)} of {len(urls)} samplers: {errors[0]}")
 
 
-async def pause_generation(client: Any, mode: str = "in_place") -> None:
-    """``/pause_generation`` on every sampler. ``in_place`` keeps running requests (SGLang's default,
-    ``abort``, aborts them)."""
-    await _every(client, "/pause_generation", {"mode": mode})
+async def pause_generation(client: Any, mode: str = "in_place", urls: Sequence[str] | None = None) -> None:
+    """``/pause_generation`` on every sampler (or ``urls``). ``in_place`` keeps running requests (SGLang's
+    default, ``abort``, aborts them)."""
+    await _every(client, "/pause_generation", {"mode": mode}, urls)
 
 
-async def continue_generation(client: Any) -> None:
-    await _every(client, "/continue_generation", {})
+async def continue_generation(client: Any, urls: Sequence[str] | None = None) -> None:
+    await _every(client, "/continue_generation", {}, urls)
+
+
+async def reachable(client: Any, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
+    """Those of ``urls`` whose ``/health`` answers 200 now (in the given order)."""
+    ok: set[str] = set()
+
+    async def one(u: str) -> None:
+        try:
+            if (await client._http.get(u + "/health", timeout=timeout_s)).status_code == 200:
+                ok.add(u)
+        except httpx.HTTPError:
+            pass
+
+    async with anyio.create_task_group() as tg:
+        for u in urls:
+            tg.start_soon(one, u)
+    return [u for u in urls if u in ok]
