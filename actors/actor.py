@@ -67,7 +67,7 @@ async def run_actor(
     tokenizer: ChatTokenizerLike,
     agent: AgentConfig,
     backend: SandboxBackend | None = None,
-    task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
+    task_status: anyio.abc.TaskStatus[EpisodeStats] = anyio.TASK_STATUS_IGNORED,
 ) -> EpisodeStats:
     backend = backend or AutoBackend()
     tasks = load_task_pool(config.tasks_dir, config.split, backend)

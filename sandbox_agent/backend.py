@@ -149,6 +149,7 @@ class ContainerBackend:
         """The episode's container (its image built first if needed); removed on exit."""
         podman, env = images.podman(), images.podman_env()
         image = await anyio.to_thread.run_sync(images.task_image, task)
+        volumes: tuple[tuple[str, str], ...]
         if dockerfile.dockerfile_of(task) is None:  # default environment: the work dir is the state
             inside, volumes = SANDBOX_WORKDIR, ((str(workdir), SANDBOX_WORKDIR),)
         else:

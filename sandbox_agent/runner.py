@@ -233,7 +233,8 @@ def solution_chunks(script: str, max_chunks: int = 40) -> list[str]:
     on the first failing command).
     """
     lines = [ln for ln in script.splitlines() if not ln.startswith("#!") and ln.strip() not in _SET_E]
-    paras, cur = [], []
+    paras: list[str] = []
+    cur: list[str] = []
     for ln in lines:
         if ln.strip() == "" and cur:
             paras.append("\n".join(cur))

@@ -130,7 +130,11 @@ class Sandbox(Protocol):
     ones must lie under it. A missing file raises ``FileNotFoundError``.
     """
 
-    workdir: Path  # host path of the task's work dir (SANDBOX_WORKDIR inside)
+    @property
+    def workdir(self) -> Path | str:
+        """The task's work dir: a host Path (bwrap; SANDBOX_WORKDIR inside), or the path inside the container
+        (str, the container backend)."""
+        ...
 
     async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult: ...
 

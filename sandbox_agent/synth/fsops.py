@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import cast
 
 from sandbox_agent.synth.common import EXTS, WORDS, SynthSpec, ident, para, pick
 
@@ -13,7 +14,9 @@ def files_family(rng: random.Random) -> SynthSpec:
     names: dict[str, list[str]] = {e: sorted({ident(rng) for _ in range(rng.randint(2, 5))}) for e in exts}
     other = rng.choice([e for e in EXTS if e not in exts])
     keep = sorted({ident(rng) for _ in range(rng.randint(1, 3))})
-    files = {f"{inbox}/{n}.{e}": para(rng, 6) + "\n" for e, ns in names.items() for n in ns}
+    files: dict[str, str | bytes] = {
+        f"{inbox}/{n}.{e}": para(rng, 6) + "\n" for e, ns in names.items() for n in ns
+    }
     files.update({f"{inbox}/{n}.{other}": para(rng, 4) + "\n" for n in keep})
     dest = rng.choice(["sorted", "by_type", "archive", "organized"])
     manifest = rng.choice(["manifest.txt", "moved.txt", "index.txt"])
@@ -114,7 +117,8 @@ def test_other_files_kept():
 def test_token_count():
     assert read("token_count.txt").strip() == "{with_token}"
 """
-    return SynthSpec("find", instr, sol, tests, files=files, difficulty="medium", tags=("find", "xargs"))
+    spec_files = cast("dict[str, str | bytes]", files)  # only str values: read above as text
+    return SynthSpec("find", instr, sol, tests, files=spec_files, difficulty="medium", tags=("find", "xargs"))
 
 
 def perms_family(rng: random.Random) -> SynthSpec:
@@ -126,7 +130,7 @@ def perms_family(rng: random.Random) -> SynthSpec:
     shared = rng.choice(["shared", "team", "public_dir"])
     smode = rng.choice([0o600, 0o400])
     dmode = rng.choice([0o750, 0o770, 0o755])
-    files: dict[str, str] = {f"{sdir}/{s}": f"#!/bin/bash\necho {s}\n" for s in scripts}
+    files: dict[str, str | bytes] = {f"{sdir}/{s}": f"#!/bin/bash\necho {s}\n" for s in scripts}
     files.update({f"{sdir}/{o}": para(rng, 5) + "\n" for o in others})
     files[f"{secret}/{secret_file}"] = f"{ident(rng, 3)}\n"
     modes = {p: 0o644 for p in files}
