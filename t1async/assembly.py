@@ -57,7 +57,8 @@ def _fingerprint(rec: wire.TurnRecord) -> tuple:
     counter a dropped record lands in."""
     out = np.ascontiguousarray(rec.output_ids, dtype="<i4")
     lps = np.ascontiguousarray(rec.output_logprobs, dtype="<f4")
-    crc = zlib.crc32(memoryview(lps).cast("B"), zlib.crc32(memoryview(out).cast("B")))
+    # ignore[arg-type]: ndarray is a buffer; numpy types __buffer__ for Python 3.12+ only
+    crc = zlib.crc32(memoryview(lps).cast("B"), zlib.crc32(memoryview(out).cast("B")))  # type: ignore[arg-type]
     rt = None if rec.routing is None else (rec.routing.start, rec.routing.experts.shape)
     return (rec.keep, rec.input_len, rec.input_digest, rec.policy_version, rec.finish, rec.reward, len(out), crc, rt)
 
@@ -190,23 +191,25 @@ class EpisodeAssembler:
         if self.finished or self.end_record is None or self.next_turn < self.end_record.turns:
             return []
         self.finished = True
-        self._apply_unstreamed(self.end_record.unstreamed_reward)
+        self._apply_unstreamed(self.end_record)
         out = self._close(done=True)
         self.stats.ended_after_cut += not out and self.next_turn > 0 and not self.lost
         return out
 
-    def _apply_unstreamed(self, reward: float) -> None:
+    def _apply_unstreamed(self, end: wire.EndRecord) -> None:
         """The end's unstreamed reward belongs to the last turn (its action led to the verified state)."""
+        reward = end.unstreamed_reward
         if not reward:
             return
         spans = self.builder.spans if self.builder is not None else []
-        if spans and not spans[-1].trained and spans[-1].turn == self.end_record.turns - 1:
+        if spans and not spans[-1].trained and spans[-1].turn == end.turns - 1:
             spans[-1].reward += reward
         else:
             self.stats.unstreamed_unapplied += 1
 
     def _process(self, rec: wire.TurnRecord) -> list[Segment]:
-        st, b, out = self.stats, self.builder, []
+        st, b = self.stats, self.builder
+        out: list[Segment] = []
         st.turns += 1
         st.compactions += rec.compacted
         prev = _EMPTY if b is None else b.tokens[: b.n]

@@ -192,7 +192,7 @@ def hash_digest(h: Any) -> bytes:
 def hash_update(h: Any, ids: np.ndarray) -> None:
     """Feed int32 ids to a hasher without copying when they are already contiguous little-endian int32."""
     a = ids if ids.dtype == np.dtype("<i4") and ids.flags.c_contiguous else np.ascontiguousarray(ids, dtype="<i4")
-    h.update(memoryview(a).cast("B"))
+    h.update(memoryview(a).cast("B"))  # type: ignore[arg-type]  # ndarray is a buffer; numpy types __buffer__ for 3.12+ only
 
 
 @dataclass(frozen=True)

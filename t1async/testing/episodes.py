@@ -246,6 +246,7 @@ def check_segments(case: EpisodeCase, segments: Iterable[Segment], *, full_routi
             trained[int(t)][k] = True
             n_loss += len(pos)
         assert np.all(seg.logprobs[~lm] == 0) and np.all(seg.versions[~lm] == -1)
+        assert seg.turn_numbers is not None, "a segment with loss tokens has turn numbers"
         assert set(seg.turn_numbers.tolist()) == set(np.unique(seg.turn_ids[lm]).tolist())
         if seg.routing is not None:
             want = route_rows(toks, case.layers, case.topk, case.num_experts).astype(np.int16)

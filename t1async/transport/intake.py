@@ -74,9 +74,9 @@ class StreamIntake(Generic[H]):
             out.seqs.extend(s for s, _ in parts)
             self._hold(parts)
         for group, parts, have, count in self._rejoin.expire(now, self.chunk_timeout_s):
-            err = WireError(f"chunk: record {group!r} incomplete after {self.chunk_timeout_s}s ({have} of {count} chunks)",
-                            field="T1-Chunk", reason="chunk")  # fmt: skip
-            self._reject(out, group, b"", err, parts)
+            late = WireError(f"chunk: record {group!r} incomplete after {self.chunk_timeout_s}s ({have} of {count} chunks)",
+                             field="T1-Chunk", reason="chunk")  # fmt: skip
+            self._reject(out, group, b"", late, parts)
         self.stats.delivered += len(out.deliveries)
         return out
 

@@ -13,7 +13,7 @@ import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -122,7 +122,8 @@ class MemoryBroker:
 
     def fetch(self, name: str, n: int) -> tuple[list[tuple[_Stored, int]], float]:
         """Up to ``n`` messages (redeliveries first) and the time of the next redelivery (inf if none)."""
-        d, now, out = self._durables[name], time.monotonic(), []
+        d, now = self._durables[name], time.monotonic()
+        out: list[tuple[_Stored, int]] = []
         for seq, p in sorted(d.pending.items()):
             if len(out) >= n:
                 break
@@ -204,7 +205,7 @@ class MemoryTransport(Transport):
             intake.release_all()
             self.broker.release(durable)
 
-    async def _batches(self, durable: str, n: int, intake: StreamIntake[int]) -> AsyncIterator[Batch]:
+    async def _batches(self, durable: str, n: int, intake: StreamIntake[int]) -> AsyncGenerator[Batch, None]:
         while True:
             self._check_open()
             changed = self.broker._changed

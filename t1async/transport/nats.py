@@ -25,7 +25,7 @@ import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import nats
@@ -191,6 +191,7 @@ class NatsTransport(Transport):
         self._check_open()
         data = wire.encode(record)
         js = is_traj(subject)
+        pieces: Sequence[tuple[dict[str, str] | None, bytes]]
         if js:
             pieces = chunking.split(data, msg_id or default_msg_id(record), self.max_payload)
         elif len(data) > chunking.chunk_size(self.max_payload, ""):
@@ -257,7 +258,7 @@ class NatsTransport(Transport):
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await self._bridge.run(self._aio_release, psub, intake.release_all())
 
-    async def _batches(self, psub: Any, n: int, max_wait_s: float, intake: StreamIntake[Any]) -> AsyncIterator[Batch]:
+    async def _batches(self, psub: Any, n: int, max_wait_s: float, intake: StreamIntake[Any]) -> AsyncGenerator[Batch, None]:
         while True:
             self._check_open()
             try:
@@ -330,7 +331,7 @@ class NatsTransport(Transport):
             finally:
                 await gen.aclose()
 
-    async def _messages(self, q: Any, include_malformed: bool) -> AsyncIterator[Message]:
+    async def _messages(self, q: Any, include_malformed: bool) -> AsyncGenerator[Message, None]:
         async for msg, _reply in self._received(q, include_malformed):
             yield msg
 
@@ -356,7 +357,7 @@ class NatsTransport(Transport):
             finally:
                 await gen.aclose()
 
-    async def _requests(self, q: Any) -> AsyncIterator[Request]:
+    async def _requests(self, q: Any) -> AsyncGenerator[Request, None]:
         async for msg, reply in self._received(q, include_malformed=False):
             if not reply:
                 log.warning("transport.request_without_reply", subject=msg.subject)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 
@@ -61,7 +61,7 @@ class PublishPipeline:
         self._infl_tx, self._infl_rx = anyio.create_memory_object_stream[tuple](config.max_inflight_batches)
         self.drained = anyio.Event()
 
-    async def put(self, subject: str, pieces: list[tuple[dict[str, str] | None, bytes]], acked: bool) -> None:
+    async def put(self, subject: str, pieces: Sequence[tuple[dict[str, str] | None, bytes]], acked: bool) -> None:
         """Queue the pieces of one message and return once all were acknowledged (or raise why not)."""
         deadline = time.monotonic() + self.config.publish_deadline_s
         items = [Outgoing(subject, d, h, acked, deadline) for h, d in pieces]
