@@ -24,19 +24,30 @@ class BatchError(T1Error):
 
 
 class SegmentLike(Protocol):
-    """The fields of ``t1async.tito.Segment`` the learner reads."""
+    """The fields of ``t1async.tito.Segment`` the learner reads (read-only: a frozen Segment satisfies it)."""
 
-    episode: str
-    index: int
-    tokens: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # bool [T]
-    logprobs: np.ndarray  # float32 [T]
-    versions: np.ndarray  # int32 [T], -1 off the loss mask
-    turn_ids: np.ndarray  # int32 [T]
-    routing: np.ndarray | None  # int16 [T, L, K], -1 missing
-    turn_ends: np.ndarray  # int32 [n]
-    turn_rewards: np.ndarray  # float32 [n]
-    done: bool
+    @property
+    def episode(self) -> str: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def tokens(self) -> np.ndarray: ...  # int32 [T]
+    @property
+    def loss_mask(self) -> np.ndarray: ...  # bool [T]
+    @property
+    def logprobs(self) -> np.ndarray: ...  # float32 [T]
+    @property
+    def versions(self) -> np.ndarray: ...  # int32 [T], -1 off the loss mask
+    @property
+    def turn_ids(self) -> np.ndarray: ...  # int32 [T]
+    @property
+    def routing(self) -> np.ndarray | None: ...  # int16 [T, L, K], -1 missing
+    @property
+    def turn_ends(self) -> np.ndarray: ...  # int32 [n]
+    @property
+    def turn_rewards(self) -> np.ndarray: ...  # float32 [n]
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass(frozen=True)

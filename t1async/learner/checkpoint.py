@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -29,6 +30,9 @@ from t1async.errors import ConfigError
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into, save_pretrained
+
+if TYPE_CHECKING:
+    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.checkpoint")
 
@@ -84,7 +88,7 @@ def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
 
 def save_checkpoint(
     root: str | Path,
-    model: torch.nn.Module,
+    model: MoETransformer,
     optimizer: torch.optim.Optimizer | None,
     *,
     version: int,
@@ -117,7 +121,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path, model: MoETransformer, optimizer: torch.optim.Optimizer | None = None
 ) -> CheckpointInfo:
     """Load weights (in place, keeping the model's dtype) and, if given, the optimizer state."""
     d = Path(path)

@@ -90,7 +90,7 @@ class PoisonBook:
         new poisons included, whatever the order the turns arrived in). ``version``: the learner's. Counts
         nothing: see ``count``."""
         out = Screened()
-        stop = {}
+        stop: dict[str, int] = {}
         for r in records:
             try:
                 check_record(r, self.limits, version)

@@ -286,9 +286,9 @@ class Learner(Intake):
         segs, self.ready = self.ready + cuts, []
         out = []
         for s in segs:
-            s = self._mask(s)
-            if s is not None:
-                out.append(s)
+            masked = self._mask(s)
+            if masked is not None:
+                out.append(masked)
         return out
 
     def _mask(self, s: Segment) -> Segment | None:

@@ -19,16 +19,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import anyio
 import numpy as np
 import torch
-from torch import nn
 
 from t1async.errors import ConfigError
 from t1async.learner.batch import plan_microbatches
 from t1async.log import get_logger
+
+if TYPE_CHECKING:
+    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.sft")
 
@@ -136,7 +138,7 @@ def _pad(examples: Sequence[Example], idx: Sequence[int], pad_id: int) -> tuple[
     return torch.from_numpy(toks), torch.from_numpy(mask)
 
 
-def demo_loss(model: nn.Module, examples: Sequence[Example], *, pad_id: int = 0, batch_tokens: int = 8192) -> float:
+def demo_loss(model: MoETransformer, examples: Sequence[Example], *, pad_id: int = 0, batch_tokens: int = 8192) -> float:
     """Mean next-token cross-entropy over the loss tokens of ``examples`` (no gradient)."""
     total, count = 0.0, 0
     was = model.training
@@ -154,14 +156,14 @@ def demo_loss(model: nn.Module, examples: Sequence[Example], *, pad_id: int = 0,
     return total / max(count, 1)
 
 
-def _nll(model: nn.Module, toks: torch.Tensor) -> torch.Tensor:
+def _nll(model: MoETransformer, toks: torch.Tensor) -> torch.Tensor:
     """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask). The
     lm_head runs in checkpointed chunks (``MoETransformer.token_logprobs``): no [B, T, V] logits."""
     out = model(toks, logits=False)
     return -model.token_logprobs(out.hidden, toks)[0][:, 1:]
 
 
-def sft_train(model: nn.Module, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0) -> list[float]:
+def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0) -> list[float]:
     """Train the LM head on the examples' loss tokens; returns the loss of every step."""
     if not examples:
         raise ConfigError("SFT needs at least one demonstration example")

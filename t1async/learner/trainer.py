@@ -18,18 +18,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from t1async.errors import ConfigError
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.log import get_logger
+
+if TYPE_CHECKING:
+    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.trainer")
 
@@ -122,8 +125,8 @@ class _Scored:
     batch: Batch
     prox_logp: Tensor  # detached [B, T]
     old_values: Tensor  # detached [B, T], value of the state each token was chosen in
-    adv: Tensor | None = None
-    ret: Tensor | None = None
+    adv: Tensor  # [B, T] advantages (normalised in place when configured)
+    ret: Tensor  # [B, T] returns
     out_logp: Tensor | None = None  # with grad (single-pass mode)
     out_values: Tensor | None = None
     out_entropy: Tensor | None = None
@@ -132,7 +135,7 @@ class _Scored:
 class Trainer:
     """Owns the model's optimizer and takes PPO steps on it. The model stays the caller's."""
 
-    def __init__(self, model: nn.Module, config: TrainerConfig = TrainerConfig()) -> None:
+    def __init__(self, model: MoETransformer, config: TrainerConfig = TrainerConfig()) -> None:
         self.model = model
         self.config = config
         self.mcfg = model.cfg
@@ -153,13 +156,16 @@ class Trainer:
         vals = torch.cat([torch.zeros_like(out.values[:, :1]), out.values[:, :-1]], dim=1)
         return out, logp, vals, ent
 
-    def _advantages(self, sc: _Scored, segs: Sequence[SegmentLike], value_head: Tensor) -> None:
+    def _advantages(
+        self, batch: Batch, segs: Sequence[SegmentLike], value_head: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(advantages, returns) [B, T] of ``batch``'s rows."""
         cfg = self.config
-        b, t = sc.batch.shape
+        b, t = batch.shape
         adv = np.zeros((b, t), dtype=np.float32)
         ret = np.zeros((b, t), dtype=np.float32)
         vh = value_head.detach().double().cpu().numpy()
-        for row, i in enumerate(sc.batch.index):
+        for row, i in enumerate(batch.index):
             s = segs[i]
             n = len(s.tokens)
             values = np.concatenate([[0.0], vh[row, :n]])  # values[p] = head at p - 1; values[n] = bootstrap
@@ -168,7 +174,7 @@ class Trainer:
                 gamma=cfg.gamma, lam=cfg.lam, discount_per=cfg.discount_per,
             )  # fmt: skip
             adv[row, :n], ret[row, :n] = a, r
-        sc.adv, sc.ret = torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
+        return torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
 
     # -------------------------------------------------------------------------------------------- step
 
@@ -194,10 +200,9 @@ class Trainer:
         for b in batches:
             with torch.set_grad_enabled(single):
                 out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
-            sc = _Scored(b, logp.detach(), vals.detach())
+            sc = _Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
-            self._advantages(sc, segments, out.values)
             d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
             differ, compared, missing = differ + d, compared + c, missing + mi
             used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
@@ -216,7 +221,7 @@ class Trainer:
                 sc.adv = torch.where(sc.batch.loss_mask, (sc.adv - adv_mean) / (adv_std + 1e-8), sc.adv)
 
         # 2. PPO epochs: accumulate over micro-batches, one optimizer step per epoch
-        sums: Counter[str] = Counter()
+        sums: defaultdict[str, float] = defaultdict(float)
         grad_norm = 0.0
         t_update = time.perf_counter()
         for _epoch in range(cfg.ppo_epochs):
