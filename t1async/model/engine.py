@@ -313,6 +313,8 @@ class Engine:
                 lps += ev.new_logprobs
                 versions += ev.new_versions or []
                 last = ev
+        if last.finish_reason is None:  # the final event (finished=True) always carries one
+            raise SamplerError(f"request {req.rid}: its event stream ended without a finish reason (an engine bug)")
         return GenResult(
             rid=req.rid,
             output_ids=ids,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(x.shape))
 
     def forward_cached(
-        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor
+        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor | None
     ) -> Tensor:
         """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias from ``attention_bias`` (0 where
         a query may attend, -inf elsewhere), or None when every row's tokens sit at positions [0, n). Decoding (n = 1): one batched matmul each for scores and values,
@@ -407,7 +408,7 @@ class MoETransformer(nn.Module):
         h = self.embed(input_ids)
         topk = []
         last = len(self.blocks) - 1
-        for i, blk in enumerate(self.blocks):
+        for i, blk in enumerate(cast("list[Block]", self.blocks)):  # a ModuleList of Blocks (see __init__)
             kc, vc = cache.layer(i, slot0, b)
             h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
             if i == last and logits_at is not None and n > 1:

@@ -192,6 +192,8 @@ class EngineCore:
             s.epoch = self.epoch
             s.cached = s.n_fed = cached
             if cached:
+                if entry is None:
+                    raise RuntimeError("prefix cache reported a hit without an entry: a kvcache.lookup bug")
                 s.routing.append(entry.routing[:cached])
                 s.prefix_kv = entry.kv
         seqs = taken
@@ -204,6 +206,8 @@ class EngineCore:
             s.slot = len(self.active)
             self.active.append(s)
             if s.cached:
+                if s.prefix_kv is None:
+                    raise RuntimeError("an admitted sequence with a cached prefix has no prefix KV: a scheduler bug")
                 self.kv.write(s.slot, s.prefix_kv[:, :, :, : s.cached])
                 s.prefix_kv = None
             self.prefill_tokens += s.prompt_len - s.cached
@@ -215,9 +219,9 @@ class EngineCore:
                 x[i, : m[i]] = torch.from_numpy(s.ids[s.n_fed : s.n_fed + m[i]].astype(np.int64))
             start = torch.tensor([s.n_fed for s in rows])
             logits, topk = self.model.forward_cached(x, self.kv, slot0, start, logits_at=torch.tensor(m) - 1)
-            topk = topk.numpy().astype(self.route_dtype)
+            routes = topk.numpy().astype(self.route_dtype)
             for i, s in enumerate(rows):
-                s.routing.append(topk[i, : m[i]])
+                s.routing.append(routes[i, : m[i]])
                 s.n_fed += m[i]
                 if s.n_fed == s.prompt_len:
                     last[id(s)] = logits[i, 0]
