@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypedDict
 
 import anyio
 
@@ -97,15 +98,23 @@ def snapshot(src: Path, dest: Path) -> Path:
     return dest
 
 
+class _Due(TypedDict):
+    """The newest policy version to evaluate (None: none yet), its weights and learner step."""
+
+    version: int | None
+    path: str | None
+    step: int
+
+
 async def run_loop(cfg: LoopConfig, transport) -> None:
     """Until cancelled: evaluate every due policy version, newest first, one at a time."""
     from t1async.tb import Curves
 
     tasks = held_out(cfg.tasks)
     curves = Curves(cfg.run_dir / "tb" / "eval")
-    due: dict[str, object] = {"version": None, "path": None, "step": 0}
+    due: _Due = {"version": None, "path": None, "step": 0}
     if cfg.model is not None:
-        due.update(version=0, path=str(cfg.model), step=0)
+        due.update({"version": 0, "path": str(cfg.model), "step": 0})
     wake = anyio.Event()
     done = -1
 
@@ -115,7 +124,7 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
             async for m in msgs:
                 rec = m.record
                 if isinstance(rec, wire.PolicyRecord) and rec.version % cfg.every == 0 and rec.version > done:
-                    due.update(version=rec.version, path=rec.weights, step=rec.step)
+                    due.update({"version": rec.version, "path": rec.weights, "step": rec.step})
                     wake.set()
 
     try:

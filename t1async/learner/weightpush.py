@@ -14,6 +14,7 @@ more over a new one (how a restarted sampler rejoins), then raises SamplerError.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,9 @@ class WeightPushConfig:
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most ``bucket_mb`` MiB (a larger tensor goes alone)."""
-    limit, out, cur, size = bucket_mb * 2**20, [], [], 0
+    limit, size = bucket_mb * 2**20, 0
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    cur: list[tuple[str, torch.Tensor]] = []
     for name, t in named:
         nbytes = t.numel() * t.element_size()
         if cur and size + nbytes > limit:
@@ -90,9 +93,9 @@ class DistributedPusher:
         async with anyio.create_task_group() as tg:
             tg.start_soon(rank0)
             for i, u in enumerate(urls):
-                tg.start_soon(lambda u=u, i=i: W.init_weights_update_group(
-                    self.client, u, master_address=self.cfg.host, master_port=port, rank_offset=1 + i,
-                    world_size=world, group_name=self.cfg.group_name, backend=self.cfg.backend))  # fmt: skip
+                tg.start_soon(functools.partial(
+                    W.init_weights_update_group, self.client, u, master_address=self.cfg.host, master_port=port,
+                    rank_offset=1 + i, world_size=world, group_name=self.cfg.group_name, backend=self.cfg.backend))  # fmt: skip
         self.pg, self.members = result["pg"], urls
         log.info("learner.weight_group", samplers=len(urls), port=port, backend=self.cfg.backend,
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from t1async.errors import T1Error
 
-    failed: list[T1Error] = []
+    failed: list[T1Error | ExceptionGroup[T1Error]] = []
     try:
         trio.run(run)
     except* T1Error as group:  # a bad model dir, weights that do not load: say what, without a traceback

@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover
     import structlog
 
-    def get_logger(name: str, **fields: object) -> object:
+    def get_logger(name: str, **fields: Any) -> Any:
         return structlog.get_logger(name).bind(component=name, **fields)
 
 

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence
 
 import anyio
 from starlette.applications import Starlette
@@ -101,7 +101,7 @@ class SamplerApp:
             routing_start=gi.routed_experts_start_len, seed=s.seed,
         )
 
-    async def _events(self, gi: P.GenerateInput, state: P.ResponseState) -> AsyncIterator[P.ResponseState]:
+    async def _events(self, gi: P.GenerateInput, state: P.ResponseState) -> AsyncGenerator[P.ResponseState, None]:
         """Run one request through the engine, yielding the state after each event. Closing aborts it."""
         if state.rid in self.active:
             raise P.RequestError(f"rid {state.rid!r} is already running; use a unique rid", param="rid")
@@ -350,7 +350,7 @@ async def serve(
     from t1async.model.engine import Engine, EngineConfig
 
     model_dir = Path(config.model_dir) if config.model_dir else Path(default_model_dir())
-    ecfg = {"max_batch": config.max_batch, "dtype": config.dtype, "seed": config.seed}
+    ecfg: dict[str, Any] = {"max_batch": config.max_batch, "dtype": config.dtype, "seed": config.seed}
     if config.prefix_cache_tokens is not None:
         ecfg["prefix_cache_tokens"] = config.prefix_cache_tokens
     engine = Engine(model_dir, EngineConfig(**ecfg))
@@ -364,7 +364,9 @@ async def serve(
     async with anyio.create_task_group() as tg:
 
         async def http(*, task_status: anyio.abc.TaskStatus[list[str]]) -> None:
-            await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
+            # ignore: Starlette's ASGI signature is untyped MutableMappings, hypercorn's is TypedDicts (both ASGI 3);
+            # under the trio backend anyio hands over trio's own TaskStatus, which hypercorn expects
+            await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)  # type: ignore[arg-type]
             tg.cancel_scope.cancel()  # the HTTP server shut down gracefully: stop the engine as well
 
         await tg.start(engine.run)

@@ -63,7 +63,8 @@ def open_group(
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     if backend == "nccl":  # a real SGLang on GPUs; the embedded sampler is CPU-only and takes gloo
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        # torch's stub lists only the (store, rank, size, options) overload; pybind also has (..., timeout=default)
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]
     raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
 
 
