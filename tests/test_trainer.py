@@ -279,3 +279,59 @@ def test_a_step_with_checkpointed_blocks_updates_the_weights_as_without():
     assert m0.loss == pytest.approx(m1.loss, rel=1e-5) and m0.grad_norm == pytest.approx(m1.grad_norm, rel=1e-4)
     for a, b in zip(p0, p1):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def _positive_reward_segments(model: MoETransformer) -> list[Segment]:
+    """Four one-turn episodes whose rewards are all positive (tests passed are never negative)."""
+    rng = np.random.default_rng(7)
+    segs = []
+    for i, (n, r) in enumerate(((30, 1.0), (24, 4.0), (17, 2.0), (9, 3.0))):
+        toks = rng.integers(10, 4000, size=n).tolist()
+        segs.append(sampled_segment(model, toks, range(n // 2, n), reward=r, episode=f"e{i}"))
+    return segs
+
+
+def _advantages_fed_to_the_loss(monkeypatch, model: MoETransformer, cfg: TrainerConfig, segs) -> tuple[np.ndarray, int]:
+    seen: list[np.ndarray] = []
+    real = ppo.ppo_loss
+
+    def spy(logp, prox, behav, adv, *rest, **kw):
+        seen.append(adv[rest[3]].detach().double().cpu().numpy())  # rest[3] is the loss mask
+        return real(logp, prox, behav, adv, *rest, **kw)
+
+    monkeypatch.setattr(ppo, "ppo_loss", spy)
+    Trainer(model, cfg).step(segs, 0)
+    monkeypatch.setattr(ppo, "ppo_loss", real)
+    return np.concatenate(seen), len(seen)
+
+
+def test_advantages_are_whitened_over_all_loss_tokens_of_the_step(monkeypatch):
+    # Rewards (tests passed) are >= 0 and a fresh value head is ~0, so raw advantages are all positive: every
+    # sampled token would be pushed up. The step whitens them over ALL its loss tokens, across micro-batches.
+    base = tiny()
+    segs = _positive_reward_segments(base)
+    raw, _ = _advantages_fed_to_the_loss(
+        monkeypatch, copy.deepcopy(base), TrainerConfig(normalize_advantages=False, microbatch_tokens=32), segs
+    )
+    assert raw.min() > 0  # the premise: every raw advantage is positive
+    adv, calls = _advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), TrainerConfig(microbatch_tokens=32), segs)
+    assert calls > 1  # several micro-batches
+    assert adv.mean() == pytest.approx(0.0, abs=1e-5) and adv.std() == pytest.approx(1.0, abs=1e-4)
+    # one shift and one scale for the whole step (not per micro-batch): an affine map of the raw advantages
+    np.testing.assert_allclose(np.sort(adv), np.sort((raw - raw.mean()) / raw.std()), atol=1e-4)
+    assert (adv < 0).sum() > 0 and (adv > 0).sum() > 0
+
+
+def test_all_positive_rewards_still_lower_the_worse_replies_tokens():
+    torch.manual_seed(0)
+    model = tiny()
+    trainer = Trainer(model, TrainerConfig(lr=3e-3))
+    good, poor = [5, 6, 7, 100, 101], [5, 6, 7, 200, 201]
+    before = logp_of(model, good, 3), logp_of(model, poor, 3)
+    for _ in range(8):
+        segs = [sampled_segment(model, good, [3, 4], reward=4.0), sampled_segment(model, poor, [3, 4], reward=1.0)]
+        m = trainer.step(segs, policy_version=0)
+        assert m.adv_mean > 0  # the raw advantages are positive...
+    after = logp_of(model, good, 3), logp_of(model, poor, 3)
+    assert after[0] > before[0] + 0.1
+    assert after[1] < before[1] - 0.1  # ...but the below-average reply is made less likely
