@@ -70,7 +70,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     components.ensure_tasks(cfg)
     preflight.check_tasks(components.tasks_dir(cfg))
     warm = components.warm_start_argv(cfg)
-    before = (ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),)
+    before: tuple[ProcessSpec, ...] = () if warm is None else (
+        ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),
+    )
 
     async def progress(nats_url: str, run_dir: Path) -> None:
         urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)

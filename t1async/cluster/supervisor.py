@@ -18,7 +18,7 @@ import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -58,7 +58,8 @@ class ClusterConfig:
     components: tuple[ProcessSpec, ...] = ()
     build: Callable[[str], Sequence[ProcessSpec]] | None = None  # more components, given the NATS URL
     before: tuple[ProcessSpec, ...] = ()  # one-shot jobs run to completion before NATS (e.g. warm start)
-    progress: Callable[[str, Path], Awaitable[None]] | None = None  # shows live progress, given the NATS URL
+    # shows live progress, given the NATS URL (a coroutine function: it is started in the task group)
+    progress: Callable[[str, Path], Coroutine[Any, Any, None]] | None = None
 
 
 def component_specs(config: ClusterConfig, nats_url: str) -> list[ProcessSpec]:
