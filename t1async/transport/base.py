@@ -88,7 +88,7 @@ class Batch(Sequence[Delivery]):
         self._settle = ack
         self._settled = False
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self._deliveries[i]
 
     def __len__(self) -> int:
