@@ -82,5 +82,9 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
     again = Learner(replace(cfg, steps=0), MemoryTransport(broker), None)
     again._replay_journal()
     again.journal.close()
-    assert "e1000" in again.assembler.open and list(again.assembler.open) == ["e1000"]
-    assert not [k for k in again.untrained if k[0] != "e1000"]  # everything else was trained: nothing to redo
+    # the learner stops after its last step, which may have taken only part of the last wave (on a loaded machine
+    # the step starts while the wave is still arriving): those turns, and nothing trained, are all there is to redo
+    last_wave = {f"e{10 * (steps - 1) + i}" for i in range(3)}
+    assert "e1000" in again.assembler.open and set(again.assembler.open) <= {"e1000"} | last_wave
+    redo = [k for k in again.untrained if k[0] != "e1000"]
+    assert all(k[0] in last_wave and not learner.state.was_trained(*k) for k in redo), redo
