@@ -145,6 +145,21 @@ class Sandbox(Protocol):
     async def aclose(self) -> None: ...
 
 
+SHELL_RESTARTED = ("[note: the shell was restarted: cwd kept; variables, functions and background "
+                   "jobs from earlier commands are gone]")
+
+
+def exec_timeout(command: str, timeout: float | None, config: SandboxConfig) -> float:
+    """The timeout an ``exec`` runs under (the config's default when None), after checking both arguments:
+    ValueError naming what to change for a NUL byte in the command or a timeout that is not positive."""
+    if "\0" in command:
+        raise ValueError("command contains a NUL byte, which bash cannot run: remove it")
+    timeout = config.command_timeout_s if timeout is None else timeout
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return timeout
+
+
 def workdir_relative(path: str) -> tuple[str, ...]:
     """The components of ``path`` below SANDBOX_WORKDIR, lexically normalised; SandboxPathError outside it."""
     if not isinstance(path, str) or not path or "\0" in path:

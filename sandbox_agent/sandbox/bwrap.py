@@ -50,7 +50,8 @@ import anyio
 import structlog
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
-    SANDBOX_WORKDIR, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+    SANDBOX_WORKDIR, SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError,
+    SandboxStartError, exec_timeout,
 )
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
@@ -204,11 +205,7 @@ class BwrapSandbox:
     # -- the Sandbox protocol ---------------------------------------------------------------------------
 
     async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
-        if "\0" in command:
-            raise ValueError("command contains a NUL byte, which bash cannot run: remove it")
-        timeout = self.config.command_timeout_s if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        timeout = exec_timeout(command, timeout, self.config)
         async with self._lock:
             if self._closed:
                 raise SandboxClosedError("exec() on a closed sandbox")
@@ -217,8 +214,7 @@ class BwrapSandbox:
                 await self._abandon_inflight()
             if self._session is None:
                 await self._start()
-                notes.append("[note: the shell was restarted: cwd kept; variables, functions and background "
-                              "jobs from earlier commands are gone]")
+                notes.append(SHELL_RESTARTED)
             session = self._session
             assert session is not None
             out = OutputBuffer(self.config.output_limit_bytes)

@@ -30,7 +30,8 @@ from typing import AsyncIterator
 import anyio
 
 from sandbox_agent.sandbox.base import (
-    ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+    SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
+    exec_timeout,
 )
 from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
@@ -205,19 +206,14 @@ class ContainerSandbox:
         await self._kill_session()
 
     async def exec(self, command: str, *, timeout: float | None = None) -> ExecResult:
-        if "\0" in command:
-            raise ValueError("command contains a NUL byte, which bash cannot run: remove it")
-        timeout = self.config.command_timeout_s if timeout is None else timeout
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        timeout = exec_timeout(command, timeout, self.config)
         async with self._lock:
             if self._closed:
                 raise SandboxClosedError("exec() on a closed sandbox")
             notes: list[str] = []
             if self._channel is None:
                 await self._start()
-                notes.append("[note: the shell was restarted: cwd kept; variables, functions and background "
-                             "jobs from earlier commands are gone]")
+                notes.append(SHELL_RESTARTED)
             channel = self._channel
             assert channel is not None
             out = OutputBuffer(self.config.output_limit_bytes)
