@@ -105,8 +105,10 @@ async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Pa
             r = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 100", timeout=5.0)
             assert r.timed_out, r
             r = await sb.exec("echo $KEEP; ls / | wc -l")  # the shell kept its state, and forks again
-            words = r.output.split()  # (late stderr of the killed bomb may come first)
-            assert r.exit_code == 0 and words[-2] == "kept" and int(words[-1]) > 5, r
+            # stderr may interleave: the killed bomb's late lines, or bash's own "fork: retry" while the kernel
+            # still counts the bomb's processes against the pid limit (seen in a fresh-clone CI run)
+            lines = r.output.splitlines()
+            assert r.exit_code == 0 and "kept" in lines and int(lines[-1]) > 5, r
             r = await sb.exec("(trap '' TERM; sleep 1000) & nohup sleep 1000 >/dev/null 2>&1 & echo started")
             assert "started" in r.output
         name = backend._episodes[str(wd)][0]
