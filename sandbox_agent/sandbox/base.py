@@ -12,6 +12,7 @@ Error tree (all under ``t1async.errors.SandboxError``)::
 from __future__ import annotations
 
 import posixpath
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -158,6 +159,15 @@ def exec_timeout(command: str, timeout: float | None, config: SandboxConfig) -> 
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     return timeout
+
+
+def exec_result(out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]) -> ExecResult:
+    """An exec's result: its captured output with the sandbox's notes (restart, timeout, exit) on their own lines."""
+    text = out.text()
+    if notes:
+        text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
+    return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
+                      duration_s=time.monotonic() - t0)
 
 
 def workdir_relative(path: str) -> tuple[str, ...]:

@@ -51,7 +51,7 @@ import structlog
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
     SANDBOX_WORKDIR, SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError,
-    SandboxStartError, exec_timeout,
+    SandboxStartError, exec_result, exec_timeout,
 )
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
@@ -245,7 +245,7 @@ class BwrapSandbox:
                                  "shell in the same directory (variables and background jobs are lost)]")
             if done is not None:
                 self._cwd_quoted = done.cwd_quoted
-            return self._result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
+            return exec_result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
 
     async def _abandon_inflight(self) -> None:
         """An earlier exec was cancelled mid-command: stop that command (or the shell) before the next one."""
@@ -299,15 +299,7 @@ class BwrapSandbox:
         rc = session.proc.returncode
         notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
                      f"directory (variables and background jobs are lost)]")
-        return self._result(out, rc, False, t0, notes)
-
-    def _result(self, out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]
-                ) -> ExecResult:
-        text = out.text()
-        if notes:
-            text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
-        return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
-                          duration_s=time.monotonic() - t0)
+        return exec_result(out, rc, False, t0, notes)
 
     def _as_workspace(self, path: str) -> str:
         """A path under the task's WORKDIR mount (e.g. /app/x) as the file API names it (/workspace/x)."""

@@ -31,7 +31,7 @@ import anyio
 
 from sandbox_agent.sandbox.base import (
     SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
-    exec_timeout,
+    exec_result, exec_timeout,
 )
 from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
@@ -232,7 +232,7 @@ class ContainerSandbox:
                         await self._kill_session()
                         notes.append("[the shell did not recover and was stopped; the next command starts a fresh "
                                      "shell in the same directory]")
-                    return self._result(out, None, True, t0, notes)
+                    return exec_result(out, None, True, t0, notes)
             except (ShellEOF, anyio.BrokenResourceError):
                 rc = None
                 if self._proc is not None:  # stdout closed: podman exec passes on the shell's status
@@ -241,9 +241,9 @@ class ContainerSandbox:
                 await self._kill_session()
                 notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
                              f"directory (variables and background jobs are lost)]")
-                return self._result(out, rc, False, t0, notes)
+                return exec_result(out, rc, False, t0, notes)
             self._cwd_quoted = done.cwd_quoted
-            return self._result(out, done.status, False, t0, notes)
+            return exec_result(out, done.status, False, t0, notes)
 
     async def _abort(self, channel: ShellChannel, nonce: str, out: OutputBuffer) -> Done | None:
         """Stop a timed-out command from the host (a fork bomb at the pids limit leaves no room for a
@@ -275,14 +275,6 @@ class ContainerSandbox:
             init = int(out.decode().strip() or 0) if rc == 0 else 0
             self._host_shell = _host_pid(init, self._shell_pid) if init > 0 else None
         return self._host_shell
-
-    def _result(self, out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, notes: list[str]
-                ) -> ExecResult:
-        text = out.text()
-        if notes:
-            text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
-        return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
-                          duration_s=time.monotonic() - t0)
 
     def _path(self, path: str) -> str:
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
