@@ -100,6 +100,18 @@ async def test_concurrent_requests_batch_and_match_sequential(engine, ref):
         check_against_full_forward(ref, p, results[i])
 
 
+async def test_busy_idle_accounting(engine):
+    """stats() carries the sampler's own busy/idle accounting: no step runs while nothing is asked, so busy_s
+    stands still while uptime_s moves; a request adds busy time, never more than the time that passed."""
+    a = engine.stats()
+    await trio.sleep(0.2)
+    b = engine.stats()
+    assert b["busy_s"] == a["busy_s"] and b["uptime_s"] > a["uptime_s"] + 0.1
+    await engine.collect(req("busy", PROMPTS[0], ignore_eos=True))
+    c = engine.stats()
+    assert 0 < c["busy_s"] - b["busy_s"] <= c["uptime_s"] - b["uptime_s"]
+    assert c["busy_s"] <= c["uptime_s"]
+
 async def test_staggered_finishes_in_multi_decode_hops(model_dir, ref):
     """A batch large enough for several decodes per thread hop, finishing at different steps: survivors move
     into freed slots and keep decoding; every result equals its sequential run and the full forward."""

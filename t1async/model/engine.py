@@ -36,6 +36,7 @@ an update, or evicted) returns its routing from position 0: the routes it actual
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from contextlib import asynccontextmanager
 from functools import partial
@@ -144,6 +145,10 @@ class Engine:
         self._wake = anyio.Event()
         self._state = "new"
         self._counter = 0
+        # the sampler's own busy/idle accounting: seconds spent inside scheduler steps since run() began
+        self._busy_s = 0.0
+        self._step_t0: float | None = None  # perf_counter at the start of the step now running
+        self._run_t0: float | None = None
 
     # -- info -------------------------------------------------------------------------------------------
 
@@ -164,8 +169,14 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        """Scheduler counters (read between steps; approximate while a step runs)."""
-        return {**self._core.stats(), "waiting": len(self._waiting), "weight_version": self.weight_version}
+        """Scheduler counters (read between steps; approximate while a step runs). ``busy_s`` is the time spent
+        in scheduler steps (the step now running included) and ``uptime_s`` the time since the loop started:
+        ``1 - Δbusy_s / Δuptime_s`` over a window is the sampler's idle fraction in it."""
+        now = time.perf_counter()
+        busy = self._busy_s + (now - self._step_t0 if self._step_t0 is not None else 0.0)
+        uptime = now - self._run_t0 if self._run_t0 is not None else 0.0
+        return {**self._core.stats(), "waiting": len(self._waiting), "weight_version": self.weight_version,
+                "busy_s": round(busy, 4), "uptime_s": round(uptime, 4)}  # fmt: skip
 
     # -- the scheduler loop -----------------------------------------------------------------------------
 
@@ -174,6 +185,7 @@ class Engine:
             raise RuntimeError(f"Engine.run called on an engine that is {self._state}; make a new Engine")
         self._state = "running"
         log.info("engine.started", model=str(self.model_dir), dtype=self.config.dtype, max_batch=self.config.max_batch)
+        self._run_t0 = time.perf_counter()
         task_status.started()
         updates: list = []
         try:
@@ -184,9 +196,14 @@ class Engine:
                     continue
                 plan, updates = self._plan()
                 decodes = 1 if plan.admit or plan.aborts else decodes_per_hop(len(self._core.active))
-                changed, deferred = await anyio.to_thread.run_sync(
-                    partial(self._core.step, plan, decodes=decodes, interrupted=self._interrupted)
-                )
+                self._step_t0 = time.perf_counter()
+                try:
+                    changed, deferred = await anyio.to_thread.run_sync(
+                        partial(self._core.step, plan, decodes=decodes, interrupted=self._interrupted)
+                    )
+                finally:
+                    self._busy_s += time.perf_counter() - self._step_t0
+                    self._step_t0 = None
                 self._requeue(deferred)
                 for u, done in updates:
                     if u.error is None:
