@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -78,6 +78,8 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
                         hint="the sampler returned no tokens; not streamed, its credit pays for the next sample")  # fmt: skip
             return
         rec = encoder.encode(t)
+        if t.last:  # the learner trains the episode's last turn as done even if it is cut before the end record
+            rec = replace(rec, last=True)
         stats.compactions += rec.compacted
         await ctx.transport.publish(subject, rec)
         turns += 1

@@ -12,7 +12,10 @@ Segments come out when they are complete:
   recorded there (the sampler recomputed it after a weight update flushed its prefix cache, DESIGN §6). Its
   new segment replays that turn's own routes for the context; counted in ``DriftStats.route_forks``;
 - the episode's ``end`` record (once every turn up to ``end.turns`` has arrived) closes it with ``done=True``;
-- ``cut()`` returns the open segment *so far* (``done=False``) for partial-trajectory training. The segment
+- ``cut()`` returns the open segment *so far* (``done=False``) for partial-trajectory training (``done=True``
+  when its last turn is the episode's ``last``: the episode ended there, its end record is on the way, so
+  there is nothing to bootstrap; a one-turn episode cut before its end record must not get the value head's
+  estimate on top of its reward). The segment
   stays open: its next return re-includes the whole context (so every later turn is still trained in exactly
   the context it was sampled in) with the loss only on turns not returned before, and gets the next
   ``index``. Turns already returned are context there (``loss_mask`` False, logprob 0, version -1) and are
@@ -85,6 +88,8 @@ class EpisodeAssembler:
         # drains them (Assembler.drain_dropped) to settle their credits (DESIGN §7)
         self.dropped: list[tuple[int, str]] = []
         self.stop_at: int | None = None  # the learner poisoned this turn: the episode stops before it (stop())
+        self.last_turn: int | None = None  # the turn whose record says it is the episode's last
+        self.cut_final = False  # a cut already returned the last turn as done: nothing was bootstrapped
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -162,7 +167,10 @@ class EpisodeAssembler:
     def cut(self) -> list[Segment]:
         if self.builder is None or self.finished:
             return []
-        seg = self.builder.emit(self.episode, self.index, done=False, copy=True)
+        spans = self.builder.spans
+        final = bool(spans) and spans[-1].turn == self.last_turn and not self.lost
+        seg = self.builder.emit(self.episode, self.index, done=final, copy=True)
+        self.cut_final |= final and seg is not None
         return self._count([seg])
 
     # -- internals -----------------------------------------------------------------------------------
@@ -193,7 +201,7 @@ class EpisodeAssembler:
         self.finished = True
         self._apply_unstreamed(self.end_record)
         out = self._close(done=True)
-        self.stats.ended_after_cut += not out and self.next_turn > 0 and not self.lost
+        self.stats.ended_after_cut += not out and self.next_turn > 0 and not self.lost and not self.cut_final
         return out
 
     def _apply_unstreamed(self, end: wire.EndRecord) -> None:
@@ -212,6 +220,8 @@ class EpisodeAssembler:
         out: list[Segment] = []
         st.turns += 1
         st.compactions += rec.compacted
+        if rec.last:
+            self.last_turn = rec.turn
         prev = _EMPTY if b is None else b.tokens[: b.n]
         chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
                           rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip

@@ -96,6 +96,10 @@ class TurnRecord:
     # int32 [len(output_ids)]: the weight version that produced each output token (a weight update may land
     # mid-turn, DESIGN §7); ``policy_version`` is then the oldest of them. None: all are ``policy_version``.
     output_versions: np.ndarray | None = None
+    # the agent stopped after this turn: it is the episode's last (the end record follows). The learner then
+    # trains it as done (no value bootstrap) even when it is cut before the end record arrives. Records
+    # without the field (older actors) decode as False.
+    last: bool = False
     kind = "turn"
 
 
@@ -336,7 +340,7 @@ def _decode_turn(f: _Fields) -> TurnRecord:
         tests_passed=f.int("tests_passed", lo=-1), t_sample_s=f.float("t_sample_s"), t_exec_s=f.float("t_exec_s"),
         action=f.str("action", nonempty=False, default=""), observation=f.str("observation", nonempty=False, default=""),
         compacted=f.get("compacted", bool, default=False, what="bool"),
-        output_versions=versions,
+        output_versions=versions, last=f.get("last", bool, default=False, what="bool"),
     )  # fmt: skip
 
 

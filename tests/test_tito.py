@@ -13,6 +13,7 @@ from t1async import wire
 from t1async.assembly import Assembler, AssemblerConfig
 from t1async.testing.episodes import check_segments, episodes, make_episode
 from t1async import tito
+from t1async.learner import ppo
 from t1async.tito import Boundary, Segment, check_input, classify, common_prefix_len, hash_update, new_hasher
 
 
@@ -96,14 +97,14 @@ def test_invariant_with_cuts_for_partial_training(case, cut_at):
 # ------------------------------------------------------------------------------------------ examples
 
 
-def _turn(ep, t, inp, out, keep=None, *, prev=None, version=0, reward=0.0, routing=None, digest=None):
+def _turn(ep, t, inp, out, keep=None, *, prev=None, version=0, reward=0.0, routing=None, digest=None, last=False):
     inp = np.asarray(inp, np.int32)
     keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if keep is None and prev is not None else (keep or 0)
     return wire.TurnRecord(
         episode=ep, turn=t, policy_version=version, keep=keep, input_delta=inp[keep:], input_len=len(inp),
         input_digest=digest or wire.digest_ids(inp), output_ids=np.asarray(out, np.int32),
         output_logprobs=-np.arange(1, len(out) + 1, dtype=np.float32) / 10, finish=wire.Finish.STOP,
-        routing=routing, reward=reward, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
+        routing=routing, reward=reward, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0, last=last,
     )  # fmt: skip
 
 
@@ -160,6 +161,32 @@ def test_cut_returns_the_segment_so_far_and_continues_with_full_context():
     assert b.tokens[0] == 1 and asm.stats().ended_after_cut == 0
     asm.add(_turn("f", 0, [1], [2]))
     assert len(asm.cut("f")) == 1 and asm.end(_end("f", 1)) == [] and asm.stats().ended_after_cut == 1
+
+
+def test_a_cut_of_the_episodes_last_turn_is_done_before_the_end_record_arrives():
+    # a one-turn episode whose step starts after its turn but before its end record: trained as done (its
+    # return is its reward), not as a cut bootstrapped with the value head on top of the reward
+    asm = Assembler()
+    asm.add(_turn("e", 0, [1, 2], [10, 11], reward=3.0, last=True))
+    (a,) = asm.cut()
+    assert a.done and a.turn_numbers.tolist() == [0] and a.turn_rewards.tolist() == [3.0]
+    assert asm.end(_end("e", 1)) == [] and asm.stats().ended_after_cut == 0 and "e" not in asm.open
+    # multi-turn: the earlier cut bootstraps (the episode goes on), the cut holding the last turn does not
+    asm.add(_turn("f", 0, [1, 2], [10], reward=1.0))
+    (b,) = asm.cut("f")
+    asm.add(_turn("f", 1, [1, 2, 10, 3], [20], prev=[1, 2, 10], reward=2.0, last=True))
+    (c,) = asm.cut("f")
+    assert not b.done and c.done and c.turn_numbers.tolist() == [1]
+    assert asm.end(_end("f", 2)) == [] and asm.stats().ended_after_cut == 0
+
+
+def test_a_cut_holding_the_last_turn_gives_its_reward_with_no_bootstrap():
+    asm = Assembler()
+    asm.add(_turn("e", 0, [1, 2], [10, 11], reward=2.0, last=True))
+    (seg,) = asm.cut()
+    values = np.full(len(seg.tokens) + 1, 0.9)  # a value head that says ~1 everywhere
+    _, ret = ppo.segment_advantages(seg.loss_mask, values, seg.turn_ends, seg.turn_rewards, seg.done, gamma=1.0, lam=1.0)
+    assert np.allclose(ret[seg.loss_mask], 2.0), ret  # not 2.0 + 0.9
 
 
 def test_duplicates_conflicts_reordering_and_late_turns_are_counted_not_fatal():

@@ -45,7 +45,7 @@ def turns(draw):
         keep=keep, input_delta=delta, input_len=keep + len(delta), input_digest=draw(st.binary(min_size=16, max_size=16)),
         output_ids=out, output_logprobs=lps, finish=draw(st.sampled_from(list(wire.Finish))), routing=routing,
         reward=draw(st.floats(-100, 100)), tests_passed=draw(st.integers(-1, 50)), t_sample_s=draw(st.floats(0, 1e4)),
-        t_exec_s=draw(st.floats(0, 1e4)), action=draw(text), observation=draw(text),
+        t_exec_s=draw(st.floats(0, 1e4)), action=draw(text), observation=draw(text), last=draw(st.booleans()),
     )  # fmt: skip
 
 
@@ -148,6 +148,16 @@ def test_output_versions_are_optional_per_token_and_checked():
     with pytest.raises(WireError, match="output_versions.dtype"):
         m["output_versions"]["dtype"] = "f4"
         wire.decode(msgpack.packb(m, use_bin_type=True))
+
+
+def test_last_is_an_optional_bool_and_old_records_without_it_decode_as_not_last():
+    assert wire.decode(wire.encode(_turn(last=True))).last is True
+    old = wire.to_map(_turn())
+    del old["last"]  # an actor from before the field
+    assert wire.decode(msgpack.packb(old, use_bin_type=True)).last is False
+    old["last"] = 1
+    with pytest.raises(WireError, match="turn.last: expected bool"):
+        wire.decode(msgpack.packb(old, use_bin_type=True))
 
 
 def test_ext_types_and_wrong_versions_are_refused():
