@@ -182,17 +182,43 @@ class Trainer:
         self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
     ) -> StepMetrics:
         t0 = time.perf_counter()
-        cfg, m = self.config, self.mcfg
+        batches = self._pack(segments)
+        single = len(batches) == 1 and self.config.ppo_epochs == 1
+        scored, routing, t_fwd_scoring = self._score(batches, segments, single=single)  # 1. score
+        n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(segments))
+        sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
+        metrics = self._metrics(  # 3. metrics over loss tokens
+            segments, scored, policy_version, drift, sums=sums, grad_norm=grad_norm, routing=routing,
+            n_loss=n_loss, adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
+            t_backward=max(t_update - t_fwd_ppo, 0.0),
+        )  # fmt: skip
+        log.info(
+            "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,
+            loss_tokens=n_loss, loss=round(metrics.loss, 5), dlogp=round(metrics.mean_abs_dlogp, 5),
+            mismatch=round(metrics.mismatch, 5), policy_shift=round(metrics.policy_shift, 5),
+            routing_drift=round(metrics.routing_drift, 4), max_staleness=metrics.max_staleness,
+            t_step_s=round(metrics.t_step_s, 3),
+        )  # fmt: skip
+        return metrics
+
+    def _pack(self, segments: Sequence[SegmentLike]) -> list[Batch]:
+        """Check the segments and pack them into micro-batches of at most ``microbatch_tokens``."""
+        m = self.mcfg
         if not segments:
             raise BatchError("Trainer.step needs at least one segment")
         for s in segments:
             check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
-        groups = plan_microbatches([len(s.tokens) for s in segments], cfg.microbatch_tokens)
-        batches = [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
-        single = len(batches) == 1 and cfg.ppo_epochs == 1
-        want_ent = cfg.loss.entropy_coef > 0
+        groups = plan_microbatches([len(s.tokens) for s in segments], self.config.microbatch_tokens)
+        return [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
 
-        # 1. score with the current weights: proximal log-probs, values, drift metrics
+    def _score(
+        self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool
+    ) -> tuple[list[_Scored], tuple[int, int, int, int], float]:
+        """1. Score with the current weights: proximal log-probs, values, advantages, routing drift.
+        Returns (scored, (differ, compared, missing, used_differ), seconds). With ``single`` the forward
+        keeps its graph and is the training forward too."""
+        cfg = self.config
+        want_ent = cfg.loss.entropy_coef > 0
         self.model.train()
         scored: list[_Scored] = []
         differ = compared = missing = used_differ = 0
@@ -208,26 +234,34 @@ class Trainer:
             used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
             scored.append(sc)
             del out
+        return scored, (differ, compared, missing, used_differ), time.perf_counter() - t_fwd
 
-        t_fwd = t_fwd_scoring = time.perf_counter() - t_fwd
+    def _normalise_advantages(self, scored: list[_Scored], n_segments: int) -> tuple[int, float, float]:
+        """The step's loss-token count and advantage mean and std (before normalising); whitens the
+        advantages over the step's loss tokens in place when configured."""
         lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
         n_loss = int(lm_all.sum())
         if n_loss == 0:
-            raise BatchError(f"Trainer.step: the {len(segments)} segments hold no loss tokens")
+            raise BatchError(f"Trainer.step: the {n_segments} segments hold no loss tokens")
         adv_all = torch.cat([sc.adv.flatten() for sc in scored])[lm_all]
         adv_mean, adv_std = float(adv_all.mean()), float(adv_all.std(unbiased=False)) if n_loss > 1 else 0.0
-        if cfg.normalize_advantages:
+        if self.config.normalize_advantages:
             for sc in scored:
                 sc.adv = torch.where(sc.batch.loss_mask, (sc.adv - adv_mean) / (adv_std + 1e-8), sc.adv)
+        return n_loss, adv_mean, adv_std
 
-        # 2. PPO epochs: accumulate over micro-batches, one optimizer step per epoch
+    def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
+        """2. PPO epochs: accumulate the loss over the micro-batches, one optimizer step per epoch.
+        Returns (loss sums, last grad norm, seconds in forwards, seconds in all)."""
+        cfg = self.config
+        want_ent = cfg.loss.entropy_coef > 0
         sums: defaultdict[str, float] = defaultdict(float)
-        grad_norm = 0.0
+        grad_norm = t_fwd = 0.0
         t_update = time.perf_counter()
         for _epoch in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for sc in scored:
-                if sc.out_logp is not None:
+                if sc.out_logp is not None and sc.out_values is not None:  # single pass: set together
                     logp, vals, ent = sc.out_logp, sc.out_values, sc.out_entropy
                     sc.out_logp = sc.out_values = sc.out_entropy = None
                 else:
@@ -244,19 +278,34 @@ class Trainer:
                     sums[k] += float(getattr(terms, k).detach()) / cfg.ppo_epochs
                 for k in ("clip_frac", "is_trunc_frac"):
                     sums[k] += float(getattr(terms, k).detach()) * share / cfg.ppo_epochs
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-            grad_norm = float(gn)
-            if not math.isfinite(grad_norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                log.warning("trainer.nonfinite_grad", step=self.steps, grad_norm=grad_norm)
-                continue
-            self.optimizer.step()
+            grad_norm = self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        t_update = time.perf_counter() - t_update
+        return sums, grad_norm, t_fwd, time.perf_counter() - t_update
 
-        # 3. metrics over loss tokens
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradients and step; a non-finite norm skips the step. Returns the norm."""
+        cfg = self.config
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        grad_norm = float(gn)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("trainer.nonfinite_grad", step=self.steps, grad_norm=grad_norm)
+            return grad_norm
+        self.optimizer.step()
+        return grad_norm
+
+    def _metrics(
+        self, segments: Sequence[SegmentLike], scored: list[_Scored], policy_version: int,
+        drift: Mapping[str, int] | None, *, sums: Mapping[str, float], grad_norm: float,
+        routing: tuple[int, int, int, int], n_loss: int, adv_mean: float, adv_std: float, t0: float,
+        t_fwd: float, t_backward: float,
+    ) -> StepMetrics:  # fmt: skip
+        """3. The step's metrics over its loss tokens."""
+        cfg = self.config
+        differ, compared, missing, used_differ = routing
+        lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
         prox = torch.cat([sc.prox_logp.flatten() for sc in scored])[lm_all]
         behav = torch.cat([sc.batch.behav_logp.flatten() for sc in scored])[lm_all]
         vers = torch.cat([sc.batch.versions.flatten() for sc in scored])[lm_all]
@@ -266,13 +315,14 @@ class Trainer:
         stale = (policy_version - vers).cpu().numpy()
         hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
         split = ppo.dlogp_split(prox, behav, policy_version - vers)
-        metrics = StepMetrics(
+        return StepMetrics(
             step=self.steps, version=policy_version, segments=len(segments),
             tokens=int(sum(len(s.tokens) for s in segments)), loss_tokens=n_loss,
             turns=int(sum(len(s.turn_ends) for s in segments)),
             loss=sums["loss"], policy_loss=sums["policy_loss"], value_loss=sums["value_loss"],
-            entropy=sums["entropy"] if want_ent else None, clip_frac=sums["clip_frac"], is_trunc_frac=sums["is_trunc_frac"],
-            grad_norm=grad_norm, mean_abs_dlogp=float((prox - behav).abs().mean()),
+            entropy=sums["entropy"] if cfg.loss.entropy_coef > 0 else None, clip_frac=sums["clip_frac"],
+            is_trunc_frac=sums["is_trunc_frac"], grad_norm=grad_norm,
+            mean_abs_dlogp=float((prox - behav).abs().mean()),
             k3_kl=ppo.k3_kl(prox, behav, ones), ess=ppo.ess(prox - behav, ones),
             routing_drift=differ / compared if compared else 0.0, routing_compared=compared,
             routing_used_mismatch=used_differ / compared if compared else 0.0,
@@ -283,16 +333,8 @@ class Trainer:
             t_step_s=time.perf_counter() - t0, mismatch=split.mismatch, mismatch_tokens=split.mismatch_tokens,
             policy_shift=split.policy_shift, policy_shift_tokens=split.policy_shift_tokens,
             policy_shift_by_staleness=split.policy_shift_by_staleness,
-            t_forward_s=t_fwd, t_backward_s=max(t_update - (t_fwd - t_fwd_scoring), 0.0),
+            t_forward_s=t_fwd, t_backward_s=t_backward,
         )  # fmt: skip
-        log.info(
-            "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,
-            loss_tokens=n_loss, loss=round(metrics.loss, 5), dlogp=round(metrics.mean_abs_dlogp, 5),
-            mismatch=round(metrics.mismatch, 5), policy_shift=round(metrics.policy_shift, 5),
-            routing_drift=round(metrics.routing_drift, 4), max_staleness=metrics.max_staleness,
-            t_step_s=round(metrics.t_step_s, 3),
-        )  # fmt: skip
-        return metrics
 
     # ------------------------------------------------------------------------------------- checkpoints
 
