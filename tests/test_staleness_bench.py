@@ -47,3 +47,45 @@ def test_too_short_a_run_says_so():
         summarise([learner(1.0, 1, 8, 1.0)], 0, slots=1)
     with pytest.raises(ValueError, match="same step"):
         summarise([learner(1.0, 1, 8, 1.0), learner(2.0, 1, 8, 1.0)], 0, slots=1)
+
+
+def _up_cfg(*argv: str):
+    import argparse
+    from pathlib import Path
+
+    from t1async.cluster.config import add_up_arguments, from_args
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", type=Path, default=None)
+    add_up_arguments(p)
+    return from_args(p.parse_args(list(argv)))
+
+
+def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
+    """`cluster up --sampler-cpus/--learner-cpus` (what bench.staleness uses to keep sampling and training on
+    separate cores) runs each under taskset, and the pinned process really sees only that CPU."""
+    import os
+    import subprocess
+    import sys
+
+    from t1async.cluster import components
+
+    cpu = str(min(os.sched_getaffinity(0)))
+    cfg = _up_cfg("--run-dir", str(tmp_path), "--sampler-cpus", cpu, "--learner-cpus", cpu)
+    by_name = {s.name: list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1")}
+    for name in ("sampler", "learner"):
+        assert by_name[name][:3] == ["taskset", "-c", cpu], by_name[name]
+    assert not by_name["actor-0"][0].endswith("taskset")  # actors run anywhere
+    probe = by_name["learner"][:3] + [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == f"[{cpu}]"
+    unpinned = {s.name: list(s.argv) for s in components.specs(_up_cfg("--run-dir", str(tmp_path)), "nats://x:1")}
+    assert unpinned["learner"][0] == sys.executable
+
+
+def test_bad_cpu_lists_are_one_line_errors(tmp_path):
+    from t1async.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--sampler-cpus 'x': not a CPU list; give e.g. 0"):
+        _up_cfg("--run-dir", str(tmp_path), "--sampler-cpus", "x")
+    with pytest.raises(ConfigError, match=r"--learner-cpus '4096': CPUs \[4096\] are not available here"):
+        _up_cfg("--run-dir", str(tmp_path), "--learner-cpus", "4096")

@@ -95,6 +95,11 @@ def embedded_sampler_urls(cfg: UpConfig) -> list[str]:
     return [f.read_text().strip() for f in files if f.is_file()]
 
 
+def pinned(argv: list[str], cpus: str) -> list[str]:
+    """``argv`` run under ``taskset -c cpus`` (its threads, torch's pool included, see only those CPUs)."""
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
+
+
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     out: list[ProcessSpec] = []
     model = model_dir(cfg)
@@ -112,6 +117,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         if model is not None:
             argv += ["--model", str(model)]
         name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
+        argv = pinned(argv, cfg.sampler_cpus)
         out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
         embedded.append(f"http://127.0.0.1:{port}")
     urls = urls or embedded
@@ -130,6 +136,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         learner.append("--wandb")
     for u in urls:
         learner += ["--sampler-url", u]
+    learner = pinned(learner, cfg.learner_cpus)
     out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
     for i in range(cfg.actors):
         argv = python_module(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ class UpConfig:
     sampler_dtype: str = "float32"
     sampler_max_batch: int = 64
     prefix_cache_tokens: int = 262_144
+    sampler_cpus: str = ""  # taskset CPU list the embedded samplers run on (e.g. "0"); "": any CPU
     warm_start_steps: int = 0  # >0: SFT on oracle demonstrations first
     warm_start: str = ""  # a named warm-start recipe (t1async.learner.warmstart): its cached model is the policy
     # tasks and actors
@@ -62,6 +65,7 @@ class UpConfig:
     no_replay: bool = False
     weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
     weight_bucket_mb: float = 64.0
+    learner_cpus: str = ""  # taskset CPU list the learner runs on (e.g. "1"); "": any CPU
     wandb: bool = False  # the learner's curves to Weights & Biases too (TensorBoard files are always written)
     # the held-out eval inside the loop (t1async.eval.loop): every N policy versions, 0 = off
     eval_every: int = 0
@@ -110,6 +114,9 @@ class UpConfig:
             raise ConfigError(f"--actor-timeout must be > 0 seconds, got {self.actor_timeout}")
         if self.duration is not None and self.duration <= 0:
             raise ConfigError(f"--duration must be > 0 seconds, got {self.duration}")
+        for name in ("sampler_cpus", "learner_cpus"):
+            if getattr(self, name):
+                parse_cpus(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.sampler_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--sampler-dtype must be float32 or bfloat16, got {self.sampler_dtype!r}")
         if self.tasks is not None and not Path(self.tasks).is_dir():
@@ -127,6 +134,24 @@ class UpConfig:
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
         return self
+
+
+def parse_cpus(spec: str, flag: str) -> set[int]:
+    """A taskset-style CPU list ("0", "0,2", "1-3") as a set; every CPU must be one this process may use."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigError(f"{flag} {spec!r}: not a CPU list; give e.g. 0 or 0,2 or 1-3") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ConfigError(f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not available here; "
+                          f"this machine lets us use {sorted(allowed)}")  # fmt: skip
+    if shutil.which("taskset") is None:
+        raise ConfigError(f"{flag} needs taskset (Debian package util-linux): apt-get install util-linux")
+    return cpus
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
@@ -198,6 +223,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=Path, default=None, help="model directory (default: the shipped tiny MoE)")
     g.add_argument("--sampler-dtype", default=None, choices=("float32", "bfloat16"), help=f"embedded sampler precision (default {d.sampler_dtype})")
     g.add_argument("--sampler-max-batch", type=int, default=None, help=f"embedded sampler batch (default {d.sampler_max_batch})")
+    g.add_argument("--sampler-cpus", default=None, metavar="LIST", help="pin the embedded samplers to these CPUs "
+                   "(taskset list, e.g. 0; default: any)")  # fmt: skip
     g.add_argument("--prefix-cache-tokens", type=int, default=None, help=f"embedded sampler prefix cache (default {d.prefix_cache_tokens})")
     g.add_argument("--warm-start-steps", type=int, default=None, help="first fine-tune on oracle demonstrations for N steps (default 0: no)")
     g.add_argument("--warm-start", default=None, metavar="RECIPE", help="policy = this warm-start recipe's cached "
@@ -230,6 +257,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    f"gloo group (default {d.weight_sync})")  # fmt: skip
     g.add_argument("--weight-bucket-mb", type=float, default=None, help="MiB per /update_weights_from_distributed "
                    f"with --weight-sync distributed (default {d.weight_bucket_mb:g})")  # fmt: skip
+    g.add_argument("--learner-cpus", default=None, metavar="LIST", help="pin the learner to these CPUs "
+                   "(taskset list, e.g. 1; default: any)")  # fmt: skip
     g.add_argument("--wandb", action="store_const", const=True, default=None,
                    help="also log the learner's curves to Weights & Biases (needs wandb; WANDB_MODE=offline works)")
     g = p.add_argument_group("eval in the loop")
