@@ -12,7 +12,8 @@ lifetime of the transport and crosses the bridge in batches, never once per mess
 - Core subscriptions drain every message already received per crossing.
 
 Under asyncio (anyio on asyncio, ``T1_BACKEND=asyncio``) the same coroutines are awaited directly. The
-asyncio side (the nats-py connection, one coroutine per crossing) is transport/natsio.py. nats-py errors are translated here into TransportError subclasses with the cause and what to do.
+asyncio side (the nats-py connection, one coroutine per crossing) is transport/natsio.py. nats-py errors
+are translated here into TransportError subclasses with the cause and what to do.
 """
 
 from __future__ import annotations
