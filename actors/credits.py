@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import anyio
 

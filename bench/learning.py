@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -178,7 +178,7 @@ def plot(curve: list[dict], table: dict, path: Path) -> None:
     ax[1].set_title("mean |Δlogp| sampler vs learner")
     ax[1].legend()
     names = ["pass@1", "tests/4"]
-    for j, (who, off) in enumerate((("before", -0.2), ("after", 0.2))):
+    for _j, (who, off) in enumerate((("before", -0.2), ("after", 0.2))):
         vals = [table[who]["pass1"]["mean"], table[who]["tests"]["mean"] / 4]
         err = [[v - lo for v, lo in zip(vals, (table[who]["pass1"]["ci95"][0], table[who]["tests"]["ci95"][0] / 4))],
                [hi - v for v, hi in zip(vals, (table[who]["pass1"]["ci95"][1], table[who]["tests"]["ci95"][1] / 4))]]

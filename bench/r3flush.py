@@ -76,7 +76,7 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
             if k:
                 await engine.update_weights_from_disk(dirs[k], str(k))
 
-            async def one(e: int) -> None:
+            async def one(e: int, k: int = k) -> None:  # this weight version, bound at definition
                 ids, start = state[e]
                 r = await engine.collect(GenRequest(
                     rid=f"{e}/{k}", input_ids=tuple(ids), max_new_tokens=NEW_TOKENS, temperature=1.0,

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Literal, Protocol, Sequence
+from typing import Literal, Protocol
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import numpy as np

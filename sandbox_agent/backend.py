@@ -9,9 +9,11 @@ a remote sandbox service) implements the same two members.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractAsyncContextManager
 import dataclasses
 from pathlib import Path
-from typing import AsyncContextManager, AsyncIterator, Callable, Protocol
+from typing import Protocol
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 
@@ -35,7 +37,7 @@ class SandboxBackend(Protocol):
         *,
         config: SandboxConfig | None = None,
         ro_binds: tuple[tuple[str, str], ...] = (),
-    ) -> AsyncContextManager[Sandbox]:
+    ) -> AbstractAsyncContextManager[Sandbox]:
         """A fresh sandbox session over ``workdir``, with extra read-only binds (host path, sandbox path)."""
         ...
 
@@ -76,7 +78,7 @@ class BwrapBackend:
         *,
         config: SandboxConfig | None = None,
         ro_binds: tuple[tuple[str, str], ...] = (),
-    ) -> AsyncContextManager[Sandbox]:
+    ) -> AbstractAsyncContextManager[Sandbox]:
         require_backend(task, self)
         cfg = config or self.config
         if ro_binds:
@@ -106,7 +108,7 @@ class BwrapBackend:
 class FactoryBackend:
     """A backend from a plain factory (tests: in-memory sandboxes). Supports every task."""
 
-    factory: Callable[..., AsyncContextManager[Sandbox]]
+    factory: Callable[..., AbstractAsyncContextManager[Sandbox]]
     name: str = "factory"
 
     def supports(self, task: Task) -> bool:
@@ -119,7 +121,7 @@ class FactoryBackend:
         *,
         config: SandboxConfig | None = None,
         ro_binds: tuple[tuple[str, str], ...] = (),
-    ) -> AsyncContextManager[Sandbox]:
+    ) -> AbstractAsyncContextManager[Sandbox]:
         return self.factory(task=task, workdir=workdir, config=config, ro_binds=ro_binds)
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
@@ -226,7 +228,7 @@ class AutoBackend:
         return None if why is None else f"{self.bwrap.refusal(task)}; and the container backend: {why}"
 
     def open(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
-             ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncContextManager[Sandbox]:
+             ro_binds: tuple[tuple[str, str], ...] = ()) -> AbstractAsyncContextManager[Sandbox]:
         b: SandboxBackend = self.bwrap if self.kind(task) == "bwrap" else self.container
         return b.open(task, workdir, config=config, ro_binds=ro_binds)
 
@@ -234,7 +236,7 @@ class AutoBackend:
         if self.kind(task) == "bwrap":
             self.bwrap.prepare(task, workdir)
 
-    def episode(self, task: Task, workdir: Path) -> AsyncContextManager[object]:
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
         if self.kind(task) == "bwrap":
             return contextlib.nullcontext()
         return self.container.episode(task, workdir)
@@ -243,7 +245,7 @@ class AutoBackend:
         await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
 
     def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
-                       ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncContextManager[Sandbox]:
+                       ro_binds: tuple[tuple[str, str], ...] = ()) -> AbstractAsyncContextManager[Sandbox]:
         return self.container.open_networked(task, workdir, config=config, ro_binds=ro_binds)
 
 

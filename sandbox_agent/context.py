@@ -27,7 +27,8 @@ A new policy is a class with ``name`` and ``compact(history, limit, target)``, r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Callable, Sequence
 
 from t1async.errors import ConfigError
 

@@ -16,7 +16,8 @@ import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Literal
+from collections.abc import Iterable
 
 from sandbox_agent.tasks import Task, TaskFormatError, iter_task_dirs, load_task
 

@@ -20,7 +20,8 @@ import sysconfig
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, AsyncIterator, Callable, Sequence
+from typing import IO
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import httpx

@@ -102,7 +102,7 @@ class RoutingStats:
     missing_rows: int = 0  # positions left -1 at every layer (gaps, absent or rejected traces)
     dropped_rows: int = 0  # rows of a REALIGN's discarded run
 
-    def merge(self, other: "RoutingStats") -> None:
+    def merge(self, other: RoutingStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -185,7 +185,7 @@ class RouteTrack:
             self.n = lcp
             self.covered = min(self.covered, lcp)
 
-    def fork_from(self, old: "RouteTrack", lcp: int) -> None:
+    def fork_from(self, old: RouteTrack, lcp: int) -> None:
         """Start a FORK segment: take the old segment's rows below ``lcp`` (same tokens, same causal context)."""
         keep = min(lcp, old.n)
         self.chunks, self.shape = list(old.chunks), old.shape

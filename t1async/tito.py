@@ -141,7 +141,7 @@ class DriftStats:
         if len(self.first_diff) < _FIRST_DIFF_KEEP:
             self.first_diff.append(offset)
 
-    def merge(self, other: "DriftStats") -> None:
+    def merge(self, other: DriftStats) -> None:
         for f in fields(self):
             if f.name == "first_diff":
                 room = _FIRST_DIFF_KEEP - len(self.first_diff)
@@ -292,7 +292,7 @@ class SegmentBuilder:
             pos.append(self.n)
             hs.append(self.hasher.copy())
 
-    def share_checkpoints(self, old: "SegmentBuilder", lcp: int) -> None:
+    def share_checkpoints(self, old: SegmentBuilder, lcp: int) -> None:
         i = bisect.bisect_right(old.ckpt[0], lcp)
         self.ckpt = (old.ckpt[0][:i], old.ckpt[1][:i])
 

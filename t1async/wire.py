@@ -14,7 +14,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import msgpack
 import numpy as np

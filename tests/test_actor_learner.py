@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import numpy as np
 import pytest
 
 from actors.actor import ActorConfig, run_actor

@@ -12,7 +12,6 @@ import time
 import anyio
 import pytest
 
-from t1async import wire
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
 from t1async.transport import NatsTransport, traj_subject

@@ -86,7 +86,7 @@ class Scenario:
     steps: int = 8
 
     @classmethod
-    def draw(cls, seed: int) -> "Scenario":
+    def draw(cls, seed: int) -> Scenario:
         r = random.Random(seed)
         return cls(seed, r.choice([0, 1, 2]), r.choice([2, 3, 4]), r.choice([2, 3]), r.choice([1, 2, 3]),
                    kill=r.random() < 0.6, restart=r.random() < 0.5, expire=r.random() < 0.35,

@@ -280,7 +280,7 @@ async def test_abort_running_and_queued_requests(engine):
     assert sum(len(e.new_ids) for e in events) < 400
     # leaving the block early aborts too
     async with aclosing(engine.generate(req("early", p, n=400, ignore_eos=True))) as gen:
-        async for ev in gen:
+        async for _ in gen:
             break
     with trio.fail_after(10):
         while engine.stats()["running"]:

@@ -401,7 +401,7 @@ def test_compaction_property(sizes, keep, limit, frac):
     outs = []
     for k, (n_out, n_obs) in enumerate(sizes):
         out = [7 + (k % 50)] * n_out + [tok.im_end_id]
-        obs = f"[exit code: 0]\n" + "z" * n_obs
+        obs = "[exit code: 0]\n" + "z" * n_obs
         outs.append(out)
         h.add(out, obs, tok.bridge_ids(out) + tok.message_ids("user", obs) + tok.generation_prompt_ids())
     policy = TruncateObservations(keep_last=keep)

@@ -277,6 +277,7 @@ def _run_agent(tok, turns: int, *, token_in: bool) -> Assembler:
     asm = Assembler()
     msgs = [{"role": "system", "content": "You are a terminal agent."}, {"role": "user", "content": "Fix the tests."}]
     seq: list[int] = []
+    seq_out: list[int] = []  # the previous turn's output, bridged from at turn t > 0
     for t in range(turns):
         action = ACTIONS[t % len(ACTIONS)]
         if token_in:

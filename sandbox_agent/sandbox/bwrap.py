@@ -44,7 +44,7 @@ import signal
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 import structlog

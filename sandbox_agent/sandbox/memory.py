@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from sandbox_agent.sandbox.base import (
     SANDBOX_WORKDIR, ExecResult, SandboxClosedError, SandboxConfig, SandboxPathError, cap_output, workdir_relative,

@@ -17,7 +17,7 @@ import hashlib
 import random
 import shutil
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec

@@ -14,7 +14,8 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx

@@ -76,7 +76,7 @@ class UpConfig:
     seed: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
 
-    def check(self) -> "UpConfig":
+    def check(self) -> UpConfig:
         positive = ("actors", "concurrency", "max_turns", "max_new_tokens", "max_context", "batch_turns",
                     "sampler_max_batch", "synth_tasks", "eval_samples")  # fmt: skip
         for name in positive:

@@ -13,7 +13,8 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Sequence
+from typing import IO, Any
+from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import httpx

@@ -18,7 +18,8 @@ import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 
 import anyio
 import anyio.abc

@@ -19,7 +19,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
+from collections.abc import Sequence
 
 from t1async.eval.stats import TaskScore
 

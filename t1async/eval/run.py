@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO
+from collections.abc import Callable, Sequence
 
 import anyio
 

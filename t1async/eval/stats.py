@@ -13,7 +13,7 @@ replacement (the samples of a task are not independent draws of the benchmark):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 

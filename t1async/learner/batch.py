@@ -10,7 +10,8 @@ step over many long segments never materialises one huge batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
+from collections.abc import Sequence
 
 import numpy as np
 import torch

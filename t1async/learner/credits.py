@@ -11,7 +11,7 @@ being replaced and trained one version later (staleness 1).
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 

@@ -11,7 +11,8 @@ failed step (DESIGN §3, §7). Mixed into ``service.Learner``, whose state these
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import anyio
 import anyio.abc

@@ -31,7 +31,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from t1async import wire
 from t1async.errors import T1Error, WireError

@@ -11,7 +11,8 @@ assembles like any end, so what arrived is trained and compaction can drop the e
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.abc
@@ -77,7 +78,7 @@ class ActorLiveness:
 
 async def watch_actors(
     liveness: ActorLiveness,
-    transport: "Transport",
+    transport: Transport,
     on_silent: Callable[[str], Awaitable[None]],
     *,
     task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,

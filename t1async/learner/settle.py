@@ -21,7 +21,7 @@ import json
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

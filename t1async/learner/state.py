@@ -28,7 +28,7 @@ class LearnerState:
         t = self.trained.get(episode)
         return t is not None and turn in t
 
-    def after_step(self, version: int, step: int, turns: list[tuple[str, int]], tokens: int = 0) -> "LearnerState":
+    def after_step(self, version: int, step: int, turns: list[tuple[str, int]], tokens: int = 0) -> LearnerState:
         trained = dict(self.trained)
         for ep, t in turns:
             trained[ep] = trained.get(ep, frozenset()) | {t}
@@ -51,7 +51,7 @@ class LearnerState:
         return path
 
     @classmethod
-    def load(cls, root: Path, version: int | None = None) -> "LearnerState":
+    def load(cls, root: Path, version: int | None = None) -> LearnerState:
         """The state saved with checkpoint ``version`` (None: the newest), or a fresh state."""
         if not root.is_dir():
             return cls()

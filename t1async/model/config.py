@@ -69,7 +69,7 @@ class MoEConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MoEConfig":
+    def from_dict(cls, d: dict) -> MoEConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"model config must be a JSON object, got {type(d).__name__}")
         mt = d.get("model_type", MODEL_TYPE)
@@ -83,7 +83,7 @@ class MoEConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> "MoEConfig":
+    def from_json(cls, text: str) -> MoEConfig:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -94,7 +94,7 @@ class MoEConfig:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "MoEConfig":
+    def load(cls, path: str | Path) -> MoEConfig:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"

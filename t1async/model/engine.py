@@ -41,7 +41,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 import numpy as np
@@ -95,7 +95,7 @@ class EventStream:
         self._h = h
         self._closed = False
 
-    def __aiter__(self) -> "EventStream":
+    def __aiter__(self) -> EventStream:
         return self
 
     async def __anext__(self) -> GenEvent:

@@ -11,7 +11,7 @@ logits, not on its batch neighbours. The whole batch is sampled with a fixed num
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

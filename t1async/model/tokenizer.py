@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -108,7 +108,7 @@ class ChatTokenizer:
         self._gen_prompt = [self.im_start_id, *self.encode("assistant\n")]
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "ChatTokenizer":
+    def load(cls, path: str | Path | None = None) -> ChatTokenizer:
         """Load from a model directory or a tokenizer.json file; None -> the shipped asset."""
         p = assets_dir() if path is None else Path(path)
         f = p / "tokenizer.json" if p.is_dir() else p

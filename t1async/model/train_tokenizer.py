@@ -80,7 +80,7 @@ def _ls(r: random.Random) -> str:
 def _csv(r: random.Random) -> str:
     cols = r.sample(["id", "name", "age", "city", "score", "date", "amount", "status", "count"], r.randint(2, 5))
     rows = [",".join(cols)]
-    for i in range(r.randint(2, 8)):
+    for _ in range(r.randint(2, 8)):
         rows.append(",".join(str(r.randint(0, 999)) if r.random() < 0.6 else r.choice(NAMES) for _ in cols))
     return "\n".join(rows)
 

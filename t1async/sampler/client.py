@@ -24,7 +24,8 @@ import base64
 import enum
 import random
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import anyio
 import httpx
@@ -130,7 +131,7 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> "SGLangClient":
+    async def __aenter__(self) -> SGLangClient:
         if self._state is _State.CLOSED:
             raise SamplerClosedError("this SGLangClient was closed; create a new one")
         self._state = _State.OPENED

@@ -7,7 +7,8 @@ AssertionError naming the broken property.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

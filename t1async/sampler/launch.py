@@ -18,7 +18,8 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
@@ -155,7 +156,7 @@ class SamplerProcess:
                 self.proc.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> "SamplerProcess":
+    def __enter__(self) -> SamplerProcess:
         self.start()
         return self
 

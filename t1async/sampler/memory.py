@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -200,7 +200,7 @@ class MemorySampler:
     async def aclose(self) -> None:
         self._closed = True
 
-    async def __aenter__(self) -> "MemorySampler":
+    async def __aenter__(self) -> MemorySampler:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

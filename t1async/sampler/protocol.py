@@ -27,7 +27,8 @@ import base64
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -17,14 +17,14 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, AsyncGenerator, AsyncIterator, Sequence
+from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from t1async.errors import SamplerError, SamplerRequestError

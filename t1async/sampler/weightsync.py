@@ -18,7 +18,8 @@ rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process gr
 from __future__ import annotations
 
 import datetime
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import anyio
 import httpx

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import anyio
 import torch

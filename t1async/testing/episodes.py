@@ -17,7 +17,7 @@ and duplicated. ``check_segments`` asserts the TITO invariant against the ground
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 

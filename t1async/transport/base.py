@@ -23,7 +23,7 @@ import abc
 from collections import Counter, deque
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
 from t1async.errors import TransportError, WireError
 from t1async.wire import EndRecord, Record, StartRecord, TurnRecord

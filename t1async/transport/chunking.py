@@ -14,7 +14,8 @@ chunks (in any order, duplicates ignored) keyed by ``T1-Chunk-Of`` and returns t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Mapping, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Mapping
 
 from t1async.errors import WireError
 from t1async.transport.base import HDR_MSG_ID

@@ -9,7 +9,8 @@ the caller does the I/O, in one crossing. ``CoreIntake`` does the same for core 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, Mapping, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Mapping
 
 from t1async import wire
 from t1async.errors import WireError

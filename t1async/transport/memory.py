@@ -13,7 +13,8 @@ import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream

@@ -22,7 +22,8 @@ import asyncio
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import nats.errors

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 from contextlib import AsyncExitStack
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import nats
 import nats.errors
@@ -114,7 +115,7 @@ class AioNats:
                 reconnect_time_wait=cfg.reconnect_wait_s, max_reconnect_attempts=1, pending_size=cfg.pending_bytes,
                 error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
             )  # fmt: skip
-        except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error, OSError) as exc:
             raise TransportError(
                 f"cannot reach NATS at {cfg.url}: is the server running? start one with "
                 f"`python -m t1async.cluster up` ({type(exc).__name__}: {exc})"
@@ -199,7 +200,7 @@ class AioNats:
             self._ack_waiting, self._ack_event = pending, asyncio.Event()
             try:
                 await asyncio.wait_for(self._ack_event.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 self._ack_waiting, self._ack_event = set(), None
@@ -209,7 +210,7 @@ class AioNats:
                 out.append(t)
                 continue
             self._ack_live.discard(t)
-            out.append(self._ack_results.pop(t) if t in self._ack_results else asyncio.TimeoutError("no publish ack"))
+            out.append(self._ack_results.pop(t) if t in self._ack_results else TimeoutError("no publish ack"))
         return out
 
     async def pull_sub(self, durable: str, subject: str) -> Any:
@@ -224,7 +225,7 @@ class AioNats:
     async def fetch(psub: Any, n: int, max_wait_s: float) -> list[Fetched[Any]]:
         try:
             msgs = await psub.fetch(batch=n, timeout=max_wait_s)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py raises either when nothing came
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either when nothing came
             return []
         return [Fetched(m.subject, m.data, dict(m.headers or {}), m, m.metadata.sequence.stream,
                         m.metadata.num_delivered) for m in msgs]  # fmt: skip
