@@ -3,11 +3,12 @@
 For each η it runs ``python -m t1async.cluster up`` (nats-server, the embedded sampler, actors in bubblewrap,
 the learner) for ``--duration`` seconds on a fresh run dir, and measures:
 
-- ``turns_per_s``: turns trained per second between the learner's first and last step (end to end: a turn
+- ``turns_per_s``: turns trained per second in the timed window (below) (end to end: a turn
   is counted once it was sampled, executed, streamed, assembled and trained);
 - ``max_staleness``: the largest staleness of any token trained (it must never exceed η);
-- ``sampler_idle``: the fraction of time the sampler had no request running or waiting (polled from its
-  ``/get_server_info`` every 0.1 s);
+- ``sampler_idle``: the fraction of the timed window the sampler spent outside its
+  scheduler steps, from the sampler's own accounting (``busy_s`` and ``uptime_s`` in ``/get_server_info``,
+  read every 0.5 s: ``1 - Δbusy_s / Δuptime_s``);
 - ``stale_masked_tokens``: tokens the learner's safety net took out of the loss for exceeding η (0 unless
   a credit lease expired);
 - the credit waits the actors felt (backpressure): ``credit_waits`` (grants), ``credit_wait_mean_s``,
@@ -16,9 +17,17 @@ the learner) for ``--duration`` seconds on a fresh run dir, and measures:
 - ``mismatch`` and ``policy_shift``: the learner's mean |Δlogp| on fresh and on stale tokens (last step).
 
 ``overlap_bound`` = ``(T_sample + T_train) / max(T_sample, T_train)`` from the η = 0 run (DESIGN §11): the
-most any η can gain by overlapping sampling with training. ``T_train`` is the learner's summed step time
-between its first and last step, ``T_sample`` the rest of that wall time (η = 0 is synchronous, so the two
-alternate).
+most any η can gain by overlapping sampling with training. ``T_train`` is the learner's summed step wall time
+(train, checkpoint, weight push) in the timed window, ``T_sample`` the rest of that wall time (η
+= 0 is synchronous, so the two alternate). ``async_over_sync`` is turns/s at the largest η over turns/s at η
+= 0, and ``of_bound`` that ratio over the bound (target >= 0.85, with the sampler idle <= 15% at that η).
+``sampler_idle_floor`` = ``max(0, 1 - T_sample / T_train)``: when training is the slower side the sampler can
+only run η versions ahead and then wait, so at any η it idles at least that share.
+
+The timed window runs from the end of learner step ``--warmup-steps`` to the end of the last step. By default
+the learner runs on one CPU and everything else (the sampler, actors, their sandboxes, nats-server) on
+another (``taskset -c 0 cluster up --sampler-cpus 0 --learner-cpus 1``): the sampling side and the training
+side, each on its own core, as the bound assumes. ``--no-pin`` lets them share every CPU.
 
 Prints a table, writes ``staleness.json`` and ``staleness.png`` under ``--out``, and with ``--json`` prints
 the JSON object as the last stdout line.
@@ -50,10 +59,15 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
             "--verify-every", str(args.verify_every)]  # fmt: skip
     if args.tasks:
         argv += ["--tasks", str(args.tasks)]
+    if args.pin:
+        # everything but the learner (the supervisor, nats-server, actors, their sandboxes) shares the sampler's
+        # CPU: the sampling side on one core, the training side on the other, as the bound assumes
+        argv = ["taskset", "-c", str(args.pin[0]), *argv, "--sampler-cpus", str(args.pin[0]),
+                "--learner-cpus", str(args.pin[1])]  # fmt: skip
     log = open(run_dir.with_suffix(".log"), "w")
     env = {**os.environ, "T1_LOG_JSON": "1"}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    idle = busy = 0
+    samples: list[tuple[float, float, float]] = []  # (time.time(), busy_s, uptime_s) of the sampler
     try:
         ready = run_dir / "sampler.url"
         deadline = time.monotonic() + 120
@@ -65,15 +79,11 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
         with httpx.Client(trust_env=False, timeout=2.0) as c:
             while proc.poll() is None:
                 try:
-                    info = c.get(f"{url}/get_server_info").json()
-                    st = info["internal_states"][0]
-                    if int(st.get("running_requests", 0)) + int(st.get("waiting", 0)) == 0:
-                        idle += 1
-                    else:
-                        busy += 1
+                    st = c.get(f"{url}/get_server_info").json()["internal_states"][0]
+                    samples.append((time.time(), float(st["busy_s"]), float(st["uptime_s"])))
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
-                time.sleep(0.1)
+                time.sleep(0.5)
         proc.wait()
     finally:
         if proc.poll() is None:
@@ -82,24 +92,55 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
         log.close()
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     try:
-        out = summarise(records, eta, slots=args.actors * args.concurrency)
+        out = summarise(records, eta, slots=args.actors * args.concurrency, warmup_steps=args.warmup_steps)
     except ValueError as exc:
         raise SystemExit(f"bench.staleness: eta={eta}: {exc}; raise --duration (see {run_dir}/logs)") from None
-    return {**out, "sampler_idle": idle / max(idle + busy, 1)}
+    return {**out, "sampler_idle": sampler_idle(samples, out["t_first"], out["t_last"])}
 
 
-def summarise(records: list[dict], eta: int, *, slots: int) -> dict:
-    """One η's row from its ``metrics.jsonl`` records (learner and actors, in order)."""
+def sampler_idle(samples: list[tuple[float, float, float]], t0: float, t1: float) -> float | None:
+    """The sampler's idle fraction between wall times ``t0`` and ``t1``, from ``(t, busy_s, uptime_s)`` samples
+    (the first and last taken inside the window); None with fewer than two there."""
+    inside = [x for x in samples if t0 <= x[0] <= t1]
+    if len(inside) < 2 or inside[-1][2] <= inside[0][2]:
+        return None
+    (_, b0, u0), (_, b1, u1) = inside[0], inside[-1]
+    return min(max(1.0 - (b1 - b0) / (u1 - u0), 0.0), 1.0)
+
+
+def overlap(runs: list[dict]) -> dict:
+    """The η = 0 run's bound beside what the largest η got: async/sync and its share of the bound."""
+    at0 = next((r for r in runs if r["eta"] == 0), None)
+    top = max(runs, key=lambda r: r["eta"])
+    if at0 is None or top is at0:
+        return {}
+    ratio = top["turns_per_s"] / max(at0["turns_per_s"], 1e-9)
+    # when training is the slower side, the sampler can only keep up and wait: it idles at least this share
+    floor = max(0.0, 1.0 - at0["t_sample_s"] / max(at0["t_train_s"], 1e-9))
+    return {"eta_async": top["eta"], "t_sample_s": at0["t_sample_s"], "t_train_s": at0["t_train_s"],
+            "overlap_bound": at0["overlap_bound"], "async_over_sync": ratio, "of_bound": ratio / at0["overlap_bound"],
+            "sampler_idle_async": top["sampler_idle"], "sampler_idle_floor": floor, "sampler_idle_sync": at0["sampler_idle"],
+            "target_of_bound": 0.85, "target_sampler_idle": 0.15,
+            "targets_met": ratio >= 0.85 * at0["overlap_bound"] and top["sampler_idle"] is not None
+            and top["sampler_idle"] <= 0.15}  # fmt: skip
+
+
+def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 1) -> dict:
+    """One η's row from its ``metrics.jsonl`` records (learner and actors, in order). Throughput, T_train and
+    T_sample count from the end of step ``warmup_steps`` (the first steps train the shortest contexts) to the
+    end of the last step."""
     learner = [m for m in records if m.get("component") == "learner" and m.get("turns_trained", 0) > 0]
     if len(learner) < 2:
         raise ValueError(f"the learner trained fewer than two steps ({len(learner)} metrics records with turns)")
-    first = learner[0]
+    first = next((m for m in learner if int(m["step"]) >= warmup_steps), learner[-1])
     last = next(m for m in learner if m["step"] == learner[-1]["step"])  # when the last step landed, not later
-    if last is first:
-        raise ValueError("the learner's first and last records are of the same step")
+    if int(last["step"]) <= int(first["step"]):
+        raise ValueError(f"the learner's first and last records are of the same step ({last['step']}, with "
+                         f"{warmup_steps} warm-up steps)")  # fmt: skip
     wall = max(last["t"] - first["t"], 1e-9)
     turns_per_s = (last["turns_trained"] - first["turns_trained"]) / wall
-    step_s = {int(m["step"]): float(m["t_step_s"]) for m in learner if "t_step_s" in m}
+    # the step's whole wall time (train, checkpoint, weight push) where the learner reports it
+    step_s = {int(m["step"]): float(m.get("t_step_wall_s", m["t_step_s"])) for m in learner if "t_step_s" in m}
     t_train = sum(v for k, v in step_s.items() if int(first["step"]) < k <= int(last["step"]))
     t_sample = max(wall - t_train, 0.0)
     actors: dict[str, dict] = {}
@@ -122,7 +163,7 @@ def summarise(records: list[dict], eta: int, *, slots: int) -> dict:
         "credit_wait_max_s": max((float(a.get("credit_wait_max_s", 0.0)) for a in actors.values()), default=0.0),
         "credit_wait_share": min(wait_s / slot_s, 1.0),
         "mismatch": float(last.get("mismatch", 0.0)), "policy_shift": float(last.get("policy_shift", 0.0)),
-        "t_train_s": t_train, "t_sample_s": t_sample,
+        "t_train_s": t_train, "t_sample_s": t_sample, "t_first": float(first["t"]), "t_last": float(last["t"]),
         "overlap_bound": (t_sample + t_train) / max(t_sample, t_train, 1e-9),
     }  # fmt: skip
 
@@ -139,7 +180,7 @@ def plot(runs: list[dict], path: Path) -> None:
     a.set_xlabel("η (max staleness)")
     a.set_ylabel("turns trained / s")
     a.set_title("end-to-end throughput")
-    b.bar(etas, [r["sampler_idle"] for r in runs], color="tab:orange")
+    b.bar(etas, [float("nan") if r["sampler_idle"] is None else r["sampler_idle"] for r in runs], color="tab:orange")
     b.set_xlabel("η (max staleness)")
     b.set_ylabel("fraction of time")
     b.set_title("sampler idle")
@@ -161,12 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=Path, default=None, help="task dir (default: a synthetic corpus per run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="where the JSON and PNG go")
+    p.add_argument("--no-pin", action="store_true", help="let the sampler and the learner share every CPU "
+                   "(default: the sampler, actors and NATS on the first CPU we may use, the learner on the "
+                   "second)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=2, help="learner steps left out of the timing (default 2)")
     p.add_argument("--json", action="store_true", help="print the JSON object as the last stdout line")
     args = p.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    args.pin = None if args.no_pin or len(cpus) < 2 else (cpus[0], cpus[1])
     try:
         etas = [int(x) for x in args.etas.split(",")]
     except ValueError:
         p.error(f"--etas must be comma-separated integers, got {args.etas!r}")
+    if args.warmup_steps < 1:
+        p.error("--warmup-steps must be >= 1 (the window starts when a step ends)")
     if args.duration < 10:
         p.error("--duration must be at least 10 seconds")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,20 +228,25 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run_one(eta, args, root))
     base = runs[0]["turns_per_s"] or 1e-9
     rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["stale_masked_tokens"],
-             r["sampler_idle"], f"{r['credit_wait_mean_s']:.3f}", f"{r['credit_wait_p99_s']:.3f}",
+             "–" if r["sampler_idle"] is None else f"{r['sampler_idle']:.0%}", f"{r['credit_wait_mean_s']:.3f}", f"{r['credit_wait_p99_s']:.3f}",
              f"{r['credit_wait_share']:.0%}", r["steps"]) for r in runs]  # fmt: skip
     print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "stale masked", "sampler idle",
                 "credit wait mean s", "p99 s", "wait share", "steps"], rows,
                 title="bench.staleness: the real loop at each η")  # fmt: skip
-    at0 = next((r for r in runs if r["eta"] == 0), None)
-    if at0 is not None:
-        print(f"overlap bound at η=0: (T_sample + T_train) / max = ({at0['t_sample_s']:.1f} + "
-              f"{at0['t_train_s']:.1f}) / "
-              f"max = {at0['overlap_bound']:.2f}x")
+    ov = overlap(runs)
+    if ov:
+        idle = ov["sampler_idle_async"]
+        print_grid(["T_sample s (η=0)", "T_train s (η=0)", "overlap bound", f"async/sync (η={ov['eta_async']}/0)",
+                    "of bound (>= 0.85)", f"sampler idle η={ov['eta_async']} (<= 15%)", "idle floor", "targets met"],
+                   [(ov["t_sample_s"], ov["t_train_s"], f"{ov['overlap_bound']:.2f}x", f"{ov['async_over_sync']:.2f}x",
+                     ov["of_bound"], "–" if idle is None else f"{idle:.0%}", f"{ov['sampler_idle_floor']:.0%}",
+                     ov["targets_met"])],
+                   title="overlap: what async can gain at most on these cores, and what it got"
+                   + (f" (sampler on CPU {args.pin[0]}, learner on CPU {args.pin[1]})" if args.pin else " (unpinned)"))  # fmt: skip
     ok = all(r["max_staleness"] <= r["eta"] for r in runs)
     print(f"max trained staleness <= η in every run: {ok}")
-    result = {"runs": runs, "speedup_max_vs_first": runs[-1]["turns_per_s"] / base, "staleness_ok": ok,
-              "overlap_bound": at0["overlap_bound"] if at0 is not None else None,
+    result = {"runs": runs, "speedup_max_vs_first": runs[-1]["turns_per_s"] / base, "staleness_ok": ok, **ov,
+              "pinned": list(args.pin) if args.pin else None,
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}  # fmt: skip
     (args.out / "staleness.json").write_text(json.dumps(result, indent=2))
     plot(runs, args.out / "staleness.png")

@@ -42,6 +42,17 @@ def test_summary_of_one_eta():
     assert r["overlap_bound"] == pytest.approx(20.0 / 14.0)
 
 
+def test_warmup_steps_are_left_out_of_the_timing():
+    recs = [learner(10.0, 1, 8, 1.0), learner(20.0, 2, 16, 4.0, t_step_wall_s=4.5), learner(30.0, 3, 24, 2.0),
+            learner(34.0, 4, 40, 3.0, t_step_wall_s=3.5)]  # fmt: skip
+    r = summarise(recs, 0, slots=1, warmup_steps=2)
+    assert r["turns_per_s"] == pytest.approx(24 / 14)  # from the end of step 2 to the end of step 4
+    assert r["t_train_s"] == pytest.approx(2.0 + 3.5)  # steps 3 and 4, their whole wall time where reported
+    assert r["t_sample_s"] == pytest.approx(14 - 5.5)
+    with pytest.raises(ValueError, match="same step"):
+        summarise(recs, 0, slots=1, warmup_steps=4)
+
+
 def test_too_short_a_run_says_so():
     with pytest.raises(ValueError, match="fewer than two steps"):
         summarise([learner(1.0, 1, 8, 1.0)], 0, slots=1)
@@ -89,3 +100,30 @@ def test_bad_cpu_lists_are_one_line_errors(tmp_path):
         _up_cfg("--run-dir", str(tmp_path), "--sampler-cpus", "x")
     with pytest.raises(ConfigError, match=r"--learner-cpus '4096': CPUs \[4096\] are not available here"):
         _up_cfg("--run-dir", str(tmp_path), "--learner-cpus", "4096")
+
+
+def test_sampler_idle_from_its_own_busy_accounting():
+    from bench.staleness import sampler_idle
+
+    # (wall time, busy_s, uptime_s): outside the window [10, 20] the sampler was idle; inside, busy 6 s of 8
+    samples = [(5.0, 0.0, 1.0), (11.0, 1.0, 7.0), (15.0, 4.0, 11.0), (19.0, 7.0, 15.0), (25.0, 7.0, 21.0)]
+    assert sampler_idle(samples, 10.0, 20.0) == pytest.approx(1 - 6.0 / 8.0)
+    assert sampler_idle(samples, 0.0, 30.0) == pytest.approx(1 - 7.0 / 20.0)
+    assert sampler_idle(samples[:1], 0.0, 30.0) is None  # one reading says nothing
+
+
+def test_overlap_sets_async_beside_the_bound():
+    from bench.staleness import overlap
+
+    sync = {"eta": 0, "turns_per_s": 1.0, "t_sample_s": 30.0, "t_train_s": 20.0, "overlap_bound": 50.0 / 30.0,
+            "sampler_idle": 0.5}  # fmt: skip
+    fast = {"eta": 4, "turns_per_s": 1.5, "sampler_idle": 0.1}
+    ov = overlap([sync, {"eta": 1, "turns_per_s": 1.2, "sampler_idle": 0.3}, fast])
+    assert ov["eta_async"] == 4 and ov["async_over_sync"] == pytest.approx(1.5)
+    assert ov["of_bound"] == pytest.approx(1.5 / (50 / 30)) and ov["targets_met"]  # 0.9 of the bound, idle 10%
+    assert not overlap([sync, {**fast, "turns_per_s": 1.3}])["targets_met"]  # 0.78 of the bound
+    assert not overlap([sync, {**fast, "sampler_idle": 0.2}])["targets_met"]  # the sampler idles too much
+    assert ov["sampler_idle_floor"] == 0  # sampling was the slower side
+    slow_learner = {**sync, "t_sample_s": 10.0, "t_train_s": 40.0, "overlap_bound": 50.0 / 40.0}
+    assert overlap([slow_learner, fast])["sampler_idle_floor"] == pytest.approx(0.75)
+    assert overlap([sync]) == {}  # nothing async to compare
