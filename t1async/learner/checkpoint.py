@@ -86,6 +86,28 @@ def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
     return out
 
 
+def set_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+    param_groups: list[dict], *, source: str,
+) -> None:  # fmt: skip
+    """Put the state ``_optimizer_tensors`` wrote (``"<param>.<field>"`` tensors) and the param groups'
+    hyper-parameters into ``optimizer``. Also how the distributed learner's rank 0 syncs the other ranks."""
+    params = dict(model.named_parameters())
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        pname, _, field = key.rpartition(".")
+        if pname not in params:
+            raise ConfigError(f"{source}: state for unknown parameter {pname!r}")
+        by_param.setdefault(pname, {})[field] = t
+    optimizer.state.clear()
+    for pname, st in by_param.items():
+        p = params[pname]
+        optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
+    for g, saved in zip(optimizer.param_groups, param_groups):
+        for k, v in saved.items():
+            g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+
+
 def save_checkpoint(
     root: str | Path,
     model: MoETransformer,
@@ -132,20 +154,8 @@ def load_checkpoint(
         raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
     load_weights_into(model, d)
     if optimizer is not None and (d / STATE_TENSORS).is_file():
-        tensors = load_file(str(d / STATE_TENSORS))
-        params = dict(model.named_parameters())
-        by_param: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            pname, _, field = key.rpartition(".")
-            if pname not in params:
-                raise ConfigError(f"{d / STATE_TENSORS}: state for unknown parameter {pname!r}")
-            by_param.setdefault(pname, {})[field] = t
-        for pname, st in by_param.items():
-            p = params[pname]
-            optimizer.state[p] = {k: (v.to(p.device) if k != "step" else v.clone()) for k, v in st.items()}
-        for g, saved in zip(optimizer.param_groups, meta.get("param_groups", [])):
-            for k, v in saved.items():
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+        set_optimizer_state(model, optimizer, load_file(str(d / STATE_TENSORS)), meta.get("param_groups", []),
+                            source=str(d / STATE_TENSORS))  # fmt: skip
     info = CheckpointInfo(d, int(meta["version"]), int(meta["step"]))
     log.info("checkpoint.loaded", path=str(d), version=info.version, step=info.step)
     return info

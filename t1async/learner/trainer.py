@@ -20,7 +20,8 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -188,8 +189,8 @@ class Trainer:
         n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(segments))
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
         metrics = self._metrics(  # 3. metrics over loss tokens
-            segments, scored, policy_version, drift, sums=sums, grad_norm=grad_norm, routing=routing,
-            n_loss=n_loss, adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
+            segments, self._loss_token_tensors(scored), policy_version, drift, sums=sums, grad_norm=grad_norm,
+            routing=routing, n_loss=n_loss, adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
             t_backward=max(t_update - t_fwd_ppo, 0.0),
         )  # fmt: skip
         log.info(
@@ -239,16 +240,26 @@ class Trainer:
     def _normalise_advantages(self, scored: list[_Scored], n_segments: int) -> tuple[int, float, float]:
         """The step's loss-token count and advantage mean and std (before normalising); whitens the
         advantages over the step's loss tokens in place when configured."""
-        lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
-        n_loss = int(lm_all.sum())
+        if scored:
+            lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
+            adv_all = torch.cat([sc.adv.flatten() for sc in scored])[lm_all]
+        else:  # a rank of the distributed learner given no segment this step
+            adv_all = torch.zeros(0, device=self.device)
+        n_loss, adv_mean, adv_std = self._adv_moments(adv_all)
         if n_loss == 0:
             raise BatchError(f"Trainer.step: the {n_segments} segments hold no loss tokens")
-        adv_all = torch.cat([sc.adv.flatten() for sc in scored])[lm_all]
-        adv_mean, adv_std = float(adv_all.mean()), float(adv_all.std(unbiased=False)) if n_loss > 1 else 0.0
         if self.config.normalize_advantages:
             for sc in scored:
                 sc.adv = torch.where(sc.batch.loss_mask, (sc.adv - adv_mean) / (adv_std + 1e-8), sc.adv)
         return n_loss, adv_mean, adv_std
+
+    def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
+        """(count, mean, population std) of the step's loss-token advantages; over all ranks in
+        learner.distributed.DistributedTrainer."""
+        n = int(adv_all.numel())
+        if n == 0:
+            return 0, 0.0, 0.0
+        return n, float(adv_all.mean()), float(adv_all.std(unbiased=False)) if n > 1 else 0.0
 
     def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
         """2. PPO epochs: accumulate the loss over the micro-batches, one optimizer step per epoch.
@@ -296,21 +307,28 @@ class Trainer:
         self.optimizer.step()
         return grad_norm
 
+    @staticmethod
+    def _loss_token_tensors(scored: list[_Scored]) -> dict[str, Tensor]:
+        """The per-loss-token tensors the metrics read (1-D, in the same token order)."""
+        lm = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
+        return {
+            "prox": torch.cat([sc.prox_logp.flatten() for sc in scored])[lm],
+            "behav": torch.cat([sc.batch.behav_logp.flatten() for sc in scored])[lm],
+            "versions": torch.cat([sc.batch.versions.flatten() for sc in scored])[lm],
+            "old_values": torch.cat([sc.old_values.flatten() for sc in scored])[lm],
+            "returns": torch.cat([sc.ret.flatten() for sc in scored])[lm],
+        }
+
     def _metrics(
-        self, segments: Sequence[SegmentLike], scored: list[_Scored], policy_version: int,
+        self, segments: Sequence[SegmentLike], toks: Mapping[str, Tensor], policy_version: int,
         drift: Mapping[str, int] | None, *, sums: Mapping[str, float], grad_norm: float,
         routing: tuple[int, int, int, int], n_loss: int, adv_mean: float, adv_std: float, t0: float,
         t_fwd: float, t_backward: float,
     ) -> StepMetrics:  # fmt: skip
-        """3. The step's metrics over its loss tokens."""
+        """3. The step's metrics over its loss tokens (``toks``: _loss_token_tensors)."""
         cfg = self.config
         differ, compared, missing, used_differ = routing
-        lm_all = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
-        prox = torch.cat([sc.prox_logp.flatten() for sc in scored])[lm_all]
-        behav = torch.cat([sc.batch.behav_logp.flatten() for sc in scored])[lm_all]
-        vers = torch.cat([sc.batch.versions.flatten() for sc in scored])[lm_all]
-        old_v = torch.cat([sc.old_values.flatten() for sc in scored])[lm_all]
-        ret = torch.cat([sc.ret.flatten() for sc in scored])[lm_all]
+        prox, behav, vers, old_v, ret = (toks[k] for k in ("prox", "behav", "versions", "old_values", "returns"))
         ones = torch.ones_like(prox, dtype=torch.bool)
         stale = (policy_version - vers).cpu().numpy()
         hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}

@@ -1,0 +1,260 @@
+"""The N-rank learner: data parallel over torch.distributed (gloo on CPU, NCCL on GPU), DESIGN §10.
+
+    learner serve --nproc 2 ...      rank 0 is the service process; it starts ranks 1..N-1 itself
+
+Rank 0 alone consumes the stream, journals, serves credits, assembles, checkpoints and pushes weights (the
+learner service, unchanged). Each step it splits the step's segments into N token-balanced parts
+(``balance``), scatters them (``scatter_object_list``), and every rank trains its part: the scoring forward,
+its micro-batches' backward. The ranks meet three times a step: the advantage moments (so advantages are
+whitened over the whole step's loss tokens), one gradient all-reduce per PPO epoch (sum: every rank's loss
+is already divided by the step's global loss-token count), and a gather of the metric tensors to rank 0.
+Every rank then clips the same summed gradient and takes the same AdamW step, so the weights stay
+identical everywhere (the DDP algorithm; replicated weights, so a checkpoint is rank 0's, loadable at any N).
+
+Why not torch's DDP wrapper or FSDP2 ``fully_shard`` (which does run on CPU + gloo in torch 2.13): both
+issue collectives inside every forward/backward, so every rank must run the same number of micro-batch
+passes in the same order, and FSDP2 makes every weight read (checkpoint, weight push, ``Trainer.score``,
+restoring after a failed step) a collective the other ranks must join. Here ranks get different numbers of
+micro-batches (balanced by tokens, not count) and only the step touches the other ranks.
+
+A rank's own error in a step reaches every rank at the next meeting (a flag in the collective), so the step
+fails everywhere (the service dead-letters it) and rank 0 re-sends its weights and optimizer state with the
+next step. A rank that dies is ``RankFailure``: the learner exits (non-zero) and the other ranks with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from t1async.errors import T1Error
+from t1async.learner.batch import BatchError, SegmentLike, check_segment
+from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
+from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
+from t1async.log import get_logger
+
+if TYPE_CHECKING:
+    from t1async.model.moe import MoETransformer
+
+log = get_logger("t1async.learner.distributed")
+
+
+class RankFailure(T1Error):
+    """A rank of the distributed learner died or its group broke: the learner cannot go on."""
+
+
+class RankStepError(T1Error):
+    """Another rank's part of this step raised (its log says what): the step failed on every rank."""
+
+
+def balance(lengths: Sequence[int], n: int) -> list[list[int]]:
+    """Split segment indices into ``n`` parts of near-equal token counts: longest first, each to the part
+    with the fewest tokens so far (LPT). Indices stay in ascending order within a part."""
+    parts: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        parts[r].append(i)
+        load[r] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def _collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin wrapper over dist calls
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the group timed out
+        raise RankFailure(f"distributed learner: {what} failed ({exc}); a rank died or hung, see its log") from exc
+
+
+class DistributedTrainer(Trainer):
+    """A Trainer whose ``step`` (on rank 0) trains over all ranks of the default process group; the other
+    ranks run ``serve_rank``. Needs ``dist.init_process_group`` done on every rank."""
+
+    def __init__(self, model: MoETransformer, config: TrainerConfig = TrainerConfig()) -> None:
+        super().__init__(model, config)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._resync = True  # send rank 0's weights and optimizer state with the next step
+        self._failed: BaseException | None = None  # this rank's own error in the step now running
+
+    # ------------------------------------------------------------------------------------------- rank 0
+
+    def step(
+        self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
+    ) -> StepMetrics:
+        t0 = time.perf_counter()
+        m = self.mcfg
+        if not segments:
+            raise BatchError("Trainer.step needs at least one segment")
+        for s in segments:
+            check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
+        parts = balance([len(s.tokens) for s in segments], self.world)
+        msgs = [("step", [segments[i] for i in p], policy_version, self._resync) for p in parts]
+        mine: list[Any] = [None]
+        _collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
+        if self._resync:
+            self._sync_state()
+            self._resync = False
+        try:
+            metrics = self._rank_step(mine[0][1], policy_version, drift, all_segments=segments, t0=t0)
+        except RankFailure:
+            raise
+        except Exception:
+            self._resync = True  # the service restores rank 0's weights; the next step re-sends them
+            raise
+        assert metrics is not None
+        log.info("learner.dist_step", step=metrics.step, ranks=self.world,
+                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts], t_step_s=round(metrics.t_step_s, 3))  # fmt: skip
+        return metrics
+
+    def stop_ranks(self) -> None:
+        """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
+        _collective("stopping the ranks", dist.scatter_object_list, [None], [("stop", [], 0, False)] * self.world, src=0)
+
+    # ------------------------------------------------------------------------------------- ranks 1..N-1
+
+    def serve_rank(self) -> None:
+        """Train every step rank 0 scatters until it says stop (ranks 1..N-1)."""
+        while True:
+            mine: list[Any] = [None]
+            _collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
+            kind, local, version, resync = mine[0]
+            if kind == "stop":
+                log.info("learner.rank_stopped", rank=self.rank, steps=self.steps)
+                return
+            if resync:
+                self._sync_state()
+            try:
+                self._rank_step(local, version, None, all_segments=local, t0=time.perf_counter())
+            except RankFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
+                log.warning("learner.rank_step_failed", rank=self.rank, version=version,
+                            error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+
+    # ------------------------------------------------------------------------------------- every rank
+
+    def _sync_state(self) -> None:
+        """Rank 0's weights, optimizer state and step count to every rank."""
+        with torch.no_grad():
+            for t in self.model.state_dict().values():
+                _collective("syncing the weights", dist.broadcast, t, src=0)
+        box: list[Any] = [None]
+        if self.rank == 0:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            box = [(_optimizer_tensors(self.model, self.optimizer), groups, self.steps)]
+        _collective("syncing the optimizer", dist.broadcast_object_list, box, src=0)
+        if self.rank != 0:
+            tensors, groups, self.steps = box[0]
+            set_optimizer_state(self.model, self.optimizer, tensors, groups, source="rank 0")
+
+    def _rank_step(
+        self, local: Sequence[SegmentLike], version: int, drift: Mapping[str, int] | None, *,
+        all_segments: Sequence[SegmentLike], t0: float,
+    ) -> StepMetrics | None:  # fmt: skip
+        """This rank's part of a step (Trainer.step's stages with the three meetings). Metrics on rank 0."""
+        self._failed = None
+        scored: list[_Scored] = []
+        routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
+        try:
+            batches = self._pack(local) if local else []
+            single = len(batches) == 1 and self.config.ppo_epochs == 1
+            scored, routing, t_fwd_scoring = self._score(batches, local, single=single)
+        except Exception as exc:  # noqa: BLE001 - told to every rank at the next meeting (_adv_moments)
+            self._failed, scored = exc, []
+        n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
+        sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)
+        toks = self._loss_token_tensors(scored) if scored else {}
+        gathered: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        part = (toks, dict(sums), routing)
+        _collective("gathering the step's metrics", dist.gather_object, part, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        all_sums: defaultdict[str, float] = defaultdict(float)
+        all_routing = [0, 0, 0, 0]
+        for t, s, r in gathered:
+            for k, v in s.items():
+                all_sums[k] += v
+            all_routing = [a + b for a, b in zip(all_routing, r)]
+        all_toks = {k: torch.cat([t[k] for t, _, _ in gathered if t]) for k in next(t for t, _, _ in gathered if t)}
+        return self._metrics(
+            all_segments, all_toks, version, drift, sums=all_sums, grad_norm=grad_norm,
+            routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]), n_loss=n_loss,
+            adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
+            t_backward=max(t_update - t_fwd_ppo, 0.0),
+        )  # fmt: skip
+
+    def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
+        """Count, mean and std over every rank's loss tokens (float64 sums); also where a rank's scoring
+        error reaches the others."""
+        a = adv_all.detach().double().cpu()
+        buf = torch.tensor([a.numel(), float(a.sum()), float((a * a).sum()), float(self._failed is not None)],
+                           dtype=torch.float64)  # fmt: skip
+        _collective("reducing the advantage moments", dist.all_reduce, self._on_device(buf))
+        self._raise_if_failed(float(buf[3]))
+        n = int(buf[0])
+        if n == 0:
+            return 0, 0.0, 0.0
+        mean = float(buf[1]) / n
+        return n, mean, max(float(buf[2]) / n - mean * mean, 0.0) ** 0.5 if n > 1 else 0.0
+
+    def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
+        try:
+            return super()._update(scored, n_loss)
+        except (RankFailure, RankStepError):
+            raise
+        except Exception as exc:
+            self._failed = exc
+            self._reduce_grads()  # the meeting the other ranks are in: it fails the step on all of them
+            raise
+
+    def _optimizer_step(self) -> float:
+        self._reduce_grads()
+        return super()._optimizer_step()
+
+    def _reduce_grads(self) -> None:
+        """Sum every parameter's gradient over the ranks in one all-reduce. A parameter no rank has a
+        gradient for (an expert no token was routed to) keeps None, as it would on one rank."""
+        params = list(self.model.parameters())
+        flags = torch.tensor([float(self._failed is not None)] + [float(p.grad is not None) for p in params])
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        buf = torch.cat([self._on_device(flags).to(grads[0].dtype), *grads])
+        _collective("reducing the gradients", dist.all_reduce, buf)
+        self._raise_if_failed(float(buf[0]))
+        off = len(params) + 1
+        for i, p in enumerate(params):
+            n = p.numel()
+            p.grad = buf[off:off + n].view_as(p).clone() if float(buf[1 + i]) > 0 else None
+            off += n
+
+    def _raise_if_failed(self, failed: float) -> None:
+        if self._failed is not None:
+            raise self._failed
+        if failed > 0:
+            raise RankStepError(f"{int(failed)} other rank(s) of {self.world} failed this step; see their log")
+
+    def _on_device(self, t: Tensor) -> Tensor:
+        return t.to(self.device) if dist.get_backend() == "nccl" else t
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies (a rank never outlives rank 0)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:
+    """Join the learner's process group (rank 0 hosts the TCPStore on ``host:port``)."""
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
