@@ -89,6 +89,12 @@ def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
     assert not by_name["actor-0"][0].endswith("taskset")  # actors run anywhere
     probe = by_name["learner"][:3] + [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == f"[{cpu}]"
+    # `cluster up` pinned to one CPU itself (as bench.staleness runs it) may still put the learner on another
+    last = max(range(os.cpu_count() or 1))
+    inner = [sys.executable, "-c", "import sys; from t1async.cluster.config import parse_cpus; "
+             f"print(sorted(parse_cpus('{last}', '--learner-cpus')))"]  # fmt: skip
+    out = subprocess.run(["taskset", "-c", cpu, *inner], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"[{last}]"
     unpinned = {s.name: list(s.argv) for s in components.specs(_up_cfg("--run-dir", str(tmp_path)), "nats://x:1")}
     assert unpinned["learner"][0] == sys.executable
 
@@ -98,7 +104,7 @@ def test_bad_cpu_lists_are_one_line_errors(tmp_path):
 
     with pytest.raises(ConfigError, match="--sampler-cpus 'x': not a CPU list; give e.g. 0"):
         _up_cfg("--run-dir", str(tmp_path), "--sampler-cpus", "x")
-    with pytest.raises(ConfigError, match=r"--learner-cpus '4096': CPUs \[4096\] are not available here"):
+    with pytest.raises(ConfigError, match=r"--learner-cpus '4096': CPUs \[4096\] are not on this machine"):
         _up_cfg("--run-dir", str(tmp_path), "--learner-cpus", "4096")
 
 

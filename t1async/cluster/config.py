@@ -66,6 +66,7 @@ class UpConfig:
     weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
     weight_bucket_mb: float = 64.0
     learner_cpus: str = ""  # taskset CPU list the learner runs on (e.g. "1"); "": any CPU
+    learner_procs: int = 1  # ranks of the data-parallel learner (learner serve --nproc)
     wandb: bool = False  # the learner's curves to Weights & Biases too (TensorBoard files are always written)
     # the held-out eval inside the loop (t1async.eval.loop): every N policy versions, 0 = off
     eval_every: int = 0
@@ -78,7 +79,7 @@ class UpConfig:
 
     def check(self) -> UpConfig:
         positive = ("actors", "concurrency", "max_turns", "max_new_tokens", "max_context", "batch_turns",
-                    "sampler_max_batch", "synth_tasks", "eval_samples")  # fmt: skip
+                    "sampler_max_batch", "synth_tasks", "eval_samples", "learner_procs")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -137,7 +138,7 @@ class UpConfig:
 
 
 def parse_cpus(spec: str, flag: str) -> set[int]:
-    """A taskset-style CPU list ("0", "0,2", "1-3") as a set; every CPU must be one this process may use."""
+    """A taskset-style CPU list ("0", "0,2", "1-3") as a set; every CPU must be one of the machine's."""
     cpus: set[int] = set()
     try:
         for part in spec.split(","):
@@ -145,10 +146,10 @@ def parse_cpus(spec: str, flag: str) -> set[int]:
             cpus.update(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         raise ConfigError(f"{flag} {spec!r}: not a CPU list; give e.g. 0 or 0,2 or 1-3") from None
-    allowed = os.sched_getaffinity(0)
+    allowed = set(range(os.cpu_count() or 1))  # the machine's, not our own affinity (we may be pinned ourselves)
     if not cpus or not cpus <= allowed:
-        raise ConfigError(f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not available here; "
-                          f"this machine lets us use {sorted(allowed)}")  # fmt: skip
+        raise ConfigError(f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not on this machine; "
+                          f"it has {min(allowed)}-{max(allowed)}")  # fmt: skip
     if shutil.which("taskset") is None:
         raise ConfigError(f"{flag} needs taskset (Debian package util-linux): apt-get install util-linux")
     return cpus
@@ -259,6 +260,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
                    f"with --weight-sync distributed (default {d.weight_bucket_mb:g})")  # fmt: skip
     g.add_argument("--learner-cpus", default=None, metavar="LIST", help="pin the learner to these CPUs "
                    "(taskset list, e.g. 1; default: any)")  # fmt: skip
+    g.add_argument("--learner-procs", type=int, default=None, metavar="N", help="ranks of the data-parallel "
+                   f"learner over torch.distributed, gloo on CPU (learner serve --nproc; default {d.learner_procs})")
     g.add_argument("--wandb", action="store_const", const=True, default=None,
                    help="also log the learner's curves to Weights & Biases (needs wandb; WANDB_MODE=offline works)")
     g = p.add_argument_group("eval in the loop")
