@@ -20,7 +20,7 @@ from t1async.sampler.base import SamplingParams
 from t1async.sampler.client import (
     SamplerClosedError, SamplerVersionError, SGLangClient, parse_generation, parse_weight_version,
 )
-from t1async.sampler.conformance import check_sampler
+from t1async.testing.sampler import check_sampler
 from t1async.sampler.memory import MemorySampler
 
 CFG = MoEConfig.load(default_model_dir())

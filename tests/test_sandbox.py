@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_agent.sandbox import (
-    SANDBOX_WORKDIR, BwrapSandbox, ExecResult, MemorySandbox, OutputBuffer, Sandbox, SandboxClosedError,
+    SANDBOX_WORKDIR, BwrapSandbox, MemorySandbox, OutputBuffer, Sandbox, SandboxClosedError,
     SandboxConfig, SandboxPathError, SandboxStartError,
 )
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.shell import MARK, ShellChannel, ShellEOF
+from t1async.testing.sandbox import check_sandbox, memory_shell
 
 FAST = SandboxConfig(command_timeout_s=10.0, kill_grace_s=0.5)
 
@@ -333,68 +334,32 @@ async def test_concurrent_sandboxes_get_distinct_uids_and_slots_are_exclusive(wo
 # -- conformance: the same expectations of BwrapSandbox and MemorySandbox ------------------------------
 
 
-def _memory_handler(box: list[MemorySandbox]):
-    """A tiny stand-in shell for the conformance set: echo, cat FILE, exit N."""
-
-    def handle(command: str) -> ExecResult:
-        word, _, arg = command.partition(" ")
-        if word == "echo":
-            return ExecResult(arg + "\n", 0, False, False, 0.0)
-        if word == "cat":
-            try:
-                return ExecResult(box[0].files[f"{SANDBOX_WORKDIR}/{arg}"].decode(), 0, False, False, 0.0)
-            except KeyError:
-                return ExecResult(f"cat: {arg}: No such file or directory\n", 1, False, False, 0.0)
-        if word == "yes-long":
-            return ExecResult("y\n" * 50_000, 0, False, False, 0.0)
-        return ExecResult("", int(arg) if word == "exit-with" else 0, False, False, 0.0)
-
-    return handle
-
-
 @pytest.fixture(params=["bwrap", "memory"])
 async def any_sandbox(request, workdir: Path):
     if request.param == "memory":
         box: list[MemorySandbox] = []
-        box.append(MemorySandbox(_memory_handler(box), workdir=workdir))
+        box.append(MemorySandbox(memory_shell(box), workdir=workdir))
         async with box[0] as s:
             yield s
     else:
         async with BwrapSandbox.open(workdir, FAST) as s:
-            await s.exec("yes-long() { yes | head -n 50000; }; exit-with() { return $1; }")
             yield s
 
 
 async def test_conformance(any_sandbox: Sandbox) -> None:
-    s = any_sandbox
-    assert isinstance(s, Sandbox)
-    r = await s.exec("echo hello")
-    assert (r.output, r.exit_code, r.timed_out, r.truncated) == ("hello\n", 0, False, False)
-    assert (await s.exec("exit-with 5")).exit_code == 5
-    await s.write_file("a.txt", b"alpha\n")
-    assert (await s.exec("cat a.txt")).output == "alpha\n"
-    assert await s.read_file(f"{SANDBOX_WORKDIR}/a.txt") == b"alpha\n"
-    await s.write_file("a.txt", b"beta\n")  # overwrite truncates
-    assert await s.read_file("a.txt") == b"beta\n"
-    await s.write_file("sub/dir/b.bin", bytes(range(256)))
-    assert await s.read_file("sub/dir/b.bin") == bytes(range(256))
-    assert (await s.exec("cat missing.txt")).exit_code == 1
-    with pytest.raises(FileNotFoundError):
-        await s.read_file("missing.txt")
-    for outside in ("/etc/passwd", "../escape", "/tmp/x"):
-        with pytest.raises(SandboxPathError):
-            await s.read_file(outside)
-        with pytest.raises(SandboxPathError):
-            await s.write_file(outside, b"x")
-    with pytest.raises(SandboxPathError):
-        await s.read_file("sub")  # a directory
-    long = await s.exec("yes-long")
-    assert long.truncated and "bytes truncated" in long.output and long.output.startswith("y\ny\n")
-    with pytest.raises(ValueError):
-        await s.exec("echo \0")
-    await s.aclose()
-    await s.aclose()  # idempotent
-    with pytest.raises(SandboxClosedError):
-        await s.exec("echo hello")
-    with pytest.raises(SandboxClosedError):
-        await s.read_file("a.txt")
+    """t1async.testing.check_sandbox against BwrapSandbox and MemorySandbox."""
+    await check_sandbox(any_sandbox)
+
+
+async def test_check_sandbox_catches_a_sandbox_that_lets_paths_escape(workdir: Path) -> None:
+    class Leaky(MemorySandbox):
+        async def read_file(self, path: str) -> bytes:
+            if path.startswith("/etc"):
+                return b"root:x:0:0"
+            return await super().read_file(path)
+
+    box: list[MemorySandbox] = []
+    box.append(Leaky(memory_shell(box), workdir=workdir))
+    async with box[0] as s:
+        with pytest.raises(AssertionError, match="did not raise SandboxPathError"):
+            await check_sandbox(s)
