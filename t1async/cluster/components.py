@@ -126,7 +126,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         "--max-staleness", str(cfg.max_staleness), "--batch-turns", str(cfg.batch_turns),
         "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--lease", str(cfg.lease),
         "--actor-timeout", str(cfg.actor_timeout), "--weight-sync", cfg.weight_sync,
-        "--weight-bucket-mb", str(cfg.weight_bucket_mb),
+        "--weight-bucket-mb", str(cfg.weight_bucket_mb), "--nproc", str(cfg.learner_procs),
     )  # fmt: skip
     if model is not None:
         learner += ["--model", str(model)]

@@ -49,6 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--weight-sync-host", default="127.0.0.1", help="address the samplers reach this learner's "
                    "weight-update group at (default 127.0.0.1)")
     s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
+    s.add_argument("--nproc", type=int, default=1, help="ranks of the data-parallel learner (default 1): this "
+                   "process is rank 0 (stream, credits, checkpoints, weight push) and starts ranks 1..N-1 over "
+                   "torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py); --threads is per rank")
     s.set_defaults(func=serve)
 
 
@@ -56,6 +59,7 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     from t1async.learner import memory
+    from t1async.learner.distributed import RankFailure
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer import TrainerConfig
     from t1async.sampler.client import SGLangClient
@@ -69,6 +73,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--actor-timeout must be > 0 seconds, got {args.actor_timeout}")
     if args.max_staleness < 0 or args.steps < 0:
         raise ConfigError("--max-staleness and --steps must be >= 0")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     if not args.weight_bucket_mb > 0:
         raise ConfigError(f"--weight-bucket-mb must be > 0, got {args.weight_bucket_mb}")
     torch.set_num_threads(max(1, args.threads))
@@ -94,7 +100,21 @@ def serve(args: argparse.Namespace) -> int:
                 learner.weight_pusher = DistributedPusher(samplers, WeightPushConfig(
                     bucket_mb=args.weight_bucket_mb, host=args.weight_sync_host))  # fmt: skip
                 stack.push_async_callback(learner.weight_pusher.aclose)
+            ranks = None
+            if args.nproc > 1:  # the ranks stop first at exit (the stack unwinds in reverse), by PID
+                from t1async.learner.ranks import Ranks, RanksConfig
+
+                ranks = Ranks(RanksConfig(nproc=args.nproc, threads=max(1, args.threads)))
+
+                async def close_ranks() -> None:
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(ranks.close, learner.trainer)
+
+                stack.push_async_callback(close_ranks)
+                learner.trainer = await anyio.to_thread.run_sync(ranks.start, learner.trainer)
             async with anyio.create_task_group() as tg:
+                if ranks is not None:
+                    tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailure)
 
                 async def stop_on_signal() -> None:
                     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -106,5 +126,13 @@ def serve(args: argparse.Namespace) -> int:
                 await learner.run()
                 tg.cancel_scope.cancel()
 
-    anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
+    try:
+        anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
+    except BaseExceptionGroup as eg:  # a rank's failure reads as one line (RankFailure is a T1Error)
+        failed: BaseException | None = eg.subgroup(RankFailure)
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+        if failed is not None:
+            raise failed from eg
+        raise
     return 0

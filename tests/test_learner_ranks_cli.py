@@ -1,0 +1,110 @@
+"""``learner serve --nproc 2`` and ``cluster up --learner-procs 2`` as real processes (nats-server, the
+embedded sampler, actors in bubblewrap, rank 0 and rank 1 over gloo): steps complete, weights are published,
+and no rank outlives the learner, whether it is stopped (SIGTERM/SIGINT) or one of its ranks dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+
+def events(log: Path, name: str) -> list[dict]:
+    if not log.is_file():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written
+    return [e for e in out if e.get("event") == name]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
+    with anyio.fail_after(timeout_s):
+        while not (v := fn()):
+            await anyio.sleep(0.2)
+    return v
+
+
+async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", "2", "--batch-turns", "6",
+            "--actors", "1", "--concurrency", "2", "--max-turns", "4", "--max-new-tokens", "24", "--synth-tasks", "10",
+            "--learner-procs", "2", "--duration", "400", "--plain"]  # fmt: skip
+    with open(tmp_path / "up.out", "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
+        try:
+            proc.wait(timeout=420)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+    text = (tmp_path / "up.out").read_text()
+    assert proc.returncode == 0 and "cluster stopped: learner finished" in text, text[-3000:]
+    log = run / "logs" / "learner.log"
+    assert [e["nproc"] for e in events(log, "learner.ranks_joined")] == [2]
+    steps = events(log, "learner.dist_step")
+    assert [e["ranks"] for e in steps] == [2, 2] and all(len(e["tokens"]) == 2 for e in steps), steps
+    assert [e["version"] for e in events(log, "learner.step")] == [1, 2]
+    assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()  # published: the sampler loaded it
+    updated = events(run / "logs" / "sampler.log", "sampler.weights_updated")
+    assert [str(e["weight_version"]) for e in updated] == ["1", "2"], updated
+    pids = events(log, "learner.ranks_starting")[0]["pids"]
+    assert events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
+
+
+def serve(tmp_path: Path, url: str, env: dict) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "learner.log"
+    argv = [sys.executable, "-m", "t1async.learner", "serve", "--nats", url, "--run-dir", str(tmp_path / "run"),
+            "--nproc", "2"]  # fmt: skip
+    return subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True), log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stopped_learner_stops_its_ranks(tmp_path, repo_env, nats_server, sig):
+    proc, log = serve(tmp_path, nats_server.url, repo_env)
+    try:
+        await wait_for(lambda: events(log, "learner.ready"), 120, "the learner ready")
+        pids = events(log, "learner.ranks_starting")[0]["pids"]
+        assert all(alive(p) for p in pids)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -sig), log.read_text()[-2000:]
+    assert events(log, "learner.rank_stopped"), "rank 1 was told to stop, not killed"
+    assert not any(alive(p) for p in pids)
+
+
+async def test_a_dead_rank_stops_the_learner(tmp_path, repo_env, nats_server):
+    proc, log = serve(tmp_path, nats_server.url, repo_env)
+    try:
+        await wait_for(lambda: events(log, "learner.ready"), 120, "the learner ready")
+        (pid,) = events(log, "learner.ranks_starting")[0]["pids"]
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 2 and f"error: learner rank 1 (pid {pid}) exited with code -9" in text, text[-2000:]
