@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Protocol
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -40,10 +40,10 @@ from t1async.errors import SamplerError, SandboxError
 from t1async.log import get_logger
 from t1async.sampler.base import Generation, Sampler, SamplingParams
 from t1async.tito import common_prefix_len
+from t1async.wire import EndReason
 
 log = get_logger("sandbox_agent.agent")
 
-StopReason = Literal["solved", "max_turns", "context", "timeout", "error", "aborted"]
 
 
 class ChatTokenizerLike(Protocol):
@@ -111,7 +111,7 @@ class EpisodeResult:
     aborted the request)."""
 
     turns: int
-    reason: StopReason
+    reason: EndReason
     tests_passed: int
     tests_total: int
     resolved: bool
@@ -209,7 +209,7 @@ class _Loop:
 
 
 async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
-                  ) -> tuple[Generation | None, StopReason | None, str]:
+                  ) -> tuple[Generation | None, EndReason | None, str]:
     """Sample turn ``k``: (generation, None, "") or (None, stop reason, detail)."""
     wait_turn = getattr(sampler, "wait_turn", None)
     try:
@@ -224,22 +224,22 @@ async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: Samplin
                 rid=f"{rid}/{k}",
             ), None, ""
     except SamplerError as exc:
-        return None, "error", f"sampler failed on turn {k}: {exc}"
-    return None, "timeout", f"wall time ran out while sampling turn {k}"
+        return None, EndReason.ERROR, f"sampler failed on turn {k}: {exc}"
+    return None, EndReason.TIMEOUT, f"wall time ran out while sampling turn {k}"
 
 
 async def _respond(gen: Generation, out: list[int], tokenizer: ChatTokenizerLike, sandbox: Sandbox,
                    cfg: AgentConfig, st: _Loop, k: int
-                   ) -> tuple[Action, str, str, ExecResult | None, StopReason | None, str]:
+                   ) -> tuple[Action, str, str, ExecResult | None, EndReason | None, str]:
     """Parse the output and run its action: (action, kind, observation, exec result, stop, detail)."""
     if gen.finish == "abort":
-        return Action("invalid"), "none", "", None, "aborted", f"sampler aborted turn {k}"
+        return Action("invalid"), "none", "", None, EndReason.ABORTED, f"sampler aborted turn {k}"
     action = parse_action(tokenizer.decode(out, skip_special_tokens=False))
     observation, res, failure = await _act(action, sandbox, cfg, st.deadline)
     if failure:
-        return action, action.kind, observation, res, "error", f"sandbox failed on turn {k}: {failure}"
+        return action, action.kind, observation, res, EndReason.ERROR, f"sandbox failed on turn {k}: {failure}"
     if action.done:
-        return action, action.kind, "", res, "solved", ""
+        return action, action.kind, "", res, EndReason.SOLVED, ""
     return action, action.kind, observation, res, None, ""
 
 
@@ -270,8 +270,8 @@ def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, polic
     return compacted, ""
 
 
-async def _verify_turn(st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, stop: StopReason | None
-                       ) -> tuple[int | None, float, StopReason | None, str]:
+async def _verify_turn(st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, stop: EndReason | None
+                       ) -> tuple[int | None, float, EndReason | None, str]:
     """Verify when the episode stops or every ``verify_every`` turns: (tests passed, reward, stop, detail)."""
     periodic = cfg.verify_every > 0 and (k + 1) % cfg.verify_every == 0
     if stop is None and not periodic:
@@ -280,7 +280,7 @@ async def _verify_turn(st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, st
     reward = float(st.last_verify.passed - st.last_passed)
     st.last_passed = st.last_verify.passed
     if stop is None and cfg.stop_when_resolved and st.last_verify.resolved:
-        return st.last_verify.passed, reward, "solved", f"tests resolved at turn {k}"
+        return st.last_verify.passed, reward, EndReason.SOLVED, f"tests resolved at turn {k}"
     return st.last_verify.passed, reward, stop, ""
 
 
@@ -304,13 +304,13 @@ async def run_agent(
                anyio.current_time() + (cfg.wall_time_s or wall_time_s), rid)  # fmt: skip
     policy = make_policy(cfg.context)
     stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
-    reason: StopReason = "max_turns"
+    reason: EndReason = EndReason.MAX_TURNS
     detail = ""
     turns = 0
     for k in range(cfg.max_turns):
         budget = cfg.max_context_tokens - len(st.input_ids)
         if budget < cfg.min_new_tokens:
-            reason, detail = "context", f"{len(st.input_ids)} tokens of {cfg.max_context_tokens} used"
+            reason, detail = EndReason.CONTEXT, f"{len(st.input_ids)} tokens of {cfg.max_context_tokens} used"
             break
         params = replace(
             cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), stop_token_ids=stop_ids
@@ -334,13 +334,13 @@ async def run_agent(
         next_ids: list[int] | None = None
         if stop is None:
             if k + 1 >= cfg.max_turns:
-                stop = "max_turns"
+                stop = EndReason.MAX_TURNS
             else:
                 next_ids, why = _next_input(tokenizer, st, cfg, policy, out, observation)
                 if next_ids is None:
-                    stop, detail = "context", why
+                    stop, detail = EndReason.CONTEXT, why
                 elif anyio.current_time() >= st.deadline:
-                    stop, detail = "timeout", f"wall time ran out after turn {k}"
+                    stop, detail = EndReason.TIMEOUT, f"wall time ran out after turn {k}"
         # -- verify, then stream the turn
         tests_passed, reward, stop, vdetail = await _verify_turn(st, verify, cfg, k, stop)
         detail = vdetail or detail
@@ -370,7 +370,7 @@ async def run_agent(
     return await _finish(st, verify, rid, turns, reason, detail, t_start)
 
 
-async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: StopReason, detail: str,
+async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: EndReason, detail: str,
                   t_start: float) -> EpisodeResult:
     """The episode's result; verifies once more if the last turn could not carry the final verification."""
     unstreamed = 0.0

@@ -13,7 +13,7 @@ import builtins
 import hashlib
 import math
 from dataclasses import dataclass, field, fields
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 from collections.abc import Mapping
 
@@ -33,7 +33,10 @@ class Finish(str, Enum):
     ABORT = "abort"
 
 
-class EndReason(str, Enum):
+class EndReason(StrEnum):
+    """Why an episode ended: the agent's stop reason (sandbox_agent.agent) and the end record's, one type.
+    A StrEnum, so it prints and formats as its value ("solved")."""
+
     SOLVED = "solved"
     MAX_TURNS = "max_turns"
     CONTEXT = "context"

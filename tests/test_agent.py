@@ -23,6 +23,7 @@ from sandbox_agent.verifier import VerifyResult
 from t1async.errors import SamplerError
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.sampler.base import Generation, SamplingParams
+from t1async.wire import EndReason
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
 IM_START, IM_END = 256, 257
@@ -212,7 +213,8 @@ async def test_observation_has_exit_code_and_is_truncated():
 async def test_max_turns_stop_verifies_last_turn():
     cfg = AgentConfig(max_turns=3)
     res, turns, _, _, verify = await episode([bash("touch t0"), bash("echo hi")], config=cfg)
-    assert res.reason == "max_turns" and res.turns == 3 and len(turns) == 3
+    assert res.reason is EndReason.MAX_TURNS and res.turns == 3 and len(turns) == 3
+    assert f"{res.reason}" == "max_turns"  # one type from the agent to the wire, printed as its value
     assert [t.tests_passed for t in turns] == [None, None, 1] and turns[-1].last
     assert res.tests_passed == 1 and res.unstreamed_reward == 0 and verify.calls == [1]
 
