@@ -119,3 +119,34 @@ def test_a_dead_rank_fails_the_learner(ranks2):
         anyio.run(ranks.watch)
     with pytest.raises(RankFailure):
         two.step(segments(base, n=3), 1)
+
+
+def test_a_failed_step_fails_on_every_rank_and_the_next_resyncs(ranks2, tmp_path):
+    """Rank 0 raises in its second PPO epoch, after every rank took the first epoch's optimizer step. Rank 1
+    learns of it at the gradient meeting (no hang), rank 0 is restored from the checkpoint (as the service
+    does), and the next step re-sends rank 0's weights: rank 1's stepped ones must not leak into it."""
+    ranks, holder = ranks2
+    torch.manual_seed(2)
+    base = tiny()
+    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
+    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, version=0, step=0)
+    calls = {"n": 0}
+    real = two._optimizer_step
+
+    def second_epoch_fails() -> float:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise FloatingPointError("injected")
+        return real()
+
+    two._optimizer_step = second_epoch_fails  # type: ignore[method-assign]
+    segs = segments(base)
+    with pytest.raises(FloatingPointError, match="injected"):
+        two.step(segs, 0)
+    del two._optimizer_step
+    two.load(ck.path)
+    one = Trainer(tiny(), TCFG)
+    load_checkpoint(ck.path, one.model, one.optimizer)
+    one.step(segs, 0)
+    two.step(segs, 0)
+    assert_same_weights(one.model, two.model)
