@@ -306,16 +306,35 @@ async def test_launch_sampler_reports_a_failed_start(tmp_path):
             pass
 
 
+def test_the_sampling_params_an_actor_sends_parse_back_to_the_same_params():
+    """One sampling-params type on both sides: the client's SamplingParams, sent as sampling_params, is
+    what the server's validation returns; a bad field is a SamplerRequestError naming it."""
+    from t1async.errors import SamplerRequestError
+    from t1async.sampler.base import SamplingParams
+    from t1async.sampler.protocol import SGLANG_DEFAULTS, parse_sampling
+
+    sent = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(3, 4),
+                          stop=("$ ",), skip_special_tokens=True, no_stop_trim=False, seed=11, ignore_eos=True)
+    assert parse_sampling(sent.to_sglang(), vocab_size=100) == sent
+    assert parse_sampling(SamplingParams().to_sglang(), vocab_size=100) == SamplingParams()
+    assert parse_sampling(None, vocab_size=100) == SGLANG_DEFAULTS and isinstance(SGLANG_DEFAULTS, SamplingParams)
+    with pytest.raises(SamplerRequestError, match="top_k") as info:
+        parse_sampling({"top_k": 0}, vocab_size=100)
+    assert info.value.param == "sampling_params.top_k"
+
+
 def test_streamed_text_holds_back_partial_characters(tok):
     """protocol.ResponseState decodes only new ids while streaming; a character split across tokens shows
     up whole, once its last byte arrives, and the final text is one exact decode."""
     from types import SimpleNamespace
 
-    from t1async.sampler.protocol import GenerateInput, ResponseState, SamplingSpec
+    from dataclasses import replace
+
+    from t1async.sampler.protocol import SGLANG_DEFAULTS, GenerateInput, ResponseState
 
     ids = tok.encode("héllo 世界 ✓ ok 🙂!")
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))), "no split character"
-    st = ResponseState(req=GenerateInput(input_ids=(1,), sampling=SamplingSpec(skip_special_tokens=False)),
+    st = ResponseState(req=GenerateInput(input_ids=(1,), sampling=replace(SGLANG_DEFAULTS, skip_special_tokens=False)),
                        rid="r", started=0.0)
     decode = lambda xs, skip: tok.decode(list(xs), skip_special_tokens=skip)  # noqa: E731
     seen = []

@@ -15,6 +15,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """The sampling parameters of one request, on both sides of the wire: what an actor asks for (these
+    defaults) and what the server parses a request's ``sampling_params`` into (``protocol.SGLANG_DEFAULTS``
+    for the fields a request leaves out)."""
+
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -24,6 +28,7 @@ class SamplingParams:
     skip_special_tokens: bool = False
     no_stop_trim: bool = True
     seed: int | None = None  # SGLang's sampling_seed: the same seed, weights and input give the same sample
+    ignore_eos: bool = False  # sample past the end-of-sequence tokens (stop_token_ids still stop)
 
     def to_sglang(self) -> dict:
         d: dict[str, Any] = {
@@ -40,6 +45,8 @@ class SamplingParams:
             d["stop"] = list(self.stop)
         if self.seed is not None:
             d["sampling_seed"] = self.seed
+        if self.ignore_eos:
+            d["ignore_eos"] = True
         return d
 
 

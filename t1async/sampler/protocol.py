@@ -18,7 +18,7 @@ The embedded server (server.py) uses these functions; the field names and shapes
 - errors: HTTP 400 with ``{"error": {"message": ...}}`` (SGLang's shape; we add ``type``, ``code`` and
   ``param``, the offending field).
 
-Every validation failure raises :class:`RequestError` with a message naming the field and what to send.
+Every validation failure raises :class:`SamplerRequestError` with a message naming the field and what to send.
 """
 
 from __future__ import annotations
@@ -32,13 +32,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-
-class RequestError(ValueError):
-    """A request the server rejects with HTTP 400. ``param`` names the offending field."""
-
-    def __init__(self, message: str, *, param: str = "") -> None:
-        super().__init__(message)
-        self.param = param
+from t1async.errors import SamplerRequestError
+from t1async.sampler.base import SamplingParams
 
 
 def error_body(message: str, *, param: str = "", status: int = 400) -> dict:
@@ -71,18 +66,9 @@ _SP_NEUTRAL: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    skip_special_tokens: bool = True  # SGLang's defaults
-    no_stop_trim: bool = False
-    ignore_eos: bool = False
-    seed: int | None = None
+# What SGLang assumes for the sampling_params a request leaves out (the client's SamplingParams defaults
+# are what an actor asks for, and differ: it always sends every field)
+SGLANG_DEFAULTS = SamplingParams(max_new_tokens=128, skip_special_tokens=True, no_stop_trim=False)
 
 
 @dataclass(frozen=True)
@@ -90,7 +76,7 @@ class GenerateInput:
     """One validated generation request (a batch request parses to several)."""
 
     input_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     rid: str | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -100,10 +86,10 @@ class GenerateInput:
     from_text: bool = False
 
 
-def _unknown(name: str, where: str, known: set[str]) -> RequestError:
+def _unknown(name: str, where: str, known: set[str]) -> SamplerRequestError:
     hint = difflib.get_close_matches(name, sorted(known), n=1)
     did = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return RequestError(
+    return SamplerRequestError(
         f"unknown field {where}{name!r}{did}; supported: {', '.join(sorted(known))}", param=f"{where}{name}"
     )
 
@@ -116,7 +102,7 @@ def _check_neutral(body: dict, known: set[str], neutral: dict[str, Any], where: 
             raise _unknown(key, where, known)
         allowed = neutral[key]
         if allowed is not None and value not in allowed:
-            raise RequestError(
+            raise SamplerRequestError(
                 f"{where}{key}={value!r} is not supported by this sampler; omit it or send one of {list(allowed)}",
                 param=f"{where}{key}",
             )
@@ -127,36 +113,36 @@ def _int(value: Any, name: str, *, lo: int | None = None, hi: int | None = None)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise RequestError(f"{name} must be an integer, got {value!r}", param=name)
+            raise SamplerRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if lo is not None and value < lo:
-        raise RequestError(f"{name} must be >= {lo}, got {value}", param=name)
+        raise SamplerRequestError(f"{name} must be >= {lo}, got {value}", param=name)
     if hi is not None and value > hi:
-        raise RequestError(f"{name} must be <= {hi}, got {value}", param=name)
+        raise SamplerRequestError(f"{name} must be <= {hi}, got {value}", param=name)
     return value
 
 
 def _float(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, got {value!r}", param=name)
+        raise SamplerRequestError(f"{name} must be a finite number, got {value!r}", param=name)
     return float(value)
 
 
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
+        raise SamplerRequestError(f"{name} must be true or false, got {value!r}", param=name)
     return value
 
 
 def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = False) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise RequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
+        raise SamplerRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", param=name)
     if not value and not allow_empty:
-        raise RequestError(f"{name} is empty; send at least one token id", param=name)
+        raise SamplerRequestError(f"{name} is empty; send at least one token id", param=name)
     for i, tok in enumerate(value):
         if isinstance(tok, bool) or not isinstance(tok, int):
-            raise RequestError(f"{name}[{i}] must be an integer token id, got {tok!r}", param=name)
+            raise SamplerRequestError(f"{name}[{i}] must be an integer token id, got {tok!r}", param=name)
         if not 0 <= tok < vocab_size:
-            raise RequestError(
+            raise SamplerRequestError(
                 f"{name}[{i}] = {tok} is not a token id of this model "
                 f"(vocab_size {vocab_size}: ids 0..{vocab_size - 1})",
                 param=name,
@@ -164,33 +150,33 @@ def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fa
     return tuple(value)
 
 
-def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.") -> SamplingSpec:
+def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.") -> SamplingParams:
     if body is None:
-        return SamplingSpec()
+        return SGLANG_DEFAULTS
     if not isinstance(body, dict):
-        raise RequestError(f"sampling_params must be an object, got {type(body).__name__}", param="sampling_params")
+        raise SamplerRequestError(f"sampling_params must be an object, got {type(body).__name__}", param="sampling_params")
     _check_neutral(body, _SP_FIELDS, _SP_NEUTRAL, where)
-    d = SamplingSpec()
+    d = SGLANG_DEFAULTS
     g = body.get
     temperature = _float(g("temperature", d.temperature), where + "temperature")
     if temperature < 0:
-        raise RequestError(f"{where}temperature must be >= 0 (0 is greedy), got {temperature}",
+        raise SamplerRequestError(f"{where}temperature must be >= 0 (0 is greedy), got {temperature}",
                            param=where + "temperature")
     top_p = _float(g("top_p", d.top_p), where + "top_p")
     if not 0 < top_p <= 1:
-        raise RequestError(f"{where}top_p must be in (0, 1], got {top_p}", param=where + "top_p")
+        raise SamplerRequestError(f"{where}top_p must be in (0, 1], got {top_p}", param=where + "top_p")
     top_k = _int(g("top_k", d.top_k), where + "top_k")
     if top_k == 0 or top_k < -1:
-        raise RequestError(f"{where}top_k must be -1 (all tokens) or >= 1, got {top_k}", param=where + "top_k")
+        raise SamplerRequestError(f"{where}top_k must be -1 (all tokens) or >= 1, got {top_k}", param=where + "top_k")
     stop = g("stop") or ()
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"{where}stop must be a string or a list of non-empty strings, got {stop!r}",
+        raise SamplerRequestError(f"{where}stop must be a string or a list of non-empty strings, got {stop!r}",
                            param=where + "stop")
     stop_ids = g("stop_token_ids") or []
     seed = g("sampling_seed")
-    return SamplingSpec(
+    return SamplingParams(
         max_new_tokens=_int(g("max_new_tokens", d.max_new_tokens), where + "max_new_tokens", lo=0),
         temperature=temperature,
         top_p=top_p,
@@ -207,17 +193,17 @@ def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.
 def parse_generate(
     body: Any, *, vocab_size: int, max_seq_len: int, encode: Callable[[str], list[int]]
 ) -> tuple[list[GenerateInput], bool]:
-    """Validate a ``/generate`` body. Returns (requests, is_batch); raises :class:`RequestError`.
+    """Validate a ``/generate`` body. Returns (requests, is_batch); raises :class:`SamplerRequestError`.
 
     ``encode`` tokenizes ``text`` (the server's tokenizer); ``input_ids`` wins when both are absent/present
     is an error, as in SGLang ("Either text or input_ids should be provided", not both).
     """
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise SamplerRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     _check_neutral(body, _TOP_FIELDS, _TOP_NEUTRAL, "")
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
-        raise RequestError("send exactly one of input_ids (token ids) or text", param="input_ids")
+        raise SamplerRequestError("send exactly one of input_ids (token ids) or text", param="input_ids")
     if has_ids:
         raw = body["input_ids"]
         batch = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
@@ -228,34 +214,34 @@ def parse_generate(
         batch = isinstance(raw, list)
         texts = raw if batch else [raw]
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a string or a non-empty list of strings", param="text")
+            raise SamplerRequestError("text must be a string or a non-empty list of strings", param="text")
         prompts = []
         for i, t in enumerate(texts):
             ids = tuple(encode(t))
             if not ids:
                 where = f"text[{i}]" if batch else "text"
-                raise RequestError(f"{where} encodes to no tokens; send non-empty text", param="text")
+                raise SamplerRequestError(f"{where} encodes to no tokens; send non-empty text", param="text")
             prompts.append(ids)
     n = len(prompts)
     stream = _bool(body.get("stream", False), "stream")
     if batch and stream:
-        raise RequestError("stream=true is not supported for a batch request; send one request per prompt",
+        raise SamplerRequestError("stream=true is not supported for a batch request; send one request per prompt",
                            param="stream")
     sp = body.get("sampling_params")
     if batch and isinstance(sp, list):
         if len(sp) != n:
-            raise RequestError(f"sampling_params has {len(sp)} entries for {n} prompts", param="sampling_params")
+            raise SamplerRequestError(f"sampling_params has {len(sp)} entries for {n} prompts", param="sampling_params")
         specs = [parse_sampling(s, vocab_size, where=f"sampling_params[{i}].") for i, s in enumerate(sp)]
     else:
         specs = [parse_sampling(sp, vocab_size)] * n
     rid = body.get("rid")
     if batch and rid is not None:
         if not isinstance(rid, list) or len(rid) != n or not all(isinstance(r, str) for r in rid):
-            raise RequestError(f"rid must be a list of {n} strings for a batch of {n} prompts", param="rid")
+            raise SamplerRequestError(f"rid must be a list of {n} strings for a batch of {n} prompts", param="rid")
         rids: list[str | None] = list(rid)
     else:
         if rid is not None and not isinstance(rid, str):
-            raise RequestError(f"rid must be a string, got {rid!r}", param="rid")
+            raise SamplerRequestError(f"rid must be a string, got {rid!r}", param="rid")
         rids = [rid] * n
     return_logprob = _bool(body.get("return_logprob", False), "return_logprob")
     logprob_start_len = _int(body.get("logprob_start_len", -1), "logprob_start_len", lo=-1)
@@ -265,11 +251,11 @@ def parse_generate(
     for i, (ids, spec, r) in enumerate(zip(prompts, specs, rids)):
         where = f"input_ids[{i}]" if batch else "input_ids"
         if len(ids) >= max_seq_len:
-            raise RequestError(
+            raise SamplerRequestError(
                 f"{where} has {len(ids)} tokens; this model's context length is {max_seq_len} tokens", param=where
             )
         if len(ids) + spec.max_new_tokens > max_seq_len:
-            raise RequestError(
+            raise SamplerRequestError(
                 f"requested {len(ids)} input + {spec.max_new_tokens} new tokens = {len(ids) + spec.max_new_tokens}, "
                 f"more than the context length of {max_seq_len}; lower sampling_params.max_new_tokens "
                 f"to at most {max_seq_len - len(ids)}",
@@ -277,7 +263,7 @@ def parse_generate(
             )
         s = 0 if start is None else _int(start, "routed_experts_start_len", lo=0)
         if s > len(ids):
-            raise RequestError(
+            raise SamplerRequestError(
                 f"routed_experts_start_len = {s} is past the prompt ({len(ids)} tokens); it must be in [0, {len(ids)}]",
                 param="routed_experts_start_len",
             )

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 
 log = get_logger("sampler.server")
-# what the engine raises for a request it rejects (HTTP 400, as SGLang maps its ValueErrors)
+# what the engine and the protocol raise for a request they reject (HTTP 400, as SGLang maps its ValueErrors)
 _REJECTED = (ValueError, SamplerRequestError)
 VERSION = "t1async-embedded-0.1"
 
@@ -104,7 +104,7 @@ class SamplerApp:
     async def _events(self, gi: P.GenerateInput, state: P.ResponseState) -> AsyncGenerator[P.ResponseState, None]:
         """Run one request through the engine, yielding the state after each event. Closing aborts it."""
         if state.rid in self.active:
-            raise P.RequestError(f"rid {state.rid!r} is already running; use a unique rid", param="rid")
+            raise SamplerRequestError(f"rid {state.rid!r} is already running; use a unique rid", param="rid")
         self.active.add(state.rid)
         try:
             async with aclosing(self.engine.generate(self.make_request(gi, state.rid))) as events:
@@ -147,8 +147,8 @@ class SamplerApp:
             rids = [gi.rid for gi in reqs if gi.rid is not None]
             for rid in rids:
                 if rid in self.active or rids.count(rid) > 1:
-                    raise P.RequestError(f"rid {rid!r} is already in use; send a unique rid", param="rid")
-        except P.RequestError as exc:
+                    raise SamplerRequestError(f"rid {rid!r} is already in use; send a unique rid", param="rid")
+        except SamplerRequestError as exc:
             return _bad(str(exc), param=exc.param)
         if reqs[0].stream:
             return self._stream(reqs[0])
@@ -193,7 +193,7 @@ class SamplerApp:
                 async with aclosing(self._events(gi, state)) as events:
                     async for st in events:
                         yield b"data: " + json.dumps(st.to_json(self._decode, time.perf_counter())).encode() + b"\n\n"
-            except _REJECTED as exc:  # RequestError (duplicate rid) or the engine's own rejection
+            except _REJECTED as exc:  # a duplicate rid or the engine's own rejection
                 param = getattr(exc, "param", "")
                 log.info("sampler.bad_request", message=str(exc), param=param, status=400)
                 yield b"data: " + json.dumps(P.error_body(str(exc), param=param)).encode() + b"\n\n"
@@ -213,9 +213,9 @@ class SamplerApp:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise P.RequestError(f"the request body is not valid JSON: {exc}") from exc
+            raise SamplerRequestError(f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
-            raise P.RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+            raise SamplerRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
         return body
 
     async def update_weights_from_disk(self, request: Request) -> Response:
@@ -223,12 +223,12 @@ class SamplerApp:
             body = await self._json_body(request)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
-                raise P.RequestError("model_path must be a non-empty string (a directory of weights)",
+                raise SamplerRequestError("model_path must be a non-empty string (a directory of weights)",
                                      param="model_path")
             version = body.get("weight_version")
             if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-                raise P.RequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
-        except P.RequestError as exc:
+                raise SamplerRequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
+        except SamplerRequestError as exc:
             return _bad(str(exc), param=exc.param)
         version = None if version is None else str(version)
         t0 = time.perf_counter()
@@ -254,7 +254,7 @@ class SamplerApp:
     async def abort_request(self, request: Request) -> Response:
         try:
             body = await self._json_body(request)
-        except P.RequestError as exc:
+        except SamplerRequestError as exc:
             return _bad(str(exc), param=exc.param)
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
@@ -287,7 +287,7 @@ class SamplerApp:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        gi = P.GenerateInput(input_ids=(0,), sampling=P.SamplingSpec(max_new_tokens=1, temperature=0.0),
+        gi = P.GenerateInput(input_ids=(0,), sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),
                              rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
         with anyio.move_on_after(self.config.health_timeout_s):
             result = await self._run_to_end(gi)
