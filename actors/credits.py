@@ -15,7 +15,7 @@ import anyio
 
 from t1async.log import get_logger
 from t1async.sampler.base import Generation, Sampler, SamplingParams
-from t1async.transport.base import NoResponders, RequestTimeout, Transport
+from t1async.transport.base import NoRespondersError, RequestTimeoutError, Transport
 from t1async.wire import CreditGrant, CreditRequest
 
 CREDIT_SUBJECT = "t1.credit"
@@ -51,10 +51,10 @@ class CreditClient:
                 reply = await self.transport.request(
                     CREDIT_SUBJECT, CreditRequest(self.actor, episode, 1, turn), timeout=self.request_timeout_s
                 )
-            except RequestTimeout:
+            except RequestTimeoutError:
                 log.debug("credit.held", episode=episode, waited_s=round(time.monotonic() - t0, 1))
                 continue
-            except NoResponders:
+            except NoRespondersError:
                 log.info("credit.no_learner", episode=episode, retry_in_s=backoff)
                 await anyio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

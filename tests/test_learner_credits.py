@@ -8,7 +8,7 @@ import anyio
 from t1async.learner.credits import CREDIT_SUBJECT, CreditServer
 from t1async.staleness import CreditGate, CreditLedger
 from t1async.transport import MemoryBroker, MemoryTransport
-from t1async.transport.base import RequestTimeout
+from t1async.transport.base import RequestTimeoutError
 from t1async.wire import CreditGrant, CreditRequest
 
 
@@ -40,7 +40,7 @@ async def test_eta0_holds_grants_while_a_step_trains():
         try:
             await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=0.5)
             raise AssertionError("a credit was granted while an eta=0 step trained")
-        except RequestTimeout:
+        except RequestTimeoutError:
             pass
         server.set_training(False)
         g = await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)

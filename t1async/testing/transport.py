@@ -26,7 +26,7 @@ import numpy as np
 from t1async import wire
 from t1async.testing.asserts import raises
 from t1async.transport.base import (
-    NoResponders, RequestTimeout, Transport, TransportClosedError, traj_subject,
+    NoRespondersError, RequestTimeoutError, Transport, TransportClosedError, traj_subject,
 )  # fmt: skip
 from t1async.transport.memory import MemoryBroker, MemoryTransport
 
@@ -273,7 +273,7 @@ async def request_reply_with_a_held_reply(h: TransportHarness) -> None:
 
 async def request_timeout_and_no_responders(h: TransportHarness) -> None:
     async with h.open() as learner, h.open() as actor:
-        with raises(NoResponders, match="t1.credit"):
+        with raises(NoRespondersError, match="t1.credit"):
             await actor.request("t1.credit", wire.CreditRequest("a0", "ep-j"), timeout=1)
         async with learner.serve("t1.credit") as requests, anyio.create_task_group() as tg:
             held: list[Any] = []
@@ -284,7 +284,7 @@ async def request_timeout_and_no_responders(h: TransportHarness) -> None:
 
             tg.start_soon(never_answer)
             t0 = time.monotonic()
-            with raises(RequestTimeout, match="retry"):
+            with raises(RequestTimeoutError, match="retry"):
                 await actor.request("t1.credit", wire.CreditRequest("a0", "ep-j"), timeout=0.3)
             assert time.monotonic() - t0 > 0.25  # it waited for its timeout
             assert len(held) == 1

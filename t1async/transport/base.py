@@ -43,12 +43,15 @@ class TransportClosedError(TransportError):
     """The transport was used after its ``async with`` block ended (or after ``aclose()``): a bug in the caller."""
 
 
-class RequestTimeout(TransportError):
+class RequestTimeoutError(TransportError):
     """No reply within the timeout. The server may hold replies on purpose (backpressure): retry."""
 
 
-class NoResponders(TransportError):
+class NoRespondersError(TransportError):
     """Nobody serves this subject right now (e.g. the learner has not started): retry later."""
+
+
+RequestTimeout, NoResponders = RequestTimeoutError, NoRespondersError  # their old names, still importable
 
 
 # ------------------------------------------------------------------------------------------ types

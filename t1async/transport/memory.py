@@ -23,7 +23,7 @@ from t1async import wire
 from t1async.errors import WireError
 from t1async.log import get_logger
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Message, NoResponders, Record, Request, RequestTimeout, Transport,
+    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Message, NoRespondersError, Record, Request, RequestTimeoutError, Transport,
     TransportClosedError, TransportStats, default_msg_id, is_traj, subject_matches,
 )  # fmt: skip
 from t1async.transport.intake import Fetched, StreamIntake, count_dead
@@ -268,10 +268,10 @@ class MemoryTransport(Transport):
         reply_send, reply_recv = anyio.create_memory_object_stream[bytes](16)
         async with reply_recv, reply_send:
             if not self.broker.core(subject, wire.encode(record), {}, reply_send):
-                raise NoResponders(f"no server for request on {subject!r} (is the learner running?): retry later")
+                raise NoRespondersError(f"no server for request on {subject!r} (is the learner running?): retry later")
             with anyio.move_on_after(timeout):
                 return wire.decode(await reply_recv.receive())
-        raise RequestTimeout(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry")
+        raise RequestTimeoutError(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry")
 
     @asynccontextmanager
     async def serve(self, subject: str, *, queue: str = "") -> AsyncIterator[AsyncIterator[Request]]:

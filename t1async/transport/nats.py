@@ -34,7 +34,7 @@ from t1async.errors import TransportError, WireError
 from t1async.log import get_logger
 from t1async.transport import chunking
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Message, NoResponders, Record, Request, RequestTimeout, Transport,
+    HDR_MSG_ID, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Message, NoRespondersError, Record, Request, RequestTimeoutError, Transport,
     TransportClosedError, TransportStats, default_msg_id, is_traj,
 )  # fmt: skip
 from t1async.transport.intake import CoreIntake, StreamIntake, count_dead
@@ -288,9 +288,9 @@ class NatsTransport(Transport):
         try:
             msg = await self._bridge.run(self._nc.request, subject, data, timeout=timeout)
         except nats.errors.NoRespondersError:
-            raise NoResponders(f"no server for request on {subject!r} (is the learner running?): retry later") from None
+            raise NoRespondersError(f"no server for request on {subject!r} (is the learner running?): retry later") from None
         except nats.errors.TimeoutError:
-            raise RequestTimeout(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry") from None
+            raise RequestTimeoutError(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry") from None
         except nats.errors.Error as exc:
             raise self._translate(exc, f"request on {subject}") from exc
         return wire.decode(msg.data)
