@@ -143,6 +143,11 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
     step_s = {int(m["step"]): float(m.get("t_step_wall_s", m["t_step_s"])) for m in learner if "t_step_s" in m}
     t_train = sum(v for k, v in step_s.items() if int(first["step"]) < k <= int(last["step"]))
     t_sample = max(wall - t_train, 0.0)
+    # tokens the learner's forward passes covered per trained turn (a turn deep in its episode costs more: its
+    # segment holds the whole history), so two windows can be seen to train the same mix
+    step_tok = {int(m["step"]): int(m.get("tokens", 0)) for m in learner}
+    window = [k for k in step_s if int(first["step"]) < k <= int(last["step"])]
+    turns_in = last["turns_trained"] - first["turns_trained"]
     actors: dict[str, dict] = {}
     t_actor: dict[str, tuple[float, float]] = {}
     for m in records:
@@ -163,6 +168,7 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
         "credit_wait_max_s": max((float(a.get("credit_wait_max_s", 0.0)) for a in actors.values()), default=0.0),
         "credit_wait_share": min(wait_s / slot_s, 1.0),
         "mismatch": float(last.get("mismatch", 0.0)), "policy_shift": float(last.get("policy_shift", 0.0)),
+        "tokens_per_turn": sum(step_tok.get(k, 0) for k in window) / max(turns_in, 1),
         "t_train_s": t_train, "t_sample_s": t_sample, "t_first": float(first["t"]), "t_last": float(last["t"]),
         "overlap_bound": (t_sample + t_train) / max(t_sample, t_train, 1e-9),
     }  # fmt: skip
@@ -229,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     base = runs[0]["turns_per_s"] or 1e-9
     rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["stale_masked_tokens"],
              "–" if r["sampler_idle"] is None else f"{r['sampler_idle']:.0%}", f"{r['credit_wait_mean_s']:.3f}", f"{r['credit_wait_p99_s']:.3f}",
-             f"{r['credit_wait_share']:.0%}", r["steps"]) for r in runs]  # fmt: skip
+             f"{r['credit_wait_share']:.0%}", r["steps"], f"{r['tokens_per_turn']:.0f}") for r in runs]  # fmt: skip
     print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "stale masked", "sampler idle",
-                "credit wait mean s", "p99 s", "wait share", "steps"], rows,
+                "credit wait mean s", "p99 s", "wait share", "steps", "tokens/turn"], rows,
                 title="bench.staleness: the real loop at each η")  # fmt: skip
     ov = overlap(runs)
     if ov:

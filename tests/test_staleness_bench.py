@@ -43,12 +43,13 @@ def test_summary_of_one_eta():
 
 
 def test_warmup_steps_are_left_out_of_the_timing():
-    recs = [learner(10.0, 1, 8, 1.0), learner(20.0, 2, 16, 4.0, t_step_wall_s=4.5), learner(30.0, 3, 24, 2.0),
-            learner(34.0, 4, 40, 3.0, t_step_wall_s=3.5)]  # fmt: skip
+    recs = [learner(10.0, 1, 8, 1.0, tokens=100), learner(20.0, 2, 16, 4.0, t_step_wall_s=4.5, tokens=200),
+            learner(30.0, 3, 24, 2.0, tokens=300), learner(34.0, 4, 40, 3.0, t_step_wall_s=3.5, tokens=500)]  # fmt: skip
     r = summarise(recs, 0, slots=1, warmup_steps=2)
     assert r["turns_per_s"] == pytest.approx(24 / 14)  # from the end of step 2 to the end of step 4
     assert r["t_train_s"] == pytest.approx(2.0 + 3.5)  # steps 3 and 4, their whole wall time where reported
     assert r["t_sample_s"] == pytest.approx(14 - 5.5)
+    assert r["tokens_per_turn"] == pytest.approx((300 + 500) / 24)
     with pytest.raises(ValueError, match="same step"):
         summarise(recs, 0, slots=1, warmup_steps=4)
 
