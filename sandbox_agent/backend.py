@@ -156,7 +156,8 @@ class ContainerBackend:
             inside, volumes = SANDBOX_WORKDIR, ((str(workdir), SANDBOX_WORKDIR),)
         else:
             inside, volumes = await anyio.to_thread.run_sync(images.image_workdir, image), ()
-        async with start_container(podman, env, image, limits=self.limits, volumes=volumes) as cid:
+        tmpfs = self._tmpfs(inside, volumes)
+        async with start_container(podman, env, image, limits=self.limits, volumes=volumes, tmpfs=tmpfs) as cid:
             self._episodes[str(workdir)] = (cid, inside)
             try:
                 yield cid
@@ -186,6 +187,12 @@ class ContainerBackend:
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         return None
 
+    @staticmethod
+    def _tmpfs(inside: str, volumes: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+        """Where a capped tmpfs goes when ``limits.disk_bytes`` is set: the work dir (unless it is / or a bind
+        of the host's work dir) and /tmp."""
+        return (*((inside,) if inside not in ("/", "/tmp") and not volumes else ()), "/tmp")
+
     @contextlib.asynccontextmanager
     async def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
                              ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[Sandbox]:
@@ -199,12 +206,25 @@ class ContainerBackend:
         snap = f"localhost/t1async/verify-{cid}:latest"
         await anyio.to_thread.run_sync(lambda: images.run_podman("commit", "-q", cid, snap))
         try:
-            async with start_container(podman, env, snap, limits=self.limits, network="bridge") as copy:
+            tmpfs = self._tmpfs(inside, ())
+            async with start_container(podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs) as copy:
+                if self.limits.disk_bytes is not None:  # a commit leaves tmpfs contents out: carry them over
+                    await anyio.to_thread.run_sync(_copy_paths, cid, copy, tmpfs)
                 async with ContainerSandbox.open(podman, env, copy, inside, config or self.config, copies=ro_binds) as sb:
                     yield sb
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: images.run_podman("rmi", "-f", snap, check=False))
+
+
+def _copy_paths(src: str, dst: str, paths: tuple[str, ...]) -> None:
+    """Copy each of ``paths`` from container ``src`` into container ``dst`` (through a host temp dir)."""
+    import tempfile
+
+    for p in paths:
+        with tempfile.TemporaryDirectory(prefix="t1-carry-") as tmp:
+            images.run_podman("cp", f"{src}:{p}/.", tmp)
+            images.run_podman("cp", f"{tmp}/.", f"{dst}:{p}")
 
 
 @dataclasses.dataclass

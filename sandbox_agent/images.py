@@ -2,7 +2,7 @@
 
 Image registries are unreachable here; Debian's and PyPI's package registries are not. So:
 
-- ``build_base()`` makes ``localhost/t1async/base:bookworm`` once: ``mmdebstrap --variant=minbase`` of
+- ``build_base()`` makes ``localhost/t1async/base:bookworm-2`` once: ``mmdebstrap --variant=minbase`` of
   Debian bookworm (python3 3.11, pip, venv, pytest, tmux, asciinema, curl, git, procps...), ``podman
   import``, then ``uv`` and ``pytest==8.4.1`` from PyPI wheels (downloaded on the host) and ``python``/
   ``pip`` links, as ``python:3.11-slim`` has them. Cached: a second call returns at once.
@@ -39,11 +39,23 @@ from t1async.log import get_logger
 
 log = get_logger("sandbox_agent.images")
 
-BASE_IMAGE = "localhost/t1async/base:bookworm"
+# The tag names the recipe's version: a changed recipe is a new image (and so new task images, whose tags hash
+# the base's name too), never a stale one found under the old name.
+BASE_IMAGE = "localhost/t1async/base:bookworm-2"
 ROOTFS_IMAGE = "localhost/t1async/rootfs:bookworm"
 BASE_PACKAGES = ("python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,"
                  "git,less,file")
 PYPI_PACKAGES = ("uv", "pytest==8.4.1")
+# Kept in the image as a wheelhouse, so a task's test script installs its pinned pytest offline: uv/pip get
+# UV_OFFLINE/UV_FIND_LINKS/PIP_FIND_LINKS in the verifier (OFFLINE_ENV). colorama/tomli/exceptiongroup are
+# pytest's conditional dependencies, which a universal `uv add`/`uv lock` resolution needs as files too.
+WHEELHOUSE = "/opt/t1async/wheels"
+WHEELHOUSE_PACKAGES = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "colorama", "tomli", "exceptiongroup")
+OFFLINE_ENV = (("UV_OFFLINE", "1"), ("UV_FIND_LINKS", WHEELHOUSE), ("UV_PYTHON_DOWNLOADS", "never"),
+               ("UV_NO_PROGRESS", "1"), ("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", WHEELHOUSE),
+               ("PIP_DISABLE_PIP_VERSION_CHECK", "1"))
+# What uv's installer leaves behind (`source $HOME/.local/bin/env` is in most published test scripts).
+_UV_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
 DEFAULT_MAP = {
     "ubuntu": BASE_IMAGE, "ubuntu:*": BASE_IMAGE, "debian": BASE_IMAGE, "debian:*": BASE_IMAGE,
     "python:3*": BASE_IMAGE, "buildpack-deps:*": BASE_IMAGE, "docker.io/library/*": BASE_IMAGE,
@@ -138,17 +150,24 @@ def _build_base(force: bool, mirror: str) -> str:
         run_podman("import", "--change", 'CMD ["/bin/bash"]', str(tar), ROOTFS_IMAGE)
     with tempfile.TemporaryDirectory(prefix="t1-base-") as tmp:
         wheels = Path(tmp) / "wheels"
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", "3.11",
-                            "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
-                            "--platform", "any", "-d", str(wheels), *PYPI_PACKAGES], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ImageError(f"pip download {' '.join(PYPI_PACKAGES)} failed: {r.stderr[-1500:]}")
+        house = Path(tmp) / "wheelhouse"
+        for dest, names in ((wheels, PYPI_PACKAGES), (house, WHEELHOUSE_PACKAGES)):
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version",
+                                "3.11", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
+                                "--platform", "any", "-d", str(dest), *names], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ImageError(f"pip download {' '.join(names)} failed: {r.stderr[-1500:]}")
+        (Path(tmp) / "uv-env").write_text(_UV_ENV)
+        # python:3.*-slim has no EXTERNALLY-MANAGED marker (so `pip install x` works there); Debian's has one.
         (Path(tmp) / "Containerfile").write_text(
             f"FROM {ROOTFS_IMAGE}\n"
             "COPY wheels /tmp/wheels\n"
+            f"COPY wheelhouse {WHEELHOUSE}\n"
+            "COPY uv-env /root/.local/bin/env\n"
             "RUN pip install --no-index --break-system-packages --root-user-action=ignore /tmp/wheels/*.whl"
-            " && rm -rf /tmp/wheels"
+            " && rm -rf /tmp/wheels /usr/lib/python3*/EXTERNALLY-MANAGED"
             " && ln -sf /usr/bin/python3 /usr/local/bin/python && ln -sf /usr/bin/pip3 /usr/local/bin/pip"
+            " && ln -sf /usr/local/bin/uv /root/.local/bin/uv && ln -sf /usr/local/bin/uvx /root/.local/bin/uvx"
             " && mkdir -p /logs/verifier /app\n"
             "ENV LANG=C.UTF-8\n"
             'CMD ["/bin/bash"]\n')
@@ -198,6 +217,7 @@ def context_hash(context: Path, dockerfile: Path) -> str:
         if p.is_file() and not p.is_symlink():
             h.update(str(p.relative_to(context)).encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(dockerfile.read_bytes())
+    h.update(BASE_IMAGE.encode())  # a new base recipe rebuilds the task images on it
     return h.hexdigest()[:16]
 
 

@@ -35,7 +35,8 @@ import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
+from collections.abc import Iterator
 
 from t1async.errors import ConfigError, T1Error
 
@@ -55,7 +56,7 @@ class TaskFormatError(ConfigError):
 class TaskNeedsImage(T1Error):
     """The task needs its own container image, and the chosen backend cannot provide one."""
 
-    def __init__(self, task: "Task", backend: str, why: str | None = None) -> None:
+    def __init__(self, task: Task, backend: str, why: str | None = None) -> None:
         super().__init__(
             f"task {task.id!r} needs image {task.docker_image!r}; no container backend is available "
             f"(backend {backend!r} runs only tasks with the default environment"
@@ -299,7 +300,9 @@ def _split(v: Any, f: Path, task_id: str) -> Split:
 def _test_files(tests_dir: Path) -> tuple[str, ...]:
     if not tests_dir.is_dir():
         return ()
-    return tuple(sorted(q.name for q in tests_dir.glob("test_*.py") if q.is_file()))
+    # pytest's default python_files: test_*.py and *_test.py (Aider polyglot's tests are <exercise>_test.py)
+    names = {q.name for pat in ("test_*.py", "*_test.py") for q in tests_dir.glob(pat) if q.is_file()}
+    return tuple(sorted(names))
 
 
 def populate_workdir(task: Task, workdir: Path) -> None:

@@ -1,11 +1,17 @@
 """The verifier: run a task's tests over the agent's work dir and count the passes (DESIGN §8).
 
 Each verification opens a *fresh* sandbox session over the work dir, with a fresh copy of the task's
-``tests/`` bound read-only at ``/tests`` (the agent cannot edit or pre-plant them). The pytest files are
-run directly with the sandbox's ``python3 -I -B -m pytest`` (isolated: the work dir is not on sys.path
-and no user site / PYTHON* variables apply, so the agent cannot shadow pytest or plant a conftest), in a
-clean environment (``env -i``), with cwd = the work dir and ``T1_WORKDIR`` naming it. TB1's run-tests.sh
-usually installs pytest from the network, which the sandbox does not have, so it is not used. A TB2 task
+``tests/`` bound read-only at ``/tests`` (the agent cannot edit or pre-plant them).
+
+In a container (the task's own image) the task's own entry point runs as Terminal-Bench runs it: TB1
+``run-tests.sh``, TB2 ``tests/test.sh`` + ``/logs/verifier/reward.*`` (``path="script"``). It runs offline
+unless the user gave the verifier the network: the base image keeps a wheelhouse (pytest 8.4.1,
+pytest-json-ctrf) and uv's ``~/.local/bin/env``, so the usual uv/pytest preamble works as written. Where the
+script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), and always under
+bwrap, the test files (``test_*.py`` and ``*_test.py``) run directly (``path="pytest"``) with the sandbox's
+``python3 -I -B`` (isolated: no user site / PYTHON* variables; the work dir is appended to sys.path, after
+the standard library and pytest, so tests import the agent's module but the agent cannot shadow pytest or
+plant a conftest), in a clean environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task
 with only ``tests/test.sh`` (no pytest files) is run as ``bash /tests/test.sh`` and counts as one test.
 
 Results come from pytest's junit XML (printed after a random marker) and, failing that, from the ``-rA``
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from sandbox_agent.backend import SandboxBackend, backend_kind
+from sandbox_agent.images import OFFLINE_ENV
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
 from t1async.errors import SandboxError
@@ -173,13 +180,18 @@ def share_read_only(root: Path) -> None:
 
 
 def build_command(task: Task, nonce: str, python: str) -> str:
-    """The shell command run inside the verifier's sandbox (cwd = the work dir)."""
+    """The shell command run inside the verifier's sandbox (cwd = the work dir).
+
+    The work dir is *appended* to sys.path (``-I`` leaves it out): tests that import the agent's module
+    (Aider polyglot's ``from bob import response``, EvoEval's) find it, while the standard library and
+    pytest cannot be shadowed by a file the agent planted, and its conftest.py is never collected."""
     env = f'env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT}'
     out, junit = f"/tmp/t1v-{nonce}.out", f"/tmp/t1v-{nonce}.xml"
     if task.test_files:
         files = " ".join(f"{TESTS_MOUNT}/{f}" for f in task.test_files)
+        main = "import os, sys; sys.path.append(os.getcwd()); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
         run = (
-            f"{env} {python} -I -B -m pytest -p no:cacheprovider -rA --tb=short --rootdir={TESTS_MOUNT} "
+            f"{env} {python} -I -B -c '{main}' -p no:cacheprovider -rA --tb=short --rootdir={TESTS_MOUNT} "
             f"-o junit_family=xunit1 --junitxml={junit} {files} >{out} 2>&1"
         )
     else:
@@ -203,14 +215,19 @@ def needs_network(script: Path) -> bool:
     return bool(_NETWORK.search("\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))))
 
 
-def script_command(task: Task, nonce: str) -> str:
+def script_command(task: Task, nonce: str, offline: bool = True) -> str:
     """Terminal-Bench's own entry point, as its harness runs it (cwd = the task's working dir):
-    TB1 ``bash /tests/run-tests.sh``, TB2 ``bash /tests/test.sh`` and then /logs/verifier/reward.*."""
+    TB1 ``bash /tests/run-tests.sh``, TB2 ``bash /tests/test.sh`` and then /logs/verifier/reward.*.
+
+    ``offline``: uv and pip install from the base image's wheelhouse (pytest 8.4.1, pytest-json-ctrf), so
+    the usual preamble (curl the uv installer, ``source $HOME/.local/bin/env``, ``uv venv``/``uv pip
+    install pytest==8.4.1``/``uv run pytest``, ``uvx --with pytest==8.4.1 pytest``) runs as written."""
     out = f"/tmp/t1v-{nonce}.out"
     name = "run-tests.sh" if task.format == "tb1" else "test.sh"
+    env = " ".join(f"{k}={v}" for k, v in OFFLINE_ENV) + " " if offline else ""
     return (
         "mkdir -p /logs/verifier; rm -f /logs/verifier/reward.txt /logs/verifier/reward.json; "
-        f'T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1; '
+        f'{env}T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1 </dev/null; '
         f"t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
         f"echo; echo '{nonce} OUT'; tail -c 65536 {out}; echo; "
         f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null || cat /logs/verifier/reward.json 2>/dev/null "
@@ -254,31 +271,52 @@ async def verify(
     t0 = time.monotonic()
     if not task.test_files and task.test_script is None:
         return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py and no test script")
-    if not task.test_files and task.format == "tb1":
-        return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh needs network)")
     timeout = config.timeout_s or task.test_timeout_s
     nonce = secrets.token_hex(8)
-    # Containers run the task's own script when it can run offline; otherwise (and under bwrap, whose
-    # host env is not the task's image) what it means: its test files with pytest -rA, TEST_DIR=/tests.
+    # Containers run the task's own script, offline (the base image's wheelhouse stands in for the
+    # network the usual uv/pytest preamble wants) unless the user gave the verifier the network. Where that
+    # yields no results (a dependency not in the wheelhouse, `uvx -p 3.13`), and under bwrap (whose host env
+    # is not the task's image), it runs what the script means: the test files with pytest -rA, TEST_DIR=/tests.
     in_container = backend_kind(backend, task) == "container"
     networked = in_container and config.allow_network
-    use_script = (in_container and task.test_script is not None
-                  and (networked or not needs_network(task.test_script)))
-    path = "script" if use_script else "pytest"
+    use_script = in_container and task.test_script is not None
+    if not use_script and not task.test_files and task.format == "tb1":
+        return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh runs only in a "
+                                            f"container: --backend container)")
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
+    fallback: str | None = None
     try:
         tests_copy = tmp / "tests"
-        shutil.copytree(task.tests_dir, tests_copy, symlinks=False)
+        if task.tests_dir.is_dir():
+            shutil.copytree(task.tests_dir, tests_copy, symlinks=False)
+        else:
+            tests_copy.mkdir()
         if use_script and task.format == "tb1":
             assert task.test_script is not None
             shutil.copy2(task.test_script, tests_copy / "run-tests.sh")
         share_read_only(tmp)
         cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
-        command = script_command(task, nonce) if use_script else build_command(task, nonce, config.python)
         try:
             opener = backend.open_networked if networked else backend.open  # type: ignore[attr-defined]
             async with opener(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
-                res = await sb.exec(command, timeout=timeout)
+                if use_script:
+                    res = await sb.exec(script_command(task, nonce, offline=not networked), timeout=timeout)
+                    if res.timed_out:
+                        return VerifyResult.failed("timeout", f"tests ran past {timeout:g}s",
+                                                   time.monotonic() - t0, path="script")
+                    code, _, out = split_output(res.output, nonce)
+                    if code is None:
+                        return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): "
+                                                            f"{res.output[-500:]}", time.monotonic() - t0, "script")
+                    result, conclusive = _script_result(task, code, out, nonce, time.monotonic() - t0)
+                    if conclusive or not task.test_files:
+                        return result
+                    script = task.test_script.name if task.test_script else "the script"
+                    fallback = (f"ran tests/ with pytest -rA: {script} needs the network and gave no per-test "
+                                f"results offline (exit {code}): "
+                                f"{_last_lines(out.rpartition(f'{chr(10)}{nonce} REWARD')[0] or out)}")
+                    log.info("verify.script_fallback", task=task.id, why=fallback[:300])
+                res = await sb.exec(build_command(task, nonce, config.python), timeout=timeout)
         except SandboxError as exc:
             return VerifyResult.failed("error", f"sandbox failed: {exc}", time.monotonic() - t0)
     finally:
@@ -289,28 +327,37 @@ async def verify(
     code, junit, out = split_output(res.output, nonce)
     if code is None:
         return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}", dt)
-    if use_script:
-        return _script_result(task, code, out, nonce, dt)
     if not task.test_files:  # tb2 test.sh only: one test, its exit status
         return VerifyResult.from_tests({"test.sh": code == 0}, out[-2000:], dt)
     tests, status, detail = interpret(code, junit, out)
-    if task.test_script is not None and needs_network(task.test_script):
-        detail = f"ran tests/test_*.py with pytest -rA: {task.test_script.name} needs the network. " + detail
+    if fallback is not None:
+        detail = fallback + ". " + detail
+    elif task.test_script is not None and needs_network(task.test_script):
+        detail = f"ran tests/ with pytest -rA: {task.test_script.name} needs the network. " + detail
     if tests is None:
         log.info("verify.failed", task=task.id, status=status, detail=detail[:200])
         return VerifyResult.failed(status, detail + "\n" + out[-2000:], dt)
     return VerifyResult.from_tests(tests, detail, dt)
 
 
-def _script_result(task: Task, code: int, out: str, nonce: str, dt: float) -> VerifyResult:
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-400:]
+
+
+def _script_result(task: Task, code: int, out: str, nonce: str, dt: float) -> tuple[VerifyResult, bool]:
     """Per-test results from the script's pytest -rA summary where it printed one; else Harbor's reward
-    (TB2) or the script's exit status (TB1) as one test."""
+    (TB2) or the script's exit status (TB1) as one test. The flag says whether that is conclusive: a failing
+    script that fetches things and printed no test summary (so no test ran) is not."""
     text, _, reward_text = out.rpartition(f"\n{nonce} REWARD")
     reward = harbor_reward(reward_text)
     tests, status, detail = interpret(code if reward is None else (0 if reward >= 1 else 1), None, text)
     if tests is not None:
-        return VerifyResult.from_tests(tests, detail, dt, path="script")
+        return VerifyResult.from_tests(tests, detail, dt, path="script"), True
+    ran_nothing = task.test_script is not None and needs_network(task.test_script) and not _SUMMARY_HDR.search(text)
     if task.format == "tb2" and reward is not None:
-        return VerifyResult.from_tests({"reward": reward >= 1}, f"reward {reward:g}\n" + text[-2000:], dt, path="script")
+        res = VerifyResult.from_tests({"reward": reward >= 1}, f"reward {reward:g}\n" + text[-2000:], dt, path="script")
+        return res, reward >= 1 or not ran_nothing
     name = "run-tests.sh" if task.format == "tb1" else "test.sh"  # no per-test results: its exit status
-    return VerifyResult.from_tests({name: code == 0}, (detail + "\n" + text[-2000:]).strip(), dt, path="script")
+    res = VerifyResult.from_tests({name: code == 0}, (detail + "\n" + text[-2000:]).strip(), dt, path="script")
+    return res, code == 0 or not ran_nothing

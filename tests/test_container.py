@@ -44,7 +44,8 @@ def _ours(owner: int | None = os.getpid()) -> set[str]:
 
 
 @pytest.mark.parametrize("task_dir", [TB / "tb1/log-summary", TB / "tb1/jq-query", TB / "tb2/csv-stats",
-                                      TB / "tb2/gen-data", FIXTURES / "tb1/hello-world",
+                                      TB / "tb2/gen-data", TB / "tb1/polyglot-anagram", TB / "tb1/inbox-words",
+                                      TB / "tb2/uvx-ctrf", FIXTURES / "tb1/hello-world",
                                       FIXTURES / "tb2/exit-status-only"])
 async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(base_image: str, task_dir: Path) -> None:
     task = load_task(task_dir)
@@ -63,6 +64,19 @@ async def test_verifier_runs_the_task_script_offline_and_falls_back_to_pytest_wh
     online = await run_policy(load_task(TB / "tb2/csv-stats"), OracleAgent(), backend=backend)
     assert online.verify.path == "pytest" and "test.sh needs the network" in online.verify.detail
     assert online.verify.passed == 3  # the dense reward: every test counted, not Harbor's 0/1
+    assert "No interpreter found for Python 3.13" in online.verify.detail  # its `uvx -p 3.13`, said why
+
+
+@pytest.mark.parametrize("task_dir, tests", [
+    ("tb1/log-summary", 3),     # uv venv; uv pip install pytest==8.4.1; uv run pytest $TEST_DIR/...
+    ("tb1/inbox-words", 2),     # uv init; uv add pytest==8.4.1; uv run pytest (a universal lock, offline)
+    ("tb1/polyglot-anagram", 4),  # copies *_test.py into /app and runs them there (Aider polyglot)
+    ("tb2/uvx-ctrf", 3),        # uvx --with pytest==8.4.1 --with pytest-json-ctrf==0.3.5 pytest --ctrf ...
+])
+async def test_the_usual_uv_pytest_preamble_runs_as_written_offline_from_the_base_image_wheelhouse(
+        base_image: str, task_dir: str, tests: int) -> None:
+    r = await run_policy(load_task(TB / task_dir), OracleAgent(), backend=ContainerBackend(config=FAST))
+    assert (r.verify.path, r.verify.status, r.verify.passed, r.verify.total) == ("script", "ok", tests, tests), r.verify
 
 
 async def test_container_shell_keeps_state_and_survives_a_timeout(base_image: str) -> None:
@@ -200,7 +214,7 @@ def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_statu
     r = _cli("run-task", str(TB / "tb1/log-summary"), "--oracle", "--backend", "container", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (out["backend"], out["resolved"], out["verifier_path"]) == ("container", True, "pytest")
+    assert (out["backend"], out["resolved"], out["verifier_path"]) == ("container", True, "script")
     r = _cli("run-task", str(TB / "tb1/jq-query"), "--oracle", "--backend", "bwrap")
     assert r.returncode == 1 and "Dockerfile:3: RUN apt-get update" in r.stderr and "--backend container" in r.stderr
     r = _cli("list", str(TB), "--json")
@@ -261,7 +275,7 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     t = tmp_path / "net-task"
     shutil.copytree(TB / "tb2/csv-stats", t)
     (t / "tests" / "test.sh").write_text(  # fetches from Debian's registry (reachable here) as scripts fetch uv
-        "#!/bin/bash\napt-get update >/dev/null 2>&1 || { echo 0 > /logs/verifier/reward.txt; exit 0; }\n"
+        "#!/bin/bash\nif apt-get update 2>&1 | grep -q 'Failed to fetch'; then echo 0 > /logs/verifier/reward.txt; exit 0; fi\n"
         "python3 -m pytest /tests/test_outputs.py -rA\n"
         "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
     task = load_task(t)
@@ -270,7 +284,8 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     on = await run_policy(task, OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
     assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
     off = await run_policy(task, OracleAgent(), backend=backend)
-    assert off.verify.path == "pytest" and "needs the network" in off.verify.detail, off.verify
+    # offline it writes reward 0 and runs no test: not taken as the answer; its test files are run instead
+    assert (off.verify.path, off.verify.passed) == ("pytest", 3) and "needs the network" in off.verify.detail, off.verify
     assert _ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())
 
 
@@ -298,3 +313,78 @@ async def test_reap_orphans_removes_containers_whose_owner_is_gone(base_image: s
         assert removed and name not in _ours(None)
     finally:
         images.run_podman("rm", "-f", "-t", "0", name, check=False)
+
+
+def _fake_conmon(name: str) -> subprocess.Popen[bytes]:
+    """A stand-in for a hung start's leftovers (a real `runc init` hang cannot be made on demand): a process
+    whose argv reads as conmon's for container ``name`` (``conmon ... -n NAME``), with a child under it, as
+    conmon has its ``runc init``. Its own session, like the daemonized conmon."""
+    return subprocess.Popen(["conmon", "-c", "sleep 600 & wait", "conmon", "-n", name], executable="/bin/bash",
+                            start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+async def test_a_hung_start_s_runtime_processes_are_killed_though_podman_does_not_list_them(base_image: str) -> None:
+    from sandbox_agent.sandbox import hostpids
+
+    stray = _fake_conmon(f"t1-stray{os.getpid()}")
+    young = _fake_conmon(f"t1-young{os.getpid()}")
+    try:
+        for _ in range(100):  # until each has started its "runc init"
+            if _children(stray.pid) and _children(young.pid):
+                break
+            await anyio.sleep(0.05)
+        child = _children(stray.pid)
+        assert child and stray.pid in hostpids.conmons(0.0)
+        removed = await reap_orphans(images.podman(), images.podman_env(), min_age_s=0.0)
+        assert f"t1-stray{os.getpid()}" in removed
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{child[0]}") or Path(f"/proc/{child[0]}/stat").read_text().split()[2] == "Z":
+                break
+            await anyio.sleep(0.05)
+        else:
+            pytest.fail(f"the stray's child {child[0]} is still running")
+        assert young.wait(timeout=10) == -signal.SIGKILL  # min_age_s=0: it went too; now the age rule
+        fresh = _fake_conmon(f"t1-fresh{os.getpid()}")
+        try:
+            await reap_orphans(images.podman(), images.podman_env())  # default: only a minute old or more
+            assert fresh.poll() is None
+        finally:
+            fresh.kill()
+            fresh.wait()
+    finally:
+        for p in (stray, young):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(base_image: str, tmp_path: Path) -> None:
+    import shutil
+
+    from sandbox_agent.sandbox.container import ContainerLimits
+    from sandbox_agent.verifier import VerifierConfig
+
+    backend = ContainerBackend(config=FAST, limits=ContainerLimits(disk_bytes=16 << 20))
+    task = load_task(TB / "tb1/polyglot-anagram")
+    async with prepared_workdir(task, backend) as wd, backend.episode(task, wd), backend.open(task, wd) as sb:
+        r = await sb.exec("ls /app; for d in /app /tmp; do dd if=/dev/zero of=$d/fill bs=1M count=40 2>&1 | tail -1; "
+                          "du -sm $d/fill | cut -f1; done")
+        lines = r.output.splitlines()
+        assert lines[0] == "anagram.py", r  # the image's files are there (tmpcopyup)
+        assert [int(x) for x in lines[2::2]] == [16, 16], r  # 40 MiB asked for, each cut at its 16 MiB cap
+    # the networked verifier's copy of the container gets the work dir's contents carried over
+    t = tmp_path / "net-task"
+    shutil.copytree(TB / "tb2/csv-stats", t)
+    (t / "tests" / "test.sh").write_text(
+        "#!/bin/bash\npython3 -m pytest /tests/test_outputs.py -rA\n"
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    on = await run_policy(load_task(t), OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
+    assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify

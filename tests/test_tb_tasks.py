@@ -15,7 +15,7 @@ from sandbox_agent.tasks import TaskNeedsImage, load_task
 TB = Path(__file__).resolve().parent / "tb_tasks"
 
 
-@pytest.mark.parametrize("task_dir", ["tb1/log-summary", "tb2/csv-stats"])
+@pytest.mark.parametrize("task_dir", ["tb1/log-summary", "tb2/csv-stats", "tb1/polyglot-anagram"])
 async def test_published_task_resolves_with_its_oracle_and_not_with_nothing_under_bwrap(task_dir: str) -> None:
     task = load_task(TB / task_dir)
     assert task.docker_image and task.docker_image.startswith("dockerfile:")
@@ -25,6 +25,7 @@ async def test_published_task_resolves_with_its_oracle_and_not_with_nothing_unde
     assert oracle.verify.status == "ok" and oracle.verify.resolved, oracle.verify
     null = await run_policy(task, NullAgent())
     assert null.verify.status == "ok" and null.verify.passed == 0 and not null.verify.resolved, null.verify
+    assert null.verify.total == oracle.verify.total > 0  # every test file collected, *_test.py too
 
 
 @pytest.mark.parametrize("task_dir, line", [("tb1/jq-query", "Dockerfile:3: RUN apt-get update"),

@@ -13,7 +13,10 @@ killed and the next call starts a fresh one in the same cwd.
 
 If the actor process is SIGKILLed, no ``aclose`` runs: a guard process per container (``start_container``)
 sees its pipe from the actor close and removes the container; ``reap_orphans()`` (called before every new
-container) removes any whose owner pid is gone all the same (say the guard was killed too).
+container) removes any whose owner pid is gone all the same (say the guard was killed too). A start that
+fails or hangs (``runc init`` stuck under its conmon; podman then does not list the container) is cleaned
+by name on the spot, and ``reap_orphans()`` kills the runtime processes of any t1 container podman does
+not list, once they are a minute old.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import signal
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import anyio
 
@@ -33,6 +36,11 @@ from sandbox_agent.sandbox.base import (
     SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError, SandboxStartError,
     exec_result, exec_timeout,
 )
+from sandbox_agent.sandbox.hostpids import conmons as _conmons
+from sandbox_agent.sandbox.hostpids import host_pid as _host_pid
+from sandbox_agent.sandbox.hostpids import kill_tree as _kill_tree
+from sandbox_agent.sandbox.hostpids import session as _session
+from sandbox_agent.sandbox.hostpids import signal_pid as _signal
 from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
 from t1async.log import get_logger
@@ -49,6 +57,10 @@ class ContainerLimits:
     memory_bytes: int = 2 << 30
     pids: int = 512
     cpus: float = 2.0
+    # A total cap on what an episode writes where agents write (the work dir, /tmp), or None: each is then a
+    # tmpfs of this size holding the image's files (tmpcopyup). Off by default: tmpfs pages count against
+    # the memory limit too, and the container's overlay here (ext4) takes no `--storage-opt size=` quota.
+    disk_bytes: int | None = None
 
 
 async def _podman(argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
@@ -58,13 +70,19 @@ async def _podman(argv: list[str], env: dict[str, str], *, timeout: float = 120,
     return r.returncode, r.stdout, r.stderr
 
 
-async def reap_orphans(podman: str, env: dict[str, str]) -> list[str]:
-    """Remove our containers whose owner process is gone (it was SIGKILLed before it could)."""
-    rc, out, _ = await _podman([podman, "ps", "-a", "--filter", f"label={OWNER_LABEL}",
-                                "--format", "{{.ID}} {{.Labels}}"], env)
-    dead = []
+async def reap_orphans(podman: str, env: dict[str, str], *, min_age_s: float = 60.0) -> list[str]:
+    """Remove our containers whose owner process is gone (it was SIGKILLed before it could), and kill the
+    runtime processes (conmon and its ``runc init``) of any t1 container podman no longer lists: a start
+    that hung and was abandoned leaves those behind. Only ones older than ``min_age_s`` count, so a
+    container another process is starting right now is left alone."""
+    strays = _conmons(min_age_s)
+    rc, out, _ = await _podman([podman, "ps", "-a", "--format", "{{.ID}} {{.Names}} {{.Labels}}"], env)
+    dead: list[str] = []
+    known: set[str] = set()
     for line in out.decode().splitlines():
-        cid, _, labels = line.partition(" ")
+        cid, _, rest = line.partition(" ")
+        name, _, labels = rest.partition(" ")
+        known.update((cid, name))
         pid = next((int(x.split(":", 1)[1]) for x in labels.strip("map[]").split()
                     if x.startswith(OWNER_LABEL + ":") and x.split(":", 1)[1].isdigit()), None)
         if pid is not None and not os.path.exists(f"/proc/{pid}"):
@@ -72,12 +90,19 @@ async def reap_orphans(podman: str, env: dict[str, str]) -> list[str]:
     if dead:
         await _podman([podman, "rm", "-f", "-t", "0", *dead], env)
         log.warning("container.orphans_removed", containers=dead)
+    if rc == 0:  # an unreadable list knows no container: kill nothing on it
+        for pid, name in strays.items():
+            if name not in known:
+                killed = _kill_tree(pid)
+                log.warning("container.stray_runtime_killed", name=name, conmon=pid, pids=killed)
+                dead.append(name)
     return dead
 
 
 @asynccontextmanager
 async def start_container(podman: str, env: dict[str, str], image: str, *, limits: ContainerLimits,
-                          volumes: tuple[tuple[str, str], ...] = (), network: str = "none") -> AsyncIterator[str]:
+                          volumes: tuple[tuple[str, str], ...] = (), network: str = "none",
+                          tmpfs: tuple[str, ...] = ()) -> AsyncIterator[str]:
     """One container for an episode; removed (SIGKILL, no grace) on exit, whatever happened. ``network``
     stays "none" while an agent acts; only a verifier the user allowed the network gets "bridge"."""
     await reap_orphans(podman, env)
@@ -87,8 +112,18 @@ async def start_container(podman: str, env: dict[str, str], image: str, *, limit
             f"--cpus={limits.cpus:g}"]
     for host, inside in volumes:
         argv += ["-v", f"{host}:{inside}"]
-    rc, out, err = await _podman([*argv, image, "sleep", "infinity"], env)
+    if limits.disk_bytes is not None:  # ``tmpfs``: the paths that get a capped tmpfs (see ContainerLimits)
+        for path in tmpfs:
+            argv += ["--mount", f"type=tmpfs,destination={path},tmpfs-size={limits.disk_bytes},tmpcopyup"]
+    try:
+        rc, out, err = await _podman([*argv, image, "sleep", "infinity"], env)
+    except BaseException:  # timed out (a hung runtime) or cancelled: leave neither container nor runtime behind
+        with anyio.CancelScope(shield=True):
+            await _abandon(podman, env, name)
+        raise
     if rc != 0:
+        with anyio.CancelScope(shield=True):
+            await _abandon(podman, env, name)
         raise SandboxStartError(f"podman run {image} failed (exit {rc}): {err.decode(errors='replace').strip()[-800:]}")
     log.debug("container.started", name=name, image=image, cgroup=_CGROUP, memory=limits.memory_bytes,
               pids=limits.pids, cpus=limits.cpus)
@@ -105,6 +140,17 @@ async def start_container(podman: str, env: dict[str, str], image: str, *, limit
                 guard.kill()
                 await guard.aclose()
             await _podman([podman, "rm", "-f", "-t", "0", name], env)
+
+
+async def _abandon(podman: str, env: dict[str, str], name: str) -> None:
+    """Clean up a start that failed or hung: the container if podman recorded it, its conmon and runc init
+    if they were left running (``podman ps`` does not list such a container, so ``rm`` alone misses them)."""
+    try:
+        await _podman([podman, "rm", "-f", "-t", "0", name], env, timeout=60)
+    except (TimeoutError, OSError):
+        pass
+    for pid in _conmons(0.0, name):
+        log.warning("container.stray_runtime_killed", name=name, conmon=pid, pids=_kill_tree(pid))
 
 
 class ContainerSandbox:
@@ -304,56 +350,3 @@ class ContainerSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-
-def _pidns(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _host_pid(init: int, inner: int) -> int | None:
-    """The host pid of the process that is ``inner`` in the pid namespace of host pid ``init``."""
-    ns = _pidns(init)
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or _pidns(int(name)) != ns:
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                for line in f:
-                    if line.startswith("NSpid:") and line.split()[-1] == str(inner):
-                        return int(name)
-        except OSError:
-            continue
-    return None
-
-
-def _session(leader: int) -> set[int]:
-    """Live host pids whose session is ``leader``'s (the shell ran ``setsid``, so: the shell and its jobs)."""
-    out: set[int] = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 3 and fields[3] == str(leader) and fields[0] not in ("Z", "X"):
-            out.add(int(name))
-    return out
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return
-    try:
-        signal.pidfd_send_signal(fd, sig)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,0 +1,2 @@
+#!/bin/bash
+cat /srv/inbox/* | wc -w > /app/total.txt
