@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from t1async.learner.distributed import DistributedTrainer, RankFailure, balance
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
 from t1async.learner.ranks import Ranks, RanksConfig
 from t1async.learner.trainer import Trainer, TrainerConfig
 from test_trainer import sampled_segment, tiny
@@ -115,9 +115,9 @@ def test_a_dead_rank_fails_the_learner(ranks2):
     two.step(segments(base, n=3), 0)
     os.kill(ranks.procs[0].pid, signal.SIGKILL)
     ranks.procs[0].wait(30)
-    with pytest.raises(RankFailure, match="rank 1"):
+    with pytest.raises(RankFailedError, match="rank 1"):
         anyio.run(ranks.watch)
-    with pytest.raises(RankFailure):
+    with pytest.raises(RankFailedError):
         two.step(segments(base, n=3), 1)
 
 

@@ -19,7 +19,7 @@ micro-batches (balanced by tokens, not count) and only the step touches the othe
 
 A rank's own error in a step reaches every rank at the next meeting (a flag in the collective), so the step
 fails everywhere (the service dead-letters it) and rank 0 re-sends its weights and optimizer state with the
-next step. A rank that dies is ``RankFailure``: the learner exits (non-zero) and the other ranks with it.
+next step. A rank that dies is ``RankFailedError``: the learner exits (non-zero) and the other ranks with it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = get_logger("t1async.learner.distributed")
 
 
-class RankFailure(T1Error):
+class RankFailedError(T1Error):
     """A rank of the distributed learner died or its group broke: the learner cannot go on."""
 
 
@@ -72,7 +72,7 @@ def _collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thi
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the group timed out
-        raise RankFailure(f"distributed learner: {what} failed ({exc}); a rank died or hung, see its log") from exc
+        raise RankFailedError(f"distributed learner: {what} failed ({exc}); a rank died or hung, see its log") from exc
 
 
 class DistributedTrainer(Trainer):
@@ -105,7 +105,7 @@ class DistributedTrainer(Trainer):
             self._resync = False
         try:
             metrics = self._rank_step(mine[0][1], policy_version, drift, all_segments=segments, t0=t0)
-        except RankFailure:
+        except RankFailedError:
             raise
         except Exception:
             self._resync = True  # the service restores rank 0's weights; the next step re-sends them
@@ -134,7 +134,7 @@ class DistributedTrainer(Trainer):
                 self._sync_state()
             try:
                 self._rank_step(local, version, None, all_segments=local, t0=time.perf_counter())
-            except RankFailure:
+            except RankFailedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
                 log.warning("learner.rank_step_failed", rank=self.rank, version=version,
@@ -209,7 +209,7 @@ class DistributedTrainer(Trainer):
     def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
         try:
             return super()._update(scored, n_loss)
-        except (RankFailure, RankStepError):
+        except (RankFailedError, RankStepError):
             raise
         except Exception as exc:
             self._failed = exc

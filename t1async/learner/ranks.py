@@ -2,7 +2,7 @@
 
     ranks = Ranks(RanksConfig(nproc=2))
     trainer = ranks.start(learner.trainer)    # blocks until every rank joined; returns a DistributedTrainer
-    ...  await ranks.watch()                  # raises RankFailure when a rank exits
+    ...  await ranks.watch()                  # raises RankFailedError when a rank exits
     ranks.close(trainer)                      # stop message, then SIGTERM/SIGKILL by PID to what is left
 
 Each rank is ``python -m t1async.learner.ranks --rank i ...``, a child of rank 0 that gets SIGTERM if rank 0
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from t1async.errors import ConfigError
-from t1async.learner.distributed import DistributedTrainer, RankFailure, _collective, die_with_parent, init_group
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, _collective, die_with_parent, init_group
 from t1async.learner.trainer import Trainer
 from t1async.log import get_logger
 from t1async.natsd import free_port
@@ -78,11 +78,11 @@ class Ranks:
         return dt
 
     async def watch(self) -> None:
-        """Return never; raise RankFailure as soon as a rank has exited."""
+        """Return never; raise RankFailedError as soon as a rank has exited."""
         while True:
             for i, p in enumerate(self.procs):
                 if p.poll() is not None:
-                    raise RankFailure(f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; "
+                    raise RankFailedError(f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; "
                                       "the learner stops (restart it: it resumes from its checkpoint)")  # fmt: skip
             await anyio.sleep(0.5)
 
@@ -92,7 +92,7 @@ class Ranks:
         if self.joined and isinstance(trainer, DistributedTrainer) and all(p.poll() is None for p in self.procs):
             try:
                 trainer.stop_ranks()
-            except RankFailure as exc:
+            except RankFailedError as exc:
                 log.warning("learner.ranks_stop_failed", error=str(exc))
         for p in self.procs:
             try:
@@ -141,7 +141,7 @@ def rank_main(argv: list[str] | None = None) -> int:
             model = model.cuda()
         log.info("learner.rank_ready", rank=args.rank, world=args.world, pid=os.getpid())
         DistributedTrainer(model, tcfg).serve_rank()
-    except RankFailure as exc:
+    except RankFailedError as exc:
         log.error("learner.rank_failed", rank=args.rank, error=str(exc))
         return 1
     finally:

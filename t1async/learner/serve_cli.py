@@ -59,7 +59,7 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     from t1async.learner import memory
-    from t1async.learner.distributed import RankFailure
+    from t1async.learner.distributed import RankFailedError
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer import TrainerConfig
     from t1async.sampler.client import SGLangClient
@@ -114,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
                 learner.trainer = await anyio.to_thread.run_sync(ranks.start, learner.trainer)
             async with anyio.create_task_group() as tg:
                 if ranks is not None:
-                    tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailure)
+                    tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailedError)
 
                 async def stop_on_signal() -> None:
                     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -128,8 +128,8 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
-    except BaseExceptionGroup as eg:  # a rank's failure reads as one line (RankFailure is a T1Error)
-        failed: BaseException | None = eg.subgroup(RankFailure)
+    except BaseExceptionGroup as eg:  # a rank's failure reads as one line (RankFailedError is a T1Error)
+        failed: BaseException | None = eg.subgroup(RankFailedError)
         while isinstance(failed, BaseExceptionGroup):
             failed = failed.exceptions[0]
         if failed is not None:

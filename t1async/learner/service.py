@@ -26,7 +26,7 @@ from t1async import wire
 from t1async.assembly import Assembler
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
-from t1async.learner.distributed import RankFailure
+from t1async.learner.distributed import RankFailedError
 from t1async.learner.journal import Journal
 from t1async.learner.intake import Intake
 from t1async.learner.poison import PoisonBook, Screened
@@ -165,7 +165,7 @@ class Learner(Intake):
             self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
             try:
                 m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
-            except RankFailure:  # a rank of the distributed learner died: not the segments' fault, stop
+            except RankFailedError:  # a rank of the distributed learner died: not the segments' fault, stop
                 raise
             except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
                 await self._step_failed(segments, v, exc)
