@@ -2,7 +2,7 @@
 
 ``BwrapBackend`` runs tasks in the default environment (the host's /usr, read-only, under bubblewrap). A
 task that names its own image (``Task.docker_image``) needs a container backend; ``require_backend``
-raises ``TaskNeedsImage`` when the chosen backend cannot run it. A container backend (docker, podman,
+raises ``TaskNeedsImageError`` when the chosen backend cannot run it. A container backend (docker, podman,
 a remote sandbox service) implements the same two members.
 """
 
@@ -21,7 +21,7 @@ from sandbox_agent import dockerfile, images
 from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, SandboxConfig
 from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
 from sandbox_agent.sandbox.files import chown_tree
-from sandbox_agent.tasks import Task, TaskNeedsImage
+from sandbox_agent.tasks import Task, TaskNeedsImageError
 from t1async.errors import SandboxError
 
 
@@ -49,7 +49,7 @@ class SandboxBackend(Protocol):
 def require_backend(task: Task, backend: SandboxBackend) -> None:
     if not backend.supports(task):
         why = getattr(backend, "refusal", lambda t: None)(task)
-        raise TaskNeedsImage(task, backend.name, why)
+        raise TaskNeedsImageError(task, backend.name, why)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@
 ``--backend auto|bwrap|container`` (default auto): bwrap when it reproduces the task exactly (no
 Dockerfile, or only FROM/WORKDIR/COPY/ENV), else the container backend (podman).
 
-Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImage, a broken
+Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImageError, a broken
 task, a sandbox failure), 2 bad usage. With ``--json`` the last line of stdout is one JSON object.
 """
 

@@ -96,7 +96,7 @@ async def run_episode(
     rid: str | None = None,
     work_root: Path | None = None,
 ) -> EpisodeResult:
-    """One LLM-agent episode of ``task`` in a fresh work dir. Raises TaskNeedsImage / TaskSetupError."""
+    """One LLM-agent episode of ``task`` in a fresh work dir. Raises TaskNeedsImageError / TaskSetupError."""
     backend = backend or BwrapBackend()
     async with prepared_workdir(task, backend, work_root=work_root) as wd:
 

@@ -25,7 +25,7 @@ before the episode starts (``Task.environment_dir``; see ``populate_workdir``), 
 (``Task.setup_script``): it stands in for the image build steps a Dockerfile would do.
 
 Loading never needs a container backend; *running* a task that names its own image does, and raises
-``TaskNeedsImage`` from ``require_backend`` when the backend cannot provide it.
+``TaskNeedsImageError`` from ``require_backend`` when the backend cannot provide it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class TaskFormatError(ConfigError):
     """A task directory is malformed: names the file and field and says what was expected."""
 
 
-class TaskNeedsImage(T1Error):
+class TaskNeedsImageError(T1Error):
     """The task needs its own container image, and the chosen backend cannot provide one."""
 
     def __init__(self, task: Task, backend: str, why: str | None = None) -> None:

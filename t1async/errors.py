@@ -1,14 +1,34 @@
-"""The t1async error tree.
+"""The t1async error tree. The classes defined here are the branches; the leaves live beside the code that
+raises them (module in brackets).
 
-    T1Error                      base of everything t1async raises on purpose
-    ├── WireError                a message failed validation (bad bytes, bad field): the sender's fault
-    ├── TransportError           the message bus misbehaved or is unreachable: the world's fault
-    ├── SamplerError             a sampler answered badly or could not be reached
-    │   ├── SamplerRequestError  the sampler rejected our request (HTTP 400): our fault
-    │   └── SamplerVersionError  the sampler reports a weight_version that is not an integer: its setup's fault
-    ├── SandboxError             a sandbox could not start or died
-    ├── ConfigError              a bad flag, file or setting: the user's fault
-    └── ServerStartError         an embedded server (nats-server, sampler) failed to start
+    T1Error                          base of everything t1async raises on purpose
+    ├── WireError                    a message failed validation (bad bytes, bad field): the sender's fault
+    │   └── ChunkError               [transport.chunking] a chunked record's pieces contradict or expired
+    ├── TransportError               the message bus misbehaved or is unreachable: the world's fault
+    │   ├── TransportClosedError     [transport.base] used after its `async with` ended: the caller's bug
+    │   ├── RequestTimeoutError      [transport.base] no reply in time (the server may hold it): retry
+    │   └── NoRespondersError        [transport.base] nobody serves the subject yet: retry later
+    ├── SamplerError                 a sampler answered badly or could not be reached
+    │   ├── SamplerRequestError      the sampler rejected our request (HTTP 400): our fault
+    │   ├── SamplerVersionError      its weight_version is not an integer: its setup's fault
+    │   ├── SamplerClosedError       [sampler.client] used after close: the caller's bug
+    │   └── SamplerUnreachableError  [sampler.client] every attempt failed to reach it: it is down
+    ├── SandboxError                 a sandbox could not start or died
+    │   ├── SandboxStartError        [sandbox_agent.sandbox.base] it could not start
+    │   │   └── ImageError           [sandbox_agent.images] an image could not be built or resolved
+    │   ├── SandboxClosedError       [sandbox_agent.sandbox.base] used after close: the caller's bug
+    │   └── SandboxPathError         [sandbox_agent.sandbox.base] a file path outside the work dir
+    ├── ConfigError                  a bad flag, file or setting: the user's fault
+    │   └── TaskFormatError          [sandbox_agent.tasks] a task directory that does not load
+    ├── ServerStartError             an embedded server (nats-server, sampler) failed to start
+    ├── AssemblyError                [tito] turns assembled against their contract: a programming error
+    ├── RoutingError                 [routing] a routing trace that cannot be decoded (bad base64, size, ids)
+    ├── BatchError                   [learner.batch] a segment that cannot be trained as given
+    ├── JournalClosedError           [learner.journal] the journal used after close: the caller's bug
+    ├── RankFailedError              [learner.distributed] a rank of the distributed learner died
+    ├── RankStepError                [learner.distributed] another rank's part of the step raised
+    ├── TaskSetupError               [sandbox_agent.runner] a task's setup.sh failed: the task is broken
+    └── TaskNeedsImageError          [sandbox_agent.tasks] the task needs a container image the backend lacks
 
 Each error puts the offending values in its message and says what to do, where that is known.
 """

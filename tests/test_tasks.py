@@ -10,7 +10,7 @@ import pytest
 from sandbox_agent.backend import BwrapBackend, require_backend
 from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
 from sandbox_agent.tasks import (
-    TaskFormatError, TaskNeedsImage, iter_task_dirs, load_task, load_tasks, populate_workdir, split_for,
+    TaskFormatError, TaskNeedsImageError, iter_task_dirs, load_task, load_tasks, populate_workdir, split_for,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -50,12 +50,12 @@ def test_images_are_detected():
 
 def test_task_needing_an_image_is_refused_clearly():
     t = load_task(FIXTURES / "tb2" / "custom-image")
-    with pytest.raises(TaskNeedsImage, match=r"task 'custom-image' needs image 'ghcr.io/example/cuda-train:12.4'; no container backend"):
+    with pytest.raises(TaskNeedsImageError, match=r"task 'custom-image' needs image 'ghcr.io/example/cuda-train:12.4'; no container backend"):
         require_backend(t, BwrapBackend())
 
 
 async def test_run_policy_refuses_image_task_before_touching_anything():
-    with pytest.raises(TaskNeedsImage):
+    with pytest.raises(TaskNeedsImageError):
         await run_policy(load_task(FIXTURES / "tb1" / "needs-image"), OracleAgent())
 
 

@@ -10,7 +10,7 @@ import pytest
 from sandbox_agent.backend import BwrapBackend
 from sandbox_agent.dockerfile import plan_text
 from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
-from sandbox_agent.tasks import TaskNeedsImage, load_task
+from sandbox_agent.tasks import TaskNeedsImageError, load_task
 
 TB = Path(__file__).resolve().parent / "tb_tasks"
 
@@ -33,7 +33,7 @@ async def test_published_task_resolves_with_its_oracle_and_not_with_nothing_unde
 async def test_a_run_step_needs_a_container_and_bwrap_says_which_line(task_dir: str, line: str) -> None:
     task = load_task(TB / task_dir)
     assert not BwrapBackend().supports(task)
-    with pytest.raises(TaskNeedsImage, match=line) as info:
+    with pytest.raises(TaskNeedsImageError, match=line) as info:
         await run_policy(task, OracleAgent())
     assert "--backend container" in str(info.value)
 
@@ -90,6 +90,6 @@ async def test_without_podman_a_run_step_task_says_how_to_install_it(monkeypatch
         pick_backend("container")
     backend = pick_backend("auto", [task])
     assert backend.name == "bwrap"
-    with pytest.raises(TaskNeedsImage, match="apt-get install -y podman runc"):
+    with pytest.raises(TaskNeedsImageError, match="apt-get install -y podman runc"):
         await run_policy(task, OracleAgent(), backend=backend)
     assert "podman is not installed" in (AutoBackend().refusal(task) or "")
