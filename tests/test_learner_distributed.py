@@ -11,12 +11,12 @@ import signal
 import numpy as np
 import pytest
 import torch
+from test_trainer import sampled_segment, tiny
 
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
 from t1async.learner.ranks import Ranks, RanksConfig
 from t1async.learner.trainer import Trainer, TrainerConfig
-from test_trainer import sampled_segment, tiny
 
 # several micro-batches per rank, and a different number on each rank
 TCFG = TrainerConfig(lr=1e-2, microbatch_tokens=64, ppo_epochs=2)

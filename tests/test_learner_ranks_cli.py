@@ -74,7 +74,8 @@ def serve(tmp_path: Path, url: str, env: dict) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "learner.log"
     argv = [sys.executable, "-m", "t1async.learner", "serve", "--nats", url, "--run-dir", str(tmp_path / "run"),
             "--nproc", "2"]  # fmt: skip
-    return subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True), log
+    proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, log
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

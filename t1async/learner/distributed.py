@@ -79,8 +79,8 @@ class DistributedTrainer(Trainer):
     """A Trainer whose ``step`` (on rank 0) trains over all ranks of the default process group; the other
     ranks run ``serve_rank``. Needs ``dist.init_process_group`` done on every rank."""
 
-    def __init__(self, model: MoETransformer, config: TrainerConfig = TrainerConfig()) -> None:
-        super().__init__(model, config)
+    def __init__(self, model: MoETransformer, config: TrainerConfig | None = None) -> None:
+        super().__init__(model, config or TrainerConfig())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._resync = True  # send rank 0's weights and optimizer state with the next step
         self._failed: BaseException | None = None  # this rank's own error in the step now running
@@ -111,13 +111,14 @@ class DistributedTrainer(Trainer):
             self._resync = True  # the service restores rank 0's weights; the next step re-sends them
             raise
         assert metrics is not None
-        log.info("learner.dist_step", step=metrics.step, ranks=self.world,
-                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts], t_step_s=round(metrics.t_step_s, 3))  # fmt: skip
+        log.info("learner.dist_step", step=metrics.step, ranks=self.world, t_step_s=round(metrics.t_step_s, 3),
+                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts])  # fmt: skip
         return metrics
 
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
-        _collective("stopping the ranks", dist.scatter_object_list, [None], [("stop", [], 0, False)] * self.world, src=0)
+        stop: list[Any] = [("stop", [], 0, False)] * self.world
+        _collective("stopping the ranks", dist.scatter_object_list, [None], stop, src=0)
 
     # ------------------------------------------------------------------------------------- ranks 1..N-1
 
@@ -173,14 +174,15 @@ class DistributedTrainer(Trainer):
         n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)
         toks = self._loss_token_tensors(scored) if scored else {}
-        gathered: list[Any] = [None] * self.world if self.rank == 0 else None  # type: ignore[assignment]
+        gathered: list[Any] = [None] * self.world
         part = (toks, dict(sums), routing)
-        _collective("gathering the step's metrics", dist.gather_object, part, gathered, dst=0)
+        dst_list = gathered if self.rank == 0 else None
+        _collective("gathering the step's metrics", dist.gather_object, part, dst_list, dst=0)
         if self.rank != 0:
             return None
         all_sums: defaultdict[str, float] = defaultdict(float)
         all_routing = [0, 0, 0, 0]
-        for t, s, r in gathered:
+        for _, s, r in gathered:
             for k, v in s.items():
                 all_sums[k] += v
             all_routing = [a + b for a, b in zip(all_routing, r)]
