@@ -13,14 +13,14 @@ moving to the least-loaded other URL where there is one. Requests go to the URL 
 outstanding requests (ties rotate), under a load cap; an episode's turns stay on one sampler, and a client
 running ``monitor()`` takes dead samplers out and brings them back (t1async/sampler/pool.py).
 
-Routing needs the model's (layers, topk, experts): taken from ``routing_shape`` if given, else from each
-URL's ``/get_model_info`` (the embedded server adds ``num_hidden_layers``, ``num_experts_per_tok`` and
-``num_experts``; a real SGLang server does not, so pass ``routing_shape`` for it).
+Decoding the answers (pure functions) is response.py. Routing needs the model's (layers, topk, experts):
+taken from ``routing_shape`` if given, else from each URL's ``/get_model_info`` (the embedded server adds
+``num_hidden_layers``, ``num_experts_per_tok`` and ``num_experts``; a real SGLang server does not, so pass
+``routing_shape`` for it).
 """
 
 from __future__ import annotations
 
-import base64
 import enum
 import random
 import time
@@ -29,11 +29,13 @@ from collections.abc import Sequence
 
 import anyio
 import httpx
-import numpy as np
 
 from t1async.errors import SamplerError, SamplerRequestError, SamplerVersionError
 from t1async.sampler.base import Generation, SamplingParams
 from t1async.sampler.pool import PoolConfig, SamplerPool
+from t1async.sampler.response import (
+    error_message, parse_generation, parse_output_versions, parse_weight_version, routing_dtype, shape_from_info,
+)  # fmt: skip
 
 try:
     from t1async.log import get_logger
@@ -44,11 +46,12 @@ except ImportError:  # pragma: no cover
         return structlog.get_logger(name).bind(component=name, **fields)
 
 
+__all__ = [
+    "SGLangClient", "SamplerClosedError", "SamplerUnreachableError", "parse_generation", "parse_output_versions",
+    "parse_weight_version", "routing_dtype",
+]  # fmt: skip
 log = get_logger("sampler.client")
 _RETRY_STATUS = {429, 502, 503, 504}
-_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
-_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "topk")
-_EXPERT_KEYS = ("num_experts", "n_experts", "n_routed_experts")
 
 
 class SamplerClosedError(SamplerError):
@@ -63,35 +66,6 @@ class _State(enum.Enum):
     UNOPENED = 1
     OPENED = 2
     CLOSED = 3
-
-
-def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight_version") -> int:
-    """SGLang's weight_version is a free string (a real server's default is ``"default"``); ours are ints,
-    set by the learner on every push. Anything else raises ``SamplerVersionError`` naming the sampler."""
-    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
-        return raw
-    text = str(raw).strip() if isinstance(raw, str) else ""
-    if text.isascii() and text.isdigit():
-        return int(text)
-    raise SamplerVersionError(
-        f"{url} reports {what} {raw!r}, not a non-negative integer; t1async needs integer policy versions: start "
-        "SGLang with --weight-version 0 (the learner then sets the version on every weight push)"
-    )
-
-
-def parse_output_versions(meta: dict, n: int, version: int, url: str) -> np.ndarray:
-    """Per-token weight versions from ``meta_info.output_token_weight_versions`` (the embedded server's
-    extension; a weight update may land mid-request), else ``version`` for every token (a real SGLang)."""
-    raw = meta.get("output_token_weight_versions")
-    if raw is None:
-        return np.full(n, version, dtype=np.int32)
-    if not isinstance(raw, list) or len(raw) != n:
-        got = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
-        raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
-    if all(v == raw[0] for v in raw):  # the usual case: one version for the whole turn (no hashing: any JSON)
-        return np.full(n, parse_weight_version(raw[0], url, "output_token_weight_versions[0]"), dtype=np.int32)
-    return np.asarray([parse_weight_version(v, url, f"output_token_weight_versions[{i}]")
-                       for i, v in enumerate(raw)], dtype=np.int32)  # fmt: skip
 
 
 class SGLangClient:
@@ -197,8 +171,8 @@ class SGLangClient:
                 if resp.status_code < 300:
                     return target, resp
                 if resp.status_code == 400:
-                    raise SamplerRequestError(f"{target}{path} rejected the request: {_error_message(resp)}")
-                cause = f"HTTP {resp.status_code}: {_error_message(resp)}"
+                    raise SamplerRequestError(f"{target}{path} rejected the request: {error_message(resp)}")
+                cause = f"HTTP {resp.status_code}: {error_message(resp)}"
                 if resp.status_code not in _RETRY_STATUS:
                     raise SamplerError(f"{target}{path} failed with {cause}")
             last = target
@@ -245,7 +219,7 @@ class SGLangClient:
             raise SamplerError(f"{url}/generate answered with non-JSON: {resp.text[:200]!r}") from exc
         shape = None
         if routed_experts_start_len is not None:
-            shape = self.routing_shape or _shape_from_info(await self.model_info(url), url)
+            shape = self.routing_shape or shape_from_info(await self.model_info(url), url)
         return parse_generation(out, len(ids), routed_experts_start_len, shape, latency=latency, url=url)
 
     # ---------------------------------------------------------------- control
@@ -315,111 +289,3 @@ class SGLangClient:
     async def abort(self, rid: str) -> None:
         for u in self.urls:
             await self._request("POST", "/abort_request", json={"rid": rid}, url=u)
-
-
-# ---------------------------------------------------------------- response decoding (pure)
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500] or resp.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)[:500]
-
-
-def _first(info: dict, keys: Sequence[str]) -> int | None:
-    for k in keys:
-        if isinstance(info.get(k), int):
-            return int(info[k])
-    return None
-
-
-def _shape_from_info(info: dict, url: str) -> tuple[int, int, int]:
-    layers, topk, experts = _first(info, _LAYER_KEYS), _first(info, _TOPK_KEYS), _first(info, _EXPERT_KEYS)
-    if layers is None or topk is None:
-        raise SamplerError(
-            f"{url}/get_model_info does not say the MoE shape (keys {sorted(info)}); "
-            "pass SGLangClient(routing_shape=(num_layers, topk, num_experts))"
-        )
-    return layers, topk, experts or 0
-
-
-def routing_dtype(num_experts: int) -> np.dtype:
-    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype("<u2")
-
-
-def parse_generation(
-    out: Any,
-    prompt_len: int,
-    routing_start: int | None,
-    shape: tuple[int, int, int] | None,
-    *,
-    latency: float = 0.0,
-    url: str = "",
-) -> Generation:
-    """An SGLang ``/generate`` response (one object) as a Generation. Tolerates extra fields."""
-    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
-        raise SamplerError(f"{url}/generate answered without meta_info: {str(out)[:200]}")
-    meta = out["meta_info"]
-    lps = meta.get("output_token_logprobs") or []
-    ids = out.get("output_ids")
-    if ids is None:
-        ids = [t for _, t, *_ in lps]
-    output_ids = np.asarray(ids, dtype=np.int32)
-    logprobs = np.asarray([lp if lp is not None else np.nan for lp, *_ in lps], dtype=np.float32)
-    if len(logprobs) != len(output_ids):
-        raise SamplerError(f"{url}/generate returned {len(output_ids)} output ids but {len(logprobs)} logprobs")
-    fr = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
-    if isinstance(fr, str):  # some versions answer a bare string
-        fr = {"type": fr}
-    finish = fr.get("type", "abort")
-    routing = None
-    start = 0
-    if routing_start is not None and meta.get("routed_experts") is not None and shape is not None:
-        layers, topk, experts = shape
-        start = int(routing_start)
-        actual = meta.get("routed_experts_start_len")  # our server: earlier when it recomputed those positions
-        if isinstance(actual, int) and not isinstance(actual, bool) and 0 <= actual <= start:
-            start = actual
-        raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
-        prompt_tokens = int(meta.get("prompt_tokens", prompt_len))
-        want = prompt_tokens + len(output_ids) - 1 - start
-        per_row = layers * topk
-        if per_row == 0 or raw.size % per_row:
-            raise SamplerError(f"{url}: routed_experts has {raw.size} values, not rows of {layers}x{topk}")
-        arr = raw.reshape(-1, layers, topk)
-        if arr.shape[0] == want + start and start:  # a server that ignores routed_experts_start_len
-            arr = arr[start:]
-        if arr.shape[0] != want:
-            raise SamplerError(f"{url}: routed_experts has {arr.shape[0]} rows, expected {want} "
-                               f"(= {prompt_tokens} prompt + {len(output_ids)} output - 1 - start {start})")
-        if arr.size and (arr.min() < 0 or (experts and arr.max() >= experts)):
-            raise SamplerError(f"{url}: routed_experts holds expert ids outside [0, {experts})")
-        dtype = routing_dtype(experts or int(arr.max(initial=0)) + 1)
-        routing = arr.astype(dtype)
-    raw_version = meta.get("weight_version", "")
-    version = parse_weight_version(raw_version, url or "the sampler")
-    versions = parse_output_versions(meta, len(output_ids), version, url or "the sampler")
-    return Generation(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        finish=finish if finish in ("stop", "length", "abort") else "abort",
-        weight_version=version,
-        output_versions=versions,
-        routing=routing,
-        routing_start=start,
-        prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
-        cached_tokens=int(meta.get("cached_tokens", 0) or 0),
-        latency_s=latency,
-        matched_stop=fr.get("matched"),
-        text=out.get("text", "") or "",
-        extra={"weight_version": raw_version, "rid": meta.get("id"), "url": url,
-               "e2e_latency": meta.get("e2e_latency"), "finish_reason": fr},
-    )
