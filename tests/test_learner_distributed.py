@@ -77,6 +77,11 @@ def test_two_ranks_step_like_one_rank(ranks2):
     one.step(segs2, 1)
     two.step(segs2, 1)
     assert_same_weights(one.model, two.model)
+    # one segment for two ranks: rank 1 trains nothing, yet takes the same optimizer step
+    seg3 = segments(one.model, n=1, seed=4, version=2)
+    m1, m2 = one.step(seg3, 2), two.step(seg3, 2)
+    assert_same_weights(one.model, two.model)
+    assert m2.loss == pytest.approx(m1.loss, rel=1e-4, abs=1e-6)
 
 
 def test_checkpoints_move_between_two_ranks_and_one(ranks2, tmp_path):

@@ -66,6 +66,8 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()  # published: the sampler loaded it
     updated = events(run / "logs" / "sampler.log", "sampler.weights_updated")
     assert [str(e["weight_version"]) for e in updated] == ["1", "2"], updated
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m.get("learner_ranks") for m in metrics if m["component"] == "learner"} == {2}
     pids = events(log, "learner.ranks_starting")[0]["pids"]
     assert events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from t1async.errors import T1Error
+from t1async.learner import memory
 from t1async.learner.batch import BatchError, SegmentLike, check_segment
 from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
 from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
@@ -140,6 +141,7 @@ class DistributedTrainer(Trainer):
             except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
                 log.warning("learner.rank_step_failed", rank=self.rank, version=version,
                             error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            memory.trim()  # a flat RSS between steps, as on rank 0
 
     # ------------------------------------------------------------------------------------- every rank
 

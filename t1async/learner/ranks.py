@@ -128,7 +128,10 @@ def rank_main(argv: list[str] | None = None) -> int:
 
     configure()
     torch.set_num_threads(max(1, args.threads))
+    from t1async.learner import memory
     from t1async.model.moe import MoETransformer
+
+    memory.bound_malloc()  # as rank 0: freed tensors go back to the kernel (learner/memory.py)
 
     init_group(args.rank, args.world, args.host, args.port, backend=args.backend, timeout_s=args.timeout)
     try:

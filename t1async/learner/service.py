@@ -350,6 +350,7 @@ class Learner(Intake):
             **{k: v for k, v in self.last_step.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
             "turns_trained": turns_trained,
             "t_busy_s": self.busy_s,
+            "learner_ranks": int(getattr(self.trainer, "world", 1)),  # learner serve --nproc
             "turns_per_s": self.state.session_turns / el,
             "tokens_per_s": self.state.session_tokens / el if self.state.session_tokens else 0.0,
             "max_staleness": self.hist.max,
