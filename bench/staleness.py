@@ -15,6 +15,10 @@ the learner) for ``--duration`` seconds on a fresh run dir, and measures:
   ``credit_wait_p99_s`` (the worst actor's p99 over its latest 4096 waits) and ``credit_wait_max_s``, and
   ``credit_wait_share``: credit wait over the actors' episode-slot time;
 - ``mismatch`` and ``policy_shift``: the learner's mean |Δlogp| on fresh and on stale tokens (last step).
+- ``tokens_per_turn`` (tokens the learner's passes covered per trained turn: a turn deep in its episode
+  trains its whole history), ``train_s_per_ktok`` (T_train per 1000 of those tokens: the learner's speed)
+  and ``learner_cpu_share`` (the learner's CPU seconds over T_train, from ``/proc/<pid>/stat``: near 1 when
+  its one torch thread had its core; well below 1 when something else ran there).
 
 ``overlap_bound`` = ``(T_sample + T_train) / max(T_sample, T_train)`` from the η = 0 run (DESIGN §11): the
 most any η can gain by overlapping sampling with training. ``T_train`` is the learner's summed step wall time
@@ -68,6 +72,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
     env = {**os.environ, "T1_LOG_JSON": "1"}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     samples: list[tuple[float, float, float]] = []  # (time.time(), busy_s, uptime_s) of the sampler
+    cpu: list[tuple[float, float]] = []  # (time.time(), the learner's CPU seconds so far)
+    learner_pid = None
     try:
         ready = run_dir / "sampler.url"
         deadline = time.monotonic() + 120
@@ -83,6 +89,10 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
                     samples.append((time.time(), float(st["busy_s"]), float(st["uptime_s"])))
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
+                learner_pid = learner_pid or component_pid(run_dir, "learner")
+                used = cpu_s(learner_pid) if learner_pid else None
+                if used is not None:
+                    cpu.append((time.time(), used))
                 time.sleep(0.5)
         proc.wait()
     finally:
@@ -95,7 +105,26 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
         out = summarise(records, eta, slots=args.actors * args.concurrency, warmup_steps=args.warmup_steps)
     except ValueError as exc:
         raise SystemExit(f"bench.staleness: eta={eta}: {exc}; raise --duration (see {run_dir}/logs)") from None
-    return {**out, "sampler_idle": sampler_idle(samples, out["t_first"], out["t_last"])}
+    inside = [x for x in cpu if out["t_first"] <= x[0] <= out["t_last"]]
+    share = (inside[-1][1] - inside[0][1]) / out["t_train_s"] if len(inside) >= 2 and out["t_train_s"] > 0 else None
+    return {**out, "sampler_idle": sampler_idle(samples, out["t_first"], out["t_last"]), "learner_cpu_share": share}
+
+
+def component_pid(run_dir: Path, name: str) -> int | None:
+    """The PID `cluster up` recorded for one of its components (None until it is started)."""
+    try:
+        return int(json.loads((run_dir / "cluster.json").read_text())["components"][name]["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used, all its threads, those gone included."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def sampler_idle(samples: list[tuple[float, float, float]], t0: float, t1: float) -> float | None:
@@ -148,6 +177,7 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
     step_tok = {int(m["step"]): int(m.get("tokens", 0)) for m in learner}
     window = [k for k in step_s if int(first["step"]) < k <= int(last["step"])]
     turns_in = last["turns_trained"] - first["turns_trained"]
+    tokens_in = sum(step_tok.get(k, 0) for k in window)
     actors: dict[str, dict] = {}
     t_actor: dict[str, tuple[float, float]] = {}
     for m in records:
@@ -168,10 +198,15 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
         "credit_wait_max_s": max((float(a.get("credit_wait_max_s", 0.0)) for a in actors.values()), default=0.0),
         "credit_wait_share": min(wait_s / slot_s, 1.0),
         "mismatch": float(last.get("mismatch", 0.0)), "policy_shift": float(last.get("policy_shift", 0.0)),
-        "tokens_per_turn": sum(step_tok.get(k, 0) for k in window) / max(turns_in, 1),
+        "tokens_per_turn": tokens_in / max(turns_in, 1),
+        "train_s_per_ktok": t_train / tokens_in * 1000 if tokens_in else None,
         "t_train_s": t_train, "t_sample_s": t_sample, "t_first": float(first["t"]), "t_last": float(last["t"]),
         "overlap_bound": (t_sample + t_train) / max(t_sample, t_train, 1e-9),
     }  # fmt: skip
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -235,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     base = runs[0]["turns_per_s"] or 1e-9
     rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["stale_masked_tokens"],
              "–" if r["sampler_idle"] is None else f"{r['sampler_idle']:.0%}", f"{r['credit_wait_mean_s']:.3f}", f"{r['credit_wait_p99_s']:.3f}",
-             f"{r['credit_wait_share']:.0%}", r["steps"], f"{r['tokens_per_turn']:.0f}") for r in runs]  # fmt: skip
+             f"{r['credit_wait_share']:.0%}", r["steps"], f"{r['tokens_per_turn']:.0f}", _fmt(r["train_s_per_ktok"], ".2f"),
+             _fmt(r["learner_cpu_share"], ".0%")) for r in runs]  # fmt: skip
     print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "stale masked", "sampler idle",
-                "credit wait mean s", "p99 s", "wait share", "steps", "tokens/turn"], rows,
+                "credit wait mean s", "p99 s", "wait share", "steps", "tokens/turn", "train s/ktok", "learner CPU/step wall"],
+                rows,
                 title="bench.staleness: the real loop at each η")  # fmt: skip
     ov = overlap(runs)
     if ov:

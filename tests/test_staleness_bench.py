@@ -134,3 +134,21 @@ def test_overlap_sets_async_beside_the_bound():
     slow_learner = {**sync, "t_sample_s": 10.0, "t_train_s": 40.0, "overlap_bound": 50.0 / 40.0}
     assert overlap([slow_learner, fast])["sampler_idle_floor"] == pytest.approx(0.75)
     assert overlap([sync]) == {}  # nothing async to compare
+
+
+def test_learner_pid_and_cpu_seconds_from_proc(tmp_path):
+    import json
+    import os
+    import time
+
+    from bench.staleness import component_pid, cpu_s
+
+    assert component_pid(tmp_path, "learner") is None  # before cluster up wrote its state
+    (tmp_path / "cluster.json").write_text(json.dumps({"components": {"learner": {"pid": os.getpid()}}}))
+    assert component_pid(tmp_path, "learner") == os.getpid()
+    before = cpu_s(os.getpid())
+    t = time.process_time()
+    while time.process_time() - t < 0.3:  # burn CPU: the counter must move (clock ticks: 10 ms)
+        pass
+    assert before is not None and cpu_s(os.getpid()) > before
+    assert cpu_s(2**22 + 12345) is None  # no such process
