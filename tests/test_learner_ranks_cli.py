@@ -43,13 +43,13 @@ async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
     return v
 
 
-async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
-    run = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", "2", "--batch-turns", "6",
-            "--actors", "1", "--concurrency", "2", "--max-turns", "4", "--max-new-tokens", "24", "--synth-tasks", "10",
-            "--learner-procs", "2", "--duration", "400", "--plain"]  # fmt: skip
+def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int) -> None:
+    """A short ``cluster up`` on ``run`` with a ``procs``-rank learner until ``steps`` steps; must finish."""
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", str(steps),
+            "--batch-turns", "6", "--actors", "1", "--concurrency", "2", "--max-turns", "4", "--max-new-tokens", "24",
+            "--synth-tasks", "10", "--learner-procs", str(procs), "--duration", "400", "--plain"]  # fmt: skip
     with open(tmp_path / "up.out", "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             proc.wait(timeout=420)
         finally:
@@ -58,6 +58,11 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
                 proc.wait(timeout=60)
     text = (tmp_path / "up.out").read_text()
     assert proc.returncode == 0 and "cluster stopped: learner finished" in text, text[-3000:]
+
+
+async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
+    run = tmp_path / "run"
+    cluster_up(tmp_path, run, repo_env, procs=2, steps=2)
     log = run / "logs" / "learner.log"
     assert [e["nproc"] for e in events(log, "learner.ranks_joined")] == [2]
     steps = events(log, "learner.dist_step")
@@ -70,6 +75,22 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert {m.get("learner_ranks") for m in metrics if m["component"] == "learner"} == {2}
     pids = events(log, "learner.ranks_starting")[0]["pids"]
     assert events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
+
+
+@pytest.mark.slow
+async def test_cluster_resumes_across_rank_counts(tmp_path, repo_env):
+    """The checkpoints are N-free: 1 rank trains v1, 2 ranks resume from it to v3, 1 rank resumes to v4."""
+    run = tmp_path / "run"
+    log = run / "logs" / "learner.log"
+    for procs, steps in ((1, 1), (2, 3), (1, 4)):
+        cluster_up(tmp_path, run, repo_env, procs=procs, steps=steps)
+    ready = events(log, "learner.ready")
+    assert [e["version"] for e in ready] == [0, 1, 3]
+    assert [e["resumed"] and Path(e["resumed"]).name for e in ready] == [None, "v000001", "v000003"]
+    assert [e["version"] for e in events(log, "learner.step")] == [1, 2, 3, 4]
+    assert [e["step"] for e in events(log, "learner.dist_step")] == [2, 3]  # the 2-rank run's steps
+    updated = events(run / "logs" / "sampler.log", "sampler.weights_updated")
+    assert [str(e["weight_version"]) for e in updated][-1] == "4"
 
 
 def serve(tmp_path: Path, url: str, env: dict) -> tuple[subprocess.Popen, Path]:
