@@ -1,4 +1,5 @@
-"""SGLang's native ``/generate`` API: request parsing/validation and response building. Pure, no I/O.
+"""SGLang's native ``/generate`` API: request parsing and validation. Pure, no I/O. The responses are built
+(and read) in response.py; ``ResponseState``, ``encode_routing`` and ``error_body`` are importable here too.
 
 The embedded server (server.py) uses these functions; the field names and shapes are SGLang's
 (``python/sglang/srt/managers/io_struct.py`` ``GenerateReqInput`` and the tokenizer manager's ``meta_info``):
@@ -23,26 +24,23 @@ Every validation failure raises :class:`SamplerRequestError` with a message nami
 
 from __future__ import annotations
 
-import base64
 import difflib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 
 from t1async.errors import SamplerRequestError
 from t1async.sampler.base import SamplingParams
+from t1async.sampler.response import ResponseState, decode_routing, encode_routing, error_body
+
+__all__ = [
+    "SGLANG_DEFAULTS", "GenerateInput", "ResponseState", "decode_routing", "encode_routing", "error_body",
+    "parse_generate", "parse_sampling",
+]  # fmt: skip
 
 
-def error_body(message: str, *, param: str = "", status: int = 400) -> dict:
-    """SGLang's error shape (``{"error": {"message": ...}}``), plus OpenAI-style ``type``/``code``/``param``."""
-    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-    return {"error": {"message": message, "type": kind, "code": status, "param": param or None}}
-
-
-# SGLang GenerateReqInput fields we implement, and those we accept only at their neutral value.
 _TOP_FIELDS = {
     "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "return_routed_experts",
     "routed_experts_start_len", "stream", "rid",
@@ -272,99 +270,3 @@ def parse_generate(
             return_routed_experts=return_routed, routed_experts_start_len=s, stream=stream, from_text=has_text,
         ))
     return out, batch
-
-
-# ---------------------------------------------------------------- responses
-
-
-def encode_routing(routing: np.ndarray) -> str:
-    """base64 of little-endian int32, C order (SGLang's ``meta_info["routed_experts"]``)."""
-    return base64.b64encode(np.ascontiguousarray(routing, dtype="<i4").tobytes()).decode("ascii")
-
-
-def decode_routing(data: str, *, layers: int, topk: int) -> np.ndarray:
-    """Inverse of :func:`encode_routing`: int32 ``[rows, layers, topk]``; raises ValueError on a bad size."""
-    raw = base64.b64decode(data)
-    per_row = 4 * layers * topk
-    if per_row == 0 or len(raw) % per_row:
-        raise ValueError(f"routed_experts has {len(raw)} bytes, not a multiple of 4 * {layers} layers * {topk} topk")
-    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, topk)
-
-
-@dataclass
-class ResponseState:
-    """Accumulates one request's engine events into SGLang's cumulative response object."""
-
-    req: GenerateInput
-    rid: str
-    started: float
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: dict | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    weight_version: str = ""
-    versions: list[str] = field(default_factory=list)  # the weight version of each output token
-    routing: np.ndarray | None = None
-    routing_start: int = 0  # the position of routing[0]: the request's start, or earlier (see to_json)
-    # streaming decodes only the new ids: text of output_ids[:_done_n] (a whole number of characters)
-    _done_n: int = field(default=0, repr=False)
-    _done_text: str = field(default="", repr=False)
-
-    def apply(self, ev: Any) -> None:
-        self.output_ids.extend(int(t) for t in ev.new_ids)
-        self.logprobs.extend(float(x) for x in ev.new_logprobs)
-        per_token = getattr(ev, "new_versions", None)
-        if per_token is None:  # an engine that does not report per-token versions
-            per_token = [ev.weight_version] * len(ev.new_ids)
-        self.versions.extend(str(v) for v in per_token)
-        self.prompt_tokens = ev.prompt_tokens or len(self.req.input_ids)
-        self.cached_tokens = ev.cached_tokens
-        self.weight_version = str(ev.weight_version)
-        if ev.finished:
-            self.finish_reason = ev.finish_reason
-            if ev.routing is not None:
-                self.routing = ev.routing
-                self.routing_start = int(getattr(ev, "routing_start", self.req.routed_experts_start_len))
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def text(self, decode: Callable[[Sequence[int], bool], str]) -> str:
-        spec = self.req.sampling
-        ids = self.output_ids
-        if not self.finished:  # incremental (byte-level BPE decodes piecewise at character boundaries)
-            tail = decode(ids[self._done_n :], spec.skip_special_tokens)
-            if tail and not tail.endswith("\ufffd"):
-                self._done_n, self._done_text = len(ids), self._done_text + tail
-                return self._done_text
-            return self._done_text + tail.rstrip("\ufffd")  # hold back a partial UTF-8 character
-        matched = (self.finish_reason or {}).get("matched")
-        trim = not spec.no_stop_trim
-        if trim and isinstance(matched, int) and not isinstance(matched, bool) and ids and ids[-1] == matched:
-            ids = ids[:-1]
-        text = decode(ids, spec.skip_special_tokens)  # the final text: one whole decode, exact
-        if trim and isinstance(matched, str):
-            pos = text.find(matched)
-            if pos != -1:
-                text = text[:pos]
-        return text
-
-    def to_json(self, decode: Callable[[Sequence[int], bool], str], now: float) -> dict:
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": self.cached_tokens,
-            "weight_version": self.weight_version,
-            "e2e_latency": now - self.started,
-        }
-        if self.req.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-            meta["output_token_weight_versions"] = list(self.versions)
-        if self.req.return_routed_experts and self.routing is not None:
-            meta["routed_experts"] = encode_routing(self.routing)
-            meta["routed_experts_start_len"] = self.routing_start
-        return {"text": self.text(decode), "output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,12 +1,20 @@
-"""What SGLangClient reads from a sampler's answers, as pure functions (no I/O): a ``/generate`` response as
-a Generation (output ids, logprobs, finish, per-token weight versions, the routing trace), integer weight
-versions, the MoE shape from ``/get_model_info``, and an error body's message."""
+"""SGLang's ``/generate`` responses from both ends, as pure code (no I/O). The fields are listed in
+protocol.py's docstring.
+
+- The embedded server builds them: ``ResponseState`` accumulates one request's engine events into SGLang's
+  cumulative response object (streamed or not), ``encode_routing`` packs the routing trace, ``error_body``
+  is SGLang's error shape.
+- SGLangClient reads them: ``parse_generation`` turns one into a Generation (output ids, logprobs, finish,
+  per-token weight versions, the routing trace), ``parse_weight_version`` insists on integer versions,
+  ``shape_from_info`` reads the MoE shape from ``/get_model_info``, ``error_message`` an error body.
+"""
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -14,9 +22,12 @@ import numpy as np
 from t1async.errors import SamplerError, SamplerVersionError
 from t1async.sampler.base import Generation
 
+if TYPE_CHECKING:
+    from t1async.sampler.protocol import GenerateInput
+
 __all__ = [
-    "error_message", "parse_generation", "parse_output_versions", "parse_weight_version", "routing_dtype",
-    "shape_from_info",
+    "ResponseState", "decode_routing", "encode_routing", "error_body", "error_message", "parse_generation",
+    "parse_output_versions", "parse_weight_version", "routing_dtype", "shape_from_info",
 ]  # fmt: skip
 _LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 _TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "topk")
@@ -155,3 +166,108 @@ def parse_generation(
         extra={"weight_version": raw_version, "rid": meta.get("id"), "url": url,
                "e2e_latency": meta.get("e2e_latency"), "finish_reason": fr},
     )
+
+
+# ---------------------------------------------------------------- the server side: building responses
+
+
+def error_body(message: str, *, param: str = "", status: int = 400) -> dict:
+    """SGLang's error shape (``{"error": {"message": ...}}``), plus OpenAI-style ``type``/``code``/``param``."""
+    kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "code": status, "param": param or None}}
+
+
+# SGLang GenerateReqInput fields we implement, and those we accept only at their neutral value.
+
+
+def encode_routing(routing: np.ndarray) -> str:
+    """base64 of little-endian int32, C order (SGLang's ``meta_info["routed_experts"]``)."""
+    return base64.b64encode(np.ascontiguousarray(routing, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routing(data: str, *, layers: int, topk: int) -> np.ndarray:
+    """Inverse of :func:`encode_routing`: int32 ``[rows, layers, topk]``; raises ValueError on a bad size."""
+    raw = base64.b64decode(data)
+    per_row = 4 * layers * topk
+    if per_row == 0 or len(raw) % per_row:
+        raise ValueError(f"routed_experts has {len(raw)} bytes, not a multiple of 4 * {layers} layers * {topk} topk")
+    return np.frombuffer(raw, dtype="<i4").reshape(-1, layers, topk)
+
+
+@dataclass
+class ResponseState:
+    """Accumulates one request's engine events into SGLang's cumulative response object."""
+
+    req: GenerateInput
+    rid: str
+    started: float
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    weight_version: str = ""
+    versions: list[str] = field(default_factory=list)  # the weight version of each output token
+    routing: np.ndarray | None = None
+    routing_start: int = 0  # the position of routing[0]: the request's start, or earlier (see to_json)
+    # streaming decodes only the new ids: text of output_ids[:_done_n] (a whole number of characters)
+    _done_n: int = field(default=0, repr=False)
+    _done_text: str = field(default="", repr=False)
+
+    def apply(self, ev: Any) -> None:
+        self.output_ids.extend(int(t) for t in ev.new_ids)
+        self.logprobs.extend(float(x) for x in ev.new_logprobs)
+        per_token = getattr(ev, "new_versions", None)
+        if per_token is None:  # an engine that does not report per-token versions
+            per_token = [ev.weight_version] * len(ev.new_ids)
+        self.versions.extend(str(v) for v in per_token)
+        self.prompt_tokens = ev.prompt_tokens or len(self.req.input_ids)
+        self.cached_tokens = ev.cached_tokens
+        self.weight_version = str(ev.weight_version)
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+            if ev.routing is not None:
+                self.routing = ev.routing
+                self.routing_start = int(getattr(ev, "routing_start", self.req.routed_experts_start_len))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def text(self, decode: Callable[[Sequence[int], bool], str]) -> str:
+        spec = self.req.sampling
+        ids = self.output_ids
+        if not self.finished:  # incremental (byte-level BPE decodes piecewise at character boundaries)
+            tail = decode(ids[self._done_n :], spec.skip_special_tokens)
+            if tail and not tail.endswith("\ufffd"):
+                self._done_n, self._done_text = len(ids), self._done_text + tail
+                return self._done_text
+            return self._done_text + tail.rstrip("\ufffd")  # hold back a partial UTF-8 character
+        matched = (self.finish_reason or {}).get("matched")
+        trim = not spec.no_stop_trim
+        if trim and isinstance(matched, int) and not isinstance(matched, bool) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = decode(ids, spec.skip_special_tokens)  # the final text: one whole decode, exact
+        if trim and isinstance(matched, str):
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[:pos]
+        return text
+
+    def to_json(self, decode: Callable[[Sequence[int], bool], str], now: float) -> dict:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "weight_version": self.weight_version,
+            "e2e_latency": now - self.started,
+        }
+        if self.req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+            meta["output_token_weight_versions"] = list(self.versions)
+        if self.req.return_routed_experts and self.routing is not None:
+            meta["routed_experts"] = encode_routing(self.routing)
+            meta["routed_experts_start_len"] = self.routing_start
+        return {"text": self.text(decode), "output_ids": list(self.output_ids), "meta_info": meta}

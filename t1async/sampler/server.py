@@ -2,8 +2,8 @@
 
 ``build_app(engine, tokenizer, ...)`` is the ASGI app (tests drive it in-process with
 ``httpx.ASGITransport`` or over a socket); ``serve(config)`` loads the model, runs the Engine and the HTTP
-server in one task group, and reports the bound URL through ``task_status``. Request parsing and response
-shapes live in protocol.py (pure); this module does the I/O: HTTP, the engine, disconnects, logging.
+server in one task group, and reports the bound URL through ``task_status``. The handlers are app.py's
+``SamplerApp``; request parsing (protocol.py) and response building (response.py) are pure.
 
 A client that disconnects aborts its request: streaming responses are cancelled by starlette when the
 client goes away; non-streaming ones watch the ASGI ``receive`` channel for ``http.disconnect``. Either way
@@ -12,293 +12,21 @@ the engine's generator is closed, which aborts the request in the engine.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from contextlib import aclosing
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from t1async.errors import SamplerError, SamplerRequestError
-from t1async.sampler import protocol as P
+from t1async.log import get_logger
+from t1async.sampler import response as R
+from t1async.sampler.app import VERSION, SamplerApp, ServerConfig, json_response
 
-try:  # t1async.log lands with the lead's skeleton; fall back to plain structlog until then
-    from t1async.log import get_logger
-except ImportError:  # pragma: no cover
-    import structlog
-
-    def get_logger(name: str, **fields: Any) -> Any:
-        return structlog.get_logger(name).bind(component=name, **fields)
-
-
+__all__ = ["VERSION", "SamplerApp", "ServerConfig", "build_app", "serve"]
 log = get_logger("sampler.server")
-# what the engine and the protocol raise for a request they reject (HTTP 400, as SGLang maps its ValueErrors)
-_REJECTED = (ValueError, SamplerRequestError)
-VERSION = "t1async-embedded-0.1"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    model_dir: str | None = None  # None: the shipped tiny model
-    seed: int = 0
-    dtype: str = "float32"
-    max_batch: int = 64
-    prefix_cache_tokens: int | None = None
-    served_model_name: str = "t1async-tiny-moe"
-    health_timeout_s: float = 20.0
-    pause_timeout_s: float = 300.0  # /pause_generation ends by itself after this long (weightsync_server.py)
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(json.dumps(obj, separators=(",", ":")), status_code=status, media_type="application/json")
-
-
-def _bad(message: str, *, param: str = "", status: int = 400) -> Response:
-    log.info("sampler.bad_request", message=message, param=param, status=status)
-    return _json(P.error_body(message, param=param, status=status), status)
-
-
-class SamplerApp:
-    """The HTTP handlers around one Engine and its tokenizer."""
-
-    def __init__(
-        self, engine: Any, tokenizer: Any, config: ServerConfig, model_path: str, request_type: Any = None
-    ) -> None:
-        self.engine, self.tokenizer, self.config, self.model_path = engine, tokenizer, config, model_path
-        if request_type is None:
-            from t1async.model.engine import GenRequest as request_type
-        self.request_type = request_type
-        info = dict(engine.model_info())
-        self.info = info
-        self.vocab_size = int(info.get("vocab_size") or tokenizer.vocab_size)
-        self.max_seq_len = int(info.get("max_seq_len") or 1 << 30)
-        self.active: set[str] = set()
-        self.started = time.time()
-        self.served = 0
-
-    # ---------------------------------------------------------------- generate
-
-    def _decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
-
-    def make_request(self, gi: P.GenerateInput, rid: str) -> Any:
-        """The engine's GenRequest for one validated request."""
-        s = gi.sampling
-        return self.request_type(
-            rid=rid, input_ids=list(gi.input_ids), max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k, stop_token_ids=frozenset(s.stop_token_ids), stop_strings=s.stop,
-            ignore_eos=s.ignore_eos, return_routing=gi.return_routed_experts,
-            routing_start=gi.routed_experts_start_len, seed=s.seed,
-        )
-
-    async def _events(self, gi: P.GenerateInput, state: P.ResponseState) -> AsyncGenerator[P.ResponseState, None]:
-        """Run one request through the engine, yielding the state after each event. Closing aborts it."""
-        if state.rid in self.active:
-            raise SamplerRequestError(f"rid {state.rid!r} is already running; use a unique rid", param="rid")
-        self.active.add(state.rid)
-        try:
-            async with aclosing(self.engine.generate(self.make_request(gi, state.rid))) as events:
-                async for ev in events:
-                    state.apply(ev)
-                    yield state
-        finally:
-            self.active.discard(state.rid)
-            self._log_done(state)
-
-    def _log_done(self, state: P.ResponseState) -> None:
-        self.served += 1
-        # no finish_reason: the client went away (or the engine refused it) and the generator was closed
-        finish = state.finish_reason["type"] if state.finish_reason else "closed"
-        log.info(
-            "sampler.request", rid=state.rid, prompt_tokens=len(state.req.input_ids),
-            completion_tokens=len(state.output_ids), cached_tokens=state.cached_tokens, finish=finish,
-            latency_s=round(time.perf_counter() - state.started, 4), stream=state.req.stream,
-        )
-
-    def _new_state(self, gi: P.GenerateInput) -> P.ResponseState:
-        return P.ResponseState(req=gi, rid=gi.rid or uuid.uuid4().hex, started=time.perf_counter())
-
-    async def _run_to_end(self, gi: P.GenerateInput) -> dict:
-        state = self._new_state(gi)
-        async with aclosing(self._events(gi, state)) as events:
-            async for _ in events:
-                pass
-        return state.to_json(self._decode, time.perf_counter())
-
-    async def generate(self, request: Request) -> Response:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _bad(f"the request body is not valid JSON: {exc}")
-        try:
-            reqs, batch = P.parse_generate(
-                body, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, encode=self.tokenizer.encode
-            )
-            rids = [gi.rid for gi in reqs if gi.rid is not None]
-            for rid in rids:
-                if rid in self.active or rids.count(rid) > 1:
-                    raise SamplerRequestError(f"rid {rid!r} is already in use; send a unique rid", param="rid")
-        except SamplerRequestError as exc:
-            return _bad(str(exc), param=exc.param)
-        if reqs[0].stream:
-            return self._stream(reqs[0])
-        results: list[dict | Exception | None] = [None] * len(reqs)
-        disconnected = False
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                nonlocal disconnected
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                disconnected = True
-                tg.cancel_scope.cancel()
-
-            async def one(i: int, gi: P.GenerateInput) -> None:
-                try:
-                    results[i] = await self._run_to_end(gi)
-                except _REJECTED as exc:  # the engine rejected it
-                    results[i] = exc
-                except SamplerError as exc:  # the engine is not running (starting or shutting down)
-                    results[i] = exc
-
-            async with anyio.create_task_group() as work:
-                tg.start_soon(watch)
-                for i, gi in enumerate(reqs):
-                    work.start_soon(one, i, gi)
-            tg.cancel_scope.cancel()  # all done: stop the disconnect watcher
-        if disconnected:
-            return Response(status_code=499)  # nobody is listening; the engine requests were aborted
-        for r in results:
-            if isinstance(r, _REJECTED):
-                return _bad(str(r), param=getattr(r, "param", ""))
-            if isinstance(r, Exception):  # 503: clients retry elsewhere
-                return _bad(f"the sampler cannot serve now: {r}", status=503)
-        return _json(results if batch else results[0])
-
-    def _stream(self, gi: P.GenerateInput) -> Response:
-        state = self._new_state(gi)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async with aclosing(self._events(gi, state)) as events:
-                    async for st in events:
-                        yield b"data: " + json.dumps(st.to_json(self._decode, time.perf_counter())).encode() + b"\n\n"
-            except _REJECTED as exc:  # a duplicate rid or the engine's own rejection
-                param = getattr(exc, "param", "")
-                log.info("sampler.bad_request", message=str(exc), param=param, status=400)
-                yield b"data: " + json.dumps(P.error_body(str(exc), param=param)).encode() + b"\n\n"
-            except SamplerError as exc:  # the engine stopped under us
-                log.warning("sampler.unavailable", rid=state.rid, error=str(exc))
-                yield b"data: " + json.dumps(P.error_body(str(exc), status=503)).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    # ---------------------------------------------------------------- control endpoints
-
-    async def _json_body(self, request: Request) -> dict:
-        raw = await request.body()
-        if not raw:
-            return {}
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SamplerRequestError(f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise SamplerRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
-
-    async def update_weights_from_disk(self, request: Request) -> Response:
-        try:
-            body = await self._json_body(request)
-            path = body.get("model_path")
-            if not isinstance(path, str) or not path:
-                raise SamplerRequestError("model_path must be a non-empty string (a directory of weights)",
-                                     param="model_path")
-            version = body.get("weight_version")
-            if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-                raise SamplerRequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
-        except SamplerRequestError as exc:
-            return _bad(str(exc), param=exc.param)
-        version = None if version is None else str(version)
-        t0 = time.perf_counter()
-        try:
-            await self.engine.update_weights_from_disk(path, weight_version=version)
-        except Exception as exc:  # any load failure is reported to the caller, as SGLang does; the old weights stay
-            log.warning("sampler.update_weights_failed", model_path=path, error=repr(exc))
-            return _json({"success": False, "message": f"Failed to update weights from {path}: {exc}",
-                          "num_paused_requests": 0}, 400)
-        log.info("sampler.weights_updated", model_path=path, weight_version=self.engine.weight_version,
-                 seconds=round(time.perf_counter() - t0, 3))
-        msg = "Succeeded to update model weights."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
-        return _json({"success": True, "message": msg, "num_paused_requests": 0})
-
-    async def flush_cache(self, request: Request) -> Response:
-        self.engine.flush_cache()
-        log.info("sampler.cache_flushed")
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
-
-    async def abort_request(self, request: Request) -> Response:
-        try:
-            body = await self._json_body(request)
-        except SamplerRequestError as exc:
-            return _bad(str(exc), param=exc.param)
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(rid, str) or not isinstance(abort_all, bool):
-            return _bad(f"rid must be a string and abort_all a boolean, got {rid!r}, {abort_all!r}", param="rid")
-        targets = list(self.active) if abort_all else [rid] if rid else []
-        aborted = [r for r in targets if self.engine.abort(r)]
-        log.info("sampler.abort", rid=rid, abort_all=abort_all, aborted=len(aborted))
-        return Response(status_code=200)
-
-    async def get_model_info(self, request: Request) -> Response:
-        info = self.info
-        return _json({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-            "preferred_sampling_params": None,
-            **{k: v for k, v in info.items() if k != "weight_version"},
-            "weight_version": str(self.engine.weight_version),
-            # HF config names too, so clients written for HF-style configs find the MoE shape
-            "num_hidden_layers": info.get("num_layers"), "num_experts_per_tok": info.get("topk"),
-        })
-
-    async def get_server_info(self, request: Request) -> Response:
-        return _json({
-            **asdict(self.config), "model_path": self.model_path, "weight_version": str(self.engine.weight_version),
-            "internal_states": [{"running_requests": len(self.active), "served_requests": self.served,
-                                 **(self.engine.stats() if hasattr(self.engine, "stats") else {})}],
-            "version": VERSION,
-        })
-
-    async def health(self, request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def health_generate(self, request: Request) -> Response:
-        gi = P.GenerateInput(input_ids=(0,), sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),
-                             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
-        with anyio.move_on_after(self.config.health_timeout_s):
-            result = await self._run_to_end(gi)
-            return Response(status_code=200 if result["meta_info"]["completion_tokens"] == 1 else 503)
-        return Response(status_code=503)
-
-    async def models(self, request: Request) -> Response:
-        name = self.config.served_model_name
-        card = {"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang", "root": name,
-                "max_model_len": self.max_seq_len}
-        return _json({"object": "list", "data": [card]})
 
 
 def build_app(
@@ -325,7 +53,7 @@ def build_app(
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.error("sampler.internal_error", path=request.url.path, error=repr(exc), exc_info=exc)
-        return _json(P.error_body(f"internal error: {exc!r}", status=500), 500)
+        return json_response(R.error_body(f"internal error: {exc!r}", status=500), 500)
 
     app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
     app.state.sampler = a
