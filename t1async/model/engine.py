@@ -52,7 +52,7 @@ from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
 from t1async.model.scheduler import (
-    EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice, routing_start,
+    BusyClock, EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice, routing_start,
 )
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
@@ -145,10 +145,7 @@ class Engine:
         self._wake = anyio.Event()
         self._state = "new"
         self._counter = 0
-        # the sampler's own busy/idle accounting: seconds spent inside scheduler steps since run() began
-        self._busy_s = 0.0
-        self._step_t0: float | None = None  # perf_counter at the start of the step now running
-        self._run_t0: float | None = None
+        self._clock = BusyClock()  # the sampler's own busy/idle accounting
 
     # -- info -------------------------------------------------------------------------------------------
 
@@ -169,14 +166,10 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        """Scheduler counters (read between steps; approximate while a step runs). ``busy_s`` is the time spent
-        in scheduler steps (the step now running included) and ``uptime_s`` the time since the loop started:
-        ``1 - Δbusy_s / Δuptime_s`` over a window is the sampler's idle fraction in it."""
-        now = time.perf_counter()
-        busy = self._busy_s + (now - self._step_t0 if self._step_t0 is not None else 0.0)
-        uptime = now - self._run_t0 if self._run_t0 is not None else 0.0
+        """Scheduler counters (read between steps; approximate while a step runs), with ``busy_s`` and
+        ``uptime_s`` (scheduler.BusyClock)."""
         return {**self._core.stats(), "waiting": len(self._waiting), "weight_version": self.weight_version,
-                "busy_s": round(busy, 4), "uptime_s": round(uptime, 4)}  # fmt: skip
+                **self._clock.stats()}  # fmt: skip
 
     # -- the scheduler loop -----------------------------------------------------------------------------
 
@@ -185,7 +178,7 @@ class Engine:
             raise RuntimeError(f"Engine.run called on an engine that is {self._state}; make a new Engine")
         self._state = "running"
         log.info("engine.started", model=str(self.model_dir), dtype=self.config.dtype, max_batch=self.config.max_batch)
-        self._run_t0 = time.perf_counter()
+        self._clock.t_start = time.perf_counter()
         task_status.started()
         updates: list = []
         try:
@@ -196,14 +189,13 @@ class Engine:
                     continue
                 plan, updates = self._plan()
                 decodes = 1 if plan.admit or plan.aborts else decodes_per_hop(len(self._core.active))
-                self._step_t0 = time.perf_counter()
+                self._clock.step_started()
                 try:
                     changed, deferred = await anyio.to_thread.run_sync(
                         partial(self._core.step, plan, decodes=decodes, interrupted=self._interrupted)
                     )
                 finally:
-                    self._busy_s += time.perf_counter() - self._step_t0
-                    self._step_t0 = None
+                    self._clock.step_ended()
                 self._requeue(deferred)
                 for u, done in updates:
                     if u.error is None:

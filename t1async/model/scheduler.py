@@ -88,6 +88,29 @@ class StepPlan:
     flush: bool
 
 
+class BusyClock:
+    """The sampler's own busy/idle accounting: seconds inside scheduler steps (the running one included) and
+    seconds since the loop started; ``1 - Δbusy_s / Δuptime_s`` over a window is the idle share in it."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.t_start: float | None = None  # when the loop started
+        self.t_step: float | None = None  # when the step now running started
+
+    def step_started(self) -> None:
+        self.t_step = time.perf_counter()
+
+    def step_ended(self) -> None:
+        if self.t_step is not None:
+            self.busy += time.perf_counter() - self.t_step
+            self.t_step = None
+
+    def stats(self) -> dict:
+        now = time.perf_counter()
+        busy = self.busy + (now - self.t_step if self.t_step is not None else 0.0)
+        return {"busy_s": round(busy, 4), "uptime_s": round(now - self.t_start, 4) if self.t_start else 0.0}
+
+
 class EngineCore:
     def __init__(self, model: MoETransformer, tokenizer: ChatTokenizer, cfg: EngineConfig) -> None:
         self.model = model
