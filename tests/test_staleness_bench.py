@@ -92,7 +92,7 @@ def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == f"[{cpu}]"
     # `cluster up` pinned to one CPU itself (as bench.staleness runs it) may still put the learner on another
     last = max(range(os.cpu_count() or 1))
-    inner = [sys.executable, "-c", "import sys; from t1async.cluster.config import parse_cpus; "
+    inner = [sys.executable, "-c", "import sys; from t1async.cluster.components import parse_cpus; "
              f"print(sorted(parse_cpus('{last}', '--learner-cpus')))"]  # fmt: skip
     out = subprocess.run(["taskset", "-c", cpu, *inner], capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"[{last}]"

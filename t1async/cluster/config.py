@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +115,8 @@ class UpConfig:
             raise ConfigError(f"--duration must be > 0 seconds, got {self.duration}")
         for name in ("sampler_cpus", "learner_cpus"):
             if getattr(self, name):
+                from t1async.cluster.components import parse_cpus
+
                 parse_cpus(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.sampler_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"--sampler-dtype must be float32 or bfloat16, got {self.sampler_dtype!r}")
@@ -135,24 +135,6 @@ class UpConfig:
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
         return self
-
-
-def parse_cpus(spec: str, flag: str) -> set[int]:
-    """A taskset-style CPU list ("0", "0,2", "1-3") as a set; every CPU must be one of the machine's."""
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ConfigError(f"{flag} {spec!r}: not a CPU list; give e.g. 0 or 0,2 or 1-3") from None
-    allowed = set(range(os.cpu_count() or 1))  # the machine's, not our own affinity (we may be pinned ourselves)
-    if not cpus or not cpus <= allowed:
-        raise ConfigError(f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not on this machine; "
-                          f"it has {min(allowed)}-{max(allowed)}")  # fmt: skip
-    if shutil.which("taskset") is None:
-        raise ConfigError(f"{flag} needs taskset (Debian package util-linux): apt-get install util-linux")
-    return cpus
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
