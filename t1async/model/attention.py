@@ -1,0 +1,127 @@
+"""The transformer's attention side: RMSNorm, rotary position embeddings and causal self-attention, for the
+full-sequence forward (fused ``scaled_dot_product_attention``) and for incremental decoding over a KV slab
+(``forward_cached`` with ``attention_bias``). moe.py builds the blocks from these; its docstring describes
+the three paths and the position rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from t1async.model.config import MoEConfig
+
+__all__ = ["Attention", "RMSNorm", "attention_bias", "rotary", "rotary_angles", "rotary_into"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotary_angles(pos: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, n, D/2] for absolute positions pos [B, n] (fp32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=pos.device) / head_dim))
+    ang = pos.to(torch.float32)[:, None, :, None] * inv
+    return ang.cos(), ang.sin()
+
+
+def attention_bias(pos: Tensor, n_heads: int, dtype: torch.dtype) -> Tensor:
+    """Additive causal mask over a KV slab for queries at positions pos [B, n], with W = max(pos) + 1 key
+    positions: 0 where key position <= the query's position, -inf elsewhere. Shaped for
+    ``Attention.forward_cached``: [B * n_heads, 1, W] when decoding (n = 1), [B, 1, n, W] for a prefill."""
+    b, n = pos.shape
+    w = int(pos.max()) + 1
+    allowed = torch.arange(w, device=pos.device)[None, None, :] <= pos[:, :, None]  # [B, n, W]
+    bias = torch.zeros(b, n, w, dtype=dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
+    if n > 1:
+        return bias[:, None]
+    return bias.expand(b, n_heads, w).reshape(b * n_heads, 1, w)
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [..., B, H, n, D] (half-split convention), computing in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def rotary_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inference rotary (no autograd): x [B, n, ..., D] in the projection's own layout, cos/sin [B, 1, n, D/2]
+    from ``rotary_angles``. Four ops into one fresh buffer instead of ``rotary``'s temporaries (a prefill's
+    are megabytes each); the same rotation up to float rounding (multiply-adds)."""
+    b, n = x.shape[:2]
+    half = x.shape[-1] // 2
+    shape = (b, n) + (1,) * (x.dim() - 3) + (half,)
+    c, s = cos[:, 0].reshape(shape), sin[:, 0].reshape(shape)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def _qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        b, n, _ = x.shape
+        h, hd = self.cfg.n_heads, self.cfg.head_dim
+        qkv = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # [3, B, H, n, hd]
+        q, k = rotary(qkv[:2], *rope)  # q and k rotated in one go (elementwise: same numbers as one by one)
+        return q, k, qkv[2]
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None) -> Tensor:
+        q, k, v = self._qkv(x, rope)
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(x.shape))
+
+    def forward_cached(
+        self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias from ``attention_bias`` (0 where
+        a query may attend, -inf elsewhere), or None when every row's tokens sit at positions [0, n). Decoding (n = 1): one batched matmul each for scores and values,
+        the slab views folding (B, H) into one batch dimension without a copy. Prefill (n > 1): the fused
+        scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
+        b, n, _ = x.shape
+        h, hd = self.cfg.n_heads, self.cfg.head_dim
+        qkv = self.qkv(x).view(b, n, 3, h, hd)
+        qk = rotary_into(qkv[:, :, :2], *rope)  # [B, n, 2, H, hd]
+        q = qk[:, :, 0].transpose(1, 2)  # [B, H, n, hd] (a view)
+        p0 = int(pos[0, 0])
+        if n > 1 and bool((pos[:, 0] == p0).all()):  # rows at the same positions: a strided copy, no scatter
+            kc[:, :, p0 : p0 + n] = qk[:, :, 1].transpose(1, 2).to(kc.dtype)
+            vc[:, :, p0 : p0 + n] = qkv[:, :, 2].transpose(1, 2).to(vc.dtype)
+        else:
+            rows = torch.arange(b, device=x.device)[:, None].expand(b, n)
+            kc[rows, :, pos, :] = qk[:, :, 1].to(kc.dtype)
+            vc[rows, :, pos, :] = qkv[:, :, 2].to(vc.dtype)
+        if bias is None:  # every row starts at position 0: plain causal attention over the n new tokens
+            o = F.scaled_dot_product_attention(q, kc[:, :, :n], vc[:, :, :n], is_causal=True)
+            return self.out(o.transpose(1, 2).reshape(x.shape))
+        w = bias.shape[-1]
+        if n > 1:
+            o = F.scaled_dot_product_attention(q, kc[:, :, :w], vc[:, :, :w], attn_mask=bias)
+            return self.out(o.transpose(1, 2).reshape(x.shape))
+        kw, vw = kc[:, :, :w].reshape(b * h, w, hd), vc[:, :, :w].reshape(b * h, w, hd)
+        scores = torch.baddbmm(bias, q.reshape(b * h, 1, hd), kw.transpose(1, 2), alpha=1.0 / math.sqrt(hd))
+        o = torch.bmm(torch.softmax(scores.float(), dim=-1).to(vw.dtype), vw)  # [B * H, 1, hd]
+        return self.out(o.view(b, 1, h * hd))
