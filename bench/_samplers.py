@@ -2,8 +2,9 @@
 context) through ``SGLangClient``'s sampler pool over N embedded samplers, for each N.
 
 Each N runs twice on the same samplers (caches flushed between): **pinned** (every turn of a session carries
-the agent's ``rid`` ``<session>/<turn>``; between turns a session waits 0-100 ms, its command running, so the pool keeps the session on one sampler under its load cap)
-and **unpinned** (no episode key: each turn goes to the least-loaded sampler, as before the pool). Reported
+the agent's ``rid`` ``<session>/<turn>``; between turns a session waits 0-100 ms, its command running, so the
+pool keeps the session on one sampler under its load cap) and **unpinned** (no episode key: each turn goes
+to the least-loaded sampler, as before the pool). Reported
 per run: ``cached_ratio`` (cached_tokens / prompt_tokens over turns 2+, the prefix-cache hit ratio), output
 tokens/s and turns/s, and how the sessions' turns spread over the samplers. On one CPU box N samplers share
 the same cores, so throughput measures contention, not scale-out; the cache ratio is what pinning buys.

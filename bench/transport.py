@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         ["side", "records/s", "MB/s", "rounds (s)"],
         [["t1 (trio)", res["t1_records_per_s"], res["t1_mb_per_s"], " ".join(map(str, res["t1_round_s"]))],
          ["raw (asyncio)", res["raw_records_per_s"], res["raw_mb_per_s"], " ".join(map(str, res["raw_round_s"]))]],
-        title=f"bench.transport: {res['records']} records of {res['record_bytes'] / 1e6:.2f} MB, window {res['window']}",
+        title=f"bench.transport: {res['records']} records of {res['record_bytes'] / 1e6:.2f} MB, "
+        f"window {res['window']}",
     )  # fmt: skip
     print(f"ratio t1/raw = {res['ratio']:.3f} (target >= 0.8)", flush=True)
     if args.json:

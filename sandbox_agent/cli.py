@@ -110,7 +110,8 @@ def _cmd_decontam(a: argparse.Namespace) -> int:
           f"{a.ngram}-grams, threshold {a.threshold}")
     print(f"{'corpus task':<36} {'against task':<36} {'kind':<12} {'jaccard':>8} {'contain':>8} {'shared':>7}")
     for o in rep.overlaps:
-        print(f"{o.corpus_task:<36} {o.against_task:<36} {o.kind:<12} {o.jaccard:>8.3f} {o.containment:>8.3f} {o.shared:>7}")
+        print(f"{o.corpus_task:<36} {o.against_task:<36} {o.kind:<12} "
+              f"{o.jaccard:>8.3f} {o.containment:>8.3f} {o.shared:>7}")
     print(f"flagged {len(rep.flagged)} of {rep.corpus_tasks} corpus tasks")
     for u in rep.unreadable:
         print(f"unreadable: {u}", file=sys.stderr)

@@ -15,7 +15,7 @@ from t1async.errors import T1Error
 ROOT = Path(__file__).resolve().parent.parent
 # internal signals that never leave their module's callers, with the reason they stay outside the tree
 EXEMPT = {
-    "sandbox_agent.sandbox.shell.ShellEOF": "control flow between the shell channel and its sandbox, never raised to a user",
+    "sandbox_agent.sandbox.shell.ShellEOF": "control flow inside the sandbox (shell channel to sandbox), never seen",
 }
 
 

@@ -255,7 +255,8 @@ def test_segment_validates_lengths():
 SHELL_OUTPUTS = [
     "total 48\ndrwxr-xr-x  5 user user 4096 Mar  3 10:12 .\ndrwxr-xr-x 18 user user 4096 Mar  3 09:58 ..\n"
     "-rw-r--r--  1 user user  220 Mar  3 09:58 .bash_logout\n-rw-r--r--  1 user user 3771 Mar  3 09:58 .bashrc\n",
-    "    def parse(self, line):\n        if not line.strip():\n            return None\n        return line.split(':', 1)\n",
+    "    def parse(self, line):\n        if not line.strip():\n"
+    "            return None\n        return line.split(':', 1)\n",
     "============================= test session starts ==============================\n"
     "collected 4 items\n\ntests/test_parse.py ..F.                                               [100%]\n",
     "  File \"/app/main.py\", line 12, in <module>\n    main()\nNameError: name 'mian' is not defined\n",

@@ -22,7 +22,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="test_outputs.TestK" name="test_c[1-2]" file="test_outputs.py" line="9"/>
 <testcase classname="test_outputs" name="test_d" file="test_outputs.py" line="11"><skipped message="s"/></testcase>
 <testcase classname="test_outputs" name="test_a" file="test_outputs.py" line="3"><error message="teardown"/></testcase>
-</testsuite></testsuites>"""
+</testsuite></testsuites>"""  # noqa: E501 (a JUnit report as pytest writes it)
 
 SUMMARY = """\
 test_outputs.py .F                                                     [100%]

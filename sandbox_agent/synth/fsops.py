@@ -88,7 +88,8 @@ def find_family(rng: random.Random) -> SynthSpec:
     instr = (
         f"Inside `{root}/` (in the current directory) there is a tree of files. Do three things:\n"
         f"1. Write `large.txt`: the paths (relative to the current directory, like `{root}/...`) of all "
-        f"`.{ext}` files anywhere under `{root}/` that are larger than {threshold} bytes, sorted in byte order (`LC_ALL=C sort`), one per line.\n"
+        f"`.{ext}` files anywhere under `{root}/` that are larger than {threshold} bytes, "
+        f"sorted in byte order (`LC_ALL=C sort`), one per line.\n"
         f"2. Delete every `*.tmp` file under `{root}/`.\n"
         f"3. After deleting them, write `token_count.txt` with the number of files under `{root}/` that "
         f"contain the text `{token}`."

@@ -85,7 +85,7 @@ def csv_family(rng: random.Random) -> SynthSpec:
 {{ echo region,total; awk -F, 'NR > 1 {{ t[$2] += $4 * $5 }} END {{ for (r in t) printf "%s,%.2f\\n", r, t[r] }}' {src} | LC_ALL=C sort; }} > summary.csv
 awk -F, 'NR > 1 {{ q[$3] += $4 }} END {{ for (p in q) print q[p], p }}' {src} | sort -n | tail -1 | cut -d' ' -f2 > top_product.txt
 awk -F, 'NR == 1 || $4 >= {min_qty}' {src} > filtered.csv
-"""
+"""  # noqa: E501 (the task's oracle script: one shell line per output file)
     tests = f"""
 def test_summary_header():
     assert lines("summary.csv")[0] == "region,total"

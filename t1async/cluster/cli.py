@@ -157,7 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                           "nats_url": state.nats_url, "healthz": health,
                           "processes": {p.name: {"pid": p.pid, "alive": alive[p.name], "log": p.log} for p in procs}}))  # fmt: skip
     else:
-        print(f"run dir:  {state.run_dir}\nstatus:   {state.status}\nnats:     {state.nats_url or '-'}\nhealthz:  {health}")
+        print(f"run dir:  {state.run_dir}\nstatus:   {state.status}\nnats:     {state.nats_url or '-'}\n"
+              f"healthz:  {health}")
         for p in procs:
             print(f"  {p.name:<12} pid {p.pid:<8} {'alive' if alive[p.name] else 'gone'}  {p.log}")
     return 0 if running else EXIT_NOT_RUNNING

@@ -332,7 +332,8 @@ def plain_line(view: RunView) -> str:
         f"{fmt(view.actor_series.rate('turns'))} turns/s",
         f"sampler busy {fmt(view.sampler_busy(), '.0%')}",
         f"step {step}",
-        f"reward {fmt(v.get('reward_mean') if ended else None)} resolved {fmt(v.get('resolved_rate') if ended else None, '.0%')}",
+        f"reward {fmt(v.get('reward_mean') if ended else None)} "
+        f"resolved {fmt(v.get('resolved_rate') if ended else None, '.0%')}",
         f"stale {fmt(_trained(v, 'max_staleness'), 'd')}/η {v.get('eta', DASH)}",
         f"mismatch {fmt(_over(v, 'mismatch', 'mismatch_tokens'), '.4f')}",
         f"limit: {view.bottleneck(short=True)}",

@@ -79,7 +79,8 @@ class Formatter:
         if msg.error is not None:
             origin = msg.headers.get(HDR_DEAD_SUBJECT)
             extra = f" (dead letter from {origin}: {msg.headers.get(HDR_DEAD_ERROR, '')})" if origin else ""
-            return f"! malformed on {escape(msg.subject)}: [{msg.error.reason}] {_clip(str(msg.error), 300)} ({len(msg.data)} bytes){escape(extra)}"
+            return (f"! malformed on {escape(msg.subject)}: [{msg.error.reason}] {_clip(str(msg.error), 300)} "
+                    f"({len(msg.data)} bytes){escape(extra)}")
         rec = msg.record
         if isinstance(rec, wire.TurnRecord):
             return self._turn(rec)

@@ -98,9 +98,10 @@ class Attention(nn.Module):
         self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor | None
     ) -> Tensor:
         """x [B, n, d]; pos [B, n]; kc/vc: slab views [B, H, cap, hd]; bias from ``attention_bias`` (0 where
-        a query may attend, -inf elsewhere), or None when every row's tokens sit at positions [0, n). Decoding (n = 1): one batched matmul each for scores and values,
-        the slab views folding (B, H) into one batch dimension without a copy. Prefill (n > 1): the fused
-        scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
+        a query may attend, -inf elsewhere), or None when every row's tokens sit at positions [0, n).
+        Decoding (n = 1): one batched matmul each for scores and values, the slab views folding (B, H) into
+        one batch dimension without a copy. Prefill (n > 1): the fused scaled_dot_product_attention (no
+        [B, H, n, W] score tensor)."""
         b, n, _ = x.shape
         h, hd = self.cfg.n_heads, self.cfg.head_dim
         qkv = self.qkv(x).view(b, n, 3, h, hd)

@@ -31,7 +31,10 @@ CMDS = (
     "python3 pip git curl tar gzip diff patch make xargs tee date env export cd pwd du df stat file jq "
     "sqlite3 printf test which less more ln basename dirname seq nl paste join comm md5sum sha256sum"
 ).split()
-FLAGS = "-l -la -a -h -n -r -R -v -i -c -f -e -s -u -t -x -p -q -z -k2 -d, -F, -name -type -exec -print0 --help --version".split()
+FLAGS = (
+    "-l -la -a -h -n -r -R -v -i -c -f -e -s -u -t -x -p -q -z -k2 -d, -F, "
+    "-name -type -exec -print0 --help --version"
+).split()
 EXTS = ".txt .py .csv .json .log .sh .md .conf .yaml .tsv .c .h .db .gz".split()
 DIRS = "/tmp /app /home/user /var/log /etc /srv/data /opt/tool /workspace src tests data build out".split()
 NAMES = "alice bob carol dave eve frank grace heidi ivan judy mallory oscar peggy trent victor walter".split()
@@ -85,9 +88,12 @@ def _csv(r: random.Random) -> str:
     return "\n".join(rows)
 
 
+def _json_value(r: random.Random) -> str:
+    return r.choice([str(r.randint(0, 9999)), "true", "null", chr(34) + r.choice(NAMES) + chr(34)])
+
+
 def _json(r: random.Random) -> str:
-    items = [f'"{r.choice(WORDS)}": {r.choice([str(r.randint(0, 9999)), "true", "null", chr(34) + r.choice(NAMES) + chr(34)])}'
-             for _ in range(r.randint(1, 5))]
+    items = [f'"{r.choice(WORDS)}": {_json_value(r)}' for _ in range(r.randint(1, 5))]
     return "{" + ", ".join(items) + "}" if r.random() < 0.5 else "{\n  " + ",\n  ".join(items) + "\n}"
 
 
@@ -95,7 +101,8 @@ def _python(r: random.Random) -> str:
     f, v = r.choice(["main", "parse", "count_lines", "load", "solve"]), r.choice(["line", "row", "x", "item"])
     return r.choice([
         f"def {f}(path):\n    with open(path) as fh:\n        for {v} in fh:\n            print({v}.strip())\n",
-        f"import sys\n\n\ndef {f}():\n    data = sys.stdin.read().split()\n    return sum(int({v}) for {v} in data)\n",
+        f"import sys\n\n\ndef {f}():\n    data = sys.stdin.read().split()\n"
+        f"    return sum(int({v}) for {v} in data)\n",
         f"for {v} in range({r.randint(1, 50)}):\n    if {v} % {r.randint(2, 7)} == 0:\n        print({v})\n",
         f"import json\nwith open('{_fname(r)}') as f:\n    obj = json.load(f)\nprint(obj['{r.choice(WORDS)}'])\n",
         f"if __name__ == '__main__':\n    {f}()\n",
