@@ -45,7 +45,8 @@ DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "
 
 
 def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns: int, max_new_tokens: int,
-                max_context: int, concurrency: int, out: Path, system_prompt: str | None) -> list[dict]:  # fmt: skip
+                max_context: int, concurrency: int, out: Path, system_prompt: str | None,
+                temperature: float = 1.0) -> list[dict]:  # fmt: skip
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
     import anyio
 
@@ -58,7 +59,7 @@ def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns:
 
     tok = ChatTokenizer.load(model)
     agent = AgentConfig(max_turns=max_turns, max_context_tokens=max_context, request_routing=False,
-                        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0))  # fmt: skip
+                        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature))  # fmt: skip
     if system_prompt is not None:  # the prompt the warm start was trained with (the actors use it too)
         agent = replace(agent, system_prompt=system_prompt)
     cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pv = preset_values("learn")
     ev = {"max_turns": pv["max_turns"], "max_new_tokens": pv["max_new_tokens"], "max_context": pv["max_context"],
-          "concurrency": args.concurrency, "seed": args.seed}  # fmt: skip
+          "concurrency": args.concurrency, "seed": args.seed, "temperature": pv["temperature"]}  # fmt: skip
     recipe = get_recipe(args.recipe)
     run = args.run_dir
     run.mkdir(parents=True, exist_ok=True)

@@ -132,3 +132,44 @@ def test_actor_argv_carries_the_warm_starts_prompt(tmp_path):
     actors = [s for s in components.specs(c, "nats://127.0.0.1:1") if s.name.startswith("actor-")]
     want = str(warmstart.cache_dir(warmstart.get_recipe("learn")) / warmstart.PROMPT_FILE)
     assert actors and all(s.argv[s.argv.index("--system-prompt-file") + 1] == want for s in actors)
+
+
+def test_easy_family_names_are_the_same_tokens_in_instruction_and_command():
+    """Each command argument is, token for token, a run of the instruction's tokens: the v1 families put names
+    in backticks, which the tokenizer splits differently (``sage``: ``s|age`` in the instruction, `` s|age`` in
+    the command), so copying a name was re-tokenizing it, and the warm start resolved 0% at temperature 1."""
+    from sandbox_agent.synth import make_task
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.model.weights import default_model_dir
+
+    tok = ChatTokenizer.load(default_model_dir())
+    for fam in ("mkfile", "copy"):
+        for i in range(20):
+            _, spec = make_task(fam, 0, i)
+            instr = tok.encode(spec.instruction)
+            for line in spec.solution.splitlines():
+                for arg in line.split()[1:]:
+                    if arg[0].isalpha():
+                        ids = tok.encode(" " + arg)
+                        assert any(instr[j : j + len(ids)] == ids for j in range(len(instr))), (fam, i, arg)
+
+
+def test_copy_pretraining_examples_and_new_fields_keep_old_hashes():
+    from t1async.learner.sft import copy_examples
+
+    ex = copy_examples(50, 4096, frozenset({0, 1}), seed=3, min_len=4, max_len=9, pool=[0, 1, 7, 8, 9])
+    for e in ex:
+        n = len(e.tokens) // 2
+        assert 4 <= n <= 9 and list(e.tokens[:n]) == list(e.tokens[n:]) and set(e.tokens) <= {7, 8, 9}
+        assert not e.loss_mask[: n + 1].any() and e.loss_mask[n + 1 :].all()  # the repeat, after its first token
+    assert [list(e.tokens) for e in ex] == [list(e.tokens) for e in copy_examples(50, 4096, frozenset({0, 1}), seed=3,
+                                                                                  min_len=4, max_len=9, pool=[0, 1, 7, 8, 9])]
+    with pytest.raises(ConfigError, match="pool of at least 2"):
+        copy_examples(1, 4096, frozenset({0}), pool=[0, 5])
+    r = _tiny_recipe()
+    d = r.to_dict()  # recipes built before data_version/copy_steps existed keep their hash (their cache dir)
+    assert "data_version" not in d and "copy_steps" not in d["sft"]
+    import dataclasses
+
+    r2 = dataclasses.replace(r, data_version=2, sft=dataclasses.replace(r.sft, copy_steps=5))
+    assert r2.to_dict()["data_version"] == 2 and r2.to_dict()["sft"]["copy_steps"] == 5 and r2.digest() != r.digest()

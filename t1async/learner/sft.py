@@ -60,6 +60,7 @@ class SFTConfig:
     batch_tokens: int = 8192  # padded tokens per optimizer step (segments packed longest-first)
     max_len: int = 4096  # examples are truncated to this many tokens
     seed: int = 0
+    copy_steps: int = 0  # steps of copy pretraining before the demonstrations (``copy_examples``); 0: none
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 2 or self.max_len < 2:
@@ -111,6 +112,30 @@ async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) 
         for i in range(len(tasks)):
             tg.start_soon(one, i)
     return [d for d in demos if d is not None]
+
+
+def copy_examples(n: int, vocab_size: int, special: frozenset[int], *, seed: int = 0, min_len: int = 8,
+                  max_len: int = 48, pool: Sequence[int] | None = None) -> list[Example]:
+    """``n`` copy-pretraining sequences: random tokens ``s`` then ``s`` again, the loss on the repeat (after
+    its first token). A model from random weights learns here what every copy from an instruction needs
+    (heads that find where the current token was before and copy what followed it); the demonstrations then
+    only teach which instruction slot each command argument comes from. ``pool``: draw from these token ids
+    only (e.g. the demonstrations' reply tokens). Measured on the 4.5 M MoE, lr 3e-3, 2048-token steps: from
+    the ~90 tokens of the synth WORDS the loss left its guessing plateau (ln 90 = 4.5) after ~60 steps and
+    was 3.6 at step 210; from the whole 4096-token vocabulary it had not moved at step 80."""
+    rng = np.random.default_rng(seed)
+    ids = range(vocab_size) if pool is None else pool
+    arr = np.asarray(sorted({int(i) for i in ids if int(i) not in special and 0 <= int(i) < vocab_size}), dtype=np.int32)
+    if arr.size < 2:
+        raise ConfigError(f"copy pretraining needs a pool of at least 2 ordinary token ids, got {arr.size}")
+    out = []
+    for k in range(n):
+        s = rng.choice(arr, size=int(rng.integers(min_len, max_len + 1)))
+        toks = np.concatenate([s, s])
+        mask = np.zeros(toks.size, dtype=bool)
+        mask[s.size + 1 :] = True
+        out.append(Example(f"copy-{k}", toks, mask))
+    return out
 
 
 def synth_tasks(n: int, seed: int, root: Path) -> list:
