@@ -2,7 +2,7 @@
 
 Image registries are unreachable here; Debian's and PyPI's package registries are not. So:
 
-- ``build_base()`` makes ``localhost/t1async/base:bookworm-2`` once: ``mmdebstrap --variant=minbase`` of
+- ``build_base()`` makes ``localhost/t1async/base:bookworm-4`` once: ``mmdebstrap --variant=minbase`` of
   Debian bookworm (python3 3.11, pip, venv, pytest, tmux, asciinema, curl, git, procps...), ``podman
   import``, then ``uv`` and ``pytest==8.4.1`` from PyPI wheels (downloaded on the host) and ``python``/
   ``pip`` links, as ``python:3.11-slim`` has them. Cached: a second call returns at once.
@@ -41,7 +41,7 @@ log = get_logger("sandbox_agent.images")
 
 # The tag names the recipe's version: a changed recipe is a new image (and so new task images, whose tags hash
 # the base's name too), never a stale one found under the old name.
-BASE_IMAGE = "localhost/t1async/base:bookworm-2"
+BASE_IMAGE = "localhost/t1async/base:bookworm-4"
 ROOTFS_IMAGE = "localhost/t1async/rootfs:bookworm"
 BASE_PACKAGES = ("python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,"
                  "git,less,file")
@@ -53,7 +53,10 @@ WHEELHOUSE = "/opt/t1async/wheels"
 WHEELHOUSE_PACKAGES = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "colorama", "tomli", "exceptiongroup")
 OFFLINE_ENV = (("UV_OFFLINE", "1"), ("UV_FIND_LINKS", WHEELHOUSE), ("UV_PYTHON_DOWNLOADS", "never"),
                ("UV_NO_PROGRESS", "1"), ("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", WHEELHOUSE),
-               ("PIP_DISABLE_PIP_VERSION_CHECK", "1"))
+               ("PIP_DISABLE_PIP_VERSION_CHECK", "1"), ("APT_CONFIG", "/etc/t1async/apt-offline.conf"))
+# Offline, `apt-get update` can fetch nothing but spends ~7 s failing to resolve its mirrors: with no
+# sources it has nothing to fetch, and `apt-get install -y curl` of what is installed still succeeds.
+_APT_OFFLINE = 'Dir::Etc::sourcelist "/etc/t1async/no-sources.list";\nDir::Etc::sourceparts "/nonexistent";\n'
 # What uv's installer leaves behind (`source $HOME/.local/bin/env` is in most published test scripts).
 _UV_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
 DEFAULT_MAP = {
@@ -158,12 +161,15 @@ def _build_base(force: bool, mirror: str) -> str:
             if r.returncode != 0:
                 raise ImageError(f"pip download {' '.join(names)} failed: {r.stderr[-1500:]}")
         (Path(tmp) / "uv-env").write_text(_UV_ENV)
+        (Path(tmp) / "apt-offline.conf").write_text(_APT_OFFLINE)
         # python:3.*-slim has no EXTERNALLY-MANAGED marker (so `pip install x` works there); Debian's has one.
         (Path(tmp) / "Containerfile").write_text(
             f"FROM {ROOTFS_IMAGE}\n"
             "COPY wheels /tmp/wheels\n"
             f"COPY wheelhouse {WHEELHOUSE}\n"
             "COPY uv-env /root/.local/bin/env\n"
+            "COPY apt-offline.conf /etc/t1async/apt-offline.conf\n"
+            "RUN touch /etc/t1async/no-sources.list\n"
             "RUN pip install --no-index --break-system-packages --root-user-action=ignore /tmp/wheels/*.whl"
             " && rm -rf /tmp/wheels /usr/lib/python3*/EXTERNALLY-MANAGED"
             " && ln -sf /usr/bin/python3 /usr/local/bin/python && ln -sf /usr/bin/pip3 /usr/local/bin/pip"

@@ -7,8 +7,8 @@ In a container (the task's own image) the task's own entry point runs as Termina
 ``run-tests.sh``, TB2 ``tests/test.sh`` + ``/logs/verifier/reward.*`` (``path="script"``). It runs offline
 unless the user gave the verifier the network: the base image keeps a wheelhouse (pytest 8.4.1,
 pytest-json-ctrf) and uv's ``~/.local/bin/env``, so the usual uv/pytest preamble works as written. Where the
-script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), and always under
-bwrap, the test files (``test_*.py`` and ``*_test.py``) run directly (``path="pytest"``) with the sandbox's
+script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), with
+``VerifierConfig(run_script=False)``, and always under bwrap, the test files (``test_*.py`` and ``*_test.py``) run directly (``path="pytest"``) with the sandbox's
 ``python3 -I -B`` (isolated: no user site / PYTHON* variables; the work dir is appended to sys.path, after
 the standard library and pytest, so tests import the agent's module but the agent cannot shadow pytest or
 plant a conftest), in a clean environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task
@@ -76,6 +76,9 @@ class VerifierConfig:
     # Containers only: the verifier gets the network (a copy of the episode's container on podman's
     # bridge), so a task's script that fetches uv/pytest runs as written. Off unless the user asks.
     allow_network: bool = False
+    # Containers: run the task's own script (as Terminal-Bench does; its uv venv + install costs seconds per
+    # episode), or False: straight to its test files under pytest -rA, as under bwrap.
+    run_script: bool = True
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
@@ -279,7 +282,7 @@ async def verify(
     # is not the task's image), it runs what the script means: the test files with pytest -rA, TEST_DIR=/tests.
     in_container = backend_kind(backend, task) == "container"
     networked = in_container and config.allow_network
-    use_script = in_container and task.test_script is not None
+    use_script = in_container and task.test_script is not None and (config.run_script or networked)
     if not use_script and not task.test_files and task.format == "tb1":
         return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh runs only in a "
                                             f"container: --backend container)")

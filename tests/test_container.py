@@ -275,7 +275,7 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     t = tmp_path / "net-task"
     shutil.copytree(TB / "tb2/csv-stats", t)
     (t / "tests" / "test.sh").write_text(  # fetches from Debian's registry (reachable here) as scripts fetch uv
-        "#!/bin/bash\nif apt-get update 2>&1 | grep -q 'Failed to fetch'; then echo 0 > /logs/verifier/reward.txt; exit 0; fi\n"
+        "#!/bin/bash\nif ! apt-get update 2>&1 | grep -q '^Get:'; then echo 0 > /logs/verifier/reward.txt; exit 0; fi\n"
         "python3 -m pytest /tests/test_outputs.py -rA\n"
         "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
     task = load_task(t)
