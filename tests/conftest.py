@@ -56,26 +56,10 @@ def repo_env():
 @pytest.fixture
 def nats_raw_publish():
     """``await pub(url, subject, data, headers=None)``: publish raw bytes over a bare TCP connection speaking the
-    NATS protocol (PUB/HPUB), as a misbehaving client would; returns after the server answered PING."""
-    import anyio
+    NATS protocol (PUB/HPUB), as a misbehaving client would (t1async.testing.transport.raw_publish)."""
+    from t1async.testing.transport import raw_publish
 
-    async def pub(url: str, subject: str, data: bytes, headers: dict | None = None) -> None:
-        host, port = url.removeprefix("nats://").rsplit(":", 1)
-        async with await anyio.connect_tcp(host, int(port)) as s:
-            await s.receive()  # INFO
-            if headers:
-                hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
-                cmd = f"HPUB {subject} {len(hdr)} {len(hdr) + len(data)}\r\n".encode() + hdr + data + b"\r\n"
-            else:
-                cmd = f"PUB {subject} {len(data)}\r\n".encode() + data + b"\r\n"
-            await s.send(b'CONNECT {"verbose":false,"headers":true}\r\n' + cmd + b"PING\r\n")
-            buf = b""
-            with anyio.fail_after(5):
-                while b"PONG" not in buf:
-                    buf += await s.receive()
-            assert b"-ERR" not in buf, buf
-
-    return pub
+    return raw_publish
 
 
 # ---------------------------------------------------------------- end of NATS fixtures

@@ -15,37 +15,19 @@ import pytest
 
 from t1async import wire
 from t1async.errors import TransportError
-from t1async.natsd import NatsServer
 from t1async.transport import (
-    MemoryBroker, MemoryTransport, NatsConfig, NatsTransport, default_msg_id, subject_matches, traj_subject,
+    MemoryBroker, MemoryTransport, default_msg_id, subject_matches, traj_subject,
 )  # fmt: skip
-from t1async.testing.transport import TRANSPORT_CHECKS, MemoryHarness, check_transport, end, memory_harness, start, turn
+from t1async.testing.transport import (
+    TRANSPORT_CHECKS, MemoryHarness, check_transport, end, memory_harness, nats_harness, start, turn,
+)  # fmt: skip
 from t1async.transport import chunking
 
 
-class NatsHarness:
-    def __init__(self, url: str, raw_publish) -> None:
-        self.url, self._raw = url, raw_publish
-
-    def open(self) -> NatsTransport:
-        return NatsTransport(config=NatsConfig(url=self.url, ack_wait_s=1.0))
-
-    async def inject(self, subject: str, data: bytes) -> None:
-        await self._raw(self.url, subject, data)
-
-
 @pytest.fixture(params=["memory", "nats"])
-def fresh(request, tmp_path, nats_raw_publish):
+def fresh(request, tmp_path):
     """What check_transport takes: a maker of fresh harnesses (a new broker, or a new nats-server, each)."""
-    if request.param == "memory":
-        return memory_harness
-
-    @asynccontextmanager
-    async def nats_harness():
-        async with NatsServer.start(tmp_path / f"nats-{time.monotonic_ns()}") as srv:
-            yield NatsHarness(srv.url, nats_raw_publish)
-
-    return nats_harness
+    return memory_harness if request.param == "memory" else nats_harness(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ the conformance kit

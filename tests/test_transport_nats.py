@@ -19,7 +19,7 @@ from t1async import wire
 from t1async.errors import TransportError
 from t1async.natsd import NatsServer, free_port
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
-from tests.test_transport import end, start, take, turn
+from t1async.testing.transport import end, start, take, turn
 
 
 def fast(url: str) -> NatsConfig:

@@ -4,6 +4,7 @@ subjects, request/reply, dead letters and the lifecycle, as one suite that every
     from t1async.testing import check_transport, memory_harness
 
     await check_transport(memory_harness)          # MemoryTransport
+    await check_transport(nats_harness(tmp_dir))   # NatsTransport, a real nats-server per check
     await check_transport(my_harness)              # yours: an async context manager giving a fresh harness
 
 A harness (``TransportHarness``) opens transports to one fresh broker (``open()``, not yet entered) and
@@ -14,7 +15,9 @@ names it. The tests run every check against MemoryTransport and NatsTransport on
 
 from __future__ import annotations
 
+import itertools
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
@@ -24,13 +27,18 @@ import msgpack
 import numpy as np
 
 from t1async import wire
+from t1async.natsd import NatsServer
 from t1async.testing.asserts import raises
 from t1async.transport.base import (
     NoRespondersError, RequestTimeoutError, Transport, TransportClosedError, traj_subject,
 )  # fmt: skip
 from t1async.transport.memory import MemoryBroker, MemoryTransport
+from t1async.transport.nats import NatsConfig, NatsTransport
 
-__all__ = ["TRANSPORT_CHECKS", "MemoryHarness", "TransportHarness", "check_transport", "memory_harness"]
+__all__ = [
+    "TRANSPORT_CHECKS", "MemoryHarness", "NatsHarness", "TransportHarness", "check_transport", "memory_harness",
+    "nats_harness", "raw_publish",
+]  # fmt: skip
 
 
 class TransportHarness(Protocol):
@@ -57,6 +65,51 @@ class MemoryHarness:
 @asynccontextmanager
 async def memory_harness() -> AsyncIterator[MemoryHarness]:
     yield MemoryHarness()
+
+
+async def raw_publish(url: str, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+    """Publish raw bytes to the NATS server at ``url`` over a bare TCP connection speaking the protocol
+    (PUB/HPUB), as a misbehaving client would; returns after the server answered PING."""
+    host, port = url.removeprefix("nats://").rsplit(":", 1)
+    async with await anyio.connect_tcp(host, int(port)) as s:
+        await s.receive()  # INFO
+        if headers:
+            hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
+            cmd = f"HPUB {subject} {len(hdr)} {len(hdr) + len(data)}\r\n".encode() + hdr + data + b"\r\n"
+        else:
+            cmd = f"PUB {subject} {len(data)}\r\n".encode() + data + b"\r\n"
+        await s.send(b'CONNECT {"verbose":false,"headers":true}\r\n' + cmd + b"PING\r\n")
+        buf = b""
+        with anyio.fail_after(5):
+            while b"PONG" not in buf:
+                buf += await s.receive()
+        assert b"-ERR" not in buf, buf
+
+
+class NatsHarness:
+    """NatsTransports to the nats-server at ``url``; garbage is injected with ``raw_publish``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def open(self) -> NatsTransport:
+        return NatsTransport(config=NatsConfig(url=self.url, ack_wait_s=1.0))
+
+    async def inject(self, subject: str, data: bytes) -> None:
+        await raw_publish(self.url, subject, data)
+
+
+def nats_harness(store_root: str | Path) -> Callable[[], AbstractAsyncContextManager[NatsHarness]]:
+    """A ``fresh`` for check_transport: each harness gets its own nats-server (JetStream, a free port, a new
+    store dir under ``store_root``), stopped when the check ends."""
+    count = itertools.count()
+
+    @asynccontextmanager
+    async def fresh() -> AsyncIterator[NatsHarness]:
+        async with NatsServer.start(Path(store_root) / f"nats-{next(count)}") as srv:
+            yield NatsHarness(srv.url)
+
+    return fresh
 
 
 Check = Callable[[TransportHarness], Awaitable[None]]
