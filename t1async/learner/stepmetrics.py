@@ -1,0 +1,104 @@
+"""The metrics of one training step (Trainer.step's stage 3): losses, the learner/sampler log-prob gap
+(mean |Δlogp|, k3 KL, ESS, split into mismatch and policy shift by staleness), routing drift, staleness,
+advantages and where the time went. The distributed learner computes them on rank 0 over every rank's
+loss tokens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from t1async.learner import ppo
+from t1async.learner.batch import SegmentLike
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int  # optimizer steps taken by this trainer after this step
+    version: int  # the policy version the step trained at (staleness reference)
+    segments: int
+    tokens: int  # real tokens forwarded
+    loss_tokens: int
+    turns: int
+    loss: float
+    policy_loss: float
+    value_loss: float
+    entropy: float | None  # None when not computed (entropy_coef 0)
+    clip_frac: float
+    is_trunc_frac: float
+    grad_norm: float
+    mean_abs_dlogp: float  # learner (start of step) vs sampler, over all loss tokens (mismatch + policy shift)
+    k3_kl: float  # KL(sampler || learner), k3 estimator
+    ess: float  # normalised ESS of the importance weights pi_prox / pi_behav
+    routing_drift: float  # share of (token, layer) choices where the learner's top-k differs from the recorded
+    routing_used_mismatch: float  # same, for the experts the forward actually used (0 under R3 replay)
+    routing_compared: int
+    routing_missing: int
+    replay: bool
+    max_staleness: int
+    staleness_hist: dict[int, int]
+    drift: dict[str, int]
+    reward_sum: float
+    adv_mean: float
+    adv_std: float
+    value_mean: float
+    return_mean: float
+    t_step_s: float
+    # mean |Δlogp| split by staleness (ppo.dlogp_split): the train/inference mismatch over tokens trained at
+    # the version that sampled them, and the policy's own change since sampling over stale tokens
+    mismatch: float = 0.0
+    mismatch_tokens: int = 0
+    policy_shift: float = 0.0
+    policy_shift_tokens: int = 0
+    policy_shift_by_staleness: dict[int, float] = field(default_factory=dict)
+    # where t_step_s went: forwards (scoring and PPO), backward passes with the optimizer step
+    t_forward_s: float = 0.0
+    t_backward_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
+        d["policy_shift_by_staleness"] = {str(k): v for k, v in self.policy_shift_by_staleness.items()}
+        return d
+
+
+def step_metrics(
+    segments: Sequence[SegmentLike], toks: Mapping[str, Tensor], policy_version: int,
+    drift: Mapping[str, int] | None, *, step: int, replay: bool, with_entropy: bool, sums: Mapping[str, float],
+    grad_norm: float, routing: tuple[int, int, int, int], n_loss: int, adv_mean: float, adv_std: float, t0: float,
+    t_fwd: float, t_backward: float,
+) -> StepMetrics:  # fmt: skip
+    """StepMetrics over the step's loss tokens: ``toks`` holds 1-D per-loss-token tensors ``prox``,
+    ``behav``, ``versions``, ``old_values``, ``returns``; ``segments`` all the step's segments; ``routing``
+    (differ, compared, missing, used_differ) counts; ``t0`` the step's perf_counter start."""
+    differ, compared, missing, used_differ = routing
+    prox, behav, vers, old_v, ret = (toks[k] for k in ("prox", "behav", "versions", "old_values", "returns"))
+    ones = torch.ones_like(prox, dtype=torch.bool)
+    stale = (policy_version - vers).cpu().numpy()
+    hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
+    split = ppo.dlogp_split(prox, behav, policy_version - vers)
+    return StepMetrics(
+        step=step, version=policy_version, segments=len(segments),
+        tokens=int(sum(len(s.tokens) for s in segments)), loss_tokens=n_loss,
+        turns=int(sum(len(s.turn_ends) for s in segments)),
+        loss=sums["loss"], policy_loss=sums["policy_loss"], value_loss=sums["value_loss"],
+        entropy=sums["entropy"] if with_entropy else None, clip_frac=sums["clip_frac"],
+        is_trunc_frac=sums["is_trunc_frac"], grad_norm=grad_norm,
+        mean_abs_dlogp=float((prox - behav).abs().mean()),
+        k3_kl=ppo.k3_kl(prox, behav, ones), ess=ppo.ess(prox - behav, ones),
+        routing_drift=differ / compared if compared else 0.0, routing_compared=compared,
+        routing_used_mismatch=used_differ / compared if compared else 0.0,
+        routing_missing=missing, replay=replay, max_staleness=int(stale.max()), staleness_hist=hist,
+        drift={str(k): int(v) for k, v in (drift or {}).items()},
+        reward_sum=float(sum(float(np.sum(s.turn_rewards)) for s in segments)),
+        adv_mean=adv_mean, adv_std=adv_std, value_mean=float(old_v.mean()), return_mean=float(ret.mean()),
+        t_step_s=time.perf_counter() - t0, mismatch=split.mismatch, mismatch_tokens=split.mismatch_tokens,
+        policy_shift=split.policy_shift, policy_shift_tokens=split.policy_shift_tokens,
+        policy_shift_by_staleness=split.policy_shift_by_staleness,
+        t_forward_s=t_fwd, t_backward_s=t_backward,
+    )  # fmt: skip
