@@ -43,15 +43,29 @@ def _ours(owner: int | None = os.getpid()) -> set[str]:
     return set(out.decode().split())
 
 
-@pytest.mark.parametrize("task_dir", [TB / "tb1/log-summary", TB / "tb1/jq-query", TB / "tb2/csv-stats",
-                                      TB / "tb2/gen-data", TB / "tb1/polyglot-anagram", TB / "tb1/inbox-words",
-                                      TB / "tb2/uvx-ctrf", FIXTURES / "tb1/hello-world",
-                                      FIXTURES / "tb2/exit-status-only"])
-async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(base_image: str, task_dir: Path) -> None:
+# (task, verifier path, tests): "script" where the task's own run-tests.sh/test.sh runs as written, offline,
+# on the base image's wheelhouse; "pytest" where it cannot (csv-stats and gen-data pin `uvx -p 3.13`)
+PUBLISHED = [
+    (TB / "tb1/log-summary", "script", 3),       # uv venv; uv pip install pytest==8.4.1; uv run pytest
+    (TB / "tb1/jq-query", "script", 2),          # the same, in an image with RUN apt-get install jq
+    (TB / "tb1/inbox-words", "script", 2),       # uv init; uv add pytest==8.4.1 (a universal lock, offline)
+    (TB / "tb1/polyglot-anagram", "script", 4),  # copies *_test.py into /app and runs them there (Aider)
+    (TB / "tb2/uvx-ctrf", "script", 3),          # uvx --with pytest==8.4.1 --with pytest-json-ctrf pytest --ctrf
+    (TB / "tb2/csv-stats", "pytest", 3),
+    (TB / "tb2/gen-data", "pytest", 2),
+    (FIXTURES / "tb1/hello-world", "script", 3),
+    (FIXTURES / "tb2/exit-status-only", "script", 1),
+]
+
+
+@pytest.mark.parametrize("task_dir, path, tests", PUBLISHED, ids=[f"{p.parent.name}/{p.name}" for p, _, _ in PUBLISHED])
+async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(
+        base_image: str, task_dir: Path, path: str, tests: int) -> None:
     task = load_task(task_dir)
     backend = ContainerBackend(config=FAST)
     oracle = await run_policy(task, OracleAgent(), backend=backend)
     assert oracle.verify.status == "ok" and oracle.verify.resolved, oracle.verify
+    assert (oracle.verify.path, oracle.verify.passed, oracle.verify.total) == (path, tests, tests), oracle.verify
     null = await run_policy(task, NullAgent(), backend=backend)
     assert null.verify.status == "ok" and not null.verify.resolved, null.verify
 
@@ -65,18 +79,6 @@ async def test_verifier_runs_the_task_script_offline_and_falls_back_to_pytest_wh
     assert online.verify.path == "pytest" and "test.sh needs the network" in online.verify.detail
     assert online.verify.passed == 3  # the dense reward: every test counted, not Harbor's 0/1
     assert "No interpreter found for Python 3.13" in online.verify.detail  # its `uvx -p 3.13`, said why
-
-
-@pytest.mark.parametrize("task_dir, tests", [
-    ("tb1/log-summary", 3),     # uv venv; uv pip install pytest==8.4.1; uv run pytest $TEST_DIR/...
-    ("tb1/inbox-words", 2),     # uv init; uv add pytest==8.4.1; uv run pytest (a universal lock, offline)
-    ("tb1/polyglot-anagram", 4),  # copies *_test.py into /app and runs them there (Aider polyglot)
-    ("tb2/uvx-ctrf", 3),        # uvx --with pytest==8.4.1 --with pytest-json-ctrf==0.3.5 pytest --ctrf ...
-])
-async def test_the_usual_uv_pytest_preamble_runs_as_written_offline_from_the_base_image_wheelhouse(
-        base_image: str, task_dir: str, tests: int) -> None:
-    r = await run_policy(load_task(TB / task_dir), OracleAgent(), backend=ContainerBackend(config=FAST))
-    assert (r.verify.path, r.verify.status, r.verify.passed, r.verify.total) == ("script", "ok", tests, tests), r.verify
 
 
 async def test_container_shell_keeps_state_and_survives_a_timeout(base_image: str) -> None:
