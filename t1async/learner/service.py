@@ -13,10 +13,10 @@ and skips the turns that checkpoint says were trained: no admitted turn is lost,
 from __future__ import annotations
 
 import time
-from typing import Any
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -24,18 +24,19 @@ import numpy as np
 
 from t1async import wire
 from t1async.assembly import Assembler
+from t1async.learner import memory
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.credits import CreditServer
 from t1async.learner.distributed import RankFailedError
-from t1async.learner.journal import Journal
 from t1async.learner.intake import Intake
-from t1async.learner.poison import PoisonBook, Screened
-from t1async.learner.validate import ModelLimits
+from t1async.learner.journal import Journal
 from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
+from t1async.learner.poison import PoisonBook, Screened
 from t1async.learner.settle import Settler, StepLog, loss_turns
 from t1async.learner.state import LearnerState
-from t1async.learner import memory
+from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.validate import ModelLimits
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
@@ -69,7 +70,7 @@ class LearnerConfig:
         return self.run_dir / "checkpoints"
 
 
-class Learner(Intake):
+class Learner(StepInputs, Intake):
     def __init__(self, config: LearnerConfig, transport: Transport, samplers: SGLangClient | None) -> None:
         self.cfg, self.transport, self.samplers = config, transport, samplers
         ckpt = latest_checkpoint(config.checkpoints)
@@ -130,7 +131,8 @@ class Learner(Intake):
             await tg.start(self._ingest)
             tg.start_soon(self._metrics_loop)
             task_status.started()
-            log.info("learner.ready", version=self.version, eta=self.cfg.max_staleness, batch_turns=self.cfg.batch_turns,
+            log.info("learner.ready", version=self.version, eta=self.cfg.max_staleness,
+                     batch_turns=self.cfg.batch_turns,
                      resumed=str(self.resumed_from.path) if self.resumed_from else None)  # fmt: skip
             while not self.cfg.steps or self.state.step < self.cfg.steps:
                 await self._wait_for_batch()
@@ -266,69 +268,13 @@ class Learner(Intake):
                 self.ready.extend(self.assembler.stop(ep, a.next_turn))  # there (a restart stops it again)
                 self._settle_dropped(ep)
                 continue
-            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False,
-                                 f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s")  # fmt: skip
+            why = f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s"
+            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
             await self.transport.publish(traj_subject(ep), end)
         if episodes or freed:
             self.liveness.timeouts += 1
             log.warning("learner.actor_silent", actor=actor, credits_released=freed, episodes_aborted=len(episodes),
                         timeout_s=self.liveness.timeout_s)  # fmt: skip
-
-    # ------------------------------------------------------------------------------------------ batches
-
-    def _take_segments(self) -> list[Segment]:
-        """Closed segments, plus a cut of each open episode that holds a turn this step must train: one the
-        credit order makes due, or one that would be too stale for the next step. Other open episodes keep
-        growing: a cut re-forwards the episode's whole context, so cutting less often is what η buys."""
-        v, eta = self.version, self.cfg.max_staleness
-        must = {ep for ep, _ in self.gate.ledger.due(v)}
-        must |= {ep for (ep, _), u in self.untrained.items() if u <= v - eta}
-        if not must and not self.ready:  # nothing due (e.g. its credits expired): train what has arrived
-            must = set(self.assembler.open)
-        cuts = [s for ep in sorted(must) for s in self.assembler.cut(ep)]
-        segs, self.ready = self.ready + cuts, []
-        out = []
-        for s in segs:
-            masked = self._mask(s)
-            if masked is not None:
-                out.append(masked)
-        return out
-
-    def _mask(self, s: Segment) -> Segment | None:
-        """Drop from the loss what was trained before a restart, and (a safety net for turns delivered
-        after their credit's lease expired) what would exceed the staleness bound. Counted; a turn left with
-        no loss token is settled ``stale_masked``."""
-        keep = s.loss_mask.copy()
-        trained = self.state.trained.get(s.episode)
-        if trained:
-            keep &= ~np.isin(s.turn_ids, np.fromiter(trained, dtype=np.int32))
-        too_stale = keep & (s.versions >= 0) & (self.version - s.versions > self.cfg.max_staleness)
-        if too_stale.any():
-            self.stale_masked_tokens += int(too_stale.sum())
-            log.warning("learner.stale_masked", episode=s.episode, tokens=int(too_stale.sum()), version=self.version)
-            before = set(np.unique(s.turn_ids[keep]).tolist())
-            keep &= ~too_stale
-            gone = before - set(np.unique(s.turn_ids[keep]).tolist())
-            self.settler.settle([(s.episode, int(t)) for t in sorted(gone)], "stale_masked")
-        if not keep.any():
-            return None
-        if np.array_equal(keep, s.loss_mask):
-            return s
-        return replace(s, loss_mask=keep, logprobs=np.where(keep, s.logprobs, 0).astype(np.float32),
-                       versions=np.where(keep, s.versions, -1).astype(np.int32))  # fmt: skip
-
-    def _forget_unreachable(self) -> None:
-        """Turns the assembler will never emit (their episode is closed: untrainable, late, or abandoned)
-        stop counting as work waiting for a step. Counted by the assembler's drift stats."""
-        waiting = {s.episode for s in self.ready}
-        gone = [k for k in self.untrained if k[0] not in self.assembler.open and k[0] not in waiting]
-        if gone:  # the assembler names what it drops (_settle_dropped): anything left here is a gap in that
-            log.warning("learner.unreachable_turns", turns=len(gone), first=f"{gone[0][0]}#{gone[0][1]}")
-            self.settler.settle(gone, "abandoned")
-
-    def _drift(self) -> dict[str, int]:
-        d = self.assembler.stats().as_dict()
-        return {k: int(d.get(k, 0)) for k in ("clean", "realign", "fork")}
 
     # ------------------------------------------------------------------------------------------ weights & metrics
 
