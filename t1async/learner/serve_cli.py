@@ -80,8 +80,8 @@ def serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
-                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease, actor_timeout_s=args.actor_timeout,
-                        durable=args.durable, wandb=args.wandb,
+                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease,
+                        actor_timeout_s=args.actor_timeout, durable=args.durable, wandb=args.wandb,
                         trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay,
                                               microbatch_tokens=args.microbatch_tokens))  # fmt: skip
 
@@ -89,7 +89,8 @@ def serve(args: argparse.Namespace) -> int:
         async with AsyncExitStack() as stack:
             # the learner acks a batch as soon as its journal has it (milliseconds), so a short ack wait only
             # shortens how long a crashed learner's in-flight records wait before they are redelivered
-            transport = await stack.enter_async_context(NatsTransport(config=NatsConfig(url=args.nats, ack_wait_s=10.0)))
+            nats = NatsConfig(url=args.nats, ack_wait_s=10.0)
+            transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers = await stack.enter_async_context(SGLangClient(args.sampler_url)) if args.sampler_url else None
             learner = Learner(cfg, transport, samplers)
             if args.weight_sync == "distributed":
