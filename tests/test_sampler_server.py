@@ -200,6 +200,8 @@ async def test_control_endpoints(sampler_url):
         assert (info["num_layers"], info["topk"], info["num_experts"]) == (L, K, E)
         server = (await c.get(sampler_url + "/get_server_info")).json()
         assert "version" in server and isinstance(server["internal_states"], list)
+        st = server["internal_states"][0]  # the sampler's own busy/idle accounting (bench.staleness reads it)
+        assert 0 <= st["busy_s"] <= st["uptime_s"] and st["uptime_s"] > 0
         models = (await c.get(sampler_url + "/v1/models")).json()
         assert models["object"] == "list" and models["data"][0]["object"] == "model"
         assert (await c.get(sampler_url + "/health")).status_code == 200
