@@ -164,7 +164,7 @@ def _load_tb1(p: Path) -> Task:
     instruction = _req_str(instruction, f, "instruction")
     tests_dir = p / "tests"
     image = _opt_str(doc.get("docker_image", doc.get("image")), f, "docker_image")
-    if image is None and (p / "Dockerfile").is_file():
+    if (p / "Dockerfile").is_file():  # as for TB2: a shipped Dockerfile is built, a named image only recorded
         image = f"dockerfile:{p / 'Dockerfile'}"
     env = p / "environment"
     return Task(
@@ -217,9 +217,10 @@ def _load_tb2(p: Path) -> Task:
         raise TaskFormatError(f"{instr_file} is empty: a task needs an instruction")
     tests_dir = p / "tests"
     env = p / "environment"
-    image = _opt_str(envt.get("docker_image"), f, "environment.docker_image")
-    if image is None and (env / "Dockerfile").is_file():
-        image = f"dockerfile:{env / 'Dockerfile'}"
+    # Published TB2 tasks name a prebuilt image (on a registry unreachable here) *and* ship its Dockerfile:
+    # the Dockerfile is built then, and the name kept in extra["prebuilt_image"].
+    prebuilt = _opt_str(envt.get("docker_image"), f, "environment.docker_image")
+    image = f"dockerfile:{env / 'Dockerfile'}" if (env / "Dockerfile").is_file() else prebuilt
     solve = p / "solution" / "solve.sh"
     tid = _opt_str(meta.get("id", doc.get("id")), f, "metadata.id") or p.name
     return Task(
@@ -243,7 +244,8 @@ def _load_tb2(p: Path) -> Task:
         parser="pytest",
         difficulty=_opt_str(meta.get("difficulty"), f, "metadata.difficulty") or "",
         tags=_str_tuple(meta.get("tags"), f, "metadata.tags"),
-        extra={k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
+        extra={**{k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
+               **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {})},
     )
 
 

@@ -44,13 +44,16 @@ def test_tb2_task_toml():
 
 
 def test_images_are_detected():
-    assert load_task(FIXTURES / "tb2" / "custom-image").docker_image == "ghcr.io/example/cuda-train:12.4"
+    t = load_task(FIXTURES / "tb2" / "custom-image")  # names a prebuilt image and ships its Dockerfile: built
+    assert t.docker_image == f"dockerfile:{t.path / 'environment' / 'Dockerfile'}"
+    assert t.extra["prebuilt_image"] == "ghcr.io/example/cuda-train:12.4"
     assert load_task(FIXTURES / "tb1" / "needs-image").docker_image.startswith("dockerfile:")
 
 
 def test_task_needing_an_image_is_refused_clearly():
     t = load_task(FIXTURES / "tb2" / "custom-image")
-    with pytest.raises(TaskNeedsImageError, match=r"task 'custom-image' needs image 'ghcr.io/example/cuda-train:12.4'; no container backend"):
+    with pytest.raises(TaskNeedsImageError, match=r"task 'custom-image' needs image 'dockerfile:.*'; no container backend.*"
+                                                  r"FROM ghcr.io/example/cuda-train:12.4"):
         require_backend(t, BwrapBackend())
 
 

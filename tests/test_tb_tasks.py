@@ -93,3 +93,16 @@ async def test_without_podman_a_run_step_task_says_how_to_install_it(monkeypatch
     with pytest.raises(TaskNeedsImageError, match="apt-get install -y podman runc"):
         await run_policy(task, OracleAgent(), backend=backend)
     assert "podman is not installed" in (AutoBackend().refusal(task) or "")
+
+
+def test_a_tb2_task_naming_a_prebuilt_image_and_shipping_its_dockerfile_builds_the_dockerfile(tmp_path: Path) -> None:
+    import shutil
+
+    t = tmp_path / "csv-stats"
+    shutil.copytree(TB / "tb2/csv-stats", t)
+    toml = (t / "task.toml").read_text().replace("[environment]\n", '[environment]\ndocker_image = "someone/csv-stats:20251031"\n')
+    (t / "task.toml").write_text(toml)
+    task = load_task(t)
+    assert task.docker_image == f"dockerfile:{t / 'environment' / 'Dockerfile'}"
+    assert task.extra["prebuilt_image"] == "someone/csv-stats:20251031"
+    assert BwrapBackend().supports(task)  # FROM/WORKDIR/COPY/ENV only: bwrap reproduces it
