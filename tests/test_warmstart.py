@@ -173,3 +173,15 @@ def test_copy_pretraining_examples_and_new_fields_keep_old_hashes():
 
     r2 = dataclasses.replace(r, data_version=2, sft=dataclasses.replace(r.sft, copy_steps=5))
     assert r2.to_dict()["data_version"] == 2 and r2.to_dict()["sft"]["copy_steps"] == 5 and r2.digest() != r.digest()
+
+
+async def test_chores_doing_the_whole_menu_passes_no_test(tmp_path):
+    """Each chores test also checks an unrequested chore was not done, so a policy that runs every menu
+    command (ignoring the instruction) earns nothing; the oracle (only the four asked) earns 4 of 4."""
+    from sandbox_agent.synth.chores import MENU
+
+    paths = generate(tmp_path, 3, seed=11, families=["chores"])
+    for p in paths:
+        (p / "solution.sh").write_text("#!/bin/bash\n" + "\n".join(m[1] for m in MENU) + "\n")
+    rows = await check_tasks([load_task(p) for p in paths], concurrency=3)
+    assert [(r.oracle.passed, r.oracle.total) for r in rows] == [(0, 4)] * 3

@@ -20,6 +20,7 @@ from pathlib import Path
 from collections.abc import Callable
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
+from sandbox_agent.synth.chores import chores_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
@@ -50,7 +51,8 @@ FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
 EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "mkfile": mkfile_family,
     "copy": copy_family,
-    "touch4": touch4_family,  # one command, four tests: the CI learning test's family (synth/micro.py)
+    "touch4": touch4_family,
+    "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)  # one command, four tests: the CI learning test's family (synth/micro.py)
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -189,8 +189,10 @@ def _nll(model: MoETransformer, toks: torch.Tensor) -> torch.Tensor:
     return -model.token_logprobs(out.hidden, toks)[0][:, 1:]
 
 
-def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0) -> list[float]:
-    """Train the LM head on the examples' loss tokens; returns the loss of every step."""
+def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0,
+              on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Train the LM head on the examples' loss tokens; returns the loss of every step. ``on_step(step, loss)``
+    after each optimizer step (e.g. to save snapshots)."""
     if not examples:
         raise ConfigError("SFT needs at least one demonstration example")
     exs = [Example(e.task, e.tokens[: cfg.max_len], e.loss_mask[: cfg.max_len]) for e in examples]
@@ -229,6 +231,8 @@ def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
         if step % 10 == 0 or step == cfg.steps - 1:
             log.info("sft.step", step=step, loss=round(losses[-1], 4), examples=len(batch),
                      tokens=int(m.sum()), elapsed_s=round(time.perf_counter() - t0, 1))  # fmt: skip

@@ -1,0 +1,63 @@
+"""``chores``: the ``learn`` preset's family. Four chores from a fixed menu of nine, in random order, done in two
+replies (two chores each); one test per requested chore, which also checks that an unrequested chore was NOT
+done (doing the whole menu fails every test).
+
+Every chore has fixed arguments ("create the directory build" is always ``mkdir -p build``), so the policy maps
+instruction phrases to commands: no name is copied from the instruction. A few-million-parameter MoE trained
+from random weights did not learn to copy names in the time a 2-core warm start has (the ``mkfile``/``copy``
+families: README "Learning"), while a phrase -> command lookup is learnt in minutes. Held-out tasks are unseen
+combinations and orders of the menu (9 x 8 x 7 x 6 = 3024 ordered picks).
+"""
+
+from __future__ import annotations
+
+import random
+
+from sandbox_agent.synth.common import SynthSpec
+
+# (instruction phrase, command, python check that it was done, python check that it was not)
+MENU: tuple[tuple[str, str, str, str], ...] = (
+    ("create the directory build", "mkdir -p build", '(WORK / "build").is_dir()', 'not (WORK / "build").exists()'),
+    ("delete the file old.log", "rm -f old.log", 'not (WORK / "old.log").exists()', '(WORK / "old.log").exists()'),
+    ("make run.sh executable", "chmod +x run.sh", 'os.access(WORK / "run.sh", os.X_OK)',
+     'not os.access(WORK / "run.sh", os.X_OK)'),
+    ("write hello into greeting.txt", "echo hello > greeting.txt", 'read("greeting.txt").strip() == "hello"',
+     'not (WORK / "greeting.txt").exists()'),
+    ("copy notes.txt to backup.txt", "cp notes.txt backup.txt", 'read("backup.txt") == read("notes.txt")',
+     'not (WORK / "backup.txt").exists()'),
+    ("rename draft.md to final.md", "mv draft.md final.md",
+     '(WORK / "final.md").is_file() and not (WORK / "draft.md").exists()', '(WORK / "draft.md").is_file()'),
+    ("append done to todo.txt", "echo done >> todo.txt", 'lines("todo.txt")[-1] == "done"',
+     'lines("todo.txt")[-1] != "done"'),
+    ("create the empty file ready.flag", "touch ready.flag", '(WORK / "ready.flag").is_file()',
+     'not (WORK / "ready.flag").exists()'),
+    ("write the number of lines of data.csv into count.txt", "wc -l < data.csv > count.txt",
+     'read("count.txt").strip() == "4"', 'not (WORK / "count.txt").exists()'),
+)  # fmt: skip
+FILES: dict[str, str] = {
+    "old.log": "started\nstopped\n",
+    "run.sh": "#!/bin/bash\necho running\n",
+    "notes.txt": "buy milk\ncall bob\n",
+    "draft.md": "# draft\n",
+    "todo.txt": "write report\nfix bug\n",
+    "data.csv": "id,name\n1,ada\n2,bob\n3,eve\n",
+}
+
+
+def chores_family(rng: random.Random) -> SynthSpec:
+    picked = rng.sample(range(len(MENU)), 4)
+    others = [i for i in range(len(MENU)) if i not in picked]
+    rng.shuffle(others)
+    steps = "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
+    instr = f"In the current directory:\n{steps}"
+    sol = "\n".join(MENU[i][1] for i in picked[:2]) + "\n\n" + "\n".join(MENU[i][1] for i in picked[2:]) + "\n"
+    tests = ""
+    for k, i in enumerate(picked):
+        undone = " and ".join(f"({MENU[j][3]})" for j in others[k::4])  # 5 unrequested chores over 4 tests
+        tests += f"""
+
+def test_chore_{k + 1}():
+    assert {MENU[i][2]}, "not done: {MENU[i][0]}"
+    assert {undone}, "done although not asked"
+"""
+    return SynthSpec("chores", instr, sol, tests, files=dict(FILES), tags=("menu",))
