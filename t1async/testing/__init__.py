@@ -20,8 +20,8 @@ _HOME = {
     "check_sandbox": "t1async.testing.sandbox",
     "memory_shell": "t1async.testing.sandbox",
     "check_transport": "t1async.testing.transport",
-    "memory_harness": "t1async.testing.transport",
-    "nats_harness": "t1async.testing.transport",
+    "memory_harness": "t1async.testing.harness",
+    "nats_harness": "t1async.testing.harness",
 }
 
 

@@ -7,109 +7,36 @@ subjects, request/reply, dead letters and the lifecycle, as one suite that every
     await check_transport(nats_harness(tmp_dir))   # NatsTransport, a real nats-server per check
     await check_transport(my_harness)              # yours: an async context manager giving a fresh harness
 
-A harness (``TransportHarness``) opens transports to one fresh broker (``open()``, not yet entered) and
-puts raw bytes on a subject past the codec (``inject()``), as a misbehaving client would. Each check gets a
-fresh harness: the checks reuse episode ids and durable names. A failed check raises AssertionError that
-names it. The tests run every check against MemoryTransport and NatsTransport on a real nats-server.
+A harness (``TransportHarness``, in harness.py) opens transports to one fresh broker (``open()``, not yet
+entered) and puts raw bytes on a subject past the codec (``inject()``), as a misbehaving client would. Each
+check gets a fresh harness: the checks reuse episode ids and durable names. A failed check raises
+AssertionError that names it. The tests run every check against MemoryTransport and NatsTransport on a real
+nats-server.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import anyio
 import msgpack
-import numpy as np
 
 from t1async import wire
-from t1async.natsd import NatsServer
 from t1async.testing.asserts import raises
+from t1async.testing.harness import (
+    MemoryHarness, NatsHarness, TransportHarness, end, memory_harness, nats_harness, raw_publish, start, turn,
+)  # fmt: skip
 from t1async.transport.base import (
     NoRespondersError, RequestTimeoutError, Transport, TransportClosedError, traj_subject,
 )  # fmt: skip
-from t1async.transport.memory import MemoryBroker, MemoryTransport
-from t1async.transport.nats import NatsConfig, NatsTransport
 
 __all__ = [
-    "TRANSPORT_CHECKS", "MemoryHarness", "NatsHarness", "TransportHarness", "check_transport", "memory_harness",
-    "nats_harness", "raw_publish",
+    "TRANSPORT_CHECKS", "MemoryHarness", "NatsHarness", "TransportHarness", "assert_nothing_pending",
+    "check_transport", "end", "memory_harness", "nats_harness", "raw_publish", "start", "take", "turn",
 ]  # fmt: skip
-
-
-class TransportHarness(Protocol):
-    def open(self) -> Transport:
-        """A new, unopened transport to this harness's broker, with an ack wait of about 1 s."""
-        ...
-
-    async def inject(self, subject: str, data: bytes) -> None:
-        """Publish raw ``data`` on ``subject`` without the codec (the checks inject garbage)."""
-        ...
-
-
-class MemoryHarness:
-    def __init__(self) -> None:
-        self.broker = MemoryBroker(ack_wait_s=1.0)
-
-    def open(self) -> MemoryTransport:
-        return MemoryTransport(self.broker)
-
-    async def inject(self, subject: str, data: bytes) -> None:
-        await self.broker.inject(subject, data)
-
-
-@asynccontextmanager
-async def memory_harness() -> AsyncIterator[MemoryHarness]:
-    yield MemoryHarness()
-
-
-async def raw_publish(url: str, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
-    """Publish raw bytes to the NATS server at ``url`` over a bare TCP connection speaking the protocol
-    (PUB/HPUB), as a misbehaving client would; returns after the server answered PING."""
-    host, port = url.removeprefix("nats://").rsplit(":", 1)
-    async with await anyio.connect_tcp(host, int(port)) as s:
-        await s.receive()  # INFO
-        if headers:
-            hdr = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
-            cmd = f"HPUB {subject} {len(hdr)} {len(hdr) + len(data)}\r\n".encode() + hdr + data + b"\r\n"
-        else:
-            cmd = f"PUB {subject} {len(data)}\r\n".encode() + data + b"\r\n"
-        await s.send(b'CONNECT {"verbose":false,"headers":true}\r\n' + cmd + b"PING\r\n")
-        buf = b""
-        with anyio.fail_after(5):
-            while b"PONG" not in buf:
-                buf += await s.receive()
-        assert b"-ERR" not in buf, buf
-
-
-class NatsHarness:
-    """NatsTransports to the nats-server at ``url``; garbage is injected with ``raw_publish``."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def open(self) -> NatsTransport:
-        return NatsTransport(config=NatsConfig(url=self.url, ack_wait_s=1.0))
-
-    async def inject(self, subject: str, data: bytes) -> None:
-        await raw_publish(self.url, subject, data)
-
-
-def nats_harness(store_root: str | Path) -> Callable[[], AbstractAsyncContextManager[NatsHarness]]:
-    """A ``fresh`` for check_transport: each harness gets its own nats-server (JetStream, a free port, a new
-    store dir under ``store_root``), stopped when the check ends."""
-    count = itertools.count()
-
-    @asynccontextmanager
-    async def fresh() -> AsyncIterator[NatsHarness]:
-        async with NatsServer.start(Path(store_root) / f"nats-{next(count)}") as srv:
-            yield NatsHarness(srv.url)
-
-    return fresh
 
 
 Check = Callable[[TransportHarness], Awaitable[None]]
@@ -128,26 +55,6 @@ async def check_transport(
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def turn(ep: str, k: int, *, reward: float = 0.0, n_out: int = 3) -> wire.TurnRecord:
-    delta = np.arange(4, dtype=np.int32) + k
-    keep = 10 * k
-    return wire.TurnRecord(
-        episode=ep, turn=k, policy_version=1, keep=keep, input_delta=delta, input_len=keep + 4,
-        input_digest=wire.digest_ids(delta), output_ids=np.arange(n_out, dtype=np.int32) + 100,
-        output_logprobs=np.full(n_out, -0.5, np.float32), finish=wire.Finish.STOP,
-        routing=wire.Routing(max(keep - 1, 0), np.ones((keep + 4 + n_out - 1 - max(keep - 1, 0), 2, 2), np.uint8)),
-        reward=reward, tests_passed=-1, t_sample_s=0.1, t_exec_s=0.2, action="ls", observation="out",
-    )  # fmt: skip
-
-
-def start(ep: str) -> wire.StartRecord:
-    return wire.StartRecord(ep, "actor-0", "task-a", 50, 1.0)
-
-
-def end(ep: str, turns: int) -> wire.EndRecord:
-    return wire.EndRecord(ep, turns, wire.EndReason.SOLVED, 3, 3, True)
 
 
 async def take(t: Transport, n: int, *, durable: str = "learner", ack: bool = True, timeout: float = 10.0) -> list:
