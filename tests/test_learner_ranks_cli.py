@@ -70,6 +70,7 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert [e["nproc"] for e in events(log, "learner.ranks_joined")] == [2]
     steps = events(log, "learner.dist_step")
     assert [e["ranks"] for e in steps] == [2, 2] and all(len(e["tokens"]) == 2 for e in steps), steps
+    assert all(len(e["busy_s"]) == 2 and min(e["busy_s"]) > 0 for e in steps), steps
     assert [e["version"] for e in events(log, "learner.step")] == [1, 2]
     assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()
     assert [(e["path"], e["version"]) for e in events(log, "learner.weights_pushed")] == [("distributed", 1),

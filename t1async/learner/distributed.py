@@ -85,6 +85,8 @@ class DistributedTrainer(Trainer):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._resync = True  # send rank 0's weights and optimizer state with the next step
         self._failed: BaseException | None = None  # this rank's own error in the step now running
+        self._t_wait = 0.0  # seconds of this step spent in the gradient all-reduce (waiting for the others)
+        self.rank_busy_s: list[float] = []  # rank 0: each rank's compute seconds in the last step (balance)
 
     # ------------------------------------------------------------------------------------------- rank 0
 
@@ -113,7 +115,8 @@ class DistributedTrainer(Trainer):
             raise
         assert metrics is not None
         log.info("learner.dist_step", step=metrics.step, ranks=self.world, t_step_s=round(metrics.t_step_s, 3),
-                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts])  # fmt: skip
+                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts],
+                 busy_s=[round(b, 3) for b in self.rank_busy_s])  # fmt: skip
         return metrics
 
     def stop_ranks(self) -> None:
@@ -164,7 +167,7 @@ class DistributedTrainer(Trainer):
         all_segments: Sequence[SegmentLike], t0: float,
     ) -> StepMetrics | None:  # fmt: skip
         """This rank's part of a step (Trainer.step's stages with the three meetings). Metrics on rank 0."""
-        self._failed = None
+        self._failed, self._t_wait = None, 0.0
         scored: list[_Scored] = []
         routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
         try:
@@ -177,18 +180,19 @@ class DistributedTrainer(Trainer):
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)
         toks = self._loss_token_tensors(scored) if scored else {}
         gathered: list[Any] = [None] * self.world
-        part = (toks, dict(sums), routing)
+        part = (toks, dict(sums), routing, t_fwd_scoring + t_update - self._t_wait)
         dst_list = gathered if self.rank == 0 else None
         _collective("gathering the step's metrics", dist.gather_object, part, dst_list, dst=0)
         if self.rank != 0:
             return None
         all_sums: defaultdict[str, float] = defaultdict(float)
         all_routing = [0, 0, 0, 0]
-        for _, s, r in gathered:
+        self.rank_busy_s = [busy for *_, busy in gathered]
+        for _, s, r, _ in gathered:
             for k, v in s.items():
                 all_sums[k] += v
             all_routing = [a + b for a, b in zip(all_routing, r)]
-        all_toks = {k: torch.cat([t[k] for t, _, _ in gathered if t]) for k in next(t for t, _, _ in gathered if t)}
+        all_toks = {k: torch.cat([g[0][k] for g in gathered if g[0]]) for k in next(g[0] for g in gathered if g[0])}
         return self._metrics(
             all_segments, all_toks, version, drift, sums=all_sums, grad_norm=grad_norm,
             routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]), n_loss=n_loss,
@@ -231,7 +235,9 @@ class DistributedTrainer(Trainer):
         flags = torch.tensor([float(self._failed is not None)] + [float(p.grad is not None) for p in params])
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         buf = torch.cat([self._on_device(flags).to(grads[0].dtype), *grads])
+        t_wait = time.perf_counter()
         _collective("reducing the gradients", dist.all_reduce, buf)
+        self._t_wait += time.perf_counter() - t_wait
         self._raise_if_failed(float(buf[0]))
         off = len(params) + 1
         for i, p in enumerate(params):
