@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from contextlib import AbstractAsyncContextManager
 import dataclasses
+import os
 from pathlib import Path
 from typing import Protocol
 from collections.abc import AsyncIterator, Callable
@@ -157,7 +158,8 @@ class ContainerBackend:
         else:
             inside, volumes = await anyio.to_thread.run_sync(images.image_workdir, image), ()
         tmpfs = self._tmpfs(inside, volumes)
-        async with start_container(podman, env, image, limits=self.limits, volumes=volumes, tmpfs=tmpfs) as cid:
+        limits = task_limits(self.limits, task)
+        async with start_container(podman, env, image, limits=limits, volumes=volumes, tmpfs=tmpfs) as cid:
             self._episodes[str(workdir)] = (cid, inside)
             try:
                 yield cid
@@ -215,6 +217,18 @@ class ContainerBackend:
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: images.run_podman("rmi", "-f", snap, check=False))
+
+
+def task_limits(limits: ContainerLimits, task: Task) -> ContainerLimits:
+    """``limits`` with the task's declared memory and CPUs (TB2 ``[environment]``), CPUs at most this
+    machine's (podman refuses more)."""
+    res = task.extra.get("resources") or {}
+    out = limits
+    if "memory_bytes" in res:
+        out = dataclasses.replace(out, memory_bytes=int(res["memory_bytes"]))
+    if "cpus" in res:
+        out = dataclasses.replace(out, cpus=min(float(res["cpus"]), float(os.cpu_count() or 1)))
+    return out
 
 
 def _copy_paths(src: str, dst: str, paths: tuple[str, ...]) -> None:

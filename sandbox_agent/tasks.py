@@ -31,6 +31,7 @@ Loading never needs a container backend; *running* a task that names its own ima
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import tomllib
 from dataclasses import dataclass, field
@@ -245,11 +246,33 @@ def _load_tb2(p: Path) -> Task:
         difficulty=_opt_str(meta.get("difficulty"), f, "metadata.difficulty") or "",
         tags=_str_tuple(meta.get("tags"), f, "metadata.tags"),
         extra={**{k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
-               **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {})},
+               **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {}),
+               **({"resources": res} if (res := _resources(envt, f)) else {})},
     )
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+
+_SIZE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _resources(envt: dict, f: Path) -> dict[str, float]:
+    """A TB2 task's declared container resources: ``cpus``, ``memory_bytes`` (from ``memory_mb`` or
+    ``memory = "2G"``), ``storage_bytes`` (``storage_mb`` / ``storage``); only those it names."""
+    out: dict[str, float] = {}
+    if envt.get("cpus") is not None:
+        out["cpus"] = _num(envt["cpus"], f, "environment.cpus", 1.0)
+    for key in ("memory", "storage"):
+        mb, text = envt.get(f"{key}_mb"), envt.get(key)
+        if mb is not None:
+            out[f"{key}_bytes"] = _num(mb, f, f"environment.{key}_mb", 1.0) * (1 << 20)
+        elif text is not None:
+            m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+            if m is None:
+                raise TaskFormatError(f"{f}: field 'environment.{key}' must be a size like \"2G\" or \"512M\", got {text!r}")
+            out[f"{key}_bytes"] = float(m.group(1)) * _SIZE[m.group(2).upper()]
+    return out
 
 
 def _table(doc: dict, key: str, f: Path) -> dict:

@@ -390,3 +390,17 @@ async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
         "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
     on = await run_policy(load_task(t), OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
     assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
+
+
+async def test_a_task_s_declared_memory_and_cpus_limit_its_container(base_image: str, tmp_path: Path) -> None:
+    import shutil
+
+    t = tmp_path / "small"
+    shutil.copytree(TB / "tb2/gen-data", t)
+    (t / "task.toml").write_text((t / "task.toml").read_text().split("[environment]")[0]
+                                 + '[environment]\ncpus = 64\nmemory = "300M"\n')  # more CPUs than here: capped
+    task = load_task(t)
+    backend = ContainerBackend(config=FAST)
+    async with prepared_workdir(task, backend) as wd, backend.episode(task, wd), backend.open(task, wd) as sb:
+        r = await sb.exec("cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
+        assert r.output.strip() == str(300 << 20), r

@@ -40,7 +40,7 @@ def test_tb2_task_toml():
     assert (t.agent_timeout_s, t.test_timeout_s) == (300.0, 60.0)
     assert t.solution == t.path / "solution" / "solve.sh" and t.test_script == t.path / "tests" / "test.sh"
     assert t.environment_dir == t.path / "environment" and t.docker_image is None
-    assert t.extra == {"version": "1.0"}
+    assert t.extra == {"version": "1.0", "resources": {"cpus": 1.0, "memory_bytes": 1024 << 20}}  # [environment]
 
 
 def test_images_are_detected():

@@ -106,3 +106,29 @@ def test_a_tb2_task_naming_a_prebuilt_image_and_shipping_its_dockerfile_builds_t
     assert task.docker_image == f"dockerfile:{t / 'environment' / 'Dockerfile'}"
     assert task.extra["prebuilt_image"] == "someone/csv-stats:20251031"
     assert BwrapBackend().supports(task)  # FROM/WORKDIR/COPY/ENV only: bwrap reproduces it
+
+
+@pytest.mark.parametrize("table, want", [
+    ('cpus = 2\nmemory = "2G"\nstorage = "10G"\n', {"cpus": 2.0, "memory_bytes": 2 << 30, "storage_bytes": 10 << 30}),
+    ("cpus = 1\nmemory_mb = 512\n", {"cpus": 1.0, "memory_bytes": 512 << 20}),
+    ("build_timeout_sec = 600.0\n", None),
+])
+def test_a_tb2_task_s_declared_resources_are_read(tmp_path: Path, table: str, want: dict | None) -> None:
+    import shutil
+
+    t = tmp_path / "t"
+    shutil.copytree(TB / "tb2/gen-data", t)
+    (t / "task.toml").write_text('version = "1.0"\n[environment]\n' + table)
+    assert load_task(t).extra.get("resources") == want
+
+
+def test_a_bad_resource_size_says_which_field(tmp_path: Path) -> None:
+    import shutil
+
+    from sandbox_agent.tasks import TaskFormatError
+
+    t = tmp_path / "t"
+    shutil.copytree(TB / "tb2/gen-data", t)
+    (t / "task.toml").write_text('[environment]\nmemory = "lots"\n')
+    with pytest.raises(TaskFormatError, match=r"environment.memory' must be a size like"):
+        load_task(t)
