@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class Recipe:
     data_version: int = 1  # the families' version (e.g. synth.basics.VERSION): new task text, new demos
 
     def to_dict(self) -> dict:
-        d = {"version": RECIPE_VERSION, "name": self.name, "model": self.model.to_dict(),
+        d: dict[str, Any] = {"version": RECIPE_VERSION, "name": self.name, "model": self.model.to_dict(),
              "families": list(self.families), "tasks": self.tasks, "task_seed": self.task_seed,
              "sft": dataclasses.asdict(self.sft), "system_prompt": self.system_prompt}  # fmt: skip
         if not self.sft.copy_steps:  # added later: left out when off, so the recipes built before keep their hash
