@@ -155,3 +155,14 @@ def test_a_failed_step_fails_on_every_rank_and_the_next_resyncs(ranks2, tmp_path
     one.step(segs, 0)
     two.step(segs, 0)
     assert_same_weights(one.model, two.model)
+
+
+def test_ranks_that_never_join_fail_in_one_line(monkeypatch):
+    monkeypatch.setattr("sys.executable", "/bin/false")  # rank 1 exits at once with code 1
+    ranks = Ranks(RanksConfig(nproc=2, join_timeout_s=3))
+    try:
+        with pytest.raises(RankFailedError, match=r"did not join within 3 s \(exit code by pid.*: \{\d+: 1\}"):
+            ranks.start(Trainer(tiny(), TCFG))
+    finally:
+        ranks.close(None)
+    assert ranks.procs == [] and not ranks.joined

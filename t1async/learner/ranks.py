@@ -67,7 +67,12 @@ class Ranks:
             self.procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent))
         log.info("learner.ranks_starting", nproc=c.nproc, backend=backend, port=port,
                  pids=[p.pid for p in self.procs])  # fmt: skip
-        init_group(0, c.nproc, c.host, port, backend=backend, timeout_s=c.join_timeout_s)
+        try:
+            init_group(0, c.nproc, c.host, port, backend=backend, timeout_s=c.join_timeout_s)
+        except RuntimeError as exc:  # the TCPStore's wait for the ranks timed out
+            codes = {p.pid: p.poll() for p in self.procs}
+            raise RankFailedError(f"the learner's ranks did not join within {c.join_timeout_s:g} s (exit code by pid, "
+                                  f"None = still running: {codes}); see the learner log: {exc}") from exc  # fmt: skip
         self.joined = True
         model = trainer.model
         dtype = next(model.parameters()).dtype
