@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -223,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_warm = time.perf_counter() - t0
     ev["system_prompt"] = system_prompt_of(warm)
     print(f"warm start: {warm} ({t_warm:.0f} s; {json.loads((warm / 'sft_metrics.json').read_text())})", flush=True)
-    tasks_dir = run / "tasks"
+    tasks_dir = run / ("tasks-" + "-".join(recipe.families))  # a recipe of other families gets its own corpus
     if not any(tasks_dir.glob("*/task.yaml")):
         generate(tasks_dir, args.eval_corpus, seed=args.seed, families=list(recipe.families))
     held = [t for t in (load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file())
@@ -240,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows_b = eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)
     print(f"eval before: {time.perf_counter() - t1:.0f} s", flush=True)
     rl_dir = run / "rl"
+    if rl_dir.exists():  # cluster up would resume an earlier run's checkpoints there: RL starts from the warm start
+        print(f"rl: removing {rl_dir} from an earlier run", flush=True)
+        shutil.rmtree(rl_dir)
     t2 = time.perf_counter()
     ckpt = run_rl(rl_dir, tasks_dir, args.rl_steps, args.cluster_arg, args.rl_timeout)
     t_rl = time.perf_counter() - t2

@@ -77,7 +77,7 @@ def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
     from t1async.cluster import components
 
     c = _cfg("--preset", "learn", "--run-dir", str(tmp_path))
-    assert c.warm_start == "learn" and c.synth_families == ("mkfile", "copy") and c.verify_every == 1
+    assert c.warm_start == "learn" and c.synth_families == ("chores",) and c.verify_every == 1
     assert components.model_dir(c) == warmstart.cache_dir(warmstart.get_recipe("learn"))
     assert _cfg("--preset", "learn", "--lr", "1e-6", "--max-turns", "9").lr == 1e-6
     toml = tmp_path / "c.toml"
@@ -92,7 +92,7 @@ def test_cluster_tasks_use_the_preset_families(tmp_path):
 
     c = _cfg("--preset", "learn", "--run-dir", str(tmp_path), "--synth-tasks", "4")
     d = components.ensure_tasks(c)
-    assert sorted({load_task(p).family for p in d.iterdir()}) == ["copy", "mkfile"]
+    assert sorted({load_task(p).family for p in d.iterdir()}) == ["chores"]
 
 
 def test_learning_curve_and_paired_diff(tmp_path):

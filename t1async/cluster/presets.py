@@ -1,10 +1,10 @@
 """Named ``cluster up`` recipes (``--preset NAME``): a preset sets defaults, a TOML file and flags override.
 
 ``learn``: RL that measurably learns on 2 CPU cores (``bench.learning`` runs it). The policy is the ``learn``
-warm start (``t1async.learner.warmstart``: a seeded MoE trained on oracle demonstrations of the ``mkfile`` and
-``copy`` families, cached, built first if missing); the actors draw the train split of a corpus of the same
-families; every turn is verified (``verify-every 1``), so each command's reward is the tests it made pass;
-episodes are short (a demonstration takes 2-3 turns).
+warm start (``t1async.learner.warmstart``: a seeded MoE trained on oracle demonstrations of the ``chores``
+family, cached, built first if missing); the actors draw the train split of a corpus of the same family; every
+turn is verified (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (a
+demonstration takes 3 turns: two commands and DONE).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from t1async.errors import ConfigError
 PRESETS: dict[str, dict[str, Any]] = {
     "learn": {
         "warm_start": "learn",
-        "synth_families": ("mkfile", "copy"),
+        "synth_families": ("chores",),
         "synth_tasks": 600,
         "actors": 2,
         "concurrency": 4,
-        "max_turns": 6,
-        "max_new_tokens": 128,
+        "max_turns": 4,
+        "max_new_tokens": 64,
         "max_context": 4096,
         "temperature": 1.0,
         "verify_every": 1,

@@ -28,7 +28,6 @@ from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox_agent.synth.basics import VERSION as BASICS_VERSION
 from t1async.errors import ConfigError, T1Error
 from t1async.learner.sft import SFTConfig
 from t1async.log import get_logger
@@ -72,9 +71,11 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
+    # the chores family (a fixed menu, no copying; sandbox_agent/synth/chores.py): 300 steps give ~33% held-out
+    # pass@1 at temperature 1 (README "Learning" has the tries, the copying families among them)
     "learn": Recipe(
-        name="learn", model=MODEL_PRESETS["learn"], families=("mkfile", "copy"), tasks=600, task_seed=1000,
-        sft=SFTConfig(steps=900, lr=3e-3, warmup_steps=10, batch_tokens=2048, seed=0), data_version=BASICS_VERSION,
+        name="learn", model=MODEL_PRESETS["learn"], families=("chores",), tasks=400, task_seed=1000,
+        sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
     # the CI learning test's policy (tests/test_learning_ci.py): a short SFT on the one-command ``touch4`` family,
     # stopped while it is learning to copy the names, so sampled at temperature 1 it copies some file names and
