@@ -9,12 +9,12 @@ a remote sandbox service) implements the same two members.
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractAsyncContextManager
 import dataclasses
 import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Protocol
-from collections.abc import AsyncIterator, Callable
 
 import anyio
 

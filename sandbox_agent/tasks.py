@@ -34,10 +34,10 @@ import hashlib
 import re
 import shutil
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from collections.abc import Iterator
 
 from t1async.errors import ConfigError, T1Error
 
@@ -270,7 +270,9 @@ def _resources(envt: dict, f: Path) -> dict[str, float]:
         elif text is not None:
             m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
             if m is None:
-                raise TaskFormatError(f"{f}: field 'environment.{key}' must be a size like \"2G\" or \"512M\", got {text!r}")
+                raise TaskFormatError(
+                    f"{f}: field 'environment.{key}' must be a size like \"2G\" or \"512M\", got {text!r}"
+                )
             out[f"{key}_bytes"] = float(m.group(1)) * _SIZE[m.group(2).upper()]
     return out
 

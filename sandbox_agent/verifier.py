@@ -8,11 +8,11 @@ In a container (the task's own image) the task's own entry point runs as Termina
 unless the user gave the verifier the network: the base image keeps a wheelhouse (pytest 8.4.1,
 pytest-json-ctrf) and uv's ``~/.local/bin/env``, so the usual uv/pytest preamble works as written. Where the
 script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), with
-``VerifierConfig(run_script=False)``, and always under bwrap, the test files (``test_*.py`` and ``*_test.py``) run directly (``path="pytest"``) with the sandbox's
-``python3 -I -B`` (isolated: no user site / PYTHON* variables; the work dir is appended to sys.path, after
-the standard library and pytest, so tests import the agent's module but the agent cannot shadow pytest or
-plant a conftest), in a clean environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task
-with only ``tests/test.sh`` (no pytest files) is run as ``bash /tests/test.sh`` and counts as one test.
+``VerifierConfig(run_script=False)``, and always under bwrap, the test files (``test_*.py`` and
+``*_test.py``) run directly (``path="pytest"``) with the sandbox's ``python3 -I -B`` (isolated: no user
+site / PYTHON* variables; the work dir is appended to sys.path, after the standard library and pytest, so
+tests import the agent's module but the agent cannot shadow pytest or plant a conftest), in a clean
+environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task with only ``tests/test.sh`` (no pytest files) is run as ``bash /tests/test.sh`` and counts as one test.
 
 Results come from pytest's junit XML (printed after a random marker) and, failing that, from the ``-rA``
 short summary. A timeout is ``status="timeout"``, unreadable output ``"parse_error"``, a sandbox failure
@@ -57,12 +57,12 @@ class VerifyResult:
     path: str = "pytest"  # how it ran: "pytest" (the test files, directly) or "script" (the task's own)
 
     @classmethod
-    def failed(cls, status: VerifyStatus, detail: str, duration_s: float = 0.0, path: str = "pytest") -> "VerifyResult":
+    def failed(cls, status: VerifyStatus, detail: str, duration_s: float = 0.0, path: str = "pytest") -> VerifyResult:
         return cls({}, 0, 0, False, status, detail, duration_s, path)
 
     @classmethod
     def from_tests(cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0, path: str = "pytest"
-                   ) -> "VerifyResult":
+                   ) -> VerifyResult:
         passed = sum(tests.values())
         total = len(tests)
         return cls(dict(tests), passed, total, total > 0 and passed == total, "ok", detail, duration_s, path)
@@ -175,7 +175,7 @@ def interpret(exit_code: int | None, junit: str | None, output: str) -> tuple[di
 
 def share_read_only(root: Path) -> None:
     """Make a host dir we bind read-only into a sandbox readable by the sandbox's unprivileged uid."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         os.chmod(dirpath, 0o755)
         for name in filenames:
             p = os.path.join(dirpath, name)
@@ -233,7 +233,8 @@ def script_command(task: Task, nonce: str, offline: bool = True) -> str:
         f'{env}T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1 </dev/null; '
         f"t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
         f"echo; echo '{nonce} OUT'; tail -c 65536 {out}; echo; "
-        f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null || cat /logs/verifier/reward.json 2>/dev/null "
+        f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null "
+        f"|| cat /logs/verifier/reward.json 2>/dev/null "
         f"| tr -d '\n'); rm -f {out}"
     )
 
@@ -329,7 +330,8 @@ async def verify(
         return VerifyResult.failed("timeout", f"tests ran past {timeout:g}s", dt)
     code, junit, out = split_output(res.output, nonce)
     if code is None:
-        return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}", dt)
+        why = f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}"
+        return VerifyResult.failed("error", why, dt)
     if not task.test_files:  # tb2 test.sh only: one test, its exit status
         return VerifyResult.from_tests({"test.sh": code == 0}, out[-2000:], dt)
     tests, status, detail = interpret(code, junit, out)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from test_actor_learner import tiny_model  # noqa: F401 (a module fixture)
 
 from sandbox_agent import images
 from sandbox_agent.backend import ContainerBackend, pick_backend
@@ -22,7 +23,6 @@ from sandbox_agent.runner import NullAgent, OracleAgent, prepared_workdir, run_p
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.container import OWNER_LABEL, reap_orphans
 from sandbox_agent.tasks import load_task
-from test_actor_learner import tiny_model  # noqa: F401 (a module fixture)
 
 TB = Path(__file__).resolve().parent / "tb_tasks"
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -246,11 +246,12 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     """The real actor loop and learner over the published tasks: the RUN-step ones go to containers (auto)."""
     import shutil
 
+    from test_actor_learner import VersionedMemorySampler, run_loop
+
     from t1async import wire
     from t1async.model.config import MoEConfig
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.transport import MemoryBroker
-    from test_actor_learner import VersionedMemorySampler, run_loop
 
     tasks = tmp_path / "tasks"
     for d in ("tb1/jq-query", "tb2/gen-data"):  # container-only tasks: every episode runs in one
@@ -402,5 +403,6 @@ async def test_a_task_s_declared_memory_and_cpus_limit_its_container(base_image:
     task = load_task(t)
     backend = ContainerBackend(config=FAST)
     async with prepared_workdir(task, backend) as wd, backend.episode(task, wd), backend.open(task, wd) as sb:
-        r = await sb.exec("cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
+        r = await sb.exec("cat /sys/fs/cgroup/memory.max 2>/dev/null || "
+                          "cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
         assert r.output.strip() == str(300 << 20), r

@@ -100,8 +100,8 @@ def test_a_tb2_task_naming_a_prebuilt_image_and_shipping_its_dockerfile_builds_t
 
     t = tmp_path / "csv-stats"
     shutil.copytree(TB / "tb2/csv-stats", t)
-    toml = (t / "task.toml").read_text().replace("[environment]\n", '[environment]\ndocker_image = "someone/csv-stats:20251031"\n')
-    (t / "task.toml").write_text(toml)
+    named = '[environment]\ndocker_image = "someone/csv-stats:20251031"\n'
+    (t / "task.toml").write_text((t / "task.toml").read_text().replace("[environment]\n", named))
     task = load_task(t)
     assert task.docker_image == f"dockerfile:{t / 'environment' / 'Dockerfile'}"
     assert task.extra["prebuilt_image"] == "someone/csv-stats:20251031"
