@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from t1async.errors import SamplerRequestError
 from t1async.log import get_logger
 from t1async.model.weights import check_state
 from t1async.sampler import weightsync as W
@@ -43,25 +44,21 @@ def _reply(success: bool, message: str, status: int | None = None) -> Response:
     return Response(body, status_code=status or (200 if success else 400), media_type="application/json")
 
 
-class _Bad(ValueError):
-    pass
-
-
 async def _body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw) if raw else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _Bad(f"the request body is not valid JSON: {exc}") from exc
+        raise SamplerRequestError(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise _Bad(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise SamplerRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
 def _need(body: dict, key: str, kind: type, default: Any = ...) -> Any:
     v = body.get(key, default)
     if v is ... or not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-        raise _Bad(f"{key} must be a {kind.__name__}, got {body.get(key)!r}")
+        raise SamplerRequestError(f"{key} must be a {kind.__name__}, got {body.get(key)!r}")
     return v
 
 
@@ -116,12 +113,14 @@ class WeightSync:
             offset, world = _need(b, "rank_offset", int), _need(b, "world_size", int)
             name, backend = _need(b, "group_name", str, W.DEFAULT_GROUP), _need(b, "backend", str, "gloo")
             if backend != "gloo":
-                raise _Bad(f"backend {backend!r}: the embedded sampler runs on CPU; use backend 'gloo'")
+                raise SamplerRequestError(f"backend {backend!r}: the embedded sampler runs on CPU; use backend 'gloo'")
             if not 0 < offset < world:
-                raise _Bad(f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {offset} of {world}")
+                raise SamplerRequestError(
+                    f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {offset} of {world}"
+                )
             if name in self.groups:
-                raise _Bad(f"group {name!r} exists; /destroy_weights_update_group it first")
-        except _Bad as exc:
+                raise SamplerRequestError(f"group {name!r} exists; /destroy_weights_update_group it first")
+        except SamplerRequestError as exc:
             return _reply(False, str(exc))
         t0 = time.perf_counter()
         try:
@@ -139,7 +138,7 @@ class WeightSync:
     async def destroy_group(self, request: Request) -> Response:
         try:
             name = _need(await _body(request), "group_name", str, W.DEFAULT_GROUP)
-        except _Bad as exc:
+        except SamplerRequestError as exc:
             return _reply(False, str(exc))
         if self.groups.pop(name, None) is None:
             return _reply(False, f"no weight update group {name!r}; nothing to destroy")
@@ -151,22 +150,24 @@ class WeightSync:
             b = await _body(request)
             names, dtypes, shapes = _need(b, "names", list), _need(b, "dtypes", list), _need(b, "shapes", list)
             if not (len(names) == len(dtypes) == len(shapes)) or not names:
-                raise _Bad(f"names, dtypes and shapes must be non-empty and of one length, got "
+                raise SamplerRequestError(f"names, dtypes and shapes must be non-empty and of one length, got "
                            f"{len(names)}, {len(dtypes)}, {len(shapes)}")  # fmt: skip
             tensors = []
             for n, d, s in zip(names, dtypes, shapes):
                 if not isinstance(n, str) or not isinstance(s, list) or not all(
                         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
-                    raise _Bad(f"each name must be a string and each shape a list of ints >= 0, got {n!r} {s!r}")
+                    raise SamplerRequestError(
+                        f"each name must be a string and each shape a list of ints >= 0, got {n!r} {s!r}"
+                    )
                 tensors.append(torch.empty(s, dtype=W.parse_dtype(d)))
             name = _need(b, "group_name", str, W.DEFAULT_GROUP)
             version = b.get("weight_version")
             if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-                raise _Bad(f"weight_version must be a string, got {version!r}")
+                raise SamplerRequestError(f"weight_version must be a string, got {version!r}")
             pg = self.groups.get(name)
             if pg is None:
-                raise _Bad(f"no weight update group {name!r}: call /init_weights_update_group first")
-        except (_Bad, ValueError) as exc:
+                raise SamplerRequestError(f"no weight update group {name!r}: call /init_weights_update_group first")
+        except (SamplerRequestError, ValueError) as exc:
             return _reply(False, str(exc))
         async with self._lock:
             t0 = time.perf_counter()
@@ -204,8 +205,8 @@ class WeightSync:
         try:
             mode = _need(await _body(request), "mode", str, "abort")
             if mode not in _MODES:
-                raise _Bad(f"mode must be one of {_MODES}, got {mode!r}")
-        except _Bad as exc:
+                raise SamplerRequestError(f"mode must be one of {_MODES}, got {mode!r}")
+        except SamplerRequestError as exc:
             return _reply(False, str(exc))
         if not self.paused:
             self.paused, self._resumed, self._paused_at = True, anyio.Event(), time.monotonic()
