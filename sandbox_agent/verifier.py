@@ -12,7 +12,9 @@ script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.
 ``*_test.py``) run directly (``path="pytest"``) with the sandbox's ``python3 -I -B`` (isolated: no user
 site / PYTHON* variables; the work dir is appended to sys.path, after the standard library and pytest, so
 tests import the agent's module but the agent cannot shadow pytest or plant a conftest), in a clean
-environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task with only ``tests/test.sh`` (no pytest files) is run as ``bash /tests/test.sh`` and counts as one test.
+environment (``env -i``), cwd = the work dir, ``TEST_DIR=/tests``. A TB2 task with only ``tests/test.sh``
+(no pytest files) is run as ``bash /tests/test.sh`` and counts as one test; Harbor's rewards.json (named
+rewards) counts one test per name.
 
 Results come from pytest's junit XML (printed after a random marker) and, failing that, from the ``-rA``
 short summary. A timeout is ``status="timeout"``, unreadable output ``"parse_error"``, a sandbox failure
@@ -229,33 +231,43 @@ def script_command(task: Task, nonce: str, offline: bool = True) -> str:
     name = "run-tests.sh" if task.format == "tb1" else "test.sh"
     env = " ".join(f"{k}={v}" for k, v in OFFLINE_ENV) + " " if offline else ""
     return (
-        "mkdir -p /logs/verifier; rm -f /logs/verifier/reward.txt /logs/verifier/reward.json; "
+        "mkdir -p /logs/verifier; rm -f /logs/verifier/reward.txt /logs/verifier/reward.json "
+        "/logs/verifier/rewards.json; "
         f'{env}T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1 </dev/null; '
         f"t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
         f"echo; echo '{nonce} OUT'; tail -c 65536 {out}; echo; "
         f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null "
-        f"|| cat /logs/verifier/reward.json 2>/dev/null "
+        f"|| cat /logs/verifier/reward.json 2>/dev/null || cat /logs/verifier/rewards.json 2>/dev/null "
         f"| tr -d '\n'); rm -f {out}"
     )
 
 
-def harbor_reward(text: str) -> float | None:
-    """Harbor's reward from reward.txt (a number) or reward.json ({"reward": x}); None if absent/unreadable."""
+def harbor_rewards(text: str) -> dict[str, float] | None:
+    """Harbor's rewards: reward.txt (a number: ``{"reward": x}``), reward.json (``{"reward": x}``) or
+    rewards.json (named rewards, ``{"name": x, ...}``); the numeric entries, or None if absent/unreadable."""
     import json
 
     text = text.strip()
     if not text:
         return None
     try:
-        return float(text)
+        return {"reward": float(text)}
     except ValueError:
         pass
     try:
         v = json.loads(text)
     except json.JSONDecodeError:
         return None
-    r = v.get("reward") if isinstance(v, dict) else None
-    return float(r) if isinstance(r, (int, float)) else None
+    if not isinstance(v, dict):
+        return None
+    out = {str(k): float(x) for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)}
+    return out or None
+
+
+def harbor_reward(text: str) -> float | None:
+    """The one reward: ``reward`` if named, else the least of the named ones (all must be met)."""
+    r = harbor_rewards(text)
+    return None if r is None else r.get("reward", min(r.values()))
 
 
 def split_output(text: str, nonce: str) -> tuple[int | None, str | None, str]:
@@ -361,7 +373,9 @@ def _script_result(task: Task, code: int, out: str, nonce: str, dt: float) -> tu
         return VerifyResult.from_tests(tests, detail, dt, path="script"), True
     ran_nothing = task.test_script is not None and needs_network(task.test_script) and not _SUMMARY_HDR.search(text)
     if task.format == "tb2" and reward is not None:
-        res = VerifyResult.from_tests({"reward": reward >= 1}, f"reward {reward:g}\n" + text[-2000:], dt, path="script")
+        named = harbor_rewards(reward_text) or {}
+        parts = {k: v >= 1 for k, v in named.items()} if "reward" not in named else {"reward": reward >= 1}
+        res = VerifyResult.from_tests(parts, f"reward {reward:g}\n" + text[-2000:], dt, path="script")
         return res, reward >= 1 or not ran_nothing
     name = "run-tests.sh" if task.format == "tb1" else "test.sh"  # no per-test results: its exit status
     res = VerifyResult.from_tests({name: code == 0}, (detail + "\n" + text[-2000:]).strip(), dt, path="script")

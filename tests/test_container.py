@@ -406,3 +406,16 @@ async def test_a_task_s_declared_memory_and_cpus_limit_its_container(base_image:
         r = await sb.exec("cat /sys/fs/cgroup/memory.max 2>/dev/null || "
                           "cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
         assert r.output.strip() == str(300 << 20), r
+
+
+async def test_harbor_named_rewards_count_as_tests(base_image: str, tmp_path: Path) -> None:
+    import shutil
+
+    t = tmp_path / "named"
+    shutil.copytree(FIXTURES / "tb2/exit-status-only", t)
+    (t / "tests" / "test.sh").write_text(  # Harbor's rewards.json: one reward per named criterion
+        '#!/bin/bash\ncd "$T1_WORKDIR"\nd=0; [ -d logs ] && d=1\nf=0; [ -f logs/app.log ] && f=1\n'
+        'echo "{\\"dir\\": $d, \\"file\\": $f, \\"never\\": 0}" > /logs/verifier/rewards.json\n')
+    r = await run_policy(load_task(t), OracleAgent(), backend=ContainerBackend(config=FAST))
+    assert (r.verify.path, r.verify.tests) == ("script", {"dir": True, "file": True, "never": False}), r.verify
+    assert (r.verify.passed, r.verify.resolved) == (2, False)

@@ -132,3 +132,16 @@ def test_a_bad_resource_size_says_which_field(tmp_path: Path) -> None:
     (t / "task.toml").write_text('[environment]\nmemory = "lots"\n')
     with pytest.raises(TaskFormatError, match=r"environment.memory' must be a size like"):
         load_task(t)
+
+
+@pytest.mark.parametrize("text, rewards, reward", [
+    ("1\n", {"reward": 1.0}, 1.0),
+    ('{"reward": 0.75}', {"reward": 0.75}, 0.75),
+    ('{"build": 1, "tests": 0, "note": "x"}', {"build": 1.0, "tests": 0.0}, 0.0),  # rewards.json: all must be met
+    ("", None, None),
+    ("garbage", None, None),
+])
+def test_harbor_reward_files_are_read(text: str, rewards: dict | None, reward: float | None) -> None:
+    from sandbox_agent.verifier import harbor_reward, harbor_rewards
+
+    assert harbor_rewards(text) == rewards and harbor_reward(text) == reward
