@@ -152,3 +152,42 @@ def test_learner_pid_and_cpu_seconds_from_proc(tmp_path):
         pass
     assert before is not None and cpu_s(os.getpid()) > before
     assert cpu_s(2**22 + 12345) is None  # no such process
+
+
+def test_why_names_each_measured_reason():
+    from bench.staleness import overlap, why
+
+    base = {"tokens_per_turn": 276.0, "train_s_per_ktok": 1.36, "learner_cpu_share": 0.95}
+    sync = {**base, "eta": 0, "turns_per_s": 1.44, "t_sample_s": 112.0, "t_train_s": 132.0,
+            "overlap_bound": 244 / 132, "sampler_idle": 0.63}  # fmt: skip
+    slow = {**base, "eta": 4, "turns_per_s": 1.66, "sampler_idle": 0.35, "tokens_per_turn": 343.0,
+            "train_s_per_ktok": 1.76, "learner_cpu_share": 0.32}  # fmt: skip
+    lines = why([sync, slow], overlap([sync, slow]))
+    assert len(lines) == 4, lines
+    assert "must idle >= 15%" in lines[0] and "1.24x the tokens per turn" in lines[1]
+    assert "1.29x as long" in lines[2] and "at η=4 the learner ran only 32%" in lines[3]
+    fine = {**slow, "turns_per_s": 1.44 * 1.8, "sampler_idle": 0.1, "tokens_per_turn": 276.0, "train_s_per_ktok": 1.36}
+    sync_fast_sampler = {**sync, "t_sample_s": 132.0, "t_train_s": 112.0, "overlap_bound": 244 / 132}
+    assert why([sync_fast_sampler, fine], overlap([sync_fast_sampler, fine])) == []  # targets met: nothing to say
+
+
+def test_main_prints_the_overlap_and_the_json_line(tmp_path, monkeypatch, capsys):
+    """main() on rows as run_one returns them (the loop itself is the bench's real work, minutes long)."""
+    import json
+
+    import bench.staleness as bs
+
+    row = {"max_staleness": 0, "stale_masked_tokens": 0, "steps": 9, "turns_trained": 288, "staleness_hist": {},
+           "credit_waits": 10, "credit_wait_s": 5.0, "credit_wait_mean_s": 0.5, "credit_wait_p99_s": 2.0,
+           "credit_wait_max_s": 3.0, "credit_wait_share": 0.5, "mismatch": 0.0, "policy_shift": 0.0,
+           "tokens_per_turn": 276.0, "train_s_per_ktok": 1.36, "t_train_s": 132.0, "t_sample_s": 112.0,
+           "t_first": 0.0, "t_last": 244.0, "overlap_bound": 244 / 132, "learner_cpu_share": 0.36}  # fmt: skip
+    rows = {0: {**row, "eta": 0, "turns_per_s": 1.44, "sampler_idle": 0.63},
+            4: {**row, "eta": 4, "turns_per_s": 1.66, "sampler_idle": None, "max_staleness": 2}}  # fmt: skip
+    monkeypatch.setattr(bs, "run_one", lambda eta, args, root: rows[eta])
+    assert bs.main(["--etas", "0,4", "--out", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "1.85x" in out and "1.15x" in out and "why not: at η=0 the learner ran only 36%" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["async_over_sync"] == pytest.approx(1.66 / 1.44) and result["sampler_idle_async"] is None
+    assert not result["targets_met"] and result["staleness_ok"] and (tmp_path / "staleness.png").is_file()
