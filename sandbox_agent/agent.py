@@ -40,7 +40,7 @@ from t1async.errors import SamplerError, SandboxError
 from t1async.log import get_logger
 from t1async.sampler.base import Generation, Sampler, SamplingParams
 from t1async.tito import common_prefix_len
-from t1async.wire import EndReason
+from t1async.wire import EndReason, Finish
 
 log = get_logger("sandbox_agent.agent")
 
@@ -84,7 +84,7 @@ class TurnResult:
     input_ids: np.ndarray  # int32, the full input of this turn
     output_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
-    finish: str
+    finish: Finish
     weight_version: int
     routing: np.ndarray | None
     routing_start: int

@@ -27,7 +27,10 @@ _DTYPES = {"i4": "<i4", "f4": "<f4", "u1": "u1", "u2": "<u2", "i2": "<i2", "i8":
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-class Finish(str, Enum):
+class Finish(StrEnum):
+    """How a sample ended: a sampler's ``Generation.finish`` and the turn record's, one type. A StrEnum, so it
+    prints and formats as its value ("stop") and equals it."""
+
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"

@@ -38,6 +38,18 @@ async def test_conformance_memory_sampler():
         await check_sampler(m, prompt=[5, 6, 7, 8, 9], vocab_size=500, layers=3, topk=2, experts=6)
 
 
+def test_a_generation_finish_is_the_wire_finish():
+    """One finish type from the sampler to the turn record: Generation.finish is a wire.Finish (a str given
+    is converted), which prints and compares as its value."""
+    from t1async.sampler.base import Generation
+    from t1async.wire import Finish
+
+    g = Generation(np.arange(3, dtype=np.int32), np.zeros(3, np.float32), "length", 0)
+    assert g.finish is Finish.LENGTH and g.finish == "length" and f"{g.finish}" == "length"
+    with pytest.raises(ValueError, match="'done' is not a valid Finish"):
+        Generation(np.arange(3, dtype=np.int32), np.zeros(3, np.float32), "done", 0)
+
+
 async def test_conformance_catches_a_broken_sampler():
     class Wrong(MemorySampler):
         async def generate(self, *a, **kw):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from t1async.wire import Finish
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -62,7 +64,7 @@ class Generation:
 
     output_ids: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n]
-    finish: str  # "stop" | "length" | "abort"
+    finish: Finish  # STOP | LENGTH | ABORT; a str given ("stop") is converted, an unknown one raises ValueError
     weight_version: int
     routing: np.ndarray | None = None
     routing_start: int = 0
@@ -75,6 +77,10 @@ class Generation:
     # None: the sampler did not say, read ``weight_version`` for all of them
     output_versions: np.ndarray | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.finish, Finish):
+            object.__setattr__(self, "finish", Finish(self.finish))
 
 
 class Sampler(Protocol):

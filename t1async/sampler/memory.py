@@ -25,6 +25,7 @@ from anyio.lowlevel import checkpoint
 from t1async.errors import SamplerRequestError
 from t1async.sampler.base import Generation, SamplingParams
 from t1async.sampler.client import SamplerClosedError, routing_dtype
+from t1async.wire import Finish
 
 Script = Callable[[Sequence[int]], Sequence[int]]
 
@@ -185,7 +186,7 @@ class MemorySampler:
         return Generation(
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=logprobs,
-            finish=finish,
+            finish=Finish(finish),
             weight_version=v1,
             routing=routing,
             routing_start=start,

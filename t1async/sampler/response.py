@@ -21,6 +21,7 @@ import numpy as np
 
 from t1async.errors import SamplerError, SamplerVersionError
 from t1async.sampler.base import Generation
+from t1async.wire import Finish
 
 if TYPE_CHECKING:
     from t1async.sampler.protocol import GenerateInput
@@ -153,7 +154,7 @@ def parse_generation(
     return Generation(
         output_ids=output_ids,
         logprobs=logprobs,
-        finish=finish if finish in ("stop", "length", "abort") else "abort",
+        finish=Finish(finish) if finish in ("stop", "length", "abort") else Finish.ABORT,
         weight_version=version,
         output_versions=versions,
         routing=routing,
