@@ -1,10 +1,9 @@
 """A micro-family for learning in CI (``tests/test_learning_ci.py``): one command, four tests.
 
-``touch4``: "create the files `a.txt`, `b.txt`, `c.txt` and `d.txt`"; the oracle is one ``touch`` naming the
-four words; each file is its own test, so a reply that copies three of the four names right earns 3 of 4 (a
-dense reward with signal from the first step). A few dozen SFT steps from random weights give a policy that
-copies some names and misses others when sampled at temperature 1: RL on it raises the mean reward within a
-few minutes on 2 cores. The ``micro`` warm-start recipe (``t1async.learner.warmstart``) trains it.
+``touch4``: "create these four files: a.txt b.txt c.txt d.txt"; the oracle is one ``touch`` naming the four
+words; each file is its own test, so a reply that copies three of the four names right earns 3 of 4 (a dense
+reward with signal from the first step). The ``micro`` warm-start recipe (``t1async.learner.warmstart``, 240
+SFT steps) copies all four greedily and 3.33 of 4 on average sampled at temperature 1.
 
 Not in the default corpus: ``generate(..., families=["touch4"])`` names it.
 """
@@ -23,8 +22,10 @@ NAMES = ("log", "data", "out", "config", "main", "src", "report", "notes", "resu
 
 def touch4_family(rng: random.Random) -> SynthSpec:
     names = pick(rng, NAMES, 4)
-    listed = ", ".join(f"`{n}.txt`" for n in names[:3]) + f" and `{names[3]}.txt`"
-    instr = f"In the current directory, create the files {listed}."
+    # the names as the reply writes them (" data" is one token in both): copying is a lookup, not a mapping
+    # from "`data" to " data" that a few SFT steps do not learn (the backticked version stayed at chance)
+    listed = " ".join(f"{n}.txt" for n in names)
+    instr = f"In the current directory, create these four files: {listed}"
     sol = "touch " + " ".join(f"{n}.txt" for n in names) + "\n"
     tests = "".join(f"""
 
