@@ -51,8 +51,8 @@ FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
 EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "mkfile": mkfile_family,
     "copy": copy_family,
-    "touch4": touch4_family,
-    "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)  # one command, four tests: the CI learning test's family (synth/micro.py)
+    "touch4": touch4_family,  # one command, four tests: the CI learning test's family (synth/micro.py)
+    "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}
 
