@@ -335,3 +335,57 @@ def test_all_positive_rewards_still_lower_the_worse_replies_tokens():
     after = logp_of(model, good, 3), logp_of(model, poor, 3)
     assert after[0] > before[0] + 0.1
     assert after[1] < before[1] - 0.1  # ...but the below-average reply is made less likely
+
+
+@pytest.mark.parametrize("critic", ["shared", "detached"])
+def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
+    """With ``critic="detached"`` the value loss trains the value head only: the trunk and the LM head move the
+    same whatever ``value_coef`` is (with a shared critic they do not), and the value head still learns."""
+    from t1async.learner.trainer import ConfigError
+
+    toks = np.random.default_rng(5).integers(0, CFG.vocab_size, size=60)
+    runs = []
+    for coef in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = tiny()
+        segs = [sampled_segment(model, toks, range(30, 60), reward=4.0),
+                sampled_segment(model, toks[:40], range(20, 40), reward=0.0, episode="b")]  # fmt: skip
+        cfg = TrainerConfig(lr=1e-3, critic=critic, loss=ppo.LossConfig(value_coef=coef))
+        Trainer(model, cfg).step(segs, 0)
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    (no_v, with_v), head = runs, "value_head.weight"
+    policy = [n for n in no_v if not n.startswith("value_head")]
+    moved = max(float((with_v[n] - no_v[n]).abs().max()) for n in policy)
+    if critic == "detached":
+        assert moved == 0.0, f"the value loss moved the policy's weights by {moved}"
+        assert not torch.equal(with_v[head], no_v[head])  # the head itself learns from the value loss
+    else:
+        assert moved > 1e-6  # the shared critic's loss reaches the trunk
+    with pytest.raises(ConfigError, match="critic must be 'shared' or 'detached'"):
+        TrainerConfig(critic="frozen")
+
+
+def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
+    import argparse
+
+    from t1async.cluster import components
+    from t1async.cluster.config import add_up_arguments, from_args
+    from t1async.errors import ConfigError
+    from t1async.learner import serve_cli
+
+    def learner_argv(*argv: str) -> list[str]:
+        p = argparse.ArgumentParser()
+        p.add_argument("--run-dir", default=str(tmp_path))
+        add_up_arguments(p)
+        cfg = from_args(p.parse_args(list(argv)))
+        return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
+
+    argv = learner_argv("--critic", "detached")
+    assert argv[argv.index("--critic") + 1] == "detached"
+    assert "--critic" not in learner_argv()  # the default stays off the command line
+    p = argparse.ArgumentParser()
+    serve_cli.add_parser(p.add_subparsers())
+    args = p.parse_args(argv[argv.index("serve"):])
+    assert args.critic == "detached"
+    with pytest.raises(ConfigError, match="--critic must be shared or detached"):
+        from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))

@@ -150,6 +150,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         learner += ["--model", str(model)]
     if cfg.no_replay:
         learner.append("--no-replay")
+    if cfg.critic != "shared":
+        learner += ["--critic", cfg.critic]
     if cfg.wandb:
         learner.append("--wandb")
     for u in urls:

@@ -61,6 +61,7 @@ class UpConfig:
     lease: float = 180.0
     actor_timeout: float = 15.0
     no_replay: bool = False
+    critic: str = "shared"  # shared | detached: whether the value loss trains the trunk (TrainerConfig.critic)
     weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
     weight_bucket_mb: float = 64.0
     learner_cpus: str = ""  # taskset CPU list the learner runs on (e.g. "1"); "": any CPU
@@ -86,6 +87,8 @@ class UpConfig:
         for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.critic not in ("shared", "detached"):
+            raise ConfigError(f"--critic must be shared or detached, got {self.critic!r}")
         if self.weight_sync not in ("disk", "distributed"):
             raise ConfigError(f"--weight-sync must be disk or distributed, got {self.weight_sync!r}")
         if not self.weight_bucket_mb > 0:
@@ -235,6 +238,8 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--actor-timeout", type=float, default=None, help="seconds an actor may go without a heartbeat "
                    f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})")  # fmt: skip
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
+    g.add_argument("--critic", choices=["shared", "detached"], default=None, help="shared: the value loss trains "
+                   "the trunk too; detached: the value head only, clipped on its own (default shared)")  # fmt: skip
     g.add_argument("--weight-sync", default=None, choices=("disk", "distributed"), help="how each version reaches "
                    "the samplers: /update_weights_from_disk, or SGLang's /update_weights_from_distributed over a "
                    f"gloo group (default {d.weight_sync})")  # fmt: skip

@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "before its credits are released and its open episodes end as aborted (default 15)")  # fmt: skip
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
+    s.add_argument("--critic", choices=["shared", "detached"], default="shared", help="shared: the value loss "
+                   "trains the trunk with the policy; detached: it trains the value head only, whose gradient is "
+                   "clipped on its own (default shared)")  # fmt: skip
     s.add_argument("--microbatch-tokens", type=int, default=65536, help="padded tokens per forward (default 65536; "
                    "a step that fits in one micro-batch needs one forward instead of two)")  # fmt: skip
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
@@ -82,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
     cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
                         batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease,
                         actor_timeout_s=args.actor_timeout, durable=args.durable, wandb=args.wandb,
-                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay,
+                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay, critic=args.critic,
                                               microbatch_tokens=args.microbatch_tokens))  # fmt: skip
 
     async def main() -> None:

@@ -56,8 +56,16 @@ class TrainerConfig:
     # recompute each block in the backward pass instead of keeping its activations (~72 KB a token with the
     # shipped model; kept instead: each block's input, 0.5 KB a token a layer): one more forward per pass
     checkpoint_blocks: bool = True
+    # "shared": the value loss trains the trunk with the policy (one model, one clip). "detached": the value head
+    # reads detached hidden states, so its loss trains the head only, and the head's gradient is clipped on its
+    # own: the critic neither moves the policy's weights nor shrinks its step. On the touch4 warm start at lr
+    # 2e-4 the shared critic's gradient (returns 0-4, values ~0) set the trunk's update and the policy collapsed
+    # to invalid replies in 9 steps; detached it did not (README, "Learning in CI").
+    critic: str = "shared"
 
     def __post_init__(self) -> None:
+        if self.critic not in ("shared", "detached"):
+            raise ConfigError(f"TrainerConfig.critic must be 'shared' or 'detached', got {self.critic!r}")
         if self.discount_per not in ("turn", "token"):
             raise ConfigError(f"TrainerConfig.discount_per must be 'turn' or 'token', got {self.discount_per!r}")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
@@ -104,8 +112,11 @@ class Trainer:
         # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
         out = self.model(b.tokens, replay=rp, logits=False, checkpoint_blocks=self.config.checkpoint_blocks)
         logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
+        v = out.values
+        if self.config.critic == "detached":  # same values; the value loss reaches the head only
+            v = self.model.value_head(out.hidden.detach()).squeeze(-1).float()
         # value of the state token p was chosen in = value head at p - 1
-        vals = torch.cat([torch.zeros_like(out.values[:, :1]), out.values[:, :-1]], dim=1)
+        vals = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         return out, logp, vals, ent
 
     def _advantages(
@@ -248,8 +259,13 @@ class Trainer:
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradients and step; a non-finite norm skips the step. Returns the norm."""
         cfg = self.config
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        if cfg.critic == "detached":  # the head's gradient is clipped on its own, the policy's norm reported
+            head = {id(p) for p in self.model.value_head.parameters()}
+            torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in head], clip)
+            params = [p for p in params if id(p) not in head]
+        gn = torch.nn.utils.clip_grad_norm_(params, clip)
         grad_norm = float(gn)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
