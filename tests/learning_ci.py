@@ -11,16 +11,16 @@ create, one test each) and the reward per trained turn (tests passed by the one 
 
 The warm start is built once (seeded, cached; ``python -m t1async.learner.warmstart --recipe micro``).
 
-NOT IN THE SUITE YET (the file is not named test_*.py, so pytest does not collect it): on 2026-12-01 it
-failed every time it ran, because the reward does not rise. Run it by name:
+NOT IN THE SUITE YET (the file is not named test_*.py, so pytest does not collect it): the reward does not
+rise yet. Run it by name:
 
     .venv/bin/python -m pytest -q tests/learning_ci.py
 
-Seen (reward per turn, tests of 4, per step; 16 turns a step): the 80-step warm start, lr 1e-4, eta 0: flat
-at 0.25-0.69 over 15 steps; the 200-step warm start, lr 2e-4, eta 0: 1.06 0.81 0.50 1.06 0.88 ... 0.62 0.56
-then 0.06 0.00 0.00 0.00 (steps 17-20: collapsed); lr 5e-4, eta 1, 80-step warm start: 0.56 ... 0.50 then 0.00
-from step 6; lr 5e-5, 200-step warm start: first 5 steps 0.75, last 5 0.70 (20 steps). The mismatch on same-version
-tokens (eta 0) was ~1e-7. Why RL lowers the reward here is not found yet (README, "Learning in CI").
+Seen on 2026-12-01 (reward per turn, tests of 4, 16 turns a step, README "Learning in CI"): the old warm start
+(backticked names) was at chance and RL was flat or collapsed; on the 240-step warm start (greedy 4.00 and
+3.33 of 4 at T = 1 on 64 tasks), lr 5e-5, ``--critic detached``: 3.25 3.62 3.19 3.62 3.00 ... 3.44 3.06
+3.12 3.50 over 30 steps (first 5: 3.34, last 5: 3.26): stable, no rise. The mismatch on same-version
+tokens (eta 0) is ~1e-7.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ KILL_AT = 20  # the learner is SIGKILLed once it has published this version...
 RESUME_TO = 28  # ...and the restarted cluster trains on to this step
 FIRST, LAST = 5, 5  # steps averaged at the start and at the end of the first run
 MARGIN = 0.3  # tests passed per turn, of 4
-THRESHOLD = 1.5
+THRESHOLD = 3.0  # the warm start samples 3.33 of 4 at T = 1: a collapse falls far below
 MISMATCH_BOUND = 0.02
 
 
@@ -55,7 +55,7 @@ def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "t1async.cluster", "up", "--plain", "--run-dir", str(run), "--tasks", str(tasks),
             "--warm-start", "micro", "--steps", str(steps), "--seed", "0", "--actors", "1", "--concurrency", "8",
             "--max-turns", "1", "--max-new-tokens", "40", "--max-context", "1024", "--verify-every", "1",
-            "--temperature", "1.0", "--batch-turns", "16", "--max-staleness", "0", "--lr", "5e-5",
+            "--temperature", "1.0", "--batch-turns", "16", "--max-staleness", "0", "--lr", "5e-5", "--critic", "detached",
             "--sampler-max-batch", "16", "--prefix-cache-tokens", "0"]  # fmt: skip
 
 
