@@ -28,6 +28,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_staleness": 1,
         "batch_turns": 16,
         "lr": 6e-5,
+        "critic": "detached",  # the value loss trains the value head only (TrainerConfig.critic)
         "sampler_max_batch": 16,
     },
 }
