@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -147,12 +148,19 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
     print("rl: " + " ".join(argv[1:]), flush=True)
     with open(run_dir.parent / "cluster-up.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+        # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
+        # `cluster up` and its components running)
+        old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # the supervisor stops every component it started
-            rc = proc.wait(timeout=120)
-            print(f"rl: stopped after {timeout_s:.0f} s (--rl-timeout)", flush=True)
+            print(f"rl: stopping after {timeout_s:.0f} s (--rl-timeout)", flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, old)
+            if proc.poll() is None:
+                proc.terminate()  # the supervisor stops every component it started
+                proc.wait(timeout=120)
+        rc = proc.returncode
     ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
         raise SystemExit(f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "

@@ -185,3 +185,41 @@ async def test_chores_doing_the_whole_menu_passes_no_test(tmp_path):
         (p / "solution.sh").write_text("#!/bin/bash\n" + "\n".join(m[1] for m in MENU) + "\n")
     rows = await check_tasks([load_task(p) for p in paths], concurrency=3)
     assert [(r.oracle.passed, r.oracle.total) for r in rows] == [(0, 4)] * 3
+
+
+def test_bench_learning_sigterm_stops_its_cluster(tmp_path):
+    """A SIGTERMed bench.learning stops the `cluster up` it started (before, the child kept running)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "bench.py"
+    script.write_text(f"""
+import subprocess, sys
+sys.path.insert(0, {os.getcwd()!r})
+import bench.learning as bl
+orig = subprocess.Popen
+bl.subprocess.Popen = lambda argv, **kw: orig(["/bin/sh", "-c", "echo $$ > {tmp_path}/child.pid; exec sleep 300"], **kw)
+(open("{tmp_path}/ready", "w").close())
+bl.run_rl(__import__("pathlib").Path("{tmp_path}/rl"), __import__("pathlib").Path("{tmp_path}"), 1, [], 600)
+""")
+    bench = subprocess.Popen([sys.executable, str(script)])
+    pid_file = tmp_path / "child.pid"
+    for _ in range(600):
+        if pid_file.is_file() and pid_file.read_text().strip():
+            break
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) != 0
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("cluster up (the stand-in child) outlived the SIGTERMed bench")
