@@ -33,13 +33,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Sequence
 
 import numpy as np
 
 from bench._common import emit_json, print_grid
+from bench.learning_stats import figure, learning_curve, paired_diff, per_task, plot
 from t1async.log import configure, get_logger
 
 log = get_logger("bench.learning")
@@ -75,70 +76,6 @@ def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns:
     return anyio.run(go, backend="trio")
 
 
-def per_task(rows: Sequence[dict]) -> dict[str, tuple[float, float]]:
-    """task -> (share of its episodes resolved, mean tests passed)."""
-    by: dict[str, list[dict]] = {}
-    for r in rows:
-        by.setdefault(r["task"], []).append(r)
-    return {t: (float(np.mean([e["resolved"] for e in es])), float(np.mean([e["tests_passed"] for e in es])))
-            for t, es in by.items()}  # fmt: skip
-
-
-def paired_diff(before: dict, after: dict, idx: int, seed: int = 0, resamples: int = 4000) -> dict:
-    """Mean over tasks of after - before, with a paired percentile bootstrap CI (tasks resampled)."""
-    tasks = sorted(set(before) & set(after))
-    d = np.array([after[t][idx] - before[t][idx] for t in tasks])
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
-    lo, hi = np.quantile(means, [0.025, 0.975])
-    return {"mean": float(d.mean()), "ci95": [float(lo), float(hi)], "tasks": int(d.size)}
-
-
-def figure(scores: dict, idx: int, seed: int = 0) -> dict:
-    from t1async.eval.stats import bootstrap_ci
-
-    v = [s[idx] for s in scores.values()]
-    lo, hi = bootstrap_ci(v, seed=seed)
-    return {"mean": float(np.mean(v)) if v else float("nan"), "ci95": [lo, hi]}
-
-
-def learning_curve(metrics: Path) -> list[dict]:
-    """Per learner step: reward per trained turn, mean |Δlogp|, and the resolved share of the episodes the
-    actors finished between the previous step and this one (from the actors' cumulative counters, by time)."""
-    steps: dict[int, dict] = {}
-    deltas: list[tuple[float, int, int, int]] = []  # (t, episodes, resolved, tests) ended since the last report
-    last: dict[str, tuple[int, int, int]] = {}  # actor -> (episodes_done, resolved, tests_passed) seen so far
-    if not metrics.is_file():
-        return []
-    for line in metrics.read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if m.get("component") == "learner" and m.get("step", 0) >= 1 and "reward_sum" in m:
-            if int(m["step"]) not in steps:  # the first report of a step is when it finished
-                steps[int(m["step"])] = {"step": int(m["step"]), "t": float(m.get("t", 0.0)),
-                                         "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
-                                         "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
-                                         "loss": float(m.get("loss", float("nan")))}  # fmt: skip
-        elif m.get("component") == "actor" and "episodes_done" in m:
-            a = str(m.get("subject", ""))
-            cur = (int(m["episodes_done"]), int(m["resolved"]), int(m["tests_passed"]))
-            prev = last.get(a, (0, 0, 0))
-            if cur[0] > prev[0]:
-                deltas.append((float(m.get("t", 0.0)), cur[0] - prev[0], cur[1] - prev[1], cur[2] - prev[2]))
-            last[a] = cur
-    rows = [steps[s] for s in sorted(steps)]
-    for i, row in enumerate(rows):
-        lo = rows[i - 1]["t"] if i else float("-inf")
-        got = [d for d in deltas if lo < d[0] <= row["t"]]
-        n = sum(d[1] for d in got)
-        row["episodes"] = n
-        row["resolved_rate"] = sum(d[2] for d in got) / n if n else float("nan")
-        row["tests_per_episode"] = sum(d[3] for d in got) / n if n else float("nan")
-    return rows
-
-
 def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float) -> Path:
     """The real cluster (``cluster up --preset learn``) for ``steps`` learner steps; the last checkpoint."""
     from t1async.learner.checkpoint import latest_checkpoint
@@ -167,38 +104,6 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
                          f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}")  # fmt: skip
     print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.version})", flush=True)
     return Path(ck.path)
-
-
-def plot(curve: list[dict], table: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    xs = [r["step"] for r in curve]
-    ax[0].plot(xs, [r["reward_per_turn"] for r in curve], label="reward / trained turn")
-    ax[0].plot(xs, [r["resolved_rate"] for r in curve], "o-", ms=3, label="resolved (episodes ended at v-1)")
-    ax[0].set_xlabel("learner step")
-    ax[0].legend()
-    ax[0].set_title("training")
-    ax[1].plot(xs, [r["mean_abs_dlogp"] for r in curve])
-    ax[1].axhline(0.02, color="r", ls="--", label="bound 0.02")
-    ax[1].set_xlabel("learner step")
-    ax[1].set_title("mean |Δlogp| sampler vs learner")
-    ax[1].legend()
-    names = ["pass@1", "tests/4"]
-    for _j, (who, off) in enumerate((("before", -0.2), ("after", 0.2))):
-        vals = [table[who]["pass1"]["mean"], table[who]["tests"]["mean"] / 4]
-        err = [[v - lo for v, lo in zip(vals, (table[who]["pass1"]["ci95"][0], table[who]["tests"]["ci95"][0] / 4))],
-               [hi - v for v, hi in zip(vals, (table[who]["pass1"]["ci95"][1], table[who]["tests"]["ci95"][1] / 4))]]
-        ax[2].bar(np.arange(2) + off, vals, 0.4, yerr=err, label=who, capsize=3)
-    ax[2].set_xticks(range(2), names)
-    ax[2].set_title("held-out eval split")
-    ax[2].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -288,12 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         fam[name] = {f: {"resolved": float(np.mean([r["resolved"] for r in rs])),
                          "tests": float(np.mean([r["tests_passed"] for r in rs])), "episodes": len(rs)}
                      for f, rs in sorted(by.items())}  # fmt: skip
-    print_grid(["family", "resolved before", "after", "tests before", "after"],
-               [[f, fam["before"][f]["resolved"], fam["after"].get(f, {}).get("resolved", float("nan")),
-                 fam["before"][f]["tests"], fam["after"].get(f, {}).get("tests", float("nan"))] for f in fam["before"]]
-               + [[f"OOD {f}", fam["ood_before"][f]["resolved"], fam["ood_after"].get(f, {}).get("resolved", float("nan")),
-                   fam["ood_before"][f]["tests"], fam["ood_after"].get(f, {}).get("tests", float("nan"))]
-                  for f in fam["ood_before"]], title="\nper family (OOD: default families, never trained on, no target)")  # fmt: skip
+    def fam_row(label: str, b: dict, a: dict) -> list:
+        return [label, b["resolved"], a.get("resolved", float("nan")), b["tests"], a.get("tests", float("nan"))]
+
+    rows = [fam_row(f, fam["before"][f], fam["after"].get(f, {})) for f in fam["before"]]
+    rows += [fam_row(f"OOD {f}", fam["ood_before"][f], fam["ood_after"].get(f, {})) for f in fam["ood_before"]]
+    print_grid(["family", "resolved before", "after", "tests before", "after"], rows,
+               title="\nper family (OOD: default families, never trained on, no target)")  # fmt: skip
     dl = [r["mean_abs_dlogp"] for r in curve if np.isfinite(r["mean_abs_dlogp"])]
     tb, ta = table["before"]["tests"]["mean"], table["after"]["tests"]["mean"]
     checks = {
