@@ -26,8 +26,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "temperature": 1.0,
         "verify_every": 1,
         "max_staleness": 1,
-        "batch_turns": 16,
-        "lr": 6e-5,
+        "batch_turns": 64,
+        "lr": 3e-5,
         "critic": "detached",  # the value loss trains the value head only (TrainerConfig.critic)
         "sampler_max_batch": 16,
     },
