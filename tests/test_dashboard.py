@@ -77,6 +77,8 @@ def test_figures_over_nothing_are_dashes_not_zeros():
     assert "policy v3 step 3 training |" in text(view)
     view.on_metrics("learner", "learner", 3, 3, learner(3, training=False, untrained_turns=5))
     assert "policy v3 step 3 waiting (5 turns in hand) |" in text(view)
+    view.on_metrics("learner", "learner", 3, 3, learner(3, training=True, learner_ranks=2))
+    assert "policy v3 step 3 on 2 ranks training |" in text(view), "a distributed learner says so"
     view.on_metrics("learner", "learner", 4, 4, learner(4, mismatch=0.0, mismatch_tokens=0))
     assert f"mismatch {DASH}" in text(view), "a mismatch over no tokens is not a figure"
 

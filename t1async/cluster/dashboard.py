@@ -280,7 +280,9 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         step_s = v.get("t_step_wall_s")
         where = DASH if split is None else " ".join(f"{k} {x:.1f}s" for k, x in split.items())
         busy = view.learner_busy()
-        out.append(("learner", f"policy v{v.get('version', 0)} step {v.get('step', 0)} {_learner_state(v)} | "
+        ranks = int(v.get("learner_ranks", 1) or 1)  # learner serve --nproc N / cluster up --learner-procs N
+        on = f" on {ranks} ranks" if ranks > 1 else ""
+        out.append(("learner", f"policy v{v.get('version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
                                f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
                                f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
                                f"busy {fmt(busy, '.0%')}"))  # fmt: skip
