@@ -34,34 +34,67 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one rollout actor: concurrent sandboxed shell episodes that sample token-in from "
         "SGLang-compatible samplers and stream every turn to the learner over NATS JetStream.",
     )
-    p.add_argument("--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL(s), comma-separated "
-                   "(default: $T1_NATS_URL)")  # fmt: skip
-    p.add_argument("--sampler-url", action="append", default=[], metavar="URL",
-                   help="a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several")  # fmt: skip
-    p.add_argument("--tasks", type=Path, required=True, help="a directory of tasks (TB1/TB2 format), e.g. made by "
-                   "`python -m sandbox_agent synth --out DIR --n 200`")  # fmt: skip
-    p.add_argument("--split", choices=("train", "eval", "all"), default="train", help="which tasks to draw (default train)")
+    p.add_argument(
+        "--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL(s), comma-separated (default: $T1_NATS_URL)"
+    )
+    p.add_argument(
+        "--sampler-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several",
+    )
+    p.add_argument(
+        "--tasks",
+        type=Path,
+        required=True,
+        help="a directory of tasks (TB1/TB2 format), e.g. made by `python -m sandbox_agent synth --out DIR --n 200`",
+    )
+    p.add_argument(
+        "--split", choices=("train", "eval", "all"), default="train", help="which tasks to draw (default train)"
+    )
     p.add_argument("--concurrency", type=int, default=4, help="episodes run at once (default 4)")
     p.add_argument("--episodes", type=int, default=0, help="stop after this many episodes (default 0: never)")
     p.add_argument("--max-turns", type=int, default=300, help="turns per episode at most (default 300)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens sampled per turn at most (default 256)")
     p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
-    p.add_argument("--context-policy", choices=tuple(POLICIES), default="truncate-observations",
-                   help="when the next input would not fit --max-context: truncate-observations (default; keeps the "
-                   "system prompt, the task and the last K turns whole, shortens older observations, drops the oldest "
-                   "turns if needed) or stop (end the episode with reason context)")  # fmt: skip
-    p.add_argument("--context-keep-turns", type=int, default=8, metavar="K",
-                   help="turns truncate-observations keeps whole (default 8)")  # fmt: skip
+    p.add_argument(
+        "--context-policy",
+        choices=tuple(POLICIES),
+        default="truncate-observations",
+        help="when the next input would not fit --max-context: truncate-observations (default; keeps the "
+        "system prompt, the task and the last K turns whole, shortens older observations, drops the oldest "
+        "turns if needed) or stop (end the episode with reason context)",
+    )
+    p.add_argument(
+        "--context-keep-turns",
+        type=int,
+        default=8,
+        metavar="K",
+        help="turns truncate-observations keeps whole (default 8)",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--verify-every", type=int, default=0, help="run the verifier every N turns for a dense "
-                   "per-turn reward (default 0: only at the end)")  # fmt: skip
+    p.add_argument(
+        "--verify-every",
+        type=int,
+        default=0,
+        help="run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
+    )
     p.add_argument("--command-timeout", type=float, default=30.0, help="seconds per shell command (default 30)")
     p.add_argument("--model", type=Path, default=None, help="model dir whose tokenizer to use (default: shipped)")
-    p.add_argument("--system-prompt-file", type=Path, default=None, metavar="FILE",
-                   help="the agent's system prompt (default: the built-in one); a warm start's model dir has its "
-                        "own, system_prompt.txt, which cluster up passes here")  # fmt: skip
-    p.add_argument("--actor-id", default=f"{socket.gethostname().split('.')[0]}-{os.getpid()}",
-                   help="this actor's name, unique across the cluster (default host-pid)")  # fmt: skip
+    p.add_argument(
+        "--system-prompt-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the agent's system prompt (default: the built-in one); a warm start's model dir has its "
+        "own, system_prompt.txt, which cluster up passes here",
+    )
+    p.add_argument(
+        "--actor-id",
+        default=f"{socket.gethostname().split('.')[0]}-{os.getpid()}",
+        help="this actor's name, unique across the cluster (default host-pid)",
+    )
     p.add_argument("--seed", type=int, default=0, help="task-draw seed")
     p.add_argument("--log-level", default=None, help="debug, info (default), warning")
     return p
@@ -69,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if not args.nats:
-        p.error("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL (a local cluster: python -m t1async.cluster up)")
+        p.error(
+            "no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL (a local cluster: python -m t1async.cluster up)"
+        )
     if not args.sampler_url:
         p.error("no sampler: pass --sampler-url http://HOST:PORT (start one: python -m t1async.sampler serve)")
     for name in ("concurrency", "max_turns", "max_new_tokens", "max_context"):
@@ -85,18 +120,27 @@ async def amain(args: argparse.Namespace) -> int:
     log = get_logger("actors")
     tokenizer = ChatTokenizer.load(args.model)
     agent = AgentConfig(
-        max_turns=args.max_turns, max_context_tokens=args.max_context, verify_every=args.verify_every,
+        max_turns=args.max_turns,
+        max_context_tokens=args.max_context,
+        verify_every=args.verify_every,
         command_timeout_s=args.command_timeout,
         context=ContextConfig(policy=args.context_policy, keep_last=args.context_keep_turns),
-        sampling=SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                stop_token_ids=tuple(tokenizer.eos_ids)),
-    )  # fmt: skip
+        sampling=SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=tuple(tokenizer.eos_ids)
+        ),
+    )
     if args.system_prompt_file is not None:
         if not args.system_prompt_file.is_file():
             raise T1Error(f"--system-prompt-file {args.system_prompt_file}: no such file")
         agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
-    config = ActorConfig(actor_id=args.actor_id, tasks_dir=args.tasks, concurrency=args.concurrency,
-                         split=args.split, episodes=args.episodes, seed=args.seed)  # fmt: skip
+    config = ActorConfig(
+        actor_id=args.actor_id,
+        tasks_dir=args.tasks,
+        concurrency=args.concurrency,
+        split=args.split,
+        episodes=args.episodes,
+        seed=args.seed,
+    )
     async with NatsTransport(args.nats) as transport, SGLangClient(args.sampler_url) as sampler:
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights

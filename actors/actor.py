@@ -47,15 +47,19 @@ class ActorConfig:
 
 def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None = None) -> list[Task]:
     if not tasks_dir.is_dir():
-        raise ConfigError(f"task directory {tasks_dir} does not exist: make one with "
-                          f"`python -m sandbox_agent synth --out {tasks_dir} --n 200`")  # fmt: skip
+        raise ConfigError(
+            f"task directory {tasks_dir} does not exist: make one with "
+            f"`python -m sandbox_agent synth --out {tasks_dir} --n 200`"
+        )
     backend = backend or AutoBackend()  # bwrap where it reproduces a task exactly, else a container
     tasks = [t for t in load_tasks(tasks_dir) if split == "all" or t.split == split]
     tasks = [t for t in tasks if backend.supports(t)]
     if not tasks:
-        raise ConfigError(f"no runnable {split!r} tasks under {tasks_dir} (tasks that need a container image are "
-                          f"skipped when podman or their base image is missing: `python -m sandbox_agent list "
-                          f"{tasks_dir}` says why)")
+        raise ConfigError(
+            f"no runnable {split!r} tasks under {tasks_dir} (tasks that need a container image are "
+            f"skipped when podman or their base image is missing: `python -m sandbox_agent list "
+            f"{tasks_dir}` says why)"
+        )
     return tasks
 
 
@@ -74,12 +78,17 @@ async def run_actor(
     rng = random.Random(config.seed)
     order = itertools.count()
     credits = CreditClient(transport, config.actor_id)
-    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend,
-                         agent, config.work_root)  # fmt: skip
+    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend, agent, config.work_root)
     stats = EpisodeStats()
     t0 = time.monotonic()
-    log.info("actor.start", actor=config.actor_id, tasks=len(tasks), concurrency=config.concurrency,
-             split=config.split, episodes=config.episodes or "unbounded")  # fmt: skip
+    log.info(
+        "actor.start",
+        actor=config.actor_id,
+        tasks=len(tasks),
+        concurrency=config.concurrency,
+        split=config.split,
+        episodes=config.episodes or "unbounded",
+    )
 
     async def worker() -> None:
         while config.episodes == 0 or next(order) < config.episodes:
@@ -93,13 +102,23 @@ async def run_actor(
     async def publish_metrics() -> None:
         el = max(time.monotonic() - t0, 1e-9)
         values = {
-            "episodes_running": stats.running, "episodes_done": stats.done, "turns": stats.turns,
-            "tokens": stats.tokens, "turns_per_s": stats.turns / el, "tokens_per_s": stats.tokens / el,
-            "resolved": stats.resolved, "tests_passed": stats.tests_passed, "tests_total": stats.tests_total,
-            **credits.wait_stats(), "reasons": dict(stats.reasons),
-            "sample_s": stats.sample_s, "exec_s": stats.exec_s, "slots": config.concurrency,
-            "compactions": stats.compactions, "empty_outputs": stats.empty_outputs,
-        }  # fmt: skip
+            "episodes_running": stats.running,
+            "episodes_done": stats.done,
+            "turns": stats.turns,
+            "tokens": stats.tokens,
+            "turns_per_s": stats.turns / el,
+            "tokens_per_s": stats.tokens / el,
+            "resolved": stats.resolved,
+            "tests_passed": stats.tests_passed,
+            "tests_total": stats.tests_total,
+            **credits.wait_stats(),
+            "reasons": dict(stats.reasons),
+            "sample_s": stats.sample_s,
+            "exec_s": stats.exec_s,
+            "slots": config.concurrency,
+            "compactions": stats.compactions,
+            "empty_outputs": stats.empty_outputs,
+        }
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
     async def heartbeat() -> None:

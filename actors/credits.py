@@ -39,9 +39,14 @@ class CreditClient:
         def pct(q: float) -> float:
             return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else 0.0
 
-        return {"credit_waits": self.granted, "credit_wait_s": self.wait_s,
-                "credit_wait_mean_s": self.wait_s / self.granted if self.granted else 0.0,
-                "credit_wait_p50_s": pct(0.5), "credit_wait_p99_s": pct(0.99), "credit_wait_max_s": self.wait_max_s}  # fmt: skip
+        return {
+            "credit_waits": self.granted,
+            "credit_wait_s": self.wait_s,
+            "credit_wait_mean_s": self.wait_s / self.granted if self.granted else 0.0,
+            "credit_wait_p50_s": pct(0.5),
+            "credit_wait_p99_s": pct(0.99),
+            "credit_wait_max_s": self.wait_max_s,
+        }
 
     async def acquire(self, episode: str, turn: int = -1) -> CreditGrant:
         t0 = time.monotonic()
@@ -102,8 +107,13 @@ class CreditedSampler:
         gen = await self.inner.generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
         if len(gen.output_ids) == 0:
             self.empty += 1
-            log.info("credit.carried", episode=self.episode, turn=self.turn, finish=gen.finish,
-                     hint="the sampler returned no tokens; this credit pays for the next sample")  # fmt: skip
+            log.info(
+                "credit.carried",
+                episode=self.episode,
+                turn=self.turn,
+                finish=gen.finish,
+                hint="the sampler returned no tokens; this credit pays for the next sample",
+            )
         else:
             self.unspent = None
             self.turn += 1

@@ -74,8 +74,14 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
         if len(t.output_ids) == 0:  # no turn on the wire: its credit and reward carry to the next turn
             encoder.skip(t)
             stats.empty_outputs += 1
-            log.warning("turn.empty", episode=episode, turn=t.turn, finish=t.finish, reward_carried=t.reward,
-                        hint="the sampler returned no tokens; not streamed, its credit pays for the next sample")  # fmt: skip
+            log.warning(
+                "turn.empty",
+                episode=episode,
+                turn=t.turn,
+                finish=t.finish,
+                reward_carried=t.reward,
+                hint="the sampler returned no tokens; not streamed, its credit pays for the next sample",
+            )
             return
         rec = encoder.encode(t)
         if t.last:  # the learner trains the episode's last turn as done even if it is cut before the end record
@@ -85,8 +91,16 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
         turns += 1
         stats.turns += 1
         stats.tokens += len(rec.output_ids) + len(rec.input_delta)
-        log.debug("turn.published", episode=episode, turn=t.turn, version=rec.policy_version, keep=rec.keep,
-                  delta=len(rec.input_delta), out=len(rec.output_ids), reward=rec.reward)
+        log.debug(
+            "turn.published",
+            episode=episode,
+            turn=t.turn,
+            version=rec.policy_version,
+            keep=rec.keep,
+            delta=len(rec.input_delta),
+            out=len(rec.output_ids),
+            reward=rec.reward,
+        )
 
     stats.running += 1
     try:
@@ -94,12 +108,26 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
         log.info("episode.start", episode=episode, task=task.id)
         try:
             res = await run_episode(
-                task, sampler=sampler, tokenizer=ctx.tokenizer, backend=ctx.backend, config=ctx.agent,
-                on_turn=on_turn, rid=episode, work_root=ctx.work_root,
+                task,
+                sampler=sampler,
+                tokenizer=ctx.tokenizer,
+                backend=ctx.backend,
+                config=ctx.agent,
+                on_turn=on_turn,
+                rid=episode,
+                work_root=ctx.work_root,
             )
-            end = EndRecord(episode, turns, EndReason(res.reason), res.tests_passed, res.tests_total,
-                            res.resolved, res.detail[:1000], res.unstreamed_reward + encoder.carried_reward,
-                            compactions=res.compactions)  # fmt: skip
+            end = EndRecord(
+                episode,
+                turns,
+                EndReason(res.reason),
+                res.tests_passed,
+                res.tests_total,
+                res.resolved,
+                res.detail[:1000],
+                res.unstreamed_reward + encoder.carried_reward,
+                compactions=res.compactions,
+            )
         except T1Error as exc:  # task setup, sandbox, transport: the episode failed, the actor goes on
             log.warning("episode.failed", episode=episode, task=task.id, error=str(exc))
             end = EndRecord(episode, turns, EndReason.ERROR, 0, 0, False, f"{type(exc).__name__}: {exc}"[:1000])
@@ -120,5 +148,13 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
         stats.resolved += int(final.resolved)
         stats.tests_passed += final.tests_passed
         stats.tests_total += final.tests_total
-        log.info("episode.end", episode=episode, task=task.id, reason=final.reason.value, turns=final.turns,
-                 passed=final.tests_passed, total=final.tests_total, resolved=final.resolved)
+        log.info(
+            "episode.end",
+            episode=episode,
+            task=task.id,
+            reason=final.reason.value,
+            turns=final.turns,
+            passed=final.tests_passed,
+            total=final.tests_total,
+            resolved=final.resolved,
+        )

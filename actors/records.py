@@ -36,18 +36,26 @@ class TurnEncoder:
         if t.routing is not None:
             routing = Routing(int(t.routing_start), np.asarray(t.routing))
         rec = TurnRecord(
-            episode=self.episode, turn=self.turns, keep=keep,
+            episode=self.episode,
+            turn=self.turns,
+            keep=keep,
             policy_version=version,
-            input_delta=inp[keep:].copy(), input_len=len(inp), input_digest=digest_ids(inp),
+            input_delta=inp[keep:].copy(),
+            input_len=len(inp),
+            input_digest=digest_ids(inp),
             output_ids=np.asarray(t.output_ids, dtype=np.int32),
             output_logprobs=np.asarray(t.logprobs, dtype=np.float32),
             finish=Finish(t.finish if t.finish in ("stop", "length", "abort") else "stop"),
-            routing=routing, reward=float(t.reward) + self.carried_reward,
+            routing=routing,
+            reward=float(t.reward) + self.carried_reward,
             tests_passed=-1 if t.tests_passed is None else int(t.tests_passed),
-            t_sample_s=float(t.t_sample_s), t_exec_s=float(t.t_exec_s),
+            t_sample_s=float(t.t_sample_s),
+            t_exec_s=float(t.t_exec_s),
             action=t.action_text[:2000] if t.action_kind == "bash" else t.action_kind,
-            observation=t.observation[:2000], compacted=bool(t.compacted), output_versions=versions,
-        )  # fmt: skip
+            observation=t.observation[:2000],
+            compacted=bool(t.compacted),
+            output_versions=versions,
+        )
         self.seq = np.concatenate([inp, rec.output_ids])
         self.turns += 1
         self.carried_reward = 0.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

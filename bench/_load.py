@@ -15,6 +15,7 @@ import numpy as np
 
 from bench._common import Progress, stats_ms
 
+
 @dataclass
 class Outcome:
     prompt_len: int
@@ -28,12 +29,16 @@ class Outcome:
     cached_tokens: int = 0
 
 
-async def stream_generate(client: httpx.AsyncClient, url: str, ids: list[int], output_len: int,
-                          temperature: float, stream: bool = True) -> Outcome:
+async def stream_generate(
+    client: httpx.AsyncClient, url: str, ids: list[int], output_len: int, temperature: float, stream: bool = True
+) -> Outcome:
     """One streaming /generate; TTFT at the first chunk carrying tokens, ITL between token-carrying chunks.
     With ``stream=False`` one plain POST, and TTFT = latency (as bench_serving's --disable-stream)."""
-    body = {"input_ids": ids, "stream": stream,
-            "sampling_params": {"max_new_tokens": output_len, "temperature": temperature, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": output_len, "temperature": temperature, "ignore_eos": True},
+    }
     out = Outcome(prompt_len=len(ids))
     t0 = last = time.perf_counter()
     seen = 0
@@ -96,19 +101,29 @@ async def _plain_generate(client: httpx.AsyncClient, url: str, body: dict, out: 
     return out
 
 
-def summarize(outcomes: list[Outcome], duration: float, *, concurrency: int, request_rate: float,
-              input_len: int, output_len: int) -> dict:
+def summarize(
+    outcomes: list[Outcome], duration: float, *, concurrency: int, request_rate: float, input_len: int, output_len: int
+) -> dict:
     ok = [o for o in outcomes if o.ok]
     tin = sum(o.prompt_len for o in ok)
     tout = sum(len(o.output_ids) for o in ok)
     tpot = [(o.latency - o.ttft) / (len(o.output_ids) - 1) for o in ok if len(o.output_ids) > 1]
     d = max(duration, 1e-9)
     r = {
-        "backend": "sglang", "dataset_name": "random", "request_rate": request_rate, "max_concurrency": concurrency,
-        "random_input_len": input_len, "random_output_len": output_len, "duration": duration,
-        "completed": len(ok), "failed": len(outcomes) - len(ok),
-        "total_input_tokens": tin, "total_output_tokens": tout,
-        "request_throughput": len(ok) / d, "input_throughput": tin / d, "output_throughput": tout / d,
+        "backend": "sglang",
+        "dataset_name": "random",
+        "request_rate": request_rate,
+        "max_concurrency": concurrency,
+        "random_input_len": input_len,
+        "random_output_len": output_len,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "total_input_tokens": tin,
+        "total_output_tokens": tout,
+        "request_throughput": len(ok) / d,
+        "input_throughput": tin / d,
+        "output_throughput": tout / d,
         "total_throughput": (tin + tout) / d,
         **stats_ms([o.latency for o in ok], "e2e_latency"),
         **stats_ms([o.ttft for o in ok], "ttft"),
@@ -126,9 +141,21 @@ def random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(min(16, vocab - 1), vocab, size=n).tolist()
 
 
-async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, concurrency: int,
-                   request_rate: float, input_len: int, output_len: int, vocab: int, seed: int,
-                   temperature: float, stream: bool = True, label: str = "") -> dict:
+async def run_load(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    num_prompts: int,
+    concurrency: int,
+    request_rate: float,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    temperature: float,
+    stream: bool = True,
+    label: str = "",
+) -> dict:
     rng = np.random.default_rng(seed)
     prompts = [random_ids(rng, input_len, vocab) for _ in range(num_prompts)]
     limiter = anyio.CapacityLimiter(concurrency)
@@ -147,13 +174,31 @@ async def run_load(client: httpx.AsyncClient, url: str, *, num_prompts: int, con
             if math.isfinite(request_rate):
                 await anyio.sleep(rng.exponential(1.0 / request_rate))
     bar.close()
-    return summarize(outcomes, time.perf_counter() - t0, concurrency=concurrency, request_rate=request_rate,
-                     input_len=input_len, output_len=output_len)
+    return summarize(
+        outcomes,
+        time.perf_counter() - t0,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        input_len=input_len,
+        output_len=output_len,
+    )
 
 
-async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, turns: int, concurrency: int,
-                         input_len: int, output_len: int, vocab: int, seed: int, temperature: float,
-                         stream: bool = True, prompt_len: int | None = None) -> dict:
+async def run_multi_turn(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    sessions: int,
+    turns: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    temperature: float,
+    stream: bool = True,
+    prompt_len: int | None = None,
+) -> dict:
     rng = np.random.default_rng(seed)
     per_turn: list[list[Outcome]] = [[] for _ in range(turns)]
     limiter = anyio.CapacityLimiter(concurrency)
@@ -177,21 +222,30 @@ async def run_multi_turn(client: httpx.AsyncClient, url: str, *, sessions: int, 
     bar.close()
     duration = time.perf_counter() - t0
     everything = [o for turn in per_turn for o in turn]
-    r = summarize(everything, duration, concurrency=concurrency, request_rate=math.inf,
-                  input_len=input_len, output_len=output_len)
+    r = summarize(
+        everything, duration, concurrency=concurrency, request_rate=math.inf, input_len=input_len, output_len=output_len
+    )
     rows = []
     for t, outs in enumerate(per_turn):
         ok = [o for o in outs if o.ok]
         if not ok:
             continue
         prompt = sum(o.prompt_tokens for o in ok)
-        rows.append({
-            "turn": t + 1, "completed": len(ok), "mean_context_len": prompt / len(ok),
-            "mean_e2e_latency_ms": 1000 * float(np.mean([o.latency for o in ok])),
-            "mean_ttft_ms": 1000 * float(np.mean([o.ttft for o in ok])),
-            "cached_ratio": sum(o.cached_tokens for o in ok) / max(prompt, 1),
-        })
+        rows.append(
+            {
+                "turn": t + 1,
+                "completed": len(ok),
+                "mean_context_len": prompt / len(ok),
+                "mean_e2e_latency_ms": 1000 * float(np.mean([o.latency for o in ok])),
+                "mean_ttft_ms": 1000 * float(np.mean([o.ttft for o in ok])),
+                "cached_ratio": sum(o.cached_tokens for o in ok) / max(prompt, 1),
+            }
+        )
     later = [o for turn in per_turn[1:] for o in turn if o.ok]
-    r.update(multi_turn=turns, sessions=sessions, per_turn=rows,
-             cached_ratio=sum(o.cached_tokens for o in later) / max(sum(o.prompt_tokens for o in later), 1))
+    r.update(
+        multi_turn=turns,
+        sessions=sessions,
+        per_turn=rows,
+        cached_ratio=sum(o.cached_tokens for o in later) / max(sum(o.prompt_tokens for o in later), 1),
+    )
     return r

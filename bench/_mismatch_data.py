@@ -21,9 +21,9 @@ import difflib
 import random
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 
 import anyio
 import numpy as np
@@ -53,8 +53,14 @@ COMMANDS = (
 def _families():
     from sandbox_agent.synth import data, fsops, textproc
 
-    return (textproc.text_family, textproc.csv_family, textproc.logs_family, data.json_family,
-            fsops.files_family, fsops.find_family)  # fmt: skip
+    return (
+        textproc.text_family,
+        textproc.csv_family,
+        textproc.logs_family,
+        data.json_family,
+        fsops.files_family,
+        fsops.find_family,
+    )
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,13 @@ def make_scripts(n: int, turns: int, *, seed: int = 0, max_obs_chars: int = 1200
             for _ in range(turns - 1):
                 cmd = rng.choice(COMMANDS).format(f=rng.choice(files), d=rng.choice(dirs), w=rng.choice(words))
                 res = subprocess.run(
-                    cmd, shell=True, cwd=work, capture_output=True, timeout=10,
+                    cmd,
+                    shell=True,
+                    cwd=work,
+                    capture_output=True,
+                    timeout=10,
                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": tmp},
-                )  # fmt: skip
+                )
                 text = (res.stdout + res.stderr).decode("utf-8", errors="replace")
                 obs.append(format_observation(text, res.returncode, max_chars=max_obs_chars))
         out.append(Script(spec.instruction, tuple(obs)))
@@ -123,7 +133,10 @@ class SampledEpisode:
 async def sample_episode(
     sampler: Sampler, tok: ChatTokenizer, script: Script, params: SamplingParams, *, rid: str
 ) -> SampledEpisode:
-    messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": script.instruction}]
+    messages: list[dict] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": script.instruction},
+    ]
     input_ids = list(tok.render(messages))
     rows: list[np.ndarray] = []
     spans: list[tuple[int, int]] = []
@@ -139,8 +152,11 @@ async def sample_episode(
         rows.append(np.asarray(gen.routing, dtype=np.int16))
         spans.append((len(input_ids), len(input_ids) + len(out)))
         lps.append(np.asarray(gen.logprobs, dtype=np.float32))
-        turns.append(SampledTurn(np.asarray(input_ids, np.int32), np.asarray(out, np.int32), lps[-1], gen.finish,
-                                 rows[-1], routed))  # fmt: skip
+        turns.append(
+            SampledTurn(
+                np.asarray(input_ids, np.int32), np.asarray(out, np.int32), lps[-1], gen.finish, rows[-1], routed
+            )
+        )
         messages.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
         seq = input_ids + out
         if k == n_turns - 1:
@@ -159,8 +175,9 @@ async def sample_episode(
     for (a, b), lp in zip(spans, lps):
         loss[a:b] = True
         logprobs[a:b] = lp
-    return SampledEpisode(np.asarray(seq, dtype=np.int32), loss, logprobs, routing, tuple(spans), tuple(messages),
-                          tuple(turns))  # fmt: skip
+    return SampledEpisode(
+        np.asarray(seq, dtype=np.int32), loss, logprobs, routing, tuple(spans), tuple(messages), tuple(turns)
+    )
 
 
 def assemble(ep: SampledEpisode, episode: str):
@@ -178,11 +195,22 @@ def assemble(ep: SampledEpisode, episode: str):
         keep = int(neq[0]) if len(neq) else n
         finish = wire.Finish(t.finish) if t.finish in ("stop", "length", "abort") else wire.Finish.STOP
         rec = wire.TurnRecord(
-            episode=episode, turn=k, policy_version=0, keep=keep, input_delta=t.input_ids[keep:].astype(np.int32),
-            input_len=len(t.input_ids), input_digest=wire.digest_ids(t.input_ids), output_ids=t.output_ids,
-            output_logprobs=t.logprobs, finish=finish, routing=wire.Routing(t.routing_start, t.routing.astype(np.uint8)),
-            reward=0.0, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
-        )  # fmt: skip
+            episode=episode,
+            turn=k,
+            policy_version=0,
+            keep=keep,
+            input_delta=t.input_ids[keep:].astype(np.int32),
+            input_len=len(t.input_ids),
+            input_digest=wire.digest_ids(t.input_ids),
+            output_ids=t.output_ids,
+            output_logprobs=t.logprobs,
+            finish=finish,
+            routing=wire.Routing(t.routing_start, t.routing.astype(np.uint8)),
+            reward=0.0,
+            tests_passed=-1,
+            t_sample_s=0.0,
+            t_exec_s=0.0,
+        )
         segs += asm.add(rec)
         prev = np.concatenate([t.input_ids, t.output_ids])
     segs += asm.end(wire.EndRecord(episode, len(ep.turns), wire.EndReason.MAX_TURNS, 0, 1, False))

@@ -45,12 +45,22 @@ def overlap(runs: list[dict]) -> dict:
     ratio = top["turns_per_s"] / max(at0["turns_per_s"], 1e-9)
     # when training is the slower side, the sampler can only keep up and wait: it idles at least this share
     floor = max(0.0, 1.0 - at0["t_sample_s"] / max(at0["t_train_s"], 1e-9))
-    return {"eta_async": top["eta"], "t_sample_s": at0["t_sample_s"], "t_train_s": at0["t_train_s"],
-            "overlap_bound": at0["overlap_bound"], "async_over_sync": ratio, "of_bound": ratio / at0["overlap_bound"],
-            "sampler_idle_async": top["sampler_idle"], "sampler_idle_floor": floor, "sampler_idle_sync": at0["sampler_idle"],
-            "target_of_bound": 0.85, "target_sampler_idle": 0.15,
-            "targets_met": ratio >= 0.85 * at0["overlap_bound"] and top["sampler_idle"] is not None
-            and top["sampler_idle"] <= 0.15}  # fmt: skip
+    return {
+        "eta_async": top["eta"],
+        "t_sample_s": at0["t_sample_s"],
+        "t_train_s": at0["t_train_s"],
+        "overlap_bound": at0["overlap_bound"],
+        "async_over_sync": ratio,
+        "of_bound": ratio / at0["overlap_bound"],
+        "sampler_idle_async": top["sampler_idle"],
+        "sampler_idle_floor": floor,
+        "sampler_idle_sync": at0["sampler_idle"],
+        "target_of_bound": 0.85,
+        "target_sampler_idle": 0.15,
+        "targets_met": ratio >= 0.85 * at0["overlap_bound"]
+        and top["sampler_idle"] is not None
+        and top["sampler_idle"] <= 0.15,
+    }
 
 
 def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 1) -> dict:
@@ -63,8 +73,10 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
     first = next((m for m in learner if int(m["step"]) >= warmup_steps), learner[-1])
     last = next(m for m in learner if m["step"] == learner[-1]["step"])  # when the last step landed, not later
     if int(last["step"]) <= int(first["step"]):
-        raise ValueError(f"the learner's first and last records are of the same step ({last['step']}, with "
-                         f"{warmup_steps} warm-up steps)")  # fmt: skip
+        raise ValueError(
+            f"the learner's first and last records are of the same step ({last['step']}, with "
+            f"{warmup_steps} warm-up steps)"
+        )
     wall = max(last["t"] - first["t"], 1e-9)
     turns_per_s = (last["turns_trained"] - first["turns_trained"]) / wall
     # the step's whole wall time (train, checkpoint, weight push) where the learner reports it
@@ -89,19 +101,29 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
     span = (max(b for _, b in t_actor.values()) - min(a for a, _ in t_actor.values())) if t_actor else 0.0
     slot_s = slots * max(span, 1e-9)
     return {
-        "eta": eta, "turns_per_s": turns_per_s, "max_staleness": int(last["max_staleness"]),
-        "stale_masked_tokens": int(last.get("stale_masked_tokens", 0)), "steps": int(last["step"]),
-        "turns_trained": int(last["turns_trained"]), "staleness_hist": last.get("staleness_hist", {}),
-        "credit_waits": waits, "credit_wait_s": wait_s, "credit_wait_mean_s": wait_s / waits if waits else 0.0,
+        "eta": eta,
+        "turns_per_s": turns_per_s,
+        "max_staleness": int(last["max_staleness"]),
+        "stale_masked_tokens": int(last.get("stale_masked_tokens", 0)),
+        "steps": int(last["step"]),
+        "turns_trained": int(last["turns_trained"]),
+        "staleness_hist": last.get("staleness_hist", {}),
+        "credit_waits": waits,
+        "credit_wait_s": wait_s,
+        "credit_wait_mean_s": wait_s / waits if waits else 0.0,
         "credit_wait_p99_s": max((float(a.get("credit_wait_p99_s", 0.0)) for a in actors.values()), default=0.0),
         "credit_wait_max_s": max((float(a.get("credit_wait_max_s", 0.0)) for a in actors.values()), default=0.0),
         "credit_wait_share": min(wait_s / slot_s, 1.0),
-        "mismatch": float(last.get("mismatch", 0.0)), "policy_shift": float(last.get("policy_shift", 0.0)),
+        "mismatch": float(last.get("mismatch", 0.0)),
+        "policy_shift": float(last.get("policy_shift", 0.0)),
         "tokens_per_turn": tokens_in / max(turns_in, 1),
         "train_s_per_ktok": t_train / tokens_in * 1000 if tokens_in else None,
-        "t_train_s": t_train, "t_sample_s": t_sample, "t_first": float(first["t"]), "t_last": float(last["t"]),
+        "t_train_s": t_train,
+        "t_sample_s": t_sample,
+        "t_first": float(first["t"]),
+        "t_last": float(last["t"]),
         "overlap_bound": (t_sample + t_train) / max(t_sample, t_train, 1e-9),
-    }  # fmt: skip
+    }
 
 
 def why(runs: list[dict], ov: dict) -> list[str]:
@@ -113,18 +135,24 @@ def why(runs: list[dict], ov: dict) -> list[str]:
     top = next(r for r in runs if r["eta"] == ov["eta_async"])
     out = []
     if ov["sampler_idle_floor"] > ov["target_sampler_idle"]:
-        out.append(f"training is the slower side at η=0 (T_train {ov['t_train_s']:.0f} s vs T_sample "
-                   f"{ov['t_sample_s']:.0f} s): the sampler must idle >= {ov['sampler_idle_floor']:.0%} at any η")  # fmt: skip
+        out.append(
+            f"training is the slower side at η=0 (T_train {ov['t_train_s']:.0f} s vs T_sample "
+            f"{ov['t_sample_s']:.0f} s): the sampler must idle >= {ov['sampler_idle_floor']:.0%} at any η"
+        )
     tok = top["tokens_per_turn"] / max(at0["tokens_per_turn"], 1e-9)
     if tok > 1.1:
-        out.append(f"at η={top['eta']} the learner trained {tok:.2f}x the tokens per turn of η=0 (episodes cut "
-                   "across steps have their history trained again)")  # fmt: skip
+        out.append(
+            f"at η={top['eta']} the learner trained {tok:.2f}x the tokens per turn of η=0 (episodes cut "
+            "across steps have their history trained again)"
+        )
     if top["train_s_per_ktok"] and at0["train_s_per_ktok"]:
         slow = top["train_s_per_ktok"] / at0["train_s_per_ktok"]
         if slow > 1.1:
             out.append(f"at η={top['eta']} each 1000 tokens took the learner {slow:.2f}x as long as at η=0")
     for r in (at0, top):
         if r["learner_cpu_share"] is not None and r["learner_cpu_share"] < 0.8:
-            out.append(f"at η={r['eta']} the learner ran only {r['learner_cpu_share']:.0%} of its step time: "
-                       "something else ran on its CPU")  # fmt: skip
+            out.append(
+                f"at η={r['eta']} the learner ran only {r['learner_cpu_share']:.0%} of its step time: "
+                "something else ran on its CPU"
+            )
     return out

@@ -21,8 +21,19 @@ import numpy as np
 from bench._common import print_grid
 
 
-async def _sessions(client, *, pinned: bool, sessions: int, turns: int, prompt_len: int, input_len: int,
-                    output_len: int, vocab: int, seed: int, temperature: float) -> dict:  # fmt: skip
+async def _sessions(
+    client,
+    *,
+    pinned: bool,
+    sessions: int,
+    turns: int,
+    prompt_len: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    temperature: float,
+) -> dict:
     from t1async.sampler.base import SamplingParams
 
     params = SamplingParams(max_new_tokens=output_len, temperature=temperature)
@@ -49,8 +60,15 @@ async def _sessions(client, *, pinned: bool, sessions: int, turns: int, prompt_l
         for s in range(sessions):
             tg.start_soon(session, s)
     dt = time.perf_counter() - t0
-    return {"pinned": pinned, "cached_ratio": cached / max(prompt, 1), "output_throughput": out_tokens / dt,
-            "turns_per_s": done / dt, "duration": dt, "turns": done, "turns_per_sampler": sorted(per_url.values())}
+    return {
+        "pinned": pinned,
+        "cached_ratio": cached / max(prompt, 1),
+        "output_throughput": out_tokens / dt,
+        "turns_per_s": done / dt,
+        "duration": dt,
+        "turns": done,
+        "turns_per_sampler": sorted(per_url.values()),
+    }
 
 
 async def run_samplers(args, levels: list[int]) -> dict:
@@ -61,26 +79,62 @@ async def run_samplers(args, levels: list[int]) -> dict:
     runs = []
     for n in levels:
         async with AsyncExitStack() as stack:
-            urls = [await stack.enter_async_context(launch_sampler(args.model, dtype=args.dtype, max_batch=args.max_batch,
-                                                                   seed=args.seed)) for _ in range(n)]  # fmt: skip
+            urls = [
+                await stack.enter_async_context(
+                    launch_sampler(args.model, dtype=args.dtype, max_batch=args.max_batch, seed=args.seed)
+                )
+                for _ in range(n)
+            ]
             async with SGLangClient(urls, pool=PoolConfig(load_cap=args.load_cap)) as c:
                 info = await c.model_info()
                 vocab = args.vocab_size or int(info.get("vocab_size") or 1000)
                 for u in urls:  # warm-up, not measured: the first request of a process pays for allocations
-                    await c._request("POST", "/generate", url=u, json={"input_ids": list(range(16, 80)),
-                                     "sampling_params": {"max_new_tokens": 8}})  # fmt: skip
+                    await c._request(
+                        "POST",
+                        "/generate",
+                        url=u,
+                        json={"input_ids": list(range(16, 80)), "sampling_params": {"max_new_tokens": 8}},
+                    )
                 for pinned in (True, False) if n > 1 else (True,):
                     for u in urls:
                         await c._request("POST", "/flush_cache", url=u)
-                    r = await _sessions(c, pinned=pinned, sessions=args.num_prompts or 8, turns=args.multi_turn or 4,
-                                        prompt_len=args.prompt_len or args.input_len, input_len=args.input_len,
-                                        output_len=args.output_len, vocab=vocab, seed=args.seed,
-                                        temperature=args.temperature)  # fmt: skip
+                    r = await _sessions(
+                        c,
+                        pinned=pinned,
+                        sessions=args.num_prompts or 8,
+                        turns=args.multi_turn or 4,
+                        prompt_len=args.prompt_len or args.input_len,
+                        input_len=args.input_len,
+                        output_len=args.output_len,
+                        vocab=vocab,
+                        seed=args.seed,
+                        temperature=args.temperature,
+                    )
                     runs.append({"samplers": n, **r})
-                    print(f"  {n} sampler(s), {'pinned' if pinned else 'unpinned'}: cached_ratio "
-                          f"{r['cached_ratio']:.3f}, {r['output_throughput']:.1f} out tok/s", flush=True)
-    print_grid(["samplers", "pinned", "cached_ratio", "out_tok/s", "turns/s", "turns_per_sampler"],
-               [[x["samplers"], x["pinned"], x["cached_ratio"], x["output_throughput"], x["turns_per_s"],
-                 str(x["turns_per_sampler"])] for x in runs])  # fmt: skip
-    return {"samplers": levels, "runs": runs, "completed": sum(x["turns"] for x in runs),
-            "load_cap": args.load_cap, "sessions": args.num_prompts or 8, "turns": args.multi_turn or 4}
+                    print(
+                        f"  {n} sampler(s), {'pinned' if pinned else 'unpinned'}: cached_ratio "
+                        f"{r['cached_ratio']:.3f}, {r['output_throughput']:.1f} out tok/s",
+                        flush=True,
+                    )
+    print_grid(
+        ["samplers", "pinned", "cached_ratio", "out_tok/s", "turns/s", "turns_per_sampler"],
+        [
+            [
+                x["samplers"],
+                x["pinned"],
+                x["cached_ratio"],
+                x["output_throughput"],
+                x["turns_per_s"],
+                str(x["turns_per_sampler"]),
+            ]
+            for x in runs
+        ],
+    )
+    return {
+        "samplers": levels,
+        "runs": runs,
+        "completed": sum(x["turns"] for x in runs),
+        "load_cap": args.load_cap,
+        "sessions": args.num_prompts or 8,
+        "turns": args.multi_turn or 4,
+    }

@@ -32,7 +32,6 @@ from t1async import wire  # noqa: E402
 from t1async.assembly import Assembler  # noqa: E402
 from t1async.testing.episodes import REALISTIC, make_episode  # noqa: E402
 
-
 # ------------------------------------------------------------------------------------------ the loop version
 
 
@@ -55,8 +54,18 @@ class LoopAssembler:
         self.segments: list[dict] = []
 
     def _new(self, ep: dict) -> dict:
-        return {"tokens": [], "loss": [], "lps": [], "ver": [], "tid": [], "routes": [], "spans": [],
-                "covered": 0, "h": hashlib.sha256(), "index": ep["index"]}  # fmt: skip
+        return {
+            "tokens": [],
+            "loss": [],
+            "lps": [],
+            "ver": [],
+            "tid": [],
+            "routes": [],
+            "spans": [],
+            "covered": 0,
+            "h": hashlib.sha256(),
+            "index": ep["index"],
+        }
 
     def _emit(self, ep_name: str, ep: dict, seg: dict, done: bool) -> None:
         if seg["spans"]:
@@ -169,8 +178,17 @@ def build_payloads(
     while turns > 0:
         n = min(turns, 300)
         kinds = list(rng.choice(["clean", "realign", "fork"], p=[1 - realign - fork, realign, fork], size=n - 1))
-        case = make_episode(rng, kinds, episode=f"bench{e}", sizes=REALISTIC, layers=layers, topk=topk,
-                            num_experts=experts, fork_window=64, duplicate=0.02)  # fmt: skip
+        case = make_episode(
+            rng,
+            kinds,
+            episode=f"bench{e}",
+            sizes=REALISTIC,
+            layers=layers,
+            topk=topk,
+            num_experts=experts,
+            fork_window=64,
+            duplicate=0.02,
+        )
         for r in case.records:
             payloads.append(wire.encode(r))
             if isinstance(r, wire.TurnRecord):
@@ -205,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topk", type=int, default=8, help="experts per token per layer")
     ap.add_argument("--experts", type=int, default=128, help="experts per layer (<= 256: u1 traces)")
     ap.add_argument("--loop-turns", type=int, default=0, help="turns the loop version runs over (0: all)")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="timed runs of each side after a warm-up; the best is reported")  # fmt: skip
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="timed runs of each side after a warm-up; the best is reported"
+    )
     ap.add_argument("--realign-rate", type=float, default=0.03, help="share of boundaries that are REALIGN")
     ap.add_argument("--fork-rate", type=float, default=0.01, help="share of boundaries that are FORK")
     ap.add_argument("--seed", type=int, default=0)
@@ -222,8 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     vec_s = min(run_vectorised(payloads)[0] for _ in range(args.repeat))
     # the loop version over the same records (or a prefix of the stream), checked segment by segment
     lt = args.loop_turns or args.turns
-    small, small_tokens = (payloads, tokens) if lt >= args.turns else build_payloads(
-        lt, args.layers, args.topk, args.experts, args.seed, *mix)  # fmt: skip
+    small, small_tokens = (
+        (payloads, tokens)
+        if lt >= args.turns
+        else build_payloads(lt, args.layers, args.topk, args.experts, args.seed, *mix)
+    )
     small_bytes = sum(map(len, small))
     _, loop = run_loop(small)  # warm-up, and the output to check
     _, segs, _ = run_vectorised(small)
@@ -239,23 +261,42 @@ def main(argv: list[str] | None = None) -> None:
         ("tokens (input delta + output)", f"{tokens:,}", f"{nbytes / 1e6:,.1f} MB on the wire"),
         ("routing", f"[tokens, {args.layers}, {args.topk}]", f"{args.experts} experts"),
         ("drift clean/realign/fork", f"{d.clean}/{d.realign}/{d.fork}", f"{d.tokens_dropped:,} dropped"),
-        ("vectorised tokens/s", f"{tps / 1e6:,.2f} M",
-         f"{nbytes / vec_s / 1e6:,.0f} MB/s; best of {args.repeat}: {vec_s * 1e3:,.0f} ms for {args.turns} turns"),
-        ("per-token loop tokens/s", f"{loop_tps / 1e6:,.3f} M",
-         f"{small_bytes / loop_s / 1e6:,.0f} MB/s; best of {args.repeat}: {loop_s * 1e3:,.0f} ms for "
-         f"{len(small)} records"),
+        (
+            "vectorised tokens/s",
+            f"{tps / 1e6:,.2f} M",
+            f"{nbytes / vec_s / 1e6:,.0f} MB/s; best of {args.repeat}: {vec_s * 1e3:,.0f} ms for {args.turns} turns",
+        ),
+        (
+            "per-token loop tokens/s",
+            f"{loop_tps / 1e6:,.3f} M",
+            f"{small_bytes / loop_s / 1e6:,.0f} MB/s; best of {args.repeat}: {loop_s * 1e3:,.0f} ms for "
+            f"{len(small)} records",
+        ),
         ("speedup (same records)", f"{speedup:,.1f}x", "outputs checked equal"),
-    ]  # fmt: skip
+    ]
     w = max(len(r[0]) for r in rows)
     print("bench.ingest: decode + drift check/repair + routing alignment, one core (process CPU time, warmed,")
     print("best of N); the loop decodes arrays with np.frombuffer and walks tokens one at a time\n")
     for a, b, c in rows:
         print(f"  {a:<{w}}  {b:>16}  {c}")
     if args.json:
-        print(json.dumps({"tokens_per_s": round(tps), "loop_tokens_per_s": round(loop_tps),
-                          "bytes_per_s": round(nbytes / vec_s), "loop_bytes_per_s": round(small_bytes / loop_s),
-                          "speedup": round(speedup, 2), "tokens": tokens, "bytes": nbytes, "turns": args.turns,
-                          "repeat": args.repeat, "layers": args.layers, "topk": args.topk}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "tokens_per_s": round(tps),
+                    "loop_tokens_per_s": round(loop_tps),
+                    "bytes_per_s": round(nbytes / vec_s),
+                    "loop_bytes_per_s": round(small_bytes / loop_s),
+                    "speedup": round(speedup, 2),
+                    "tokens": tokens,
+                    "bytes": nbytes,
+                    "turns": args.turns,
+                    "repeat": args.repeat,
+                    "layers": args.layers,
+                    "topk": args.topk,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

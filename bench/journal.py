@@ -24,8 +24,8 @@ import struct
 import tempfile
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -149,12 +149,24 @@ def main() -> None:
     for name, r, have in (("old", r_old, have_old), ("new", r_new, have_new)):
         lat = np.asarray(r["lat"] or [0.0]) * 1000
         lost = len(set(r["acked"]) - have)
-        rows.append([name, r["compact_s"], float(np.percentile(lat, 99)), float(lat.max()), r["errors"], len(r["acked"]), lost])
-        out.update({f"{name}_compact_s": r["compact_s"], f"{name}_append_p99_ms": float(np.percentile(lat, 99)),
-                    f"{name}_append_max_ms": float(lat.max()), f"{name}_append_errors": r["errors"],
-                    f"{name}_acked": len(r["acked"]), f"{name}_lost": lost})  # fmt: skip
-    print_grid(["journal", "compact s", "append p99 ms", "append max ms", "append errors", "acked", "acked lost"], rows,
-               title=f"compacting {a.mb:g} MB (all but the running {CONCURRENT} episodes settled) while appending")  # fmt: skip
+        rows.append(
+            [name, r["compact_s"], float(np.percentile(lat, 99)), float(lat.max()), r["errors"], len(r["acked"]), lost]
+        )
+        out.update(
+            {
+                f"{name}_compact_s": r["compact_s"],
+                f"{name}_append_p99_ms": float(np.percentile(lat, 99)),
+                f"{name}_append_max_ms": float(lat.max()),
+                f"{name}_append_errors": r["errors"],
+                f"{name}_acked": len(r["acked"]),
+                f"{name}_lost": lost,
+            }
+        )
+    print_grid(
+        ["journal", "compact s", "append p99 ms", "append max ms", "append errors", "acked", "acked lost"],
+        rows,
+        title=f"compacting {a.mb:g} MB (all but the running {CONCURRENT} episodes settled) while appending",
+    )
     out["mb"] = a.mb
     if a.json:
         emit_json(out)

@@ -41,13 +41,22 @@ def _segments(model, n: int, seq_len: int, seed: int) -> list:  # noqa: ANN001
         rt = o.routing[0].numpy().astype(np.int16)
         rt[-1] = -1
         lm = np.zeros(t, dtype=bool)
-        lm[t // 2:] = True
-        out.append(Segment(
-            episode=f"b{i}", index=0, tokens=toks, loss_mask=lm, logprobs=np.where(lm, lp, 0).astype(np.float32),
-            versions=np.where(lm, 0, -1).astype(np.int32), turn_ids=np.where(lm, 0, -1).astype(np.int32),
-            routing=rt, turn_ends=np.array([t - 1], np.int32), turn_rewards=np.array([float(rng.normal())], np.float32),
-            done=True,
-        ))  # fmt: skip
+        lm[t // 2 :] = True
+        out.append(
+            Segment(
+                episode=f"b{i}",
+                index=0,
+                tokens=toks,
+                loss_mask=lm,
+                logprobs=np.where(lm, lp, 0).astype(np.float32),
+                versions=np.where(lm, 0, -1).astype(np.int32),
+                turn_ids=np.where(lm, 0, -1).astype(np.int32),
+                routing=rt,
+                turn_ends=np.array([t - 1], np.int32),
+                turn_rewards=np.array([float(rng.normal())], np.float32),
+                done=True,
+            )
+        )
     return out
 
 
@@ -79,8 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     segs = _segments(base, args.segments, args.seq_len, seed=0)
     tokens = sum(len(s.tokens) for s in segs)
     tcfg = TrainerConfig(microbatch_tokens=4096)
-    rows, result = [], {"segments": args.segments, "tokens_per_step": tokens, "threads_per_rank": args.threads,
-                        "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "configs": {}}  # fmt: skip
+    rows, result = (
+        [],
+        {
+            "segments": args.segments,
+            "tokens_per_step": tokens,
+            "threads_per_rank": args.threads,
+            "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
+            "configs": {},
+        },
+    )
     for n in counts:
         trainer = Trainer(copy.deepcopy(base), tcfg)
         ranks = Ranks(RanksConfig(nproc=n, threads=args.threads)) if n > 1 else None
@@ -99,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
         c = result["configs"][str(n)]
         c["speedup_vs_1"] = one / c["step_s"] if one else None
         rows.append((n, c["step_s"], c["tokens_per_s"], f"{c['speedup_vs_1']:.2f}x" if one else "-"))
-    print_grid(["ranks", "step_s", "tok/s", "vs 1 rank"], rows,
-               title=f"learner step, {args.segments} segments / {tokens} tokens, {args.threads} thread(s) per rank, "
-               f"{os.cpu_count()} CPUs, load {result['load_avg_1m']:.1f}")  # fmt: skip
+    print_grid(
+        ["ranks", "step_s", "tok/s", "vs 1 rank"],
+        rows,
+        title=f"learner step, {args.segments} segments / {tokens} tokens, {args.threads} thread(s) per rank, "
+        f"{os.cpu_count()} CPUs, load {result['load_avg_1m']:.1f}",
+    )
     if args.json:
         emit_json(result)
     return 0

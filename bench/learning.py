@@ -47,9 +47,20 @@ log = get_logger("bench.learning")
 DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
 
 
-def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns: int, max_new_tokens: int,
-                max_context: int, concurrency: int, out: Path, system_prompt: str | None,
-                temperature: float = 1.0) -> list[dict]:  # fmt: skip
+def eval_policy(
+    model: Path,
+    tasks: list,
+    *,
+    samples: int,
+    seed: int,
+    max_turns: int,
+    max_new_tokens: int,
+    max_context: int,
+    concurrency: int,
+    out: Path,
+    system_prompt: str | None,
+    temperature: float = 1.0,
+) -> list[dict]:
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
     import anyio
 
@@ -61,8 +72,12 @@ def eval_policy(model: Path, tasks: list, *, samples: int, seed: int, max_turns:
     from t1async.sampler.launch import launch_sampler
 
     tok = ChatTokenizer.load(model)
-    agent = AgentConfig(max_turns=max_turns, max_context_tokens=max_context, request_routing=False,
-                        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature))  # fmt: skip
+    agent = AgentConfig(
+        max_turns=max_turns,
+        max_context_tokens=max_context,
+        request_routing=False,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
+    )
     if system_prompt is not None:  # the prompt the warm start was trained with (the actors use it too)
         agent = replace(agent, system_prompt=system_prompt)
     cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
@@ -80,8 +95,22 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
     """The real cluster (``cluster up --preset learn``) for ``steps`` learner steps; the last checkpoint."""
     from t1async.learner.checkpoint import latest_checkpoint
 
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--preset", "learn", "--tasks", str(tasks),
-            "--run-dir", str(run_dir), "--steps", str(steps), "--plain", *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--preset",
+        "learn",
+        "--tasks",
+        str(tasks),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--plain",
+        *extra,
+    ]
     print("rl: " + " ".join(argv[1:]), flush=True)
     with open(run_dir.parent / "cluster-up.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
@@ -100,8 +129,10 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
         rc = proc.returncode
     ck = latest_checkpoint(run_dir / "checkpoints")
     if ck is None:
-        raise SystemExit(f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
-                         f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}")  # fmt: skip
+        raise SystemExit(
+            f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
+            f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}"
+        )
     print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.version})", flush=True)
     return Path(ck.path)
 
@@ -127,8 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from t1async.learner.warmstart import build, get_recipe, system_prompt_of
 
     pv = preset_values("learn")
-    ev = {"max_turns": pv["max_turns"], "max_new_tokens": pv["max_new_tokens"], "max_context": pv["max_context"],
-          "concurrency": args.concurrency, "seed": args.seed, "temperature": pv["temperature"]}  # fmt: skip
+    ev = {
+        "max_turns": pv["max_turns"],
+        "max_new_tokens": pv["max_new_tokens"],
+        "max_context": pv["max_context"],
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "temperature": pv["temperature"],
+    }
     recipe = get_recipe(args.recipe)
     run = args.run_dir
     run.mkdir(parents=True, exist_ok=True)
@@ -140,15 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks_dir = run / ("tasks-" + "-".join(recipe.families))  # a recipe of other families gets its own corpus
     if not any(tasks_dir.glob("*/task.yaml")):
         generate(tasks_dir, args.eval_corpus, seed=args.seed, families=list(recipe.families))
-    held = [t for t in (load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file())
-            if t.split == "eval"]  # fmt: skip
+    held = [
+        t
+        for t in (load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file())
+        if t.split == "eval"
+    ]
     ood = []
     if args.ood_tasks:
         ood_dir = run / "ood-tasks"
         if not any(ood_dir.glob("*/task.yaml")):
             generate(ood_dir, args.ood_tasks, seed=args.seed, families=list(DEFAULT_FAMILIES))
-        ood = [t for t in (load_task(d) for d in sorted(ood_dir.iterdir()) if (d / "task.yaml").is_file())
-               if t.split == "eval"]  # fmt: skip
+        ood = [
+            t
+            for t in (load_task(d) for d in sorted(ood_dir.iterdir()) if (d / "task.yaml").is_file())
+            if t.split == "eval"
+        ]
     print(f"held-out: {len(held)} tasks x {args.samples} samples; OOD: {len(ood)} tasks x 1", flush=True)
     t1 = time.perf_counter()
     rows_b = eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)
@@ -172,34 +215,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = {w: {"pass1": figure(s, 0), "tests": figure(s, 1)} for w, s in (("before", b), ("after", a))}
     diff = {"pass1": paired_diff(b, a, 0), "tests": paired_diff(b, a, 1)}
     curve = learning_curve(rl_dir / "metrics.jsonl")
-    print_grid(["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
-               [[r["step"], r["reward_per_turn"], r["episodes"], r["resolved_rate"], r["tests_per_episode"],
-                 f"{r['mean_abs_dlogp']:.4f}"] for r in curve], title="\nlearning curve (RL, train split)")  # fmt: skip
+    print_grid(
+        ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
+        [
+            [
+                r["step"],
+                r["reward_per_turn"],
+                r["episodes"],
+                r["resolved_rate"],
+                r["tests_per_episode"],
+                f"{r['mean_abs_dlogp']:.4f}",
+            ]
+            for r in curve
+        ],
+        title="\nlearning curve (RL, train split)",
+    )
 
     def fmt(f: dict, pct: bool) -> str:
         m, (lo, hi) = f["mean"], f["ci95"]
         return f"{m:.1%} [{lo:.1%}, {hi:.1%}]" if pct else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
 
-    print_grid(["", "pass@1", "mean tests passed (of 4)"],
-               [["before (warm start)", fmt(table["before"]["pass1"], True), fmt(table["before"]["tests"], False)],
-                ["after RL", fmt(table["after"]["pass1"], True), fmt(table["after"]["tests"], False)],
-                ["after - before (paired)", fmt(diff["pass1"], True), fmt(diff["tests"], False)]],
-               title=f"\nheld-out eval split: {len(b)} tasks x {args.samples} seeded samples")  # fmt: skip
+    print_grid(
+        ["", "pass@1", "mean tests passed (of 4)"],
+        [
+            ["before (warm start)", fmt(table["before"]["pass1"], True), fmt(table["before"]["tests"], False)],
+            ["after RL", fmt(table["after"]["pass1"], True), fmt(table["after"]["tests"], False)],
+            ["after - before (paired)", fmt(diff["pass1"], True), fmt(diff["tests"], False)],
+        ],
+        title=f"\nheld-out eval split: {len(b)} tasks x {args.samples} seeded samples",
+    )
     fam = {}
     for name, rows in (("before", rows_b), ("after", rows_a), ("ood_before", ood_b), ("ood_after", ood_a)):
         by: dict[str, list[dict]] = {}
         for r in rows:
             by.setdefault(r["family"], []).append(r)
-        fam[name] = {f: {"resolved": float(np.mean([r["resolved"] for r in rs])),
-                         "tests": float(np.mean([r["tests_passed"] for r in rs])), "episodes": len(rs)}
-                     for f, rs in sorted(by.items())}  # fmt: skip
+        fam[name] = {
+            f: {
+                "resolved": float(np.mean([r["resolved"] for r in rs])),
+                "tests": float(np.mean([r["tests_passed"] for r in rs])),
+                "episodes": len(rs),
+            }
+            for f, rs in sorted(by.items())
+        }
+
     def fam_row(label: str, b: dict, a: dict) -> list:
         return [label, b["resolved"], a.get("resolved", float("nan")), b["tests"], a.get("tests", float("nan"))]
 
     rows = [fam_row(f, fam["before"][f], fam["after"].get(f, {})) for f in fam["before"]]
     rows += [fam_row(f"OOD {f}", fam["ood_before"][f], fam["ood_after"].get(f, {})) for f in fam["ood_before"]]
-    print_grid(["family", "resolved before", "after", "tests before", "after"], rows,
-               title="\nper family (OOD: default families, never trained on, no target)")  # fmt: skip
+    print_grid(
+        ["family", "resolved before", "after", "tests before", "after"],
+        rows,
+        title="\nper family (OOD: default families, never trained on, no target)",
+    )
     dl = [r["mean_abs_dlogp"] for r in curve if np.isfinite(r["mean_abs_dlogp"])]
     tb, ta = table["before"]["tests"]["mean"], table["after"]["tests"]["mean"]
     checks = {
@@ -216,18 +284,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a missing matplotlib must not lose the numbers
         print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
     summary = {
-        "pass1_before": table["before"]["pass1"]["mean"], "pass1_after": table["after"]["pass1"]["mean"],
-        "reward_before": tb, "reward_after": ta,
+        "pass1_before": table["before"]["pass1"]["mean"],
+        "pass1_after": table["after"]["pass1"]["mean"],
+        "reward_before": tb,
+        "reward_after": ta,
         "ci95_diff": {"pass1": diff["pass1"]["ci95"], "tests": diff["tests"]["ci95"]},
-        "diff": diff, "table": table, "families": fam, "checks": checks, "minutes": minutes,
-        "rl_minutes": t_rl / 60.0, "warm_start_s": t_warm, "rl_steps": len(curve),
-        "max_abs_dlogp": max(dl) if dl else None, "mean_abs_dlogp": float(np.mean(dl)) if dl else None,
-        "held_out_tasks": len(b), "samples": args.samples, "curve": curve, "checkpoint": str(ckpt),
-        "warm_start": str(warm), "recipe": recipe.name, "threads": os.cpu_count(),
-    }  # fmt: skip
+        "diff": diff,
+        "table": table,
+        "families": fam,
+        "checks": checks,
+        "minutes": minutes,
+        "rl_minutes": t_rl / 60.0,
+        "warm_start_s": t_warm,
+        "rl_steps": len(curve),
+        "max_abs_dlogp": max(dl) if dl else None,
+        "mean_abs_dlogp": float(np.mean(dl)) if dl else None,
+        "held_out_tasks": len(b),
+        "samples": args.samples,
+        "curve": curve,
+        "checkpoint": str(ckpt),
+        "warm_start": str(warm),
+        "recipe": recipe.name,
+        "threads": os.cpu_count(),
+    }
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    emit_json({k: summary[k] for k in ("pass1_before", "pass1_after", "reward_before", "reward_after", "ci95_diff",
-                                       "minutes", "max_abs_dlogp", "rl_steps", "held_out_tasks")})  # fmt: skip
+    emit_json(
+        {
+            k: summary[k]
+            for k in (
+                "pass1_before",
+                "pass1_after",
+                "reward_before",
+                "reward_after",
+                "ci95_diff",
+                "minutes",
+                "max_abs_dlogp",
+                "rl_steps",
+                "held_out_tasks",
+            )
+        }
+    )
     return 0
 
 

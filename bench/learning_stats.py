@@ -15,8 +15,10 @@ def per_task(rows: Sequence[dict]) -> dict[str, tuple[float, float]]:
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["task"], []).append(r)
-    return {t: (float(np.mean([e["resolved"] for e in es])), float(np.mean([e["tests_passed"] for e in es])))
-            for t, es in by.items()}  # fmt: skip
+    return {
+        t: (float(np.mean([e["resolved"] for e in es])), float(np.mean([e["tests_passed"] for e in es])))
+        for t, es in by.items()
+    }
 
 
 def paired_diff(before: dict, after: dict, idx: int, seed: int = 0, resamples: int = 4000) -> dict:
@@ -52,10 +54,13 @@ def learning_curve(metrics: Path) -> list[dict]:
             continue
         if m.get("component") == "learner" and m.get("step", 0) >= 1 and "reward_sum" in m:
             if int(m["step"]) not in steps:  # the first report of a step is when it finished
-                steps[int(m["step"])] = {"step": int(m["step"]), "t": float(m.get("t", 0.0)),
-                                         "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
-                                         "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
-                                         "loss": float(m.get("loss", float("nan")))}  # fmt: skip
+                steps[int(m["step"])] = {
+                    "step": int(m["step"]),
+                    "t": float(m.get("t", 0.0)),
+                    "reward_per_turn": m["reward_sum"] / max(1, m["turns"]),
+                    "mean_abs_dlogp": float(m.get("mean_abs_dlogp", float("nan"))),
+                    "loss": float(m.get("loss", float("nan"))),
+                }
         elif m.get("component") == "actor" and "episodes_done" in m:
             a = str(m.get("subject", ""))
             cur = (int(m["episodes_done"]), int(m["resolved"]), int(m["tests_passed"]))
@@ -95,8 +100,10 @@ def plot(curve: list[dict], table: dict, path: Path) -> None:
     names = ["pass@1", "tests/4"]
     for _j, (who, off) in enumerate((("before", -0.2), ("after", 0.2))):
         vals = [table[who]["pass1"]["mean"], table[who]["tests"]["mean"] / 4]
-        err = [[v - lo for v, lo in zip(vals, (table[who]["pass1"]["ci95"][0], table[who]["tests"]["ci95"][0] / 4))],
-               [hi - v for v, hi in zip(vals, (table[who]["pass1"]["ci95"][1], table[who]["tests"]["ci95"][1] / 4))]]
+        err = [
+            [v - lo for v, lo in zip(vals, (table[who]["pass1"]["ci95"][0], table[who]["tests"]["ci95"][0] / 4))],
+            [hi - v for v, hi in zip(vals, (table[who]["pass1"]["ci95"][1], table[who]["tests"]["ci95"][1] / 4))],
+        ]
         ax[2].bar(np.arange(2) + off, vals, 0.4, yerr=err, label=who, capsize=3)
     ax[2].set_xticks(range(2), names)
     ax[2].set_title("held-out eval split")

@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 
 import anyio
 import numpy as np
@@ -64,17 +64,26 @@ class ScriptedSampler:
     ``routed_experts_start_len``, as a token-in/token-out sampler with a prefix cache does."""
 
     COMMANDS = (
-        "true", "echo step {k}", "ls -la", "pwd", "printf 'line %s of the log\\n' {k} {k} {k} {k}", "seq {k} {k2}",
-    )  # fmt: skip
+        "true",
+        "echo step {k}",
+        "ls -la",
+        "pwd",
+        "printf 'line %s of the log\\n' {k} {k} {k} {k}",
+        "seq {k} {k2}",
+    )
     # ~80 tokens a turn (action, observation, template): ~26k tokens of context by turn 320
 
     def __init__(self, tok: ChatTokenizer) -> None:
         self.tok, self.calls = tok, 0
 
     async def generate(
-        self, input_ids: Sequence[int], params: SamplingParams, *, routed_experts_start_len: int | None = None,
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        routed_experts_start_len: int | None = None,
         rid: str | None = None,
-    ) -> Generation:  # fmt: skip
+    ) -> Generation:
         k = self.calls
         self.calls += 1
         cmd = self.COMMANDS[k % len(self.COMMANDS)].format(k=k, k2=k + 40)
@@ -87,10 +96,14 @@ class ScriptedSampler:
         routing = np.broadcast_to(rows, (len(pos), LAYERS, TOPK)).astype(np.uint8)
         await anyio.lowlevel.checkpoint()
         return Generation(
-            output_ids=np.asarray(out, dtype=np.int32), logprobs=np.full(len(out), -0.25, np.float32),
-            finish="stop", weight_version=0, routing=routing if routed_experts_start_len is not None else None,
-            routing_start=start, prompt_tokens=len(input_ids),
-        )  # fmt: skip
+            output_ids=np.asarray(out, dtype=np.int32),
+            logprobs=np.full(len(out), -0.25, np.float32),
+            finish="stop",
+            weight_version=0,
+            routing=routing if routed_experts_start_len is not None else None,
+            routing_start=start,
+            prompt_tokens=len(input_ids),
+        )
 
     async def aclose(self) -> None:
         pass
@@ -132,8 +145,9 @@ async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
     asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
     encoder = TurnEncoder(episode)
     done = anyio.Event()
-    cfg = AgentConfig(max_turns=turns, verify_every=0, stop_when_resolved=False,
-                      sampling=SamplingParams(max_new_tokens=64))  # fmt: skip
+    cfg = AgentConfig(
+        max_turns=turns, verify_every=0, stop_when_resolved=False, sampling=SamplingParams(max_new_tokens=64)
+    )
 
     async with NatsServer.start(work / "nats") as srv, NatsTransport(srv.url) as nt:
 
@@ -161,10 +175,22 @@ async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
         async with anyio.create_task_group() as tg:
             await tg.start(learner)
             await nt.publish(subject, wire.StartRecord(episode, "bench", task.id, turns, time.time()))
-            res = await run_episode(task, sampler=ScriptedSampler(tok), tokenizer=tok, backend=BwrapBackend(),
-                                    config=cfg, on_turn=on_turn, rid=episode, work_root=work)  # fmt: skip
-            await nt.publish(subject, wire.EndRecord(episode, len(run.rows), wire.EndReason(res.reason),
-                                                     res.tests_passed, res.tests_total, res.resolved))  # fmt: skip
+            res = await run_episode(
+                task,
+                sampler=ScriptedSampler(tok),
+                tokenizer=tok,
+                backend=BwrapBackend(),
+                config=cfg,
+                on_turn=on_turn,
+                rid=episode,
+                work_root=work,
+            )
+            await nt.publish(
+                subject,
+                wire.EndRecord(
+                    episode, len(run.rows), wire.EndReason(res.reason), res.tests_passed, res.tests_total, res.resolved
+                ),
+            )
             with anyio.fail_after(60):
                 await done.wait()
     run.reason = res.reason
@@ -221,21 +247,42 @@ def train_step_child(tokens: int) -> None:
         routing = model(torch.from_numpy(toks[None, :2048].astype(np.int64))).routing[0].numpy().astype(np.int16)
     routing = routing[np.arange(tokens) % 2048]
     seg = Segment(
-        episode="e", index=0, tokens=toks, loss_mask=lm, logprobs=np.where(lm, -8.0, 0).astype(np.float32),
-        versions=np.where(lm, 0, -1).astype(np.int32), turn_ids=np.zeros(tokens, np.int32), routing=routing,
-        turn_ends=np.array([tokens - 1], np.int32), turn_rewards=np.array([1.0], np.float32), done=True,
-    )  # fmt: skip
+        episode="e",
+        index=0,
+        tokens=toks,
+        loss_mask=lm,
+        logprobs=np.where(lm, -8.0, 0).astype(np.float32),
+        versions=np.where(lm, 0, -1).astype(np.int32),
+        turn_ids=np.zeros(tokens, np.int32),
+        routing=routing,
+        turn_ends=np.array([tokens - 1], np.int32),
+        turn_rewards=np.array([1.0], np.float32),
+        done=True,
+    )
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     m = Trainer(model, TrainerConfig()).step([seg], policy_version=0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_gb": peak / 2**20, "base_gb": base / 2**20, "step_s": time.perf_counter() - t0,
-                      "loss": m.loss, "tokens": tokens}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "peak_gb": peak / 2**20,
+                "base_gb": base / 2**20,
+                "step_s": time.perf_counter() - t0,
+                "loss": m.loss,
+                "tokens": tokens,
+            }
+        )
+    )
 
 
 def train_peak(tokens: int) -> dict:
-    p = subprocess.run([sys.executable, "-m", "bench.longhorizon", "--train-child", str(tokens)],
-                       capture_output=True, text=True, check=False)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.longhorizon", "--train-child", str(tokens)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"the training child failed (rc {p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -278,8 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_turn = max(rows) + 1 if rows else 0
     grid = [
         (t, r.context, r.wire_bytes, r.ingest_live_s * 1e6, r.ingest_best_s * 1e6, r.encode_s * 1e6, r.exec_s * 1e3)
-        for t, r in sorted(rows.items()) if t % a.every == 0 or t == max_turn - 1
-    ]  # fmt: skip
+        for t, r in sorted(rows.items())
+        if t % a.every == 0 or t == max_turn - 1
+    ]
     header = ("turn", "context", "wire B", "ingest us (live)", "ingest us (best)", "actor encode us", "exec ms")
     print_grid(header, grid, title=f"one {max_turn}-turn episode (ended: {run.reason}), real bwrap + nats-server")
     early_best, late_best = _window(rows, *EARLY, "ingest_best_s"), _window(rows, *late, "ingest_best_s")

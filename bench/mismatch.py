@@ -51,15 +51,32 @@ from t1async.sampler.base import SamplingParams
 from t1async.tito import Segment
 
 CONFIGS = ("baseline", "tito", "r3", "tito_r3")
-CONFIG_KEYS = ("mean_abs_dlogp", "mean_abs_dlogp_id_matched", "loss_drift_tokens", "loss_id_mismatch_tokens",
-               "loss_tokens", "routing_drift")  # fmt: skip
+CONFIG_KEYS = (
+    "mean_abs_dlogp",
+    "mean_abs_dlogp_id_matched",
+    "loss_drift_tokens",
+    "loss_id_mismatch_tokens",
+    "loss_tokens",
+    "routing_drift",
+)
 PAPER = {"baseline": 0.021, "tito_r3": 0.013}
 
 
 def _seg(i: int, tokens: np.ndarray, loss: np.ndarray, lps: np.ndarray, routing: np.ndarray) -> Segment:
     """The retokenized episode as a training segment (what a text-level pipeline would hand the learner)."""
-    return Segment(f"retok-{i}", 0, tokens, loss, lps, np.where(loss, 0, -1).astype(np.int32),
-                   np.full(len(tokens), -1, np.int32), routing, np.zeros(0, np.int32), np.zeros(0, np.float32), True)
+    return Segment(
+        f"retok-{i}",
+        0,
+        tokens,
+        loss,
+        lps,
+        np.where(loss, 0, -1).astype(np.int32),
+        np.full(len(tokens), -1, np.int32),
+        routing,
+        np.zeros(0, np.int32),
+        np.zeros(0, np.float32),
+        True,
+    )
 
 
 def _routing_drift(free: np.ndarray, rec: np.ndarray) -> tuple[int, int]:
@@ -157,8 +174,9 @@ async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer)
     from t1async.sampler.launch import launch_sampler
 
     scripts = make_scripts(args.episodes, args.turns, seed=args.seed)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            stop_token_ids=(tok.im_end_id,))  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=(tok.im_end_id,)
+    )
     async with launch_sampler(model_dir, dtype=args.sampler_dtype, max_batch=args.max_batch, seed=args.seed) as url:
         async with SGLangClient([url]) as client:
             t0 = time.perf_counter()
@@ -175,17 +193,24 @@ def _chart(result: dict, path: Path) -> None:
     cfg = result["configs"]
     labels = ["baseline\n(retok, free)", "TITO", "R3\n(retok)", "TITO + R3"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, title in zip(axes, ("mean_abs_dlogp_id_matched", "loss_drift_tokens", "routing_drift"),
-                              ("mean |Δlogp|, ID-matched loss tokens", "loss-region drift (tokens)",
-                               "routing drift")):  # fmt: skip
+    for ax, key, title in zip(
+        axes,
+        ("mean_abs_dlogp_id_matched", "loss_drift_tokens", "routing_drift"),
+        ("mean |Δlogp|, ID-matched loss tokens", "loss-region drift (tokens)", "routing drift"),
+    ):
         vals = [cfg[c][key] for c in CONFIGS]
         bars = ax.bar(labels, vals, color=["#999999", "#4c72b0", "#dd8452", "#55a868"])
         ax.set_title(title)
         for b, v in zip(bars, vals):
-            ax.annotate(f"{v:.4g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(f"sampler {result['sampler_dtype']} (batched) vs learner fp32; tito_r3 / baseline (ID-matched) = "
-                 f"{result['ratio']:.3f} (paper 0.62); raw baseline {cfg['baseline']['mean_abs_dlogp']:.4g} pairs "
-                 "different tokens", fontsize=9)  # fmt: skip
+            ax.annotate(
+                f"{v:.4g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8
+            )
+    fig.suptitle(
+        f"sampler {result['sampler_dtype']} (batched) vs learner fp32; tito_r3 / baseline (ID-matched) = "
+        f"{result['ratio']:.3f} (paper 0.62); raw baseline {cfg['baseline']['mean_abs_dlogp']:.4g} pairs "
+        "different tokens",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -208,8 +233,9 @@ def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
     from t1async.learner.sft import SFTConfig, run_sft
 
     base = default_model_dir()
-    cfg = SFTConfig(steps=args.sft_steps, lr=2e-3, warmup_steps=5, batch_tokens=args.sft_batch_tokens, max_len=2048,
-                    seed=args.seed)  # fmt: skip
+    cfg = SFTConfig(
+        steps=args.sft_steps, lr=2e-3, warmup_steps=5, batch_tokens=args.sft_batch_tokens, max_len=2048, seed=args.seed
+    )
     key = hashlib.sha256(json.dumps([base.name, args.sft_tasks, repr(cfg)]).encode()).hexdigest()[:12]
     warm = Path(args.warm_cache) / f"mismatch-warm-{key}"
     meta = warm / "sft_metrics.json"
@@ -254,7 +280,9 @@ def run(args: argparse.Namespace) -> dict:
         "learner_dtype": "float32",
         "max_batch": args.max_batch,
         "model": str(model_dir),
-        "warm_start": None if sft is None else {k: sft.get(k) for k in ("steps", "tasks", "demos", "loss_before", "loss_after")},
+        "warm_start": None
+        if sft is None
+        else {k: sft.get(k) for k in ("steps", "tasks", "demos", "loss_before", "loss_after")},
         "t_warm_start_s": t_warm,
         "t_sample_s": t_sample,
         "t_score_s": time.perf_counter() - t0,
@@ -265,24 +293,34 @@ def run(args: argparse.Namespace) -> dict:
 def _print(result: dict) -> None:
     ws = result["warm_start"]
     if ws:
-        print(f"model: warm-started by SFT ({ws['steps']} steps on {ws['demos']} oracle demos, "
-              f"loss {ws['loss_before']:.2f} -> {ws['loss_after']:.2f})")
+        print(
+            f"model: warm-started by SFT ({ws['steps']} steps on {ws['demos']} oracle demos, "
+            f"loss {ws['loss_before']:.2f} -> {ws['loss_after']:.2f})"
+        )
     else:
         print(f"model: {result['model']}")
-    print(f"mismatch: {result['episodes']} episodes x {result['turns']} turns, {result['tokens']} tokens "
-          f"({result['sampled_tokens']} sampled); sampler {result['sampler_dtype']} batched, learner fp32")  # fmt: skip
-    hdr = (f"{'config':<10} {'|dlogp| raw':>12} {'|dlogp| id-matched':>19} {'p99 raw':>9} {'loss drift':>11} "
-           f"{'id mismatch':>12} {'routing drift':>14}")
+    print(
+        f"mismatch: {result['episodes']} episodes x {result['turns']} turns, {result['tokens']} tokens "
+        f"({result['sampled_tokens']} sampled); sampler {result['sampler_dtype']} batched, learner fp32"
+    )
+    hdr = (
+        f"{'config':<10} {'|dlogp| raw':>12} {'|dlogp| id-matched':>19} {'p99 raw':>9} {'loss drift':>11} "
+        f"{'id mismatch':>12} {'routing drift':>14}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for c in CONFIGS:
         d = result["details"][c]
-        print(f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['mean_abs_dlogp_id_matched']:>19.5f} "
-              f"{d['p99_abs_dlogp']:>9.4f} "
-              f"{d['loss_drift_tokens']:>11d} {d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f}")
+        print(
+            f"{c:<10} {d['mean_abs_dlogp']:>12.5f} {d['mean_abs_dlogp_id_matched']:>19.5f} "
+            f"{d['p99_abs_dlogp']:>9.4f} "
+            f"{d['loss_drift_tokens']:>11d} {d['loss_id_mismatch_tokens']:>12d} {d['routing_drift']:>14.4f}"
+        )
     share = result["baseline_id_mismatch_share"]
-    print(f"raw: every loss token with a sampled logprob; for baseline and r3 {share:.0%} "
-          "of them pair the logprob of one token with the sampled logprob of a different token")
+    print(
+        f"raw: every loss token with a sampled logprob; for baseline and r3 {share:.0%} "
+        "of them pair the logprob of one token with the sampled logprob of a different token"
+    )
     print("id-matched: loss tokens whose ID is the sampled ID (TITO: all of them)")
     print(f"tito_r3 / baseline (id-matched) = {result['ratio']:.3f}   (T1 paper: 0.013 / 0.021 = 0.62)")
     print(f"tito / baseline (id-matched)    = {result['ratio_tito']:.3f}")
@@ -291,8 +329,14 @@ def _print(result: dict) -> None:
 
 
 # (full, --quick) defaults; the help text is built from these, so it cannot disagree with the code
-SIZES = {"episodes": (32, 8), "turns": (8, 4), "max_new_tokens": (96, 64), "sft_steps": (150, 30),
-         "sft_tasks": (48, 16), "sft_batch_tokens": (4096, 2048)}  # fmt: skip
+SIZES = {
+    "episodes": (32, 8),
+    "turns": (8, 4),
+    "max_new_tokens": (96, 64),
+    "sft_steps": (150, 30),
+    "sft_tasks": (48, 16),
+    "sft_batch_tokens": (4096, 2048),
+}
 
 
 def _size_help(what: str, key: str) -> str:
@@ -314,15 +358,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--microbatch-tokens", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--sft-steps", type=int, default=None,
-                   help=_size_help("warm-start SFT steps on oracle demonstrations before sampling, 0 = serve the "
-                                   "untrained shipped model", "sft_steps"))  # fmt: skip
-    p.add_argument("--sft-tasks", type=int, default=None,
-                   help=_size_help("synthetic tasks for the warm start", "sft_tasks"))  # fmt: skip
-    p.add_argument("--sft-batch-tokens", type=int, default=None,
-                   help=_size_help("padded tokens per SFT step", "sft_batch_tokens"))  # fmt: skip
-    p.add_argument("--warm-cache", default=_default_cache(),
-                   help="where warm-started models are kept for reuse (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help=_size_help(
+            "warm-start SFT steps on oracle demonstrations before sampling, 0 = serve the untrained shipped model",
+            "sft_steps",
+        ),
+    )
+    p.add_argument(
+        "--sft-tasks", type=int, default=None, help=_size_help("synthetic tasks for the warm start", "sft_tasks")
+    )
+    p.add_argument(
+        "--sft-batch-tokens", type=int, default=None, help=_size_help("padded tokens per SFT step", "sft_batch_tokens")
+    )
+    p.add_argument(
+        "--warm-cache",
+        default=_default_cache(),
+        help="where warm-started models are kept for reuse (default: $T1ASYNC_CACHE or ~/.cache/t1async)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from t1async.log import configure

@@ -54,12 +54,26 @@ def versions_of_weights(n: int, noise: float, out: Path, tok: ChatTokenizer) -> 
 
 def turn_result(k: int, ids: list[int], r, rows: np.ndarray, start: int) -> TurnResult:
     return TurnResult(
-        turn=k, input_ids=np.asarray(ids, np.int32), output_ids=np.asarray(r.output_ids, np.int32),
-        logprobs=np.asarray(r.logprobs, np.float32), finish="length", weight_version=int(r.weight_version),
-        routing=rows.astype(np.uint8), routing_start=start, action_kind="none", action_text="", observation="",
-        exit_code=None, timed_out=False, truncated=False, tests_passed=None, reward=0.0, t_sample_s=0.0,
-        t_exec_s=0.0, output_versions=np.asarray([int(v) for v in r.versions], np.int32),
-    )  # fmt: skip
+        turn=k,
+        input_ids=np.asarray(ids, np.int32),
+        output_ids=np.asarray(r.output_ids, np.int32),
+        logprobs=np.asarray(r.logprobs, np.float32),
+        finish="length",
+        weight_version=int(r.weight_version),
+        routing=rows.astype(np.uint8),
+        routing_start=start,
+        action_kind="none",
+        action_text="",
+        observation="",
+        exit_code=None,
+        timed_out=False,
+        truncated=False,
+        tests_passed=None,
+        reward=0.0,
+        t_sample_s=0.0,
+        t_exec_s=0.0,
+        output_versions=np.asarray([int(v) for v in r.versions], np.int32),
+    )
 
 
 async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[str, list[list[wire.TurnRecord]]]:
@@ -67,8 +81,10 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
     rows from the requested start (``old``)."""
     recs: dict[str, list[list[wire.TurnRecord]]] = {name: [[] for _ in range(episodes)] for name in ("exact", "old")}
     encs = {name: [TurnEncoder(f"e{e}") for e in range(episodes)] for name in recs}
-    state = {e: (tok.render([{"role": "user", "content": f"task {e}: count the lines of /etc/passwd"}]), 0)
-             for e in range(episodes)}  # fmt: skip
+    state = {
+        e: (tok.render([{"role": "user", "content": f"task {e}: count the lines of /etc/passwd"}]), 0)
+        for e in range(episodes)
+    }
     engine = Engine(dirs[0], EngineConfig(max_batch=max(episodes, 1)))
     async with trio.open_nursery() as n:
         await n.start(engine.run)
@@ -78,9 +94,18 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
 
             async def one(e: int, k: int = k) -> None:  # this weight version, bound at definition
                 ids, start = state[e]
-                r = await engine.collect(GenRequest(
-                    rid=f"{e}/{k}", input_ids=tuple(ids), max_new_tokens=NEW_TOKENS, temperature=1.0,
-                    seed=1000 * e + k, ignore_eos=True, return_routing=True, routing_start=start))  # fmt: skip
+                r = await engine.collect(
+                    GenRequest(
+                        rid=f"{e}/{k}",
+                        input_ids=tuple(ids),
+                        max_new_tokens=NEW_TOKENS,
+                        temperature=1.0,
+                        seed=1000 * e + k,
+                        ignore_eos=True,
+                        return_routing=True,
+                        routing_start=start,
+                    )
+                )
                 given = {"exact": (r.routing, r.routing_start), "old": (r.routing[start - r.routing_start :], start)}
                 for name, (rows, at) in given.items():
                     recs[name][e].append(encs[name][e].encode(turn_result(k, ids, r, rows, at)))
@@ -124,11 +149,14 @@ def run(episodes: int, turns: int, noise: float) -> dict:
         parts = [replay(r, models) for r in eps]
         d = np.concatenate([p[0] for p in parts])
         result[name] = {
-            "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()), "tokens": int(d.size),
+            "mean_abs_dlogp": float(d.mean()),
+            "max_abs_dlogp": float(d.max()),
+            "tokens": int(d.size),
             "route_forks": sum(p[1].stats().route_forks for p in parts),
-            "rerouted_rows": sum(p[1].stats().rerouted_rows for p in parts), "segments": sum(p[2] for p in parts),
+            "rerouted_rows": sum(p[1].stats().rerouted_rows for p in parts),
+            "segments": sum(p[2] for p in parts),
             "stale_context_routes": sum(p[1].stats().stale_context_routes for p in parts),
-        }  # fmt: skip
+        }
     return result
 
 
@@ -143,12 +171,28 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--episodes must be >= 1 and --turns >= 2 (a weight update needs a turn after it)")
     res = run(args.episodes, args.turns, args.noise)
     rows = [
-        (name, r["tokens"], f"{r['mean_abs_dlogp']:.2e}", f"{r['max_abs_dlogp']:.2e}", r["route_forks"],
-         r["rerouted_rows"], r["stale_context_routes"], r["segments"])
+        (
+            name,
+            r["tokens"],
+            f"{r['mean_abs_dlogp']:.2e}",
+            f"{r['max_abs_dlogp']:.2e}",
+            r["route_forks"],
+            r["rerouted_rows"],
+            r["stale_context_routes"],
+            r["segments"],
+        )
         for name, r in ((n, res[n]) for n in ("exact", "old"))
-    ]  # fmt: skip
-    header = ["rows given", "loss tokens", "mean |dlogp|", "max |dlogp|", "route forks", "rerouted rows",
-              "stale-context turns", "segments"]  # fmt: skip
+    ]
+    header = [
+        "rows given",
+        "loss tokens",
+        "mean |dlogp|",
+        "max |dlogp|",
+        "route forks",
+        "rerouted rows",
+        "stale-context turns",
+        "segments",
+    ]
     title = f"R3 replay vs sampler, {args.episodes} episodes x {args.turns} turns, an update before each turn"
     print_grid(header, rows, title=title)
     if args.json:

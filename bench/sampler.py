@@ -27,8 +27,8 @@ import argparse
 import json
 import math
 import sys
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import httpx
@@ -52,15 +52,24 @@ async def sampler_url(args: argparse.Namespace) -> AsyncIterator[str]:
 
 def _main_rows(r: dict) -> list[tuple[str, object]]:
     return [
-        ("Max request concurrency", r["max_concurrency"]), ("Successful requests", r["completed"]),
-        ("Benchmark duration (s)", r["duration"]), ("Total input tokens", r["total_input_tokens"]),
-        ("Total generated tokens", r["total_output_tokens"]), ("Request throughput (req/s)", r["request_throughput"]),
+        ("Max request concurrency", r["max_concurrency"]),
+        ("Successful requests", r["completed"]),
+        ("Benchmark duration (s)", r["duration"]),
+        ("Total input tokens", r["total_input_tokens"]),
+        ("Total generated tokens", r["total_output_tokens"]),
+        ("Request throughput (req/s)", r["request_throughput"]),
         ("Input token throughput (tok/s)", r["input_throughput"]),
-        ("Output token throughput (tok/s)", r["output_throughput"]), ("Concurrency", r["concurrency"]),
-        ("Mean E2E Latency (ms)", r["mean_e2e_latency_ms"]), ("Median E2E Latency (ms)", r["median_e2e_latency_ms"]),
-        ("P99 E2E Latency (ms)", r["p99_e2e_latency_ms"]), ("Mean TTFT (ms)", r["mean_ttft_ms"]),
-        ("Median TTFT (ms)", r["median_ttft_ms"]), ("P99 TTFT (ms)", r["p99_ttft_ms"]),
-        ("Mean ITL (ms)", r["mean_itl_ms"]), ("Median ITL (ms)", r["median_itl_ms"]), ("P99 ITL (ms)", r["p99_itl_ms"]),
+        ("Output token throughput (tok/s)", r["output_throughput"]),
+        ("Concurrency", r["concurrency"]),
+        ("Mean E2E Latency (ms)", r["mean_e2e_latency_ms"]),
+        ("Median E2E Latency (ms)", r["median_e2e_latency_ms"]),
+        ("P99 E2E Latency (ms)", r["p99_e2e_latency_ms"]),
+        ("Mean TTFT (ms)", r["mean_ttft_ms"]),
+        ("Median TTFT (ms)", r["median_ttft_ms"]),
+        ("P99 TTFT (ms)", r["p99_ttft_ms"]),
+        ("Mean ITL (ms)", r["mean_itl_ms"]),
+        ("Median ITL (ms)", r["median_itl_ms"]),
+        ("P99 ITL (ms)", r["p99_itl_ms"]),
     ]
 
 
@@ -76,65 +85,138 @@ async def amain(args: argparse.Namespace) -> dict:
             if vocab is None:
                 info = (await client.get(url + "/get_model_info")).json()
                 vocab = int(info.get("vocab_size") or 1000)
-            common = dict(input_len=args.input_len, output_len=args.output_len, vocab=vocab,
-                          temperature=args.temperature, stream=not args.disable_stream)
-            warm = await stream_generate(client, url, random_ids(np.random.default_rng(0), args.input_len, vocab),
-                                         min(args.output_len, 4), args.temperature)
+            common = dict(
+                input_len=args.input_len,
+                output_len=args.output_len,
+                vocab=vocab,
+                temperature=args.temperature,
+                stream=not args.disable_stream,
+            )
+            warm = await stream_generate(
+                client,
+                url,
+                random_ids(np.random.default_rng(0), args.input_len, vocab),
+                min(args.output_len, 4),
+                args.temperature,
+            )
             if not warm.ok:
                 raise SystemExit(f"warm-up request to {url} failed: {warm.error}")
             if args.multi_turn:
                 await client.post(url + "/flush_cache")
-                r = await run_multi_turn(client, url, sessions=args.num_prompts or 8, turns=args.multi_turn,
-                                         concurrency=args.concurrency, seed=args.seed, prompt_len=args.prompt_len, **common)
-                print_table("Multi-turn Benchmark Result",
-                            _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])])
-                print_grid(["turn", "completed", "context_len", "e2e_ms", "ttft_ms", "cached_ratio"],
-                           [[p["turn"], p["completed"], p["mean_context_len"], p["mean_e2e_latency_ms"],
-                             p["mean_ttft_ms"], p["cached_ratio"]] for p in r["per_turn"]])
+                r = await run_multi_turn(
+                    client,
+                    url,
+                    sessions=args.num_prompts or 8,
+                    turns=args.multi_turn,
+                    concurrency=args.concurrency,
+                    seed=args.seed,
+                    prompt_len=args.prompt_len,
+                    **common,
+                )
+                print_table(
+                    "Multi-turn Benchmark Result", _main_rows(r) + [("Cached ratio (turns 2+)", r["cached_ratio"])]
+                )
+                print_grid(
+                    ["turn", "completed", "context_len", "e2e_ms", "ttft_ms", "cached_ratio"],
+                    [
+                        [
+                            p["turn"],
+                            p["completed"],
+                            p["mean_context_len"],
+                            p["mean_e2e_latency_ms"],
+                            p["mean_ttft_ms"],
+                            p["cached_ratio"],
+                        ]
+                        for p in r["per_turn"]
+                    ],
+                )
             elif args.compare_concurrency:
                 levels = [int(x) for x in args.compare_concurrency.split(",") if x.strip()]
                 runs = []
                 for c in levels:
                     n = args.num_prompts or max(8, 2 * c)
-                    runs.append(await run_load(client, url, num_prompts=n, concurrency=c, request_rate=math.inf,
-                                               seed=args.seed, **common))
+                    runs.append(
+                        await run_load(
+                            client, url, num_prompts=n, concurrency=c, request_rate=math.inf, seed=args.seed, **common
+                        )
+                    )
                 r = dict(runs[-1])
                 ratio = runs[-1]["output_throughput"] / max(runs[0]["output_throughput"], 1e-9)
                 r.update(levels=runs, ratio=ratio, compare_concurrency=levels)
-                print_grid(["concurrency", "completed", "out_tok/s", "req/s", "mean_ttft_ms", "mean_itl_ms",
-                            "mean_e2e_ms"],
-                           [[x["max_concurrency"], x["completed"], x["output_throughput"], x["request_throughput"],
-                             x["mean_ttft_ms"], x["mean_itl_ms"], x["mean_e2e_latency_ms"]] for x in runs])
+                print_grid(
+                    ["concurrency", "completed", "out_tok/s", "req/s", "mean_ttft_ms", "mean_itl_ms", "mean_e2e_ms"],
+                    [
+                        [
+                            x["max_concurrency"],
+                            x["completed"],
+                            x["output_throughput"],
+                            x["request_throughput"],
+                            x["mean_ttft_ms"],
+                            x["mean_itl_ms"],
+                            x["mean_e2e_latency_ms"],
+                        ]
+                        for x in runs
+                    ],
+                )
                 print(f"output throughput ratio, concurrency {levels[-1]} vs {levels[0]}: {ratio:.2f}x", flush=True)
             else:
-                r = await run_load(client, url, num_prompts=args.num_prompts or 64, concurrency=args.concurrency,
-                                   request_rate=args.request_rate, seed=args.seed, **common)
+                r = await run_load(
+                    client,
+                    url,
+                    num_prompts=args.num_prompts or 64,
+                    concurrency=args.concurrency,
+                    request_rate=args.request_rate,
+                    seed=args.seed,
+                    **common,
+                )
                 print_table("Serving Benchmark Result", _main_rows(r))
     r["url"] = url if args.url else "embedded"
     return r
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests (sessions with --multi-turn); default 64, 8 sessions, or max(8, 2x) per level")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests (sessions with --multi-turn); default 64, 8 sessions, or max(8, 2x) per level",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (per turn's new observation)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
-    p.add_argument("--prompt-len", type=int, default=None, help="--multi-turn: the first turn's context (system "
-                   "prompt + task; default --input-len); later turns add --output-len + --input-len each")  # fmt: skip
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="--multi-turn: the first turn's context (system "
+        "prompt + task; default --input-len); later turns add --output-len + --input-len each",
+    )
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default inf)")
     p.add_argument("--multi-turn", type=int, default=0, metavar="TURNS", help="sessions of TURNS growing turns")
-    p.add_argument("--compare-concurrency", default=None, metavar="C1,C2",
-                   help="run at each concurrency and report the output-throughput ratio (e.g. 1,32)")
-    p.add_argument("--samplers", default=None, metavar="N1,N2", help="sessions of --multi-turn turns (default 4) "
-                   "through the client's sampler pool over N embedded samplers, pinned and unpinned, for each N "
-                   "(e.g. 1,2,4): prefix-cache hit ratio and throughput")  # fmt: skip
+    p.add_argument(
+        "--compare-concurrency",
+        default=None,
+        metavar="C1,C2",
+        help="run at each concurrency and report the output-throughput ratio (e.g. 1,32)",
+    )
+    p.add_argument(
+        "--samplers",
+        default=None,
+        metavar="N1,N2",
+        help="sessions of --multi-turn turns (default 4) "
+        "through the client's sampler pool over N embedded samplers, pinned and unpinned, for each N "
+        "(e.g. 1,2,4): prefix-cache hit ratio and throughput",
+    )
     p.add_argument("--load-cap", type=int, default=16, help="--samplers: the pool's load cap (default 16)")
-    p.add_argument("--disable-stream", action="store_true",
-                   help="plain POSTs (TTFT = latency, no ITL), as bench_serving's --disable-stream")
+    p.add_argument(
+        "--disable-stream",
+        action="store_true",
+        help="plain POSTs (TTFT = latency, no ITL), as bench_serving's --disable-stream",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=None, help="default: from /get_model_info")

@@ -37,8 +37,12 @@ async def exec_roundtrip(sb: Sandbox, n: int = 200, command: str = "true", warmu
         if r.exit_code != 0:
             raise RuntimeError(f"{command!r} failed in the sandbox: exit {r.exit_code}: {r.output[:200]}")
     a = np.asarray(took) * 1000.0
-    return {"p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()),
-            "n": float(n)}
+    return {
+        "p50_ms": float(np.median(a)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "mean_ms": float(a.mean()),
+        "n": float(n),
+    }
 
 
 async def bwrap_bench(execs: int, starts: int) -> dict[str, Any]:
@@ -62,8 +66,12 @@ async def bwrap_bench(execs: int, starts: int) -> dict[str, Any]:
             verify_s = time.perf_counter() - t0
             if r.exit_code != 0:
                 raise RuntimeError(f"pytest failed in the sandbox: {r.output[-500:]}")
-    return {"start_ms": float(np.median(start_s)) * 1000.0, "exec_p50_ms": rt["p50_ms"],
-            "exec_p99_ms": rt["p99_ms"], "verify_ms": verify_s * 1000.0}
+    return {
+        "start_ms": float(np.median(start_s)) * 1000.0,
+        "exec_p50_ms": rt["p50_ms"],
+        "exec_p99_ms": rt["p99_ms"],
+        "verify_ms": verify_s * 1000.0,
+    }
 
 
 def _bench_task(root: Path, salt: str) -> Path:
@@ -74,10 +82,12 @@ def _bench_task(root: Path, salt: str) -> Path:
     (t / "instruction.md").write_text("Nothing to do.\n")
     (t / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 120.0\n')
     (t / "environment" / "Dockerfile").write_text(
-        f"FROM python:3.11-slim\nWORKDIR /app\nRUN echo {salt} > /app/salt.txt\n")
+        f"FROM python:3.11-slim\nWORKDIR /app\nRUN echo {salt} > /app/salt.txt\n"
+    )
     (t / "tests" / "test_outputs.py").write_text(
         "from pathlib import Path\n\ndef test_a():\n    assert Path('/app/salt.txt').exists()\n\n"
-        "def test_b():\n    assert 1\n")
+        "def test_b():\n    assert 1\n"
+    )
     return t
 
 
@@ -116,8 +126,13 @@ async def container_bench(execs: int, starts: int) -> dict[str, Any]:
                     raise RuntimeError(f"the bench task's verifier failed: {v}")
         finally:
             images.run_podman("rmi", "-f", tag, check=False)
-    return {"start_cold_ms": cold_s * 1000.0, "start_ms": float(np.median(warm)) * 1000.0,
-            "exec_p50_ms": rt["p50_ms"], "exec_p99_ms": rt["p99_ms"], "verify_ms": verify_s * 1000.0}
+    return {
+        "start_cold_ms": cold_s * 1000.0,
+        "start_ms": float(np.median(warm)) * 1000.0,
+        "exec_p50_ms": rt["p50_ms"],
+        "exec_p99_ms": rt["p99_ms"],
+        "verify_ms": verify_s * 1000.0,
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

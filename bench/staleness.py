@@ -42,10 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import shutil
 import time
 from pathlib import Path
 
@@ -57,18 +57,49 @@ from bench._overlap import component_pid, cpu_s, overlap, sampler_idle, summaris
 
 def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
     run_dir = root / f"eta{eta}"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--max-staleness", str(eta),
-            "--duration", str(args.duration), "--actors", str(args.actors), "--concurrency", str(args.concurrency),
-            "--batch-turns", str(args.batch_turns), "--max-turns", str(args.max_turns),
-            "--max-new-tokens", str(args.max_new_tokens), "--synth-tasks", "60", "--seed", str(args.seed),
-            "--verify-every", str(args.verify_every)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--max-staleness",
+        str(eta),
+        "--duration",
+        str(args.duration),
+        "--actors",
+        str(args.actors),
+        "--concurrency",
+        str(args.concurrency),
+        "--batch-turns",
+        str(args.batch_turns),
+        "--max-turns",
+        str(args.max_turns),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--synth-tasks",
+        "60",
+        "--seed",
+        str(args.seed),
+        "--verify-every",
+        str(args.verify_every),
+    ]
     if args.tasks:
         argv += ["--tasks", str(args.tasks)]
     if args.pin:
         # everything but the learner (the supervisor, nats-server, actors, their sandboxes) shares the sampler's
         # CPU: the sampling side on one core, the training side on the other, as the bound assumes
-        argv = ["taskset", "-c", str(args.pin[0]), *argv, "--sampler-cpus", str(args.pin[0]),
-                "--learner-cpus", str(args.pin[1])]  # fmt: skip
+        argv = [
+            "taskset",
+            "-c",
+            str(args.pin[0]),
+            *argv,
+            "--sampler-cpus",
+            str(args.pin[0]),
+            "--learner-cpus",
+            str(args.pin[1]),
+        ]
     log = open(run_dir.with_suffix(".log"), "w")
     env = {**os.environ, "T1_LOG_JSON": "1"}
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -136,8 +167,9 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.staleness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.staleness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--etas", default="0,1,2,4", help="comma-separated η values (default 0,1,2,4)")
     p.add_argument("--duration", type=float, default=90.0, help="seconds per η (default 90)")
     p.add_argument("--actors", type=int, default=2)
@@ -145,13 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-turns", type=int, default=32)
     p.add_argument("--max-turns", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--verify-every", type=int, default=0, help="run the verifier every N turns (dense reward; default 0)")
+    p.add_argument(
+        "--verify-every", type=int, default=0, help="run the verifier every N turns (dense reward; default 0)"
+    )
     p.add_argument("--tasks", type=Path, default=None, help="task dir (default: a synthetic corpus per run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="where the JSON and PNG go")
-    p.add_argument("--no-pin", action="store_true", help="let the sampler and the learner share every CPU "
-                   "(default: the sampler, actors and NATS on the first CPU we may use, the learner on the "
-                   "second)")  # fmt: skip
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the sampler and the learner share every CPU "
+        "(default: the sampler, actors and NATS on the first CPU we may use, the learner on the "
+        "second)",
+    )
     p.add_argument("--warmup-steps", type=int, default=2, help="learner steps left out of the timing (default 2)")
     p.add_argument("--json", action="store_true", help="print the JSON object as the last stdout line")
     args = p.parse_args(argv)
@@ -171,35 +209,93 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     for i, eta in enumerate(etas):
-        print(f"[{i + 1}/{len(etas)}] η={eta}: running the loop for {args.duration:.0f} s ...", file=sys.stderr, flush=True)
+        print(
+            f"[{i + 1}/{len(etas)}] η={eta}: running the loop for {args.duration:.0f} s ...",
+            file=sys.stderr,
+            flush=True,
+        )
         runs.append(run_one(eta, args, root))
     base = runs[0]["turns_per_s"] or 1e-9
-    rows = [(r["eta"], r["turns_per_s"], r["turns_per_s"] / base, r["max_staleness"], r["stale_masked_tokens"],
-             "–" if r["sampler_idle"] is None else f"{r['sampler_idle']:.0%}", f"{r['credit_wait_mean_s']:.3f}", f"{r['credit_wait_p99_s']:.3f}",
-             f"{r['credit_wait_share']:.0%}", r["steps"], f"{r['tokens_per_turn']:.0f}", _fmt(r["train_s_per_ktok"], ".2f"),
-             _fmt(r["learner_cpu_share"], ".0%")) for r in runs]  # fmt: skip
-    print_grid(["eta", "turns/s", f"x eta={runs[0]['eta']}", "max staleness", "stale masked", "sampler idle",
-                "credit wait mean s", "p99 s", "wait share", "steps", "tokens/turn", "train s/ktok", "learner CPU/step wall"],
-                rows,
-                title="bench.staleness: the real loop at each η")  # fmt: skip
+    rows = [
+        (
+            r["eta"],
+            r["turns_per_s"],
+            r["turns_per_s"] / base,
+            r["max_staleness"],
+            r["stale_masked_tokens"],
+            "–" if r["sampler_idle"] is None else f"{r['sampler_idle']:.0%}",
+            f"{r['credit_wait_mean_s']:.3f}",
+            f"{r['credit_wait_p99_s']:.3f}",
+            f"{r['credit_wait_share']:.0%}",
+            r["steps"],
+            f"{r['tokens_per_turn']:.0f}",
+            _fmt(r["train_s_per_ktok"], ".2f"),
+            _fmt(r["learner_cpu_share"], ".0%"),
+        )
+        for r in runs
+    ]
+    print_grid(
+        [
+            "eta",
+            "turns/s",
+            f"x eta={runs[0]['eta']}",
+            "max staleness",
+            "stale masked",
+            "sampler idle",
+            "credit wait mean s",
+            "p99 s",
+            "wait share",
+            "steps",
+            "tokens/turn",
+            "train s/ktok",
+            "learner CPU/step wall",
+        ],
+        rows,
+        title="bench.staleness: the real loop at each η",
+    )
     ov = overlap(runs)
     if ov:
         idle = ov["sampler_idle_async"]
-        print_grid(["T_sample s (η=0)", "T_train s (η=0)", "overlap bound", f"async/sync (η={ov['eta_async']}/0)",
-                    "of bound (>= 0.85)", f"sampler idle η={ov['eta_async']} (<= 15%)", "idle floor", "targets met"],
-                   [(ov["t_sample_s"], ov["t_train_s"], f"{ov['overlap_bound']:.2f}x", f"{ov['async_over_sync']:.2f}x",
-                     ov["of_bound"], "–" if idle is None else f"{idle:.0%}", f"{ov['sampler_idle_floor']:.0%}",
-                     ov["targets_met"])],
-                   title="overlap: what async can gain at most on these cores, and what it got"
-                   + (f" (learner on CPU {args.pin[1]}, the rest on CPU {args.pin[0]})" if args.pin else " (unpinned)"))  # fmt: skip
+        print_grid(
+            [
+                "T_sample s (η=0)",
+                "T_train s (η=0)",
+                "overlap bound",
+                f"async/sync (η={ov['eta_async']}/0)",
+                "of bound (>= 0.85)",
+                f"sampler idle η={ov['eta_async']} (<= 15%)",
+                "idle floor",
+                "targets met",
+            ],
+            [
+                (
+                    ov["t_sample_s"],
+                    ov["t_train_s"],
+                    f"{ov['overlap_bound']:.2f}x",
+                    f"{ov['async_over_sync']:.2f}x",
+                    ov["of_bound"],
+                    "–" if idle is None else f"{idle:.0%}",
+                    f"{ov['sampler_idle_floor']:.0%}",
+                    ov["targets_met"],
+                )
+            ],
+            title="overlap: what async can gain at most on these cores, and what it got"
+            + (f" (learner on CPU {args.pin[1]}, the rest on CPU {args.pin[0]})" if args.pin else " (unpinned)"),
+        )
     reasons = why(runs, ov)
     for line in reasons:
         print(f"why not: {line}")
     ok = all(r["max_staleness"] <= r["eta"] for r in runs)
     print(f"max trained staleness <= η in every run: {ok}")
-    result = {"runs": runs, "speedup_max_vs_first": runs[-1]["turns_per_s"] / base, "staleness_ok": ok, **ov, "why": reasons,
-              "pinned": list(args.pin) if args.pin else None,
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}  # fmt: skip
+    result = {
+        "runs": runs,
+        "speedup_max_vs_first": runs[-1]["turns_per_s"] / base,
+        "staleness_ok": ok,
+        **ov,
+        "why": reasons,
+        "pinned": list(args.pin) if args.pin else None,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
     (args.out / "staleness.json").write_text(json.dumps(result, indent=2))
     plot(runs, args.out / "staleness.png")
     print(f"wrote {args.out / 'staleness.json'} and {args.out / 'staleness.png'}")

@@ -90,9 +90,17 @@ async def _run(name: str, repeats: int, bucket_mb: float, work: Path) -> dict:
     finally:
         proc.stop()
     d, dl, ds = statistics.median(disk), statistics.median(disk_load), statistics.median(dist)
-    return {"params": params, "mb": round(out["mb"], 1), "buckets": out["buckets"], "disk_s": round(d, 4),
-            "disk_load_s": round(dl, 4), "distributed_s": round(ds, 4), "speedup": round(d / ds, 2),
-            "speedup_vs_load": round(dl / ds, 2), "repeats": repeats}
+    return {
+        "params": params,
+        "mb": round(out["mb"], 1),
+        "buckets": out["buckets"],
+        "disk_s": round(d, 4),
+        "disk_load_s": round(dl, 4),
+        "distributed_s": round(ds, 4),
+        "speedup": round(d / ds, 2),
+        "speedup_vs_load": round(dl / ds, 2),
+        "repeats": repeats,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,12 +121,21 @@ def main(argv: list[str] | None = None) -> None:
             res[n] = anyio.run(_run, n, args.repeats, args.bucket_mb, Path(tmp), backend="trio")
             # each disk version is a full copy on disk: drop them as we go
     keys = ["params", "mb", "buckets", "disk_s", "disk_load_s", "distributed_s", "speedup", "speedup_vs_load"]
-    print_grid(["config", *keys], [[n, *(r[k] for k in keys)] for n, r in res.items()],
-               title=f"weight push to one embedded sampler, median of {args.repeats}")  # fmt: skip
+    print_grid(
+        ["config", *keys],
+        [[n, *(r[k] for k in keys)] for n, r in res.items()],
+        title=f"weight push to one embedded sampler, median of {args.repeats}",
+    )
     if args.json:
         main_cfg = res.get("100m") or next(iter(res.values()))
-        emit_json({"disk_s": main_cfg["disk_s"], "distributed_s": main_cfg["distributed_s"],
-                   "params": main_cfg["params"], "configs": res})  # fmt: skip
+        emit_json(
+            {
+                "disk_s": main_cfg["disk_s"],
+                "distributed_s": main_cfg["distributed_s"],
+                "params": main_cfg["params"],
+                "configs": res,
+            }
+        )
 
 
 if __name__ == "__main__":

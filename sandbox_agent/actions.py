@@ -101,7 +101,7 @@ def _from_call(obj: dict) -> Action:
         return Action("bash", command=cmd.strip("\n"))
     return Action(
         "invalid",
-        error=f"Unknown tool {tool!r}. The tools are \"bash\" (with a \"command\") and \"done\".",
+        error=f'Unknown tool {tool!r}. The tools are "bash" (with a "command") and "done".',
     )
 
 

@@ -25,9 +25,9 @@ error), that change is ``EpisodeResult.unstreamed_reward``, so the streamed rewa
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
-from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import numpy as np
@@ -43,7 +43,6 @@ from t1async.tito import common_prefix_len
 from t1async.wire import EndReason, Finish
 
 log = get_logger("sandbox_agent.agent")
-
 
 
 class ChatTokenizerLike(Protocol):
@@ -67,7 +66,9 @@ class AgentConfig:
     max_context_tokens: int = 32768
     wall_time_s: float | None = None  # None: the task's agent timeout (time held back by credits is not counted)
     verify_every: int = 0  # 0: verify only when the episode ends
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))  # no stop ids: the tokenizer's end-of-turn and eos
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(max_new_tokens=1024)
+    )  # no stop ids: the tokenizer's end-of-turn and eos
     system_prompt: str = SYSTEM_PROMPT
     observation_role: str = "user"
     max_observation_chars: int = 8192
@@ -144,11 +145,16 @@ def prompt_ids(tokenizer: ChatTokenizerLike, instruction: str, system_prompt: st
     return list(tokenizer.render(initial_messages(instruction, system_prompt), add_generation_prompt=True))
 
 
-def turn_suffix_ids(tokenizer: ChatTokenizerLike, output_ids: Sequence[int], observation: str, role: str = "user") -> list[int]:
+def turn_suffix_ids(
+    tokenizer: ChatTokenizerLike, output_ids: Sequence[int], observation: str, role: str = "user"
+) -> list[int]:
     """What follows a turn's exact output IDs in the next input: the bridge that closes the assistant turn,
     the observation message encoded on its own, and the generation prompt. Never merges with the output."""
-    return (list(tokenizer.bridge_ids(output_ids)) + list(tokenizer.message_ids(role, observation))
-            + list(tokenizer.generation_prompt_ids()))
+    return (
+        list(tokenizer.bridge_ids(output_ids))
+        + list(tokenizer.message_ids(role, observation))
+        + list(tokenizer.generation_prompt_ids())
+    )
 
 
 def render_turns_ids(
@@ -175,8 +181,9 @@ def render_turns_ids(
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
 
 
-async def _act(action: Action, sandbox: Sandbox, cfg: AgentConfig, deadline: float
-               ) -> tuple[str, ExecResult | None, str]:
+async def _act(
+    action: Action, sandbox: Sandbox, cfg: AgentConfig, deadline: float
+) -> tuple[str, ExecResult | None, str]:
     """Run the action's command, if any: (observation, exec result, sandbox failure or "")."""
     if action.kind != "bash":
         return action.error, None, ""
@@ -186,8 +193,13 @@ async def _act(action: Action, sandbox: Sandbox, cfg: AgentConfig, deadline: flo
     except SandboxError as exc:
         return f"[sandbox error: {exc}]", None, str(exc)
     observation = format_observation(
-        res.output, res.exit_code, timed_out=res.timed_out, truncated=res.truncated,
-        timeout_s=timeout, max_chars=cfg.max_observation_chars, note=action.note,
+        res.output,
+        res.exit_code,
+        timed_out=res.timed_out,
+        truncated=res.truncated,
+        timeout_s=timeout,
+        max_chars=cfg.max_observation_chars,
+        note=action.note,
     )
     return observation, res, ""
 
@@ -208,8 +220,9 @@ class _Loop:
     verified_last_turn: bool = False
 
 
-async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
-                  ) -> tuple[Generation | None, EndReason | None, str]:
+async def _sample(
+    sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
+) -> tuple[Generation | None, EndReason | None, str]:
     """Sample turn ``k``: (generation, None, "") or (None, stop reason, detail)."""
     wait_turn = getattr(sampler, "wait_turn", None)
     try:
@@ -219,18 +232,24 @@ async def _sample(sampler: Sampler, st: _Loop, cfg: AgentConfig, params: Samplin
             st.paused_s += anyio.current_time() - t0
             st.deadline += anyio.current_time() - t0
         with anyio.move_on_after(st.deadline - anyio.current_time()):
-            return await sampler.generate(
-                st.input_ids, params, routed_experts_start_len=st.routed_start if cfg.request_routing else None,
-                rid=f"{rid}/{k}",
-            ), None, ""
+            return (
+                await sampler.generate(
+                    st.input_ids,
+                    params,
+                    routed_experts_start_len=st.routed_start if cfg.request_routing else None,
+                    rid=f"{rid}/{k}",
+                ),
+                None,
+                "",
+            )
     except SamplerError as exc:
         return None, EndReason.ERROR, f"sampler failed on turn {k}: {exc}"
     return None, EndReason.TIMEOUT, f"wall time ran out while sampling turn {k}"
 
 
-async def _respond(gen: Generation, out: list[int], tokenizer: ChatTokenizerLike, sandbox: Sandbox,
-                   cfg: AgentConfig, st: _Loop, k: int
-                   ) -> tuple[Action, str, str, ExecResult | None, EndReason | None, str]:
+async def _respond(
+    gen: Generation, out: list[int], tokenizer: ChatTokenizerLike, sandbox: Sandbox, cfg: AgentConfig, st: _Loop, k: int
+) -> tuple[Action, str, str, ExecResult | None, EndReason | None, str]:
     """Parse the output and run its action: (action, kind, observation, exec result, stop, detail)."""
     if gen.finish == "abort":
         return Action("invalid"), "none", "", None, EndReason.ABORTED, f"sampler aborted turn {k}"
@@ -243,8 +262,9 @@ async def _respond(gen: Generation, out: list[int], tokenizer: ChatTokenizerLike
     return action, action.kind, observation, res, None, ""
 
 
-def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, policy: ContextPolicy,
-                out: list[int], observation: str) -> tuple[list[int] | None, str]:
+def _next_input(
+    tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, policy: ContextPolicy, out: list[int], observation: str
+) -> tuple[list[int] | None, str]:
     """The next turn's input from exact IDs (sets ``st.routed_start`` and ``st.compacted``), or (None, why)
     when it cannot fit ``max_context`` and the context policy gives up."""
     suffix = turn_suffix_ids(tokenizer, out, observation, cfg.observation_role)
@@ -265,13 +285,22 @@ def _next_input(tokenizer: ChatTokenizerLike, st: _Loop, cfg: AgentConfig, polic
     # shared prefix stay valid, every later position of the new context must be routed again
     lcp = common_prefix_len(np.asarray(compacted, dtype=np.int64), np.asarray(seq, dtype=np.int64))
     st.routed_start, st.compacted = min(lcp, covered), True
-    log.info("agent.compacted", rid=st.rid, policy=policy.name, before=len(nxt), after=len(compacted), shared=lcp,
-             turns_dropped=st.history.dropped, compactions=st.history.compactions)
+    log.info(
+        "agent.compacted",
+        rid=st.rid,
+        policy=policy.name,
+        before=len(nxt),
+        after=len(compacted),
+        shared=lcp,
+        turns_dropped=st.history.dropped,
+        compactions=st.history.compactions,
+    )
     return compacted, ""
 
 
-async def _verify_turn(st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, stop: EndReason | None
-                       ) -> tuple[int | None, float, EndReason | None, str]:
+async def _verify_turn(
+    st: _Loop, verify: VerifyFn, cfg: AgentConfig, k: int, stop: EndReason | None
+) -> tuple[int | None, float, EndReason | None, str]:
     """Verify when the episode stops or every ``verify_every`` turns: (tests passed, reward, stop, detail)."""
     periodic = cfg.verify_every > 0 and (k + 1) % cfg.verify_every == 0
     if stop is None and not periodic:
@@ -300,8 +329,12 @@ async def run_agent(
     cfg = config
     t_start = time.monotonic()
     first = prompt_ids(tokenizer, instruction, cfg.system_prompt)
-    st = _Loop(first, History(tokenizer, first, cfg.observation_role),
-               anyio.current_time() + (cfg.wall_time_s or wall_time_s), rid)  # fmt: skip
+    st = _Loop(
+        first,
+        History(tokenizer, first, cfg.observation_role),
+        anyio.current_time() + (cfg.wall_time_s or wall_time_s),
+        rid,
+    )
     policy = make_policy(cfg.context)
     stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
     reason: EndReason = EndReason.MAX_TURNS
@@ -312,9 +345,7 @@ async def run_agent(
         if budget < cfg.min_new_tokens:
             reason, detail = EndReason.CONTEXT, f"{len(st.input_ids)} tokens of {cfg.max_context_tokens} used"
             break
-        params = replace(
-            cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), stop_token_ids=stop_ids
-        )
+        params = replace(cfg.sampling, max_new_tokens=min(cfg.sampling.max_new_tokens, budget), stop_token_ids=stop_ids)
         # -- sample
         t0 = time.monotonic()
         gen, stop, detail = await _sample(sampler, st, cfg, params, k, rid)
@@ -348,15 +379,26 @@ async def run_agent(
         if on_turn is not None:
             await on_turn(
                 TurnResult(
-                    turn=k, input_ids=np.asarray(input_ids, dtype=np.int32),
+                    turn=k,
+                    input_ids=np.asarray(input_ids, dtype=np.int32),
                     output_ids=np.asarray(out, dtype=np.int32),
                     logprobs=np.asarray(gen.logprobs, dtype=np.float32),
-                    finish=gen.finish, weight_version=gen.weight_version,
-                    routing=gen.routing, routing_start=gen.routing_start,
-                    action_kind=kind, action_text=action.command, observation=observation,
-                    exit_code=res.exit_code if res else None, timed_out=bool(res and res.timed_out),
-                    truncated=bool(res and res.truncated), tests_passed=tests_passed, reward=reward,
-                    t_sample_s=t_sample, t_exec_s=t_exec, last=stop is not None, compacted=compacted,
+                    finish=gen.finish,
+                    weight_version=gen.weight_version,
+                    routing=gen.routing,
+                    routing_start=gen.routing_start,
+                    action_kind=kind,
+                    action_text=action.command,
+                    observation=observation,
+                    exit_code=res.exit_code if res else None,
+                    timed_out=bool(res and res.timed_out),
+                    truncated=bool(res and res.truncated),
+                    tests_passed=tests_passed,
+                    reward=reward,
+                    t_sample_s=t_sample,
+                    t_exec_s=t_exec,
+                    last=stop is not None,
+                    compacted=compacted,
                     output_versions=gen.output_versions,
                 )
             )
@@ -370,8 +412,9 @@ async def run_agent(
     return await _finish(st, verify, rid, turns, reason, detail, t_start)
 
 
-async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: EndReason, detail: str,
-                  t_start: float) -> EpisodeResult:
+async def _finish(
+    st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: EndReason, detail: str, t_start: float
+) -> EpisodeResult:
     """The episode's result; verifies once more if the last turn could not carry the final verification."""
     unstreamed = 0.0
     last_verify = st.last_verify
@@ -379,11 +422,27 @@ async def _finish(st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: End
         last_verify = await verify()
         unstreamed = float(last_verify.passed - st.last_passed)
     result = EpisodeResult(
-        turns=turns, reason=reason, tests_passed=last_verify.passed, tests_total=last_verify.total,
-        resolved=last_verify.resolved, verify=last_verify, detail=detail, unstreamed_reward=unstreamed,
-        wall_s=time.monotonic() - t_start, compactions=st.history.compactions, paused_s=st.paused_s,
+        turns=turns,
+        reason=reason,
+        tests_passed=last_verify.passed,
+        tests_total=last_verify.total,
+        resolved=last_verify.resolved,
+        verify=last_verify,
+        detail=detail,
+        unstreamed_reward=unstreamed,
+        wall_s=time.monotonic() - t_start,
+        compactions=st.history.compactions,
+        paused_s=st.paused_s,
     )
-    log.info("agent.episode_end", rid=rid, turns=turns, reason=reason, passed=result.tests_passed,
-             total=result.tests_total, resolved=result.resolved, compactions=result.compactions,
-             paused_s=round(result.paused_s, 3))
+    log.info(
+        "agent.episode_end",
+        rid=rid,
+        turns=turns,
+        reason=reason,
+        passed=result.tests_passed,
+        total=result.tests_total,
+        resolved=result.resolved,
+        compactions=result.compactions,
+        paused_s=round(result.paused_s, 3),
+    )
     return result

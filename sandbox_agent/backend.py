@@ -88,8 +88,11 @@ class BwrapBackend:
         if p is not None:  # the Dockerfile subset: WORKDIR, ENV, COPY outside the work dir
             rw = tuple((str(host), inside) for inside, host in dockerfile.mounts(p, Path(workdir)).items())
             cfg = dataclasses.replace(
-                cfg, workdir_mount=p.workdir if p.workdir != "/" else cfg.workdir_mount,
-                env=tuple(cfg.env) + p.env, extra_rw_binds=tuple(cfg.extra_rw_binds) + rw)
+                cfg,
+                workdir_mount=p.workdir if p.workdir != "/" else cfg.workdir_mount,
+                env=tuple(cfg.env) + p.env,
+                extra_rw_binds=tuple(cfg.extra_rw_binds) + rw,
+            )
         return BwrapSandbox.open(workdir, config=cfg)
 
     def prepare(self, task: Task, workdir: Path) -> None:
@@ -196,8 +199,14 @@ class ContainerBackend:
         return (*((inside,) if inside not in ("/", "/tmp") and not volumes else ()), "/tmp")
 
     @contextlib.asynccontextmanager
-    async def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
-                             ro_binds: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[Sandbox]:
+    async def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncIterator[Sandbox]:
         """A session with network (the verifier, when the user allows it): the episode's container is
         committed and the session runs in a copy of it on podman's bridge network; both removed after."""
         ep = self._episodes.get(str(workdir))
@@ -212,7 +221,9 @@ class ContainerBackend:
             async with start_container(podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs) as copy:
                 if self.limits.disk_bytes is not None:  # a commit leaves tmpfs contents out: carry them over
                     await anyio.to_thread.run_sync(_copy_paths, cid, copy, tmpfs)
-                async with ContainerSandbox.open(podman, env, copy, inside, config or self.config, copies=ro_binds) as sb:
+                async with ContainerSandbox.open(
+                    podman, env, copy, inside, config or self.config, copies=ro_binds
+                ) as sb:
                     yield sb
         finally:
             with anyio.CancelScope(shield=True):
@@ -261,8 +272,14 @@ class AutoBackend:
         why = self.container.refusal(task)
         return None if why is None else f"{self.bwrap.refusal(task)}; and the container backend: {why}"
 
-    def open(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
-             ro_binds: tuple[tuple[str, str], ...] = ()) -> AbstractAsyncContextManager[Sandbox]:
+    def open(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
         b: SandboxBackend = self.bwrap if self.kind(task) == "bwrap" else self.container
         return b.open(task, workdir, config=config, ro_binds=ro_binds)
 
@@ -278,8 +295,14 @@ class AutoBackend:
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
 
-    def open_networked(self, task: Task, workdir: Path, *, config: SandboxConfig | None = None,
-                       ro_binds: tuple[tuple[str, str], ...] = ()) -> AbstractAsyncContextManager[Sandbox]:
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
         return self.container.open_networked(task, workdir, config=config, ro_binds=ro_binds)
 
 

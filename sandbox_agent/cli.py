@@ -31,25 +31,34 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sandbox_agent", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("synth", help="write synthetic tasks (Terminal-Bench 1 format)",
-                       description="Write N synthetic tasks into DIR, cycling through the task families.")
+    s = sub.add_parser(
+        "synth",
+        help="write synthetic tasks (Terminal-Bench 1 format)",
+        description="Write N synthetic tasks into DIR, cycling through the task families.",
+    )
     s.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
     s.add_argument("--n", required=True, type=int, help="number of tasks")
     s.add_argument("--seed", type=int, default=0, help="corpus seed (default 0)")
     s.add_argument("--families", default="", help="comma-separated family names (default: all)")
     s.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
-    d = sub.add_parser("decontam", help="report overlap between a corpus and a benchmark",
-                       description="Near-duplicate instructions (n-gram Jaccard/containment) and identical test files.")
+    d = sub.add_parser(
+        "decontam",
+        help="report overlap between a corpus and a benchmark",
+        description="Near-duplicate instructions (n-gram Jaccard/containment) and identical test files.",
+    )
     d.add_argument("--corpus", required=True, type=Path, help="the training corpus (task dirs)")
     d.add_argument("--against", required=True, type=Path, help="the benchmark to check against (task dirs)")
     d.add_argument("--ngram", type=int, default=8, help="shingle size in words (default 8)")
     d.add_argument("--threshold", type=float, default=0.5, help="flag at Jaccard or containment >= this (default 0.5)")
     d.add_argument("--json", action="store_true", help="print the report as JSON (last line)")
 
-    r = sub.add_parser("run-task", help="run one task in the bwrap sandbox with a scripted agent",
-                       description="Run TASK_DIR with its oracle solution or a do-nothing agent; print per-test "
-                       "results, the dense reward (tests passed) and whether it resolved.")
+    r = sub.add_parser(
+        "run-task",
+        help="run one task in the bwrap sandbox with a scripted agent",
+        description="Run TASK_DIR with its oracle solution or a do-nothing agent; print per-test "
+        "results, the dense reward (tests passed) and whether it resolved.",
+    )
     r.add_argument("task_dir", type=Path, metavar="TASK_DIR")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
@@ -58,9 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
 
-    c = sub.add_parser("check", help="oracle must resolve and do-nothing must not, on (a sample of) tasks",
-                       description="Run every task's oracle and a do-nothing agent in the bwrap sandbox; exit 1 "
-                       "if any oracle fails to resolve or any do-nothing run resolves.")
+    c = sub.add_parser(
+        "check",
+        help="oracle must resolve and do-nothing must not, on (a sample of) tasks",
+        description="Run every task's oracle and a do-nothing agent in the bwrap sandbox; exit 1 "
+        "if any oracle fails to resolve or any do-nothing run resolves.",
+    )
     c.add_argument("tasks_dir", type=Path, metavar="TASKS_DIR")
     c.add_argument("--sample", type=int, default=0, help="check a random sample of K tasks (default: all)")
     c.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -74,19 +86,25 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     ls.add_argument("--json", action="store_true", help="print JSON (last line)")
 
-    im = sub.add_parser("images", help="container images: build the base image",
-                        description="Build the container backend's base image from Debian packages (mmdebstrap + "
-                        "podman import + uv/pytest from PyPI); cached, so a second run takes seconds.")
+    im = sub.add_parser(
+        "images",
+        help="container images: build the base image",
+        description="Build the container backend's base image from Debian packages (mmdebstrap + "
+        "podman import + uv/pytest from PyPI); cached, so a second run takes seconds.",
+    )
     im.add_argument("action", choices=("build-base",), help="what to do")
     im.add_argument("--force", action="store_true", help="rebuild even if the image exists")
     return p
 
 
 BACKENDS = ("auto", "bwrap", "container")
-NETWORK_HELP = ("containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
-                "written (default: no network; such scripts are replaced by their test files under pytest -rA)")
-BACKEND_HELP = ("sandbox backend (default auto: bwrap when it reproduces every task exactly, else containers "
-                "with podman)")
+NETWORK_HELP = (
+    "containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
+    "written (default: no network; such scripts are replaced by their test files under pytest -rA)"
+)
+BACKEND_HELP = (
+    "sandbox backend (default auto: bwrap when it reproduces every task exactly, else containers with podman)"
+)
 
 
 def _cmd_synth(a: argparse.Namespace) -> int:
@@ -106,12 +124,16 @@ def _cmd_decontam(a: argparse.Namespace) -> int:
     if a.ngram < 1 or not 0 < a.threshold <= 1:
         raise _Usage(f"--ngram must be >= 1 and --threshold in (0, 1]; got {a.ngram} and {a.threshold}")
     rep = decontaminate(a.corpus, a.against, n=a.ngram, threshold=a.threshold)
-    print(f"corpus {a.corpus}: {rep.corpus_tasks} tasks; against {a.against}: {rep.against_tasks} tasks; "
-          f"{a.ngram}-grams, threshold {a.threshold}")
+    print(
+        f"corpus {a.corpus}: {rep.corpus_tasks} tasks; against {a.against}: {rep.against_tasks} tasks; "
+        f"{a.ngram}-grams, threshold {a.threshold}"
+    )
     print(f"{'corpus task':<36} {'against task':<36} {'kind':<12} {'jaccard':>8} {'contain':>8} {'shared':>7}")
     for o in rep.overlaps:
-        print(f"{o.corpus_task:<36} {o.against_task:<36} {o.kind:<12} "
-              f"{o.jaccard:>8.3f} {o.containment:>8.3f} {o.shared:>7}")
+        print(
+            f"{o.corpus_task:<36} {o.against_task:<36} {o.kind:<12} "
+            f"{o.jaccard:>8.3f} {o.containment:>8.3f} {o.shared:>7}"
+        )
     print(f"flagged {len(rep.flagged)} of {rep.corpus_tasks} corpus tasks")
     for u in rep.unreadable:
         print(f"unreadable: {u}", file=sys.stderr)
@@ -121,10 +143,9 @@ def _cmd_decontam(a: argparse.Namespace) -> int:
 
 
 def _cmd_run_task(a: argparse.Namespace) -> int:
+    from sandbox_agent.backend import pick_backend
     from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
     from sandbox_agent.tasks import load_task
-
-    from sandbox_agent.backend import pick_backend
 
     task = load_task(a.task_dir)
     policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
@@ -139,17 +160,32 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
         print(f"  solution exit code {run.act.exit_code}{' (timed out)' if run.act.timed_out else ''}")
     for name, ok in sorted(v.tests.items()):
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
-    print(f"status={v.status} reward={v.passed} passed={v.passed}/{v.total} resolved={v.resolved} "
-          f"verify_s={v.duration_s:.2f}")
+    print(
+        f"status={v.status} reward={v.passed} passed={v.passed}/{v.total} resolved={v.resolved} "
+        f"verify_s={v.duration_s:.2f}"
+    )
     if v.status != "ok":
         print(f"  detail: {v.detail.strip()[:2000]}")
     if a.json:
-        print(json.dumps({
-            "task": task.id, "format": task.format, "agent": policy.name, "status": v.status,
-            "reward": v.passed, "passed": v.passed, "total": v.total, "resolved": v.resolved,
-            "tests": v.tests, "detail": v.detail[:2000], "wall_s": round(run.wall_s, 3),
-            "backend": backend.name, "verifier_path": v.path,
-        }))
+        print(
+            json.dumps(
+                {
+                    "task": task.id,
+                    "format": task.format,
+                    "agent": policy.name,
+                    "status": v.status,
+                    "reward": v.passed,
+                    "passed": v.passed,
+                    "total": v.total,
+                    "resolved": v.resolved,
+                    "tests": v.tests,
+                    "detail": v.detail[:2000],
+                    "wall_s": round(run.wall_s, 3),
+                    "backend": backend.name,
+                    "verifier_path": v.path,
+                }
+            )
+        )
     return 0
 
 
@@ -158,8 +194,8 @@ def _cmd_check(a: argparse.Namespace) -> int:
 
     from sandbox_agent.backend import pick_backend
     from sandbox_agent.runner import check_tasks
-    from sandbox_agent.verifier import VerifierConfig
     from sandbox_agent.tasks import load_tasks
+    from sandbox_agent.verifier import VerifierConfig
 
     if a.sample < 0 or a.concurrency < 1:
         raise _Usage(f"--sample must be >= 0 and --concurrency >= 1; got {a.sample} and {a.concurrency}")
@@ -180,28 +216,41 @@ def _cmd_check(a: argparse.Namespace) -> int:
     async def run_all() -> list:
         out = []
         for backend, group in groups.values():
-            out += await check_tasks(group, backend=backend, concurrency=a.concurrency,  # type: ignore[arg-type]
-                                     verifier=VerifierConfig(allow_network=a.verifier_network))
+            out += await check_tasks(
+                group,
+                backend=backend,
+                concurrency=a.concurrency,  # type: ignore[arg-type]
+                verifier=VerifierConfig(allow_network=a.verifier_network),
+            )
         return out
 
     rows = trio.run(run_all)
     for r in rows:
-        print(f"{'ok ' if r.ok else 'BAD'} {r.task_id:<40} oracle {r.oracle.status} {r.oracle.passed}/{r.oracle.total}"
-              f"  null {r.null.status} {r.null.passed}/{r.null.total}")
+        print(
+            f"{'ok ' if r.ok else 'BAD'} {r.task_id:<40} oracle {r.oracle.status} {r.oracle.passed}/{r.oracle.total}"
+            f"  null {r.null.status} {r.null.passed}/{r.null.total}"
+        )
     bad = [r.task_id for r in rows if not r.ok]
     print(f"{len(rows) - len(bad)} of {len(rows)} tasks ok")
     if a.json:
-        print(json.dumps({"tasks": len(rows), "ok": len(rows) - len(bad), "bad": bad,
-                          "skipped": [t.id for t in skipped],
-                          "oracle_resolved": sum(r.oracle.resolved for r in rows),
-                          "null_resolved": sum(r.null.resolved for r in rows)}))
+        print(
+            json.dumps(
+                {
+                    "tasks": len(rows),
+                    "ok": len(rows) - len(bad),
+                    "bad": bad,
+                    "skipped": [t.id for t in skipped],
+                    "oracle_resolved": sum(r.oracle.resolved for r in rows),
+                    "null_resolved": sum(r.null.resolved for r in rows),
+                }
+            )
+        )
     return 1 if bad else 0
 
 
 def _cmd_list(a: argparse.Namespace) -> int:
-    from sandbox_agent.tasks import load_tasks
-
     from sandbox_agent.backend import task_backend
+    from sandbox_agent.tasks import load_tasks
 
     tasks = load_tasks(a.tasks_dir)
     rows = []
@@ -209,12 +258,28 @@ def _cmd_list(a: argparse.Namespace) -> int:
         img = t.docker_image or "-"
         backend, status = task_backend(t, a.backend)
         rows.append((t, backend, status))
-        print(f"{t.id:<40} {t.format} {t.split:<5} {t.family:<14} tests={len(t.test_files)} backend={backend} "
-              f"image={status} ({img})")
+        print(
+            f"{t.id:<40} {t.format} {t.split:<5} {t.family:<14} tests={len(t.test_files)} backend={backend} "
+            f"image={status} ({img})"
+        )
     if a.json:
-        print(json.dumps([{"id": t.id, "format": t.format, "split": t.split, "family": t.family,
-                           "path": str(t.path), "docker_image": t.docker_image, "backend": b, "image_status": st}
-                          for t, b, st in rows]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "id": t.id,
+                        "format": t.format,
+                        "split": t.split,
+                        "family": t.family,
+                        "path": str(t.path),
+                        "docker_image": t.docker_image,
+                        "backend": b,
+                        "image_status": st,
+                    }
+                    for t, b, st in rows
+                ]
+            )
+        )
     return 0
 
 
@@ -237,8 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
-    handlers = {"synth": _cmd_synth, "decontam": _cmd_decontam, "run-task": _cmd_run_task, "check": _cmd_check,
-                "list": _cmd_list, "images": _cmd_images}
+    handlers = {
+        "synth": _cmd_synth,
+        "decontam": _cmd_decontam,
+        "run-task": _cmd_run_task,
+        "check": _cmd_check,
+        "list": _cmd_list,
+        "images": _cmd_images,
+    }
     try:
         return handlers[a.cmd](a)
     except _Usage as exc:

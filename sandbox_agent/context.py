@@ -26,9 +26,9 @@ A new policy is a class with ``name`` and ``compact(history, limit, target)``, r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from collections.abc import Callable, Sequence
 
 from t1async.errors import ConfigError
 
@@ -81,7 +81,7 @@ class History:
         self.head = list(head)
         gen = list(tokenizer.generation_prompt_ids())
         # dropped turns are announced by a message between the task and the generation prompt
-        self.can_drop = len(self.head) > len(gen) and self.head[-len(gen):] == gen
+        self.can_drop = len(self.head) > len(gen) and self.head[-len(gen) :] == gen
         self._gen = gen
         self.turns: list[_Turn] = []
         self.dropped = 0  # oldest turns dropped whole
@@ -93,8 +93,11 @@ class History:
     def _short(self, t: _Turn) -> list[int]:
         if t.short is None:
             obs = short_observation(t.observation)
-            t.short = t.suffix if obs == t.observation else (
-                list(self.tok.bridge_ids(t.output)) + list(self.tok.message_ids(self.role, obs)) + self._gen)
+            t.short = (
+                t.suffix
+                if obs == t.observation
+                else (list(self.tok.bridge_ids(t.output)) + list(self.tok.message_ids(self.role, obs)) + self._gen)
+            )
         return t.short
 
     def _piece_len(self, t: _Turn) -> int:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
-from collections.abc import Iterable
 
 from sandbox_agent.tasks import Task, TaskFormatError, iter_task_dirs, load_task
 
@@ -50,9 +50,14 @@ class DecontamReport:
 
     def to_json(self) -> dict:
         return {
-            "corpus_tasks": self.corpus_tasks, "against_tasks": self.against_tasks, "ngram": self.ngram,
-            "threshold": self.threshold, "flagged": list(self.flagged), "flagged_count": len(self.flagged),
-            "overlaps": [asdict(o) for o in self.overlaps], "unreadable": list(self.unreadable),
+            "corpus_tasks": self.corpus_tasks,
+            "against_tasks": self.against_tasks,
+            "ngram": self.ngram,
+            "threshold": self.threshold,
+            "flagged": list(self.flagged),
+            "flagged_count": len(self.flagged),
+            "overlaps": [asdict(o) for o in self.overlaps],
+            "unreadable": list(self.unreadable),
         }
 
 
@@ -133,7 +138,9 @@ def _load_all(root: Path) -> tuple[list[Task], list[str]]:
     return tasks, bad
 
 
-def decontaminate(corpus_dir: str | Path, against_dir: str | Path, *, n: int = 8, threshold: float = 0.5) -> DecontamReport:
+def decontaminate(
+    corpus_dir: str | Path, against_dir: str | Path, *, n: int = 8, threshold: float = 0.5
+) -> DecontamReport:
     corpus, bad_c = _load_all(Path(corpus_dir))
     against, bad_a = _load_all(Path(against_dir))
     overlaps = instruction_overlaps(

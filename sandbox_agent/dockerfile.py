@@ -132,8 +132,14 @@ def plan_text(text: str, context: Path, *, name: str = "Dockerfile") -> BwrapPla
     copies: list[Copy] = []
 
     def refuse(ins: Instruction, why: str) -> BwrapPlan:
-        return BwrapPlan(base, workdir, tuple(env.items()), tuple(copies), context,
-                         refusal=f"{name}:{ins.line}: {ins.keyword} {ins.args[:80]!s} ({why})")
+        return BwrapPlan(
+            base,
+            workdir,
+            tuple(env.items()),
+            tuple(copies),
+            context,
+            refusal=f"{name}:{ins.line}: {ins.keyword} {ins.args[:80]!s} ({why})",
+        )
 
     for ins in parse(text):
         kw, a = ins.keyword, ins.args
@@ -195,8 +201,14 @@ def plan_text(text: str, context: Path, *, name: str = "Dockerfile") -> BwrapPla
             return refuse(ins, "needs a container backend to run")
     if workdir in ("/", "/tmp") or workdir.startswith(tuple(d + "/" for d in _SYSTEM)) or workdir in _SYSTEM:
         if workdir != "/":
-            return BwrapPlan(base, workdir, tuple(env.items()), tuple(copies), context,
-                             refusal=f"{name}: WORKDIR {workdir} needs a container backend")
+            return BwrapPlan(
+                base,
+                workdir,
+                tuple(env.items()),
+                tuple(copies),
+                context,
+                refusal=f"{name}: WORKDIR {workdir} needs a container backend",
+            )
     return BwrapPlan(base, workdir, tuple(env.items()), tuple(copies), context)
 
 

@@ -43,25 +43,38 @@ log = get_logger("sandbox_agent.images")
 # the base's name too), never a stale one found under the old name.
 BASE_IMAGE = "localhost/t1async/base:bookworm-4"
 ROOTFS_IMAGE = "localhost/t1async/rootfs:bookworm"
-BASE_PACKAGES = ("python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,"
-                 "git,less,file")
+BASE_PACKAGES = (
+    "python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,git,less,file"
+)
 PYPI_PACKAGES = ("uv", "pytest==8.4.1")
 # Kept in the image as a wheelhouse, so a task's test script installs its pinned pytest offline: uv/pip get
 # UV_OFFLINE/UV_FIND_LINKS/PIP_FIND_LINKS in the verifier (OFFLINE_ENV). colorama/tomli/exceptiongroup are
 # pytest's conditional dependencies, which a universal `uv add`/`uv lock` resolution needs as files too.
 WHEELHOUSE = "/opt/t1async/wheels"
 WHEELHOUSE_PACKAGES = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "colorama", "tomli", "exceptiongroup")
-OFFLINE_ENV = (("UV_OFFLINE", "1"), ("UV_FIND_LINKS", WHEELHOUSE), ("UV_PYTHON_DOWNLOADS", "never"),
-               ("UV_NO_PROGRESS", "1"), ("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", WHEELHOUSE),
-               ("PIP_DISABLE_PIP_VERSION_CHECK", "1"), ("APT_CONFIG", "/etc/t1async/apt-offline.conf"))
+OFFLINE_ENV = (
+    ("UV_OFFLINE", "1"),
+    ("UV_FIND_LINKS", WHEELHOUSE),
+    ("UV_PYTHON_DOWNLOADS", "never"),
+    ("UV_NO_PROGRESS", "1"),
+    ("PIP_NO_INDEX", "1"),
+    ("PIP_FIND_LINKS", WHEELHOUSE),
+    ("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    ("APT_CONFIG", "/etc/t1async/apt-offline.conf"),
+)
 # Offline, `apt-get update` can fetch nothing but spends ~7 s failing to resolve its mirrors: with no
 # sources it has nothing to fetch, and `apt-get install -y curl` of what is installed still succeeds.
 _APT_OFFLINE = 'Dir::Etc::sourcelist "/etc/t1async/no-sources.list";\nDir::Etc::sourceparts "/nonexistent";\n'
 # What uv's installer leaves behind (`source $HOME/.local/bin/env` is in most published test scripts).
 _UV_ENV = 'case ":${PATH}:" in *:"$HOME/.local/bin":*) ;; *) export PATH="$HOME/.local/bin:$PATH" ;; esac\n'
 DEFAULT_MAP = {
-    "ubuntu": BASE_IMAGE, "ubuntu:*": BASE_IMAGE, "debian": BASE_IMAGE, "debian:*": BASE_IMAGE,
-    "python:3*": BASE_IMAGE, "buildpack-deps:*": BASE_IMAGE, "docker.io/library/*": BASE_IMAGE,
+    "ubuntu": BASE_IMAGE,
+    "ubuntu:*": BASE_IMAGE,
+    "debian": BASE_IMAGE,
+    "debian:*": BASE_IMAGE,
+    "python:3*": BASE_IMAGE,
+    "buildpack-deps:*": BASE_IMAGE,
+    "docker.io/library/*": BASE_IMAGE,
     "ghcr.io/laude-institute/t-bench/*": BASE_IMAGE,
 }
 CONTAINERS_CONF = """[containers]
@@ -103,8 +116,9 @@ def podman_env() -> dict[str, str]:
     return {**os.environ, "CONTAINERS_CONF": str(conf)}
 
 
-def run_podman(*args: str, timeout: float = 600, check: bool = True, input: bytes | None = None,
-               quiet: bool = True) -> subprocess.CompletedProcess[bytes]:
+def run_podman(
+    *args: str, timeout: float = 600, check: bool = True, input: bytes | None = None, quiet: bool = True
+) -> subprocess.CompletedProcess[bytes]:
     out = subprocess.run([podman(), *args], env=podman_env(), capture_output=quiet, timeout=timeout, input=input)
     if check and out.returncode != 0:
         err = (out.stderr or b"").decode(errors="replace").strip()[-1500:]
@@ -144,8 +158,11 @@ def _build_base(force: bool, mirror: str) -> str:
             raise ImageError(f"building the base image needs mmdebstrap: {INSTALL_HINT}")
         part = tar.with_suffix(".part.tar")
         log.info("images.mmdebstrap", out=str(tar), packages=BASE_PACKAGES)
-        r = subprocess.run(["mmdebstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm",
-                            str(part), mirror], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mmdebstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", str(part), mirror],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise ImageError(f"mmdebstrap failed (exit {r.returncode}): {r.stderr[-1500:]}")
         part.rename(tar)
@@ -155,9 +172,28 @@ def _build_base(force: bool, mirror: str) -> str:
         wheels = Path(tmp) / "wheels"
         house = Path(tmp) / "wheelhouse"
         for dest, names in ((wheels, PYPI_PACKAGES), (house, WHEELHOUSE_PACKAGES)):
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version",
-                                "3.11", "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
-                                "--platform", "any", "-d", str(dest), *names], capture_output=True, text=True)
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--only-binary=:all:",
+                    "--python-version",
+                    "3.11",
+                    "--platform",
+                    "manylinux_2_17_x86_64",
+                    "--platform",
+                    "manylinux2014_x86_64",
+                    "--platform",
+                    "any",
+                    "-d",
+                    str(dest),
+                    *names,
+                ],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode != 0:
                 raise ImageError(f"pip download {' '.join(names)} failed: {r.stderr[-1500:]}")
         (Path(tmp) / "uv-env").write_text(_UV_ENV)
@@ -176,7 +212,8 @@ def _build_base(force: bool, mirror: str) -> str:
             " && ln -sf /usr/local/bin/uv /root/.local/bin/uv && ln -sf /usr/local/bin/uvx /root/.local/bin/uvx"
             " && mkdir -p /logs/verifier /app\n"
             "ENV LANG=C.UTF-8\n"
-            'CMD ["/bin/bash"]\n')
+            'CMD ["/bin/bash"]\n'
+        )
         run_podman("build", "--pull=never", "--network=none", "-t", BASE_IMAGE, tmp, timeout=1200)
     log.info("images.base_built", image=BASE_IMAGE)
     return BASE_IMAGE
@@ -238,8 +275,10 @@ def task_image_tag(task: Task) -> str:
             return BASE_IMAGE
         local = resolve(task.docker_image)
         if local is None:
-            raise ImageError(f"task {task.id!r} names image {task.docker_image!r}, which is not local and not in the "
-                             f"image map: add it to $T1_IMAGE_MAP ([images] \"{task.docker_image}\" = \"local/image\")")
+            raise ImageError(
+                f"task {task.id!r} names image {task.docker_image!r}, which is not local and not in the "
+                f'image map: add it to $T1_IMAGE_MAP ([images] "{task.docker_image}" = "local/image")'
+            )
         return local
     ctx = build_context(task)
     assert ctx is not None
@@ -260,8 +299,10 @@ def missing_image(task: Task) -> str | None:
     for m in _FROM.finditer(df.read_text(encoding="utf-8", errors="replace")):
         ref = m.group(3)
         if ref not in stages and resolve(ref, mapping) is None:
-            return (f"base image {ref!r} ({df}) is not local and not in the image map: add it to $T1_IMAGE_MAP "
-                    f"([images] \"{ref}\" = \"local/image\")")
+            return (
+                f"base image {ref!r} ({df}) is not local and not in the image map: add it to $T1_IMAGE_MAP "
+                f'([images] "{ref}" = "local/image")'
+            )
         alias = re.search(r"\bAS\s+(\S+)", m.group(4), re.IGNORECASE)
         if alias:
             stages.add(alias.group(1))
@@ -301,8 +342,10 @@ def _task_image(task: Task, tag: str) -> str:
         if alias:
             stages.add(alias.group(1))
         if local is None:
-            raise ImageError(f"task {task.id!r}: base image {ref!r} ({df}) is not local and not in the image map: "
-                             f"add it to $T1_IMAGE_MAP or run `python -m sandbox_agent images build-base`")
+            raise ImageError(
+                f"task {task.id!r}: base image {ref!r} ({df}) is not local and not in the image map: "
+                f"add it to $T1_IMAGE_MAP or run `python -m sandbox_agent images build-base`"
+            )
         if ref not in stages:
             _ensure(local)
         return f"{m.group(1)}{m.group(2)}{local}{rest}"

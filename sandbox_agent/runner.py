@@ -14,10 +14,10 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from collections.abc import AsyncIterator
 
 import anyio
 
@@ -28,8 +28,8 @@ from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.tasks import Task, populate_workdir
 from sandbox_agent.verifier import VerifierConfig, VerifyResult, share_read_only, verify
 from t1async.errors import T1Error
-from t1async.sampler.base import Sampler
 from t1async.log import get_logger
+from t1async.sampler.base import Sampler
 
 log = get_logger("sandbox_agent.runner")
 
@@ -99,7 +99,6 @@ async def run_episode(
     """One LLM-agent episode of ``task`` in a fresh work dir. Raises TaskNeedsImageError / TaskSetupError."""
     backend = backend or BwrapBackend()
     async with prepared_workdir(task, backend, work_root=work_root) as wd:
-
         async with backend.open(task, wd) as sb:
 
             async def _verify() -> VerifyResult:
@@ -108,8 +107,14 @@ async def run_episode(
                 return result
 
             return await run_agent(
-                instruction=task.instruction, sampler=sampler, tokenizer=tokenizer, sandbox=sb,
-                verify=_verify, config=config, wall_time_s=task.agent_timeout_s, on_turn=on_turn,
+                instruction=task.instruction,
+                sampler=sampler,
+                tokenizer=tokenizer,
+                sandbox=sb,
+                verify=_verify,
+                config=config,
+                wall_time_s=task.agent_timeout_s,
+                on_turn=on_turn,
                 rid=rid or task.id,
             )
 
@@ -184,8 +189,9 @@ async def run_policy(
             async with backend.open(task, wd, ro_binds=binds) as sb:
                 act = await policy.act(task, sb)
         result = await verify(task, wd, backend, verifier)
-    log.info("policy.run", task=task.id, policy=policy.name, passed=result.passed, total=result.total,
-             status=result.status)
+    log.info(
+        "policy.run", task=task.id, policy=policy.name, passed=result.passed, total=result.total, status=result.status
+    )
     return PolicyRun(task.id, policy.name, result, act, time.monotonic() - t0)
 
 
@@ -203,8 +209,13 @@ class TaskCheck:
         return o.status == "ok" and o.resolved and n.status == "ok" and not n.resolved
 
 
-async def check_tasks(tasks: list[Task], *, backend: SandboxBackend | None = None, concurrency: int = 2,
-                      verifier: VerifierConfig = VerifierConfig()) -> list[TaskCheck]:
+async def check_tasks(
+    tasks: list[Task],
+    *,
+    backend: SandboxBackend | None = None,
+    concurrency: int = 2,
+    verifier: VerifierConfig = VerifierConfig(),
+) -> list[TaskCheck]:
     """Run the oracle and the do-nothing agent on every task, ``concurrency`` at a time (in task order)."""
     backend = backend or BwrapBackend()
     out: dict[int, TaskCheck] = {}
@@ -287,8 +298,13 @@ async def oracle_turns(
         async with backend.open(task, wd) as sb:
             for c in chunks:
                 res = await sb.exec(c, timeout=task.agent_timeout_s)
-                obs = format_observation(res.output, res.exit_code, timed_out=res.timed_out,
-                                         truncated=res.truncated, max_chars=max_observation_chars)
+                obs = format_observation(
+                    res.output,
+                    res.exit_code,
+                    timed_out=res.timed_out,
+                    truncated=res.truncated,
+                    max_chars=max_observation_chars,
+                )
                 turns.append((render_command(c), obs))
         turns.append(("DONE", ""))
         result = await verify(task, wd, backend)

@@ -142,9 +142,7 @@ def _yaml_load(file: Path) -> Any:
     try:
         import yaml  # pyyaml: a dependency of huggingface_hub today; asked to be listed in pyproject
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ConfigError(
-            f"reading {file} needs PyYAML (import yaml failed); install it: pip install pyyaml"
-        ) from exc
+        raise ConfigError(f"reading {file} needs PyYAML (import yaml failed); install it: pip install pyyaml") from exc
     try:
         return yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -245,9 +243,11 @@ def _load_tb2(p: Path) -> Task:
         parser="pytest",
         difficulty=_opt_str(meta.get("difficulty"), f, "metadata.difficulty") or "",
         tags=_str_tuple(meta.get("tags"), f, "metadata.tags"),
-        extra={**{k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
-               **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {}),
-               **({"resources": res} if (res := _resources(envt, f)) else {})},
+        extra={
+            **{k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
+            **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {}),
+            **({"resources": res} if (res := _resources(envt, f)) else {}),
+        },
     )
 
 
@@ -271,7 +271,7 @@ def _resources(envt: dict, f: Path) -> dict[str, float]:
             m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
             if m is None:
                 raise TaskFormatError(
-                    f"{f}: field 'environment.{key}' must be a size like \"2G\" or \"512M\", got {text!r}"
+                    f'{f}: field \'environment.{key}\' must be a size like "2G" or "512M", got {text!r}'
                 )
             out[f"{key}_bytes"] = float(m.group(1)) * _SIZE[m.group(2).upper()]
     return out

@@ -63,8 +63,9 @@ class VerifyResult:
         return cls({}, 0, 0, False, status, detail, duration_s, path)
 
     @classmethod
-    def from_tests(cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0, path: str = "pytest"
-                   ) -> VerifyResult:
+    def from_tests(
+        cls, tests: dict[str, bool], detail: str = "", duration_s: float = 0.0, path: str = "pytest"
+    ) -> VerifyResult:
         passed = sum(tests.values())
         total = len(tests)
         return cls(dict(tests), passed, total, total > 0 and passed == total, "ok", detail, duration_s, path)
@@ -141,7 +142,9 @@ def parse_pytest_summary(output: str) -> dict[str, bool]:
     return tests
 
 
-def interpret(exit_code: int | None, junit: str | None, output: str) -> tuple[dict[str, bool] | None, VerifyStatus, str]:
+def interpret(
+    exit_code: int | None, junit: str | None, output: str
+) -> tuple[dict[str, bool] | None, VerifyStatus, str]:
     """Combine pytest's exit code, junit XML and summary into (tests, status, detail). Pure."""
     tests: dict[str, bool] | None = None
     why = []
@@ -165,9 +168,13 @@ def interpret(exit_code: int | None, junit: str | None, output: str) -> tuple[di
         return None, "parse_error", f"pytest reported no test results (exit code {exit_code})"
     all_ok = all(tests.values())
     if (exit_code == 0) != all_ok:
-        return None, "parse_error", (
-            f"pytest exit code {exit_code} disagrees with parsed results "
-            f"({sum(tests.values())}/{len(tests)} passed); not trusting them"
+        return (
+            None,
+            "parse_error",
+            (
+                f"pytest exit code {exit_code} disagrees with parsed results "
+                f"({sum(tests.values())}/{len(tests)} passed); not trusting them"
+            ),
         )
     return tests, "ok", ""
 
@@ -297,8 +304,10 @@ async def verify(
     networked = in_container and config.allow_network
     use_script = in_container and task.test_script is not None and (config.run_script or networked)
     if not use_script and not task.test_files and task.format == "tb1":
-        return VerifyResult.failed("error", f"task {task.id} has no tests/test_*.py (run-tests.sh runs only in a "
-                                            f"container: --backend container)")
+        return VerifyResult.failed(
+            "error",
+            f"task {task.id} has no tests/test_*.py (run-tests.sh runs only in a container: --backend container)",
+        )
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
     fallback: str | None = None
     try:
@@ -318,19 +327,26 @@ async def verify(
                 if use_script:
                     res = await sb.exec(script_command(task, nonce, offline=not networked), timeout=timeout)
                     if res.timed_out:
-                        return VerifyResult.failed("timeout", f"tests ran past {timeout:g}s",
-                                                   time.monotonic() - t0, path="script")
+                        return VerifyResult.failed(
+                            "timeout", f"tests ran past {timeout:g}s", time.monotonic() - t0, path="script"
+                        )
                     code, _, out = split_output(res.output, nonce)
                     if code is None:
-                        return VerifyResult.failed("error", f"verifier command did not finish (exit {res.exit_code}): "
-                                                            f"{res.output[-500:]}", time.monotonic() - t0, "script")
+                        return VerifyResult.failed(
+                            "error",
+                            f"verifier command did not finish (exit {res.exit_code}): {res.output[-500:]}",
+                            time.monotonic() - t0,
+                            "script",
+                        )
                     result, conclusive = _script_result(task, code, out, nonce, time.monotonic() - t0)
                     if conclusive or not task.test_files:
                         return result
                     script = task.test_script.name if task.test_script else "the script"
-                    fallback = (f"ran tests/ with pytest -rA: {script} needs the network and gave no per-test "
-                                f"results offline (exit {code}): "
-                                f"{_last_lines(out.rpartition(f'{chr(10)}{nonce} REWARD')[0] or out)}")
+                    fallback = (
+                        f"ran tests/ with pytest -rA: {script} needs the network and gave no per-test "
+                        f"results offline (exit {code}): "
+                        f"{_last_lines(out.rpartition(f'{chr(10)}{nonce} REWARD')[0] or out)}"
+                    )
                     log.info("verify.script_fallback", task=task.id, why=fallback[:300])
                 res = await sb.exec(build_command(task, nonce, config.python), timeout=timeout)
         except SandboxError as exc:

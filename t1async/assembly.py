@@ -105,8 +105,12 @@ class EpisodeAssembler:
                 self.stats.duplicates += 1
             else:
                 self.stats.conflicts += 1
-                self.log.warning("tito.conflicting_duplicate", episode=self.episode, turn=rec.turn,
-                                 hint="two different records claim this turn; the first is kept")  # fmt: skip
+                self.log.warning(
+                    "tito.conflicting_duplicate",
+                    episode=self.episode,
+                    turn=rec.turn,
+                    hint="two different records claim this turn; the first is kept",
+                )
             return []
         if self.end_record is not None and rec.turn >= self.end_record.turns:
             self.stats.late_turns += 1
@@ -124,8 +128,13 @@ class EpisodeAssembler:
             out += self._process(self.pending.pop(self.next_turn))
             self.next_turn += 1
         if len(self.pending) > self.config.max_pending_turns:
-            self.log.error("tito.episode_abandoned", episode=self.episode, waiting_for=self.next_turn,
-                           pending=len(self.pending), hint="a turn never arrived; raise max_pending_turns if legit")  # fmt: skip
+            self.log.error(
+                "tito.episode_abandoned",
+                episode=self.episode,
+                waiting_for=self.next_turn,
+                pending=len(self.pending),
+                hint="a turn never arrived; raise max_pending_turns if legit",
+            )
             self.stats.untrainable_turns += len(self.pending)
             self.dropped += [(t, "abandoned") for t in self.pending]
             self.pending.clear()
@@ -191,8 +200,11 @@ class EpisodeAssembler:
 
     def _maybe_finish(self) -> list[Segment]:
         stop = self.stop_at
-        if not self.finished and stop is not None and self.next_turn >= stop and (
-            self.end_record is None or self.end_record.turns > stop
+        if (
+            not self.finished
+            and stop is not None
+            and self.next_turn >= stop
+            and (self.end_record is None or self.end_record.turns > stop)
         ):
             self.finished = True
             return self._close(done=False)
@@ -223,15 +235,28 @@ class EpisodeAssembler:
         if rec.last:
             self.last_turn = rec.turn
         prev = _EMPTY if b is None else b.tokens[: b.n]
-        chk = check_input(prev, b.spans[-1].out_start if b else 0, b.hasher if b else new_hasher(),
-                          rec.keep, rec.input_delta, rec.input_digest, b.ckpt if b else None)  # fmt: skip
+        chk = check_input(
+            prev,
+            b.spans[-1].out_start if b else 0,
+            b.hasher if b else new_hasher(),
+            rec.keep,
+            rec.input_delta,
+            rec.input_digest,
+            b.ckpt if b else None,
+        )
         if b is not None:
             st.boundaries += 1
         if not chk.ok:
             st.untrainable_turns += 1
             st.digest_mismatch += rec.keep <= len(prev)
-            self.log.warning("tito.untrainable_turn", episode=self.episode, turn=rec.turn, keep=rec.keep,
-                             assembled=len(prev), reason=chk.reason)  # fmt: skip
+            self.log.warning(
+                "tito.untrainable_turn",
+                episode=self.episode,
+                turn=rec.turn,
+                keep=rec.keep,
+                assembled=len(prev),
+                reason=chk.reason,
+            )
             self.lost = True
             self.dropped.append((rec.turn, "abandoned"))
             return self._close(done=False)
@@ -278,8 +303,14 @@ class EpisodeAssembler:
         if rerouted:
             st.route_forks += 1
             st.rerouted_rows += rerouted
-            self.log.debug("tito.route_fork", episode=self.episode, turn=rec.turn, rerouted_rows=rerouted,
-                          routing_start=rec.routing.start if rec.routing else None, context=b.n)  # fmt: skip
+            self.log.debug(
+                "tito.route_fork",
+                episode=self.episode,
+                turn=rec.turn,
+                rerouted_rows=rerouted,
+                routing_start=rec.routing.start if rec.routing else None,
+                context=b.n,
+            )
             b, out = self._fork(b, rec, b.n, chk.input_len)  # b.n: S_k, or its shared part after a REALIGN
         assert b.n == chk.input_len, (b.n, chk.input_len)
         b.hasher = chk.hasher
@@ -291,7 +322,6 @@ class EpisodeAssembler:
         ov = rec.output_versions
         self.last_version = rec.policy_version if ov is None else int(ov.max())
         return out
-
 
     def _fork(
         self, old: SegmentBuilder, rec: wire.TurnRecord, lcp: int, input_len: int

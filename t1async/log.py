@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import IO, Any, TextIO, cast
 
 import structlog
@@ -25,8 +25,9 @@ _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 class _Tee:
     """Writes each rendered line to the console stream and, as JSON, to a file."""
 
-    def __init__(self, console: IO[str], file: IO[str] | None, console_renderer: Any, json_renderer: Any,
-                 console_level: int = 0):  # fmt: skip
+    def __init__(
+        self, console: IO[str], file: IO[str] | None, console_renderer: Any, json_renderer: Any, console_level: int = 0
+    ):
         self.console, self.file = console, file
         self.console_renderer, self.json_renderer = console_renderer, json_renderer
         self.console_level = console_level

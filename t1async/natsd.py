@@ -17,11 +17,11 @@ import shutil
 import socket
 import sys
 import sysconfig
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 import httpx
@@ -138,8 +138,9 @@ class NatsServer:
         binary: Path | None = None,
     ) -> AsyncIterator[NatsServer]:
         """Start nats-server with JetStream on ``store_dir``; stop it (by PID) when the block ends."""
-        cfg = NatsServerConfig(Path(store_dir), port=port, max_payload=max_payload,
-                               log_file=Path(log_file) if log_file else None)  # fmt: skip
+        cfg = NatsServerConfig(
+            Path(store_dir), port=port, max_payload=max_payload, log_file=Path(log_file) if log_file else None
+        )
         srv = cls(cfg, binary or find_binary())
         try:
             await srv.launch()
@@ -215,8 +216,10 @@ class NatsServer:
             out += f'server_name: "{c.server_name}"\n'
         if c.cluster_name:
             routes = "".join(f"    {r}\n" for r in c.routes)
-            out += (f'cluster {{\n  name: "{c.cluster_name}"\n  listen: {c.host}:{self.cluster_port}\n'
-                    f"  routes: [\n{routes}  ]\n}}\n")  # fmt: skip
+            out += (
+                f'cluster {{\n  name: "{c.cluster_name}"\n  listen: {c.host}:{self.cluster_port}\n'
+                f"  routes: [\n{routes}  ]\n}}\n"
+            )
         return out
 
     def _log_tail(self, n: int = 15) -> str:
@@ -252,7 +255,6 @@ class NatsServer:
         )
 
 
-
 @dataclass(frozen=True)
 class NatsClusterConfig:
     store_dir: Path  # node i keeps its JetStream store, config and log under <store_dir>/node-<i>
@@ -278,13 +280,22 @@ class NatsCluster:
         ports = [(free_port(config.host), free_port(config.host)) for _ in range(config.nodes)]
         routes = [f"nats-route://{config.host}:{cp}" for _, cp in ports]
         self.nodes = [
-            NatsServer(NatsServerConfig(
-                Path(config.store_dir) / f"node-{i}", port=port, host=config.host, max_payload=config.max_payload,
-                log_file=Path(config.log_dir) / f"nats-server-{i}.log" if config.log_dir else None,
-                server_name=f"{config.name}-{i}", cluster_name=config.name, cluster_port=cport,
-                routes=tuple(r for j, r in enumerate(routes) if j != i)), binary)
+            NatsServer(
+                NatsServerConfig(
+                    Path(config.store_dir) / f"node-{i}",
+                    port=port,
+                    host=config.host,
+                    max_payload=config.max_payload,
+                    log_file=Path(config.log_dir) / f"nats-server-{i}.log" if config.log_dir else None,
+                    server_name=f"{config.name}-{i}",
+                    cluster_name=config.name,
+                    cluster_port=cport,
+                    routes=tuple(r for j, r in enumerate(routes) if j != i),
+                ),
+                binary,
+            )
             for i, (port, cport) in enumerate(ports)
-        ]  # fmt: skip
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -297,12 +308,19 @@ class NatsCluster:
     @classmethod
     @asynccontextmanager
     async def start(
-        cls, store_dir: str | Path, nodes: int = 3, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-        log_dir: str | Path | None = None, binary: Path | None = None, name: str = "t1",
+        cls,
+        store_dir: str | Path,
+        nodes: int = 3,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        log_dir: str | Path | None = None,
+        binary: Path | None = None,
+        name: str = "t1",
     ) -> AsyncIterator[NatsCluster]:
         """Start every node, wait until the cluster is healthy; stop them all (by PID) when the block ends."""
-        cfg = NatsClusterConfig(Path(store_dir), nodes=nodes, name=name, max_payload=max_payload,
-                                log_dir=Path(log_dir) if log_dir else None)  # fmt: skip
+        cfg = NatsClusterConfig(
+            Path(store_dir), nodes=nodes, name=name, max_payload=max_payload, log_dir=Path(log_dir) if log_dir else None
+        )
         cl = cls(cfg, binary or find_binary())
         try:
             await cl.launch()
@@ -335,8 +353,10 @@ class NatsCluster:
                     if all(v == "ok" for v in last.values()):
                         return
                     await anyio.sleep(0.1)
-        raise ServerStartError(f"the NATS cluster {self.config.name!r} was not healthy within {timeout_s}s: "
-                               + "; ".join(f"{k}: {v}" for k, v in last.items()))  # fmt: skip
+        raise ServerStartError(
+            f"the NATS cluster {self.config.name!r} was not healthy within {timeout_s}s: "
+            + "; ".join(f"{k}: {v}" for k, v in last.items())
+        )
 
     async def stop(self) -> None:
         for node in reversed(self.nodes):

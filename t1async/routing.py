@@ -132,8 +132,10 @@ def check_trace(
     if want < 0:
         return f"routing.start {routing.start} is past the last routed position {input_len + n_out - 2}"
     if ex.ndim != 3 or ex.shape[0] != want:
-        return (f"routing has {ex.shape[0] if ex.ndim else 0} rows, expected {want} "
-                f"(input_len {input_len} + {n_out} outputs - 1 - start {routing.start})")
+        return (
+            f"routing has {ex.shape[0] if ex.ndim else 0} rows, expected {want} "
+            f"(input_len {input_len} + {n_out} outputs - 1 - start {routing.start})"
+        )
     if layers is not None and (ex.shape[1], ex.shape[2]) != (layers, topk):
         return f"routing shape [.., {ex.shape[1]}, {ex.shape[2]}] differs from this segment's [.., {layers}, {topk}]"
     if num_experts is not None and ex.size and int(ex.max()) >= num_experts:

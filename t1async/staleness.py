@@ -39,9 +39,9 @@ asking) is *unadmitted*: ``on_delivered`` returns None and the learner must deci
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable, Iterable
 
 import anyio
 import anyio.lowlevel
@@ -132,8 +132,16 @@ class CreditLedger:
         q = self._by_episode.setdefault(episode, deque())
         for i in range(k):
             rank = self.accepted + self.running
-            t = Ticket(self._seq, gid, actor, episode, self.version, now + self.lease_s,
-                       deadline=self.v0 + rank // self.B, turn=turn + i if turn >= 0 else -1)  # fmt: skip
+            t = Ticket(
+                self._seq,
+                gid,
+                actor,
+                episode,
+                self.version,
+                now + self.lease_s,
+                deadline=self.v0 + rank // self.B,
+                turn=turn + i if turn >= 0 else -1,
+            )
             self._seq += 1
             self._by_deadline.setdefault(t.deadline, {})[t.seq] = t
             self._live += 1
@@ -237,8 +245,9 @@ class CreditLedger:
 
     def due(self, version: int) -> list[tuple[str, int]]:
         """(episode, turn) of the delivered turns the step at ``version`` must train, in grant order."""
-        return [(t.episode, t.turn) for t in sorted(self._due_tickets(version), key=lambda t: t.seq)
-                if t.state == DELIVERED]  # fmt: skip
+        return [
+            (t.episode, t.turn) for t in sorted(self._due_tickets(version), key=lambda t: t.seq) if t.state == DELIVERED
+        ]
 
     def settle(self, turns: Iterable[tuple[str, int]], reason: str) -> int:
         """Settle delivered turns: each ticket once (a second settle of a turn is a no-op). Returns how many
@@ -264,8 +273,14 @@ class CreditLedger:
         self.settle(turns, "trained")
 
     def snapshot(self) -> dict[str, Any]:
-        return {"version": self.version, "capacity": self.capacity, "accepted": self.accepted,
-                "running": self.running, "live": self._live, **self.stats.as_dict()}  # fmt: skip
+        return {
+            "version": self.version,
+            "capacity": self.capacity,
+            "accepted": self.accepted,
+            "running": self.running,
+            "live": self._live,
+            **self.stats.as_dict(),
+        }
 
 
 # --------------------------------------------------------------------------------------------- histogram

@@ -16,9 +16,9 @@ value that is not a finite number is skipped (no NaN points on the curve).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from t1async.log import get_logger
 
@@ -28,8 +28,9 @@ log = get_logger("t1async.tb")
 
 
 class Curves:
-    def __init__(self, logdir: str | Path, *, wandb: bool = False, name: str = "t1async",
-                 config: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, logdir: str | Path, *, wandb: bool = False, name: str = "t1async", config: Mapping[str, Any] | None = None
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = Path(logdir)
@@ -42,15 +43,19 @@ class Curves:
             except ImportError:
                 log.warning("tb.wandb_missing", hint="pip install wandb (WANDB_MODE=offline needs no account)")
             else:
-                self.wandb = wb.init(project="t1async", name=name, dir=str(self.logdir), config=dict(config or {}),
-                                     reinit=True)  # fmt: skip
+                self.wandb = wb.init(
+                    project="t1async", name=name, dir=str(self.logdir), config=dict(config or {}), reinit=True
+                )
         log.info("tb.open", logdir=str(self.logdir), wandb=self.wandb is not None)
 
     def scalars(self, step: int, values: Mapping[str, Any]) -> None:
         """One point per tag at ``step``; non-numbers and non-finite values are skipped. Flushed at once, so a
         SIGKILL loses nothing already written."""
-        clean = {k: float(v) for k, v in values.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}  # fmt: skip
+        clean = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+        }
         for k, v in clean.items():
             self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()

@@ -87,12 +87,16 @@ class Segment:
             if arr.ndim != 1 or len(arr) != t:
                 raise ValueError(f"Segment {self.episode}#{self.index}: {name} has shape {arr.shape}, want [{t}]")
         if self.routing is not None and (self.routing.ndim != 3 or len(self.routing) != t):
-            raise ValueError(f"Segment {self.episode}#{self.index}: routing has shape {self.routing.shape}, want [{t}, L, K]")
+            raise ValueError(
+                f"Segment {self.episode}#{self.index}: routing has shape {self.routing.shape}, want [{t}, L, K]"
+            )
         n = len(self.turn_ends)
         for name in ("turn_rewards", "turn_numbers", "turn_starts"):
             arr = getattr(self, name)
             if arr is not None and len(arr) != n:
-                raise ValueError(f"Segment {self.episode}#{self.index}: {name} has {len(arr)} entries for {n} turn_ends")
+                raise ValueError(
+                    f"Segment {self.episode}#{self.index}: {name} has {len(arr)} entries for {n} turn_ends"
+                )
 
     @property
     def loss_tokens(self) -> int:
@@ -152,8 +156,12 @@ class DriftStats:
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "first_diff"}
         fd = self.first_diff
-        d["first_diff"] = {"n": len(fd), "min": min(fd) if fd else 0, "max": max(fd) if fd else 0,
-                           "mean": float(np.mean(fd)) if fd else 0.0}  # fmt: skip
+        d["first_diff"] = {
+            "n": len(fd),
+            "min": min(fd) if fd else 0,
+            "max": max(fd) if fd else 0,
+            "mean": float(np.mean(fd)) if fd else 0.0,
+        }
         return d
 
 
@@ -208,9 +216,14 @@ class BoundaryCheck:
 
 
 def check_input(
-    prev: np.ndarray, out_start: int, running: Any, keep: int, delta: np.ndarray, digest: bytes,
+    prev: np.ndarray,
+    out_start: int,
+    running: Any,
+    keep: int,
+    delta: np.ndarray,
+    digest: bytes,
     checkpoints: tuple[list[int], list[Any]] | None = None,
-) -> BoundaryCheck:  # fmt: skip
+) -> BoundaryCheck:
     """Check one turn's input against ``prev`` = ``S_k`` (empty for the first turn), vectorised.
 
     ``running`` is the hasher over all of ``prev`` (reused on a CLEAN boundary so a check costs O(delta), not
@@ -235,7 +248,9 @@ def check_input(
         hash_update(h, prev[pos:keep])
     hash_update(h, delta)
     if hash_digest(h) != digest:
-        return BoundaryCheck(False, None, 0, input_len, None, f"input_digest does not match prev[:{keep}] + input_delta")
+        return BoundaryCheck(
+            False, None, 0, input_len, None, f"input_digest does not match prev[:{keep}] + input_delta"
+        )
     if n == 0:
         return BoundaryCheck(True, None, 0, input_len, h)
     lcp = keep
@@ -347,14 +362,21 @@ class SegmentBuilder:
             return out
 
         seg = Segment(
-            episode=episode, index=index, tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
-            loss_mask=part(self.loss, False), logprobs=part(self.logprobs, 0.0), versions=part(self.versions, -1),
-            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t], routing=self.track.take(),
+            episode=episode,
+            index=index,
+            tokens=self.tokens[:t].copy() if copy else self.tokens[:t],
+            loss_mask=part(self.loss, False),
+            logprobs=part(self.logprobs, 0.0),
+            versions=part(self.versions, -1),
+            turn_ids=self.turn_ids[:t].copy() if copy else self.turn_ids[:t],
+            routing=self.track.take(),
             turn_ends=np.array([s.out_end - 1 for s in new], np.int32),
-            turn_rewards=np.array([s.reward for s in new], np.float32), done=done,
+            turn_rewards=np.array([s.reward for s in new], np.float32),
+            done=done,
             turn_numbers=np.array([s.turn for s in new], np.int32),
-            turn_starts=np.array([s.out_start for s in new], np.int32), forked=self.forked,
-        )  # fmt: skip
+            turn_starts=np.array([s.out_start for s in new], np.int32),
+            forked=self.forked,
+        )
         for s in new:
             s.trained = True
         return seg

@@ -12,10 +12,10 @@ from __future__ import annotations
 import builtins
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
 from typing import Any
-from collections.abc import Mapping
 
 import msgpack
 import numpy as np
@@ -233,7 +233,9 @@ def encode(record: Record) -> bytes:
 def encode_map(m: Mapping[str, Any]) -> bytes:
     """msgpack of a plain map whose numpy arrays become array maps: the payload of a dead letter for
     something that is not a record (a segment a training step failed on)."""
-    return msgpack.packb({k: _enc_array(v) if isinstance(v, np.ndarray) else v for k, v in m.items()}, use_bin_type=True)
+    return msgpack.packb(
+        {k: _enc_array(v) if isinstance(v, np.ndarray) else v for k, v in m.items()}, use_bin_type=True
+    )
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -295,8 +297,10 @@ class _Fields:
         code, shape, data = m["dtype"], m["shape"], m["data"]
         if code not in dtypes:
             raise self._err(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")
-        if not isinstance(shape, list) or len(shape) != ndim or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) != ndim
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
         ):
             raise self._err(f"{name}.shape", f"expected {ndim} non-negative ints, got {shape!r}")
         if not isinstance(data, bytes):
@@ -331,8 +335,11 @@ def _decode_turn(f: _Fields) -> TurnRecord:
             raise f._err("output_versions", f"has {len(versions)} values for {len(out)} output_ids")
         lo = int(versions.min())
         if lo != f.int("policy_version"):
-            raise f._err("output_versions", f"oldest version {lo} != policy_version {f.m['policy_version']} "
-                         "(policy_version must be the oldest per-token version)")  # fmt: skip
+            raise f._err(
+                "output_versions",
+                f"oldest version {lo} != policy_version {f.m['policy_version']} "
+                "(policy_version must be the oldest per-token version)",
+            )
     routing = None
     rm = f.get("routing", (dict, type(None)), default=None, what="routing map or nil")
     if rm is not None:
@@ -341,14 +348,27 @@ def _decode_turn(f: _Fields) -> TurnRecord:
             raise f._err("routing.start", f"expected a non-negative int, got {start!r}")
         routing = Routing(start, f.array("routing", rm, dtypes=("u1", "u2"), ndim=3))
     return TurnRecord(
-        episode=f.str("episode"), turn=f.int("turn"), policy_version=f.int("policy_version"), keep=keep,
-        input_delta=delta, input_len=input_len, input_digest=digest, output_ids=out, output_logprobs=lps,
-        finish=f.enum("finish", Finish), routing=routing, reward=f.float("reward"),
-        tests_passed=f.int("tests_passed", lo=-1), t_sample_s=f.float("t_sample_s"), t_exec_s=f.float("t_exec_s"),
-        action=f.str("action", nonempty=False, default=""), observation=f.str("observation", nonempty=False, default=""),
+        episode=f.str("episode"),
+        turn=f.int("turn"),
+        policy_version=f.int("policy_version"),
+        keep=keep,
+        input_delta=delta,
+        input_len=input_len,
+        input_digest=digest,
+        output_ids=out,
+        output_logprobs=lps,
+        finish=f.enum("finish", Finish),
+        routing=routing,
+        reward=f.float("reward"),
+        tests_passed=f.int("tests_passed", lo=-1),
+        t_sample_s=f.float("t_sample_s"),
+        t_exec_s=f.float("t_exec_s"),
+        action=f.str("action", nonempty=False, default=""),
+        observation=f.str("observation", nonempty=False, default=""),
         compacted=f.get("compacted", bool, default=False, what="bool"),
-        output_versions=versions, last=f.get("last", bool, default=False, what="bool"),
-    )  # fmt: skip
+        output_versions=versions,
+        last=f.get("last", bool, default=False, what="bool"),
+    )
 
 
 def _decode_metrics(f: _Fields) -> MetricsRecord:
@@ -366,7 +386,9 @@ def from_map(m: Any) -> Record:
     if not isinstance(v, int) or isinstance(v, bool):
         raise WireError(f"envelope.v: expected int schema version, got {v!r}", field="v", reason="schema")
     if v != SCHEMA_VERSION:
-        raise WireError(f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})", field="v", reason="version")
+        raise WireError(
+            f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})", field="v", reason="version"
+        )
     kind = m.get("kind")
     if not isinstance(kind, str) or kind not in _KINDS:
         raise WireError(f"envelope.kind: {kind!r} is not one of {sorted(_KINDS)}", field="kind", reason="kind")
@@ -376,20 +398,32 @@ def from_map(m: Any) -> Record:
     if kind == "metrics":
         return _decode_metrics(f)
     if kind == "start":
-        return StartRecord(f.str("episode"), f.str("actor"), f.str("task"), f.int("max_turns", lo=1), f.float("created_at"))
+        return StartRecord(
+            f.str("episode"), f.str("actor"), f.str("task"), f.int("max_turns", lo=1), f.float("created_at")
+        )
     if kind == "end":
         passed, total = f.int("tests_passed"), f.int("tests_total")
         if passed > total:
             raise f._err("tests_passed", f"{passed} > tests_total {total}")
-        return EndRecord(f.str("episode"), f.int("turns"), f.enum("reason", EndReason), passed, total,
-                         f.get("resolved", bool, what="bool"), f.str("detail", nonempty=False, default=""),
-                         f.float("unstreamed_reward", default=0.0), f.int("compactions", default=0))  # fmt: skip
+        return EndRecord(
+            f.str("episode"),
+            f.int("turns"),
+            f.enum("reason", EndReason),
+            passed,
+            total,
+            f.get("resolved", bool, what="bool"),
+            f.str("detail", nonempty=False, default=""),
+            f.float("unstreamed_reward", default=0.0),
+            f.int("compactions", default=0),
+        )
     if kind == "policy":
         return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
     if kind == "heartbeat":
         return Heartbeat(f.str("actor"), f.float("sent_at"))
     if kind == "credit_request":
-        return CreditRequest(f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1))
+        return CreditRequest(
+            f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1)
+        )
     return CreditGrant(f.int("granted"), f.int("version"), f.float("lease_s"), f.str("grant_id"))
 
 
@@ -403,8 +437,19 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
         m = msgpack.unpackb(bytes(data), raw=False, strict_map_key=False, ext_hook=_no_ext)
     except WireError:
         raise
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
-        raise WireError(f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack") from exc
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        UnicodeDecodeError,
+    ) as exc:
+        raise WireError(
+            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack"
+        ) from exc
     except Exception as exc:  # msgpack raises a few undocumented types on hostile input
-        raise WireError(f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack") from exc
+        raise WireError(
+            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack"
+        ) from exc
     return from_map(m)

@@ -52,11 +52,49 @@ MISMATCH_BOUND = 0.02
 
 
 def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "t1async.cluster", "up", "--plain", "--run-dir", str(run), "--tasks", str(tasks),
-            "--warm-start", "micro", "--steps", str(steps), "--seed", "0", "--actors", "1", "--concurrency", "8",
-            "--max-turns", "1", "--max-new-tokens", "40", "--max-context", "1024", "--verify-every", "1",
-            "--temperature", "1.0", "--batch-turns", "16", "--max-staleness", "0", "--lr", "5e-5", "--critic", "detached",
-            "--sampler-max-batch", "16", "--prefix-cache-tokens", "0"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--plain",
+        "--run-dir",
+        str(run),
+        "--tasks",
+        str(tasks),
+        "--warm-start",
+        "micro",
+        "--steps",
+        str(steps),
+        "--seed",
+        "0",
+        "--actors",
+        "1",
+        "--concurrency",
+        "8",
+        "--max-turns",
+        "1",
+        "--max-new-tokens",
+        "40",
+        "--max-context",
+        "1024",
+        "--verify-every",
+        "1",
+        "--temperature",
+        "1.0",
+        "--batch-turns",
+        "16",
+        "--max-staleness",
+        "0",
+        "--lr",
+        "5e-5",
+        "--critic",
+        "detached",
+        "--sampler-max-batch",
+        "16",
+        "--prefix-cache-tokens",
+        "0",
+    ]
 
 
 def steps_of(run: Path, offset: int = 0) -> dict[int, dict]:
@@ -97,7 +135,9 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     try:
         deadline = time.monotonic() + 900
         while True:
-            assert proc.poll() is None, f"cluster up exited {proc.returncode}: {(tmp_path / 'up-1.log').read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"cluster up exited {proc.returncode}: {(tmp_path / 'up-1.log').read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"no version {KILL_AT} in 900 s: {sorted(steps_of(run))}"
             ck = latest_checkpoint(run / "checkpoints")
             if ck is not None and ck.version >= KILL_AT:
@@ -115,10 +155,14 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     r = [reward(first[s]) for s in sorted(first)]
     early, late = float(np.mean(r[:FIRST])), float(np.mean(r[-LAST:]))
     curve = " ".join(f"{x:.2f}" for x in r)
-    assert late > early + MARGIN, f"reward did not rise: first {FIRST} steps {early:.2f}, last {LAST} {late:.2f}; {curve}"
+    assert late > early + MARGIN, (
+        f"reward did not rise: first {FIRST} steps {early:.2f}, last {LAST} {late:.2f}; {curve}"
+    )
     assert late >= THRESHOLD, f"final reward {late:.2f} < {THRESHOLD}; {curve}"
     mm = [first[s]["mismatch"] for s in first if first[s].get("mismatch_tokens")]
-    assert mm and float(np.mean(mm)) <= MISMATCH_BOUND, f"mean mismatch {np.mean(mm) if mm else None} > {MISMATCH_BOUND}"
+    assert mm and float(np.mean(mm)) <= MISMATCH_BOUND, (
+        f"mean mismatch {np.mean(mm) if mm else None} > {MISMATCH_BOUND}"
+    )
 
     # the learner was SIGKILLed: the same run dir, started again, resumes from its last checkpoint
     offset = (run / "metrics.jsonl").stat().st_size

@@ -16,9 +16,9 @@ from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.settle import trained_counts
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
+from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
-from t1async.model.moe import MoETransformer
 from t1async.sampler.base import SamplingParams
 from t1async.sampler.memory import MemorySampler
 from t1async.transport import MemoryBroker, MemoryTransport
@@ -27,8 +27,17 @@ from t1async.transport import MemoryBroker, MemoryTransport
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=2, n_heads=2, n_experts=4,
-                    top_k=2, d_ff=32, max_seq_len=8192, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=ChatTokenizer.load().vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        d_ff=32,
+        max_seq_len=8192,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
 
@@ -40,16 +49,36 @@ class VersionedMemorySampler(MemorySampler):
         self.weight_version = int(version)
 
 
-async def run_loop(tmp_path: Path, model: Path, *, eta: int, steps: int, broker: MemoryBroker,
-                   sampler: VersionedMemorySampler, seen: list) -> Learner:  # fmt: skip
+async def run_loop(
+    tmp_path: Path,
+    model: Path,
+    *,
+    eta: int,
+    steps: int,
+    broker: MemoryBroker,
+    sampler: VersionedMemorySampler,
+    seen: list,
+) -> Learner:
     tasks = tmp_path / "tasks"
     if not tasks.exists():
         generate(tasks, 6, seed=3)
     tok = ChatTokenizer.load()
-    lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=model, max_staleness=eta, batch_turns=4, steps=steps,
-                         lease_s=30.0, metrics_every_s=0.2, trainer=TrainerConfig(lr=1e-3))  # fmt: skip
-    agent = AgentConfig(max_turns=3, max_context_tokens=4096, command_timeout_s=5.0,
-                        sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+    lcfg = LearnerConfig(
+        run_dir=tmp_path / "run",
+        model_dir=model,
+        max_staleness=eta,
+        batch_turns=4,
+        steps=steps,
+        lease_s=30.0,
+        metrics_every_s=0.2,
+        trainer=TrainerConfig(lr=1e-3),
+    )
+    agent = AgentConfig(
+        max_turns=3,
+        max_context_tokens=4096,
+        command_timeout_s=5.0,
+        sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)),
+    )
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
         learner = Learner(lcfg, lt, sampler)
         async with mt.subscribe("t1.>") as sub, anyio.create_task_group() as tg:
@@ -64,8 +93,13 @@ async def run_loop(tmp_path: Path, model: Path, *, eta: int, steps: int, broker:
 
             async def actor():
                 with actor_scope:
-                    await run_actor(ActorConfig("a1", tasks, concurrency=3, split="all"), transport=at,
-                                    sampler=sampler, tokenizer=tok, agent=agent)  # fmt: skip
+                    await run_actor(
+                        ActorConfig("a1", tasks, concurrency=3, split="all"),
+                        transport=at,
+                        sampler=sampler,
+                        tokenizer=tok,
+                        agent=agent,
+                    )
 
             tg.start_soon(actor)
             with anyio.fail_after(240):
@@ -85,8 +119,14 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
     from t1async.model.config import MoEConfig as C
 
     cfg = C.load(tiny_model / "config.json")
-    sampler = VersionedMemorySampler(vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
-                                     num_experts=cfg.n_experts, eos_token_id=tok.im_end_id, seed=eta)  # fmt: skip
+    sampler = VersionedMemorySampler(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.n_layers,
+        topk=cfg.top_k,
+        num_experts=cfg.n_experts,
+        eos_token_id=tok.im_end_id,
+        seed=eta,
+    )
     seen: list = []
     learner = await run_loop(tmp_path, tiny_model, eta=eta, steps=3, broker=broker, sampler=sampler, seen=seen)
     assert learner.version == 3 and sampler.weight_version == 3
@@ -95,7 +135,9 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
     policies = [r.version for r in seen if isinstance(r, wire.PolicyRecord)]
     assert policies == [1, 2, 3]
     turns = [r for r in seen if isinstance(r, wire.TurnRecord)]
-    assert turns and all(r.routing is not None and r.routing.experts.shape[1:] == (cfg.n_layers, cfg.top_k) for r in turns)
+    assert turns and all(
+        r.routing is not None and r.routing.experts.shape[1:] == (cfg.n_layers, cfg.top_k) for r in turns
+    )
     metrics = [r for r in seen if isinstance(r, wire.MetricsRecord) and r.component == "learner"]
     assert metrics[-1].values["max_staleness"] <= eta and metrics[-1].values["drift"]["fork"] == 0
     assert learner.state.turns_trained >= 3 * 4
@@ -119,8 +161,13 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     from t1async.model.config import MoEConfig as C
 
     cfg = C.load(tiny_model / "config.json")
-    sampler = VersionedMemorySampler(vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
-                                     num_experts=cfg.n_experts, eos_token_id=tok.im_end_id)  # fmt: skip
+    sampler = VersionedMemorySampler(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.n_layers,
+        topk=cfg.top_k,
+        num_experts=cfg.n_experts,
+        eos_token_id=tok.im_end_id,
+    )
     first = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=broker, sampler=sampler, seen=[])
     trained_first = {(ep, t) for ep, ts in first.state.trained.items() for t in ts}
     second = await run_loop(tmp_path, tiny_model, eta=1, steps=4, broker=broker, sampler=sampler, seen=[])

@@ -70,9 +70,13 @@ class ScriptedSampler:
         self.delay, self.fail_at = delay, fail_at
         self.calls: list[dict] = []
 
-    async def generate(self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None) -> Generation:
+    async def generate(
+        self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None
+    ) -> Generation:
         k = len(self.calls)
-        self.calls.append({"input_ids": list(input_ids), "params": params, "start": routed_experts_start_len, "rid": rid})
+        self.calls.append(
+            {"input_ids": list(input_ids), "params": params, "start": routed_experts_start_len, "rid": rid}
+        )
         if self.delay:
             await trio.sleep(self.delay)
         if self.fail_at == k:
@@ -87,8 +91,12 @@ class ScriptedSampler:
         rows = len(input_ids) + len(out) - 1 - start
         routing = np.full((rows, self.layers, self.topk), k, dtype=np.uint8)
         return Generation(
-            output_ids=np.asarray(out, dtype=np.int32), logprobs=np.full(len(out), -0.5, np.float32),
-            finish=finish, weight_version=7, routing=routing, routing_start=start,
+            output_ids=np.asarray(out, dtype=np.int32),
+            logprobs=np.full(len(out), -0.5, np.float32),
+            finish=finish,
+            weight_version=7,
+            routing=routing,
+            routing_start=start,
         )
 
     async def aclose(self) -> None:
@@ -129,8 +137,17 @@ async def episode(replies, *, tok=None, config=AgentConfig(), handler=None, samp
         turns.append(t)
 
     verify = counting_verifier(sb, total)
-    res = await run_agent(instruction="Make t0 t1 t2.", sampler=sampler, tokenizer=tok, sandbox=sb,
-                          verify=verify, config=config, wall_time_s=wall, on_turn=on_turn, rid="ep1")
+    res = await run_agent(
+        instruction="Make t0 t1 t2.",
+        sampler=sampler,
+        tokenizer=tok,
+        sandbox=sb,
+        verify=verify,
+        config=config,
+        wall_time_s=wall,
+        on_turn=on_turn,
+        rid="ep1",
+    )
     return res, turns, sampler, sb, verify
 
 
@@ -143,8 +160,13 @@ async def test_inputs_are_exact_ids_and_clean(tok):
     assert first == tok.render(initial_messages("Make t0 t1 t2.", AgentConfig().system_prompt))
     for k in range(1, 4):
         prev_in, prev_out = turns[k - 1].input_ids.tolist(), turns[k - 1].output_ids.tolist()
-        want = (prev_in + prev_out + tok.bridge_ids(prev_out)
-                + tok.message_ids("user", turns[k - 1].observation) + tok.generation_prompt_ids())
+        want = (
+            prev_in
+            + prev_out
+            + tok.bridge_ids(prev_out)
+            + tok.message_ids("user", turns[k - 1].observation)
+            + tok.generation_prompt_ids()
+        )
         assert sampler.calls[k]["input_ids"] == want == turns[k].input_ids.tolist()
         assert want[: len(prev_in) + len(prev_out)] == prev_in + prev_out  # CLEAN boundary
     # the length-finished output got its end-of-turn from the bridge, not merged into the output
@@ -292,8 +314,13 @@ async def test_bwrap_episode_end_to_end(tmp_path):
     async def on_turn(t):
         turns.append(t)
 
-    res = await run_episode(task, sampler=ScriptedSampler(tok, replies), tokenizer=tok,
-                            config=AgentConfig(verify_every=1, stop_when_resolved=False), on_turn=on_turn)
+    res = await run_episode(
+        task,
+        sampler=ScriptedSampler(tok, replies),
+        tokenizer=tok,
+        config=AgentConfig(verify_every=1, stop_when_resolved=False),
+        on_turn=on_turn,
+    )
     assert turns[1].exit_code == 0 and "secret" in turns[1].observation
     assert [t.tests_passed for t in turns] == [0, 3, 3]
     assert res.reason == "solved" and res.resolved and res.tests_passed == 3 == res.tests_total
@@ -320,7 +347,7 @@ def test_parse_action_variants():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("`{}\":,\n <>/|_bashdonetoolcmDONE")) | st.characters(), max_size=200))
+@given(st.text(alphabet=st.sampled_from(list('`{}":,\n <>/|_bashdonetoolcmDONE')) | st.characters(), max_size=200))
 def test_parse_action_never_raises(text):
     from sandbox_agent.actions import parse_action
 
@@ -364,5 +391,5 @@ async def test_sft_rendering_matches_the_loop_exactly(tok):
     assert ids.tolist() == final
     want_mask = np.zeros(len(final), bool)
     for t in turns:
-        want_mask[len(t.input_ids): len(t.input_ids) + len(t.output_ids)] = True
+        want_mask[len(t.input_ids) : len(t.input_ids) + len(t.output_ids)] = True
     assert (mask == want_mask).all()

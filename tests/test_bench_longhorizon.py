@@ -10,8 +10,9 @@ from bench import longhorizon
 
 
 def test_short_run_reports_every_turn_and_the_json_keys(capsys):
-    rc = longhorizon.main(["--turns", "60", "--json", "--replays", "1", "--exec-n", "20", "--train-tokens", "1024",
-                           "--every", "30"])  # fmt: skip
+    rc = longhorizon.main(
+        ["--turns", "60", "--json", "--replays", "1", "--exec-n", "20", "--train-tokens", "1024", "--every", "30"]
+    )
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     res = json.loads(out[-1])

@@ -10,15 +10,34 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"completed", "request_throughput", "input_throughput", "output_throughput", "mean_ttft_ms",
-        "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms",
-        "median_e2e_latency_ms", "p99_e2e_latency_ms", "concurrency"}
+KEYS = {
+    "completed",
+    "request_throughput",
+    "input_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2e_latency_ms",
+    "median_e2e_latency_ms",
+    "p99_e2e_latency_ms",
+    "concurrency",
+}
 
 
 def bench(*args: str, timeout: float = 120) -> tuple[dict, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run([sys.executable, "-m", "bench.sampler", *args, "--json"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.sampler", *args, "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.strip().splitlines()
     return json.loads(lines[-1]), p.stdout
@@ -26,8 +45,20 @@ def bench(*args: str, timeout: float = 120) -> tuple[dict, str]:
 
 def test_load_run_reports_bench_serving_fields(sampler_url, tmp_path):
     out = tmp_path / "results.jsonl"
-    r, stdout = bench("--url", sampler_url, "--num-prompts", "6", "--concurrency", "3", "--input-len", "16",
-                      "--output-len", "5", "--output-file", str(out))
+    r, stdout = bench(
+        "--url",
+        sampler_url,
+        "--num-prompts",
+        "6",
+        "--concurrency",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "5",
+        "--output-file",
+        str(out),
+    )
     assert KEYS <= set(r)
     assert r["completed"] == 6 and r["failed"] == 0 and r["max_concurrency"] == 3
     assert r["total_output_tokens"] == 6 * 5 and r["total_input_tokens"] == 6 * 16
@@ -39,8 +70,20 @@ def test_load_run_reports_bench_serving_fields(sampler_url, tmp_path):
 
 
 def test_multi_turn_reports_cached_ratio(sampler_url):
-    r, stdout = bench("--url", sampler_url, "--multi-turn", "3", "--num-prompts", "2", "--concurrency", "2",
-                      "--input-len", "12", "--output-len", "4")
+    r, stdout = bench(
+        "--url",
+        sampler_url,
+        "--multi-turn",
+        "3",
+        "--num-prompts",
+        "2",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+    )
     assert r["completed"] == 6 and [t["turn"] for t in r["per_turn"]] == [1, 2, 3]
     ctx = [t["mean_context_len"] for t in r["per_turn"]]
     assert ctx == [12, 12 + 4 + 12, 12 + 2 * (4 + 12)], "each turn's input = previous input + output + new chunk"
@@ -52,8 +95,9 @@ def test_multi_turn_reports_cached_ratio(sampler_url):
 
 
 def test_compare_concurrency_with_the_embedded_server():
-    r, stdout = bench("--compare-concurrency", "1,2", "--input-len", "8", "--output-len", "4", "--max-batch", "4",
-                      timeout=180)
+    r, stdout = bench(
+        "--compare-concurrency", "1,2", "--input-len", "8", "--output-len", "4", "--max-batch", "4", timeout=180
+    )
     assert [x["max_concurrency"] for x in r["levels"]] == [1, 2]
     assert [x["completed"] for x in r["levels"]] == [8, 8]
     assert r["ratio"] == r["levels"][1]["output_throughput"] / r["levels"][0]["output_throughput"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,9 +21,14 @@ from tests.test_transport import end, start, turn
 
 @pytest.mark.parametrize(
     ("argv", "expect"),
-    [([], "up|down|status|tail"), (["up"], "--duration"), (["down"], "SIGTERM"), (["status"], "Exit status 0"),
-     (["tail"], "--episode")],
-)  # fmt: skip
+    [
+        ([], "up|down|status|tail"),
+        (["up"], "--duration"),
+        (["down"], "SIGTERM"),
+        (["status"], "Exit status 0"),
+        (["tail"], "--episode"),
+    ],
+)
 def test_every_subcommand_explains_itself(argv, expect, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main([*argv, "--help"])
@@ -45,8 +50,9 @@ def test_wrong_flags_and_values_give_clear_errors(tmp_path, capsys):
 
 
 def test_the_module_runs_as_a_program(repo_env):
-    res = subprocess.run([sys.executable, "-m", "t1async.cluster", "--help"], capture_output=True, text=True,
-                         env=repo_env, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "t1async.cluster", "--help"], capture_output=True, text=True, env=repo_env, timeout=60
+    )
     assert res.returncode == 0 and "up|down|status|tail" in res.stdout
 
 
@@ -76,8 +82,13 @@ def _stop(proc) -> None:
 
 def test_up_status_down(tmp_path, repo_env, capsys):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "60"],
-                            env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "60"],
+        env=repo_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         state = _wait_running(run_dir, proc)
         nats_pid = state.components["nats"].pid
@@ -97,8 +108,13 @@ def test_up_status_down(tmp_path, repo_env, capsys):
 
 def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "1"],
-                         env=repo_env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "1"],
+        env=repo_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert "cluster up: nats nats://" in res.stdout and "cluster stopped" in res.stdout
     state = ClusterState.load(run_dir)
@@ -112,8 +128,12 @@ async def _read_until(stream, buf: bytearray, needle: bytes, timeout: float = 20
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(nats_server, nats_raw_publish, repo_env, as_json):
-    argv = [sys.executable, "-m", "t1async.cluster", "tail", "--nats", nats_server.url, "--no-text"] + (["--json"] if as_json else [])
+async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
+    nats_server, nats_raw_publish, repo_env, as_json
+):
+    argv = [sys.executable, "-m", "t1async.cluster", "tail", "--nats", nats_server.url, "--no-text"] + (
+        ["--json"] if as_json else []
+    )
     async with await anyio.open_process(argv, env=repo_env) as proc:
         try:
             out, err = bytearray(), bytearray()
@@ -136,7 +156,11 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(na
     if as_json:
         objs = [json.loads(x) for x in lines]
         assert [o.get("kind", "error") for o in objs] == ["start", "turn", "error", "turn", "end"]
-        assert objs[1]["output_ids"] == [100, 101, 102] and objs[1]["routing"] == {"start": 0, "dtype": "u1", "shape": [6, 2, 2]}
+        assert objs[1]["output_ids"] == [100, 101, 102] and objs[1]["routing"] == {
+            "start": 0,
+            "dtype": "u1",
+            "shape": [6, 2, 2],
+        }
         assert objs[2]["reason"] == "msgpack" and objs[2]["subject"] == "t1.traj.ep-t"
         return
     heads = [x.split()[0] for x in lines if not x.startswith(" ")]
@@ -153,8 +177,24 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(na
 def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, repo_env):
     """The terminal shows the outcome in words; the supervisor's log lines stay in its file."""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120",
-            "--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--duration",
+        "120",
+        "--synth-tasks",
+        "5",
+        "--max-turns",
+        "4",
+        "--actors",
+        "1",
+        "--concurrency",
+        "1",
+    ]
     proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         state = _wait_running(run_dir, proc, timeout=180)
@@ -175,8 +215,24 @@ def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env)
     """Closing the terminal (SIGHUP) stops every component, as Ctrl-C does; the components run in their own
     sessions, so a supervisor killed by the hang-up used to leave them all running."""
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120",
-            "--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--duration",
+        "120",
+        "--synth-tasks",
+        "5",
+        "--max-turns",
+        "4",
+        "--actors",
+        "1",
+        "--concurrency",
+        "1",
+    ]
     proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = []
     try:

@@ -57,9 +57,32 @@ async def wait_running(run_dir: Path, proc: subprocess.Popen, timeout: float = 1
 
 async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--steps", "3",
-            "--batch-turns", "6", "--actors", "2", "--concurrency", "2", "--max-turns", "6", "--max-new-tokens", "32",
-            "--synth-tasks", "20", "--max-staleness", str(ETA), "--duration", "240"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "3",
+        "--batch-turns",
+        "6",
+        "--actors",
+        "2",
+        "--concurrency",
+        "2",
+        "--max-turns",
+        "6",
+        "--max-new-tokens",
+        "32",
+        "--synth-tasks",
+        "20",
+        "--max-staleness",
+        str(ETA),
+        "--duration",
+        "240",
+    ]
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
     records: list[wire.Record] = []

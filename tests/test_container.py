@@ -68,8 +68,10 @@ async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Pa
     backend = ContainerBackend(config=SandboxConfig(command_timeout_s=20.0, kill_grace_s=0.5, output_limit_bytes=4096))
     async with prepared_workdir(task, backend) as wd:
         async with backend.open(task, wd) as sb:
-            r = await sb.exec("timeout 5 bash -c 'echo > /dev/tcp/1.1.1.1/80' && echo EGRESS; "
-                              "getent hosts deb.debian.org || echo nodns")
+            r = await sb.exec(
+                "timeout 5 bash -c 'echo > /dev/tcp/1.1.1.1/80' && echo EGRESS; "
+                "getent hosts deb.debian.org || echo nodns"
+            )
             assert "EGRESS" not in r.output and "nodns" in r.output, r
             r = await sb.exec(f"cat {marker} || echo hidden")
             assert "hidden" in r.output, r
@@ -140,8 +142,9 @@ anyio.run(main)
 async def test_a_sigkilled_owner_s_container_is_removed_by_its_guard(base_image: str) -> None:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", _OWNER, str(TB / "tb2/csv-stats")], stdout=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(TB / "tb2/csv-stats")], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert p.stdout is not None
         line = "-"
@@ -168,8 +171,13 @@ def test_auto_picks_bwrap_when_it_runs_every_task_exactly_else_containers(base_i
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sandbox_agent", *args], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
+    return subprocess.run(
+        [sys.executable, "-m", "sandbox_agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_status(base_image: str) -> None:
@@ -195,16 +203,24 @@ def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_statu
 def test_bench_sandbox_container_runs_and_prints_json_last(base_image: str) -> None:
     import json
 
-    r = subprocess.run([sys.executable, "-m", "bench.sandbox", "--backend", "container", "--execs", "20", "--starts", "1"],
-                       capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.sandbox", "--backend", "container", "--execs", "20", "--starts", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads(r.stdout.strip().splitlines()[-1])
     assert 0 < data["container_exec_p50_ms"] <= data["container_exec_p99_ms"]
-    assert data["container_start_cold_ms"] > 0 and data["container_warm_start_ms"] > 0 and data["container_verify_ms"] > 0
+    assert (
+        data["container_start_cold_ms"] > 0 and data["container_warm_start_ms"] > 0 and data["container_verify_ms"] > 0
+    )
 
 
 async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_their_turns(
-        base_image: str, tmp_path: Path, tiny_model: Path) -> None:
+    base_image: str, tmp_path: Path, tiny_model: Path
+) -> None:
     """The real actor loop and learner over the published tasks: the RUN-step ones go to containers (auto)."""
     import shutil
 
@@ -219,8 +235,14 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     for d in ("tb1/jq-query", "tb2/gen-data"):  # container-only tasks: every episode runs in one
         shutil.copytree(TB / d, tasks / d)
     cfg = MoEConfig.load(tiny_model / "config.json")
-    sampler = VersionedMemorySampler(vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
-                                     num_experts=cfg.n_experts, eos_token_id=ChatTokenizer.load().im_end_id, seed=1)
+    sampler = VersionedMemorySampler(
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.n_layers,
+        topk=cfg.top_k,
+        num_experts=cfg.n_experts,
+        eos_token_id=ChatTokenizer.load().im_end_id,
+        seed=1,
+    )
     seen: list = []
     before = _ours()
     learner = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen)
@@ -248,8 +270,19 @@ async def test_reap_orphans_removes_containers_whose_owner_is_gone(base_image: s
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid names no live process now
     name = f"t1-orphan-{os.getpid()}"
-    images.run_podman("run", "-d", "--init", "--name", name, "--network=none", "--label", f"{OWNER_LABEL}={dead.pid}",
-                      base_image, "sleep", "infinity")
+    images.run_podman(
+        "run",
+        "-d",
+        "--init",
+        "--name",
+        name,
+        "--network=none",
+        "--label",
+        f"{OWNER_LABEL}={dead.pid}",
+        base_image,
+        "sleep",
+        "infinity",
+    )
     try:
         assert name in _ours(dead.pid)
         removed = await reap_orphans(images.podman(), images.podman_env())
@@ -262,8 +295,9 @@ def _fake_conmon(name: str) -> subprocess.Popen[bytes]:
     """A stand-in for a hung start's leftovers (a real `runc init` hang cannot be made on demand): a process
     whose argv reads as conmon's for container ``name`` (``conmon ... -n NAME``), with a child under it, as
     conmon has its ``runc init``. Its own session, like the daemonized conmon."""
-    return subprocess.Popen(["conmon", "-c", "sleep 600 & wait", "conmon", "-n", name], executable="/bin/bash",
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["conmon", "-c", "sleep 600 & wait", "conmon", "-n", name], executable="/bin/bash", start_new_session=True
+    )
 
 
 def _children(pid: int) -> list[int]:

@@ -20,11 +20,11 @@ from sandbox_agent.tasks import load_task
 # (task, verifier path, tests): "script" where the task's own run-tests.sh/test.sh runs as written, offline,
 # on the base image's wheelhouse; "pytest" where it cannot (csv-stats and gen-data pin `uvx -p 3.13`)
 PUBLISHED = [
-    (TB / "tb1/log-summary", "script", 3),       # uv venv; uv pip install pytest==8.4.1; uv run pytest
-    (TB / "tb1/jq-query", "script", 2),          # the same, in an image with RUN apt-get install jq
-    (TB / "tb1/inbox-words", "script", 2),       # uv init; uv add pytest==8.4.1 (a universal lock, offline)
+    (TB / "tb1/log-summary", "script", 3),  # uv venv; uv pip install pytest==8.4.1; uv run pytest
+    (TB / "tb1/jq-query", "script", 2),  # the same, in an image with RUN apt-get install jq
+    (TB / "tb1/inbox-words", "script", 2),  # uv init; uv add pytest==8.4.1 (a universal lock, offline)
     (TB / "tb1/polyglot-anagram", "script", 4),  # copies *_test.py into /app and runs them there (Aider)
-    (TB / "tb2/uvx-ctrf", "script", 3),          # uvx --with pytest==8.4.1 --with pytest-json-ctrf pytest --ctrf
+    (TB / "tb2/uvx-ctrf", "script", 3),  # uvx --with pytest==8.4.1 --with pytest-json-ctrf pytest --ctrf
     (TB / "tb2/csv-stats", "pytest", 3),
     (TB / "tb2/gen-data", "pytest", 2),
     (FIXTURES / "tb1/hello-world", "script", 3),
@@ -34,7 +34,8 @@ PUBLISHED = [
 
 @pytest.mark.parametrize("task_dir, path, tests", PUBLISHED, ids=[f"{p.parent.name}/{p.name}" for p, _, _ in PUBLISHED])
 async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(
-        base_image: str, task_dir: Path, path: str, tests: int) -> None:
+    base_image: str, task_dir: Path, path: str, tests: int
+) -> None:
     task = load_task(task_dir)
     backend = ContainerBackend(config=FAST)
     oracle = await run_policy(task, OracleAgent(), backend=backend)
@@ -45,7 +46,8 @@ async def test_published_task_resolves_with_its_oracle_and_fails_with_nothing(
 
 
 async def test_verifier_runs_the_task_script_offline_and_falls_back_to_pytest_when_it_needs_the_network(
-        base_image: str) -> None:
+    base_image: str,
+) -> None:
     backend = ContainerBackend(config=FAST)
     offline = await run_policy(load_task(FIXTURES / "tb2/exit-status-only"), OracleAgent(), backend=backend)
     assert offline.verify.path == "script" and offline.verify.tests == {"test.sh": True}
@@ -65,7 +67,8 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     (t / "tests" / "test.sh").write_text(  # fetches from Debian's registry (reachable here) as scripts fetch uv
         "#!/bin/bash\nif ! apt-get update 2>&1 | grep -q '^Get:'; then echo 0 > /logs/verifier/reward.txt; exit 0; fi\n"
         "python3 -m pytest /tests/test_outputs.py -rA\n"
-        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
     task = load_task(t)
     backend = ContainerBackend(config=FAST)
     before = _ours()
@@ -73,11 +76,15 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
     off = await run_policy(task, OracleAgent(), backend=backend)
     # offline it writes reward 0 and runs no test: not taken as the answer; its test files are run instead
-    assert (off.verify.path, off.verify.passed) == ("pytest", 3) and "needs the network" in off.verify.detail, off.verify
+    assert (off.verify.path, off.verify.passed) == ("pytest", 3) and "needs the network" in off.verify.detail, (
+        off.verify
+    )
     assert _ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())
 
 
-async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(base_image: str, tmp_path: Path) -> None:
+async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
+    base_image: str, tmp_path: Path
+) -> None:
     import shutil
 
     from sandbox_agent.sandbox.container import ContainerLimits
@@ -86,8 +93,10 @@ async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
     backend = ContainerBackend(config=FAST, limits=ContainerLimits(disk_bytes=16 << 20))
     task = load_task(TB / "tb1/polyglot-anagram")
     async with prepared_workdir(task, backend) as wd, backend.episode(task, wd), backend.open(task, wd) as sb:
-        r = await sb.exec("ls /app; for d in /app /tmp; do dd if=/dev/zero of=$d/fill bs=1M count=40 2>&1 | tail -1; "
-                          "du -sm $d/fill | cut -f1; done")
+        r = await sb.exec(
+            "ls /app; for d in /app /tmp; do dd if=/dev/zero of=$d/fill bs=1M count=40 2>&1 | tail -1; "
+            "du -sm $d/fill | cut -f1; done"
+        )
         lines = r.output.splitlines()
         assert lines[0] == "anagram.py", r  # the image's files are there (tmpcopyup)
         assert [int(x) for x in lines[2::2]] == [16, 16], r  # 40 MiB asked for, each cut at its 16 MiB cap
@@ -96,7 +105,8 @@ async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
     shutil.copytree(TB / "tb2/csv-stats", t)
     (t / "tests" / "test.sh").write_text(
         "#!/bin/bash\npython3 -m pytest /tests/test_outputs.py -rA\n"
-        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+        "if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
     on = await run_policy(load_task(t), OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
     assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
 
@@ -106,13 +116,15 @@ async def test_a_task_s_declared_memory_and_cpus_limit_its_container(base_image:
 
     t = tmp_path / "small"
     shutil.copytree(TB / "tb2/gen-data", t)
-    (t / "task.toml").write_text((t / "task.toml").read_text().split("[environment]")[0]
-                                 + '[environment]\ncpus = 64\nmemory = "300M"\n')  # more CPUs than here: capped
+    (t / "task.toml").write_text(
+        (t / "task.toml").read_text().split("[environment]")[0] + '[environment]\ncpus = 64\nmemory = "300M"\n'
+    )  # more CPUs than here: capped
     task = load_task(t)
     backend = ContainerBackend(config=FAST)
     async with prepared_workdir(task, backend) as wd, backend.episode(task, wd), backend.open(task, wd) as sb:
-        r = await sb.exec("cat /sys/fs/cgroup/memory.max 2>/dev/null || "
-                          "cat /sys/fs/cgroup/memory/memory.limit_in_bytes")
+        r = await sb.exec(
+            "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes"
+        )
         assert r.output.strip() == str(300 << 20), r
 
 
@@ -123,7 +135,8 @@ async def test_harbor_named_rewards_count_as_tests(base_image: str, tmp_path: Pa
     shutil.copytree(FIXTURES / "tb2/exit-status-only", t)
     (t / "tests" / "test.sh").write_text(  # Harbor's rewards.json: one reward per named criterion
         '#!/bin/bash\ncd "$T1_WORKDIR"\nd=0; [ -d logs ] && d=1\nf=0; [ -f logs/app.log ] && f=1\n'
-        'echo "{\\"dir\\": $d, \\"file\\": $f, \\"never\\": 0}" > /logs/verifier/rewards.json\n')
+        'echo "{\\"dir\\": $d, \\"file\\": $f, \\"never\\": 0}" > /logs/verifier/rewards.json\n'
+    )
     r = await run_policy(load_task(t), OracleAgent(), backend=ContainerBackend(config=FAST))
     assert (r.verify.path, r.verify.tests) == ("script", {"dir": True, "file": True, "never": False}), r.verify
     assert (r.verify.passed, r.verify.resolved) == (2, False)

@@ -45,8 +45,17 @@ from t1async.transport.base import traj_subject
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=16, n_layers=2, n_heads=2, n_experts=4,
-                    top_k=2, d_ff=16, max_seq_len=4096, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=ChatTokenizer.load().vocab_size,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        d_ff=16,
+        max_seq_len=4096,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
 
@@ -88,13 +97,22 @@ class Scenario:
     @classmethod
     def draw(cls, seed: int) -> Scenario:
         r = random.Random(seed)
-        return cls(seed, r.choice([0, 1, 2]), r.choice([2, 3, 4]), r.choice([2, 3]), r.choice([1, 2, 3]),
-                   kill=r.random() < 0.6, restart=r.random() < 0.5, expire=r.random() < 0.35,
-                   inject=r.random() < 0.5)  # fmt: skip
+        return cls(
+            seed,
+            r.choice([0, 1, 2]),
+            r.choice([2, 3, 4]),
+            r.choice([2, 3]),
+            r.choice([1, 2, 3]),
+            kill=r.random() < 0.6,
+            restart=r.random() < 0.5,
+            expire=r.random() < 0.35,
+            inject=r.random() < 0.5,
+        )
 
 
-async def scripted_actor(name: str, transport: MemoryTransport, sampler: SplitSampler, sc: Scenario,
-                         rng: random.Random, vocab: int) -> None:  # fmt: skip
+async def scripted_actor(
+    name: str, transport: MemoryTransport, sampler: SplitSampler, sc: Scenario, rng: random.Random, vocab: int
+) -> None:
     credits = CreditClient(transport, name, request_timeout_s=1.0)
     outbox: list[tuple[str, wire.Record]] = []
     late_s = 3.0 if sc.expire else 0.0  # > the 1.5 s lease of an `expire` scenario
@@ -107,14 +125,35 @@ async def scripted_actor(name: str, transport: MemoryTransport, sampler: SplitSa
         turns = rng.randint(2, 6)
 
         async def sample(t: int, start: int) -> wire.TurnRecord:
-            g = await sampler.generate(seq.tolist(), SamplingParams(max_new_tokens=rng.randint(2, 6), temperature=1.0),
-                                       routed_experts_start_len=start)  # fmt: skip
+            g = await sampler.generate(
+                seq.tolist(),
+                SamplingParams(max_new_tokens=rng.randint(2, 6), temperature=1.0),
+                routed_experts_start_len=start,
+            )
             lps = g.logprobs.copy()
             if sc.inject and rng.random() < 0.03:
                 lps[0] = np.nan  # a null logprob from a sampler: fails validation, its episode is poisoned
-            tr = TurnResult(t, seq, g.output_ids, lps, "length", g.weight_version, g.routing, g.routing_start,
-                            "bash", "true", "ok", 0, False, False, None, 0.0, 0.0, 0.0,
-                            output_versions=g.output_versions)  # fmt: skip
+            tr = TurnResult(
+                t,
+                seq,
+                g.output_ids,
+                lps,
+                "length",
+                g.weight_version,
+                g.routing,
+                g.routing_start,
+                "bash",
+                "true",
+                "ok",
+                0,
+                False,
+                False,
+                None,
+                0.0,
+                0.0,
+                0.0,
+                output_versions=g.output_versions,
+            )
             return enc.encode(tr)
 
         realign = False
@@ -153,16 +192,32 @@ async def scripted_actor(name: str, transport: MemoryTransport, sampler: SplitSa
             tg.start_soon(fn)
 
 
-async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | None = None) -> tuple[list[Learner], SplitSampler]:
+async def run_scenario(
+    sc: Scenario, run: Path, model: Path, sizes: list[int] | None = None
+) -> tuple[list[Learner], SplitSampler]:
     rng = random.Random(sc.seed)
     tok = ChatTokenizer.load()
     cfg = MoEConfig.load(model / "config.json")
-    sampler = SplitSampler(rng, vocab_size=cfg.vocab_size, num_layers=cfg.n_layers, topk=cfg.top_k,
-                           num_experts=cfg.n_experts, eos_token_id=tok.im_end_id, seed=sc.seed)  # fmt: skip
+    sampler = SplitSampler(
+        rng,
+        vocab_size=cfg.vocab_size,
+        num_layers=cfg.n_layers,
+        topk=cfg.top_k,
+        num_experts=cfg.n_experts,
+        eos_token_id=tok.im_end_id,
+        seed=sc.seed,
+    )
     broker = MemoryBroker(ack_wait_s=1.0)
-    lcfg = LearnerConfig(run_dir=run, model_dir=model, max_staleness=sc.eta, batch_turns=sc.batch_turns,
-                         lease_s=1.5 if sc.expire else 60.0, actor_timeout_s=2.0, metrics_every_s=60.0,
-                         trainer=TrainerConfig(lr=1e-3))  # fmt: skip
+    lcfg = LearnerConfig(
+        run_dir=run,
+        model_dir=model,
+        max_staleness=sc.eta,
+        batch_turns=sc.batch_turns,
+        lease_s=1.5 if sc.expire else 60.0,
+        actor_timeout_s=2.0,
+        metrics_every_s=60.0,
+        trainer=TrainerConfig(lr=1e-3),
+    )
     learners: list[Learner] = []
     async with anyio.create_task_group() as actors_tg:
         actor_scopes = []
@@ -199,8 +254,10 @@ async def run_scenario(sc: Scenario, run: Path, model: Path, sizes: list[int] | 
                     else:
                         # the killed actor's silence is noticed and its open episodes' aborted ends are taken
                         with anyio.move_on_after(10):
-                            while sc.kill and (not any("a0" in lr.liveness.released for lr in learners)
-                                               or any(ep.startswith("a0-") for ep in learner.assembler.open)):
+                            while sc.kill and (
+                                not any("a0" in lr.liveness.released for lr in learners)
+                                or any(ep.startswith("a0-") for ep in learner.assembler.open)
+                            ):
                                 await anyio.sleep(0.05)
                         await anyio.sleep(0.2)
                     tg.cancel_scope.cancel()
@@ -247,8 +304,18 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(t
     """40 steps at η = 1 with every way a delivered turn can end: trained, stale-masked (delivered after its
     lease ran out), dropped by a REALIGN, poisoned (NaN logprob), abandoned (past its end). The ledger holds
     the work in flight at every moment, not every ticket since the start."""
-    sc = Scenario(seed=11, eta=1, batch_turns=3, actors=3, concurrency=2, kill=True, restart=False, expire=True,
-                  inject=True, steps=40)  # fmt: skip
+    sc = Scenario(
+        seed=11,
+        eta=1,
+        batch_turns=3,
+        actors=3,
+        concurrency=2,
+        kill=True,
+        restart=False,
+        expire=True,
+        inject=True,
+        steps=40,
+    )
     sizes: list[int] = []
     (learner,), _ = await run_scenario(sc, tmp_path / "run", tiny_model, sizes)
     s, led = learner.settler, learner.gate.ledger

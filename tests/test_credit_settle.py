@@ -99,11 +99,22 @@ def _turn(ep, t, inp, out, *, prev=None, digest=None):
     inp = np.asarray(inp, np.int32)
     keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if prev is not None else 0
     return wire.TurnRecord(
-        episode=ep, turn=t, policy_version=0, keep=keep, input_delta=inp[keep:], input_len=len(inp),
-        input_digest=digest or wire.digest_ids(inp), output_ids=np.asarray(out, np.int32),
-        output_logprobs=np.full(len(out), -0.5, np.float32), finish=wire.Finish.STOP, routing=None, reward=0.0,
-        tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
-    )  # fmt: skip
+        episode=ep,
+        turn=t,
+        policy_version=0,
+        keep=keep,
+        input_delta=inp[keep:],
+        input_len=len(inp),
+        input_digest=digest or wire.digest_ids(inp),
+        output_ids=np.asarray(out, np.int32),
+        output_logprobs=np.full(len(out), -0.5, np.float32),
+        finish=wire.Finish.STOP,
+        routing=None,
+        reward=0.0,
+        tests_passed=-1,
+        t_sample_s=0.0,
+        t_exec_s=0.0,
+    )
 
 
 def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
@@ -125,8 +136,12 @@ def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
     # an episode whose gap never fills is abandoned with its buffered turns
     for t in (2, 3, 4):
         asm.add(_turn("f", t, [1], [2]))
-    assert sorted(asm.drain_dropped()) == [("e", 4, "abandoned"), ("f", 2, "abandoned"), ("f", 3, "abandoned"),
-                                           ("f", 4, "abandoned")]  # fmt: skip
+    assert sorted(asm.drain_dropped()) == [
+        ("e", 4, "abandoned"),
+        ("f", 2, "abandoned"),
+        ("f", 3, "abandoned"),
+        ("f", 4, "abandoned"),
+    ]
 
 
 def test_an_end_releases_only_the_credits_its_turns_will_never_use():

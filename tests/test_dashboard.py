@@ -25,14 +25,33 @@ class Clock:
 
 def actor(i: int, *, wait: float, sample: float, exec_: float, slots: int = 4) -> dict:
     """Cumulative actor counters after ``i`` ticks, each tick adding the given seconds."""
-    return {"episodes_running": slots, "episodes_done": i, "turns": 10 * i, "tokens": 1000 * i,
-            "credit_wait_s": wait * i, "sample_s": sample * i, "exec_s": exec_ * i, "slots": slots}  # fmt: skip
+    return {
+        "episodes_running": slots,
+        "episodes_done": i,
+        "turns": 10 * i,
+        "tokens": 1000 * i,
+        "credit_wait_s": wait * i,
+        "sample_s": sample * i,
+        "exec_s": exec_ * i,
+        "slots": slots,
+    }
 
 
 def learner(i: int, **extra) -> dict:
-    return {"turns_trained": 16 * i, "t_busy_s": 9.0 * i, "t_forward_s": 2.0, "t_backward_s": 5.0,
-            "t_checkpoint_s": 0.5, "t_push_s": 1.0, "t_step_wall_s": 8.6, "episodes_ended": 0, "max_staleness": 1,
-            "eta": 1, "drift": {"clean": 10, "realign": 1, "fork": 0}, **extra}  # fmt: skip
+    return {
+        "turns_trained": 16 * i,
+        "t_busy_s": 9.0 * i,
+        "t_forward_s": 2.0,
+        "t_backward_s": 5.0,
+        "t_checkpoint_s": 0.5,
+        "t_push_s": 1.0,
+        "t_step_wall_s": 8.6,
+        "episodes_ended": 0,
+        "max_staleness": 1,
+        "eta": 1,
+        "drift": {"clean": 10, "realign": 1, "fork": 0},
+        **extra,
+    }
 
 
 def fed(ticks: int, **shares) -> RunView:
@@ -54,20 +73,48 @@ def test_figures_over_nothing_are_dashes_not_zeros():
     view = RunView("runs/x", "nats://h:1", [])
     out = text(view)
     assert "waiting for their first metrics" in out and "bottleneck: –" in out and "0.00" not in out
-    view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "reward_mean": 0.0, "resolved_rate": 0.0,
-                                                 "turns_trained": 0, "max_staleness": 0, "eta": 1})  # fmt: skip
+    view.on_metrics(
+        "learner",
+        "learner",
+        0,
+        0,
+        {
+            "episodes_ended": 0,
+            "reward_mean": 0.0,
+            "resolved_rate": 0.0,
+            "turns_trained": 0,
+            "max_staleness": 0,
+            "eta": 1,
+        },
+    )
     out = text(view)
     assert f"staleness max {DASH} (η 1)" in out, "no maximum over no trained token"
-    view.on_metrics("learner", "learner", 4, 4, {"turns_trained": 81, "max_staleness": 0, "staleness_hist": {}, "eta": 1})
+    view.on_metrics(
+        "learner", "learner", 4, 4, {"turns_trained": 81, "max_staleness": 0, "staleness_hist": {}, "eta": 1}
+    )
     assert f"staleness max {DASH} (η 1)" in text(view), "a resumed learner has trained nothing yet this session"
     view.on_metrics("learner", "learner", 0, 0, {"episodes_ended": 0, "turns_trained": 0, "max_staleness": 0, "eta": 1})
     assert f"reward {DASH} resolved {DASH} (0 ended)" in out and "reward 0.00" not in out
     assert f"mismatch {DASH} shift {DASH}" in out and f"settled {DASH}" in out
     assert f"reward {DASH} resolved {DASH}" in plain_line(view)
     # figures over something are shown, the learner's split of its step time included
-    view.on_metrics("learner", "learner", 3, 3, learner(3, episodes_ended=4, reward_mean=1.5, resolved_rate=0.25,
-                                                         mismatch=0.0012, mismatch_tokens=40, policy_shift=0.031,
-                                                         policy_shift_tokens=60, settled={"trained": 7, "expired": 1}))  # fmt: skip
+    view.on_metrics(
+        "learner",
+        "learner",
+        3,
+        3,
+        learner(
+            3,
+            episodes_ended=4,
+            reward_mean=1.5,
+            resolved_rate=0.25,
+            mismatch=0.0012,
+            mismatch_tokens=40,
+            policy_shift=0.031,
+            policy_shift_tokens=60,
+            settled={"trained": 7, "expired": 1},
+        ),
+    )
     out = text(view)
     assert "reward 1.50 resolved 25% (4 ended)" in out and "mismatch 0.0012 shift 0.0310" in out
     assert "step 8.6s: fwd 2.0s bwd 5.0s ckpt 0.5s push 1.0s" in out and "settled expired 1 trained 7" in out
@@ -149,7 +196,9 @@ async def test_show_progress_writes_metrics_and_plain_lines_from_a_real_nats(nat
             with anyio.fail_after(30):
                 while "v2" not in out.getvalue():
                     await t.publish("t1.metrics.learner", MetricsRecord("learner", 2, 2, learner(2)))
-                    await t.publish("t1.metrics.actor.a0", MetricsRecord("actor", 0, 0, actor(2, wait=1, sample=2, exec_=3)))
+                    await t.publish(
+                        "t1.metrics.actor.a0", MetricsRecord("actor", 0, 0, actor(2, wait=1, sample=2, exec_=3))
+                    )
                     await anyio.sleep(0.2)
         tg.cancel_scope.cancel()
     plain = out.getvalue().splitlines()
@@ -165,8 +214,10 @@ async def test_the_nats_line_shows_the_servers_health(nats_server):
     from t1async.natsd import free_port
 
     view = RunView("r", nats_server.url, [])
-    for url, want in ((nats_server.monitor_url, "healthy"),
-                      (f"http://127.0.0.1:{free_port()}", "monitor unreachable (ConnectError)")):  # fmt: skip
+    for url, want in (
+        (nats_server.monitor_url, "healthy"),
+        (f"http://127.0.0.1:{free_port()}", "monitor unreachable (ConnectError)"),
+    ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(_poll_nats_health, view, url, 0.1)  # runs until cancelled
             with anyio.fail_after(20):

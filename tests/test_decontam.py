@@ -41,7 +41,9 @@ def test_synth_corpus_is_clean_against_fixtures_and_leaks_are_caught(tmp_path):
     assert clean.corpus_tasks == 22 and clean.against_tasks == 6 and clean.flagged == ()
     # plant two leaks: a copied benchmark task under a new name, and a reworded instruction
     shutil.copytree(FIXTURES / "tb1" / "hello-world", corpus / "leak-copy")
-    (corpus / "leak-copy" / "task.yaml").write_text((corpus / "leak-copy" / "task.yaml").read_text() + "id: leak-copy\n")
+    (corpus / "leak-copy" / "task.yaml").write_text(
+        (corpus / "leak-copy" / "task.yaml").read_text() + "id: leak-copy\n"
+    )
     shutil.copytree(FIXTURES / "tb2" / "word-count", corpus / "leak-reworded")
     instr = (FIXTURES / "tb2" / "word-count" / "instruction.md").read_text()
     (corpus / "leak-reworded" / "instruction.md").write_text("Please do this. " + instr)

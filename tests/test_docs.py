@@ -77,13 +77,15 @@ def test_every_command_and_flag_in_the_docs_exists_in_its_help():
     missing = []
     for doc, module, subs, flags in cmds:
         helps = "\n".join(help_text(module, s) for s in (subs or (None,)))
-        missing += [f"{doc.name}: `{module} {' / '.join(subs)}` has no {f}" for f in flags if not re.search(rf"{f}\b", helps)]
+        missing += [
+            f"{doc.name}: `{module} {' / '.join(subs)}` has no {f}" for f in flags if not re.search(rf"{f}\b", helps)
+        ]
     assert not missing, "\n".join(missing)
 
 
 def test_the_cluster_up_flags_paragraph_names_real_flags():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    para = readme[readme.index("`cluster up` flags"):]
+    para = readme[readme.index("`cluster up` flags") :]
     para = para[: para.index("\n\n")]
     flags = set(FLAG.findall(para))
     assert len(flags) > 10
@@ -93,10 +95,14 @@ def test_the_cluster_up_flags_paragraph_names_real_flags():
 
 def test_a_made_up_flag_would_be_caught():
     """The checker itself: a doc naming a flag the command lacks is reported."""
-    (module, subs, flags), = commands("run `python -m t1async.cluster status --json --bogus-flag`")
+    ((module, subs, flags),) = commands("run `python -m t1async.cluster status --json --bogus-flag`")
     assert (module, subs) == ("t1async.cluster", ("status",)) and flags == ["--json", "--bogus-flag"]
     assert "--bogus-flag" not in help_text("t1async.cluster", "status")
-    assert commands("`python -m t1async.cluster down / status [--json] / tail [SUBJECT]`")[0][1] == ("down", "status", "tail")
+    assert commands("`python -m t1async.cluster down / status [--json] / tail [SUBJECT]`")[0][1] == (
+        "down",
+        "status",
+        "tail",
+    )
 
 
 def slug(heading: str) -> str:
@@ -148,7 +154,7 @@ def test_sft_help_keeps_its_examples_apart_and_explains_every_flag():
     out = help_text("t1async.learner", "sft")
     lines = out.splitlines()
     assert "  python -m t1async.learner sft --synth 64 --steps 300 --out runs/sft" in lines, "one example per line"
-    opts = out[out.index("options:"):]
+    opts = out[out.index("options:") :]
     for flag in ("--lr LR", "--seed SEED"):
         line = next(x for x in opts.splitlines() if x.strip().startswith(flag))
         assert len(line.strip()) > len(flag) + 5, f"{flag} has no help: {line!r}"

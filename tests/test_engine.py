@@ -18,12 +18,30 @@ from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained, save_pretrained
 
-CFG = MoEConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32,
-                max_seq_len=512, init_std=0.3, seed=11)
+CFG = MoEConfig(
+    vocab_size=4096,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    n_experts=4,
+    top_k=2,
+    d_ff=32,
+    max_seq_len=512,
+    init_std=0.3,
+    seed=11,
+)
 TOK = ChatTokenizer.load()
-PROMPTS = [TOK.render([{"role": "user", "content": c}]) for c in
-           ("ls -la /tmp", "count lines in data.csv", "print the date", "grep error /var/log/app.log",
-            "what is in /etc", "make a directory named out")]
+PROMPTS = [
+    TOK.render([{"role": "user", "content": c}])
+    for c in (
+        "ls -la /tmp",
+        "count lines in data.csv",
+        "print the date",
+        "grep error /var/log/app.log",
+        "what is in /etc",
+        "make a directory named out",
+    )
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,6 +51,7 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -111,6 +130,7 @@ async def test_busy_idle_accounting(engine):
     c = engine.stats()
     assert 0 < c["busy_s"] - b["busy_s"] <= c["uptime_s"] - b["uptime_s"]
     assert c["busy_s"] <= c["uptime_s"]
+
 
 async def test_staggered_finishes_in_multi_decode_hops(model_dir, ref):
     """A batch large enough for several decodes per thread hop, finishing at different steps: survivors move
@@ -193,8 +213,9 @@ async def test_episode_routing_tiles_the_sequence(engine, ref):
     ids = list(PROMPTS[0])
     traces, start = [], 0
     for turn in range(10):
-        r = await engine.collect(req(f"ep{turn}", ids, n=6, temperature=1.0, seed=turn, return_routing=True,
-                                     routing_start=start))
+        r = await engine.collect(
+            req(f"ep{turn}", ids, n=6, temperature=1.0, seed=turn, return_routing=True, routing_start=start)
+        )
         if turn:
             assert r.cached_tokens == start  # the previous turn's sequence less its last token
         traces.append(r.routing)
@@ -396,7 +417,9 @@ async def test_a_turn_after_a_weight_update_returns_the_routes_it_recomputed(eng
     assert r1.routing_start == 0 and r1.versions == ["0"] * 8
     new = MoETransformer(MoEConfig(**{**CFG.__dict__, "seed": 5}))
     await engine.update_weights_from_disk(save_pretrained(new, tmp_path / "v1"))
-    p2 = p1 + r1.output_ids + TOK.bridge_ids(r1.output_ids) + TOK.message_ids("tool", "ok") + TOK.generation_prompt_ids()
+    p2 = (
+        p1 + r1.output_ids + TOK.bridge_ids(r1.output_ids) + TOK.message_ids("tool", "ok") + TOK.generation_prompt_ids()
+    )
     start = len(p1) + 8 - 1
     r2 = await engine.collect(req("u2", p2, n=6, temperature=1.0, seed=4, return_routing=True, routing_start=start))
     assert r2.cached_tokens == 0 and r2.versions == ["1"] * 6

@@ -87,8 +87,16 @@ async def test_seeded_sampler_seeds_each_turn_of_each_episode_apart():
     for _ in range(2):
         await a.generate([1], SamplingParams())
         await b.generate([1], SamplingParams())
-    assert got == [episode_seed(0, "t", 0, 0), episode_seed(0, "t", 1, 0), episode_seed(0, "t", 0, 1),
-                   episode_seed(0, "t", 1, 1)] and len(set(got)) == 4  # fmt: skip
+    assert (
+        got
+        == [
+            episode_seed(0, "t", 0, 0),
+            episode_seed(0, "t", 1, 0),
+            episode_seed(0, "t", 0, 1),
+            episode_seed(0, "t", 1, 1),
+        ]
+        and len(set(got)) == 4
+    )
     assert SamplingParams(seed=7).to_sglang()["sampling_seed"] == 7
     assert "sampling_seed" not in SamplingParams().to_sglang()
 
@@ -101,9 +109,29 @@ def test_cli_on_the_embedded_sampler_is_reproducible(tasks, tmp_path, capsys):
     from t1async.model.weights import default_model_dir
 
     def once(out: Path) -> dict:
-        rc = main(["--model", str(default_model_dir()), "--tasks", str(tasks), "--split", "all", "--samples", "2",
-                   "--concurrency", "1", "--max-turns", "2", "--max-new-tokens", "24", "--seed", "3", "--json",
-                   "--out", str(out)])  # fmt: skip
+        rc = main(
+            [
+                "--model",
+                str(default_model_dir()),
+                "--tasks",
+                str(tasks),
+                "--split",
+                "all",
+                "--samples",
+                "2",
+                "--concurrency",
+                "1",
+                "--max-turns",
+                "2",
+                "--max-new-tokens",
+                "24",
+                "--seed",
+                "3",
+                "--json",
+                "--out",
+                str(out),
+            ]
+        )
         assert rc == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -126,8 +154,11 @@ def test_cli_on_the_embedded_sampler_is_reproducible(tasks, tmp_path, capsys):
 def test_cli_says_what_is_missing(tmp_path, capsys):
     from t1async.eval.__main__ import main
 
-    for argv, msg in (([], "--tasks"), (["--tasks", str(tmp_path)], "no policy"),
-                      (["--tasks", str(tmp_path / "nope"), "--model", str(tmp_path)], "not a model dir")):  # fmt: skip
+    for argv, msg in (
+        ([], "--tasks"),
+        (["--tasks", str(tmp_path)], "no policy"),
+        (["--tasks", str(tmp_path / "nope"), "--model", str(tmp_path)], "not a model dir"),
+    ):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and msg in capsys.readouterr().err
@@ -141,8 +172,9 @@ def test_cli_refuses_a_sampler_url_nobody_serves(tasks, tmp_path, capsys):
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rc = main(["--sampler-url", f"http://127.0.0.1:{port}", "--tasks", str(tasks), "--split", "all",
-               "--out", str(tmp_path)])  # fmt: skip
+    rc = main(
+        ["--sampler-url", f"http://127.0.0.1:{port}", "--tasks", str(tasks), "--split", "all", "--out", str(tmp_path)]
+    )
     assert rc == 2 and "no healthy sampler" in capsys.readouterr().err
     assert not (tmp_path / "summary.json").exists()
 

@@ -31,8 +31,9 @@ async def test_scores_the_start_and_every_nth_version(tmp_path):
         if f.is_file():
             (ckpt / f.name).write_bytes(f.read_bytes())
     (ckpt / "trainer_state.json").write_text("{}")
-    cfg = LoopConfig(run_dir=tmp_path / "run", tasks=tasks, every=2, model=model, max_turns=1, max_new_tokens=16,
-                     max_context=2048)  # fmt: skip
+    cfg = LoopConfig(
+        run_dir=tmp_path / "run", tasks=tasks, every=2, model=model, max_turns=1, max_new_tokens=16, max_context=2048
+    )
     broker = MemoryBroker()
     got: list[wire.MetricsRecord] = []
     async with MemoryTransport(broker) as et, MemoryTransport(broker) as lt, anyio.create_task_group() as tg:

@@ -37,10 +37,12 @@ def test_bootstrap_ci_brackets_the_mean_narrows_with_more_tasks_and_is_seeded():
 def test_summary_weighs_every_task_the_same_and_splits_by_family():
     eps = (
         [{"task": "a", "family": "f", "resolved": True, "tests_passed": 4, "tests_total": 4, "turns": 3}] * 2
-        + [{"task": "b", "family": "f", "resolved": False, "tests_passed": 1, "tests_total": 4, "turns": 5},
-           {"task": "b", "family": "f", "resolved": True, "tests_passed": 4, "tests_total": 4, "turns": 5}]
+        + [
+            {"task": "b", "family": "f", "resolved": False, "tests_passed": 1, "tests_total": 4, "turns": 5},
+            {"task": "b", "family": "f", "resolved": True, "tests_passed": 4, "tests_total": 4, "turns": 5},
+        ]
         + [{"task": "c", "family": "g", "resolved": False, "tests_passed": 0, "tests_total": 2, "turns": 1}] * 2
-    )  # fmt: skip
+    )
     scores = task_scores(eps)
     got = [(s.task, s.n, s.resolved, s.tests_mean) for s in scores]
     assert got == [("a", 2, 2, 4.0), ("b", 2, 1, 2.5), ("c", 2, 0, 0.0)]

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 def spawn(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *argv], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 def stop(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -69,15 +70,53 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     async with launch_sampler(port=0, log_path=logs / "sampler.log") as sampler_url:
 
         def learner() -> subprocess.Popen:
-            p = spawn(["t1async.learner", "serve", "--nats", url, "--sampler-url", sampler_url, "--run-dir", str(run),
-                       "--batch-turns", "4", "--max-staleness", "1", "--lease", "15"], logs / "learner.log", repo_env)  # fmt: skip
+            p = spawn(
+                [
+                    "t1async.learner",
+                    "serve",
+                    "--nats",
+                    url,
+                    "--sampler-url",
+                    sampler_url,
+                    "--run-dir",
+                    str(run),
+                    "--batch-turns",
+                    "4",
+                    "--max-staleness",
+                    "1",
+                    "--lease",
+                    "15",
+                ],
+                logs / "learner.log",
+                repo_env,
+            )
             procs.append(p)
             return p
 
         def actor(name: str) -> subprocess.Popen:
-            p = spawn(["actors", "--nats", url, "--sampler-url", sampler_url, "--tasks", str(tasks), "--split", "all",
-                       "--concurrency", "2", "--max-turns", "5", "--max-new-tokens", "24", "--actor-id", name],
-                      logs / f"{name}.log", repo_env)  # fmt: skip
+            p = spawn(
+                [
+                    "actors",
+                    "--nats",
+                    url,
+                    "--sampler-url",
+                    sampler_url,
+                    "--tasks",
+                    str(tasks),
+                    "--split",
+                    "all",
+                    "--concurrency",
+                    "2",
+                    "--max-turns",
+                    "5",
+                    "--max-new-tokens",
+                    "24",
+                    "--actor-id",
+                    name,
+                ],
+                logs / f"{name}.log",
+                repo_env,
+            )
             procs.append(p)
             return p
 
@@ -87,7 +126,11 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                     await anyio.sleep(0.2)
 
         try:
-            async with NatsTransport(url) as t, t.subscribe("t1.metrics.learner") as msgs, anyio.create_task_group() as tg:
+            async with (
+                NatsTransport(url) as t,
+                t.subscribe("t1.metrics.learner") as msgs,
+                anyio.create_task_group() as tg,
+            ):
 
                 async def watch() -> None:
                     async for m in msgs:
@@ -119,7 +162,9 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     events = [json.loads(x) for x in (logs / "learner.log").read_text().splitlines() if x.startswith("{")]
     ready = [e for e in events if e.get("event") == "learner.ready"]
     assert len(ready) == 2 and ready[0]["resumed"] is None
-    assert ready[1]["resumed"].endswith(f"v{resumed_from:06d}"), "the second learner resumed from the first's checkpoint"
+    assert ready[1]["resumed"].endswith(f"v{resumed_from:06d}"), (
+        "the second learner resumed from the first's checkpoint"
+    )
     journaled = journal_turns(run)
     assert in_stream and in_stream <= journaled, f"lost: {sorted(in_stream - journaled)[:5]}"
     assert any(ep.startswith("a1-") for ep, _ in in_stream), "the killed actor's turns reached the stream"
@@ -150,9 +195,29 @@ async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(
     async with launch_sampler(port=0, log_path=logs / "sampler.log") as sampler_url:
 
         def actor(name: str, concurrency: int) -> subprocess.Popen:
-            p = spawn(["actors", "--nats", url, "--sampler-url", sampler_url, "--tasks", str(tasks), "--split", "all",
-                       "--concurrency", str(concurrency), "--max-turns", "30", "--max-new-tokens", "16",
-                       "--actor-id", name], logs / f"{name}.log", repo_env)  # fmt: skip
+            p = spawn(
+                [
+                    "actors",
+                    "--nats",
+                    url,
+                    "--sampler-url",
+                    sampler_url,
+                    "--tasks",
+                    str(tasks),
+                    "--split",
+                    "all",
+                    "--concurrency",
+                    str(concurrency),
+                    "--max-turns",
+                    "30",
+                    "--max-new-tokens",
+                    "16",
+                    "--actor-id",
+                    name,
+                ],
+                logs / f"{name}.log",
+                repo_env,
+            )
             procs.append(p)
             return p
 
@@ -162,7 +227,11 @@ async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(
                     await anyio.sleep(0.2)
 
         try:
-            async with NatsTransport(url) as t, t.subscribe("t1.metrics.learner") as msgs, anyio.create_task_group() as tg:
+            async with (
+                NatsTransport(url) as t,
+                t.subscribe("t1.metrics.learner") as msgs,
+                anyio.create_task_group() as tg,
+            ):
 
                 async def watch() -> None:
                     async for m in msgs:
@@ -170,9 +239,26 @@ async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(
                         last.update(m.record.values)
 
                 tg.start_soon(watch)
-                procs.append(spawn(["t1async.learner", "serve", "--nats", url, "--sampler-url", sampler_url,
-                                    "--run-dir", str(run), "--batch-turns", "2", "--max-staleness", "0"],
-                                   logs / "learner.log", repo_env))  # fmt: skip
+                procs.append(
+                    spawn(
+                        [
+                            "t1async.learner",
+                            "serve",
+                            "--nats",
+                            url,
+                            "--sampler-url",
+                            sampler_url,
+                            "--run-dir",
+                            str(run),
+                            "--batch-turns",
+                            "2",
+                            "--max-staleness",
+                            "0",
+                        ],
+                        logs / "learner.log",
+                        repo_env,
+                    )
+                )
                 actor("a0", 1)
                 a1 = actor("a1", 3)  # most of the η = 0 capacity is a1's at any moment
                 await wait_step(2, 180)

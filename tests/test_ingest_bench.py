@@ -13,10 +13,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_ingest_runs_and_prints_json_last():
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.ingest", "--json", "--turns", "12", "--repeat", "1", "--layers", "2",
-         "--topk", "2", "--fork-rate", "0.2", "--realign-rate", "0.2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.ingest",
+            "--json",
+            "--turns",
+            "12",
+            "--repeat",
+            "1",
+            "--layers",
+            "2",
+            "--topk",
+            "2",
+            "--fork-rate",
+            "0.2",
+            "--realign-rate",
+            "0.2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     data = json.loads(last)
@@ -26,6 +45,7 @@ def test_bench_ingest_runs_and_prints_json_last():
 
 
 def test_bench_ingest_help():
-    proc = subprocess.run([sys.executable, "-m", "bench.ingest", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ingest", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "--turns" in proc.stdout

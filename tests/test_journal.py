@@ -223,8 +223,12 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
     settled: set[str] = set()
     segments_seen = 0
     for rnd in range(5):
-        p = subprocess.Popen([sys.executable, str(script), str(root), f"r{rnd}", str(ROOT)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(root), f"r{rnd}", str(ROOT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             assert p.stdout is not None
             first = p.stdout.readline()

@@ -26,8 +26,17 @@ from t1async.transport.base import traj_subject
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=2, n_heads=2, n_experts=4,
-                    top_k=2, d_ff=32, max_seq_len=8192, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=ChatTokenizer.load().vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        d_ff=32,
+        max_seq_len=8192,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
 
@@ -35,17 +44,31 @@ def tiny_model(tmp_path_factory) -> Path:
 def episodes(first: int, n: int, version: int, *, end: bool = True) -> list:
     out = []
     for i in range(first, first + n):
-        case = make_episode(np.random.default_rng(i), ["clean"] * 3, episode=f"e{i}", with_end=end,
-                            sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
-                            layers=2, topk=2, num_experts=4)  # fmt: skip
+        case = make_episode(
+            np.random.default_rng(i),
+            ["clean"] * 3,
+            episode=f"e{i}",
+            with_end=end,
+            sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
+            layers=2,
+            topk=2,
+            num_experts=4,
+        )
         out += [replace(r, policy_version=version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
     return out
 
 
 async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_unsettled(tmp_path, tiny_model):
     steps = 12
-    cfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, batch_turns=4, steps=steps, metrics_every_s=60,
-                        journal_segment_bytes=4096, trainer=TrainerConfig(lr=1e-4))  # fmt: skip
+    cfg = LearnerConfig(
+        run_dir=tmp_path / "run",
+        model_dir=tiny_model,
+        batch_turns=4,
+        steps=steps,
+        metrics_every_s=60,
+        journal_segment_bytes=4096,
+        trainer=TrainerConfig(lr=1e-4),
+    )
     broker = MemoryBroker()
     sizes: list[int] = []
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:

@@ -45,10 +45,35 @@ async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
 
 def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, sync: str = "disk") -> None:
     """A short ``cluster up`` on ``run`` with a ``procs``-rank learner until ``steps`` steps; must finish."""
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", str(steps),
-            "--batch-turns", "6", "--actors", "1", "--concurrency", "2", "--max-turns", "4", "--max-new-tokens", "24",
-            "--synth-tasks", "10", "--learner-procs", str(procs), "--weight-sync", sync, "--duration", "400",
-            "--plain"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run),
+        "--steps",
+        str(steps),
+        "--batch-turns",
+        "6",
+        "--actors",
+        "1",
+        "--concurrency",
+        "2",
+        "--max-turns",
+        "4",
+        "--max-new-tokens",
+        "24",
+        "--synth-tasks",
+        "10",
+        "--learner-procs",
+        str(procs),
+        "--weight-sync",
+        sync,
+        "--duration",
+        "400",
+        "--plain",
+    ]
     with open(tmp_path / "up.out", "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -73,8 +98,10 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert all(len(e["busy_s"]) == 2 and min(e["busy_s"]) > 0 for e in steps), steps
     assert [e["version"] for e in events(log, "learner.step")] == [1, 2]
     assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()
-    assert [(e["path"], e["version"]) for e in events(log, "learner.weights_pushed")] == [("distributed", 1),
-                                                                                        ("distributed", 2)]
+    assert [(e["path"], e["version"]) for e in events(log, "learner.weights_pushed")] == [
+        ("distributed", 1),
+        ("distributed", 2),
+    ]
     updated = events(run / "logs" / "sampler.log", "engine.weights_updated")  # applied from the received tensors
     assert [(e["path"], str(e["version"])) for e in updated] == [("(tensors)", "1"), ("(tensors)", "2")], updated
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -101,8 +128,18 @@ async def test_cluster_resumes_across_rank_counts(tmp_path, repo_env):
 
 def serve(tmp_path: Path, url: str, env: dict) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "learner.log"
-    argv = [sys.executable, "-m", "t1async.learner", "serve", "--nats", url, "--run-dir", str(tmp_path / "run"),
-            "--nproc", "2"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.learner",
+        "serve",
+        "--nats",
+        url,
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--nproc",
+        "2",
+    ]
     proc = subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, log
 

@@ -61,7 +61,9 @@ class ScriptedMoESampler:
     async def update_weights_from_disk(self, path: str, version: int) -> None:
         self.weight_version = int(version)
 
-    async def generate(self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None) -> Generation:
+    async def generate(
+        self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None
+    ) -> Generation:
         k = len(self.calls)
         ids = [int(t) for t in input_ids]
         assert len(ids) + params.max_new_tokens <= 4096
@@ -77,8 +79,14 @@ class ScriptedMoESampler:
         lps = -np.random.default_rng(k).uniform(0.01, 3.0, len(out)).astype(np.float32)
         self.calls.append({"input": ids, "out": out, "logprobs": lps, "start": routed_experts_start_len})
         await anyio.lowlevel.checkpoint()
-        return Generation(output_ids=np.asarray(out, dtype=np.int32), logprobs=lps, finish=finish,
-                          weight_version=self.weight_version, routing=routing, routing_start=start)  # fmt: skip
+        return Generation(
+            output_ids=np.asarray(out, dtype=np.int32),
+            logprobs=lps,
+            finish=finish,
+            weight_version=self.weight_version,
+            routing=routing,
+            routing_start=start,
+        )
 
     async def aclose(self) -> None:
         pass
@@ -98,17 +106,30 @@ async def _agent_episode(tok, script, *, turns: int, max_context: int, context: 
     async def verify() -> VerifyResult:
         return VerifyResult.from_tests({"a": True, "b": False})
 
-    cfg = AgentConfig(max_turns=turns, max_context_tokens=max_context, context=context,
-                      sampling=SamplingParams(max_new_tokens=48))  # fmt: skip
-    res = await run_agent(instruction="Count the lines.", sampler=sampler, tokenizer=tok, sandbox=sb,
-                          verify=verify, config=cfg, on_turn=on_turn)  # fmt: skip
+    cfg = AgentConfig(
+        max_turns=turns, max_context_tokens=max_context, context=context, sampling=SamplingParams(max_new_tokens=48)
+    )
+    res = await run_agent(
+        instruction="Count the lines.",
+        sampler=sampler,
+        tokenizer=tok,
+        sandbox=sb,
+        verify=verify,
+        config=cfg,
+        on_turn=on_turn,
+    )
     return res, seen, sampler
 
 
 async def test_truncate_observations_keeps_going_from_exact_ids():
     tok = ChatTokenizer.load()
-    res, seen, sampler = await _agent_episode(tok, lambda k: f"wc -l notes{k}.txt", turns=120, max_context=1500,
-                                              context=ContextConfig(keep_last=4, compact_to=0.6))  # fmt: skip
+    res, seen, sampler = await _agent_episode(
+        tok,
+        lambda k: f"wc -l notes{k}.txt",
+        turns=120,
+        max_context=1500,
+        context=ContextConfig(keep_last=4, compact_to=0.6),
+    )
     assert res.reason == "max_turns" and res.turns == 120
     compacted = [t.turn for t in seen if t.compacted]
     assert res.compactions == len(compacted) >= 3
@@ -137,8 +158,9 @@ async def test_truncate_observations_keeps_going_from_exact_ids():
 
 async def test_stop_policy_ends_with_context():
     tok = ChatTokenizer.load()
-    res, seen, _ = await _agent_episode(tok, lambda k: f"wc -l notes{k}.txt", turns=120, max_context=1500,
-                                        context=ContextConfig(policy="stop"))  # fmt: skip
+    res, seen, _ = await _agent_episode(
+        tok, lambda k: f"wc -l notes{k}.txt", turns=120, max_context=1500, context=ContextConfig(policy="stop")
+    )
     assert res.reason == "context" and res.compactions == 0 and not any(t.compacted for t in seen)
     assert res.turns < 120
 
@@ -155,12 +177,17 @@ def test_history_drops_oldest_turns_when_shortening_is_not_enough():
     h = History(tok, head)
     for k in range(30):
         out = tok.encode(f"echo {k} " + "x" * 80) + [tok.im_end_id]
-        h.add(out, f"[exit code: 0]\n{k}", tok.bridge_ids(out) + tok.message_ids("user", f"[exit code: 0]\n{k}")
-              + tok.generation_prompt_ids())  # fmt: skip
+        h.add(
+            out,
+            f"[exit code: 0]\n{k}",
+            tok.bridge_ids(out) + tok.message_ids("user", f"[exit code: 0]\n{k}") + tok.generation_prompt_ids(),
+        )
     ids = TruncateObservations(keep_last=3).compact(h, limit=600, target=400)
     assert ids is not None and len(ids) <= 400 and h.dropped > 0
     text = tok.decode(ids)
-    assert f"[{h.dropped} earlier turns were dropped" in text and text.startswith(tok.decode(head[: -len(tok.generation_prompt_ids())]))
+    assert f"[{h.dropped} earlier turns were dropped" in text and text.startswith(
+        tok.decode(head[: -len(tok.generation_prompt_ids())])
+    )
     assert "echo 29 " in text and "echo 0 " not in text
     assert TruncateObservations(keep_last=3).compact(History(tok, head), limit=len(head) - 1, target=10) is None
 
@@ -171,8 +198,17 @@ def test_history_drops_oldest_turns_when_shortening_is_not_enough():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=LAYERS, n_heads=2,
-                    n_experts=EXPERTS, top_k=TOPK, d_ff=32, max_seq_len=4096, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=ChatTokenizer.load().vocab_size,
+        d_model=32,
+        n_layers=LAYERS,
+        n_heads=2,
+        n_experts=EXPERTS,
+        top_k=TOPK,
+        d_ff=32,
+        max_seq_len=4096,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
 
@@ -193,10 +229,23 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
     sampler = ScriptedMoESampler(tok, lh_script)
     broker = MemoryBroker()
     B, TURNS = 35, 350
-    lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, max_staleness=0, batch_turns=B,
-                         steps=TURNS // B, lease_s=120.0, metrics_every_s=0.5, trainer=TrainerConfig(lr=1e-3))  # fmt: skip
-    agent = AgentConfig(max_turns=TURNS, max_context_tokens=1536, command_timeout_s=10.0, wall_time_s=600.0,
-                        sampling=SamplingParams(max_new_tokens=48, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+    lcfg = LearnerConfig(
+        run_dir=tmp_path / "run",
+        model_dir=tiny_model,
+        max_staleness=0,
+        batch_turns=B,
+        steps=TURNS // B,
+        lease_s=120.0,
+        metrics_every_s=0.5,
+        trainer=TrainerConfig(lr=1e-3),
+    )
+    agent = AgentConfig(
+        max_turns=TURNS,
+        max_context_tokens=1536,
+        command_timeout_s=10.0,
+        wall_time_s=600.0,
+        sampling=SamplingParams(max_new_tokens=48, stop_token_ids=tuple(tok.eos_ids)),
+    )
     records: list = []
     steps: list[list] = []
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
@@ -216,8 +265,13 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
 
             tg.start_soon(watch)
             await tg.start(learner.run)
-            stats = await run_actor(ActorConfig("lh", tasks, concurrency=1, split="all", episodes=1),
-                                    transport=at, sampler=sampler, tokenizer=tok, agent=agent)  # fmt: skip
+            stats = await run_actor(
+                ActorConfig("lh", tasks, concurrency=1, split="all", episodes=1),
+                transport=at,
+                sampler=sampler,
+                tokenizer=tok,
+                agent=agent,
+            )
             with anyio.fail_after(120):
                 while learner.state.step < TURNS // B or not any(isinstance(r, wire.EndRecord) for r in records):
                     await anyio.sleep(0.1)
@@ -268,8 +322,9 @@ def test_context_policy_flags_reach_the_actors(tmp_path):
 
     with pytest.raises(ConfigError, match="--context-policy 'summarize' is not one of: truncate-observations, stop"):
         UpConfig(run_dir=tmp_path, context_policy="summarize").check()
-    cfg = UpConfig(run_dir=tmp_path, sampler_url=("http://127.0.0.1:1",), context_policy="stop",
-                   context_keep_turns=3).check()  # fmt: skip
+    cfg = UpConfig(
+        run_dir=tmp_path, sampler_url=("http://127.0.0.1:1",), context_policy="stop", context_keep_turns=3
+    ).check()
     actor = next(s for s in specs(cfg, "nats://127.0.0.1:1") if s.name == "actor-0")
     argv = actor.argv[actor.argv.index("actors") + 1 :]
     args = build_parser().parse_args(argv)
@@ -290,10 +345,21 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
     # call 3 returns nothing mid-episode; call 7 (after the solution ran) is aborted before its first token
     sampler = ScriptedMoESampler(tok, lambda k: script.get(k, f"echo {k}"), empty_at={3: "stop", 7: "abort"})
     broker = MemoryBroker()
-    lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, max_staleness=0, batch_turns=3, steps=0,
-                         lease_s=600.0, metrics_every_s=0.5)  # fmt: skip
-    agent = AgentConfig(max_turns=20, max_context_tokens=4000, command_timeout_s=10.0,
-                        sampling=SamplingParams(max_new_tokens=400, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+    lcfg = LearnerConfig(
+        run_dir=tmp_path / "run",
+        model_dir=tiny_model,
+        max_staleness=0,
+        batch_turns=3,
+        steps=0,
+        lease_s=600.0,
+        metrics_every_s=0.5,
+    )
+    agent = AgentConfig(
+        max_turns=20,
+        max_context_tokens=4000,
+        command_timeout_s=10.0,
+        sampling=SamplingParams(max_new_tokens=400, stop_token_ids=tuple(tok.eos_ids)),
+    )
     records: list = []
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
         learner = Learner(lcfg, lt, sampler)
@@ -306,8 +372,13 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
             tg.start_soon(watch)
             tg.start_soon(learner.run)
             with anyio.fail_after(120):  # before the fix: the actor waited for a credit the learner never freed
-                stats = await run_actor(ActorConfig("em", tasks, concurrency=1, split="all", episodes=1),
-                                        transport=at, sampler=sampler, tokenizer=tok, agent=agent)  # fmt: skip
+                stats = await run_actor(
+                    ActorConfig("em", tasks, concurrency=1, split="all", episodes=1),
+                    transport=at,
+                    sampler=sampler,
+                    tokenizer=tok,
+                    agent=agent,
+                )
             ledger = learner.gate.ledger
             with anyio.fail_after(60):  # the unspent credit is released by the end, not by its 600 s lease
                 while learner.state.step < 2 or ledger.running or ledger.stats.released < 1:
@@ -334,12 +405,23 @@ def test_tail_names_a_compaction_not_drift():
     def line(rec) -> str:
         return fmt.line(Message("t1.traj.e", b"", rec))
 
-    base = dict(episode="e", policy_version=0, output_ids=np.array([5, 6], np.int32), input_digest=b"0" * 16,
-                output_logprobs=np.zeros(2, np.float32), finish=wire.Finish.STOP, routing=None, reward=0.0,
-                tests_passed=-1, t_sample_s=0.1, t_exec_s=0.0)  # fmt: skip
+    base = dict(
+        episode="e",
+        policy_version=0,
+        output_ids=np.array([5, 6], np.int32),
+        input_digest=b"0" * 16,
+        output_logprobs=np.zeros(2, np.float32),
+        finish=wire.Finish.STOP,
+        routing=None,
+        reward=0.0,
+        tests_passed=-1,
+        t_sample_s=0.1,
+        t_exec_s=0.0,
+    )
     line(wire.TurnRecord(turn=0, keep=0, input_delta=np.arange(10, dtype=np.int32), input_len=10, **base))
-    comp = line(wire.TurnRecord(turn=1, keep=4, input_delta=np.arange(3, dtype=np.int32), input_len=7,
-                                compacted=True, **base))  # fmt: skip
+    comp = line(
+        wire.TurnRecord(turn=1, keep=4, input_delta=np.arange(3, dtype=np.int32), input_len=7, compacted=True, **base)
+    )
     assert "prev=12 COMPACTED keep-prev=-8" in comp and "DRIFT" not in comp
     end = line(wire.EndRecord("e", 2, wire.EndReason.MAX_TURNS, 0, 3, False, compactions=1))
     assert "reason=max_turns" in end and "compactions=1" in end
@@ -390,8 +472,12 @@ async def test_credit_waits_are_not_the_agents_wall_time(autojump_clock, gate):
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=hst.lists(hst.tuples(hst.integers(1, 60), hst.integers(0, 400)), min_size=1, max_size=40),
-       keep=hst.integers(0, 10), limit=hst.integers(200, 1500), frac=hst.floats(0.2, 1.0))  # fmt: skip
+@given(
+    sizes=hst.lists(hst.tuples(hst.integers(1, 60), hst.integers(0, 400)), min_size=1, max_size=40),
+    keep=hst.integers(0, 10),
+    limit=hst.integers(200, 1500),
+    frac=hst.floats(0.2, 1.0),
+)
 def test_compaction_property(sizes, keep, limit, frac):
     """Whatever the turn sizes: a compaction fits the limit or gives up (None), keeps the system prompt and
     task, is built from the turns' exact output IDs, and a second compaction never undoes the first."""
@@ -410,7 +496,7 @@ def test_compaction_property(sizes, keep, limit, frac):
         return
     assert len(first) <= limit
     task = head[: -len(tok.generation_prompt_ids())]
-    assert first[: len(task)] == task and first[-len(tok.generation_prompt_ids()):] == tok.generation_prompt_ids()
+    assert first[: len(task)] == task and first[-len(tok.generation_prompt_ids()) :] == tok.generation_prompt_ids()
     states = [t.state for t in h.turns]
     for t, out in zip(h.turns, outs):  # every turn still present shows its sampled IDs, unchanged
         if t.state != "dropped":

@@ -15,7 +15,9 @@ from t1async.model.tokenizer import ChatTokenizer
 L, K = 4, 2
 
 
-def episode(tok: ChatTokenizer, outputs: list[list[int]], observation: str = "[exit code: 0]\n  a.txt\tb.txt") -> SampledEpisode:
+def episode(
+    tok: ChatTokenizer, outputs: list[list[int]], observation: str = "[exit code: 0]\n  a.txt\tb.txt"
+) -> SampledEpisode:
     """An episode assembled token-in from given sampled outputs (what the driver does with a sampler)."""
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "List the files."}]
     ids = list(tok.render(msgs))
@@ -37,7 +39,7 @@ def episode(tok: ChatTokenizer, outputs: list[list[int]], observation: str = "[e
     lps = np.where(loss, -0.5, 0.0).astype(np.float32)
     seq = np.asarray(ids, np.int32)
     turns, start = [], 0
-    for (a, b) in spans:  # each turn's input is everything before its output; routing rows not sent before
+    for a, b in spans:  # each turn's input is everything before its output; routing rows not sent before
         turns.append(SampledTurn(seq[:a], seq[a:b], lps[a:b], "stop", routing[start : b - 1], start))
         start = b - 1
     return SampledEpisode(seq, loss, lps, routing, tuple(spans), tuple(msgs), tuple(turns))
@@ -74,7 +76,9 @@ def test_noncanonical_output_drifts_and_shifts_later_context():
 def test_exact_ids_through_the_learners_tito_assembly_keep_every_sampled_token():
     tok = ChatTokenizer.load()
     split = tok.encode("c") + tok.encode("at") + tok.encode(" no") + tok.encode("tes.txt")  # non-canonical
-    ep = episode(tok, [split + [tok.im_end_id], tok.encode("ls") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]])
+    ep = episode(
+        tok, [split + [tok.im_end_id], tok.encode("ls") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]]
+    )
     segs, stats = assemble(ep, "e")
     assert len(segs) == 1 and stats.clean == stats.boundaries == 2 and stats.fork == stats.realign == 0
     seg = segs[0]
@@ -93,8 +97,23 @@ def test_scripts_hold_real_shell_output():
 def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
     from bench.mismatch import CONFIGS, main
 
-    rc = main(["--episodes", "2", "--turns", "2", "--max-new-tokens", "12", "--sft-steps", "0", "--json",
-               "--max-batch", "4", "--out", str(tmp_path)])  # fmt: skip
+    rc = main(
+        [
+            "--episodes",
+            "2",
+            "--turns",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--sft-steps",
+            "0",
+            "--json",
+            "--max-batch",
+            "4",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     res = json.loads(last)
@@ -109,7 +128,9 @@ def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
     assert tb["boundaries"] == 2 and tb["clean"] == 2 and tb["fork"] == 0  # token-in episodes: clean boundaries
     assert (tmp_path / "mismatch.png").stat().st_size > 1000
     cfg = res["configs"]
-    assert res["ratio"] == pytest.approx(cfg["tito_r3"]["mean_abs_dlogp"] / cfg["baseline"]["mean_abs_dlogp_id_matched"])
+    assert res["ratio"] == pytest.approx(
+        cfg["tito_r3"]["mean_abs_dlogp"] / cfg["baseline"]["mean_abs_dlogp_id_matched"]
+    )
     assert cfg["tito"]["mean_abs_dlogp_id_matched"] == cfg["tito"]["mean_abs_dlogp"]  # exact IDs: all matched
     assert cfg["tito"]["loss_id_mismatch_tokens"] == 0
     assert json.loads((tmp_path / "mismatch.json").read_text())["configs"] == res["configs"]
@@ -118,8 +139,11 @@ def test_tiny_bench_run_writes_the_json_contract(tmp_path, capsys):
 def test_ratio_divides_by_the_id_matched_baseline_not_the_raw_one():
     from bench.mismatch import ratios
 
-    cfg = {"baseline": {"mean_abs_dlogp": 1.31, "mean_abs_dlogp_id_matched": 0.0156},
-           "tito": {"mean_abs_dlogp": 0.0036}, "tito_r3": {"mean_abs_dlogp": 0.0033}}  # fmt: skip
+    cfg = {
+        "baseline": {"mean_abs_dlogp": 1.31, "mean_abs_dlogp_id_matched": 0.0156},
+        "tito": {"mean_abs_dlogp": 0.0036},
+        "tito_r3": {"mean_abs_dlogp": 0.0033},
+    }
     r = ratios(cfg)
     assert r["ratio"] == pytest.approx(0.0033 / 0.0156) and r["ratio_tito"] == pytest.approx(0.0036 / 0.0156)
     assert r["ratio_raw"] == pytest.approx(0.0033 / 1.31)

@@ -14,8 +14,18 @@ from t1async.model.kvcache import KVCache
 from t1async.model.moe import MoETransformer, rotary_angles
 from t1async.model.weights import default_model_dir, load_pretrained, load_weights_into, save_pretrained
 
-CFG = MoEConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_experts=6, top_k=2, d_ff=24, max_seq_len=256,
-                init_std=0.1, seed=3)
+CFG = MoEConfig(
+    vocab_size=97,
+    d_model=32,
+    n_layers=3,
+    n_heads=4,
+    n_experts=6,
+    top_k=2,
+    d_ff=24,
+    max_seq_len=256,
+    init_std=0.1,
+    seed=3,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,6 +35,7 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
 
 @pytest.fixture(scope="module")
 def model() -> MoETransformer:
@@ -94,7 +105,9 @@ def test_replay_forces_the_recorded_experts_and_minus_one_routes_freely(model):
     x = ids(2, 16)
     free = model(x)
     g = torch.Generator().manual_seed(5)
-    forced = torch.stack([torch.randperm(CFG.n_experts, generator=g)[: CFG.top_k] for _ in range(2 * 16 * CFG.n_layers)])
+    forced = torch.stack(
+        [torch.randperm(CFG.n_experts, generator=g)[: CFG.top_k] for _ in range(2 * 16 * CFG.n_layers)]
+    )
     forced = forced.view(2, 16, CFG.n_layers, CFG.top_k)
     forced[0, 3, 1] = torch.tensor([-1, -1])
     forced[1, 7, 0, 1] = -1  # one missing entry marks the whole (token, layer) row missing

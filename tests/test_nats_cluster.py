@@ -31,8 +31,9 @@ from tests.test_transport import turn
 
 
 def fast(url: str, replicas: int | None = 3) -> NatsConfig:
-    return NatsConfig(url=url, ack_timeout_s=1.0, retry_wait_s=0.1, reconnect_wait_s=0.1, ack_wait_s=5.0,
-                      stream_replicas=replicas)  # fmt: skip
+    return NatsConfig(
+        url=url, ack_timeout_s=1.0, retry_wait_s=0.1, reconnect_wait_s=0.1, ack_wait_s=5.0, stream_replicas=replicas
+    )
 
 
 async def get_json(url: str) -> dict:
@@ -135,8 +136,9 @@ async def test_one_node_down_then_two_nothing_admitted_is_lost_or_duplicated(tmp
                     quorum_lost.set()
                     mark, t0 = len(published), anyio.current_time()
                     while anyio.current_time() - t0 < 3 or (  # 3 s at least, until a retry was logged (20 s at most)
-                            not any(e["event"] == "transport.publish_retry" for e in logs)
-                            and anyio.current_time() - t0 < 20):
+                        not any(e["event"] == "transport.publish_retry" for e in logs)
+                        and anyio.current_time() - t0 < 20
+                    ):
                         await anyio.sleep(0.25)
                     seen["two_down"] = len(published) - mark
                     seen["retries"] = sum(e["event"] == "transport.publish_retry" for e in logs)
@@ -172,9 +174,31 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
     from tests.test_cluster_e2e import check_episode_turns, wait_running
 
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--nats-nodes", "3",
-            "--batch-turns", "6", "--actors", "2", "--concurrency", "2", "--max-turns", "6", "--max-new-tokens", "32",
-            "--synth-tasks", "20", "--duration", "400", "--plain"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--nats-nodes",
+        "3",
+        "--batch-turns",
+        "6",
+        "--actors",
+        "2",
+        "--concurrency",
+        "2",
+        "--max-turns",
+        "6",
+        "--max-new-tokens",
+        "32",
+        "--synth-tasks",
+        "20",
+        "--duration",
+        "400",
+        "--plain",
+    ]
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
     try:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from t1async import wire
+from t1async.errors import WireError
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer import TrainerConfig
 from t1async.learner.validate import ModelLimits, check_turn
-from t1async.errors import WireError
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
@@ -31,16 +31,32 @@ LAYERS, TOPK, EXPERTS = 2, 2, 4
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(vocab_size=ChatTokenizer.load().vocab_size, d_model=32, n_layers=LAYERS, n_heads=2,
-                    n_experts=EXPERTS, top_k=TOPK, d_ff=32, max_seq_len=8192, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=ChatTokenizer.load().vocab_size,
+        d_model=32,
+        n_layers=LAYERS,
+        n_heads=2,
+        n_experts=EXPERTS,
+        top_k=TOPK,
+        d_ff=32,
+        max_seq_len=8192,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
 
 
 def episode(name: str, seed: int, turns: int = 4, version: int = 0) -> list:
     rng = np.random.default_rng(seed)
-    case = make_episode(rng, ["clean"] * (turns - 1), episode=name, sizes=Sizes(prompt=(5, 12), output=(2, 6),
-                        observation=(1, 4), vocab=300), layers=LAYERS, topk=TOPK, num_experts=EXPERTS)  # fmt: skip
+    case = make_episode(
+        rng,
+        ["clean"] * (turns - 1),
+        episode=name,
+        sizes=Sizes(prompt=(5, 12), output=(2, 6), observation=(1, 4), vocab=300),
+        layers=LAYERS,
+        topk=TOPK,
+        num_experts=EXPERTS,
+    )
     # sampled by the version the learner serves when they are published
     return [replace(r, policy_version=version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
 
@@ -88,12 +104,20 @@ def workload(vocab: int) -> tuple[list, dict[str, wire.TurnRecord]]:
     return out, bad
 
 
-async def run_learner(run: Path, model: Path, broker: MemoryBroker, steps: int, dead: list, *, patch=None,
-                      waves: tuple[list, ...] = ()) -> Learner:  # fmt: skip
+async def run_learner(
+    run: Path, model: Path, broker: MemoryBroker, steps: int, dead: list, *, patch=None, waves: tuple[list, ...] = ()
+) -> Learner:
     """Run a learner until ``steps``; ``waves[i]`` is published once it has tried i + 1 steps in this run (a
     step takes every closed segment there is, so each later step needs new turns)."""
-    cfg = LearnerConfig(run_dir=run, model_dir=model, batch_turns=4, steps=steps, max_staleness=1,
-                        metrics_every_s=60, trainer=TrainerConfig(lr=1e-3))  # fmt: skip
+    cfg = LearnerConfig(
+        run_dir=run,
+        model_dir=model,
+        batch_turns=4,
+        steps=steps,
+        max_staleness=1,
+        metrics_every_s=60,
+        trainer=TrainerConfig(lr=1e-3),
+    )
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as wt:
         learner = Learner(cfg, lt, None)
         if patch is not None:
@@ -214,7 +238,9 @@ async def test_a_step_that_raises_dead_letters_its_segments_and_is_never_retried
         learner.trainer.step = step
 
     dead: list = []
-    first = await run_learner(tmp_path / "run", tiny_model, broker, 2, dead, patch=patch, waves=(good(10, 0), good(20, 1)))
+    first = await run_learner(
+        tmp_path / "run", tiny_model, broker, 2, dead, patch=patch, waves=(good(10, 0), good(20, 1))
+    )
     assert first.state.step == 2 and failed and failed[0] and restored == [True, True]
     assert dead and {m.headers[HDR_DEAD_REASON] for m in dead} == {"train_step"}
     assert {m.subject for m in dead} == {"t1.dead.train_step"}

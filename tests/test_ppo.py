@@ -83,8 +83,9 @@ def test_segment_advantages_reject_bad_shapes():
     with pytest.raises(ValueError, match="T \\+ 1"):
         ppo.segment_advantages(np.ones(3, bool), np.zeros(3), np.array([2]), np.array([1.0]), True, gamma=1, lam=1)
     with pytest.raises(ValueError, match="discount_per"):
-        ppo.segment_advantages(np.ones(3, bool), np.zeros(4), np.array([2]), np.array([1.0]), True, gamma=1, lam=1,
-                               discount_per="episode")  # fmt: skip
+        ppo.segment_advantages(
+            np.ones(3, bool), np.zeros(4), np.array([2]), np.array([1.0]), True, gamma=1, lam=1, discount_per="episode"
+        )
 
 
 def _loss(logp, adv, *, prox=None, behav=None, cfg=ppo.LossConfig(value_coef=0.0)):
@@ -143,8 +144,21 @@ def test_normaliser_makes_microbatches_sum_to_full_batch():
     z = torch.zeros(3)
     m = torch.ones(3, dtype=torch.bool)
     cfg = ppo.LossConfig(value_coef=0.0)
-    parts = [ppo.ppo_loss(logp[i : i + 3], logp[i : i + 3].detach(), logp[i : i + 3].detach(), adv[i : i + 3],
-                          z, z, z, m, cfg, normaliser=6).loss for i in (0, 3)]  # fmt: skip
+    parts = [
+        ppo.ppo_loss(
+            logp[i : i + 3],
+            logp[i : i + 3].detach(),
+            logp[i : i + 3].detach(),
+            adv[i : i + 3],
+            z,
+            z,
+            z,
+            m,
+            cfg,
+            normaliser=6,
+        ).loss
+        for i in (0, 3)
+    ]
     g_parts = torch.autograd.grad(parts[0] + parts[1], logp)[0]
     torch.testing.assert_close(g_full, g_parts)
 

@@ -18,7 +18,17 @@ from t1async.natsd import find_binary, free_port
 
 
 def up(tmp_path: Path, repo_env: dict, *flags: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(tmp_path / "run"), "--duration", "30", *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--duration",
+        "30",
+        *flags,
+    ]
     return subprocess.run(argv, capture_output=True, text=True, env=repo_env, timeout=120)
 
 
@@ -37,15 +47,17 @@ def assert_one_line_and_nothing_started(res: subprocess.CompletedProcess, tmp_pa
 def test_up_with_nothing_listening_at_nats_fails_first(tmp_path, repo_env):
     port = free_port()
     res = up(tmp_path, repo_env, "--nats", f"nats://127.0.0.1:{port}")
-    assert_one_line_and_nothing_started(res, tmp_path, f"--nats nats://127.0.0.1:{port}: no NATS server answers",
-                                        "leave out --nats")  # fmt: skip
+    assert_one_line_and_nothing_started(
+        res, tmp_path, f"--nats nats://127.0.0.1:{port}: no NATS server answers", "leave out --nats"
+    )
 
 
 @pytest.fixture
 def nats_without_jetstream(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([str(find_binary()), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(find_binary()), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -77,8 +89,11 @@ def test_nats_checks_pass_on_a_real_server_and_reject_bad_urls(nats_server_sync)
 def nats_server_sync(tmp_path):
     """A real nats-server with JetStream, for the synchronous checks."""
     port = free_port()
-    proc = subprocess.Popen([str(find_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp_path / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(find_binary()), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp_path / "js")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -117,8 +132,9 @@ def http_503():
 def test_up_with_a_dead_sampler_url_fails_first(tmp_path, repo_env):
     url = f"http://127.0.0.1:{free_port()}"
     res = up(tmp_path, repo_env, "--sampler-url", url)
-    assert_one_line_and_nothing_started(res, tmp_path, f"--sampler-url {url}: no answer from {url}/health",
-                                        "leave out --sampler-url")  # fmt: skip
+    assert_one_line_and_nothing_started(
+        res, tmp_path, f"--sampler-url {url}: no answer from {url}/health", "leave out --sampler-url"
+    )
 
 
 def test_a_sampler_that_is_not_ready_is_named(http_503):
@@ -148,7 +164,9 @@ def test_up_without_bubblewrap_fails_first(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
     assert cli.main(["up", "--run-dir", str(tmp_path / "run"), "--duration", "5"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the actors cannot run their sandbox here: bubblewrap not found") and err.count("\n") == 1
+    assert (
+        err.startswith("error: the actors cannot run their sandbox here: bubblewrap not found") and err.count("\n") == 1
+    )
     assert "apt-get install bubblewrap" in err
     assert not (tmp_path / "run" / "tasks").exists() and not (tmp_path / "run" / "cluster.json").exists()
 

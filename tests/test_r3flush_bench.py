@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_r3flush_runs_and_prints_json_last():
-    proc = subprocess.run([sys.executable, "-m", "bench.r3flush", "--json", "--episodes", "2", "--turns", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.r3flush", "--json", "--episodes", "2", "--turns", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     exact, old = data["exact"], data["old"]
@@ -24,6 +29,7 @@ def test_bench_r3flush_runs_and_prints_json_last():
 
 
 def test_bench_r3flush_rejects_a_run_without_an_update():
-    proc = subprocess.run([sys.executable, "-m", "bench.r3flush", "--turns", "1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.r3flush", "--turns", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "--turns >= 2" in proc.stderr

@@ -33,12 +33,25 @@ def screenshot(page: Path, out: Path, profile: Path, timeout_s: float = 180.0) -
     browser we started (its own session: the process it forks) is killed."""
     exe = shutil.which("chromium")
     assert exe is not None, "chromium is not installed: apt-get install chromium (Debian's package; .ci/run does it)"
-    argv = [exe, "--headless", "--no-sandbox",  # root in CI; the page is our own file, with no script
-            "--disable-gpu", "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9", "--hide-scrollbars",
-            f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", f"--screenshot={out}",
-            page.resolve().as_uri()]  # fmt: skip
+    argv = [
+        exe,
+        "--headless",
+        "--no-sandbox",  # root in CI; the page is our own file, with no script
+        "--disable-gpu",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--proxy-server=127.0.0.1:9",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        f"--window-size={WIDTH},{HEIGHT}",
+        f"--screenshot={out}",
+        page.resolve().as_uri(),
+    ]
     log = out.with_suffix(".log")
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)

@@ -12,17 +12,26 @@ from hypothesis import strategies as st
 from t1async import wire
 from t1async.assembly import Assembler, AssemblerConfig
 from t1async.routing import (
-    RouteTrack, RoutingError, RoutingStats, compact_dtype, decode_sglang, encode_sglang, expected_rows,
-    routing_drift, zero_layers,
-)  # fmt: skip
+    RouteTrack,
+    RoutingError,
+    RoutingStats,
+    compact_dtype,
+    decode_sglang,
+    encode_sglang,
+    expected_rows,
+    routing_drift,
+    zero_layers,
+)
 from t1async.testing.episodes import check_segments, make_episode, route_rows
 
 
 @given(st.integers(0, 30), st.integers(1, 6), st.integers(1, 4), st.sampled_from([8, 256, 257, 4096]), st.data())
 @settings(max_examples=100, deadline=None)
 def test_sglang_codec_round_trips_into_compact_dtypes(rows, layers, topk, experts, data):
-    arr = np.asarray(data.draw(st.lists(st.integers(0, experts - 1), min_size=rows * layers * topk,
-                                        max_size=rows * layers * topk)), np.int64).reshape(rows, layers, topk)  # fmt: skip
+    arr = np.asarray(
+        data.draw(st.lists(st.integers(0, experts - 1), min_size=rows * layers * topk, max_size=rows * layers * topk)),
+        np.int64,
+    ).reshape(rows, layers, topk)
     back = decode_sglang(encode_sglang(arr), layers, topk, experts)
     assert back.dtype == (np.uint8 if experts <= 256 else np.uint16) and np.array_equal(back, arr)
 
@@ -86,11 +95,41 @@ def test_all_zero_layer_becomes_missing_for_that_trace_only():
 def test_wrong_shape_against_the_segment_is_rejected():
     asm = Assembler(AssemblerConfig(num_experts=16))
     full0 = np.arange(1, 9, dtype=np.int32)
-    t0 = wire.TurnRecord("e", 0, 0, 0, full0[:5], 5, wire.digest_ids(full0[:5]), full0[5:], np.zeros(3, np.float32),
-                         wire.Finish.STOP, _trace(full0, 0), 0.0, -1, 0.0, 0.0)  # fmt: skip
+    t0 = wire.TurnRecord(
+        "e",
+        0,
+        0,
+        0,
+        full0[:5],
+        5,
+        wire.digest_ids(full0[:5]),
+        full0[5:],
+        np.zeros(3, np.float32),
+        wire.Finish.STOP,
+        _trace(full0, 0),
+        0.0,
+        -1,
+        0.0,
+        0.0,
+    )
     full1 = np.concatenate([full0, [9, 10, 11]]).astype(np.int32)
-    t1 = wire.TurnRecord("e", 1, 0, 8, full1[8:9], 9, wire.digest_ids(full1[:9]), full1[9:], np.zeros(2, np.float32),
-                         wire.Finish.STOP, _trace(full1, 7, layers=4), 0.0, -1, 0.0, 0.0)  # fmt: skip
+    t1 = wire.TurnRecord(
+        "e",
+        1,
+        0,
+        8,
+        full1[8:9],
+        9,
+        wire.digest_ids(full1[:9]),
+        full1[9:],
+        np.zeros(2, np.float32),
+        wire.Finish.STOP,
+        _trace(full1, 7, layers=4),
+        0.0,
+        -1,
+        0.0,
+        0.0,
+    )
     asm.add(t0)
     asm.add(t1)
     (seg,) = asm.end(wire.EndRecord("e", 2, wire.EndReason.SOLVED, 0, 0, False))
@@ -118,12 +157,46 @@ def test_a_trace_that_starts_after_the_fork_point_leaves_the_gap_missing():
     asm = Assembler()
     i0 = np.arange(1, 7, dtype=np.int32)
     s0 = np.concatenate([i0, [50, 51]]).astype(np.int32)
-    asm.add(wire.TurnRecord("e", 0, 0, 0, i0, 6, wire.digest_ids(i0), s0[6:], np.zeros(2, np.float32),
-                            wire.Finish.STOP, _trace(s0, 0), 0.0, -1, 0.0, 0.0))  # fmt: skip
+    asm.add(
+        wire.TurnRecord(
+            "e",
+            0,
+            0,
+            0,
+            i0,
+            6,
+            wire.digest_ids(i0),
+            s0[6:],
+            np.zeros(2, np.float32),
+            wire.Finish.STOP,
+            _trace(s0, 0),
+            0.0,
+            -1,
+            0.0,
+            0.0,
+        )
+    )
     i1 = np.concatenate([s0[:3], [99], s0[4:], [60]]).astype(np.int32)  # FORK at position 3
     s1 = np.concatenate([i1, [70, 71]]).astype(np.int32)
-    asm.add(wire.TurnRecord("e", 1, 0, 3, i1[3:], len(i1), wire.digest_ids(i1), s1[len(i1):], np.zeros(2, np.float32),
-                            wire.Finish.STOP, _trace(s1, 6), 0.0, -1, 0.0, 0.0))  # fmt: skip
+    asm.add(
+        wire.TurnRecord(
+            "e",
+            1,
+            0,
+            3,
+            i1[3:],
+            len(i1),
+            wire.digest_ids(i1),
+            s1[len(i1) :],
+            np.zeros(2, np.float32),
+            wire.Finish.STOP,
+            _trace(s1, 6),
+            0.0,
+            -1,
+            0.0,
+            0.0,
+        )
+    )
     segs = asm.end(wire.EndRecord("e", 2, wire.EndReason.SOLVED, 0, 0, False))
     seg = segs[-1]
     want = route_rows(seg.tokens, 3, 2, 16).astype(np.int16)
@@ -169,8 +242,18 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import save_pretrained
 
-    cfg = MoEConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32,
-                    max_seq_len=512, init_std=0.3, seed=21)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=4096,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        d_ff=32,
+        max_seq_len=512,
+        init_std=0.3,
+        seed=21,
+    )
     w0, w1 = MoETransformer(cfg), MoETransformer(MoEConfig(**{**cfg.__dict__, "seed": 22}))
     tok = ChatTokenizer.load()
     enc = TurnEncoder("ep")
@@ -178,16 +261,39 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
     records = []
 
     async def turn(k: int, ids: list[int], start: int):
-        r = await engine.collect(GenRequest(rid=f"t{k}", input_ids=tuple(ids), max_new_tokens=8, temperature=1.0,
-                                            seed=k, ignore_eos=True, return_routing=True,
-                                            routing_start=start))  # fmt: skip
-        res = TurnResult(turn=k, input_ids=np.asarray(ids, np.int32), output_ids=np.asarray(r.output_ids, np.int32),
-                         logprobs=np.asarray(r.logprobs, np.float32), finish="length",
-                         weight_version=int(r.weight_version), routing=r.routing.astype(np.uint8),
-                         routing_start=r.routing_start, action_kind="none", action_text="", observation="",
-                         exit_code=None, timed_out=False, truncated=False, tests_passed=None, reward=1.0,
-                         t_sample_s=0.0, t_exec_s=0.0,
-                         output_versions=np.asarray([int(v) for v in r.versions], np.int32))  # fmt: skip
+        r = await engine.collect(
+            GenRequest(
+                rid=f"t{k}",
+                input_ids=tuple(ids),
+                max_new_tokens=8,
+                temperature=1.0,
+                seed=k,
+                ignore_eos=True,
+                return_routing=True,
+                routing_start=start,
+            )
+        )
+        res = TurnResult(
+            turn=k,
+            input_ids=np.asarray(ids, np.int32),
+            output_ids=np.asarray(r.output_ids, np.int32),
+            logprobs=np.asarray(r.logprobs, np.float32),
+            finish="length",
+            weight_version=int(r.weight_version),
+            routing=r.routing.astype(np.uint8),
+            routing_start=r.routing_start,
+            action_kind="none",
+            action_text="",
+            observation="",
+            exit_code=None,
+            timed_out=False,
+            truncated=False,
+            tests_passed=None,
+            reward=1.0,
+            t_sample_s=0.0,
+            t_exec_s=0.0,
+            output_versions=np.asarray([int(v) for v in r.versions], np.int32),
+        )
         records.append(wire.decode(wire.encode(enc.encode(res))))
         return r
 

@@ -18,10 +18,14 @@ from t1async.model.config import MoEConfig
 from t1async.model.weights import default_model_dir
 from t1async.sampler.base import SamplingParams
 from t1async.sampler.client import (
-    SamplerClosedError, SamplerVersionError, SGLangClient, parse_generation, parse_weight_version,
+    SamplerClosedError,
+    SamplerVersionError,
+    SGLangClient,
+    parse_generation,
+    parse_weight_version,
 )
-from t1async.testing.sampler import check_sampler
 from t1async.sampler.memory import MemorySampler
+from t1async.testing.sampler import check_sampler
 
 CFG = MoEConfig.load(default_model_dir())
 PROMPT = [11, 250, 37, 999, 4, 1200, 77, 3000, 18, 640]
@@ -29,8 +33,9 @@ PROMPT = [11, 250, 37, 999, 4, 1200, 77, 3000, 18, 640]
 
 async def test_conformance_sglang_client_on_the_real_server(sampler_url):
     async with SGLangClient([sampler_url]) as c:
-        await check_sampler(c, prompt=PROMPT, vocab_size=CFG.vocab_size, layers=CFG.n_layers, topk=CFG.top_k,
-                            experts=CFG.n_experts)
+        await check_sampler(
+            c, prompt=PROMPT, vocab_size=CFG.vocab_size, layers=CFG.n_layers, topk=CFG.top_k, experts=CFG.n_experts
+        )
 
 
 async def test_conformance_memory_sampler():
@@ -64,11 +69,15 @@ async def test_conformance_catches_a_broken_sampler():
 
 async def test_generation_fields_from_the_real_server(sampler_url):
     async with SGLangClient(sampler_url) as c:
-        g = await c.generate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), routed_experts_start_len=4,
-                             rid="client-1")
+        g = await c.generate(
+            PROMPT, SamplingParams(max_new_tokens=5, temperature=0.0), routed_experts_start_len=4, rid="client-1"
+        )
         info = await c.model_info()
-    assert g.routing.dtype == np.uint8 and g.routing.shape == (len(PROMPT) + len(g.output_ids) - 1 - 4,
-                                                               CFG.n_layers, CFG.top_k)
+    assert g.routing.dtype == np.uint8 and g.routing.shape == (
+        len(PROMPT) + len(g.output_ids) - 1 - 4,
+        CFG.n_layers,
+        CFG.top_k,
+    )
     assert g.routing_start == 4 and g.weight_version == 0 and g.extra["weight_version"] == "0"
     assert g.extra["rid"] == "client-1" and g.latency_s > 0 and g.prompt_tokens == len(PROMPT)
     assert info["num_layers"] == CFG.n_layers
@@ -120,10 +129,20 @@ async def test_fails_over_from_a_dead_url_to_a_live_one(sampler_url):
 
 
 def _response(ids: list[int], version: str = "3") -> dict:
-    return {"text": "", "output_ids": ids, "meta_info": {
-        "id": "x", "finish_reason": {"type": "length", "length": len(ids)}, "prompt_tokens": 3,
-        "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": version, "e2e_latency": 0.01,
-        "output_token_logprobs": [[-1.0, t, None] for t in ids]}}
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "length", "length": len(ids)},
+            "prompt_tokens": 3,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": version,
+            "e2e_latency": 0.01,
+            "output_token_logprobs": [[-1.0, t, None] for t in ids],
+        },
+    }
 
 
 async def test_retries_503_then_succeeds():
@@ -283,8 +302,10 @@ async def test_update_weights_from_disk_reaches_every_url():
     async with SGLangClient(["http://a", "http://b"], transport=httpx.MockTransport(handler)) as c:
         with pytest.raises(SamplerError, match=r"1 of 2 samplers: http://b.*no such dir /w"):
             await c.update_weights_from_disk("/w", 5)
-    assert sorted(seen, key=lambda x: x[0]) == [("a", {"model_path": "/w", "weight_version": "5"}),
-                                                 ("b", {"model_path": "/w", "weight_version": "5"})]
+    assert sorted(seen, key=lambda x: x[0]) == [
+        ("a", {"model_path": "/w", "weight_version": "5"}),
+        ("b", {"model_path": "/w", "weight_version": "5"}),
+    ]
 
 
 async def test_memory_sampler_scripts_versions_and_cache():

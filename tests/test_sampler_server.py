@@ -48,10 +48,17 @@ async def gen(url: str, body: dict, status: int = 200) -> dict:
 
 
 async def test_generate_fields_and_shapes(sampler_url):
-    out = await gen(sampler_url, {
-        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True},
-        "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 0, "rid": "shape-1",
-    })
+    out = await gen(
+        sampler_url,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True},
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "routed_experts_start_len": 0,
+            "rid": "shape-1",
+        },
+    )
     assert set(out) >= {"text", "output_ids", "meta_info"}
     m = out["meta_info"]
     n = len(out["output_ids"])
@@ -89,8 +96,13 @@ async def test_text_input_stop_token_and_trim(sampler_url, tok):
 
 
 async def test_stream_is_cumulative_and_matches_non_stream(sampler_url):
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True, "return_routed_experts": True, "routed_experts_start_len": 3}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "routed_experts_start_len": 3,
+    }
     ref = await gen(sampler_url, body)
     chunks = []
     async with httpx.AsyncClient(timeout=60) as c:
@@ -106,8 +118,9 @@ async def test_stream_is_cumulative_and_matches_non_stream(sampler_url):
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"], "chunks are cumulative"
         assert len(cur["meta_info"]["output_token_logprobs"]) == len(cur["output_ids"])
     assert all(ch["meta_info"]["finish_reason"] is None for ch in chunks[:-1])
-    assert all(ref["text"].startswith(ch["text"]) and "\ufffd" not in ch["text"][-1:] for ch in chunks), \
+    assert all(ref["text"].startswith(ch["text"]) and "\ufffd" not in ch["text"][-1:] for ch in chunks), (
         "streamed text grows by whole characters towards the final text"
+    )
     last = chunks[-1]
     assert last["output_ids"] == ref["output_ids"] and last["text"] == ref["text"]
     assert last["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
@@ -121,24 +134,44 @@ async def test_routed_experts_start_len_returns_the_tail(sampler_url):
     n = len(full["output_ids"])
     assert r0.shape[0] == len(PROMPT) + n - 1
     for start in (1, 4, len(PROMPT) - 1, len(PROMPT)):
-        out = await gen(sampler_url, {"input_ids": PROMPT, "sampling_params": sp, "return_routed_experts": True,
-                                      "routed_experts_start_len": start})
+        out = await gen(
+            sampler_url,
+            {
+                "input_ids": PROMPT,
+                "sampling_params": sp,
+                "return_routed_experts": True,
+                "routed_experts_start_len": start,
+            },
+        )
         assert out["output_ids"] == full["output_ids"]
         r = routing(out["meta_info"])
         assert r.shape == (len(PROMPT) + n - 1 - start, L, K)
         assert np.array_equal(r, r0[start:])
-    bad = await gen(sampler_url, {"input_ids": PROMPT, "sampling_params": sp, "return_routed_experts": True,
-                                  "routed_experts_start_len": len(PROMPT) + 1}, status=400)
+    bad = await gen(
+        sampler_url,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": sp,
+            "return_routed_experts": True,
+            "routed_experts_start_len": len(PROMPT) + 1,
+        },
+        status=400,
+    )
     assert "routed_experts_start_len" in bad["error"]["message"]
 
 
 async def test_logprobs_and_routing_match_a_full_forward(sampler_url, model):
     """The server's logprobs equal log_softmax of a full-sequence forward (fp32, 1e-4), and replaying its
     routing in that forward picks exactly the recorded experts (R3 has nothing to repair)."""
-    out = await gen(sampler_url, {
-        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True},
-        "return_logprob": True, "return_routed_experts": True,
-    })
+    out = await gen(
+        sampler_url,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True},
+            "return_logprob": True,
+            "return_routed_experts": True,
+        },
+    )
     ids = out["output_ids"]
     lps = np.array([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=np.float64)
     rec = routing(out["meta_info"])
@@ -152,28 +185,35 @@ async def test_logprobs_and_routing_match_a_full_forward(sampler_url, model):
         mine = logp[torch.arange(p - 1, p - 1 + len(ids)), torch.tensor(ids)].numpy()
         np.testing.assert_allclose(lps, mine, atol=1e-4)
     assert np.array_equal(replayed.routing[0].numpy(), rec)
-    assert np.array_equal(replayed.free_topk[0].sort(-1).values.numpy(), np.sort(rec, -1)), \
+    assert np.array_equal(replayed.free_topk[0].sort(-1).values.numpy(), np.sort(rec, -1)), (
         "the router under replay would choose other experts than the sampler recorded"
+    )
     assert np.array_equal(free.routing[0].sort(-1).values.numpy(), np.sort(rec, -1))
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, V]}, "input_ids[1]"),
-    ({"input_ids": [1, -3]}, "input_ids[1]"),
-    ({"input_ids": [1, "x"]}, "input_ids[1]"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.5}}, "temperature"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_token": 4}}, "max_new_tokens"),
-    ({"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3}, "routed_experts_start_len"),
-    ({"input_ids": [1, 2], "return_logprobs": True}, "return_logprob"),
-    ({"input_ids": [1, 2], "text": "both"}, "input_ids"),
-    ({}, "input_ids"),
-    ({"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CFG.max_seq_len}}, "max_new_tokens"),
-    ([1, 2, 3], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1, V]}, "input_ids[1]"),
+        ({"input_ids": [1, -3]}, "input_ids[1]"),
+        ({"input_ids": [1, "x"]}, "input_ids[1]"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -0.5}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_token": 4}}, "max_new_tokens"),
+        (
+            {"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3},
+            "routed_experts_start_len",
+        ),
+        ({"input_ids": [1, 2], "return_logprobs": True}, "return_logprob"),
+        ({"input_ids": [1, 2], "text": "both"}, "input_ids"),
+        ({}, "input_ids"),
+        ({"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CFG.max_seq_len}}, "max_new_tokens"),
+        ([1, 2, 3], "JSON object"),
+    ],
+)
 async def test_bad_requests_are_400_naming_the_field(sampler_url, body, field):
     err = await gen(sampler_url, body, status=400)
     assert set(err) == {"error"} and err["error"]["code"] == 400
@@ -187,8 +227,14 @@ async def test_malformed_json_is_400(sampler_url):
 
 
 async def test_batch_request(sampler_url):
-    out = await gen(sampler_url, {"input_ids": [PROMPT, PROMPT[:4]], "rid": ["b-1", "b-2"],
-                                  "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    out = await gen(
+        sampler_url,
+        {
+            "input_ids": [PROMPT, PROMPT[:4]],
+            "rid": ["b-1", "b-2"],
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+        },
+    )
     assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["b-1", "b-2"]
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(PROMPT), 4]
 
@@ -218,8 +264,12 @@ async def _running(c: httpx.AsyncClient, url: str) -> int:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_client_disconnect_aborts_the_request(sampler_url, stream):
-    body = {"input_ids": PROMPT, "stream": stream, "rid": f"gone-{stream}",
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "stream": stream,
+        "rid": f"gone-{stream}",
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
     async with httpx.AsyncClient(timeout=60) as c:
         with anyio.move_on_after(0.8):
             async with c.stream("POST", sampler_url + "/generate", json=body) as r:
@@ -234,9 +284,16 @@ async def test_abort_request_ends_a_running_request(sampler_url):
         result = {}
 
         async def long() -> None:
-            result["out"] = (await c.post(sampler_url + "/generate", json={
-                "input_ids": PROMPT, "rid": "to-abort", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}
-            })).json()
+            result["out"] = (
+                await c.post(
+                    sampler_url + "/generate",
+                    json={
+                        "input_ids": PROMPT,
+                        "rid": "to-abort",
+                        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+                    },
+                )
+            ).json()
 
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
@@ -259,18 +316,23 @@ async def test_weight_update_changes_version_and_outputs(tmp_path, model):
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     save_pretrained(new, tmp_path / "v1")
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
     async with launch_sampler(max_batch=8) as url:
         before = await gen(url, body)
         assert before["meta_info"]["weight_version"] == "0"
         async with httpx.AsyncClient(timeout=60) as c:
-            r = await c.post(url + "/update_weights_from_disk",
-                             json={"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+            r = await c.post(
+                url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "v1"), "weight_version": "1"}
+            )
             assert r.status_code == 200 and r.json()["success"] is True, r.text
             assert (await c.get(url + "/get_model_info")).json()["weight_version"] == "1"
-            bad = await c.post(url + "/update_weights_from_disk",
-                               json={"model_path": str(tmp_path / "missing"), "weight_version": "2"})
+            bad = await c.post(
+                url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "missing"), "weight_version": "2"}
+            )
             assert bad.status_code == 400 and bad.json()["success"] is False
             assert "missing" in bad.json()["message"]
             missing_field = await c.post(url + "/update_weights_from_disk", json={"weight_version": "3"})
@@ -315,8 +377,18 @@ def test_the_sampling_params_an_actor_sends_parse_back_to_the_same_params():
     from t1async.sampler.base import SamplingParams
     from t1async.sampler.protocol import SGLANG_DEFAULTS, parse_sampling
 
-    sent = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=20, stop_token_ids=(3, 4),
-                          stop=("$ ",), skip_special_tokens=True, no_stop_trim=False, seed=11, ignore_eos=True)
+    sent = SamplingParams(
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=(3, 4),
+        stop=("$ ",),
+        skip_special_tokens=True,
+        no_stop_trim=False,
+        seed=11,
+        ignore_eos=True,
+    )
     assert parse_sampling(sent.to_sglang(), vocab_size=100) == sent
     assert parse_sampling(SamplingParams().to_sglang(), vocab_size=100) == SamplingParams()
     assert parse_sampling(None, vocab_size=100) == SGLANG_DEFAULTS and isinstance(SGLANG_DEFAULTS, SamplingParams)
@@ -328,23 +400,34 @@ def test_the_sampling_params_an_actor_sends_parse_back_to_the_same_params():
 def test_streamed_text_holds_back_partial_characters(tok):
     """protocol.ResponseState decodes only new ids while streaming; a character split across tokens shows
     up whole, once its last byte arrives, and the final text is one exact decode."""
-    from types import SimpleNamespace
-
     from dataclasses import replace
+    from types import SimpleNamespace
 
     from t1async.sampler.protocol import SGLANG_DEFAULTS, GenerateInput, ResponseState
 
     ids = tok.encode("héllo 世界 ✓ ok 🙂!")
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))), "no split character"
-    st = ResponseState(req=GenerateInput(input_ids=(1,), sampling=replace(SGLANG_DEFAULTS, skip_special_tokens=False)),
-                       rid="r", started=0.0)
+    st = ResponseState(
+        req=GenerateInput(input_ids=(1,), sampling=replace(SGLANG_DEFAULTS, skip_special_tokens=False)),
+        rid="r",
+        started=0.0,
+    )
     decode = lambda xs, skip: tok.decode(list(xs), skip_special_tokens=skip)  # noqa: E731
     seen = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        st.apply(SimpleNamespace(new_ids=[t], new_logprobs=[-1.0], prompt_tokens=1, cached_tokens=0,
-                                 weight_version="0", finished=last, routing=None,
-                                 finish_reason={"type": "length", "length": len(ids)} if last else None))
+        st.apply(
+            SimpleNamespace(
+                new_ids=[t],
+                new_logprobs=[-1.0],
+                prompt_tokens=1,
+                cached_tokens=0,
+                weight_version="0",
+                finished=last,
+                routing=None,
+                finish_reason={"type": "length", "length": len(ids)} if last else None,
+            )
+        )
         seen.append(st.to_json(decode, 1.0)["text"])
     final = tok.decode(ids)
     assert seen[-1] == final
@@ -366,9 +449,14 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
         for p in new.parameters():
             p.mul_(1.01)
     save_pretrained(new, tmp_path / "v1")
-    body = {"input_ids": PROMPT, "return_logprob": True, "stream": True, "return_routed_experts": True,
-            "routed_experts_start_len": 0, "sampling_params": {"max_new_tokens": 600, "temperature": 1.0,
-                                                               "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "stream": True,
+        "return_routed_experts": True,
+        "routed_experts_start_len": 0,
+        "sampling_params": {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True},
+    }
     async with launch_sampler(max_batch=4) as url, httpx.AsyncClient(timeout=120) as c:
         chunks = []
         async with c.stream("POST", url + "/generate", json=body) as r:
@@ -377,8 +465,10 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
                     continue
                 chunks.append(json.loads(line[6:]))
                 if len(chunks) == 1:  # the request is decoding: push new weights under it
-                    up = await c.post(url + "/update_weights_from_disk",
-                                      json={"model_path": str(tmp_path / "v1"), "weight_version": "1"})
+                    up = await c.post(
+                        url + "/update_weights_from_disk",
+                        json={"model_path": str(tmp_path / "v1"), "weight_version": "1"},
+                    )
                     assert up.json()["success"] is True, up.text
     last = chunks[-1]
     meta = last["meta_info"]
@@ -389,11 +479,27 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     g = parse_generation(last, len(PROMPT), 0, (L, K, E), url=url)
     assert g.weight_version == 1 and g.output_versions.dtype == np.int32
     assert g.output_versions.tolist() == [0] * split + [1] * (600 - split)
-    t = TurnResult(turn=0, input_ids=np.asarray(PROMPT, np.int32), output_ids=g.output_ids, logprobs=g.logprobs,
-                   finish=g.finish, weight_version=g.weight_version, routing=g.routing, routing_start=g.routing_start,
-                   action_kind="none", action_text="", observation="", exit_code=None, timed_out=False,
-                   truncated=False, tests_passed=None, reward=0.0, t_sample_s=0.0, t_exec_s=0.0,
-                   output_versions=g.output_versions)  # fmt: skip
+    t = TurnResult(
+        turn=0,
+        input_ids=np.asarray(PROMPT, np.int32),
+        output_ids=g.output_ids,
+        logprobs=g.logprobs,
+        finish=g.finish,
+        weight_version=g.weight_version,
+        routing=g.routing,
+        routing_start=g.routing_start,
+        action_kind="none",
+        action_text="",
+        observation="",
+        exit_code=None,
+        timed_out=False,
+        truncated=False,
+        tests_passed=None,
+        reward=0.0,
+        t_sample_s=0.0,
+        t_exec_s=0.0,
+        output_versions=g.output_versions,
+    )
     rec = wire.decode(wire.encode(TurnEncoder("mid").encode(t)))
     assert rec.policy_version == 0 and rec.output_versions.tolist() == g.output_versions.tolist()
     asm = Assembler()

@@ -153,7 +153,9 @@ async def test_a_push_skips_a_dead_sampler_only_while_another_took_the_weights()
         return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
 
     async with SGLangClient(["http://a", "http://b"], transport=httpx.MockTransport(handler), max_retries=0) as c:
-        assert await c.update_weights_from_disk("/w", 2) == [{"success": True, "message": "ok", "num_paused_requests": 0}]
+        assert await c.update_weights_from_disk("/w", 2) == [
+            {"success": True, "message": "ok", "num_paused_requests": 0}
+        ]
         down.add("a")
         with pytest.raises(SamplerError, match=r"2 of 2 samplers"):
             await c.update_weights_from_disk("/w", 3)
@@ -170,9 +172,31 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
     from tests.test_cluster_e2e import check_episode_turns, wait_running
 
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--samplers", "2",
-            "--batch-turns", "6", "--actors", "2", "--concurrency", "2", "--max-turns", "6", "--max-new-tokens", "32",
-            "--synth-tasks", "20", "--duration", "400", "--plain"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--samplers",
+        "2",
+        "--batch-turns",
+        "6",
+        "--actors",
+        "2",
+        "--concurrency",
+        "2",
+        "--max-turns",
+        "6",
+        "--max-new-tokens",
+        "32",
+        "--synth-tasks",
+        "20",
+        "--duration",
+        "400",
+        "--plain",
+    ]
     out = open(tmp_path / "up.out", "w")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=repo_env, start_new_session=True)
     try:
@@ -214,8 +238,19 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
 def test_bench_sampler_samplers_reports_cache_ratio_and_throughput_per_n():
     from tests.test_bench_sampler import bench
 
-    r, stdout = bench("--samplers", "1,2", "--num-prompts", "4", "--multi-turn", "3", "--input-len", "16",
-                      "--output-len", "8", timeout=300)  # fmt: skip
+    r, stdout = bench(
+        "--samplers",
+        "1,2",
+        "--num-prompts",
+        "4",
+        "--multi-turn",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        timeout=300,
+    )
     assert [(x["samplers"], x["pinned"]) for x in r["runs"]] == [(1, True), (2, True), (2, False)]
     for x in r["runs"]:
         assert sum(x["turns_per_sampler"]) == x["turns"] == 12 and 0 < x["cached_ratio"] <= 1

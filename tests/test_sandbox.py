@@ -13,10 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_agent.sandbox import (
-    SANDBOX_WORKDIR, BwrapSandbox, MemorySandbox, OutputBuffer, Sandbox, SandboxClosedError,
-    SandboxConfig, SandboxPathError, SandboxStartError,
+    SANDBOX_WORKDIR,
+    BwrapSandbox,
+    MemorySandbox,
+    OutputBuffer,
+    Sandbox,
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxPathError,
+    SandboxStartError,
+    procs,
 )
-from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.shell import MARK, ShellChannel, ShellEOF
 from t1async.testing.sandbox import check_sandbox, memory_shell
 
@@ -52,10 +59,12 @@ def _sandbox_cmdlines(uid: int) -> list[str]:
 async def test_state_persists_across_exec(sb: BwrapSandbox) -> None:
     assert (await sb.exec("pwd")).output == f"{SANDBOX_WORKDIR}\n"
     await sb.exec("mkdir -p sub/dir && cd sub/dir")
-    await sb.exec("COUNT=41; greet() { echo \"hi $1\"; }; export EXPORTED=yes")
+    await sb.exec('COUNT=41; greet() { echo "hi $1"; }; export EXPORTED=yes')
     await sb.exec("sleep 30 & echo $! > /tmp/bgpid")
-    r = await sb.exec('pwd; echo $((COUNT + 1)); greet bob; bash -c \'echo $EXPORTED\'; '
-                      'kill -0 "$(cat /tmp/bgpid)" && echo bg-alive; jobs | wc -l')
+    r = await sb.exec(
+        "pwd; echo $((COUNT + 1)); greet bob; bash -c 'echo $EXPORTED'; "
+        'kill -0 "$(cat /tmp/bgpid)" && echo bg-alive; jobs | wc -l'
+    )
     assert r.output == f"{SANDBOX_WORKDIR}/sub/dir\n42\nhi bob\nyes\nbg-alive\n1\n"
     assert r.exit_code == 0 and not r.timed_out and not r.truncated
 
@@ -81,7 +90,7 @@ async def test_exit_codes_and_dollar_question(sb: BwrapSandbox) -> None:
 async def test_multiline_heredoc_and_no_trailing_newline(sb: BwrapSandbox) -> None:
     r = await sb.exec("cat > f.txt <<'EOF'\nline 1 $HOME\n  line 2\nEOF\ncat f.txt\nprintf 'no newline'")
     assert r.output == "line 1 $HOME\n  line 2\nno newline"
-    r = await sb.exec("for i in 1 2 3; do\n  echo \"n=$i\"\ndone | tail -n 1")
+    r = await sb.exec('for i in 1 2 3; do\n  echo "n=$i"\ndone | tail -n 1')
     assert r.output == "n=3\n"
 
 
@@ -116,15 +125,24 @@ class _DribbleStream:
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if not self.data:
             raise anyio.EndOfStream
-        chunk, self.data = self.data[: min(self.step, max_bytes)], self.data[min(self.step, max_bytes):]
+        chunk, self.data = self.data[: min(self.step, max_bytes)], self.data[min(self.step, max_bytes) :]
         return chunk
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 4096])
 async def test_channel_finds_split_marker_and_ignores_other_nonces(step: int) -> None:
     nonce = "ab" * 16
-    stream = (b"out " + MARK + b"cd" * 16 + b"_0 /x\n" + b"more" + MARK + nonce.encode() + b"_7 /tmp/a\\ b\n"
-              + b"late background output")
+    stream = (
+        b"out "
+        + MARK
+        + b"cd" * 16
+        + b"_0 /x\n"
+        + b"more"
+        + MARK
+        + nonce.encode()
+        + b"_7 /tmp/a\\ b\n"
+        + b"late background output"
+    )
     ch = ShellChannel(stdin=None, stdout=_DribbleStream(stream, step))  # type: ignore[arg-type]
     out = OutputBuffer(1 << 16)
     done = await ch.read_until_done(nonce, out)
@@ -150,8 +168,9 @@ async def test_timeout_kills_the_command_and_the_shell_keeps_its_state(sb: Bwrap
     r = await sb.exec("pwd; echo $KEEP")
     assert r.output == "/tmp\nme\n" and r.exit_code == 0
     # The rest of a timed-out command is abandoned, as ^C would: later commands, loop bodies, functions.
-    r = await sb.exec("f() { sleep 100; touch in-f; }; for i in 1 2 3; do f; touch loop-$i; done; touch after",
-                      timeout=1.0)
+    r = await sb.exec(
+        "f() { sleep 100; touch in-f; }; for i in 1 2 3; do f; touch loop-$i; done; touch after", timeout=1.0
+    )
     assert r.timed_out
     assert (await sb.exec("ls")).output == ""
     assert (await sb.exec("echo $KEEP")).output == "me\n"
@@ -208,7 +227,7 @@ def test_output_buffer_keeps_exact_head_and_tail(chunks: list[bytes], limit: int
     if len(data) <= limit:
         assert buf.text() == data.decode("utf-8", errors="replace")
     else:
-        head, tail = data[: limit // 2], data[len(data) - (limit - limit // 2):]
+        head, tail = data[: limit // 2], data[len(data) - (limit - limit // 2) :]
         note = f"\n[... {len(data) - len(head) - len(tail)} bytes truncated ...]\n"
         assert buf.text() == head.decode("utf-8", "replace") + note + tail.decode("utf-8", "replace")
 
@@ -221,6 +240,7 @@ async def test_files_cross_between_host_api_and_shell(sb: BwrapSandbox, workdir:
     await sb.write_file("deep/new/dir/blob.bin", blob)
     r = await sb.exec("sha256sum deep/new/dir/blob.bin | cut -c1-16; stat -c %u deep/new/dir/blob.bin deep/new")
     import hashlib
+
     assert r.output == f"{hashlib.sha256(blob).hexdigest()[:16]}\n{sb.uid}\n{sb.uid}\n"
     await sb.exec("echo from-shell > made.txt; ln -s made.txt link.txt; ln -s /workspace/made.txt abs.txt")
     assert await sb.read_file("made.txt") == b"from-shell\n"

@@ -12,8 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_agent.sandbox import BwrapSandbox, SandboxConfig
-from sandbox_agent.sandbox import procs
+from sandbox_agent.sandbox import BwrapSandbox, SandboxConfig, procs
 
 CFG = SandboxConfig(command_timeout_s=10.0, kill_grace_s=0.5)
 
@@ -86,7 +85,8 @@ async def test_host_files_are_not_visible(sb: BwrapSandbox, tmp_path: Path) -> N
     r = await sb.exec(
         f"cat {secret}; cat /etc/shadow; ls /root; ls /work/main; cat /work/main/pyproject.toml; "
         "ls /home; cat /proc/1/environ; ls /proc/1/root/; cat /proc/1/cmdline >/dev/null && echo cmdline-ok; "
-        "ls /etc")
+        "ls /etc"
+    )
     assert "s3cret" not in r.output and "root:" not in r.output.split("cmdline-ok")[0].replace("root:x:0:0", "")
     assert "[project]" not in r.output
     for needle in ("No such file", "Permission denied"):
@@ -94,15 +94,22 @@ async def test_host_files_are_not_visible(sb: BwrapSandbox, tmp_path: Path) -> N
     etc = r.output.split("cmdline-ok\n")[1].split()
     assert "shadow" not in etc and "gshadow" not in etc and "passwd" in etc
     r = await sb.exec("grep -c . /etc/passwd; id -un; cat /proc/self/status | grep -E '^(CapEff|CapBnd|NoNewPrivs)'")
-    assert r.output.splitlines() == ["3", "agent", "CapEff:\t0000000000000000", "CapBnd:\t0000000000000000",
-                                     "NoNewPrivs:\t1"]
+    assert r.output.splitlines() == [
+        "3",
+        "agent",
+        "CapEff:\t0000000000000000",
+        "CapBnd:\t0000000000000000",
+        "NoNewPrivs:\t1",
+    ]
 
 
 async def test_writes_outside_the_work_dir_fail_or_stay_private(sb: BwrapSandbox, workdir: Path) -> None:
     name = f"t1-abuse-{secrets.token_hex(4)}"
-    r = await sb.exec(f"for p in /usr/{name} /etc/{name} /{name} /bin/{name} /proc/{name} /dev/{name}; do "
-                      f"touch $p 2>/dev/null && echo WROTE $p; done; echo private > /tmp/{name}; cat /tmp/{name}; "
-                      f"echo ok > /workspace/{name}")
+    r = await sb.exec(
+        f"for p in /usr/{name} /etc/{name} /{name} /bin/{name} /proc/{name} /dev/{name}; do "
+        f"touch $p 2>/dev/null && echo WROTE $p; done; echo private > /tmp/{name}; cat /tmp/{name}; "
+        f"echo ok > /workspace/{name}"
+    )
     assert "WROTE" not in r.output and r.output.startswith("private\n")
     for host in (f"/usr/{name}", f"/etc/{name}", f"/{name}", f"/tmp/{name}", f"/dev/{name}"):
         assert not os.path.exists(host), host
@@ -138,17 +145,21 @@ async def test_filling_the_disk_hits_fsize_and_tmpfs_size(workdir: Path) -> None
     async with BwrapSandbox.open(workdir, cfg) as s:
         r = await s.exec("dd if=/dev/zero of=/workspace/big bs=1M count=64 2>&1; stat -c %s /workspace/big")
         assert int(r.output.split()[-1]) <= cfg.file_size_bytes
-        r = await s.exec("for i in 1 2 3 4; do "
-                         "dd if=/dev/zero of=/tmp/f$i bs=1M count=7 2>&1 | grep -o 'No space.*'; done; "
-                         "du -sm /tmp | cut -f1")
+        r = await s.exec(
+            "for i in 1 2 3 4; do "
+            "dd if=/dev/zero of=/tmp/f$i bs=1M count=7 2>&1 | grep -o 'No space.*'; done; "
+            "du -sm /tmp | cut -f1"
+        )
         assert "No space left on device" in r.output
         assert int(r.output.split()[-1]) <= 16
     assert os.path.getsize(workdir / "big") <= cfg.file_size_bytes
 
 
 async def test_allocating_20_gb_fails_under_rlimit_as(sb: BwrapSandbox) -> None:
-    r = await sb.exec("python3 -c 'x = bytearray(20 << 30)'; echo rc=$?; "
-                      "python3 -c 'import resource; print(resource.getrlimit(resource.RLIMIT_AS))'")
+    r = await sb.exec(
+        "python3 -c 'x = bytearray(20 << 30)'; echo rc=$?; "
+        "python3 -c 'import resource; print(resource.getrlimit(resource.RLIMIT_AS))'"
+    )
     assert "MemoryError" in r.output and "rc=1" in r.output
     assert f"({CFG.address_space_bytes}, {CFG.address_space_bytes})" in r.output
     r = await sb.exec("ulimit -v unlimited; echo rc=$?")  # the hard limit cannot be raised from inside
@@ -181,10 +192,12 @@ async def test_background_processes_die_with_the_sandbox(workdir: Path) -> None:
 
 async def test_a_command_ignoring_sigterm_is_killed_by_the_timeout(sb: BwrapSandbox) -> None:
     await sb.exec("STATE=kept")
-    prog = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "print('armed', flush=True); time.sleep(1000)")
+    prog = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('armed', flush=True); time.sleep(1000)"
+    )
     t0 = time.monotonic()
-    r = await sb.exec(f"python3 -c \"{prog}\"; echo not-reached", timeout=1.5)
+    r = await sb.exec(f'python3 -c "{prog}"; echo not-reached', timeout=1.5)
     assert r.timed_out and r.exit_code is None and "armed" in r.output and "not-reached" not in r.output
     assert time.monotonic() - t0 < 1.5 + CFG.kill_grace_s + 1.5
     assert not _pids_with(sb.uid, "time.sleep")

@@ -15,8 +15,9 @@ FIXTURES = ROOT / "sandbox_agent" / "fixtures"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sandbox_agent", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "sandbox_agent", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("sub", [[], ["synth"], ["decontam"], ["run-task"], ["check"], ["list"]])

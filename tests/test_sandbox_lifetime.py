@@ -74,8 +74,13 @@ def _env() -> dict[str, str]:
 
 
 def _run_script(script: str, backend: str, arg: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", script, backend, str(arg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+    return subprocess.Popen(
+        [sys.executable, "-c", script, backend, str(arg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
 
 
 def _stop(p: subprocess.Popen[str]) -> None:

@@ -48,8 +48,15 @@ async def test_demo_tokens_are_exactly_the_agents_token_in_sequence():
 
     outputs = {"ls -la  data/": "total 8\n-rw-r--r--  1 u u   12 a.txt\n", "cat data/a.txt | sort -u": "  x\n\ty\n"}
     sandbox = MemorySandbox(lambda cmd: outputs[cmd])
-    await run_agent(instruction="Sort the words in data/a.txt.", sampler=sampler, tokenizer=tok, sandbox=sandbox,
-                    verify=verify, config=AgentConfig(max_turns=5, request_routing=False), on_turn=on_turn)  # fmt: skip
+    await run_agent(
+        instruction="Sort the words in data/a.txt.",
+        sampler=sampler,
+        tokenizer=tok,
+        sandbox=sandbox,
+        verify=verify,
+        config=AgentConfig(max_turns=5, request_routing=False),
+        on_turn=on_turn,
+    )
     assert len(turns) == 3
     demo = Demo("t", "Sort the words in data/a.txt.", tuple((r, tr.observation) for r, tr in zip(REPLIES, turns)))
     ex = demo_tokens(demo, tok)
@@ -82,9 +89,13 @@ async def test_sft_on_real_oracle_demonstrations_reduces_their_loss(tmp_path):
     tok = ChatTokenizer.load()
     examples = [demo_tokens(d, tok) for d in demos]
     torch.manual_seed(0)
-    model = MoETransformer(MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=4096))
+    model = MoETransformer(
+        MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=4096)
+    )
     before = demo_loss(model, examples, pad_id=tok.pad_id)
-    losses = sft_train(model, examples, SFTConfig(steps=12, lr=3e-3, warmup_steps=2, batch_tokens=4096), pad_id=tok.pad_id)
+    losses = sft_train(
+        model, examples, SFTConfig(steps=12, lr=3e-3, warmup_steps=2, batch_tokens=4096), pad_id=tok.pad_id
+    )
     after = demo_loss(model, examples, pad_id=tok.pad_id)
     assert len(losses) == 12
     assert after < before - 0.5, (before, after)

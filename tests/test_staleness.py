@@ -90,15 +90,34 @@ def test_the_bound_needs_the_training_order():
 
 
 @given(
-    eta=st.integers(0, 5), b=st.integers(1, 12), actors=st.integers(1, 24), die=st.sampled_from([0.0, 0.02, 0.2]),
-    slow=st.floats(0.1, 20.0), train=st.floats(0.1, 5.0), load=st.floats(0.0, 3.0), seed=st.integers(0, 10**6),
+    eta=st.integers(0, 5),
+    b=st.integers(1, 12),
+    actors=st.integers(1, 24),
+    die=st.sampled_from([0.0, 0.02, 0.2]),
+    slow=st.floats(0.1, 20.0),
+    train=st.floats(0.1, 5.0),
+    load=st.floats(0.0, 3.0),
+    seed=st.integers(0, 10**6),
     drop=st.sampled_from([0.0, 0.1, 0.5]),
-)  # fmt: skip
+)
 @settings(max_examples=60, deadline=None)
 def test_bound_holds_for_any_timing(eta, b, actors, die, slow, train, load, seed, drop):
     """Also with turns settled untrained (their capacity goes back at once: later ranks only drop)."""
-    r = simulate(SimConfig(max_staleness=eta, batch_turns=b, actors=actors, die_p=die, sample_s=(0.1, slow),
-                           train_s=train, load_s=load, horizon_s=200.0, seed=seed, lease_s=10.0, drop_p=drop))  # fmt: skip
+    r = simulate(
+        SimConfig(
+            max_staleness=eta,
+            batch_turns=b,
+            actors=actors,
+            die_p=die,
+            sample_s=(0.1, slow),
+            train_s=train,
+            load_s=load,
+            horizon_s=200.0,
+            seed=seed,
+            lease_s=10.0,
+            drop_p=drop,
+        )
+    )
     assert r.max_staleness <= eta and min(r.staleness, default=0) >= 0
 
 

@@ -10,8 +10,16 @@ from bench.staleness import summarise
 
 
 def learner(t, step, turns, t_step_s, **kw):
-    return {"component": "learner", "subject": "t1.metrics.learner", "t": t, "step": step, "turns_trained": turns,
-            "t_step_s": t_step_s, "max_staleness": 0, **kw}  # fmt: skip
+    return {
+        "component": "learner",
+        "subject": "t1.metrics.learner",
+        "t": t,
+        "step": step,
+        "turns_trained": turns,
+        "t_step_s": t_step_s,
+        "max_staleness": 0,
+        **kw,
+    }
 
 
 def actor(name, t, **kw):
@@ -43,8 +51,12 @@ def test_summary_of_one_eta():
 
 
 def test_warmup_steps_are_left_out_of_the_timing():
-    recs = [learner(10.0, 1, 8, 1.0, tokens=100), learner(20.0, 2, 16, 4.0, t_step_wall_s=4.5, tokens=200),
-            learner(30.0, 3, 24, 2.0, tokens=300), learner(34.0, 4, 40, 3.0, t_step_wall_s=3.5, tokens=500)]  # fmt: skip
+    recs = [
+        learner(10.0, 1, 8, 1.0, tokens=100),
+        learner(20.0, 2, 16, 4.0, t_step_wall_s=4.5, tokens=200),
+        learner(30.0, 3, 24, 2.0, tokens=300),
+        learner(34.0, 4, 40, 3.0, t_step_wall_s=3.5, tokens=500),
+    ]
     r = summarise(recs, 0, slots=1, warmup_steps=2)
     assert r["turns_per_s"] == pytest.approx(24 / 14)  # from the end of step 2 to the end of step 4
     assert r["t_train_s"] == pytest.approx(2.0 + 3.5)  # steps 3 and 4, their whole wall time where reported
@@ -92,8 +104,12 @@ def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == f"[{cpu}]"
     # `cluster up` pinned to one CPU itself (as bench.staleness runs it) may still put the learner on another
     last = max(range(os.cpu_count() or 1))
-    inner = [sys.executable, "-c", "import sys; from t1async.cluster.components import parse_cpus; "
-             f"print(sorted(parse_cpus('{last}', '--learner-cpus')))"]  # fmt: skip
+    inner = [
+        sys.executable,
+        "-c",
+        "import sys; from t1async.cluster.components import parse_cpus; "
+        f"print(sorted(parse_cpus('{last}', '--learner-cpus')))",
+    ]
     out = subprocess.run(["taskset", "-c", cpu, *inner], capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"[{last}]"
     unpinned = {s.name: list(s.argv) for s in components.specs(_up_cfg("--run-dir", str(tmp_path)), "nats://x:1")}
@@ -122,8 +138,14 @@ def test_sampler_idle_from_its_own_busy_accounting():
 def test_overlap_sets_async_beside_the_bound():
     from bench.staleness import overlap
 
-    sync = {"eta": 0, "turns_per_s": 1.0, "t_sample_s": 30.0, "t_train_s": 20.0, "overlap_bound": 50.0 / 30.0,
-            "sampler_idle": 0.5}  # fmt: skip
+    sync = {
+        "eta": 0,
+        "turns_per_s": 1.0,
+        "t_sample_s": 30.0,
+        "t_train_s": 20.0,
+        "overlap_bound": 50.0 / 30.0,
+        "sampler_idle": 0.5,
+    }
     fast = {"eta": 4, "turns_per_s": 1.5, "sampler_idle": 0.1}
     ov = overlap([sync, {"eta": 1, "turns_per_s": 1.2, "sampler_idle": 0.3}, fast])
     assert ov["eta_async"] == 4 and ov["async_over_sync"] == pytest.approx(1.5)
@@ -158,10 +180,24 @@ def test_why_names_each_measured_reason():
     from bench.staleness import overlap, why
 
     base = {"tokens_per_turn": 276.0, "train_s_per_ktok": 1.36, "learner_cpu_share": 0.95}
-    sync = {**base, "eta": 0, "turns_per_s": 1.44, "t_sample_s": 112.0, "t_train_s": 132.0,
-            "overlap_bound": 244 / 132, "sampler_idle": 0.63}  # fmt: skip
-    slow = {**base, "eta": 4, "turns_per_s": 1.66, "sampler_idle": 0.35, "tokens_per_turn": 343.0,
-            "train_s_per_ktok": 1.76, "learner_cpu_share": 0.32}  # fmt: skip
+    sync = {
+        **base,
+        "eta": 0,
+        "turns_per_s": 1.44,
+        "t_sample_s": 112.0,
+        "t_train_s": 132.0,
+        "overlap_bound": 244 / 132,
+        "sampler_idle": 0.63,
+    }
+    slow = {
+        **base,
+        "eta": 4,
+        "turns_per_s": 1.66,
+        "sampler_idle": 0.35,
+        "tokens_per_turn": 343.0,
+        "train_s_per_ktok": 1.76,
+        "learner_cpu_share": 0.32,
+    }
     lines = why([sync, slow], overlap([sync, slow]))
     assert len(lines) == 4, lines
     assert "must idle >= 15%" in lines[0] and "1.24x the tokens per turn" in lines[1]
@@ -177,13 +213,33 @@ def test_main_prints_the_overlap_and_the_json_line(tmp_path, monkeypatch, capsys
 
     import bench.staleness as bs
 
-    row = {"max_staleness": 0, "stale_masked_tokens": 0, "steps": 9, "turns_trained": 288, "staleness_hist": {},
-           "credit_waits": 10, "credit_wait_s": 5.0, "credit_wait_mean_s": 0.5, "credit_wait_p99_s": 2.0,
-           "credit_wait_max_s": 3.0, "credit_wait_share": 0.5, "mismatch": 0.0, "policy_shift": 0.0,
-           "tokens_per_turn": 276.0, "train_s_per_ktok": 1.36, "t_train_s": 132.0, "t_sample_s": 112.0,
-           "t_first": 0.0, "t_last": 244.0, "overlap_bound": 244 / 132, "learner_cpu_share": 0.36}  # fmt: skip
-    rows = {0: {**row, "eta": 0, "turns_per_s": 1.44, "sampler_idle": 0.63},
-            4: {**row, "eta": 4, "turns_per_s": 1.66, "sampler_idle": None, "max_staleness": 2}}  # fmt: skip
+    row = {
+        "max_staleness": 0,
+        "stale_masked_tokens": 0,
+        "steps": 9,
+        "turns_trained": 288,
+        "staleness_hist": {},
+        "credit_waits": 10,
+        "credit_wait_s": 5.0,
+        "credit_wait_mean_s": 0.5,
+        "credit_wait_p99_s": 2.0,
+        "credit_wait_max_s": 3.0,
+        "credit_wait_share": 0.5,
+        "mismatch": 0.0,
+        "policy_shift": 0.0,
+        "tokens_per_turn": 276.0,
+        "train_s_per_ktok": 1.36,
+        "t_train_s": 132.0,
+        "t_sample_s": 112.0,
+        "t_first": 0.0,
+        "t_last": 244.0,
+        "overlap_bound": 244 / 132,
+        "learner_cpu_share": 0.36,
+    }
+    rows = {
+        0: {**row, "eta": 0, "turns_per_s": 1.44, "sampler_idle": 0.63},
+        4: {**row, "eta": 4, "turns_per_s": 1.66, "sampler_idle": None, "max_staleness": 2},
+    }
     monkeypatch.setattr(bs, "run_one", lambda eta, args, root: rows[eta])
     assert bs.main(["--etas", "0,4", "--out", str(tmp_path), "--json"]) == 0
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import FAMILIES, generate, make_task
 from sandbox_agent.tasks import load_task, split_for
@@ -20,7 +21,9 @@ async def _check_corpus(paths: list[Path]) -> dict[str, str]:
     for r in rows:
         o, n = r.oracle, r.null
         if not (r.ok and o.passed == o.total >= 3 and n.total >= 3):
-            problems[r.task_id] = f"oracle {o.status} {o.passed}/{o.total} {o.detail[-800:]}; null {n.status} {n.passed}/{n.total}"
+            problems[r.task_id] = (
+                f"oracle {o.status} {o.passed}/{o.total} {o.detail[-800:]}; null {n.status} {n.passed}/{n.total}"
+            )
     return problems
 
 

@@ -50,14 +50,28 @@ def test_turn_lines_escape_clip_and_pick_fields():
     e = dataclasses.replace(end("e", 1), detail="boom\x00\n")
     assert Formatter().line(msg(e)).endswith("detail=boom\\x00\\n")
     assert select({"subject": "s", "kind": "turn", "reward": 1, "action": "x"}, ("reward",)) == {
-        "subject": "s", "kind": "turn", "reward": 1}  # fmt: skip
+        "subject": "s",
+        "kind": "turn",
+        "reward": 1,
+    }
 
 
 async def test_tail_through_a_pipe_prints_only_escaped_records(nats_server, repo_env):
     env = {**repo_env, "T1_LOG_LEVEL": "info", "FORCE_COLOR": ""}
     env.pop("FORCE_COLOR")
-    argv = [sys.executable, "-m", "t1async.cluster", "tail", "--nats", nats_server.url, "--no-text",
-            "--fields", "ep,t,reward,action", "--max-text", "40"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "tail",
+        "--nats",
+        nats_server.url,
+        "--no-text",
+        "--fields",
+        "ep,t,reward,action",
+        "--max-text",
+        "40",
+    ]
     async with await anyio.open_process(argv, env=env) as proc:
         try:
             out, err = bytearray(), bytearray()
@@ -106,8 +120,14 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path, repo_env, command):
     r, w = os.pipe()
     os.close(r)
     try:
-        res = subprocess.run([sys.executable, "-m", "t1async.cluster", *command, "--run-dir", str(run_dir)],
-                             stdout=w, stderr=subprocess.PIPE, env=repo_env, text=True, timeout=60)  # fmt: skip
+        res = subprocess.run(
+            [sys.executable, "-m", "t1async.cluster", *command, "--run-dir", str(run_dir)],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            env=repo_env,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(w)
     assert res.stderr == "" and res.returncode == 141, res.stderr

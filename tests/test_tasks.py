@@ -10,7 +10,13 @@ import pytest
 from sandbox_agent.backend import BwrapBackend, require_backend
 from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
 from sandbox_agent.tasks import (
-    TaskFormatError, TaskNeedsImageError, iter_task_dirs, load_task, load_tasks, populate_workdir, split_for,
+    TaskFormatError,
+    TaskNeedsImageError,
+    iter_task_dirs,
+    load_task,
+    load_tasks,
+    populate_workdir,
+    split_for,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -18,7 +24,13 @@ FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
 
 def test_tb1_task_yaml():
     t = load_task(FIXTURES / "tb1" / "hello-world")
-    assert (t.id, t.format, t.family, t.parser, t.difficulty) == ("hello-world", "tb1", "file-operations", "pytest", "easy")
+    assert (t.id, t.format, t.family, t.parser, t.difficulty) == (
+        "hello-world",
+        "tb1",
+        "file-operations",
+        "pytest",
+        "easy",
+    )
     assert t.instruction.startswith("Create a file called hello.txt") and t.instruction.endswith("newline.\n")
     assert (t.agent_timeout_s, t.test_timeout_s) == (360.0, 60.0)
     assert t.test_files == ("test_outputs.py",) and t.tests_dir == t.path / "tests"
@@ -52,8 +64,11 @@ def test_images_are_detected():
 
 def test_task_needing_an_image_is_refused_clearly():
     t = load_task(FIXTURES / "tb2" / "custom-image")
-    with pytest.raises(TaskNeedsImageError, match=r"task 'custom-image' needs image 'dockerfile:.*'; no container backend.*"
-                                                  r"FROM ghcr.io/example/cuda-train:12.4"):
+    with pytest.raises(
+        TaskNeedsImageError,
+        match=r"task 'custom-image' needs image 'dockerfile:.*'; no container backend.*"
+        r"FROM ghcr.io/example/cuda-train:12.4",
+    ):
         require_backend(t, BwrapBackend())
 
 
@@ -65,7 +80,8 @@ async def test_run_policy_refuses_image_task_before_touching_anything():
 def test_load_tasks_finds_every_fixture():
     tasks = load_tasks(FIXTURES)
     assert sorted(t.id for t in tasks) == sorted(
-        ["hello-world", "fibonacci-legacy", "needs-image", "word-count", "exit-status-only", "custom-image"])
+        ["hello-world", "fibonacci-legacy", "needs-image", "word-count", "exit-status-only", "custom-image"]
+    )
     assert list(iter_task_dirs(FIXTURES / "tb1" / "hello-world")) == [FIXTURES / "tb1" / "hello-world"]
 
 

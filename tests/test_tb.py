@@ -19,8 +19,13 @@ def test_scalars_read_back_by_step(tmp_path):
 
 def test_learner_scalars_from_a_step_and_its_metrics():
     step = {"reward_sum": 6.0, "turns": 4, "loss": 0.1, "mismatch": 0.01, "mismatch_tokens": 0, "mean_abs_dlogp": 0.02}
-    metrics = {"reward_mean": 1.5, "resolved_rate": 0.25, "max_staleness": 1, "turns_per_s": 3.0,
-               "drift": {"clean": 7, "realign": 1, "fork": 0}}  # fmt: skip
+    metrics = {
+        "reward_mean": 1.5,
+        "resolved_rate": 0.25,
+        "max_staleness": 1,
+        "turns_per_s": 3.0,
+        "drift": {"clean": 7, "realign": 1, "fork": 0},
+    }
     out = learner_scalars(step, metrics)
     assert out["train/reward_per_turn"] == 1.5 and out["episodes/resolved_rate"] == 0.25
     assert "train/mismatch" not in out  # measured over no token: no point

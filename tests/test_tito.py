@@ -9,11 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from t1async import wire
+from t1async import tito, wire
 from t1async.assembly import Assembler, AssemblerConfig
-from t1async.testing.episodes import check_segments, episodes, make_episode
-from t1async import tito
 from t1async.learner import ppo
+from t1async.testing.episodes import check_segments, episodes, make_episode
 from t1async.tito import Boundary, Segment, check_input, classify, common_prefix_len, hash_update, new_hasher
 
 
@@ -65,7 +64,11 @@ def test_invariant_every_drift_kind_any_delivery_order(case):
     segs = _feed(asm, case.records)
     counts = check_segments(case, segs)
     st_ = asm.stats()
-    assert (st_.clean, st_.realign, st_.fork) == (case.expected["clean"], case.expected["realign"], case.expected["fork"])
+    assert (st_.clean, st_.realign, st_.fork) == (
+        case.expected["clean"],
+        case.expected["realign"],
+        case.expected["fork"],
+    )
     assert st_.boundaries == len(case.truth) - 1 and st_.untrainable_turns == 0 and st_.conflicts == 0
     assert st_.tokens_dropped == case.dropped
     # every sampled token is trained exactly once, except those a REALIGN dropped
@@ -101,11 +104,23 @@ def _turn(ep, t, inp, out, keep=None, *, prev=None, version=0, reward=0.0, routi
     inp = np.asarray(inp, np.int32)
     keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if keep is None and prev is not None else (keep or 0)
     return wire.TurnRecord(
-        episode=ep, turn=t, policy_version=version, keep=keep, input_delta=inp[keep:], input_len=len(inp),
-        input_digest=digest or wire.digest_ids(inp), output_ids=np.asarray(out, np.int32),
-        output_logprobs=-np.arange(1, len(out) + 1, dtype=np.float32) / 10, finish=wire.Finish.STOP,
-        routing=routing, reward=reward, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0, last=last,
-    )  # fmt: skip
+        episode=ep,
+        turn=t,
+        policy_version=version,
+        keep=keep,
+        input_delta=inp[keep:],
+        input_len=len(inp),
+        input_digest=digest or wire.digest_ids(inp),
+        output_ids=np.asarray(out, np.int32),
+        output_logprobs=-np.arange(1, len(out) + 1, dtype=np.float32) / 10,
+        finish=wire.Finish.STOP,
+        routing=routing,
+        reward=reward,
+        tests_passed=-1,
+        t_sample_s=0.0,
+        t_exec_s=0.0,
+        last=last,
+    )
 
 
 def _end(ep, turns):
@@ -185,7 +200,9 @@ def test_a_cut_holding_the_last_turn_gives_its_reward_with_no_bootstrap():
     asm.add(_turn("e", 0, [1, 2], [10, 11], reward=2.0, last=True))
     (seg,) = asm.cut()
     values = np.full(len(seg.tokens) + 1, 0.9)  # a value head that says ~1 everywhere
-    _, ret = ppo.segment_advantages(seg.loss_mask, values, seg.turn_ends, seg.turn_rewards, seg.done, gamma=1.0, lam=1.0)
+    _, ret = ppo.segment_advantages(
+        seg.loss_mask, values, seg.turn_ends, seg.turn_rewards, seg.done, gamma=1.0, lam=1.0
+    )
     assert np.allclose(ret[seg.loss_mask], 2.0), ret  # not 2.0 + 0.9
 
 
@@ -232,8 +249,12 @@ def test_a_turn_that_never_arrives_abandons_the_episode_within_bounds():
 
 def test_many_episodes_interleaved():
     rng = np.random.default_rng(7)
-    cases = [make_episode(rng, list(rng.choice(["clean", "realign", "fork"], size=8)), episode=f"ep{i}",
-                          shuffle=1.0, duplicate=0.2) for i in range(6)]  # fmt: skip
+    cases = [
+        make_episode(
+            rng, list(rng.choice(["clean", "realign", "fork"], size=8)), episode=f"ep{i}", shuffle=1.0, duplicate=0.2
+        )
+        for i in range(6)
+    ]
     stream = [r for c in cases for r in c.records]
     rng.shuffle(stream)
     asm = Assembler()
@@ -263,9 +284,11 @@ SHELL_OUTPUTS = [
     "   \n\t  indented\t\ttabs   and  spaces  \n\n\n",
 ]
 ACTIONS = [
-    "\n```bash\nls -la\n```", "  I'll look at the parser.\n```bash\ncat src/parse.py\n```",
-    "```bash\npython -m pytest -q tests/\n```\n\n", " ```bash\nsed -i 's/mian/main/' main.py\n```",
-    "\n\nLet me check again:\n```bash\ngrep -rn \"def \" src/ | head\n```  ",
+    "\n```bash\nls -la\n```",
+    "  I'll look at the parser.\n```bash\ncat src/parse.py\n```",
+    "```bash\npython -m pytest -q tests/\n```\n\n",
+    " ```bash\nsed -i 's/mian/main/' main.py\n```",
+    '\n\nLet me check again:\n```bash\ngrep -rn "def " src/ | head\n```  ',
 ]
 
 
@@ -282,8 +305,14 @@ def _run_agent(tok, turns: int, *, token_in: bool) -> Assembler:
     for t in range(turns):
         action = ACTIONS[t % len(ACTIONS)]
         if token_in:
-            inp = tok.render(msgs) if t == 0 else seq + tok.bridge_ids(seq_out) + tok.message_ids(
-                "user", SHELL_OUTPUTS[(t - 1) % len(SHELL_OUTPUTS)]) + tok.generation_prompt_ids()  # fmt: skip
+            inp = (
+                tok.render(msgs)
+                if t == 0
+                else seq
+                + tok.bridge_ids(seq_out)
+                + tok.message_ids("user", SHELL_OUTPUTS[(t - 1) % len(SHELL_OUTPUTS)])
+                + tok.generation_prompt_ids()
+            )
         else:
             inp = tok.render(msgs)  # re-encode the whole chat text every turn
         out = _sampled_ids(tok, action)
@@ -291,8 +320,10 @@ def _run_agent(tok, turns: int, *, token_in: bool) -> Assembler:
             out.append(tok.im_end_id)
         asm.add(_turn("agent", t, inp, out, prev=seq if t else None))
         seq, seq_out = inp + out, out
-        msgs += [{"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)},
-                 {"role": "user", "content": SHELL_OUTPUTS[t % len(SHELL_OUTPUTS)]}]  # fmt: skip
+        msgs += [
+            {"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)},
+            {"role": "user", "content": SHELL_OUTPUTS[t % len(SHELL_OUTPUTS)]},
+        ]
     return asm
 
 

@@ -19,7 +19,9 @@ from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.tito import Segment
 
-CFG = MoEConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=512, seed=3)
+CFG = MoEConfig(
+    vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=512, seed=3
+)
 
 
 def tiny() -> MoETransformer:
@@ -27,9 +29,16 @@ def tiny() -> MoETransformer:
 
 
 def sampled_segment(
-    model: MoETransformer, tokens, loss_positions, *, reward: float, version: int = 0, done: bool = True,
-    routing_from: MoETransformer | None = None, episode: str = "ep",
-) -> Segment:  # fmt: skip
+    model: MoETransformer,
+    tokens,
+    loss_positions,
+    *,
+    reward: float,
+    version: int = 0,
+    done: bool = True,
+    routing_from: MoETransformer | None = None,
+    episode: str = "ep",
+) -> Segment:
     """A segment whose 'sampler' is ``model`` (logprobs) run with the routing ``routing_from`` chooses."""
     toks = np.asarray(tokens, dtype=np.int32)
     t = len(toks)
@@ -45,10 +54,18 @@ def sampled_segment(
     rt[-1] = -1  # the sampler never routes a sequence's last token
     last = max(loss_positions)
     return Segment(
-        episode=episode, index=0, tokens=toks, loss_mask=lm, logprobs=np.where(lm, lp, 0).astype(np.float32),
-        versions=np.where(lm, version, -1).astype(np.int32), turn_ids=np.where(lm, 0, -1).astype(np.int32),
-        routing=rt, turn_ends=np.array([last], np.int32), turn_rewards=np.array([reward], np.float32), done=done,
-    )  # fmt: skip
+        episode=episode,
+        index=0,
+        tokens=toks,
+        loss_mask=lm,
+        logprobs=np.where(lm, lp, 0).astype(np.float32),
+        versions=np.where(lm, version, -1).astype(np.int32),
+        turn_ids=np.where(lm, 0, -1).astype(np.int32),
+        routing=rt,
+        turn_ends=np.array([last], np.int32),
+        turn_rewards=np.array([reward], np.float32),
+        done=done,
+    )
 
 
 def logp_of(model: MoETransformer, tokens, pos: int) -> float:
@@ -134,8 +151,9 @@ def test_microbatches_accumulate_to_the_same_update():
     segs = []
     for i, n in enumerate((30, 24, 17, 9)):
         toks = rng.integers(10, 4000, size=n).tolist()
-        segs.append(sampled_segment(base, toks, range(n // 2, n), reward=float(i % 2) - 0.5, episode=f"e{i}",
-                                    done=i != 0))  # fmt: skip
+        segs.append(
+            sampled_segment(base, toks, range(n // 2, n), reward=float(i % 2) - 0.5, episode=f"e{i}", done=i != 0)
+        )
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     ma = Trainer(a, TrainerConfig(microbatch_tokens=4096)).step(segs, 0)  # one micro-batch, single pass
     mb = Trainer(b, TrainerConfig(microbatch_tokens=32)).step(segs, 0)  # four micro-batches, two passes
@@ -220,7 +238,9 @@ def _shift_after_one_step(lr: float) -> tuple:
     first = trainer.step(
         [sampled_segment(model, s, range(12, 24), reward=float(i % 2), episode=f"a{i}") for i, s in enumerate(seqs)], 0
     )
-    fresh = [sampled_segment(model, s, range(12, 24), reward=1.0, version=1, episode=f"new{i}") for i, s in enumerate(seqs)]
+    fresh = [
+        sampled_segment(model, s, range(12, 24), reward=1.0, version=1, episode=f"new{i}") for i, s in enumerate(seqs)
+    ]
     second = trainer.step(fresh + stale_segs, 1)
     return first, second
 
@@ -271,8 +291,10 @@ def test_a_step_with_checkpointed_blocks_updates_the_weights_as_without():
     after = []
     for ck in (False, True):
         model = tiny()
-        segs = [sampled_segment(model, toks, range(40, 90), reward=1.0),
-                sampled_segment(model, toks[:60], range(30, 60), reward=0.0, episode="b")]  # fmt: skip
+        segs = [
+            sampled_segment(model, toks, range(40, 90), reward=1.0),
+            sampled_segment(model, toks[:60], range(30, 60), reward=0.0, episode="b"),
+        ]
         m = Trainer(model, TrainerConfig(lr=1e-3, checkpoint_blocks=ck, microbatch_tokens=100)).step(segs, 0)
         after.append((m, [p.detach().clone() for p in model.parameters()]))
     (m0, p0), (m1, p1) = after
@@ -314,7 +336,9 @@ def test_advantages_are_whitened_over_all_loss_tokens_of_the_step(monkeypatch):
         monkeypatch, copy.deepcopy(base), TrainerConfig(normalize_advantages=False, microbatch_tokens=32), segs
     )
     assert raw.min() > 0  # the premise: every raw advantage is positive
-    adv, calls = _advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), TrainerConfig(microbatch_tokens=32), segs)
+    adv, calls = _advantages_fed_to_the_loss(
+        monkeypatch, copy.deepcopy(base), TrainerConfig(microbatch_tokens=32), segs
+    )
     assert calls > 1  # several micro-batches
     assert adv.mean() == pytest.approx(0.0, abs=1e-5) and adv.std() == pytest.approx(1.0, abs=1e-4)
     # one shift and one scale for the whole step (not per micro-batch): an affine map of the raw advantages
@@ -348,8 +372,10 @@ def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
     for coef in (0.0, 0.5):
         torch.manual_seed(0)
         model = tiny()
-        segs = [sampled_segment(model, toks, range(30, 60), reward=4.0),
-                sampled_segment(model, toks[:40], range(20, 40), reward=0.0, episode="b")]  # fmt: skip
+        segs = [
+            sampled_segment(model, toks, range(30, 60), reward=4.0),
+            sampled_segment(model, toks[:40], range(20, 40), reward=0.0, episode="b"),
+        ]
         cfg = TrainerConfig(lr=1e-3, critic=critic, loss=ppo.LossConfig(value_coef=coef))
         Trainer(model, cfg).step(segs, 0)
         runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -385,7 +411,7 @@ def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     assert "--critic" not in learner_argv()  # the default stays off the command line
     p = argparse.ArgumentParser()
     serve_cli.add_parser(p.add_subparsers())
-    args = p.parse_args(argv[argv.index("serve"):])
+    args = p.parse_args(argv[argv.index("serve") :])
     assert args.critic == "detached"
     with pytest.raises(ConfigError, match="--critic must be shared or detached"):
         from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))

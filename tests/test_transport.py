@@ -15,13 +15,24 @@ import pytest
 
 from t1async import wire
 from t1async.errors import TransportError
-from t1async.transport import (
-    MemoryBroker, MemoryTransport, default_msg_id, subject_matches, traj_subject,
-)  # fmt: skip
 from t1async.testing.transport import (
-    TRANSPORT_CHECKS, MemoryHarness, check_transport, end, memory_harness, nats_harness, start, turn,
-)  # fmt: skip
-from t1async.transport import chunking
+    TRANSPORT_CHECKS,
+    MemoryHarness,
+    check_transport,
+    end,
+    memory_harness,
+    nats_harness,
+    start,
+    turn,
+)
+from t1async.transport import (
+    MemoryBroker,
+    MemoryTransport,
+    chunking,
+    default_msg_id,
+    subject_matches,
+    traj_subject,
+)
 
 
 @pytest.fixture(params=["memory", "nats"])
@@ -99,15 +110,25 @@ def test_contradictory_or_stale_chunks_are_errors_with_their_handles():
 
 @pytest.mark.parametrize(
     ("pattern", "subject", "ok"),
-    [("t1.traj.>", "t1.traj.ep", True), ("t1.traj.>", "t1.traj", False), ("t1.*.x", "t1.a.x", True),
-     ("t1.*", "t1.a.b", False), ("t1.policy", "t1.policy", True), (">", "a", True)],
-)  # fmt: skip
+    [
+        ("t1.traj.>", "t1.traj.ep", True),
+        ("t1.traj.>", "t1.traj", False),
+        ("t1.*.x", "t1.a.x", True),
+        ("t1.*", "t1.a.b", False),
+        ("t1.policy", "t1.policy", True),
+        (">", "a", True),
+    ],
+)
 def test_subject_matching(pattern, subject, ok):
     assert subject_matches(pattern, subject) is ok
 
 
 def test_msg_ids_and_subjects_follow_design():
-    assert default_msg_id(start("e")) == "e/0" and default_msg_id(turn("e", 4)) == "e/5" and default_msg_id(end("e", 1)) == "e/end"
+    assert (
+        default_msg_id(start("e")) == "e/0"
+        and default_msg_id(turn("e", 4)) == "e/5"
+        and default_msg_id(end("e", 1)) == "e/end"
+    )
     with pytest.raises(TransportError, match="pass msg_id"):
         default_msg_id(wire.PolicyRecord(1, 1, "w"))
     assert traj_subject("ep-1") == "t1.traj.ep-1"

@@ -18,8 +18,8 @@ import pytest
 from t1async import wire
 from t1async.errors import TransportError
 from t1async.natsd import NatsServer, free_port
-from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.testing.transport import end, start, take, turn
+from t1async.transport import NatsConfig, NatsTransport, traj_subject
 
 
 def fast(url: str) -> NatsConfig:
@@ -30,12 +30,22 @@ def fast(url: str) -> NatsConfig:
 async def test_a_64mb_record_is_chunked_and_rejoined(nats_server):
     rows = (64 << 20) // (48 * 8) + 1
     big = wire.TurnRecord(
-        episode="big", turn=0, policy_version=1, keep=0, input_delta=np.arange(rows, dtype=np.int32) % 50_000,
-        input_len=rows, input_digest=b"\x01" * 16, output_ids=np.array([5], np.int32),
-        output_logprobs=np.array([-1.0], np.float32), finish=wire.Finish.LENGTH,
+        episode="big",
+        turn=0,
+        policy_version=1,
+        keep=0,
+        input_delta=np.arange(rows, dtype=np.int32) % 50_000,
+        input_len=rows,
+        input_digest=b"\x01" * 16,
+        output_ids=np.array([5], np.int32),
+        output_logprobs=np.array([-1.0], np.float32),
+        finish=wire.Finish.LENGTH,
         routing=wire.Routing(0, (np.arange(rows * 48 * 8) % 251).astype(np.uint8).reshape(rows, 48, 8)),
-        reward=0.0, tests_passed=-1, t_sample_s=1.0, t_exec_s=0.0,
-    )  # fmt: skip
+        reward=0.0,
+        tests_passed=-1,
+        t_sample_s=1.0,
+        t_exec_s=0.0,
+    )
     assert len(wire.encode(big)) > 64 << 20
     async with NatsTransport(config=fast(nats_server.url)) as pub, NatsTransport(config=fast(nats_server.url)) as sub:
         assert pub.max_payload == 1 << 20  # the server's default: the record must be split
@@ -116,17 +126,41 @@ async def test_a_plain_nats_py_and_msgpack_reader_sees_design_field_names(nats_s
     assert [(s, h["Nats-Msg-Id"]) for s, h, _ in msgs] == [("t1.traj.ep-m", f"ep-m/{x}") for x in ("0", "1", "end")]
     (_, _, s), (_, _, tm), (_, _, e) = msgs
     assert s["v"] == 1 and s["kind"] == "start" and {"episode", "actor", "task", "max_turns", "created_at"} <= s.keys()
-    assert {"episode", "turn", "policy_version", "keep", "input_delta", "input_len", "input_digest", "output_ids",
-            "output_logprobs", "finish", "routing", "reward", "tests_passed", "t_sample_s", "t_exec_s"} <= tm.keys()  # fmt: skip
+    assert {
+        "episode",
+        "turn",
+        "policy_version",
+        "keep",
+        "input_delta",
+        "input_len",
+        "input_digest",
+        "output_ids",
+        "output_logprobs",
+        "finish",
+        "routing",
+        "reward",
+        "tests_passed",
+        "t_sample_s",
+        "t_exec_s",
+    } <= tm.keys()
     assert tm["routing"]["dtype"] == "u1" and tm["routing"]["start"] == 0 and len(tm["routing"]["shape"]) == 3
     assert np.frombuffer(tm["output_ids"]["data"], "<i4").tolist() == [100, 101, 102]
-    assert {"episode", "turns", "reason", "tests_passed", "tests_total", "resolved"} <= e.keys() and e["reason"] == "solved"
+    assert {"episode", "turns", "reason", "tests_passed", "tests_total", "resolved"} <= e.keys() and e[
+        "reason"
+    ] == "solved"
 
 
 async def test_lying_chunks_published_raw_are_dead_lettered(nats_server, nats_raw_publish):
-    async with NatsTransport(config=fast(nats_server.url)) as t, t.subscribe("t1.dead.>", include_malformed=True) as dead:
-        await nats_raw_publish(nats_server.url, "t1.traj.x", b"abc", {"T1-Chunk": "0/2", "T1-Chunk-Of": "x/1", "T1-Chunk-Len": "6"})
-        await nats_raw_publish(nats_server.url, "t1.traj.x", b"de", {"T1-Chunk": "1/2", "T1-Chunk-Of": "x/1", "T1-Chunk-Len": "6"})
+    async with (
+        NatsTransport(config=fast(nats_server.url)) as t,
+        t.subscribe("t1.dead.>", include_malformed=True) as dead,
+    ):
+        await nats_raw_publish(
+            nats_server.url, "t1.traj.x", b"abc", {"T1-Chunk": "0/2", "T1-Chunk-Of": "x/1", "T1-Chunk-Len": "6"}
+        )
+        await nats_raw_publish(
+            nats_server.url, "t1.traj.x", b"de", {"T1-Chunk": "1/2", "T1-Chunk-Of": "x/1", "T1-Chunk-Len": "6"}
+        )
         await nats_raw_publish(nats_server.url, "t1.traj.x", b"zz", {"T1-Chunk": "one/two"})
         await t.publish(traj_subject("ep-z"), start("ep-z"))
         got = await take(t, 1)

@@ -11,7 +11,13 @@ from sandbox_agent.backend import BwrapBackend
 from sandbox_agent.runner import prepared_workdir
 from sandbox_agent.tasks import load_task
 from sandbox_agent.verifier import (
-    VerifierConfig, VerifyResult, interpret, parse_junit, parse_pytest_summary, split_output, verify,
+    VerifierConfig,
+    VerifyResult,
+    interpret,
+    parse_junit,
+    parse_pytest_summary,
+    split_output,
+    verify,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -55,8 +61,12 @@ def test_parse_junit_rejects_garbage(bad):
 
 def test_parse_summary_uses_only_the_summary_section():
     tests = parse_pytest_summary(SUMMARY)
-    assert tests == {"test_outputs.py::test_a": True, "test_outputs.py::test_b": False,
-                     "test_outputs.py::test_c": False, "test_outputs.py::test_d": True}
+    assert tests == {
+        "test_outputs.py::test_a": True,
+        "test_outputs.py::test_b": False,
+        "test_outputs.py::test_c": False,
+        "test_outputs.py::test_d": True,
+    }
     assert "test_outputs.py::test_fake" not in tests
     with pytest.raises(ValueError):
         parse_pytest_summary("PASSED test_x.py::test_y\n1 passed")
@@ -112,7 +122,9 @@ async def test_agent_cannot_tamper_with_tests_or_pytest(tmp_path):
     task = load_task(FIXTURES / "tb1" / "hello-world")
     backend = BwrapBackend()
     async with prepared_workdir(task, backend) as wd:
-        (wd / "conftest.py").write_text("import pytest\n@pytest.hookimpl(tryfirst=True)\ndef pytest_runtest_call(item):\n    pass\n")
+        (wd / "conftest.py").write_text(
+            "import pytest\n@pytest.hookimpl(tryfirst=True)\ndef pytest_runtest_call(item):\n    pass\n"
+        )
         (wd / "pytest.py").write_text("raise SystemExit(0)\n")
         (wd / "tests").mkdir()
         (wd / "tests" / "test_outputs.py").write_text("def test_hello_file_exists():\n    pass\n")
@@ -129,13 +141,17 @@ async def test_tests_are_read_only_inside(tmp_path):
         "def test_write_own_file():\n"
         "    pathlib.Path(__file__).write_text('x')\n\n"
         "def test_x():\n    assert True\n\n"
-        "def test_y():\n    assert True\n")
+        "def test_y():\n    assert True\n"
+    )
     task = load_task(src)
     backend = BwrapBackend()
     async with prepared_workdir(task, backend) as wd:
         r = await verify(task, wd, backend)
-    assert r.tests == {"test_outputs.py::test_write_own_file": False, "test_outputs.py::test_x": True,
-                       "test_outputs.py::test_y": True}
+    assert r.tests == {
+        "test_outputs.py::test_write_own_file": False,
+        "test_outputs.py::test_x": True,
+        "test_outputs.py::test_y": True,
+    }
 
 
 async def test_timeout_is_reported_not_passed(tmp_path):

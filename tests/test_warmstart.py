@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from bench.learning import learning_curve, paired_diff
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
@@ -35,8 +36,14 @@ def test_easy_families_stay_out_of_the_default_corpus(tmp_path):
 
 def _tiny_recipe(steps: int = 3) -> warmstart.Recipe:
     model = MoEConfig(d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, d_ff=32, seed=7)
-    return warmstart.Recipe(name="t", model=model, families=("mkfile",), tasks=6, task_seed=5,
-                            sft=SFTConfig(steps=steps, lr=1e-3, warmup_steps=1, batch_tokens=2048, seed=0))
+    return warmstart.Recipe(
+        name="t",
+        model=model,
+        families=("mkfile",),
+        tasks=6,
+        task_seed=5,
+        sft=SFTConfig(steps=steps, lr=1e-3, warmup_steps=1, batch_tokens=2048, seed=0),
+    )
 
 
 def test_recipe_digest_names_every_setting():
@@ -162,8 +169,10 @@ def test_copy_pretraining_examples_and_new_fields_keep_old_hashes():
         n = len(e.tokens) // 2
         assert 4 <= n <= 9 and list(e.tokens[:n]) == list(e.tokens[n:]) and set(e.tokens) <= {7, 8, 9}
         assert not e.loss_mask[: n + 1].any() and e.loss_mask[n + 1 :].all()  # the repeat, after its first token
-    assert [list(e.tokens) for e in ex] == [list(e.tokens) for e in copy_examples(50, 4096, frozenset({0, 1}), seed=3,
-                                                                                  min_len=4, max_len=9, pool=[0, 1, 7, 8, 9])]
+    assert [list(e.tokens) for e in ex] == [
+        list(e.tokens)
+        for e in copy_examples(50, 4096, frozenset({0, 1}), seed=3, min_len=4, max_len=9, pool=[0, 1, 7, 8, 9])
+    ]
     with pytest.raises(ConfigError, match="pool of at least 2"):
         copy_examples(1, 4096, frozenset({0}), pool=[0, 5])
     r = _tiny_recipe()

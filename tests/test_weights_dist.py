@@ -105,13 +105,21 @@ async def test_paused_sampler_stages_buckets_and_holds_new_requests_until_contin
 async def test_bad_updates_are_clear_errors_and_leave_the_weights(own_sampler):
     async with SGLangClient([own_sampler]) as client:
         with pytest.raises(SamplerError, match="init_weights_update_group first"):
-            await W.update_weights_from_distributed(client, own_sampler, names=["a"], dtypes=["float32"],
-                                                    shapes=[[2]], group_name="nope")  # fmt: skip
+            await W.update_weights_from_distributed(
+                client, own_sampler, names=["a"], dtypes=["float32"], shapes=[[2]], group_name="nope"
+            )
         with pytest.raises(SamplerError, match="unknown dtype"):
             await W.update_weights_from_distributed(client, own_sampler, names=["a"], dtypes=["int7"], shapes=[[2]])
         with pytest.raises(SamplerError, match="use backend 'gloo'"):
-            await W.init_weights_update_group(client, own_sampler, master_address="127.0.0.1", master_port=1,
-                                              rank_offset=1, world_size=2, backend="nccl")  # fmt: skip
+            await W.init_weights_update_group(
+                client,
+                own_sampler,
+                master_address="127.0.0.1",
+                master_port=1,
+                rank_offset=1,
+                world_size=2,
+                backend="nccl",
+            )
         ids0, lp0, v0 = await _logprobs(client)
         bogus = torch.nn.Module()
         bogus.register_buffer("not_a_weight", torch.ones(3))
@@ -155,17 +163,38 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
 
     tok = ChatTokenizer.load()
     model_dir = tmp_path / "model"
-    cfg = MoEConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32,
-                    max_seq_len=8192, seed=0)  # fmt: skip
+    cfg = MoEConfig(
+        vocab_size=tok.vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_experts=4,
+        top_k=2,
+        d_ff=32,
+        max_seq_len=8192,
+        seed=0,
+    )
     save_pretrained(MoETransformer(cfg), model_dir, tok)
     generate(tmp_path / "tasks", 6, seed=3)
     proc = SamplerProcess(model_dir, max_batch=8)
     url = proc.start()
     try:
-        lcfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=model_dir, max_staleness=1, batch_turns=4, steps=2,
-                             lease_s=30.0, metrics_every_s=0.2, trainer=TrainerConfig(lr=1e-2))  # fmt: skip
-        agent = AgentConfig(max_turns=3, max_context_tokens=4096, command_timeout_s=5.0,
-                            sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)))  # fmt: skip
+        lcfg = LearnerConfig(
+            run_dir=tmp_path / "run",
+            model_dir=model_dir,
+            max_staleness=1,
+            batch_turns=4,
+            steps=2,
+            lease_s=30.0,
+            metrics_every_s=0.2,
+            trainer=TrainerConfig(lr=1e-2),
+        )
+        agent = AgentConfig(
+            max_turns=3,
+            max_context_tokens=4096,
+            command_timeout_s=5.0,
+            sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)),
+        )
         broker = MemoryBroker()
         async with SGLangClient([url]) as client, MemoryTransport(broker) as lt, MemoryTransport(broker) as at:
             learner = Learner(lcfg, lt, client)
@@ -173,8 +202,15 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
             try:
                 async with anyio.create_task_group() as tg:
                     await tg.start(learner.run)
-                    tg.start_soon(lambda: run_actor(ActorConfig("a1", tmp_path / "tasks", concurrency=3, split="all"),
-                                                    transport=at, sampler=client, tokenizer=tok, agent=agent))
+                    tg.start_soon(
+                        lambda: run_actor(
+                            ActorConfig("a1", tmp_path / "tasks", concurrency=3, split="all"),
+                            transport=at,
+                            sampler=client,
+                            tokenizer=tok,
+                            agent=agent,
+                        )
+                    )
                     with anyio.fail_after(300):
                         while learner.weight_pusher.pushes < 2:  # the step counts before its push
                             await anyio.sleep(0.1)

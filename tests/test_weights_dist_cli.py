@@ -27,8 +27,9 @@ PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]
 
 
 def spawn(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *argv], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv], stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -64,13 +65,52 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
             g = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))
             return g.output_ids, g.logprobs, g.weight_version
 
-        learner_argv = ["t1async.learner", "serve", "--nats", url, "--sampler-url", surl, "--run-dir", str(run),
-                        "--batch-turns", "4", "--max-staleness", "1", "--steps", "2", "--lr", "1e-2",
-                        "--weight-sync", "distributed", "--weight-bucket-mb", "4"]  # fmt: skip
+        learner_argv = [
+            "t1async.learner",
+            "serve",
+            "--nats",
+            url,
+            "--sampler-url",
+            surl,
+            "--run-dir",
+            str(run),
+            "--batch-turns",
+            "4",
+            "--max-staleness",
+            "1",
+            "--steps",
+            "2",
+            "--lr",
+            "1e-2",
+            "--weight-sync",
+            "distributed",
+            "--weight-bucket-mb",
+            "4",
+        ]
         learner = spawn(learner_argv, logs / "learner.log", repo_env)
-        actor = spawn(["actors", "--nats", url, "--sampler-url", surl, "--tasks", str(tasks), "--split", "all",
-                       "--concurrency", "2", "--max-turns", "3", "--max-new-tokens", "24", "--actor-id", "a1"],
-                      logs / "a1.log", repo_env)  # fmt: skip
+        actor = spawn(
+            [
+                "actors",
+                "--nats",
+                url,
+                "--sampler-url",
+                surl,
+                "--tasks",
+                str(tasks),
+                "--split",
+                "all",
+                "--concurrency",
+                "2",
+                "--max-turns",
+                "3",
+                "--max-new-tokens",
+                "24",
+                "--actor-id",
+                "a1",
+            ],
+            logs / "a1.log",
+            repo_env,
+        )
         try:
             await wait_exit(learner, logs / "learner.log", 300)
         finally:
@@ -107,15 +147,42 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
 
 def test_cluster_up_with_distributed_weight_sync(tmp_path, repo_env):
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run), "--steps", "2", "--batch-turns", "4",
-            "--actors", "1", "--max-turns", "3", "--max-new-tokens", "24", "--weight-sync", "distributed",
-            "--weight-bucket-mb", "4", "--duration", "400", "--plain"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run),
+        "--steps",
+        "2",
+        "--batch-turns",
+        "4",
+        "--actors",
+        "1",
+        "--max-turns",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--weight-sync",
+        "distributed",
+        "--weight-bucket-mb",
+        "4",
+        "--duration",
+        "400",
+        "--plain",
+    ]
     out = subprocess.run(argv, env=repo_env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "learner finished" in out.stdout
     pushed = events(run / "logs" / "learner.log", "learner.weights_pushed")
     assert [e["version"] for e in pushed] == [1, 2] and all(e["path"] == "distributed" for e in pushed), pushed
     assert not events(run / "logs" / "sampler.log", "sampler.weights_updated")  # nothing through the disk path
-    bad = subprocess.run([*argv[:4], "--run-dir", str(tmp_path / "bad"), "--weight-bucket-mb", "0"], env=repo_env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [*argv[:4], "--run-dir", str(tmp_path / "bad"), "--weight-bucket-mb", "0"],
+        env=repo_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--weight-bucket-mb must be > 0, got 0.0" in bad.stderr + bad.stdout

@@ -11,8 +11,15 @@ See ``bwrap.py`` for the isolation and timeout rules and ``shell.py`` for the sh
 """
 
 from sandbox_agent.sandbox.base import (
-    SANDBOX_WORKDIR, ExecResult, OutputBuffer, Sandbox, SandboxClosedError, SandboxConfig, SandboxPathError,
-    SandboxStartError, cap_output,
+    SANDBOX_WORKDIR,
+    ExecResult,
+    OutputBuffer,
+    Sandbox,
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxPathError,
+    SandboxStartError,
+    cap_output,
 )
 from sandbox_agent.sandbox.bwrap import BwrapSandbox
 from sandbox_agent.sandbox.memory import MemorySandbox
@@ -20,7 +27,19 @@ from sandbox_agent.sandbox.procs import Slot, SlotPool, slot_pool
 from t1async.errors import SandboxError
 
 __all__ = [
-    "SANDBOX_WORKDIR", "BwrapSandbox", "ExecResult", "MemorySandbox", "OutputBuffer", "Sandbox", "SandboxClosedError",
-    "SandboxConfig", "SandboxError", "SandboxPathError", "SandboxStartError", "Slot", "SlotPool", "cap_output",
+    "SANDBOX_WORKDIR",
+    "BwrapSandbox",
+    "ExecResult",
+    "MemorySandbox",
+    "OutputBuffer",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxPathError",
+    "SandboxStartError",
+    "Slot",
+    "SlotPool",
+    "cap_output",
     "slot_pool",
 ]

@@ -85,13 +85,21 @@ class SandboxConfig:
             raise ConfigError(f"SandboxConfig.kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
         if self.output_limit_bytes < 64:
             raise ConfigError(f"SandboxConfig.output_limit_bytes must be >= 64, got {self.output_limit_bytes}")
-        for name in ("address_space_bytes", "file_size_bytes", "open_files", "processes", "cpu_seconds",
-                     "tmp_size_bytes", "max_slots"):
+        for name in (
+            "address_space_bytes",
+            "file_size_bytes",
+            "open_files",
+            "processes",
+            "cpu_seconds",
+            "tmp_size_bytes",
+            "max_slots",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.open_files < 70:
-            raise ConfigError(f"SandboxConfig.open_files must be >= 70 (the shell keeps fds 62 and 63), "
-                              f"got {self.open_files}")
+            raise ConfigError(
+                f"SandboxConfig.open_files must be >= 70 (the shell keeps fds 62 and 63), got {self.open_files}"
+            )
         if not 1000 <= self.base_uid <= 2**31 - 1 - self.max_slots:
             raise ConfigError(f"SandboxConfig.base_uid must be an unused uid >= 1000, got {self.base_uid}")
         for what in ("extra_ro_binds", "extra_rw_binds", "env"):
@@ -100,21 +108,27 @@ class SandboxConfig:
                     raise ConfigError(f"SandboxConfig.{what} entries must be pairs of strings, got {pair!r}")
         for pair in self.extra_ro_binds:
             if not posixpath.isabs(pair[1]) or posixpath.normpath(pair[1]) in _RESERVED:
-                raise ConfigError(f"extra_ro_binds sandbox path {pair[1]!r} must be absolute and not one of "
-                                  f"{sorted(_RESERVED)}")
+                raise ConfigError(
+                    f"extra_ro_binds sandbox path {pair[1]!r} must be absolute and not one of {sorted(_RESERVED)}"
+                )
         for pair in self.extra_rw_binds:
             if not posixpath.isabs(pair[1]) or _reserved(posixpath.normpath(pair[1])):
-                raise ConfigError(f"extra_rw_binds sandbox path {pair[1]!r} must be absolute and not one of "
-                                  f"{sorted(_RESERVED)} (nor below /usr, /proc, /dev, /etc)")
+                raise ConfigError(
+                    f"extra_rw_binds sandbox path {pair[1]!r} must be absolute and not one of "
+                    f"{sorted(_RESERVED)} (nor below /usr, /proc, /dev, /etc)"
+                )
         m = self.workdir_mount
         if m != SANDBOX_WORKDIR and (not posixpath.isabs(m) or posixpath.normpath(m) != m or _reserved(m)):
-            raise ConfigError(f"SandboxConfig.workdir_mount {m!r} must be a normalised absolute path, not one of "
-                              f"{sorted(_RESERVED)} nor below /usr, /proc, /dev, /etc (a Dockerfile WORKDIR there "
-                              f"needs a container backend)")
+            raise ConfigError(
+                f"SandboxConfig.workdir_mount {m!r} must be a normalised absolute path, not one of "
+                f"{sorted(_RESERVED)} nor below /usr, /proc, /dev, /etc (a Dockerfile WORKDIR there "
+                f"needs a container backend)"
+            )
 
 
-_RESERVED = frozenset({"/", "/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc", "/proc", "/dev", "/tmp",
-                       SANDBOX_WORKDIR})
+_RESERVED = frozenset(
+    {"/", "/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc", "/proc", "/dev", "/tmp", SANDBOX_WORKDIR}
+)
 
 
 def _reserved(path: str) -> bool:
@@ -146,8 +160,9 @@ class Sandbox(Protocol):
     async def aclose(self) -> None: ...
 
 
-SHELL_RESTARTED = ("[note: the shell was restarted: cwd kept; variables, functions and background "
-                   "jobs from earlier commands are gone]")
+SHELL_RESTARTED = (
+    "[note: the shell was restarted: cwd kept; variables, functions and background jobs from earlier commands are gone]"
+)
 
 
 def exec_timeout(command: str, timeout: float | None, config: SandboxConfig) -> float:
@@ -166,8 +181,9 @@ def exec_result(out: OutputBuffer, rc: int | None, timed_out: bool, t0: float, n
     text = out.text()
     if notes:
         text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes) + "\n"
-    return ExecResult(output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated,
-                      duration_s=time.monotonic() - t0)
+    return ExecResult(
+        output=text, exit_code=rc, timed_out=timed_out, truncated=out.truncated, duration_s=time.monotonic() - t0
+    )
 
 
 def workdir_relative(path: str) -> tuple[str, ...]:
@@ -180,8 +196,9 @@ def workdir_relative(path: str) -> tuple[str, ...]:
     if full != SANDBOX_WORKDIR and not full.startswith(SANDBOX_WORKDIR + "/"):
         raise SandboxPathError(
             f"path {path!r} is outside {SANDBOX_WORKDIR}: read_file/write_file only reach the work dir "
-            f"(use exec('cat ...') for other files)")
-    parts = tuple(p for p in full[len(SANDBOX_WORKDIR):].split("/") if p)
+            f"(use exec('cat ...') for other files)"
+        )
+    parts = tuple(p for p in full[len(SANDBOX_WORKDIR) :].split("/") if p)
     if not parts:
         raise SandboxPathError(f"path {path!r} is the work dir itself, not a file")
     return parts
@@ -207,7 +224,7 @@ class OutputBuffer:
             self._head += data[:room]
             data = data[room:]
         if data:
-            self._tail += data[-self._tail_cap:]
+            self._tail += data[-self._tail_cap :]
             if len(self._tail) > 2 * self._tail_cap:  # trim lazily: amortised O(1) per byte
                 del self._tail[: len(self._tail) - self._tail_cap]
 
@@ -216,13 +233,15 @@ class OutputBuffer:
         return self.total > self.limit
 
     def text(self) -> str:
-        tail = self._tail[-self._tail_cap:] if self._tail else b""
+        tail = self._tail[-self._tail_cap :] if self._tail else b""
         if not self.truncated:
             return (bytes(self._head) + bytes(tail)).decode("utf-8", errors="replace")
         dropped = self.total - len(self._head) - len(tail)
-        return (self._head.decode("utf-8", errors="replace")
-                + f"\n[... {dropped} bytes truncated ...]\n"
-                + bytes(tail).decode("utf-8", errors="replace"))
+        return (
+            self._head.decode("utf-8", errors="replace")
+            + f"\n[... {dropped} bytes truncated ...]\n"
+            + bytes(tail).decode("utf-8", errors="replace")
+        )
 
 
 def cap_output(data: bytes | str, limit: int) -> tuple[str, bool]:

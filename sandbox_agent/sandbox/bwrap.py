@@ -42,16 +42,25 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from collections.abc import AsyncIterator
 
 import anyio
 import structlog
+
 from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
-    SANDBOX_WORKDIR, SHELL_RESTARTED, ExecResult, OutputBuffer, SandboxClosedError, SandboxConfig, SandboxError,
-    SandboxStartError, exec_result, exec_timeout,
+    SANDBOX_WORKDIR,
+    SHELL_RESTARTED,
+    ExecResult,
+    OutputBuffer,
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxError,
+    SandboxStartError,
+    exec_result,
+    exec_timeout,
 )
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
@@ -59,6 +68,7 @@ from sandbox_agent.sandbox.shell import Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
 
 log = structlog.get_logger("sandbox_agent.sandbox")
+
 
 class _Session:
     """One running bwrap + shell."""
@@ -104,8 +114,9 @@ class BwrapSandbox:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, workdir: Path, config: SandboxConfig = SandboxConfig(), slot: int | None = None
-                   ) -> AsyncIterator[BwrapSandbox]:
+    async def open(
+        cls, workdir: Path, config: SandboxConfig = SandboxConfig(), slot: int | None = None
+    ) -> AsyncIterator[BwrapSandbox]:
         workdir = Path(workdir).resolve()
         bwrap = check_host(config, workdir)
         held = procs.slot_pool(config.base_uid, config.max_slots, config.slot_lock_dir).acquire(slot)
@@ -126,8 +137,11 @@ class BwrapSandbox:
         options, command = build_argv(self.config, self.workdir, self.uid, data_fds)
         args_fd = memfd("bwrap-args", "".join(a + "\0" for a in options))
         try:
-            proc = await spawn([self._bwrap, "--args", str(args_fd), "--", *command],
-                               pass_fds=(args_fd, *data_fds.values()), start_new_session=True)
+            proc = await spawn(
+                [self._bwrap, "--args", str(args_fd), "--", *command],
+                pass_fds=(args_fd, *data_fds.values()),
+                start_new_session=True,
+            )
         except OSError as exc:
             raise SandboxStartError(f"could not run {self._bwrap!r}: {exc}") from exc
         finally:
@@ -152,8 +166,11 @@ class BwrapSandbox:
                     err = await proc.stderr.receive(8192)
             self._session = None
             await session.kill()
-            raise SandboxStartError(self._start_failure(proc.returncode, err.decode(errors="replace"),
-                                                        buf.text(), timed_out=scope.cancelled_caught))
+            raise SandboxStartError(
+                self._start_failure(
+                    proc.returncode, err.decode(errors="replace"), buf.text(), timed_out=scope.cancelled_caught
+                )
+            )
         self._cwd_quoted = done.cwd_quoted
         alive = procs.uid_pids(self.uid)
         session.shell_pid = next(iter(alive)) if len(alive) == 1 else None  # only the shell runs yet
@@ -163,8 +180,7 @@ class BwrapSandbox:
         log.debug("sandbox.started", uid=self.uid, slot=self.slot.index, pid=proc.pid, workdir=str(self.workdir))
 
     def _start_failure(self, rc: int | None, err: str, out: str, *, timed_out: bool) -> str:
-        what = (f"did not answer within {self.config.startup_timeout_s} s" if timed_out
-                else f"exited with status {rc}")
+        what = f"did not answer within {self.config.startup_timeout_s} s" if timed_out else f"exited with status {rc}"
         hint = "see bwrap's message; the arguments come from sandbox_agent.sandbox.launch.build_argv"
         if "No permissions" in err or "Operation not permitted" in err:
             hint = "bwrap needs root here (CAP_SYS_ADMIN) to create its namespaces; run as root"
@@ -241,8 +257,10 @@ class BwrapSandbox:
                     self._session = None
                     await session.kill()
                     await self._reap_uid(deadline_s=5.0)
-                    notes.append("[the shell did not recover and was stopped; the next command starts a fresh "
-                                 "shell in the same directory (variables and background jobs are lost)]")
+                    notes.append(
+                        "[the shell did not recover and was stopped; the next command starts a fresh "
+                        "shell in the same directory (variables and background jobs are lost)]"
+                    )
             if done is not None:
                 self._cwd_quoted = done.cwd_quoted
             return exec_result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
@@ -263,8 +281,7 @@ class BwrapSandbox:
             self._cwd_quoted = done.cwd_quoted
         log.info("sandbox.cancelled_command_stopped", uid=self.uid, shell_kept=done is not None)
 
-    async def _kill_command(self, session: _Session, before: set[int], nonce: str, out: OutputBuffer
-                            ) -> Done | None:
+    async def _kill_command(self, session: _Session, before: set[int], nonce: str, out: OutputBuffer) -> Done | None:
         """SIGTERM then SIGKILL what the command started; the shell's marker if it then recovers."""
         result: Done | None = None
 
@@ -297,15 +314,17 @@ class BwrapSandbox:
         await session.kill()
         await self._reap_uid(deadline_s=5.0)
         rc = session.proc.returncode
-        notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
-                     f"directory (variables and background jobs are lost)]")
+        notes.append(
+            f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
+            f"directory (variables and background jobs are lost)]"
+        )
         return exec_result(out, rc, False, t0, notes)
 
     def _as_workspace(self, path: str) -> str:
         """A path under the task's WORKDIR mount (e.g. /app/x) as the file API names it (/workspace/x)."""
         m = self.config.workdir_mount
         if m != SANDBOX_WORKDIR and (path == m or path.startswith(m + "/")):
-            return SANDBOX_WORKDIR + path[len(m):]
+            return SANDBOX_WORKDIR + path[len(m) :]
         return path
 
     async def read_file(self, path: str) -> bytes:
@@ -318,8 +337,9 @@ class BwrapSandbox:
             raise SandboxClosedError("write_file() on a closed sandbox")
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
-        await anyio.to_thread.run_sync(write_beneath, self.workdir, self._as_workspace(path), bytes(data),
-                                       (self.uid, self.uid))
+        await anyio.to_thread.run_sync(
+            write_beneath, self.workdir, self._as_workspace(path), bytes(data), (self.uid, self.uid)
+        )
 
     async def __aenter__(self) -> BwrapSandbox:
         return self

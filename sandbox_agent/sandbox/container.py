@@ -45,11 +45,11 @@ __all__ = ["OWNER_LABEL", "ContainerLimits", "ContainerSandbox", "reap_orphans",
 
 log = get_logger("sandbox_agent.sandbox.container")
 
+
 class ContainerSandbox:
     """A persistent bash in a running container. Open with ``async with ContainerSandbox.open(...)``."""
 
-    def __init__(self, podman: str, env: dict[str, str], container: str, workdir: str, config: SandboxConfig
-                 ) -> None:
+    def __init__(self, podman: str, env: dict[str, str], container: str, workdir: str, config: SandboxConfig) -> None:
         self.podman, self._env, self.container, self.workdir, self.config = podman, env, container, workdir, config
         self._proc: HostProcess | None = None
         self._channel: ShellChannel | None = None
@@ -62,9 +62,15 @@ class ContainerSandbox:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, podman: str, env: dict[str, str], container: str, workdir: str,
-                   config: SandboxConfig = SandboxConfig(), copies: tuple[tuple[str, str], ...] = ()
-                   ) -> AsyncIterator[ContainerSandbox]:
+    async def open(
+        cls,
+        podman: str,
+        env: dict[str, str],
+        container: str,
+        workdir: str,
+        config: SandboxConfig = SandboxConfig(),
+        copies: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncIterator[ContainerSandbox]:
         """A shell session in ``container`` (cwd ``workdir``), after copying host dirs in (``copies``)."""
         for host, inside in copies:
             rc, _, err = await _podman([podman, "exec", container, "rm", "-rf", inside], env)
@@ -82,8 +88,26 @@ class ContainerSandbox:
                 await sb.aclose()
 
     async def _start(self) -> None:
-        cmd = [self.podman, "exec", "-i", "-w", self.workdir, "-e", "HOME=/root", "-e", "TERM=dumb",
-               self.container, "setsid", "-w", *self._fsize(), "bash", "--noprofile", "--norc", "-c", DRIVER]
+        cmd = [
+            self.podman,
+            "exec",
+            "-i",
+            "-w",
+            self.workdir,
+            "-e",
+            "HOME=/root",
+            "-e",
+            "TERM=dumb",
+            self.container,
+            "setsid",
+            "-w",
+            *self._fsize(),
+            "bash",
+            "--noprofile",
+            "--norc",
+            "-c",
+            DRIVER,
+        ]
         try:
             proc = await spawn(cmd, env=self._env)
         except OSError as exc:
@@ -107,8 +131,10 @@ class ContainerSandbox:
                 except (anyio.EndOfStream, anyio.BrokenResourceError):
                     pass
             await self._kill_session()
-            raise SandboxStartError(f"the shell in container {self.container} did not start: "
-                                    f"{(err.decode(errors='replace') or buf.text()).strip()[-600:]}")
+            raise SandboxStartError(
+                f"the shell in container {self.container} did not start: "
+                f"{(err.decode(errors='replace') or buf.text()).strip()[-600:]}"
+            )
         self._shell_pid = int(buf.text().strip())
         self._cwd_quoted = done.cwd_quoted
 
@@ -168,8 +194,10 @@ class ContainerSandbox:
                     if done is None:
                         channel.take_pending(out)
                         await self._kill_session()
-                        notes.append("[the shell did not recover and was stopped; the next command starts a fresh "
-                                     "shell in the same directory]")
+                        notes.append(
+                            "[the shell did not recover and was stopped; the next command starts a fresh "
+                            "shell in the same directory]"
+                        )
                     return exec_result(out, None, True, t0, notes)
             except (ShellEOF, anyio.BrokenResourceError):
                 rc = None
@@ -177,8 +205,10 @@ class ContainerSandbox:
                     with anyio.move_on_after(5.0):
                         rc = await self._proc.wait()
                 await self._kill_session()
-                notes.append(f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
-                             f"directory (variables and background jobs are lost)]")
+                notes.append(
+                    f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
+                    f"directory (variables and background jobs are lost)]"
+                )
                 return exec_result(out, rc, False, t0, notes)
             self._cwd_quoted = done.cwd_quoted
             return exec_result(out, done.status, False, t0, notes)
@@ -209,7 +239,9 @@ class ContainerSandbox:
     async def _host_shell_pid(self) -> int | None:
         """The shell's pid as the host sees it (rootful podman: the container's processes are ours)."""
         if self._host_shell is None and self._shell_pid is not None:
-            rc, out, _ = await _podman([self.podman, "inspect", "--format", "{{.State.Pid}}", self.container], self._env)
+            rc, out, _ = await _podman(
+                [self.podman, "inspect", "--format", "{{.State.Pid}}", self.container], self._env
+            )
             init = int(out.decode().strip() or 0) if rc == 0 else 0
             self._host_shell = _host_pid(init, self._shell_pid) if init > 0 else None
         return self._host_shell
@@ -222,7 +254,9 @@ class ContainerSandbox:
             raise SandboxClosedError("read_file() on a closed sandbox")
         rc, out, err = await _podman([self.podman, "exec", self.container, "cat", "--", self._path(path)], self._env)
         if rc != 0:
-            raise SandboxError(f"read_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}")
+            raise SandboxError(
+                f"read_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}"
+            )
         return out
 
     async def write_file(self, path: str, data: bytes) -> None:
@@ -232,10 +266,13 @@ class ContainerSandbox:
             raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
         p = self._path(path)
         script = f"mkdir -p -- {shlex.quote(os.path.dirname(p) or '/')} && cat > {shlex.quote(p)}"
-        rc, _, err = await _podman([self.podman, "exec", "-i", self.container, "sh", "-c", script], self._env,
-                                   stdin=bytes(data))
+        rc, _, err = await _podman(
+            [self.podman, "exec", "-i", self.container, "sh", "-c", script], self._env, stdin=bytes(data)
+        )
         if rc != 0:
-            raise SandboxError(f"write_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}")
+            raise SandboxError(
+                f"write_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}"
+            )
 
     async def __aenter__(self) -> ContainerSandbox:
         return self

@@ -20,8 +20,7 @@ _MAX_SYMLINKS = 40
 _DIR_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _walk_parent(root: Path, parts: tuple[str, ...], *, create: tuple[int, int] | None, shown: str
-                 ) -> tuple[int, str]:
+def _walk_parent(root: Path, parts: tuple[str, ...], *, create: tuple[int, int] | None, shown: str) -> tuple[int, str]:
     """Open the parent directory of ``parts`` (resolving symlinks inside the work dir); returns (fd, name).
 
     With ``create=(uid, gid)`` missing directories are made, owned by that uid.
@@ -106,8 +105,9 @@ def write_beneath(root: Path, path: str, data: bytes, owner: tuple[int, int]) ->
     parent, name = _walk_parent(root, workdir_relative(path), create=owner, shown=path)
     try:
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
-                         dir_fd=parent)
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=parent
+            )
         except OSError as exc:
             if exc.errno == 40:
                 raise SandboxPathError(f"path {path!r} changed into a symlink while being written") from exc

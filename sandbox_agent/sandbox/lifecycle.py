@@ -46,8 +46,9 @@ class ContainerLimits:
     disk_bytes: int | None = None
 
 
-async def _podman(argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
-                  ) -> tuple[int, bytes, bytes]:
+async def _podman(
+    argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
+) -> tuple[int, bytes, bytes]:
     with anyio.fail_after(timeout):
         r = await anyio.run_process(argv, env=env, check=False, input=stdin)
     return r.returncode, r.stdout, r.stderr
@@ -66,8 +67,14 @@ async def reap_orphans(podman: str, env: dict[str, str], *, min_age_s: float = 6
         cid, _, rest = line.partition(" ")
         name, _, labels = rest.partition(" ")
         known.update((cid, name))
-        pid = next((int(x.split(":", 1)[1]) for x in labels.strip("map[]").split()
-                    if x.startswith(OWNER_LABEL + ":") and x.split(":", 1)[1].isdigit()), None)
+        pid = next(
+            (
+                int(x.split(":", 1)[1])
+                for x in labels.strip("map[]").split()
+                if x.startswith(OWNER_LABEL + ":") and x.split(":", 1)[1].isdigit()
+            ),
+            None,
+        )
         if pid is not None and not os.path.exists(f"/proc/{pid}"):
             dead.append(cid)
     if dead:
@@ -83,16 +90,35 @@ async def reap_orphans(podman: str, env: dict[str, str], *, min_age_s: float = 6
 
 
 @asynccontextmanager
-async def start_container(podman: str, env: dict[str, str], image: str, *, limits: ContainerLimits,
-                          volumes: tuple[tuple[str, str], ...] = (), network: str = "none",
-                          tmpfs: tuple[str, ...] = ()) -> AsyncIterator[str]:
+async def start_container(
+    podman: str,
+    env: dict[str, str],
+    image: str,
+    *,
+    limits: ContainerLimits,
+    volumes: tuple[tuple[str, str], ...] = (),
+    network: str = "none",
+    tmpfs: tuple[str, ...] = (),
+) -> AsyncIterator[str]:
     """One container for an episode; removed (SIGKILL, no grace) on exit, whatever happened. ``network``
     stays "none" while an agent acts; only a verifier the user allowed the network gets "bridge"."""
     await reap_orphans(podman, env)
     name = f"t1-{secrets.token_hex(6)}"
-    argv = [podman, "run", "-d", "--init", "--name", name, f"--network={network}", "--label", f"{OWNER_LABEL}={os.getpid()}",
-            f"--memory={limits.memory_bytes}", f"--memory-swap={limits.memory_bytes}", f"--pids-limit={limits.pids}",
-            f"--cpus={limits.cpus:g}"]
+    argv = [
+        podman,
+        "run",
+        "-d",
+        "--init",
+        "--name",
+        name,
+        f"--network={network}",
+        "--label",
+        f"{OWNER_LABEL}={os.getpid()}",
+        f"--memory={limits.memory_bytes}",
+        f"--memory-swap={limits.memory_bytes}",
+        f"--pids-limit={limits.pids}",
+        f"--cpus={limits.cpus:g}",
+    ]
     for host, inside in volumes:
         argv += ["-v", f"{host}:{inside}"]
     if limits.disk_bytes is not None:  # ``tmpfs``: the paths that get a capped tmpfs (see ContainerLimits)
@@ -108,14 +134,22 @@ async def start_container(podman: str, env: dict[str, str], image: str, *, limit
         with anyio.CancelScope(shield=True):
             await _abandon(podman, env, name)
         raise SandboxStartError(f"podman run {image} failed (exit {rc}): {err.decode(errors='replace').strip()[-800:]}")
-    log.debug("container.started", name=name, image=image, cgroup=_CGROUP, memory=limits.memory_bytes,
-              pids=limits.pids, cpus=limits.cpus)
+    log.debug(
+        "container.started",
+        name=name,
+        image=image,
+        cgroup=_CGROUP,
+        memory=limits.memory_bytes,
+        pids=limits.pids,
+        cpus=limits.cpus,
+    )
     guard: HostProcess | None = None
     try:
         # A guard in its own session waits on a pipe only we hold: if this process dies (SIGKILL included),
         # the pipe closes and the guard removes the container. On a normal exit we stop it and remove it here.
-        guard = await spawn(["/bin/sh", "-c", f"read _; exec {shlex.quote(podman)} rm -f -t 0 {name}"], env=env,
-                            start_new_session=True)
+        guard = await spawn(
+            ["/bin/sh", "-c", f"read _; exec {shlex.quote(podman)} rm -f -t 0 {name}"], env=env, start_new_session=True
+        )
         yield name
     finally:
         with anyio.CancelScope(shield=True):

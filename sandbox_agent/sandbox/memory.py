@@ -9,11 +9,17 @@ errors as BwrapSandbox (no symlinks). The default handler answers every command 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from sandbox_agent.sandbox.base import (
-    SANDBOX_WORKDIR, ExecResult, SandboxClosedError, SandboxConfig, SandboxPathError, cap_output, workdir_relative,
+    SANDBOX_WORKDIR,
+    ExecResult,
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxPathError,
+    cap_output,
+    workdir_relative,
 )
 
 Handler = Callable[[str], "ExecResult | str"]
@@ -24,8 +30,14 @@ def _ok(command: str) -> ExecResult:
 
 
 class MemorySandbox:
-    def __init__(self, handler: Handler = _ok, *, files: dict[str, bytes] | None = None,
-                 workdir: Path = Path(SANDBOX_WORKDIR), config: SandboxConfig = SandboxConfig()) -> None:
+    def __init__(
+        self,
+        handler: Handler = _ok,
+        *,
+        files: dict[str, bytes] | None = None,
+        workdir: Path = Path(SANDBOX_WORKDIR),
+        config: SandboxConfig = SandboxConfig(),
+    ) -> None:
         self.handler, self.workdir, self.config = handler, Path(workdir), config
         self.files: dict[str, bytes] = {}
         for path, data in (files or {}).items():
@@ -50,8 +62,13 @@ class MemorySandbox:
         if isinstance(res, str):
             res = ExecResult(output=res, exit_code=0, timed_out=False, truncated=False, duration_s=0.0)
         text, cut = cap_output(res.output, self.config.output_limit_bytes)
-        return ExecResult(output=text, exit_code=res.exit_code, timed_out=res.timed_out,
-                          truncated=res.truncated or cut, duration_s=res.duration_s or time.monotonic() - t0)
+        return ExecResult(
+            output=text,
+            exit_code=res.exit_code,
+            timed_out=res.timed_out,
+            truncated=res.truncated or cut,
+            duration_s=res.duration_s or time.monotonic() - t0,
+        )
 
     async def read_file(self, path: str) -> bytes:
         if self._closed:

@@ -170,7 +170,8 @@ class SlotPool:
             if got is None:
                 raise SandboxStartError(
                     f"slot {slot} (uid {self.base_uid + slot}) is in use by another sandbox or still has "
-                    f"processes; pass slot=None to get a free one")
+                    f"processes; pass slot=None to get a free one"
+                )
             return got
         for k in range(self.max_slots):
             got = self._try(k)
@@ -178,7 +179,8 @@ class SlotPool:
                 return got
         raise SandboxStartError(
             f"all {self.max_slots} sandbox slots (uids {self.base_uid}..{self.base_uid + self.max_slots - 1}) "
-            f"are busy: close some sandboxes or raise SandboxConfig.max_slots")
+            f"are busy: close some sandboxes or raise SandboxConfig.max_slots"
+        )
 
 
 _POOLS: dict[tuple[int, int, str], SlotPool] = {}

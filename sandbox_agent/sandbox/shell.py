@@ -111,7 +111,7 @@ class ShellChannel:
                 del self._pending[:at]  # keep the marker itself until its line is complete
                 nl = self._pending.find(b"\n", len(needle))
                 if nl >= 0:
-                    line = bytes(self._pending[len(needle):nl])
+                    line = bytes(self._pending[len(needle) : nl])
                     del self._pending[: nl + 1]
                     status, _, cwd = line.decode("utf-8", errors="surrogateescape").partition(" ")
                     return Done(int(status) if status.isdigit() else -1, cwd)

@@ -182,8 +182,9 @@ class HostProcess:
                 self._pidfd = -1
 
 
-def _popen(argv: Sequence[str], pass_fds: Sequence[int], start_new_session: bool,
-           env: dict[str, str] | None) -> HostProcess:
+def _popen(
+    argv: Sequence[str], pass_fds: Sequence[int], start_new_session: bool, env: dict[str, str] | None
+) -> HostProcess:
     ours: list[int] = []
     theirs: list[int] = []
     try:
@@ -192,8 +193,15 @@ def _popen(argv: Sequence[str], pass_fds: Sequence[int], start_new_session: bool
             ours.append(r)
             theirs.append(w)
         ours[0], theirs[0] = theirs[0], ours[0]  # stdin: the child reads, we write
-        popen = subprocess.Popen(list(argv), stdin=theirs[0], stdout=theirs[1], stderr=theirs[2],
-                                 pass_fds=tuple(pass_fds), start_new_session=start_new_session, env=env)
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=theirs[0],
+            stdout=theirs[1],
+            stderr=theirs[2],
+            pass_fds=tuple(pass_fds),
+            start_new_session=start_new_session,
+            env=env,
+        )
     except BaseException:
         for fd in ours:
             os.close(fd)
@@ -205,8 +213,13 @@ def _popen(argv: Sequence[str], pass_fds: Sequence[int], start_new_session: bool
     return HostProcess(popen, pidfd, *ours)
 
 
-async def spawn(argv: Sequence[str], *, pass_fds: Sequence[int] = (), start_new_session: bool = True,
-                env: dict[str, str] | None = None) -> HostProcess:
+async def spawn(
+    argv: Sequence[str],
+    *,
+    pass_fds: Sequence[int] = (),
+    start_new_session: bool = True,
+    env: dict[str, str] | None = None,
+) -> HostProcess:
     """Start ``argv`` with piped stdin/stdout/stderr, forked by the dedicated spawner thread.
 
     Raises OSError if it cannot be executed. The call blocks only a worker thread while the spawner forks.

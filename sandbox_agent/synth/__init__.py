@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import random
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.chores import chores_family
@@ -30,8 +30,17 @@ from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
 from sandbox_agent.tasks import split_for
 from t1async.errors import ConfigError
 
-__all__ = ["ALL_FAMILIES", "EXTRA_FAMILIES", "FAMILIES", "RUN_TESTS", "generate", "make_task", "task_id", "task_rng",
-           "write_task"]  # fmt: skip
+__all__ = [
+    "ALL_FAMILIES",
+    "EXTRA_FAMILIES",
+    "FAMILIES",
+    "RUN_TESTS",
+    "generate",
+    "make_task",
+    "task_id",
+    "task_rng",
+    "write_task",
+]
 
 FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "files": files_family,
@@ -85,8 +94,9 @@ def _yaml_block(text: str, indent: str = "  ") -> str:
     return "|-\n" + "\n".join(indent + ln if ln else "" for ln in text.splitlines())
 
 
-def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 3600.0,
-               test_timeout_s: float = 60.0) -> Path:
+def write_task(
+    out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 3600.0, test_timeout_s: float = 60.0
+) -> Path:
     """Write one task directory ``out/tid`` (replacing any old one) and return its path. The agent timeout
     leaves room for a 300+-turn episode: in a default ``cluster up`` on a loaded 2-core box (8 episodes sharing
     the embedded sampler and the learner) an episode ran 0.26 turns/s, so 320 turns take ~20 min."""
@@ -94,21 +104,23 @@ def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float =
     if d.exists():
         shutil.rmtree(d)
     (d / "tests").mkdir(parents=True)
-    yaml = "\n".join([
-        f"id: {tid}",
-        f"instruction: {_yaml_block(spec.instruction)}",
-        "author_name: t1async synth",
-        f"difficulty: {spec.difficulty}",
-        f"category: {spec.family}",
-        f"family: {spec.family}",
-        f"split: {split_for(tid)}",
-        "tags: [" + ", ".join(spec.tags) + "]",
-        "parser_name: pytest",
-        f"max_agent_timeout_sec: {agent_timeout_s:g}",
-        f"max_test_timeout_sec: {test_timeout_s:g}",
-        "run_tests_in_same_shell: false",
-        "",
-    ])
+    yaml = "\n".join(
+        [
+            f"id: {tid}",
+            f"instruction: {_yaml_block(spec.instruction)}",
+            "author_name: t1async synth",
+            f"difficulty: {spec.difficulty}",
+            f"category: {spec.family}",
+            f"family: {spec.family}",
+            f"split: {split_for(tid)}",
+            "tags: [" + ", ".join(spec.tags) + "]",
+            "parser_name: pytest",
+            f"max_agent_timeout_sec: {agent_timeout_s:g}",
+            f"max_test_timeout_sec: {test_timeout_s:g}",
+            "run_tests_in_same_shell: false",
+            "",
+        ]
+    )
     (d / "task.yaml").write_text(yaml)
     (d / "solution.sh").write_text("#!/bin/bash\nset -e\n" + spec.solution)
     (d / "run-tests.sh").write_text(RUN_TESTS)
@@ -126,8 +138,13 @@ def write_task(out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float =
     return d
 
 
-def generate(out: str | Path, n: int, seed: int = 0, families: list[str] | None = None,
-             progress: Callable[[int], None] | None = None) -> list[Path]:
+def generate(
+    out: str | Path,
+    n: int,
+    seed: int = 0,
+    families: list[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Path]:
     """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``; ``progress(k)``
     after each of them (k tasks written so far)."""
     fams = list(families or FAMILIES)

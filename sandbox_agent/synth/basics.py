@@ -89,5 +89,6 @@ def test_renamed():
 def test_count():
     assert read("{count}.txt").strip() == "{n}" and read("{src}.txt") == {body!r}
 """
-    return SynthSpec("copy", instr, sol, tests, files={f"{src}.txt": body, f"{old}.log": other},
-                     tags=("cp", "mv", "wc"))  # fmt: skip
+    return SynthSpec(
+        "copy", instr, sol, tests, files={f"{src}.txt": body, f"{old}.log": other}, tags=("cp", "mv", "wc")
+    )

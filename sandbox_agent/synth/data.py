@@ -16,8 +16,7 @@ def json_family(rng: random.Random) -> SynthSpec:
     ages = rng.sample(range(18, 90), len(names))  # distinct: a unique oldest
     cities = pick(rng, CITIES, rng.randint(2, 4))
     users = [
-        {"name": n, "age": a, "city": rng.choice(cities), "active": rng.random() < 0.5}
-        for n, a in zip(names, ages)
+        {"name": n, "age": a, "city": rng.choice(cities), "active": rng.random() < 0.5} for n, a in zip(names, ages)
     ]
     users[rng.randrange(len(users))]["active"] = True
     text = json.dumps(users, indent=2) + "\n"
@@ -33,7 +32,7 @@ def json_family(rng: random.Random) -> SynthSpec:
         f"1. Write `active.json`: a JSON array of the names of the active users, sorted.\n"
         f"2. Write `by_city.json`: a JSON object mapping each city to its number of users.\n"
         f"3. Write `oldest.txt` containing the name of the oldest user.\n"
-        f"4. Write `age_{min_age}_plus.json`: an array of `{{\"name\": ..., \"city\": ...}}` objects for the "
+        f'4. Write `age_{min_age}_plus.json`: an array of `{{"name": ..., "city": ...}}` objects for the '
         f"users aged {min_age} or more, sorted by name."
     )
     sol = f"""\
@@ -117,7 +116,7 @@ def test_zip_extracted():
 
 
 def test_gzip_log():
-    with gzip.open(WORK / {(logname + '.gz')!r}, "rt") as f:
+    with gzip.open(WORK / {(logname + ".gz")!r}, "rt") as f:
         assert f.read() == {log!r}
 
 

@@ -14,9 +14,7 @@ def files_family(rng: random.Random) -> SynthSpec:
     names: dict[str, list[str]] = {e: sorted({ident(rng) for _ in range(rng.randint(2, 5))}) for e in exts}
     other = rng.choice([e for e in EXTS if e not in exts])
     keep = sorted({ident(rng) for _ in range(rng.randint(1, 3))})
-    files: dict[str, str | bytes] = {
-        f"{inbox}/{n}.{e}": para(rng, 6) + "\n" for e, ns in names.items() for n in ns
-    }
+    files: dict[str, str | bytes] = {f"{inbox}/{n}.{e}": para(rng, 6) + "\n" for e, ns in names.items() for n in ns}
     files.update({f"{inbox}/{n}.{other}": para(rng, 4) + "\n" for n in keep})
     dest = rng.choice(["sorted", "by_type", "archive", "organized"])
     manifest = rng.choice(["manifest.txt", "moved.txt", "index.txt"])
@@ -30,7 +28,7 @@ def files_family(rng: random.Random) -> SynthSpec:
         f"only, no directory), sorted (byte order, as `LC_ALL=C sort` does), one per line."
     )
     sol = f"""\
-for e in {' '.join(exts)}; do
+for e in {" ".join(exts)}; do
   mkdir -p {dest}/$e
   for f in {inbox}/*.$e; do [ -e "$f" ] && mv "$f" {dest}/$e/; done
 done
@@ -111,7 +109,7 @@ def test_tmp_deleted():
 
 
 def test_other_files_kept():
-    for p in {sorted(p for p in files if not p.endswith('.tmp'))!r}:
+    for p in {sorted(p for p in files if not p.endswith(".tmp"))!r}:
         assert (WORK / p).is_file(), p
 
 

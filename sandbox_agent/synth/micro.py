@@ -16,8 +16,32 @@ from sandbox_agent.synth.common import SynthSpec, pick
 
 # one token each for the shipped tokenizer (" data", "`data"): copying a name is one decision, not five (the
 # WORDS of the other families split into 3-6 pieces, and a 4.5 M model learns to copy those far slower)
-NAMES = ("log", "data", "out", "config", "main", "src", "report", "notes", "result", "input", "output", "list",
-         "name", "value", "item", "user", "path", "time", "line", "table", "task", "code", "error", "build")  # fmt: skip
+NAMES = (
+    "log",
+    "data",
+    "out",
+    "config",
+    "main",
+    "src",
+    "report",
+    "notes",
+    "result",
+    "input",
+    "output",
+    "list",
+    "name",
+    "value",
+    "item",
+    "user",
+    "path",
+    "time",
+    "line",
+    "table",
+    "task",
+    "code",
+    "error",
+    "build",
+)
 
 
 def touch4_family(rng: random.Random) -> SynthSpec:
@@ -27,9 +51,12 @@ def touch4_family(rng: random.Random) -> SynthSpec:
     listed = " ".join(f"{n}.txt" for n in names)
     instr = f"In the current directory, create these four files: {listed}"
     sol = "touch " + " ".join(f"{n}.txt" for n in names) + "\n"
-    tests = "".join(f"""
+    tests = "".join(
+        f"""
 
 def test_file_{i}():
     assert (WORK / "{n}.txt").is_file(), "{n}.txt was not created"
-""" for i, n in enumerate(names))  # fmt: skip
+"""
+        for i, n in enumerate(names)
+    )
     return SynthSpec("touch4", instr, sol, tests, tags=("touch",))

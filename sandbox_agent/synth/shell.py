@@ -73,7 +73,12 @@ def test_first_commit_hash():
 
 def scripts_family(rng: random.Random) -> SynthSpec:
     name = f"{rng.choice(['calc', 'compute', 'arith', 'mathx'])}.sh"
-    ops = dict(zip(pick(rng, ["add", "plus", "sum"], 1) + pick(rng, ["sub", "minus"], 1) + pick(rng, ["mul", "times"], 1), "+-*"))
+    ops = dict(
+        zip(
+            pick(rng, ["add", "plus", "sum"], 1) + pick(rng, ["sub", "minus"], 1) + pick(rng, ["mul", "times"], 1),
+            "+-*",
+        )
+    )
     bad_code = rng.choice([2, 3, 64])
     cases = [(rng.randint(-50, 99), rng.randint(-20, 99), op) for op in ops for _ in range(2)]
     expected = [(a, b, op, eval(f"{a} {sym} {b}")) for a, b, op in cases for o, sym in ops.items() if o == op]

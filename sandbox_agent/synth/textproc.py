@@ -71,7 +71,9 @@ def csv_family(rng: random.Random) -> SynthSpec:
     cents: dict[str, int] = {}
     for _, reg, _, q, p in rows:
         cents[reg] = cents.get(reg, 0) + q * p
-    text = "id,region,product,qty,price\n" + "".join(f"{i},{r},{pr},{q},{p // 100}.{p % 100:02d}\n" for i, r, pr, q, p in rows)
+    text = "id,region,product,qty,price\n" + "".join(
+        f"{i},{r},{pr},{q},{p // 100}.{p % 100:02d}\n" for i, r, pr, q, p in rows
+    )
     summary = "region,total\n" + "".join(f"{r},{c // 100}.{c % 100:02d}\n" for r, c in sorted(cents.items()))
     filtered = [text.splitlines()[0]] + [ln for ln, r in zip(text.splitlines()[1:], rows) if r[3] >= min_qty]
     instr = (

@@ -13,9 +13,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx
@@ -58,7 +58,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # the terminal shows the dashboard and one closing line (why it stopped); the supervisor's log goes to its
     # file, and to the terminal too only when --log-level asks for it
-    configure(args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "critical")
+    configure(
+        args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "critical"
+    )
     from t1async.cluster import components, preflight
     from t1async.cluster.progress import show_progress
     from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
@@ -71,8 +73,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     components.ensure_tasks(cfg)
     preflight.check_tasks(components.tasks_dir(cfg))
     warm = components.warm_start_argv(cfg)
-    before: tuple[ProcessSpec, ...] = () if warm is None else (
-        ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),
+    before: tuple[ProcessSpec, ...] = (
+        ()
+        if warm is None
+        else (
+            ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),
+        )
     )
 
     async def progress(nats_url: str, run_dir: Path) -> None:
@@ -82,12 +88,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     from t1async.cluster.natscluster import default_replicas
 
     sup = ClusterConfig(
-        run_dir=run_dir, nats_url=cfg.nats, nats_port=cfg.nats_port, max_payload=cfg.max_payload,
+        run_dir=run_dir,
+        nats_url=cfg.nats,
+        nats_port=cfg.nats_port,
+        max_payload=cfg.max_payload,
         nats_nodes=cfg.nats_nodes,
         stream_replicas=default_replicas(cfg.nats_nodes, cfg.stream_replicas, external=cfg.nats is not None),
-        duration_s=cfg.duration, build=lambda url: components.specs(cfg, url),
-        before=before if warm else (), progress=progress,
-    )  # fmt: skip
+        duration_s=cfg.duration,
+        build=lambda url: components.specs(cfg, url),
+        before=before if warm else (),
+        progress=progress,
+    )
     return _run(Supervisor(sup).run)
 
 
@@ -153,12 +164,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     running = state.status == "running" and all(alive.values()) and bool(alive)
     health = _healthz(state.monitor_url) if state.status != "stopped" else "-"
     if args.json:
-        print(json.dumps({"run_dir": state.run_dir, "status": state.status, "running": running,
-                          "nats_url": state.nats_url, "healthz": health,
-                          "processes": {p.name: {"pid": p.pid, "alive": alive[p.name], "log": p.log} for p in procs}}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "run_dir": state.run_dir,
+                    "status": state.status,
+                    "running": running,
+                    "nats_url": state.nats_url,
+                    "healthz": health,
+                    "processes": {p.name: {"pid": p.pid, "alive": alive[p.name], "log": p.log} for p in procs},
+                }
+            )
+        )
     else:
-        print(f"run dir:  {state.run_dir}\nstatus:   {state.status}\nnats:     {state.nats_url or '-'}\n"
-              f"healthz:  {health}")
+        print(
+            f"run dir:  {state.run_dir}\nstatus:   {state.status}\nnats:     {state.nats_url or '-'}\n"
+            f"healthz:  {health}"
+        )
         for p in procs:
             print(f"  {p.name:<12} pid {p.pid:<8} {'alive' if alive[p.name] else 'gone'}  {p.log}")
     return 0 if running else EXIT_NOT_RUNNING
@@ -175,8 +197,10 @@ def cmd_tail(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise ConfigError(f"no --nats given and {exc}; or pass --nats nats://HOST:PORT") from None
         if state.status == "stopped" or not state.nats_url:
-            raise ConfigError(f"the cluster in {args.run_dir} is not running (status {state.status}): start it with "
-                              f"`python -m t1async.cluster up --run-dir {args.run_dir}`, or pass --nats URL")  # fmt: skip
+            raise ConfigError(
+                f"the cluster in {args.run_dir} is not running (status {state.status}): start it with "
+                f"`python -m t1async.cluster up --run-dir {args.run_dir}`, or pass --nats URL"
+            )
         url = state.nats_url
     # stdout carries records only; the tail's own logs go to stderr, and only warnings and worse
     configure(args.log_level, console_level=args.log_level or "warning")
@@ -189,8 +213,15 @@ def cmd_tail(args: argparse.Namespace) -> int:
         raise ConfigError(f"--fields: unknown field(s) {', '.join(unknown)}; known: {','.join(TURN_FIELDS)}")
     if args.max_text < 0:
         raise ConfigError(f"--max-text must be >= 0 (0: no limit), got {args.max_text}")
-    cfg = TailConfig(nats_url=url, subject=args.subject, json=args.json, episode=args.episode, text=not args.no_text,
-                     fields=fields, max_text=args.max_text)  # fmt: skip
+    cfg = TailConfig(
+        nats_url=url,
+        subject=args.subject,
+        json=args.json,
+        episode=args.episode,
+        text=not args.no_text,
+        fields=fields,
+        max_text=args.max_text,
+    )
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -220,79 +251,122 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m t1async.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m t1async.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="{up,down,status,tail,report}")
 
     def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=description,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-        sp.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR),
-                        help=f"the cluster's run directory (default: {DEFAULT_RUN_DIR}, relative to the cwd)")  # fmt: skip
-        sp.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
-                        help="log level (default: $T1_LOG_LEVEL or info)")  # fmt: skip
+        sp = sub.add_parser(
+            name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        sp.add_argument(
+            "--run-dir",
+            default=str(DEFAULT_RUN_DIR),
+            help=f"the cluster's run directory (default: {DEFAULT_RUN_DIR}, relative to the cwd)",
+        )
+        sp.add_argument(
+            "--log-level",
+            default=None,
+            choices=["debug", "info", "warning", "error"],
+            help="log level (default: $T1_LOG_LEVEL or info)",
+        )
         return sp
 
-    up = add("up", "start the cluster in the foreground",
-             "Start a whole T1 training loop in the foreground, with embedded defaults:\n"
-             "  1. a synthetic task corpus in <run-dir>/tasks (unless --tasks), and an optional warm start (SFT);\n"
-             "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
-             "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"
-             "  4. the learner (checkpoints in <run-dir>/checkpoints), then --actors actor processes.\n"
-             "Checks --nats, --sampler-url, bubblewrap and the tasks first, and stops with a one-line error if\n"
-             "one is missing. Shows a live dashboard (--plain: one line every 10 s); the supervisor's own log\n"
-             "goes to <run-dir>/logs/supervisor.jsonl, and to the terminal only with --log-level.\n"
-             "Writes <run-dir>/cluster.json (PIDs), <run-dir>/logs/, <run-dir>/metrics.jsonl.\n"
-             "Runs until Ctrl-C, SIGTERM, `down`, --duration or --steps; then stops every component\n"
-             "(SIGTERM, then SIGKILL), NATS last. Run it again on the same --run-dir to resume training.")  # fmt: skip
+    up = add(
+        "up",
+        "start the cluster in the foreground",
+        "Start a whole T1 training loop in the foreground, with embedded defaults:\n"
+        "  1. a synthetic task corpus in <run-dir>/tasks (unless --tasks), and an optional warm start (SFT);\n"
+        "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
+        "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"
+        "  4. the learner (checkpoints in <run-dir>/checkpoints), then --actors actor processes.\n"
+        "Checks --nats, --sampler-url, bubblewrap and the tasks first, and stops with a one-line error if\n"
+        "one is missing. Shows a live dashboard (--plain: one line every 10 s); the supervisor's own log\n"
+        "goes to <run-dir>/logs/supervisor.jsonl, and to the terminal only with --log-level.\n"
+        "Writes <run-dir>/cluster.json (PIDs), <run-dir>/logs/, <run-dir>/metrics.jsonl.\n"
+        "Runs until Ctrl-C, SIGTERM, `down`, --duration or --steps; then stops every component\n"
+        "(SIGTERM, then SIGKILL), NATS last. Run it again on the same --run-dir to resume training.",
+    )
     from t1async.cluster.config import add_up_arguments
 
     add_up_arguments(up)
-    up.add_argument("--plain", action="store_true",
-                    help="one compact status line every 10 s instead of the live dashboard (the default off a terminal)")  # fmt: skip
+    up.add_argument(
+        "--plain",
+        action="store_true",
+        help="one compact status line every 10 s instead of the live dashboard (the default off a terminal)",
+    )
     up.set_defaults(func=cmd_up)
 
-    down = add("down", "stop a running cluster",
-               "Stop the cluster recorded in <run-dir>/cluster.json: SIGTERM to its supervisor (which stops its\n"
-               "components), then SIGTERM/SIGKILL to any component still alive. Only processes whose PID still\n"
-               "shows the recorded command line and start time are signalled.")  # fmt: skip
-    down.add_argument("--timeout", type=float, default=20.0, metavar="SECONDS", help="wait this long before SIGKILL (default 20)")
+    down = add(
+        "down",
+        "stop a running cluster",
+        "Stop the cluster recorded in <run-dir>/cluster.json: SIGTERM to its supervisor (which stops its\n"
+        "components), then SIGTERM/SIGKILL to any component still alive. Only processes whose PID still\n"
+        "shows the recorded command line and start time are signalled.",
+    )
+    down.add_argument(
+        "--timeout", type=float, default=20.0, metavar="SECONDS", help="wait this long before SIGKILL (default 20)"
+    )
     down.set_defaults(func=cmd_down)
 
-    st = add("status", "show what runs",
-             "Show the cluster in <run-dir>: its status, each process (pid, alive), the NATS URL and its /healthz.\n"
-             f"Exit status 0 when everything runs, {EXIT_NOT_RUNNING} otherwise.")  # fmt: skip
+    st = add(
+        "status",
+        "show what runs",
+        "Show the cluster in <run-dir>: its status, each process (pid, alive), the NATS URL and its /healthz.\n"
+        f"Exit status 0 when everything runs, {EXIT_NOT_RUNNING} otherwise.",
+    )
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.set_defaults(func=cmd_status)
 
     from t1async.cluster.glossary import LEGEND, TURN_FIELDS
 
-    tl = add("tail", "print records as they are published",
-             "Subscribe to SUBJECT (default t1.traj.>, every episode's records; also t1.policy, t1.metrics.>,\n"
-             "t1.dead.>) and print each record decoded: turns show episode, turn, policy version, token counts,\n"
-             "reward, tests, drift (keep vs the previous sequence length) and routing start/rows, action,\n"
-             "observation and output text (when the tokenizer loads). --json prints one object per record\n"
-             "(token ids and logprobs as lists, routing as {start, dtype, shape}, bytes as hex). Malformed\n"
-             "messages print one line starting with '!'. Live only: nothing published before it started.\n"
-             "Records go to stdout (plain text, colours on a terminal only), the header and logs to stderr.\n\n"
-             + LEGEND)  # fmt: skip
-    tl.add_argument("subject", nargs="?", default="t1.traj.>", help="NATS subject, wildcards allowed (default t1.traj.>)")
-    tl.add_argument("--nats", default=None, metavar="URL", help="NATS URL (default: the running cluster's, from --run-dir)")
+    tl = add(
+        "tail",
+        "print records as they are published",
+        "Subscribe to SUBJECT (default t1.traj.>, every episode's records; also t1.policy, t1.metrics.>,\n"
+        "t1.dead.>) and print each record decoded: turns show episode, turn, policy version, token counts,\n"
+        "reward, tests, drift (keep vs the previous sequence length) and routing start/rows, action,\n"
+        "observation and output text (when the tokenizer loads). --json prints one object per record\n"
+        "(token ids and logprobs as lists, routing as {start, dtype, shape}, bytes as hex). Malformed\n"
+        "messages print one line starting with '!'. Live only: nothing published before it started.\n"
+        "Records go to stdout (plain text, colours on a terminal only), the header and logs to stderr.\n\n" + LEGEND,
+    )
+    tl.add_argument(
+        "subject", nargs="?", default="t1.traj.>", help="NATS subject, wildcards allowed (default t1.traj.>)"
+    )
+    tl.add_argument(
+        "--nats", default=None, metavar="URL", help="NATS URL (default: the running cluster's, from --run-dir)"
+    )
     tl.add_argument("--json", action="store_true", help="one JSON object per record")
     tl.add_argument("--episode", default=None, metavar="ID", help="only this episode's records")
     tl.add_argument("--no-text", action="store_true", help="do not decode output ids to text")
-    tl.add_argument("--fields", default=None, metavar="A,B,...",
-                    help=f"show only these parts of a turn ({','.join(TURN_FIELDS)}); with --json, only these keys")  # fmt: skip
-    tl.add_argument("--max-text", type=int, default=160, metavar="N",
-                    help="clip action, observation and text to N characters (default 160; 0: no limit)")  # fmt: skip
+    tl.add_argument(
+        "--fields",
+        default=None,
+        metavar="A,B,...",
+        help=f"show only these parts of a turn ({','.join(TURN_FIELDS)}); with --json, only these keys",
+    )
+    tl.add_argument(
+        "--max-text",
+        type=int,
+        default=160,
+        metavar="N",
+        help="clip action, observation and text to N characters (default 160; 0: no limit)",
+    )
     tl.set_defaults(func=cmd_tail)
 
-    rp = add("report", "picture a run: one page from its metrics.jsonl",
-             "Read <run-dir>/metrics.jsonl (a running or a stopped cluster) and write one page: reward and\n"
-             "resolved rate, throughput, the staleness histogram, TITO drift counts, mismatch and policy shift,\n"
-             "and the learner's step time (forward, backward, checkpoint, push). Writes <run-dir>/report.png and\n"
-             "report.html (the PNG embedded, with the headline numbers), and prints those numbers.")  # fmt: skip
-    rp.add_argument("--out", default=None, metavar="PATH", help="write PATH.png and PATH.html instead (default <run-dir>/report)")
+    rp = add(
+        "report",
+        "picture a run: one page from its metrics.jsonl",
+        "Read <run-dir>/metrics.jsonl (a running or a stopped cluster) and write one page: reward and\n"
+        "resolved rate, throughput, the staleness histogram, TITO drift counts, mismatch and policy shift,\n"
+        "and the learner's step time (forward, backward, checkpoint, push). Writes <run-dir>/report.png and\n"
+        "report.html (the PNG embedded, with the headline numbers), and prints those numbers.",
+    )
+    rp.add_argument(
+        "--out", default=None, metavar="PATH", help="write PATH.png and PATH.html instead (default <run-dir>/report)"
+    )
     rp.set_defaults(func=cmd_report)
     return p
 

@@ -55,8 +55,16 @@ def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
-    argv = python_module("t1async.learner", "sft", "--tasks", str(ensure_tasks(cfg)), "--steps",
-                         str(cfg.warm_start_steps), "--out", str(out))  # fmt: skip
+    argv = python_module(
+        "t1async.learner",
+        "sft",
+        "--tasks",
+        str(ensure_tasks(cfg)),
+        "--steps",
+        str(cfg.warm_start_steps),
+        "--out",
+        str(out),
+    )
     if cfg.model is not None:
         argv += ["--model", str(cfg.model)]
     return argv
@@ -106,8 +114,10 @@ def parse_cpus(spec: str, flag: str) -> set[int]:
         raise ConfigError(f"{flag} {spec!r}: not a CPU list; give e.g. 0 or 0,2 or 1-3") from None
     allowed = set(range(os.cpu_count() or 1))  # the machine's, not our own affinity (we may be pinned ourselves)
     if not cpus or not cpus <= allowed:
-        raise ConfigError(f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not on this machine; "
-                          f"it has {min(allowed)}-{max(allowed)}")  # fmt: skip
+        raise ConfigError(
+            f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not on this machine; "
+            f"it has {min(allowed)}-{max(allowed)}"
+        )
     if shutil.which("taskset") is None:
         raise ConfigError(f"{flag} needs taskset (Debian package util-linux): apt-get install util-linux")
     return cpus
@@ -129,9 +139,22 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         ready = sampler_ready_file(cfg, i)
         ready.unlink(missing_ok=True)
         port = free_port()
-        argv = python_module("t1async.sampler", "serve", "--port", str(port), "--ready-file", str(ready),
-                             "--dtype", cfg.sampler_dtype, "--max-batch", str(cfg.sampler_max_batch),
-                             "--prefix-cache-tokens", str(cfg.prefix_cache_tokens), "--seed", str(cfg.seed))  # fmt: skip
+        argv = python_module(
+            "t1async.sampler",
+            "serve",
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready),
+            "--dtype",
+            cfg.sampler_dtype,
+            "--max-batch",
+            str(cfg.sampler_max_batch),
+            "--prefix-cache-tokens",
+            str(cfg.prefix_cache_tokens),
+            "--seed",
+            str(cfg.seed),
+        )
         if model is not None:
             argv += ["--model", str(model)]
         name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
@@ -140,12 +163,31 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         embedded.append(f"http://127.0.0.1:{port}")
     urls = urls or embedded
     learner = python_module(
-        "t1async.learner", "serve", "--nats", nats_url, "--run-dir", str(cfg.run_dir),
-        "--max-staleness", str(cfg.max_staleness), "--batch-turns", str(cfg.batch_turns),
-        "--steps", str(cfg.steps), "--lr", str(cfg.lr), "--lease", str(cfg.lease),
-        "--actor-timeout", str(cfg.actor_timeout), "--weight-sync", cfg.weight_sync,
-        "--weight-bucket-mb", str(cfg.weight_bucket_mb), "--nproc", str(cfg.learner_procs),
-    )  # fmt: skip
+        "t1async.learner",
+        "serve",
+        "--nats",
+        nats_url,
+        "--run-dir",
+        str(cfg.run_dir),
+        "--max-staleness",
+        str(cfg.max_staleness),
+        "--batch-turns",
+        str(cfg.batch_turns),
+        "--steps",
+        str(cfg.steps),
+        "--lr",
+        str(cfg.lr),
+        "--lease",
+        str(cfg.lease),
+        "--actor-timeout",
+        str(cfg.actor_timeout),
+        "--weight-sync",
+        cfg.weight_sync,
+        "--weight-bucket-mb",
+        str(cfg.weight_bucket_mb),
+        "--nproc",
+        str(cfg.learner_procs),
+    )
     if model is not None:
         learner += ["--model", str(model)]
     if cfg.no_replay:
@@ -160,12 +202,32 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
     for i in range(cfg.actors):
         argv = python_module(
-            "actors", "--nats", nats_url, "--tasks", str(tasks_dir(cfg)), "--concurrency", str(cfg.concurrency),
-            "--max-turns", str(cfg.max_turns), "--max-new-tokens", str(cfg.max_new_tokens),
-            "--max-context", str(cfg.max_context), "--temperature", str(cfg.temperature),
-            "--context-policy", cfg.context_policy, "--context-keep-turns", str(cfg.context_keep_turns),
-            "--verify-every", str(cfg.verify_every), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i),
-        )  # fmt: skip
+            "actors",
+            "--nats",
+            nats_url,
+            "--tasks",
+            str(tasks_dir(cfg)),
+            "--concurrency",
+            str(cfg.concurrency),
+            "--max-turns",
+            str(cfg.max_turns),
+            "--max-new-tokens",
+            str(cfg.max_new_tokens),
+            "--max-context",
+            str(cfg.max_context),
+            "--temperature",
+            str(cfg.temperature),
+            "--context-policy",
+            cfg.context_policy,
+            "--context-keep-turns",
+            str(cfg.context_keep_turns),
+            "--verify-every",
+            str(cfg.verify_every),
+            "--actor-id",
+            f"actor-{i}",
+            "--seed",
+            str(cfg.seed + i),
+        )
         if model is not None:
             argv += ["--model", str(model)]
             if cfg.warm_start:  # the prompt the warm start was trained with (t1async.learner.warmstart)
@@ -184,11 +246,31 @@ def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:
     from t1async.model.weights import default_model_dir
 
     start = model if model is not None else default_model_dir()
-    argv = python_module("t1async.eval.loop", "--nats", nats_url, "--tasks", str(tasks_dir(cfg)), "--run-dir",
-                         str(cfg.run_dir), "--every", str(cfg.eval_every), "--model", str(start), "--samples",
-                         str(cfg.eval_samples), "--seed", str(cfg.seed), "--max-turns", str(cfg.max_turns),
-                         "--max-new-tokens", str(cfg.max_new_tokens), "--max-context", str(cfg.max_context),
-                         "--temperature", str(cfg.temperature))  # fmt: skip
+    argv = python_module(
+        "t1async.eval.loop",
+        "--nats",
+        nats_url,
+        "--tasks",
+        str(tasks_dir(cfg)),
+        "--run-dir",
+        str(cfg.run_dir),
+        "--every",
+        str(cfg.eval_every),
+        "--model",
+        str(start),
+        "--samples",
+        str(cfg.eval_samples),
+        "--seed",
+        str(cfg.seed),
+        "--max-turns",
+        str(cfg.max_turns),
+        "--max-new-tokens",
+        str(cfg.max_new_tokens),
+        "--max-context",
+        str(cfg.max_context),
+        "--temperature",
+        str(cfg.temperature),
+    )
     if cfg.warm_start:
         argv += ["--system-prompt-file", str(Path(start) / "system_prompt.txt")]
     return ProcessSpec("eval", argv)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable, Iterable
 
 from rich.console import Group
 from rich.table import Table
@@ -106,8 +106,13 @@ LEARNER_COUNTERS = ("turns_trained", "step", "t_busy_s")
 class RunView:
     """Everything the dashboard knows; fed by ``progress.show_progress``."""
 
-    def __init__(self, run_dir: str = "", nats_url: str = "", sampler_urls: Iterable[str] = (),
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str = "",
+        nats_url: str = "",
+        sampler_urls: Iterable[str] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.run_dir, self.nats_url, self.clock = run_dir, nats_url, clock
         self.t0 = clock()
         self.learner: dict[str, Any] | None = None
@@ -130,12 +135,17 @@ class RunView:
         now = self.clock()
         if component == "learner":
             self.learner = {**values, "step": step, "version": version}
-            self.learner_series.add(now, {k: float(self.learner[k]) for k in LEARNER_COUNTERS
-                                          if isinstance(self.learner.get(k), (int, float))})  # fmt: skip
+            self.learner_series.add(
+                now,
+                {k: float(self.learner[k]) for k in LEARNER_COUNTERS if isinstance(self.learner.get(k), (int, float))},
+            )
         elif component == "actor":
             self.actors[name] = dict(values)
-            sums = {k: sum(float(a.get(k, 0.0)) for a in self.actors.values()) for k in ACTOR_COUNTERS
-                    if all(isinstance(a.get(k), (int, float)) for a in self.actors.values())}  # fmt: skip
+            sums = {
+                k: sum(float(a.get(k, 0.0)) for a in self.actors.values())
+                for k in ACTOR_COUNTERS
+                if all(isinstance(a.get(k), (int, float)) for a in self.actors.values())
+            }
             self.actor_series.add(now, sums)
         elif component == "eval":
             self.eval = {**values, "step": step, "version": version}
@@ -259,8 +269,10 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         shares = view.actor_shares()
         where = DASH if shares is None else " ".join(f"{k} {x:.0%}" for k, x in shares.items())
         compactions = (view.learner or {}).get("compactions", _sum(a, "compactions"))
-        text = (f"{len(a)} up, {fmt(running, '.0f')} episodes running, {fmt(done, '.0f')} ended | "
-                f"{fmt(turns_s)} turns/s {fmt(tok_s, '.0f')} tok/s | waiting on: {where}")  # fmt: skip
+        text = (
+            f"{len(a)} up, {fmt(running, '.0f')} episodes running, {fmt(done, '.0f')} ended | "
+            f"{fmt(turns_s)} turns/s {fmt(tok_s, '.0f')} tok/s | waiting on: {where}"
+        )
         if isinstance(compactions, (int, float)):
             text += f" | compactions {compactions:.0f}"
         out.append(("actors", text))
@@ -282,28 +294,46 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         busy = view.learner_busy()
         ranks = int(v.get("learner_ranks", 1) or 1)  # learner serve --nproc N / cluster up --learner-procs N
         on = f" on {ranks} ranks" if ranks > 1 else ""
-        out.append(("learner", f"policy v{v.get('version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
-                               f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
-                               f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
-                               f"busy {fmt(busy, '.0%')}"))  # fmt: skip
+        out.append(
+            (
+                "learner",
+                f"policy v{v.get('version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
+                f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
+                f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
+                f"busy {fmt(busy, '.0%')}",
+            )
+        )
         ended = int(v.get("episodes_ended", 0) or 0)
         reward = v.get("reward_mean") if ended else None
         resolved = v.get("resolved_rate") if ended else None
         drift = v.get("drift") or {}
         drift_s = "/".join(str(drift.get(k, 0)) for k in ("clean", "realign", "fork")) if drift else DASH
-        out.append(("", f"reward {fmt(reward)} resolved {fmt(resolved, '.0%')} ({ended} ended) | "
-                        f"staleness max {fmt(_trained(v, 'max_staleness'), 'd')} (η {v.get('eta', DASH)}) | "
-                        f"drift c/r/f {drift_s} | {_mismatch(v)} | {_settled(v)}"))  # fmt: skip
+        out.append(
+            (
+                "",
+                f"reward {fmt(reward)} resolved {fmt(resolved, '.0%')} ({ended} ended) | "
+                f"staleness max {fmt(_trained(v, 'max_staleness'), 'd')} (η {v.get('eta', DASH)}) | "
+                f"drift c/r/f {drift_s} | {_mismatch(v)} | {_settled(v)}",
+            )
+        )
     # NATS
     rate, bps = view.traj.rate("msgs"), view.traj.rate("bytes")
-    out.append(("nats", f"{view.nats_url} {view.nats_state} | {fmt(rate)} turn records/s "
-                        f"{fmt(None if bps is None else bps / 1024, '.1f')} KiB/s"))  # fmt: skip
+    out.append(
+        (
+            "nats",
+            f"{view.nats_url} {view.nats_state} | {fmt(rate)} turn records/s "
+            f"{fmt(None if bps is None else bps / 1024, '.1f')} KiB/s",
+        )
+    )
     e = view.eval
     if e is None:
         out.append(("eval", f"{DASH} (no evaluator reports on t1.metrics.eval)"))
     else:
-        shown = " ".join(f"{k} {fmt(x, '.3g') if not isinstance(x, int) else x}" for k, x in sorted(e.items())
-                         if isinstance(x, (int, float)) and not isinstance(x, bool))  # fmt: skip
+        shown = " ".join(
+            f"{k} {fmt(x, '.3g') if not isinstance(x, int) else x}"
+            for k, x in sorted(e.items())
+            if isinstance(x, (int, float)) and not isinstance(x, bool)
+        )
         out.append(("eval", shown or DASH))
     return out
 
@@ -339,8 +369,10 @@ def plain_line(view: RunView) -> str:
         f"stale {fmt(_trained(v, 'max_staleness'), 'd')}/η {v.get('eta', DASH)}",
         f"mismatch {fmt(_over(v, 'mismatch', 'mismatch_tokens'), '.4f')}",
         f"limit: {view.bottleneck(short=True)}",
-    ]  # fmt: skip
+    ]
     if view.eval is not None and "pass1" in view.eval:  # the in-loop eval (cluster up --eval-every)
-        parts.append(f"eval v{view.eval.get('version', DASH)} pass@1 {fmt(view.eval['pass1'], '.0%')} "
-                     f"tests {fmt(view.eval.get('tests_mean'), '.2f')}")  # fmt: skip
+        parts.append(
+            f"eval v{view.eval.get('version', DASH)} pass@1 {fmt(view.eval['pass1'], '.0%')} "
+            f"tests {fmt(view.eval.get('tests_mean'), '.2f')}"
+        )
     return " | ".join(parts)

@@ -3,8 +3,24 @@
 The full glossary of every dashboard and tail field is docs/glossary.md."""
 
 # the parts of a turn line, in order; --fields picks among them
-TURN_FIELDS = ("ep", "t", "v", "in", "keep", "delta", "out", "finish", "reward", "tests", "drift", "routing",
-               "timing", "action", "obs", "text")  # fmt: skip
+TURN_FIELDS = (
+    "ep",
+    "t",
+    "v",
+    "in",
+    "keep",
+    "delta",
+    "out",
+    "finish",
+    "reward",
+    "tests",
+    "drift",
+    "routing",
+    "timing",
+    "action",
+    "obs",
+    "text",
+)
 LEGEND = """\
 turn lines: ep=episode t=turn v=policy version that sampled it; in=input tokens, keep=leading tokens equal to
   the sequence so far, delta=new input tokens (in = keep + delta), out=output tokens; tests=verifier tests

@@ -35,11 +35,13 @@ def default_replicas(nodes: int, replicas: int, external: bool) -> int | None:
     return min(nodes, 3)
 
 
-async def start_embedded_cluster(stack: AsyncExitStack, run_dir: Path, nodes: int, max_payload: int,
-                                 state: ClusterState) -> str:  # fmt: skip
+async def start_embedded_cluster(
+    stack: AsyncExitStack, run_dir: Path, nodes: int, max_payload: int, state: ClusterState
+) -> str:
     """Start the cluster inside ``stack`` (stopped when it closes, after its watcher); returns the URL list."""
-    cl = await stack.enter_async_context(NatsCluster.start(run_dir / "nats", nodes, max_payload=max_payload,
-                                                           log_dir=run_dir / "logs"))  # fmt: skip
+    cl = await stack.enter_async_context(
+        NatsCluster.start(run_dir / "nats", nodes, max_payload=max_payload, log_dir=run_dir / "logs")
+    )
 
     def record(i: int) -> None:
         node = cl.nodes[i]
@@ -81,5 +83,7 @@ async def wait_replicated(t: NatsTransport, replicas: int, timeout_s: float = 60
             except nats.errors.Error as exc:
                 last = repr(exc)
             await anyio.sleep(0.2)
-    raise TransportError(f"stream {stream} did not get {replicas} current replicas within {timeout_s:.0f}s ({last}): "
-                         "see the nats-server logs in <run-dir>/logs")  # fmt: skip
+    raise TransportError(
+        f"stream {stream} did not get {replicas} current replicas within {timeout_s:.0f}s ({last}): "
+        "see the nats-server logs in <run-dir>/logs"
+    )

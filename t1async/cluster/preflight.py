@@ -18,7 +18,9 @@ import httpx
 
 from t1async.errors import ConfigError
 
-_NO_NATS_FIX = "start nats-server with JetStream there (`nats-server -js`), or leave out --nats and `cluster up` starts its own"
+_NO_NATS_FIX = (
+    "start nats-server with JetStream there (`nats-server -js`), or leave out --nats and `cluster up` starts its own"
+)
 
 
 def _nats_info(host: str, port: int, timeout_s: float) -> dict:
@@ -47,11 +49,15 @@ def check_nats(url: str, timeout_s: float = 3.0) -> None:
         try:
             info = _nats_info(host, port, timeout_s)
         except (OSError, ValueError) as exc:
-            errors.append(f"{host}:{port} ({type(exc).__name__}: {exc})" if str(exc) else f"{host}:{port} ({type(exc).__name__})")
+            errors.append(
+                f"{host}:{port} ({type(exc).__name__}: {exc})" if str(exc) else f"{host}:{port} ({type(exc).__name__})"
+            )
             continue
         if not info.get("jetstream"):
-            raise ConfigError(f"--nats {url}: the server at {host}:{port} runs without JetStream: restart it with "
-                              f"`nats-server -js`, or leave out --nats and `cluster up` starts its own")  # fmt: skip
+            raise ConfigError(
+                f"--nats {url}: the server at {host}:{port} runs without JetStream: restart it with "
+                f"`nats-server -js`, or leave out --nats and `cluster up` starts its own"
+            )
         return
     raise ConfigError(f"--nats {url}: no NATS server answers at {', '.join(errors)}: {_NO_NATS_FIX}")
 
@@ -64,11 +70,15 @@ def check_samplers(urls: list[str] | tuple[str, ...], timeout_s: float = 5.0) ->
         try:
             resp = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s, trust_env=False)
         except httpx.HTTPError as exc:
-            raise ConfigError(f"--sampler-url {url}: no answer from {url}/health ({type(exc).__name__}): start the "
-                              f"SGLang server there, or leave out --sampler-url to use the embedded sampler") from None  # fmt: skip
+            raise ConfigError(
+                f"--sampler-url {url}: no answer from {url}/health ({type(exc).__name__}): start the "
+                f"SGLang server there, or leave out --sampler-url to use the embedded sampler"
+            ) from None
         if resp.status_code != 200:
-            raise ConfigError(f"--sampler-url {url}: {url}/health answered HTTP {resp.status_code}: wait until the "
-                              f"server has loaded its model, or check its log")  # fmt: skip
+            raise ConfigError(
+                f"--sampler-url {url}: {url}/health answered HTTP {resp.status_code}: wait until the "
+                f"server has loaded its model, or check its log"
+            )
 
 
 def check_sandbox() -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
-from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import httpx
@@ -74,8 +74,14 @@ async def _watch_metrics(t: NatsTransport, view: RunView, sink: IO[str]) -> None
             rec = m.record
             if not isinstance(rec, MetricsRecord):
                 continue
-            body = {"subject": m.subject, "component": rec.component, "step": rec.step, "version": rec.version,
-                    "t": time.time(), **rec.values}  # fmt: skip
+            body = {
+                "subject": m.subject,
+                "component": rec.component,
+                "step": rec.step,
+                "version": rec.version,
+                "t": time.time(),
+                **rec.values,
+            }
             sink.write(json.dumps(body, default=str) + "\n")
             sink.flush()
             view.on_metrics(rec.component, m.subject.rsplit(".", 1)[-1], rec.step, rec.version, dict(rec.values))
@@ -87,8 +93,16 @@ async def _watch_traj(t: NatsTransport, view: RunView) -> None:
             view.on_traj(len(m.data))
 
 
-async def show_progress(nats_url: str, run_dir: Path, *, sampler_urls: Sequence[str] = (), out: IO[str] | None = None,
-                        plain: bool = False, every_s: float = 10.0, refresh_s: float = 1.0) -> None:  # fmt: skip
+async def show_progress(
+    nats_url: str,
+    run_dir: Path,
+    *,
+    sampler_urls: Sequence[str] = (),
+    out: IO[str] | None = None,
+    plain: bool = False,
+    every_s: float = 10.0,
+    refresh_s: float = 1.0,
+) -> None:
     """Runs until cancelled (the supervisor's task group owns it)."""
     out = out or sys.stdout
     view = RunView(str(run_dir), nats_url, sampler_urls)
@@ -160,7 +174,13 @@ def setup_bar(description: str, total: int | None, *, out: IO[str] | None = None
     if not out.isatty():
         yield lambda completed: None
         return
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=Console(file=out), transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda completed: progress.update(task, completed=completed)

@@ -99,7 +99,9 @@ def render_png(rs: RunSeries, out: Path, title: str = "") -> Path:
         a_rew.set_ylabel("tests passed")
         a_rew.set_xlabel("minutes")
         ax2 = a_rew.twinx()
-        ax2.plot(minutes([r["t"] for r in with_rew]), [r["resolved_rate"] for r in with_rew], color="C2", label="resolved")
+        ax2.plot(
+            minutes([r["t"] for r in with_rew]), [r["resolved_rate"] for r in with_rew], color="C2", label="resolved"
+        )
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("resolved rate")
         a_rew.legend(loc="upper left")
@@ -133,7 +135,9 @@ def render_png(rs: RunSeries, out: Path, title: str = "") -> Path:
     with_drift = [r for r in rs.learner if isinstance(r.get("drift"), dict)]
     if with_drift:
         for k, c in (("clean", "C2"), ("realign", "C1"), ("fork", "C3")):
-            a_drift.plot(minutes([r["t"] for r in with_drift]), [r["drift"].get(k, 0) for r in with_drift], label=k, color=c)
+            a_drift.plot(
+                minutes([r["t"] for r in with_drift]), [r["drift"].get(k, 0) for r in with_drift], label=k, color=c
+            )
         a_drift.set_yscale("symlog")
         a_drift.set_xlabel("minutes")
         a_drift.legend()
@@ -154,7 +158,12 @@ def render_png(rs: RunSeries, out: Path, title: str = "") -> Path:
         _nothing(a_mm, "no step measured it yet")
 
     a_step.set_title("learner step time")
-    parts = [("t_forward_s", "forward"), ("t_backward_s", "backward"), ("t_checkpoint_s", "checkpoint"), ("t_push_s", "push")]
+    parts = [
+        ("t_forward_s", "forward"),
+        ("t_backward_s", "backward"),
+        ("t_checkpoint_s", "checkpoint"),
+        ("t_push_s", "push"),
+    ]
     steps = [s for s in rs.steps if all(k in s for k, _ in parts)]
     if steps:
         xs = [s["step"] for s in steps]
@@ -179,15 +188,22 @@ def render_png(rs: RunSeries, out: Path, title: str = "") -> Path:
 def headline(rs: RunSeries) -> dict[str, Any]:
     """The few numbers a reader wants first (absent ones are absent, not 0)."""
     last = rs.learner[-1] if rs.learner else {}
-    out: dict[str, Any] = {"duration_min": round((last.get("t", 0.0)) / 60, 1) if last else None,
-                           "policy_version": last.get("version"), "steps": last.get("step"),
-                           "turns_trained": last.get("turns_trained"), "episodes_ended": last.get("episodes_ended"),
-                           "max_staleness": last.get("max_staleness"), "eta": last.get("eta")}  # fmt: skip
+    out: dict[str, Any] = {
+        "duration_min": round((last.get("t", 0.0)) / 60, 1) if last else None,
+        "policy_version": last.get("version"),
+        "steps": last.get("step"),
+        "turns_trained": last.get("turns_trained"),
+        "episodes_ended": last.get("episodes_ended"),
+        "max_staleness": last.get("max_staleness"),
+        "eta": last.get("eta"),
+    }
     for k in ("reward_mean", "resolved_rate"):
         if k in last:
             out[k] = round(float(last[k]), 4)
     if rs.steps:
-        out["mean_step_s"] = round(sum(float(s.get("t_step_wall_s", s.get("t_step_s", 0))) for s in rs.steps) / len(rs.steps), 2)
+        out["mean_step_s"] = round(
+            sum(float(s.get("t_step_wall_s", s.get("t_step_s", 0))) for s in rs.steps) / len(rs.steps), 2
+        )
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -56,11 +56,14 @@ class ClusterState:
             raw = json.loads(path.read_text())
             sup = raw.get("supervisor")
             return cls(
-                run_dir=raw["run_dir"], status=raw["status"], nats_url=raw.get("nats_url", ""),
-                monitor_url=raw.get("monitor_url", ""), supervisor=ProcInfo(**sup) if sup else None,
+                run_dir=raw["run_dir"],
+                status=raw["status"],
+                nats_url=raw.get("nats_url", ""),
+                monitor_url=raw.get("monitor_url", ""),
+                supervisor=ProcInfo(**sup) if sup else None,
                 components={k: ProcInfo(**v) for k, v in raw.get("components", {}).items()},
                 updated_at=float(raw.get("updated_at", 0.0)),
-            )  # fmt: skip
+            )
         except FileNotFoundError:
             raise ConfigError(
                 f"no cluster state at {path}: start one with `python -m t1async.cluster up --run-dir {run_dir}`"

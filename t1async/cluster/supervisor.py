@@ -15,11 +15,11 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Coroutine, Mapping, Sequence
 
 import anyio
 import anyio.abc
@@ -93,12 +93,18 @@ class Supervisor:
                 if nats_url is None and self.config.nats_nodes > 1:
                     from t1async.cluster.natscluster import start_embedded_cluster
 
-                    nats_url = await start_embedded_cluster(stack, run_dir, self.config.nats_nodes,
-                                                            self.config.max_payload, self.state)  # fmt: skip
+                    nats_url = await start_embedded_cluster(
+                        stack, run_dir, self.config.nats_nodes, self.config.max_payload, self.state
+                    )
                 elif nats_url is None:
-                    srv = await stack.enter_async_context(NatsServer.start(
-                        run_dir / "nats", port=self.config.nats_port, max_payload=self.config.max_payload,
-                        log_file=run_dir / "logs" / "nats-server.log"))  # fmt: skip
+                    srv = await stack.enter_async_context(
+                        NatsServer.start(
+                            run_dir / "nats",
+                            port=self.config.nats_port,
+                            max_payload=self.config.max_payload,
+                            log_file=run_dir / "logs" / "nats-server.log",
+                        )
+                    )
                     nats_url = srv.url
                     self.state.monitor_url = srv.monitor_url
                     self.state.components["nats"] = proc_info("nats", srv.pid or 0, str(srv.log_path))
@@ -114,14 +120,24 @@ class Supervisor:
                     self.state.status = "running"
                     self.state.save()
                     log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
-                    print(f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
-                          f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)", flush=True)  # fmt: skip
+                    print(
+                        f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
+                        f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)",
+                        flush=True,
+                    )
                     if self.config.progress is not None:
                         tg.start_soon(self.config.progress, nats_url, run_dir)
                     await self._wait_for_stop()
                     # a second Ctrl-C or a hang-up while stopping would leave components behind: let it finish
-                    saved.update({k: v for k, v in _set_handlers(
-                        {signal.SIGHUP: signal.SIG_IGN, signal.SIGINT: signal.SIG_IGN}).items() if k not in saved})  # fmt: skip
+                    saved.update(
+                        {
+                            k: v
+                            for k, v in _set_handlers(
+                                {signal.SIGHUP: signal.SIG_IGN, signal.SIGINT: signal.SIG_IGN}
+                            ).items()
+                            if k not in saved
+                        }
+                    )
                     self.state.status = "stopping"
                     self.state.save()
                     tg.cancel_scope.cancel()
@@ -141,8 +157,10 @@ class Supervisor:
         except ConfigError:
             return
         if old.status != "stopped" and old.supervisor is not None and is_ours(old.supervisor):
-            raise ConfigError(f"a cluster is already running in {run_dir} (supervisor pid {old.supervisor.pid}): "
-                              f"stop it with `python -m t1async.cluster down --run-dir {run_dir}` or use another --run-dir")  # fmt: skip
+            raise ConfigError(
+                f"a cluster is already running in {run_dir} (supervisor pid {old.supervisor.pid}): "
+                f"stop it with `python -m t1async.cluster down --run-dir {run_dir}` or use another --run-dir"
+            )
 
     async def _wait_for_stop(self) -> None:
         duration = self.config.duration_s if self.config.duration_s is not None else math.inf
@@ -153,8 +171,14 @@ class Supervisor:
                     return
         log.info("cluster.duration_elapsed", duration_s=duration)
 
-    async def _run_process(self, spec: ProcessSpec, nats_url: str, cluster: anyio.CancelScope,
-                           *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
+    async def _run_process(
+        self,
+        spec: ProcessSpec,
+        nats_url: str,
+        cluster: anyio.CancelScope,
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         path = Path(self.config.run_dir) / "logs" / f"{spec.name}.log"
         env = {**os.environ, "T1_NATS_URL": nats_url, **spec.env}
         first = True
@@ -162,8 +186,9 @@ class Supervisor:
             first = False
             await anyio.sleep(1.0)
 
-    async def _run_once(self, spec: ProcessSpec, path: Path, env: dict, cluster: anyio.CancelScope,
-                        task_status: TaskStatus[None] | None) -> bool:  # fmt: skip
+    async def _run_once(
+        self, spec: ProcessSpec, path: Path, env: dict, cluster: anyio.CancelScope, task_status: TaskStatus[None] | None
+    ) -> bool:
         """Run the process once; False when it exited and ``spec.restart`` asks for another run."""
         with open(path, "ab") as out:
             proc = await anyio.open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
@@ -208,8 +233,9 @@ class Supervisor:
         with anyio.move_on_after(spec.ready_timeout_s) as scope:
             while not spec.ready_file.exists():
                 if proc.returncode is not None:
-                    raise ServerStartError(f"{spec.name} exited with code {proc.returncode} before it was ready; "
-                                           f"see {log_path}")  # fmt: skip
+                    raise ServerStartError(
+                        f"{spec.name} exited with code {proc.returncode} before it was ready; see {log_path}"
+                    )
                 await anyio.sleep(0.1)
         if scope.cancelled_caught:
             raise ServerStartError(f"{spec.name} was not ready within {spec.ready_timeout_s:.0f} s; see {log_path}")

@@ -79,8 +79,10 @@ class Formatter:
         if msg.error is not None:
             origin = msg.headers.get(HDR_DEAD_SUBJECT)
             extra = f" (dead letter from {origin}: {msg.headers.get(HDR_DEAD_ERROR, '')})" if origin else ""
-            return (f"! malformed on {escape(msg.subject)}: [{msg.error.reason}] {_clip(str(msg.error), 300)} "
-                    f"({len(msg.data)} bytes){escape(extra)}")
+            return (
+                f"! malformed on {escape(msg.subject)}: [{msg.error.reason}] {_clip(str(msg.error), 300)} "
+                f"({len(msg.data)} bytes){escape(extra)}"
+            )
         rec = msg.record
         if isinstance(rec, wire.TurnRecord):
             return self._turn(rec)
@@ -88,10 +90,12 @@ class Formatter:
             self._seq_len.pop(rec.episode, None)
             return escape(f"start ep={rec.episode} actor={rec.actor} task={rec.task} max_turns={rec.max_turns}")
         if isinstance(rec, wire.EndRecord):
-            return escape(f"end   ep={rec.episode} turns={rec.turns} reason={rec.reason.value} "
-                          f"tests={rec.tests_passed}/{rec.tests_total} resolved={rec.resolved}"
-                          + (f" compactions={rec.compactions}" if rec.compactions else "")
-                          + (f" detail={_clip(rec.detail, self.max_text)}" if rec.detail else ""))  # fmt: skip
+            return escape(
+                f"end   ep={rec.episode} turns={rec.turns} reason={rec.reason.value} "
+                f"tests={rec.tests_passed}/{rec.tests_total} resolved={rec.resolved}"
+                + (f" compactions={rec.compactions}" if rec.compactions else "")
+                + (f" detail={_clip(rec.detail, self.max_text)}" if rec.detail else "")
+            )
         if isinstance(rec, wire.MetricsRecord):
             vals = " ".join(f"{k}={_short(v)}" for k, v in sorted(rec.values.items()))
             return escape(f"metrics {rec.component} step={rec.step} v={rec.version} {vals}")
@@ -121,12 +125,20 @@ class Formatter:
             if prev is not None and r.keep == prev and r.routing.start != r.keep - 1:
                 route += f" (start != keep-1={r.keep - 1})"
         parts = {
-            "ep": f"ep={r.episode}", "t": f"t={r.turn}", "v": f"v={r.policy_version}", "in": f"in={r.input_len}",
-            "keep": f"keep={r.keep}", "delta": f"delta={len(r.input_delta)}", "out": f"out={len(r.output_ids)}",
-            "finish": f"finish={r.finish.value}", "reward": f"reward={r.reward:+.3g}",
+            "ep": f"ep={r.episode}",
+            "t": f"t={r.turn}",
+            "v": f"v={r.policy_version}",
+            "in": f"in={r.input_len}",
+            "keep": f"keep={r.keep}",
+            "delta": f"delta={len(r.input_delta)}",
+            "out": f"out={len(r.output_ids)}",
+            "finish": f"finish={r.finish.value}",
+            "reward": f"reward={r.reward:+.3g}",
             "tests": f"tests={r.tests_passed if r.tests_passed >= 0 else '–'}",
-            "drift": f"| {drift}", "routing": f"| {route}", "timing": f"| sample={r.t_sample_s:.2f}s exec={r.t_exec_s:.2f}s",
-        }  # fmt: skip
+            "drift": f"| {drift}",
+            "routing": f"| {route}",
+            "timing": f"| sample={r.t_sample_s:.2f}s exec={r.t_exec_s:.2f}s",
+        }
         head = " ".join(p for k, p in parts.items() if k in self.fields)
         lines = [escape("turn  " + head)]
         if r.action and "action" in self.fields:
@@ -153,8 +165,13 @@ def _short(v: Any) -> str:
 def to_json(msg: Message) -> dict:
     """A JSON-ready dict for one message (see the module docstring for the array rules)."""
     if msg.error is not None:
-        return {"subject": msg.subject, "error": str(msg.error), "reason": msg.error.reason, "bytes": len(msg.data),
-                "headers": dict(msg.headers)}  # fmt: skip
+        return {
+            "subject": msg.subject,
+            "error": str(msg.error),
+            "reason": msg.error.reason,
+            "bytes": len(msg.data),
+            "headers": dict(msg.headers),
+        }
     m = wire.to_map(msg.record)  # type: ignore[arg-type]
     return {"subject": msg.subject, **{k: _jsonable(k, v) for k, v in m.items()}}
 

@@ -7,5 +7,15 @@
 from t1async.eval.run import EvalConfig, SeededSampler, episode_seed, run_eval
 from t1async.eval.stats import TaskScore, bootstrap_ci, by_family, pass_at_k, summarise, task_scores
 
-__all__ = ["EvalConfig", "SeededSampler", "TaskScore", "bootstrap_ci", "by_family", "episode_seed", "pass_at_k",
-           "run_eval", "summarise", "task_scores"]
+__all__ = [
+    "EvalConfig",
+    "SeededSampler",
+    "TaskScore",
+    "bootstrap_ci",
+    "by_family",
+    "episode_seed",
+    "pass_at_k",
+    "run_eval",
+    "summarise",
+    "task_scores",
+]

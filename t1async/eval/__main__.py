@@ -16,10 +16,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import AsyncIterator
 
 import anyio
 
@@ -37,17 +37,29 @@ log = get_logger("t1async.eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m t1async.eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m t1async.eval",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, default=None, help="model dir: start the embedded sampler on it")
-    src.add_argument("--sampler-url", action="append", default=[], metavar="URL",
-                     help="a running SGLang-compatible sampler; repeat for several")  # fmt: skip
+    src.add_argument(
+        "--sampler-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running SGLang-compatible sampler; repeat for several",
+    )
     p.add_argument("--tasks", type=Path, required=True, help="a directory of tasks (Terminal-Bench 1/2 format)")
-    p.add_argument("--backend", choices=("auto", "bwrap", "container"), default="auto",
-                   help="sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap "
-                        "when it runs every selected task exactly, else containers)")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=("auto", "bwrap", "container"),
+        default="auto",
+        help="sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap "
+        "when it runs every selected task exactly, else containers)",
+    )
     p.add_argument("--split", choices=("eval", "train", "all"), default="eval", help="which tasks (default eval)")
     p.add_argument("--families", default="", help="comma-separated task families (default: all)")
     p.add_argument("--samples", type=int, default=1, help="episodes per task, K (default 1); pass@k for k <= K")
@@ -58,22 +70,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="embedded sampler dtype")
-    p.add_argument("--prefix-cache-tokens", type=int, default=None,
-                   help="the embedded sampler's prefix cache in tokens (default: the sampler's own; 0 = off)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)")  # fmt: skip
-    p.add_argument("--system-prompt-file", type=Path, default=None, metavar="FILE",
-                   help="the agent's system prompt (default: the built-in one); a warm start trained with its own "
-                        "has it in its model dir as system_prompt.txt")  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("runs/eval"),
-                   help="where episodes.jsonl, summary.json, eval.png go")  # fmt: skip
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="the embedded sampler's prefix cache in tokens (default: the sampler's own; 0 = off)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)",
+    )
+    p.add_argument(
+        "--system-prompt-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the agent's system prompt (default: the built-in one); a warm start trained with its own "
+        "has it in its model dir as system_prompt.txt",
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/eval"), help="where episodes.jsonl, summary.json, eval.png go"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
     p.add_argument("--log-level", default="warning", help="debug, info, warning (default)")
     return p
 
 
-def select_tasks(root: Path, split: str, families: str, backend: str = "auto"
-                 ) -> tuple[list[Task], list[str], SandboxBackend]:  # fmt: skip
+def select_tasks(
+    root: Path, split: str, families: str, backend: str = "auto"
+) -> tuple[list[Task], list[str], SandboxBackend]:
     """The tasks to run, one line per task left out because the backend cannot run it, and the backend."""
     tasks = load_tasks(root)
     if split != "all":
@@ -110,8 +137,10 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
         async with SGLangClient(list(args.sampler_url)) as c:
             down = [u for u, ok in (await c.health()).items() if not ok]
             if down:
-                raise SamplerError(f"no healthy sampler at {', '.join(down)} (GET /health failed); start one "
-                                   "(python -m t1async.sampler serve) or fix --sampler-url")  # fmt: skip
+                raise SamplerError(
+                    f"no healthy sampler at {', '.join(down)} (GET /health failed); start one "
+                    "(python -m t1async.sampler serve) or fix --sampler-url"
+                )
             yield c
 
 
@@ -120,8 +149,9 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
 
     tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    agent = AgentConfig(max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False,
-                        sampling=sampling)
+    agent = AgentConfig(
+        max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False, sampling=sampling
+    )
     if args.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.learner.warmstart)
         agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
     cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
@@ -137,21 +167,36 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
     fams = by_family(scores, k_values=ks, seed=args.seed)
     print_report(scores, overall, fams, ks, sys.stdout)
     src = str(args.model) if args.model is not None else ",".join(args.sampler_url)
-    plot(overall, fams, args.out / "eval.png",
-         f"{src}: {overall['tasks']} tasks x {args.samples} samples, split {args.split}, seed {args.seed}")  # fmt: skip
+    plot(
+        overall,
+        fams,
+        args.out / "eval.png",
+        f"{src}: {overall['tasks']} tasks x {args.samples} samples, split {args.split}, seed {args.seed}",
+    )
     reasons: dict[str, int] = {}
     for r in rows:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     return {
-        "pass1": overall["pass@1"]["mean"], "pass1_ci95": overall["pass@1"]["ci95"],
-        "tests_mean": overall["tests"]["mean"], "tests_ci95": overall["tests"]["ci95"],
-        "tests_frac": overall["tests_frac"]["mean"], "resolved_rate": overall["resolved_rate"],
+        "pass1": overall["pass@1"]["mean"],
+        "pass1_ci95": overall["pass@1"]["ci95"],
+        "tests_mean": overall["tests"]["mean"],
+        "tests_ci95": overall["tests"]["ci95"],
+        "tests_frac": overall["tests_frac"]["mean"],
+        "resolved_rate": overall["resolved_rate"],
         "pass_at_k": {k: overall[k]["mean"] for k in overall if k.startswith("pass@")},
-        "tasks": overall["tasks"], "episodes": overall["episodes"], "samples": args.samples, "seed": args.seed,
-        "split": args.split, "source": src, "backend": backend.name, "reasons": reasons, "overall": overall,
+        "tasks": overall["tasks"],
+        "episodes": overall["episodes"],
+        "samples": args.samples,
+        "seed": args.seed,
+        "split": args.split,
+        "source": src,
+        "backend": backend.name,
+        "reasons": reasons,
+        "overall": overall,
         "families": fams,
-        "minutes": (time.monotonic() - t0) / 60.0, "out": str(args.out),
-    }  # fmt: skip
+        "minutes": (time.monotonic() - t0) / 60.0,
+        "out": str(args.out),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,13 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.model is not None and not (args.model / "config.json").is_file():
-        p.error(f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
-                "of `python -m t1async.learner sft`")  # fmt: skip
+        p.error(
+            f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
+            "of `python -m t1async.learner sft`"
+        )
     if args.system_prompt_file is not None and not args.system_prompt_file.is_file():
         p.error(f"--system-prompt-file {args.system_prompt_file}: no such file")
     if not args.tasks.is_dir():
-        p.error(f"--tasks {args.tasks} is not a directory; make one with "
-                "`python -m sandbox_agent synth --out DIR --n 60`")
+        p.error(
+            f"--tasks {args.tasks} is not a directory; make one with `python -m sandbox_agent synth --out DIR --n 60`"
+        )
     try:
         tasks, skipped, backend = select_tasks(args.tasks, args.split, args.families, args.backend)
     except (T1Error, ValueError) as exc:
@@ -180,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in skipped:
         print(f"skipped {line}", file=sys.stderr)
     if not tasks:
-        p.error(f"no runnable tasks in {args.tasks} for --split {args.split}"
-                + (f" --families {args.families}" if args.families else ""))  # fmt: skip
+        p.error(
+            f"no runnable tasks in {args.tasks} for --split {args.split}"
+            + (f" --families {args.families}" if args.families else "")
+        )
     try:
         summary = anyio.run(amain, args, tasks, backend, backend="trio")
     except SamplerError as exc:
@@ -189,12 +239,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     o = summary
-    print(f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
-          f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "
-          f"{o['samples']} samples in {o['minutes']:.1f} min; episodes in {args.out / 'episodes.jsonl'}")  # fmt: skip
+    print(
+        f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
+        f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "
+        f"{o['samples']} samples in {o['minutes']:.1f} min; episodes in {args.out / 'episodes.jsonl'}"
+    )
     if summary["reasons"].get("error"):
-        print(f"warning: {summary['reasons']['error']} of {o['episodes']} episodes ended in an error (sampler or "
-              "sandbox); their `detail` in episodes.jsonl says which", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {summary['reasons']['error']} of {o['episodes']} episodes ended in an error (sampler or "
+            "sandbox); their `detail` in episodes.jsonl says which",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0

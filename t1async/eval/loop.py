@@ -72,22 +72,36 @@ async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> d
     from t1async.sampler.launch import launch_sampler
 
     tok = ChatTokenizer.load(model)
-    agent = AgentConfig(max_turns=cfg.max_turns, max_context_tokens=cfg.max_context, request_routing=False,
-                        sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature))  # fmt: skip
+    agent = AgentConfig(
+        max_turns=cfg.max_turns,
+        max_context_tokens=cfg.max_context,
+        request_routing=False,
+        sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
+    )
     if cfg.system_prompt_file is not None:
         agent = replace(agent, system_prompt=Path(cfg.system_prompt_file).read_text())
     ecfg = EvalConfig(samples=cfg.samples, concurrency=cfg.concurrency, seed=cfg.seed, agent=agent)
     t0 = time.monotonic()
     out = cfg.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    async with launch_sampler(model, seed=cfg.seed, prefix_cache_tokens=0,
-                              log_path=out / f"sampler-v{version}.log") as url, SGLangClient([url]) as c:  # fmt: skip
+    async with (
+        launch_sampler(model, seed=cfg.seed, prefix_cache_tokens=0, log_path=out / f"sampler-v{version}.log") as url,
+        SGLangClient([url]) as c,
+    ):
         rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{version}.jsonl")
     s = summarise(task_scores(rows), seed=cfg.seed)
-    return {"pass1": s["pass@1"]["mean"], "pass1_lo": s["pass@1"]["ci95"][0], "pass1_hi": s["pass@1"]["ci95"][1],
-            "tests_mean": s["tests"]["mean"], "tests_lo": s["tests"]["ci95"][0], "tests_hi": s["tests"]["ci95"][1],
-            "tests_frac": s["tests_frac"]["mean"], "tasks": s["tasks"], "episodes": s["episodes"],
-            "eval_minutes": (time.monotonic() - t0) / 60.0}  # fmt: skip
+    return {
+        "pass1": s["pass@1"]["mean"],
+        "pass1_lo": s["pass@1"]["ci95"][0],
+        "pass1_hi": s["pass@1"]["ci95"][1],
+        "tests_mean": s["tests"]["mean"],
+        "tests_lo": s["tests"]["ci95"][0],
+        "tests_hi": s["tests"]["ci95"][1],
+        "tests_frac": s["tests_frac"]["mean"],
+        "tasks": s["tasks"],
+        "episodes": s["episodes"],
+        "eval_minutes": (time.monotonic() - t0) / 60.0,
+    }
 
 
 def snapshot(src: Path, dest: Path) -> Path:
@@ -172,10 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.every < 1:
         print(f"error: --every must be >= 1, got {args.every}", file=sys.stderr)
         return 2
-    cfg = LoopConfig(run_dir=args.run_dir, tasks=args.tasks, every=args.every, model=args.model,
-                     samples=args.samples, concurrency=args.concurrency, seed=args.seed, max_turns=args.max_turns,
-                     max_new_tokens=args.max_new_tokens, max_context=args.max_context, temperature=args.temperature,
-                     system_prompt_file=args.system_prompt_file)  # fmt: skip
+    cfg = LoopConfig(
+        run_dir=args.run_dir,
+        tasks=args.tasks,
+        every=args.every,
+        model=args.model,
+        samples=args.samples,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        max_turns=args.max_turns,
+        max_new_tokens=args.max_new_tokens,
+        max_context=args.max_context,
+        temperature=args.temperature,
+        system_prompt_file=args.system_prompt_file,
+    )
     try:
         os.nice(10)  # spare capacity: the actors, sampler and learner come first
     except OSError:

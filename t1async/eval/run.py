@@ -16,10 +16,10 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
-from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -39,14 +39,18 @@ class EvalConfig:
     samples: int = 1  # episodes per task (K)
     concurrency: int = 4  # episodes at once
     seed: int = 0
-    agent: AgentConfig = field(default_factory=lambda: AgentConfig(
-        max_turns=20, max_context_tokens=8192, request_routing=False, sampling=SamplingParams(max_new_tokens=256)))
+    agent: AgentConfig = field(
+        default_factory=lambda: AgentConfig(
+            max_turns=20, max_context_tokens=8192, request_routing=False, sampling=SamplingParams(max_new_tokens=256)
+        )
+    )
     max_command_chars: int = 400  # per turn in the JSONL
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.concurrency < 1:
             raise ConfigError(
-                f"EvalConfig needs samples >= 1 and concurrency >= 1, got {self.samples}, {self.concurrency}")
+                f"EvalConfig needs samples >= 1 and concurrency >= 1, got {self.samples}, {self.concurrency}"
+            )
 
 
 def episode_seed(seed: int, task: str, sample: int, turn: int) -> int:
@@ -62,12 +66,19 @@ class SeededSampler:
         self.inner, self.seed, self.task, self.sample = inner, seed, task, sample
         self.calls = 0
 
-    async def generate(self, input_ids: Sequence[int], params: SamplingParams, *,
-                       routed_experts_start_len: int | None = None, rid: str | None = None) -> Generation:  # fmt: skip
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        routed_experts_start_len: int | None = None,
+        rid: str | None = None,
+    ) -> Generation:
         s = episode_seed(self.seed, self.task, self.sample, self.calls)
         self.calls += 1
-        return await self.inner.generate(input_ids, replace(params, seed=s),
-                                         routed_experts_start_len=routed_experts_start_len, rid=rid)  # fmt: skip
+        return await self.inner.generate(
+            input_ids, replace(params, seed=s), routed_experts_start_len=routed_experts_start_len, rid=rid
+        )
 
     async def aclose(self) -> None:  # the inner sampler is the caller's
         return None
@@ -87,8 +98,10 @@ class _Bar:
             return
         frac = self.done / max(self.total, 1)
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        self.out.write(f"\reval [{bar}] {self.done}/{self.total} episodes, {self.resolved} resolved, "
-                       f"{time.monotonic() - self.t0:5.0f}s")  # fmt: skip
+        self.out.write(
+            f"\reval [{bar}] {self.done}/{self.total} episodes, {self.resolved} resolved, "
+            f"{time.monotonic() - self.t0:5.0f}s"
+        )
         self.out.flush()
 
     def close(self) -> None:
@@ -97,8 +110,15 @@ class _Bar:
             self.out.flush()
 
 
-async def run_one(task: Task, sample: int, sampler: Sampler, tokenizer, cfg: EvalConfig,
-                  backend: SandboxBackend, work_root: Path | None = None) -> dict:  # fmt: skip
+async def run_one(
+    task: Task,
+    sample: int,
+    sampler: Sampler,
+    tokenizer,
+    cfg: EvalConfig,
+    backend: SandboxBackend,
+    work_root: Path | None = None,
+) -> dict:
     """One episode as a JSON-able row (its turns summarised)."""
     steps: list[dict] = []
     digest = hashlib.sha256()
@@ -107,34 +127,78 @@ async def run_one(task: Task, sample: int, sampler: Sampler, tokenizer, cfg: Eva
     async def on_turn(t: TurnResult) -> None:
         digest.update(t.output_ids.astype("<i4").tobytes())
         versions.add(int(t.weight_version))
-        steps.append({"turn": t.turn, "out": hashlib.sha256(t.output_ids.astype("<i4").tobytes()).hexdigest()[:8],
-                      "action": t.action_kind, "command": t.action_text[: cfg.max_command_chars],
-                      "exit_code": t.exit_code, "tokens": int(len(t.output_ids)),
-                      "reward": float(t.reward)})  # fmt: skip
+        steps.append(
+            {
+                "turn": t.turn,
+                "out": hashlib.sha256(t.output_ids.astype("<i4").tobytes()).hexdigest()[:8],
+                "action": t.action_kind,
+                "command": t.action_text[: cfg.max_command_chars],
+                "exit_code": t.exit_code,
+                "tokens": int(len(t.output_ids)),
+                "reward": float(t.reward),
+            }
+        )
 
-    row = {"task": task.id, "family": task.family, "split": task.split, "sample": sample,
-           "seed": episode_seed(cfg.seed, task.id, sample, 0), "backend": getattr(backend, "name", "")}  # fmt: skip
+    row = {
+        "task": task.id,
+        "family": task.family,
+        "split": task.split,
+        "sample": sample,
+        "seed": episode_seed(cfg.seed, task.id, sample, 0),
+        "backend": getattr(backend, "name", ""),
+    }
     t0 = time.monotonic()
     seeded = SeededSampler(sampler, cfg.seed, task.id, sample)
     try:
-        res = await run_episode(task, sampler=seeded, tokenizer=tokenizer, backend=backend, config=cfg.agent,
-                                on_turn=on_turn, rid=f"eval-{task.id}-s{sample}", work_root=work_root)  # fmt: skip
-        row.update(reason=res.reason, resolved=bool(res.resolved), tests_passed=int(res.tests_passed),
-                   tests_total=int(res.tests_total), turns=int(res.turns), detail=res.detail[:500])  # fmt: skip
+        res = await run_episode(
+            task,
+            sampler=seeded,
+            tokenizer=tokenizer,
+            backend=backend,
+            config=cfg.agent,
+            on_turn=on_turn,
+            rid=f"eval-{task.id}-s{sample}",
+            work_root=work_root,
+        )
+        row.update(
+            reason=res.reason,
+            resolved=bool(res.resolved),
+            tests_passed=int(res.tests_passed),
+            tests_total=int(res.tests_total),
+            turns=int(res.turns),
+            detail=res.detail[:500],
+        )
     except T1Error as exc:  # a broken task (setup failed, needs an image) or sandbox: a failed episode, said why
         log.warning("eval.episode_failed", task=task.id, sample=sample, error=str(exc))
-        row.update(reason="error", resolved=False, tests_passed=0, tests_total=0, turns=len(steps),
-                   detail=f"{type(exc).__name__}: {exc}"[:500])  # fmt: skip
-    row.update(wall_s=round(time.monotonic() - t0, 3), output_digest=digest.hexdigest()[:16],
-               weight_versions=sorted(versions), steps=steps)  # fmt: skip
+        row.update(
+            reason="error",
+            resolved=False,
+            tests_passed=0,
+            tests_total=0,
+            turns=len(steps),
+            detail=f"{type(exc).__name__}: {exc}"[:500],
+        )
+    row.update(
+        wall_s=round(time.monotonic() - t0, 3),
+        output_digest=digest.hexdigest()[:16],
+        weight_versions=sorted(versions),
+        steps=steps,
+    )
     return row
 
 
 async def run_eval(
-    tasks: Sequence[Task], sampler: Sampler, tokenizer, cfg: EvalConfig, *, backend: SandboxBackend | None = None,
-    jsonl: Path | None = None, progress: IO[str] | None = None, work_root: Path | None = None,
+    tasks: Sequence[Task],
+    sampler: Sampler,
+    tokenizer,
+    cfg: EvalConfig,
+    *,
+    backend: SandboxBackend | None = None,
+    jsonl: Path | None = None,
+    progress: IO[str] | None = None,
+    work_root: Path | None = None,
     on_episode: Callable[[dict], None] | None = None,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """Every task ``cfg.samples`` times, ``cfg.concurrency`` at once; rows sorted by (task, sample)."""
     backend = backend or BwrapBackend()
     jobs = [(t, s) for s in range(cfg.samples) for t in tasks]  # sample 0 of every task first

@@ -12,8 +12,8 @@ replacement (the samples of a task are not independent draws of the benchmark):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,8 +29,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def bootstrap_ci(values: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
-                 ) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile bootstrap CI of the mean of ``values`` (one value per task); (v, v) for a single value."""
     v = np.asarray(values, dtype=np.float64)
     if v.size == 0:
@@ -63,12 +64,17 @@ def task_scores(episodes: Iterable[Mapping]) -> list[TaskScore]:
     out = []
     for task in sorted(by):
         es = by[task]
-        out.append(TaskScore(
-            task=task, family=str(es[0].get("family", "")), n=len(es), resolved=sum(bool(e["resolved"]) for e in es),
-            tests_mean=float(np.mean([e["tests_passed"] for e in es])),
-            tests_total=max(int(e.get("tests_total", 0)) for e in es),
-            turns_mean=float(np.mean([e.get("turns", 0) for e in es])),
-        ))  # fmt: skip
+        out.append(
+            TaskScore(
+                task=task,
+                family=str(es[0].get("family", "")),
+                n=len(es),
+                resolved=sum(bool(e["resolved"]) for e in es),
+                tests_mean=float(np.mean([e["tests_passed"] for e in es])),
+                tests_total=max(int(e.get("tests_total", 0)) for e in es),
+                turns_mean=float(np.mean([e.get("turns", 0) for e in es])),
+            )
+        )
     return out
 
 

@@ -1,6 +1,5 @@
 """The learner's command line: ``serve`` (the RL learner service) and ``sft`` (the warm start)."""
 
-
 from __future__ import annotations
 
 import argparse
@@ -29,12 +28,18 @@ def _sft(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.threads))
     cfg = SFTConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len, seed=args.seed)
     summary = run_sft(
-        out=Path(args.out), tasks_dir=Path(args.tasks) if args.tasks else None, synth=args.synth, cfg=cfg,
-        model_dir=Path(args.model) if args.model else None, concurrency=args.concurrency,
-    )  # fmt: skip
-    print(f"sft: {summary['demos']} demos of {summary['tasks']} tasks, {summary['loss_tokens']} loss tokens; "
-          f"loss {summary['loss_before']:.3f} -> {summary['loss_after']:.3f} in {summary['steps']} steps; "
-          f"model dir {summary['out']}")  # fmt: skip
+        out=Path(args.out),
+        tasks_dir=Path(args.tasks) if args.tasks else None,
+        synth=args.synth,
+        cfg=cfg,
+        model_dir=Path(args.model) if args.model else None,
+        concurrency=args.concurrency,
+    )
+    print(
+        f"sft: {summary['demos']} demos of {summary['tasks']} tasks, {summary['loss_tokens']} loss tokens; "
+        f"loss {summary['loss_before']:.3f} -> {summary['loss_after']:.3f} in {summary['steps']} steps; "
+        f"model dir {summary['out']}"
+    )
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     return 0
@@ -45,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m t1async.learner", description="t1async learner commands")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("sft", help="warm-start SFT on oracle demonstrations; writes a model directory",
-                       description=SFT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    s = sub.add_parser(
+        "sft",
+        help="warm-start SFT on oracle demonstrations; writes a model directory",
+        description=SFT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--tasks", help="a directory of task directories (Terminal-Bench 1 or 2 format)")
     src.add_argument("--synth", type=int, help="generate this many synthetic tasks (sandbox_agent.synth)")
@@ -58,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-len", type=int, default=4096, help="truncate demonstrations to this many tokens")
     s.add_argument("--concurrency", type=int, default=2, help="oracle runs in parallel")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    s.add_argument("--seed", type=int, default=0, help="seed for the synthetic tasks (--synth) and the batch order (default 0)")
+    s.add_argument(
+        "--seed", type=int, default=0, help="seed for the synthetic tasks (--synth) and the batch order (default 0)"
+    )
     s.add_argument("--json", action="store_true", help="print the summary as JSON on the last stdout line")
     from t1async.learner import serve_cli
 

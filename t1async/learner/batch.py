@@ -9,9 +9,9 @@ step over many long segments never materialises one huge batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -68,7 +68,9 @@ class Batch:
         return int(self.tokens.shape[0]), int(self.tokens.shape[1])
 
 
-def check_segment(seg: SegmentLike, *, n_layers: int, top_k: int, vocab_size: int, n_experts: int | None = None) -> None:
+def check_segment(
+    seg: SegmentLike, *, n_layers: int, top_k: int, vocab_size: int, n_experts: int | None = None
+) -> None:
     """Raise ``BatchError`` naming the segment and field if it cannot be trained."""
     name = f"segment {seg.episode}#{seg.index}"
     t = len(seg.tokens)
@@ -94,13 +96,17 @@ def check_segment(seg: SegmentLike, *, n_layers: int, top_k: int, vocab_size: in
             raise BatchError(f"{name}: routing has shape {tuple(seg.routing.shape)}, expected [T, L, K] = {list(want)}")
         r = np.asarray(seg.routing)
         if n_experts is not None and r.size and (int(r.min()) < -1 or int(r.max()) >= n_experts):
-            raise BatchError(f"{name}: routing holds expert ids outside [-1, {n_experts}): min {r.min()}, max {r.max()}")
+            raise BatchError(
+                f"{name}: routing holds expert ids outside [-1, {n_experts}): min {r.min()}, max {r.max()}"
+            )
         if top_k > 1 and r.size:
             s = np.sort(r, axis=-1)
             dup = ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any(-1)
             if dup.any():
                 t0, l0 = (int(v) for v in np.argwhere(dup)[0])
-                raise BatchError(f"{name}: routing repeats an expert at position {t0}, layer {l0}: {r[t0, l0].tolist()}")
+                raise BatchError(
+                    f"{name}: routing repeats an expert at position {t0}, layer {l0}: {r[t0, l0].tolist()}"
+                )
 
 
 def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

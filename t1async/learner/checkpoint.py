@@ -87,9 +87,13 @@ def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> di
 
 
 def set_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
-    param_groups: list[dict], *, source: str,
-) -> None:  # fmt: skip
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    param_groups: list[dict],
+    *,
+    source: str,
+) -> None:
     """Put the state ``_optimizer_tensors`` wrote (``"<param>.<field>"`` tensors) and the param groups'
     hyper-parameters into ``optimizer``. Also how the distributed learner's rank 0 syncs the other ranks."""
     params = dict(model.named_parameters())
@@ -154,8 +158,13 @@ def load_checkpoint(
         raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
     load_weights_into(model, d)
     if optimizer is not None and (d / STATE_TENSORS).is_file():
-        set_optimizer_state(model, optimizer, load_file(str(d / STATE_TENSORS)), meta.get("param_groups", []),
-                            source=str(d / STATE_TENSORS))  # fmt: skip
+        set_optimizer_state(
+            model,
+            optimizer,
+            load_file(str(d / STATE_TENSORS)),
+            meta.get("param_groups", []),
+            source=str(d / STATE_TENSORS),
+        )
     info = CheckpointInfo(d, int(meta["version"]), int(meta["step"]))
     log.info("checkpoint.loaded", path=str(d), version=info.version, step=info.step)
     return info

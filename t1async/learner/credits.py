@@ -30,7 +30,9 @@ class CreditServer:
         self.on_actor = on_actor  # every request is a sign of life of its actor (learner/liveness.py)
         self.training = False
         self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
-        self._granted: dict[tuple[str, int], tuple[str, CreditGrant]] = {}  # granted, turn not delivered: (actor, grant)
+        self._granted: dict[
+            tuple[str, int], tuple[str, CreditGrant]
+        ] = {}  # granted, turn not delivered: (actor, grant)
         self._holds: dict[tuple[str, int], tuple[str, anyio.CancelScope]] = {}  # running holds: (actor, scope)
         self.bad_requests = 0
         self._anonymous = itertools.count(1)  # requests that name no turn cannot be deduplicated

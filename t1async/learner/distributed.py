@@ -114,9 +114,14 @@ class DistributedTrainer(Trainer):
             self._resync = True  # the service restores rank 0's weights; the next step re-sends them
             raise
         assert metrics is not None
-        log.info("learner.dist_step", step=metrics.step, ranks=self.world, t_step_s=round(metrics.t_step_s, 3),
-                 tokens=[sum(len(segments[i].tokens) for i in p) for p in parts],
-                 busy_s=[round(b, 3) for b in self.rank_busy_s])  # fmt: skip
+        log.info(
+            "learner.dist_step",
+            step=metrics.step,
+            ranks=self.world,
+            t_step_s=round(metrics.t_step_s, 3),
+            tokens=[sum(len(segments[i].tokens) for i in p) for p in parts],
+            busy_s=[round(b, 3) for b in self.rank_busy_s],
+        )
         return metrics
 
     def stop_ranks(self) -> None:
@@ -142,8 +147,9 @@ class DistributedTrainer(Trainer):
             except RankFailedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
-                log.warning("learner.rank_step_failed", rank=self.rank, version=version,
-                            error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+                log.warning(
+                    "learner.rank_step_failed", rank=self.rank, version=version, error=f"{type(exc).__name__}: {exc}"
+                )
             memory.trim()  # a flat RSS between steps, as on rank 0
 
     # ------------------------------------------------------------------------------------- every rank
@@ -163,9 +169,14 @@ class DistributedTrainer(Trainer):
             set_optimizer_state(self.model, self.optimizer, tensors, groups, source="rank 0")
 
     def _rank_step(
-        self, local: Sequence[SegmentLike], version: int, drift: Mapping[str, int] | None, *,
-        all_segments: Sequence[SegmentLike], t0: float,
-    ) -> StepMetrics | None:  # fmt: skip
+        self,
+        local: Sequence[SegmentLike],
+        version: int,
+        drift: Mapping[str, int] | None,
+        *,
+        all_segments: Sequence[SegmentLike],
+        t0: float,
+    ) -> StepMetrics | None:
         """This rank's part of a step (Trainer.step's stages with the three meetings). Metrics on rank 0."""
         self._failed, self._t_wait = None, 0.0
         scored: list[_Scored] = []
@@ -194,18 +205,28 @@ class DistributedTrainer(Trainer):
             all_routing = [a + b for a, b in zip(all_routing, r)]
         all_toks = {k: torch.cat([g[0][k] for g in gathered if g[0]]) for k in next(g[0] for g in gathered if g[0])}
         return self._metrics(
-            all_segments, all_toks, version, drift, sums=all_sums, grad_norm=grad_norm,
-            routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]), n_loss=n_loss,
-            adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
+            all_segments,
+            all_toks,
+            version,
+            drift,
+            sums=all_sums,
+            grad_norm=grad_norm,
+            routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]),
+            n_loss=n_loss,
+            adv_mean=adv_mean,
+            adv_std=adv_std,
+            t0=t0,
+            t_fwd=t_fwd_scoring + t_fwd_ppo,
             t_backward=max(t_update - t_fwd_ppo, 0.0),
-        )  # fmt: skip
+        )
 
     def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
         """Count, mean and std over every rank's loss tokens (float64 sums); also where a rank's scoring
         error reaches the others."""
         a = adv_all.detach().double().cpu()
-        buf = torch.tensor([a.numel(), float(a.sum()), float((a * a).sum()), float(self._failed is not None)],
-                           dtype=torch.float64)  # fmt: skip
+        buf = torch.tensor(
+            [a.numel(), float(a.sum()), float((a * a).sum()), float(self._failed is not None)], dtype=torch.float64
+        )
         _collective("reducing the advantage moments", dist.all_reduce, self._on_device(buf))
         self._raise_if_failed(float(buf[3]))
         n = int(buf[0])
@@ -242,7 +263,7 @@ class DistributedTrainer(Trainer):
         off = len(params) + 1
         for i, p in enumerate(params):
             n = p.numel()
-            p.grad = buf[off:off + n].view_as(p).clone() if float(buf[1 + i]) > 0 else None
+            p.grad = buf[off : off + n].view_as(p).clone() if float(buf[1 + i]) > 0 else None
             off += n
 
     def _raise_if_failed(self, failed: float) -> None:
@@ -266,5 +287,4 @@ def die_with_parent() -> None:
 def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:
     """Join the learner's process group (rank 0 hosts the TCPStore on ``host:port``)."""
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

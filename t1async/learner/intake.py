@@ -11,8 +11,8 @@ failed step (DESIGN §3, §7). Mixed into ``service.Learner``, whose state these
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -108,8 +108,11 @@ class Intake:
         except Exception as exc:  # noqa: BLE001 - one record must never take the learner down
             ep, turn = getattr(rec, "episode", ""), getattr(rec, "turn", -1)
             log.exception("learner.take_failed", episode=ep, turn=turn, error=f"{type(exc).__name__}: {exc}")
-            err = WireError(f"turn {ep}#{turn}: taking it failed ({type(exc).__name__}: {exc}); its episode is "
-                            "dropped whole", field="", reason=ASSEMBLY)  # fmt: skip
+            err = WireError(
+                f"turn {ep}#{turn}: taking it failed ({type(exc).__name__}: {exc}); its episode is dropped whole",
+                field="",
+                reason=ASSEMBLY,
+            )
             self._poisoned(self.poison.add([Poison(ep, 0, ASSEMBLY, str(err))]), [])
             return Screened(bad=[(rec, err)])
 
@@ -133,8 +136,13 @@ class Intake:
         the first turn each held (so no restart retries it), put the weights back at ``version`` (it may have
         stepped), and go on."""
         self.poison.failed_steps += 1
-        log.error("learner.step_failed", version=version, segments=len(segments), error=f"{type(exc).__name__}: {exc}",
-                  hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped")  # fmt: skip
+        log.error(
+            "learner.step_failed",
+            version=version,
+            segments=len(segments),
+            error=f"{type(exc).__name__}: {exc}",
+            hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped",
+        )
         err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
         poisons = []
         for s in segments:
@@ -159,5 +167,10 @@ class Intake:
         live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
         r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
         if r.deleted_segments:
-            log.info("learner.journal_compacted", deleted_segments=r.deleted_segments, deleted_bytes=r.deleted_bytes,
-                     kept_segments=r.kept_segments, kept_bytes=r.kept_bytes)  # fmt: skip
+            log.info(
+                "learner.journal_compacted",
+                deleted_segments=r.deleted_segments,
+                deleted_bytes=r.deleted_bytes,
+                kept_segments=r.kept_segments,
+                kept_bytes=r.kept_bytes,
+            )

@@ -29,9 +29,9 @@ import os
 import re
 import struct
 import threading
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Collection, Iterable, Iterator
 
 from t1async import wire
 from t1async.errors import T1Error, WireError
@@ -100,8 +100,10 @@ def _load_settled(path: Path) -> set[str]:
     try:
         return {str(e) for e in json.loads(path.read_text())}
     except (ValueError, TypeError) as exc:
-        raise T1Error(f"{path} is not a JSON list of episode ids ({exc}); it is rewritten whole on every "
-                      "compaction, so this is disk damage: restore it or delete the journal") from exc
+        raise T1Error(
+            f"{path} is not a JSON list of episode ids ({exc}); it is rewritten whole on every "
+            "compaction, so this is disk damage: restore it or delete the journal"
+        ) from exc
 
 
 def read_journal(path: str | Path) -> Iterator[wire.Record]:

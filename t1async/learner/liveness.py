@@ -11,8 +11,8 @@ assembles like any end, so what arrived is trained and compaction can drop the e
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc

@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -104,7 +104,9 @@ class PoisonBook:
         keep = []
         for r in out.good:
             if isinstance(r, wire.TurnRecord):
-                k = min(stop.get(r.episode, r.turn + 1), self.at[r.episode].turn if r.episode in self.at else r.turn + 1)
+                k = min(
+                    stop.get(r.episode, r.turn + 1), self.at[r.episode].turn if r.episode in self.at else r.turn + 1
+                )
                 if r.turn >= k:
                     out.dropped.append(r)
                     continue
@@ -126,7 +128,9 @@ class PoisonBook:
             new = not self.path.exists()
             with open(self.path, "a", encoding="utf-8") as f:
                 for p in changed:
-                    f.write(json.dumps({"episode": p.episode, "turn": p.turn, "reason": p.reason, "error": p.error}) + "\n")
+                    f.write(
+                        json.dumps({"episode": p.episode, "turn": p.turn, "reason": p.reason, "error": p.error}) + "\n"
+                    )
                 f.flush()
                 os.fsync(f.fileno())
             if new:
@@ -143,8 +147,12 @@ class PoisonBook:
         return True
 
     def metrics(self) -> dict:
-        return {"dead": dict(self.dead), "episodes": len(self.at), "dropped_turns": self.dropped_turns,
-                "failed_steps": self.failed_steps}  # fmt: skip
+        return {
+            "dead": dict(self.dead),
+            "episodes": len(self.at),
+            "dropped_turns": self.dropped_turns,
+            "failed_steps": self.failed_steps,
+        }
 
 
 def _load(path: Path) -> list[Poison]:
@@ -168,10 +176,17 @@ def _load(path: Path) -> list[Poison]:
 
 def segment_letter(s: Segment) -> bytes:
     """The dead-letter payload of a segment a step failed on: its arrays, as a msgpack map."""
-    m = {"kind": "segment", "episode": s.episode, "index": int(s.index), "done": bool(s.done),
-         "tokens": np.asarray(s.tokens, np.int32), "loss_mask": np.asarray(s.loss_mask, np.uint8),
-         "logprobs": np.asarray(s.logprobs, np.float32), "versions": np.asarray(s.versions, np.int32),
-         "turn_ids": np.asarray(s.turn_ids, np.int32)}  # fmt: skip
+    m = {
+        "kind": "segment",
+        "episode": s.episode,
+        "index": int(s.index),
+        "done": bool(s.done),
+        "tokens": np.asarray(s.tokens, np.int32),
+        "loss_mask": np.asarray(s.loss_mask, np.uint8),
+        "logprobs": np.asarray(s.logprobs, np.float32),
+        "versions": np.asarray(s.versions, np.int32),
+        "turn_ids": np.asarray(s.turn_ids, np.int32),
+    }
     if s.routing is not None:
         m["routing"] = np.asarray(s.routing, np.int16)
     return wire.encode_map(m)
@@ -190,6 +205,10 @@ def restore_weights(trainer: Any, checkpoints: Path, version: int, initial: Path
         trainer.optimizer.state.clear()
         trainer.steps = 0
         return str(initial)
-    log.error("learner.restore_missing", version=version, newest=ckpt.version if ckpt else None,
-              hint="no checkpoint of this version: the weights stay as the failed step left them")  # fmt: skip
+    log.error(
+        "learner.restore_missing",
+        version=version,
+        newest=ckpt.version if ckpt else None,
+        hint="no checkpoint of this version: the weights stay as the failed step left them",
+    )
     return ""

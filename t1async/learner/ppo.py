@@ -91,7 +91,9 @@ def segment_advantages(
     t = len(lm)
     vals = np.asarray(values, dtype=np.float64)
     if vals.shape != (t + 1,):
-        raise ValueError(f"values must have T + 1 = {t + 1} entries (per position, then the bootstrap), got {vals.shape}")
+        raise ValueError(
+            f"values must have T + 1 = {t + 1} entries (per position, then the bootstrap), got {vals.shape}"
+        )
     if discount_per not in ("turn", "token"):
         raise ValueError(f"discount_per must be 'turn' or 'token', got {discount_per!r}")
     pos = np.flatnonzero(lm)

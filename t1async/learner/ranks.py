@@ -61,18 +61,35 @@ class Ranks:
         backend = "nccl" if trainer.device.type == "cuda" else "gloo"
         port = free_port(c.host)
         for rank in range(1, c.nproc):
-            argv = [sys.executable, "-m", "t1async.learner.ranks", "--rank", str(rank), "--world", str(c.nproc),
-                    "--host", c.host, "--port", str(port), "--backend", backend, "--threads", str(c.threads),
-                    "--timeout", str(c.group_timeout_s)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "t1async.learner.ranks",
+                "--rank",
+                str(rank),
+                "--world",
+                str(c.nproc),
+                "--host",
+                c.host,
+                "--port",
+                str(port),
+                "--backend",
+                backend,
+                "--threads",
+                str(c.threads),
+                "--timeout",
+                str(c.group_timeout_s),
+            ]
             self.procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent))
-        log.info("learner.ranks_starting", nproc=c.nproc, backend=backend, port=port,
-                 pids=[p.pid for p in self.procs])  # fmt: skip
+        log.info("learner.ranks_starting", nproc=c.nproc, backend=backend, port=port, pids=[p.pid for p in self.procs])
         try:
             init_group(0, c.nproc, c.host, port, backend=backend, timeout_s=c.join_timeout_s)
         except RuntimeError as exc:  # the TCPStore's wait for the ranks timed out
             codes = {p.pid: p.poll() for p in self.procs}
-            raise RankFailedError(f"the learner's ranks did not join within {c.join_timeout_s:g} s (exit code by pid, "
-                                  f"None = still running: {codes}); see the learner log: {exc}") from exc  # fmt: skip
+            raise RankFailedError(
+                f"the learner's ranks did not join within {c.join_timeout_s:g} s (exit code by pid, "
+                f"None = still running: {codes}); see the learner log: {exc}"
+            ) from exc
         self.joined = True
         model = trainer.model
         dtype = next(model.parameters()).dtype
@@ -87,8 +104,10 @@ class Ranks:
         while True:
             for i, p in enumerate(self.procs):
                 if p.poll() is not None:
-                    raise RankFailedError(f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; "
-                                      "the learner stops (restart it: it resumes from its checkpoint)")  # fmt: skip
+                    raise RankFailedError(
+                        f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; "
+                        "the learner stops (restart it: it resumes from its checkpoint)"
+                    )
             await anyio.sleep(0.5)
 
     def close(self, trainer: Any) -> None:

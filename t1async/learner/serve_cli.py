@@ -15,46 +15,91 @@ from t1async.errors import ConfigError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
-        "serve", help="run the learner service: consume trajectories, serve credits, train, push weights",
+        "serve",
+        help="run the learner service: consume trajectories, serve credits, train, push weights",
         description="Consume T1_TRAJ through the durable consumer, assemble episodes with TITO and routing, "
         "serve t1.credit by the staleness rule, train PPO steps with R3, save checkpoints under "
         "<run-dir>/checkpoints, push each version to every --sampler-url and announce it on t1.policy. "
         "Restarted on the same --run-dir it resumes from its newest checkpoint and journal.",
-    )  # fmt: skip
+    )
     s.add_argument("--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL (default: $T1_NATS_URL)")
-    s.add_argument("--sampler-url", action="append", default=[], metavar="URL",
-                   help="a sampler to push weights to (repeatable; none: train without pushing)")  # fmt: skip
+    s.add_argument(
+        "--sampler-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a sampler to push weights to (repeatable; none: train without pushing)",
+    )
     s.add_argument("--run-dir", type=Path, required=True, help="where checkpoints, journal and state live")
     s.add_argument("--model", type=Path, default=None, help="initial model dir (default: the shipped tiny model)")
-    s.add_argument("--max-staleness", type=int, default=1, help="η: max policy versions between sampling and "
-                   "training a token (default 1; 0 = synchronous)")  # fmt: skip
+    s.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="η: max policy versions between sampling and training a token (default 1; 0 = synchronous)",
+    )
     s.add_argument("--batch-turns", type=int, default=16, help="B: turns per training step (default 16)")
     s.add_argument("--steps", type=int, default=0, help="exit after this many steps (default 0: never)")
     s.add_argument("--lease", type=float, default=180.0, help="seconds an unused credit is held (default 180)")
-    s.add_argument("--actor-timeout", type=float, default=15.0, help="seconds an actor may go without a heartbeat "
-                   "before its credits are released and its open episodes end as aborted (default 15)")  # fmt: skip
+    s.add_argument(
+        "--actor-timeout",
+        type=float,
+        default=15.0,
+        help="seconds an actor may go without a heartbeat "
+        "before its credits are released and its open episodes end as aborted (default 15)",
+    )
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
-    s.add_argument("--critic", choices=["shared", "detached"], default="shared", help="shared: the value loss "
-                   "trains the trunk with the policy; detached: it trains the value head only, whose gradient is "
-                   "clipped on its own (default shared)")  # fmt: skip
-    s.add_argument("--microbatch-tokens", type=int, default=65536, help="padded tokens per forward (default 65536; "
-                   "a step that fits in one micro-batch needs one forward instead of two)")  # fmt: skip
+    s.add_argument(
+        "--critic",
+        choices=["shared", "detached"],
+        default="shared",
+        help="shared: the value loss "
+        "trains the trunk with the policy; detached: it trains the value head only, whose gradient is "
+        "clipped on its own (default shared)",
+    )
+    s.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=65536,
+        help="padded tokens per forward (default 65536; "
+        "a step that fits in one micro-batch needs one forward instead of two)",
+    )
     s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    s.add_argument("--wandb", action="store_true", help="also log the per-step curves to Weights & Biases "
-                   "(needs wandb; WANDB_MODE=offline works); TensorBoard files are always in <run-dir>/tb/learner")
-    s.add_argument("--weight-sync", choices=["disk", "distributed"], default="disk",
-                   help="how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint, "
-                   "default) or distributed (SGLang's /update_weights_from_distributed over a torch.distributed "
-                   "group this learner hosts, in buckets between /pause_generation and /continue_generation)")
-    s.add_argument("--weight-bucket-mb", type=float, default=64.0, help="MiB of tensors per "
-                   "/update_weights_from_distributed call with --weight-sync distributed (default 64)")
-    s.add_argument("--weight-sync-host", default="127.0.0.1", help="address the samplers reach this learner's "
-                   "weight-update group at (default 127.0.0.1)")
+    s.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log the per-step curves to Weights & Biases "
+        "(needs wandb; WANDB_MODE=offline works); TensorBoard files are always in <run-dir>/tb/learner",
+    )
+    s.add_argument(
+        "--weight-sync",
+        choices=["disk", "distributed"],
+        default="disk",
+        help="how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint, "
+        "default) or distributed (SGLang's /update_weights_from_distributed over a torch.distributed "
+        "group this learner hosts, in buckets between /pause_generation and /continue_generation)",
+    )
+    s.add_argument(
+        "--weight-bucket-mb",
+        type=float,
+        default=64.0,
+        help="MiB of tensors per /update_weights_from_distributed call with --weight-sync distributed (default 64)",
+    )
+    s.add_argument(
+        "--weight-sync-host",
+        default="127.0.0.1",
+        help="address the samplers reach this learner's weight-update group at (default 127.0.0.1)",
+    )
     s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
-    s.add_argument("--nproc", type=int, default=1, help="ranks of the data-parallel learner (default 1): this "
-                   "process is rank 0 (stream, credits, checkpoints, weight push) and starts ranks 1..N-1 over "
-                   "torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py); --threads is per rank")
+    s.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks of the data-parallel learner (default 1): this "
+        "process is rank 0 (stream, credits, checkpoints, weight push) and starts ranks 1..N-1 over "
+        "torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py); --threads is per rank",
+    )
     s.set_defaults(func=serve)
 
 
@@ -82,11 +127,20 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--weight-bucket-mb must be > 0, got {args.weight_bucket_mb}")
     torch.set_num_threads(max(1, args.threads))
     memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
-    cfg = LearnerConfig(run_dir=args.run_dir, model_dir=args.model, max_staleness=args.max_staleness,
-                        batch_turns=args.batch_turns, steps=args.steps, lease_s=args.lease,
-                        actor_timeout_s=args.actor_timeout, durable=args.durable, wandb=args.wandb,
-                        trainer=TrainerConfig(lr=args.lr, replay=not args.no_replay, critic=args.critic,
-                                              microbatch_tokens=args.microbatch_tokens))  # fmt: skip
+    cfg = LearnerConfig(
+        run_dir=args.run_dir,
+        model_dir=args.model,
+        max_staleness=args.max_staleness,
+        batch_turns=args.batch_turns,
+        steps=args.steps,
+        lease_s=args.lease,
+        actor_timeout_s=args.actor_timeout,
+        durable=args.durable,
+        wandb=args.wandb,
+        trainer=TrainerConfig(
+            lr=args.lr, replay=not args.no_replay, critic=args.critic, microbatch_tokens=args.microbatch_tokens
+        ),
+    )
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
@@ -101,8 +155,9 @@ def serve(args: argparse.Namespace) -> int:
 
                 if samplers is None:
                     raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
-                learner.weight_pusher = DistributedPusher(samplers, WeightPushConfig(
-                    bucket_mb=args.weight_bucket_mb, host=args.weight_sync_host))  # fmt: skip
+                learner.weight_pusher = DistributedPusher(
+                    samplers, WeightPushConfig(bucket_mb=args.weight_bucket_mb, host=args.weight_sync_host)
+                )
                 stack.push_async_callback(learner.weight_pusher.aclose)
             ranks = None
             if args.nproc > 1:  # the ranks stop first at exit (the stack unwinds in reverse), by PID

@@ -96,8 +96,9 @@ class Learner(StepInputs, Intake):
         self.assembler = Assembler()
         learner_dir = config.run_dir / "learner"
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", ModelLimits.of(self.model.cfg))
-        self.journal = Journal(learner_dir / "journal", segment_bytes=config.journal_segment_bytes,
-                               legacy=learner_dir / "journal.bin")  # fmt: skip
+        self.journal = Journal(
+            learner_dir / "journal", segment_bytes=config.journal_segment_bytes, legacy=learner_dir / "journal.bin"
+        )
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
         self.hist = StalenessHistogram()
@@ -131,9 +132,13 @@ class Learner(StepInputs, Intake):
             await tg.start(self._ingest)
             tg.start_soon(self._metrics_loop)
             task_status.started()
-            log.info("learner.ready", version=self.version, eta=self.cfg.max_staleness,
-                     batch_turns=self.cfg.batch_turns,
-                     resumed=str(self.resumed_from.path) if self.resumed_from else None)  # fmt: skip
+            log.info(
+                "learner.ready",
+                version=self.version,
+                eta=self.cfg.max_staleness,
+                batch_turns=self.cfg.batch_turns,
+                resumed=str(self.resumed_from.path) if self.resumed_from else None,
+            )
             while not self.cfg.steps or self.state.step < self.cfg.steps:
                 await self._wait_for_batch()
                 await self._train_step()
@@ -181,9 +186,17 @@ class Learner(StepInputs, Intake):
             # the state first: a checkpoint is only ever loaded together with the state of its version
             t_ckpt = time.monotonic()
             self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
-            ckpt = await anyio.to_thread.run_sync(lambda: save_checkpoint(
-                self.cfg.checkpoints, self.model, self.trainer.optimizer, version=self.version,
-                step=self.trainer.steps, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints))  # fmt: skip
+            ckpt = await anyio.to_thread.run_sync(
+                lambda: save_checkpoint(
+                    self.cfg.checkpoints,
+                    self.model,
+                    self.trainer.optimizer,
+                    version=self.version,
+                    step=self.trainer.steps,
+                    tokenizer=self.tokenizer,
+                    keep=self.cfg.keep_checkpoints,
+                )
+            )
             t_ckpt = time.monotonic() - t_ckpt
             self.settler.settle(trained, "trained")
             self._forget_unreachable()
@@ -200,12 +213,26 @@ class Learner(StepInputs, Intake):
             self.credits.set_training(False)
         wall = time.monotonic() - t_start
         self.busy_s += wall
-        self.last_step = {**m.to_dict(), "turns_trained_step": len(trained), "t_checkpoint_s": t_ckpt,
-                          "t_push_s": t_push, "t_step_wall_s": wall}  # fmt: skip
+        self.last_step = {
+            **m.to_dict(),
+            "turns_trained_step": len(trained),
+            "t_checkpoint_s": t_ckpt,
+            "t_push_s": t_push,
+            "t_step_wall_s": wall,
+        }
         await self.transport.publish("t1.policy", wire.PolicyRecord(self.version, self.state.step, str(ckpt.path)))
-        log.info("learner.step", step=self.state.step, version=self.version, turns=len(trained), loss=round(m.loss, 4),
-                 dlogp=round(m.mean_abs_dlogp, 5), mismatch=round(m.mismatch, 5), policy_shift=round(m.policy_shift, 5),
-                 routing_drift=round(m.routing_drift, 4), max_staleness=self.hist.max)  # fmt: skip
+        log.info(
+            "learner.step",
+            step=self.state.step,
+            version=self.version,
+            turns=len(trained),
+            loss=round(m.loss, 4),
+            dlogp=round(m.mean_abs_dlogp, 5),
+            mismatch=round(m.mismatch, 5),
+            policy_shift=round(m.policy_shift, 5),
+            routing_drift=round(m.routing_drift, 4),
+            max_staleness=self.hist.max,
+        )
         await self._publish_metrics()
         if self.curves is not None:  # the step's curves in TensorBoard (t1async.tb), at the version it made
             from t1async.tb import learner_scalars
@@ -273,8 +300,13 @@ class Learner(StepInputs, Intake):
             await self.transport.publish(traj_subject(ep), end)
         if episodes or freed:
             self.liveness.timeouts += 1
-            log.warning("learner.actor_silent", actor=actor, credits_released=freed, episodes_aborted=len(episodes),
-                        timeout_s=self.liveness.timeout_s)  # fmt: skip
+            log.warning(
+                "learner.actor_silent",
+                actor=actor,
+                credits_released=freed,
+                episodes_aborted=len(episodes),
+                timeout_s=self.liveness.timeout_s,
+            )
 
     # ------------------------------------------------------------------------------------------ weights & metrics
 
@@ -319,8 +351,14 @@ class Learner(StepInputs, Intake):
             "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),
             "credits": self.gate.ledger.snapshot(),
             # over nothing there is no mean: absent until an episode has ended
-            **({"reward_mean": float(np.mean([e.tests_passed for e in ended])),
-                "resolved_rate": float(np.mean([e.resolved for e in ended]))} if ended else {}),
+            **(
+                {
+                    "reward_mean": float(np.mean([e.tests_passed for e in ended])),
+                    "resolved_rate": float(np.mean([e.resolved for e in ended])),
+                }
+                if ended
+                else {}
+            ),
         }
 
     async def _publish_metrics(self) -> None:

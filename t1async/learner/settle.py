@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import numpy as np
 
@@ -103,8 +103,12 @@ class StepLog:
     def write(self, version: int, segments: list[Segment]) -> None:
         turns = loss_turns(segments)
         stale = [version - int(s.versions[s.loss_mask].min()) for s in segments if s.loss_mask.any()]
-        body = {"version": version, "turns": [[e, t] for e, t in turns],
-                "tokens": int(sum(s.loss_tokens for s in segments)), "max_staleness": max(stale, default=0)}  # fmt: skip
+        body = {
+            "version": version,
+            "turns": [[e, t] for e, t in turns],
+            "tokens": int(sum(s.loss_tokens for s in segments)),
+            "max_staleness": max(stale, default=0),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:  # one line a step: opened per write, nothing to close
             f.write(json.dumps(body) + "\n")

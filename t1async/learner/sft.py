@@ -17,10 +17,10 @@ import math
 import random
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -71,7 +71,11 @@ def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
     """The agent's token-in sequence for a demonstration, and its loss mask (reply tokens)."""
     from sandbox_agent.agent import initial_messages
 
-    msgs = initial_messages(demo.instruction) if system_prompt is None else initial_messages(demo.instruction, system_prompt)
+    msgs = (
+        initial_messages(demo.instruction)
+        if system_prompt is None
+        else initial_messages(demo.instruction, system_prompt)
+    )
     ids: list[int] = list(tok.render(msgs))
     mask: list[bool] = [False] * len(ids)
     if not demo.turns:
@@ -114,8 +118,16 @@ async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) 
     return [d for d in demos if d is not None]
 
 
-def copy_examples(n: int, vocab_size: int, special: frozenset[int], *, seed: int = 0, min_len: int = 8,
-                  max_len: int = 48, pool: Sequence[int] | None = None) -> list[Example]:
+def copy_examples(
+    n: int,
+    vocab_size: int,
+    special: frozenset[int],
+    *,
+    seed: int = 0,
+    min_len: int = 8,
+    max_len: int = 48,
+    pool: Sequence[int] | None = None,
+) -> list[Example]:
     """``n`` copy-pretraining sequences: random tokens ``s`` then ``s`` again, the loss on the repeat (after
     its first token). A model from random weights learns here what every copy from an instruction needs
     (heads that find where the current token was before and copy what followed it); the demonstrations then
@@ -125,7 +137,9 @@ def copy_examples(n: int, vocab_size: int, special: frozenset[int], *, seed: int
     was 3.6 at step 210; from the whole 4096-token vocabulary it had not moved at step 80."""
     rng = np.random.default_rng(seed)
     ids = range(vocab_size) if pool is None else pool
-    arr = np.asarray(sorted({int(i) for i in ids if int(i) not in special and 0 <= int(i) < vocab_size}), dtype=np.int32)
+    arr = np.asarray(
+        sorted({int(i) for i in ids if int(i) not in special and 0 <= int(i) < vocab_size}), dtype=np.int32
+    )
     if arr.size < 2:
         raise ConfigError(f"copy pretraining needs a pool of at least 2 ordinary token ids, got {arr.size}")
     out = []
@@ -164,7 +178,9 @@ def _pad(examples: Sequence[Example], idx: Sequence[int], pad_id: int) -> tuple[
     return torch.from_numpy(toks), torch.from_numpy(mask)
 
 
-def demo_loss(model: MoETransformer, examples: Sequence[Example], *, pad_id: int = 0, batch_tokens: int = 8192) -> float:
+def demo_loss(
+    model: MoETransformer, examples: Sequence[Example], *, pad_id: int = 0, batch_tokens: int = 8192
+) -> float:
     """Mean next-token cross-entropy over the loss tokens of ``examples`` (no gradient)."""
     total, count = 0.0, 0
     was = model.training
@@ -189,8 +205,14 @@ def _nll(model: MoETransformer, toks: torch.Tensor) -> torch.Tensor:
     return -model.token_logprobs(out.hidden, toks)[0][:, 1:]
 
 
-def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig, *, pad_id: int = 0,
-              on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def sft_train(
+    model: MoETransformer,
+    examples: Sequence[Example],
+    cfg: SFTConfig,
+    *,
+    pad_id: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """Train the LM head on the examples' loss tokens; returns the loss of every step. ``on_step(step, loss)``
     after each optimizer step (e.g. to save snapshots)."""
     if not examples:
@@ -234,15 +256,26 @@ def sft_train(model: MoETransformer, examples: Sequence[Example], cfg: SFTConfig
         if on_step is not None:
             on_step(step + 1, losses[-1])
         if step % 10 == 0 or step == cfg.steps - 1:
-            log.info("sft.step", step=step, loss=round(losses[-1], 4), examples=len(batch),
-                     tokens=int(m.sum()), elapsed_s=round(time.perf_counter() - t0, 1))  # fmt: skip
+            log.info(
+                "sft.step",
+                step=step,
+                loss=round(losses[-1], 4),
+                examples=len(batch),
+                tokens=int(m.sum()),
+                elapsed_s=round(time.perf_counter() - t0, 1),
+            )
     opt.zero_grad(set_to_none=True)
     model.eval()
     return losses
 
 
 def run_sft(
-    *, out: Path, tasks_dir: Path | None, synth: int, cfg: SFTConfig, model_dir: Path | None = None,
+    *,
+    out: Path,
+    tasks_dir: Path | None,
+    synth: int,
+    cfg: SFTConfig,
+    model_dir: Path | None = None,
     concurrency: int = 2,
 ) -> dict:
     """The ``sft`` command: demonstrations -> training -> a model directory at ``out``."""
@@ -274,11 +307,18 @@ def run_sft(
     after = demo_loss(model, examples, pad_id=tok.pad_id)
     save_pretrained(model, out, tok)
     summary = {
-        "tasks": len(tasks), "demos": len(demos), "examples_tokens": int(sum(len(e.tokens) for e in examples)),
-        "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)), "steps": cfg.steps,
-        "loss_before": before, "loss_after": after, "t_demos_s": t_demos, "first_losses": losses[:5],
-        "last_losses": losses[-5:], "out": str(out),
-    }  # fmt: skip
+        "tasks": len(tasks),
+        "demos": len(demos),
+        "examples_tokens": int(sum(len(e.tokens) for e in examples)),
+        "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)),
+        "steps": cfg.steps,
+        "loss_before": before,
+        "loss_after": after,
+        "t_demos_s": t_demos,
+        "first_losses": losses[:5],
+        "last_losses": losses[-5:],
+        "out": str(out),
+    }
     (Path(out) / "sft_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     log.info("sft.done", **{k: v for k, v in summary.items() if not isinstance(v, list)})
     return summary

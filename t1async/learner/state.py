@@ -32,15 +32,25 @@ class LearnerState:
         trained = dict(self.trained)
         for ep, t in turns:
             trained[ep] = trained.get(ep, frozenset()) | {t}
-        return LearnerState(version, step, trained, self.turns_trained + len(turns),
-                            self.session_turns + len(turns), self.session_tokens + tokens)  # fmt: skip
+        return LearnerState(
+            version,
+            step,
+            trained,
+            self.turns_trained + len(turns),
+            self.session_turns + len(turns),
+            self.session_tokens + tokens,
+        )
 
     def save(self, root: Path, keep: int = 3) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         path = root / f"learner_state_v{self.version:06d}.json"
         tmp = path.with_suffix(".tmp")
-        body = {"version": self.version, "step": self.step, "turns_trained": self.turns_trained,
-                "trained": {ep: sorted(t) for ep, t in self.trained.items()}}  # fmt: skip
+        body = {
+            "version": self.version,
+            "step": self.step,
+            "turns_trained": self.turns_trained,
+            "trained": {ep: sorted(t) for ep, t in self.trained.items()},
+        }
         tmp.write_text(json.dumps(body))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())

@@ -73,8 +73,12 @@ class StepInputs:
             return None
         if np.array_equal(keep, s.loss_mask):
             return s
-        return replace(s, loss_mask=keep, logprobs=np.where(keep, s.logprobs, 0).astype(np.float32),
-                       versions=np.where(keep, s.versions, -1).astype(np.int32))  # fmt: skip
+        return replace(
+            s,
+            loss_mask=keep,
+            logprobs=np.where(keep, s.logprobs, 0).astype(np.float32),
+            versions=np.where(keep, s.versions, -1).astype(np.int32),
+        )
 
     def _forget_unreachable(self) -> None:
         """Turns the assembler will never emit (their episode is closed: untrainable, late, or abandoned)

@@ -119,9 +119,7 @@ class Trainer:
         vals = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         return out, logp, vals, ent
 
-    def _advantages(
-        self, batch: Batch, segs: Sequence[SegmentLike], value_head: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def _advantages(self, batch: Batch, segs: Sequence[SegmentLike], value_head: Tensor) -> tuple[Tensor, Tensor]:
         """(advantages, returns) [B, T] of ``batch``'s rows."""
         cfg = self.config
         b, t = batch.shape
@@ -133,9 +131,15 @@ class Trainer:
             n = len(s.tokens)
             values = np.concatenate([[0.0], vh[row, :n]])  # values[p] = head at p - 1; values[n] = bootstrap
             a, r = ppo.segment_advantages(
-                s.loss_mask, values, s.turn_ends, s.turn_rewards, bool(s.done),
-                gamma=cfg.gamma, lam=cfg.lam, discount_per=cfg.discount_per,
-            )  # fmt: skip
+                s.loss_mask,
+                values,
+                s.turn_ends,
+                s.turn_rewards,
+                bool(s.done),
+                gamma=cfg.gamma,
+                lam=cfg.lam,
+                discount_per=cfg.discount_per,
+            )
             adv[row, :n], ret[row, :n] = a, r
         return torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
 
@@ -151,17 +155,34 @@ class Trainer:
         n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(segments))
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
         metrics = self._metrics(  # 3. metrics over loss tokens
-            segments, self._loss_token_tensors(scored), policy_version, drift, sums=sums, grad_norm=grad_norm,
-            routing=routing, n_loss=n_loss, adv_mean=adv_mean, adv_std=adv_std, t0=t0, t_fwd=t_fwd_scoring + t_fwd_ppo,
+            segments,
+            self._loss_token_tensors(scored),
+            policy_version,
+            drift,
+            sums=sums,
+            grad_norm=grad_norm,
+            routing=routing,
+            n_loss=n_loss,
+            adv_mean=adv_mean,
+            adv_std=adv_std,
+            t0=t0,
+            t_fwd=t_fwd_scoring + t_fwd_ppo,
             t_backward=max(t_update - t_fwd_ppo, 0.0),
-        )  # fmt: skip
+        )
         log.info(
-            "trainer.step", step=metrics.step, version=policy_version, segments=metrics.segments,
-            loss_tokens=n_loss, loss=round(metrics.loss, 5), dlogp=round(metrics.mean_abs_dlogp, 5),
-            mismatch=round(metrics.mismatch, 5), policy_shift=round(metrics.policy_shift, 5),
-            routing_drift=round(metrics.routing_drift, 4), max_staleness=metrics.max_staleness,
+            "trainer.step",
+            step=metrics.step,
+            version=policy_version,
+            segments=metrics.segments,
+            loss_tokens=n_loss,
+            loss=round(metrics.loss, 5),
+            dlogp=round(metrics.mean_abs_dlogp, 5),
+            mismatch=round(metrics.mismatch, 5),
+            policy_shift=round(metrics.policy_shift, 5),
+            routing_drift=round(metrics.routing_drift, 4),
+            max_staleness=metrics.max_staleness,
             t_step_s=round(metrics.t_step_s, 3),
-        )  # fmt: skip
+        )
         return metrics
 
     def _pack(self, segments: Sequence[SegmentLike]) -> list[Batch]:
@@ -242,9 +263,18 @@ class Trainer:
                     _, logp, vals, ent = self._forward(sc.batch, replay=cfg.replay, with_entropy=want_ent)
                     t_fwd += time.perf_counter() - t_f
                 terms = ppo.ppo_loss(
-                    logp, sc.prox_logp, sc.batch.behav_logp, sc.adv, vals, sc.old_values, sc.ret,
-                    sc.batch.loss_mask, cfg.loss, normaliser=n_loss, entropy=ent,
-                )  # fmt: skip
+                    logp,
+                    sc.prox_logp,
+                    sc.batch.behav_logp,
+                    sc.adv,
+                    vals,
+                    sc.old_values,
+                    sc.ret,
+                    sc.batch.loss_mask,
+                    cfg.loss,
+                    normaliser=n_loss,
+                    entropy=ent,
+                )
                 terms.loss.backward()
                 share = float(sc.batch.loss_mask.sum()) / n_loss
                 for k in ("loss", "policy_loss", "value_loss", "entropy"):
@@ -287,13 +317,25 @@ class Trainer:
         }
 
     def _metrics(
-        self, segments: Sequence[SegmentLike], toks: Mapping[str, Tensor], policy_version: int,
-        drift: Mapping[str, int] | None, **parts: Any,
-    ) -> StepMetrics:  # fmt: skip
+        self,
+        segments: Sequence[SegmentLike],
+        toks: Mapping[str, Tensor],
+        policy_version: int,
+        drift: Mapping[str, int] | None,
+        **parts: Any,
+    ) -> StepMetrics:
         """3. The step's metrics over its loss tokens (``toks``: _loss_token_tensors; ``parts``: the stages'
         results, learner.stepmetrics.step_metrics)."""
-        return step_metrics(segments, toks, policy_version, drift, step=self.steps, replay=self.config.replay,
-                            with_entropy=self.config.loss.entropy_coef > 0, **parts)  # fmt: skip
+        return step_metrics(
+            segments,
+            toks,
+            policy_version,
+            drift,
+            step=self.steps,
+            replay=self.config.replay,
+            with_entropy=self.config.loss.entropy_coef > 0,
+            **parts,
+        )
 
     # ------------------------------------------------------------------------------------- checkpoints
 

@@ -64,44 +64,77 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, version: int | None = Non
     for name, ids in (("output_ids", out), ("input_delta", delta)):
         if len(ids) and int(ids.max()) >= lim.vocab_size:
             bad = int(np.argmax(ids >= lim.vocab_size))
-            raise _fail(rec, name, "token_range", f"[{bad}] = {int(ids[bad])} is not below the model's vocab_size "
-                        f"{lim.vocab_size} (max {int(ids.max())}): was it sampled by another model or tokenizer?")  # fmt: skip
+            raise _fail(
+                rec,
+                name,
+                "token_range",
+                f"[{bad}] = {int(ids[bad])} is not below the model's vocab_size "
+                f"{lim.vocab_size} (max {int(ids.max())}): was it sampled by another model or tokenizer?",
+            )
     lps = rec.output_logprobs
     finite = np.isfinite(lps)
     if not finite.all():
         bad = int(np.argmin(finite))
-        raise _fail(rec, "output_logprobs", "logprob", f"[{bad}] = {float(lps[bad])} is not finite "
-                    f"({int((~finite).sum())} of {len(lps)}): the sampler returned no logprob for that token")  # fmt: skip
+        raise _fail(
+            rec,
+            "output_logprobs",
+            "logprob",
+            f"[{bad}] = {float(lps[bad])} is not finite "
+            f"({int((~finite).sum())} of {len(lps)}): the sampler returned no logprob for that token",
+        )
     n = rec.input_len + len(out)
     if n > lim.max_seq_len:
-        raise _fail(rec, "input_len", "length", f"{rec.input_len} + {len(out)} outputs = {n} tokens exceeds the "
-                    f"model's max_seq_len {lim.max_seq_len}")  # fmt: skip
+        raise _fail(
+            rec,
+            "input_len",
+            "length",
+            f"{rec.input_len} + {len(out)} outputs = {n} tokens exceeds the model's max_seq_len {lim.max_seq_len}",
+        )
     if version is not None:
         ov = getattr(rec, "output_versions", None)
         newest = max(rec.policy_version, int(ov.max()) if ov is not None and len(ov) else 0)
         if newest > version:
-            raise _fail(rec, "policy_version", "version", f"{newest} is newer than the learner's version {version}: "
-                        "the samplers served weights this learner never had (was it resumed from an older checkpoint?)")  # fmt: skip
+            raise _fail(
+                rec,
+                "policy_version",
+                "version",
+                f"{newest} is newer than the learner's version {version}: "
+                "the samplers served weights this learner never had (was it resumed from an older checkpoint?)",
+            )
     if rec.routing is not None:
         check_routing(rec, rec.routing.experts, lim)
 
 
 def check_routing(rec: wire.TurnRecord, ex: np.ndarray, lim: ModelLimits) -> None:
     if ex.ndim != 3 or tuple(ex.shape[1:]) != (lim.n_layers, lim.top_k):
-        raise _fail(rec, "routing", "routing_shape", f"has shape {list(ex.shape)}, expected [rows, n_layers "
-                    f"{lim.n_layers}, top_k {lim.top_k}]: was it routed by another model?")  # fmt: skip
+        raise _fail(
+            rec,
+            "routing",
+            "routing_shape",
+            f"has shape {list(ex.shape)}, expected [rows, n_layers "
+            f"{lim.n_layers}, top_k {lim.top_k}]: was it routed by another model?",
+        )
     if not ex.size:
         return
     hi = int(ex.max())
     if hi >= lim.n_experts:
         t, layer, _ = (int(v) for v in np.argwhere(ex >= lim.n_experts)[0])
-        raise _fail(rec, "routing", "expert_range", f"row {t} layer {layer} holds expert {hi}, not below the "
-                    f"model's n_experts {lim.n_experts}")  # fmt: skip
+        raise _fail(
+            rec,
+            "routing",
+            "expert_range",
+            f"row {t} layer {layer} holds expert {hi}, not below the model's n_experts {lim.n_experts}",
+        )
     if lim.top_k > 1:
         s = np.sort(ex, axis=-1)
         dup = (s[..., 1:] == s[..., :-1]).any(-1)
         dup[:, zero_layers(ex)] = False  # an all-zero layer is a broken capture the assembler drops (§6)
         if dup.any():
             t, layer = (int(v) for v in np.argwhere(dup)[0])
-            raise _fail(rec, "routing", "expert_repeat", f"row {t} layer {layer} names an expert twice: "
-                        f"{ex[t, layer].tolist()} (a top-k picks k distinct experts)")  # fmt: skip
+            raise _fail(
+                rec,
+                "routing",
+                "expert_repeat",
+                f"row {t} layer {layer} names an expert twice: "
+                f"{ex[t, layer].tolist()} (a top-k picks k distinct experts)",
+            )

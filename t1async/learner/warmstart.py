@@ -24,9 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from t1async.errors import ConfigError, T1Error
 from t1async.learner.sft import SFTConfig
@@ -39,8 +39,10 @@ RECIPE_VERSION = "warmstart-v1"  # bump when the build itself changes (demo rend
 PROMPT_FILE = "system_prompt.txt"  # in the model dir: the system prompt the policy was trained with
 # The default agent prompt is 327 tokens, 60% of a demonstration of the easy families: every SFT step, every
 # sampled turn and every RL step pays for it. This one states the same contract in 53 tokens.
-SHORT_PROMPT = ("You are in a bash shell. Reply with one command in a ```bash block; "
-                "you will see its output. When the task is done, reply DONE.")
+SHORT_PROMPT = (
+    "You are in a bash shell. Reply with one command in a ```bash block; "
+    "you will see its output. When the task is done, reply DONE."
+)
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,16 @@ class Recipe:
     data_version: int = 1  # the families' version (e.g. synth.basics.VERSION): new task text, new demos
 
     def to_dict(self) -> dict:
-        d: dict[str, Any] = {"version": RECIPE_VERSION, "name": self.name, "model": self.model.to_dict(),
-             "families": list(self.families), "tasks": self.tasks, "task_seed": self.task_seed,
-             "sft": dataclasses.asdict(self.sft), "system_prompt": self.system_prompt}  # fmt: skip
+        d: dict[str, Any] = {
+            "version": RECIPE_VERSION,
+            "name": self.name,
+            "model": self.model.to_dict(),
+            "families": list(self.families),
+            "tasks": self.tasks,
+            "task_seed": self.task_seed,
+            "sft": dataclasses.asdict(self.sft),
+            "system_prompt": self.system_prompt,
+        }
         if not self.sft.copy_steps:  # added later: left out when off, so the recipes built before keep their hash
             d["sft"].pop("copy_steps")
         if self.data_version != 1:  # only when set, so the recipes built before it keep their hash
@@ -74,7 +83,11 @@ RECIPES: dict[str, Recipe] = {
     # the chores family (a fixed menu, no copying; sandbox_agent/synth/chores.py): 300 steps give ~33% held-out
     # pass@1 at temperature 1 (README "Learning" has the tries, the copying families among them)
     "learn": Recipe(
-        name="learn", model=MODEL_PRESETS["learn"], families=("chores",), tasks=400, task_seed=1000,
+        name="learn",
+        model=MODEL_PRESETS["learn"],
+        families=("chores",),
+        tasks=400,
+        task_seed=1000,
         sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
     # the CI learning test's policy (tests/test_learning_ci.py): a short SFT on the one-command ``touch4`` family,
@@ -83,7 +96,11 @@ RECIPES: dict[str, Recipe] = {
     # 240; 200 steps of the old backticked instruction stayed at chance, 0.69 of 4). Corpus seed 2002: the
     # instruction lists the names unquoted since synth/micro.py changed
     "micro": Recipe(
-        name="micro", model=MODEL_PRESETS["tiny"], families=("touch4",), tasks=160, task_seed=2002,
+        name="micro",
+        model=MODEL_PRESETS["tiny"],
+        families=("touch4",),
+        tasks=160,
+        task_seed=2002,
         sft=SFTConfig(steps=240, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
 }
@@ -129,7 +146,9 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
     f = root / f"demos-{key.hexdigest()[:16]}.json"
     if f.is_file():
         doc = json.loads(f.read_text())
-        return [Demo(d["task"], d["instruction"], tuple(tuple(t) for t in d["turns"])) for d in doc["demos"]], doc["tasks"]
+        return [Demo(d["task"], d["instruction"], tuple(tuple(t) for t in d["turns"])) for d in doc["demos"]], doc[
+            "tasks"
+        ]
     with tempfile.TemporaryDirectory(prefix="t1-warmstart-tasks-") as tmp:
         paths = generate(Path(tmp), recipe.tasks, seed=recipe.task_seed, families=list(recipe.families))
         tasks = [t for t in (load_task(p) for p in paths) if t.split == "train"]
@@ -162,8 +181,10 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
     demos, n_tasks = _demos(recipe, dest.parent, concurrency)
     t_demos = time.perf_counter() - t0
     if len(demos) < n_tasks // 2:
-        raise T1Error(f"warm start {recipe.name}: only {len(demos)} of {n_tasks} oracle runs resolved; "
-                      "the sandbox is broken (try: python -m sandbox_agent check)")  # fmt: skip
+        raise T1Error(
+            f"warm start {recipe.name}: only {len(demos)} of {n_tasks} oracle runs resolved; "
+            "the sandbox is broken (try: python -m sandbox_agent check)"
+        )
     examples = [demo_tokens(d, tok, recipe.system_prompt) for d in demos]
     model = MoETransformer(recipe.model)  # the seeded init (MoEConfig.seed)
     probe = examples[:: max(1, len(examples) // 32)]  # the loss before/after on a fixed sample (cheap)
@@ -172,10 +193,18 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
     if recipe.sft.copy_steps:  # copy pretraining first (its own optimizer and lr schedule)
         rows = recipe.sft.copy_steps * max(1, recipe.sft.batch_tokens // 24)
         pool = {int(t) for e in examples for t in e.tokens[e.loss_mask]}  # the replies' tokens
-        copies = copy_examples(rows, recipe.model.vocab_size, tok.special_ids, seed=recipe.sft.seed, min_len=4,
-                               max_len=16, pool=sorted(pool))
-        copy_losses = sft_train(model, copies, dataclasses.replace(recipe.sft, steps=recipe.sft.copy_steps),
-                                pad_id=tok.pad_id)
+        copies = copy_examples(
+            rows,
+            recipe.model.vocab_size,
+            tok.special_ids,
+            seed=recipe.sft.seed,
+            min_len=4,
+            max_len=16,
+            pool=sorted(pool),
+        )
+        copy_losses = sft_train(
+            model, copies, dataclasses.replace(recipe.sft, steps=recipe.sft.copy_steps), pad_id=tok.pad_id
+        )
     losses = sft_train(model, examples, recipe.sft, pad_id=tok.pad_id)
     after = demo_loss(model, probe, pad_id=tok.pad_id)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -183,12 +212,20 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
     try:
         save_pretrained(model, tmpd, tok)
         (tmpd / PROMPT_FILE).write_text(recipe.system_prompt)
-        metrics = {"recipe": recipe.name, "digest": recipe.digest(), "tasks": n_tasks, "demos": len(demos),
-                   "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)), "loss_before": before,
-                   "loss_after": after, "losses_every_50": losses[::50] + losses[-1:],
-                   "copy_losses_every_50": copy_losses[::50] + copy_losses[-1:], "t_demos_s": round(t_demos, 1),
-                   "t_total_s": round(time.perf_counter() - t0, 1),
-                   "params": int(sum(p.numel() for p in model.parameters()))}  # fmt: skip
+        metrics = {
+            "recipe": recipe.name,
+            "digest": recipe.digest(),
+            "tasks": n_tasks,
+            "demos": len(demos),
+            "loss_tokens": int(sum(int(e.loss_mask.sum()) for e in examples)),
+            "loss_before": before,
+            "loss_after": after,
+            "losses_every_50": losses[::50] + losses[-1:],
+            "copy_losses_every_50": copy_losses[::50] + copy_losses[-1:],
+            "t_demos_s": round(t_demos, 1),
+            "t_total_s": round(time.perf_counter() - t0, 1),
+            "params": int(sum(p.numel() for p in model.parameters())),
+        }
         (tmpd / "sft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         (tmpd / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2) + "\n")
         if dest.exists():  # a half-built or foreign dir (no recipe.json): replace it
@@ -206,10 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m t1async.learner.warmstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="learn", help=f"recipe name (known: {', '.join(RECIPES)})")
     p.add_argument("--cache", type=Path, default=None, help="cache root (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
-    p.add_argument("--print-dir", action="store_true", help="print the model dir and whether it is built; build nothing")
+    p.add_argument(
+        "--print-dir", action="store_true", help="print the model dir and whether it is built; build nothing"
+    )
     p.add_argument("--steps", type=int, default=None, help="override the recipe's SFT steps (another recipe hash)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: on a busy 2-core box two "
-                   "threads waited on each other)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a busy 2-core box two threads waited on each other)",
+    )
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure(level=args.log_level)

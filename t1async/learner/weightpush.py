@@ -76,29 +76,52 @@ class DistributedPusher:
         if not urls:
             raise SamplerError(f"no sampler answers /health ({', '.join(self.client.urls)}): cannot push weights")
         if len(urls) < len(self.client.urls):  # as the disk path: a dead sampler is synced when it is back
-            log.warning("sampler.push_skipped", urls=[u for u in self.client.urls if u not in urls],
-                        path="distributed")
+            log.warning("sampler.push_skipped", urls=[u for u in self.client.urls if u not in urls], path="distributed")
         world = 1 + len(urls)
         self.store = W.store_master(self.cfg.host, self.cfg.port, world, self.cfg.timeout_s)
         port = self.store.port
         result: dict = {}
 
         async def rank0() -> None:
-            result["pg"] = await anyio.to_thread.run_sync(lambda: W.open_group(
-                self.store, host=self.cfg.host, port=port, rank=0, world_size=world,
-                group_name=self.cfg.group_name, backend=self.cfg.backend, timeout_s=self.cfg.timeout_s),
-                abandon_on_cancel=True)  # fmt: skip
+            result["pg"] = await anyio.to_thread.run_sync(
+                lambda: W.open_group(
+                    self.store,
+                    host=self.cfg.host,
+                    port=port,
+                    rank=0,
+                    world_size=world,
+                    group_name=self.cfg.group_name,
+                    backend=self.cfg.backend,
+                    timeout_s=self.cfg.timeout_s,
+                ),
+                abandon_on_cancel=True,
+            )
 
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             tg.start_soon(rank0)
             for i, u in enumerate(urls):
-                tg.start_soon(functools.partial(
-                    W.init_weights_update_group, self.client, u, master_address=self.cfg.host, master_port=port,
-                    rank_offset=1 + i, world_size=world, group_name=self.cfg.group_name, backend=self.cfg.backend))  # fmt: skip
+                tg.start_soon(
+                    functools.partial(
+                        W.init_weights_update_group,
+                        self.client,
+                        u,
+                        master_address=self.cfg.host,
+                        master_port=port,
+                        rank_offset=1 + i,
+                        world_size=world,
+                        group_name=self.cfg.group_name,
+                        backend=self.cfg.backend,
+                    )
+                )
         self.pg, self.members = result["pg"], urls
-        log.info("learner.weight_group", samplers=len(urls), port=port, backend=self.cfg.backend,
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        log.info(
+            "learner.weight_group",
+            samplers=len(urls),
+            port=port,
+            backend=self.cfg.backend,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
 
     async def push(self, model: torch.nn.Module, version: int) -> dict:
         """Send every tensor of ``model``'s state dict to every sampler as ``version``; returns timings.
@@ -137,8 +160,14 @@ class DistributedPusher:
         self.pushes += 1
         mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
         self.last = {"seconds": time.perf_counter() - t0, "buckets": len(parts), "mb": mb, "version": version}
-        log.info("learner.weights_pushed", path="distributed", version=version, buckets=len(parts),
-                 mb=round(mb, 2), seconds=round(self.last["seconds"], 3))  # fmt: skip
+        log.info(
+            "learner.weights_pushed",
+            path="distributed",
+            version=version,
+            buckets=len(parts),
+            mb=round(mb, 2),
+            seconds=round(self.last["seconds"], 3),
+        )
         return self.last
 
     async def _bucket(self, part: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -152,14 +181,22 @@ class DistributedPusher:
             async def one(u: str) -> None:
                 try:
                     await W.update_weights_from_distributed(
-                        self.client, u, names=names, dtypes=dtypes, shapes=shapes, group_name=self.cfg.group_name,
-                        flush_cache=True, weight_version=version)  # fmt: skip
+                        self.client,
+                        u,
+                        names=names,
+                        dtypes=dtypes,
+                        shapes=shapes,
+                        group_name=self.cfg.group_name,
+                        flush_cache=True,
+                        weight_version=version,
+                    )
                 except SamplerError as exc:
                     errors.append(str(exc))
                     tg.cancel_scope.cancel()  # a sampler that did not receive would leave the broadcast waiting
 
             for u in self.members:
                 tg.start_soon(one, u)
+
             async def send() -> None:
                 try:
                     await anyio.to_thread.run_sync(W.broadcast, self.pg, tensors, abandon_on_cancel=True)
@@ -169,8 +206,9 @@ class DistributedPusher:
 
             tg.start_soon(send)
         if errors:
-            raise SamplerError(f"weight push v{version} failed on {len(errors)} of {len(self.members)} "
-                               f"samplers: {errors[0]}")  # fmt: skip
+            raise SamplerError(
+                f"weight push v{version} failed on {len(errors)} of {len(self.members)} samplers: {errors[0]}"
+            )
 
     async def aclose(self) -> None:
         if self.pg is None:

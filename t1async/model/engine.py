@@ -38,10 +38,10 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from collections.abc import AsyncIterator
 
 import anyio
 import numpy as np
@@ -52,7 +52,15 @@ from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
 from t1async.model.scheduler import (
-    BusyClock, EngineCore, Seq, StepPlan, WeightUpdate, decodes_per_hop, request_seed, routing_slice, routing_start,
+    BusyClock,
+    EngineCore,
+    Seq,
+    StepPlan,
+    WeightUpdate,
+    decodes_per_hop,
+    request_seed,
+    routing_slice,
+    routing_start,
 )
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
@@ -168,8 +176,12 @@ class Engine:
     def stats(self) -> dict:
         """Scheduler counters (read between steps; approximate while a step runs), with ``busy_s`` and
         ``uptime_s`` (scheduler.BusyClock)."""
-        return {**self._core.stats(), "waiting": len(self._waiting), "weight_version": self.weight_version,
-                **self._clock.stats()}  # fmt: skip
+        return {
+            **self._core.stats(),
+            "waiting": len(self._waiting),
+            "weight_version": self.weight_version,
+            **self._clock.stats(),
+        }
 
     # -- the scheduler loop -----------------------------------------------------------------------------
 

@@ -216,7 +216,9 @@ class MoETransformer(nn.Module):
             dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
             if bool(dup.any()):
                 where = [int(i) for i in dup.nonzero()[0][:3]]
-                raise ValueError(f"replay repeats an expert within one (token, layer) row, first at [b, t, l] = {where}")
+                raise ValueError(
+                    f"replay repeats an expert within one (token, layer) row, first at [b, t, l] = {where}"
+                )
 
     def forward(
         self,

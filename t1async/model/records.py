@@ -70,7 +70,9 @@ class GenRequest:
         if len(self.input_ids) == 0:
             raise SamplerRequestError(f"request {self.rid}: input_ids is empty; send at least one token")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise SamplerRequestError(f"request {self.rid}: max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+            raise SamplerRequestError(
+                f"request {self.rid}: max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}"
+            )
         if not self.temperature >= 0:
             raise SamplerRequestError(f"request {self.rid}: temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -78,7 +80,9 @@ class GenRequest:
         if self.routing_start < 0:
             raise SamplerRequestError(f"request {self.rid}: routing_start must be >= 0, got {self.routing_start}")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise SamplerRequestError(f"request {self.rid}: stop_strings must be non-empty strings, got {self.stop_strings!r}")
+            raise SamplerRequestError(
+                f"request {self.rid}: stop_strings must be non-empty strings, got {self.stop_strings!r}"
+            )
 
     def ids_array(self, vocab_size: int) -> np.ndarray:
         """input_ids as int32, checked against the vocabulary."""
@@ -87,7 +91,9 @@ class GenRequest:
         except (TypeError, ValueError) as exc:
             raise SamplerRequestError(f"request {self.rid}: input_ids is not a list of ints: {exc}") from exc
         if a.ndim != 1 or a.dtype.kind not in "iu":
-            raise SamplerRequestError(f"request {self.rid}: input_ids must be a flat list of ints, got {a.dtype} {a.shape}")
+            raise SamplerRequestError(
+                f"request {self.rid}: input_ids must be a flat list of ints, got {a.dtype} {a.shape}"
+            )
         bad = np.flatnonzero((a < 0) | (a >= vocab_size))
         if len(bad):
             i = int(bad[0])

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -167,7 +167,10 @@ class EngineCore:
             done = self._retire_finished()
             # further decodes serve the same sequences (no admissions), so ``changed`` already holds them
             while (
-                decodes > 1 and not done and self.active and time.perf_counter() - t0 < HOP_BUDGET_S
+                decodes > 1
+                and not done
+                and self.active
+                and time.perf_counter() - t0 < HOP_BUDGET_S
                 and not (interrupted is not None and interrupted())
             ):
                 decodes -= 1
@@ -188,8 +191,11 @@ class EngineCore:
             log.warning("engine.weights_update_failed", path=str(u.model_path), error=str(exc))
         else:
             self.epoch += 1
-            log.info("engine.weights_updated", path=str(u.model_path) if u.tensors is None else "(tensors)",
-                     version=u.version)
+            log.info(
+                "engine.weights_updated",
+                path=str(u.model_path) if u.tensors is None else "(tensors)",
+                version=u.version,
+            )
 
     # -- admission / prefill ----------------------------------------------------------------------------
 
@@ -367,4 +373,3 @@ def routing_slice(s: Seq) -> np.ndarray:
 
 def request_seed(engine_seed: int, counter: int) -> int:
     return int(np.random.SeedSequence([engine_seed, counter]).generate_state(1)[0]) % (2**63 - 1)
-

@@ -82,11 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = anyio.run(main_async, a, backend="trio")
     print(f"{'batch':>5} {'tok/s':>10} {'decode tok/s':>13} {'step ms':>8} {'wall s':>7}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['tokens_per_s']:>10.1f} {r['decode_tokens_per_s']:>13.1f} "
-              f"{r['step_ms']:>8.2f} {r['wall_s']:>7.2f}")
+        print(
+            f"{r['batch']:>5} {r['tokens_per_s']:>10.1f} {r['decode_tokens_per_s']:>13.1f} "
+            f"{r['step_ms']:>8.2f} {r['wall_s']:>7.2f}"
+        )
     ratio = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     decode_ratio = rows[-1]["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
-    print(f"batch {rows[-1]['batch']} vs {rows[0]['batch']}: {ratio:.2f}x tokens/s, {decode_ratio:.2f}x decode tokens/s")
+    print(
+        f"batch {rows[-1]['batch']} vs {rows[0]['batch']}: {ratio:.2f}x tokens/s, {decode_ratio:.2f}x decode tokens/s"
+    )
     if a.json:
         print(json.dumps({"rows": rows, "ratio": ratio, "decode_ratio": decode_ratio}))
 

@@ -25,9 +25,9 @@ Two ways to build a prompt, on purpose:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
-from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -113,7 +113,9 @@ class ChatTokenizer:
         p = assets_dir() if path is None else Path(path)
         f = p / "tokenizer.json" if p.is_dir() else p
         if not f.is_file():
-            raise ConfigError(f"no tokenizer at {f}: expected tokenizer.json (run python -m t1async.model.train_tokenizer)")
+            raise ConfigError(
+                f"no tokenizer at {f}: expected tokenizer.json (run python -m t1async.model.train_tokenizer)"
+            )
         try:
             tok = Tokenizer.from_file(str(f))
         except Exception as exc:  # tokenizers raises a bare Exception on a bad file

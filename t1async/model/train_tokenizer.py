@@ -32,8 +32,7 @@ CMDS = (
     "sqlite3 printf test which less more ln basename dirname seq nl paste join comm md5sum sha256sum"
 ).split()
 FLAGS = (
-    "-l -la -a -h -n -r -R -v -i -c -f -e -s -u -t -x -p -q -z -k2 -d, -F, "
-    "-name -type -exec -print0 --help --version"
+    "-l -la -a -h -n -r -R -v -i -c -f -e -s -u -t -x -p -q -z -k2 -d, -F, -name -type -exec -print0 --help --version"
 ).split()
 EXTS = ".txt .py .csv .json .log .sh .md .conf .yaml .tsv .c .h .db .gz".split()
 DIRS = "/tmp /app /home/user /var/log /etc /srv/data /opt/tool /workspace src tests data build out".split()
@@ -60,11 +59,15 @@ def _sentence(r: random.Random, n: int | None = None) -> str:
 def _command(r: random.Random) -> str:
     c = r.choice(CMDS)
     parts = [c] + [r.choice(FLAGS) for _ in range(r.randint(0, 2))]
-    parts += [r.choice([_path(r), _fname(r), f"'{r.choice(WORDS)}'", str(r.randint(0, 500)), "*.txt", "."])
-              for _ in range(r.randint(0, 2))]
+    parts += [
+        r.choice([_path(r), _fname(r), f"'{r.choice(WORDS)}'", str(r.randint(0, 500)), "*.txt", "."])
+        for _ in range(r.randint(0, 2))
+    ]
     cmd = " ".join(parts)
     if r.random() < 0.35:
-        cmd += " | " + r.choice(["sort", "uniq -c", "wc -l", "head -n 5", f"grep {r.choice(WORDS)}", "sort -n", "tail -1"])
+        cmd += " | " + r.choice(
+            ["sort", "uniq -c", "wc -l", "head -n 5", f"grep {r.choice(WORDS)}", "sort -n", "tail -1"]
+        )
     if r.random() < 0.15:
         cmd += f" > {_path(r)}"
     return cmd
@@ -74,9 +77,11 @@ def _ls(r: random.Random) -> str:
     rows = [f"total {r.randint(0, 400)}"]
     for _ in range(r.randint(2, 9)):
         perm = r.choice(["-rw-r--r--", "drwxr-xr-x", "-rwxr-xr-x", "-rw-------"])
-        rows.append(f"{perm} 1 {r.choice(NAMES)} {r.choice(NAMES)} {r.randint(0, 99999):>6} "
-                    f"{r.choice(['Jan', 'Feb', 'Mar', 'Oct', 'Nov'])} {r.randint(1, 28):>2} "
-                    f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d} {_fname(r)}")
+        rows.append(
+            f"{perm} 1 {r.choice(NAMES)} {r.choice(NAMES)} {r.randint(0, 99999):>6} "
+            f"{r.choice(['Jan', 'Feb', 'Mar', 'Oct', 'Nov'])} {r.randint(1, 28):>2} "
+            f"{r.randint(0, 23):02d}:{r.randint(0, 59):02d} {_fname(r)}"
+        )
     return "\n".join(rows)
 
 
@@ -99,33 +104,41 @@ def _json(r: random.Random) -> str:
 
 def _python(r: random.Random) -> str:
     f, v = r.choice(["main", "parse", "count_lines", "load", "solve"]), r.choice(["line", "row", "x", "item"])
-    return r.choice([
-        f"def {f}(path):\n    with open(path) as fh:\n        for {v} in fh:\n            print({v}.strip())\n",
-        f"import sys\n\n\ndef {f}():\n    data = sys.stdin.read().split()\n"
-        f"    return sum(int({v}) for {v} in data)\n",
-        f"for {v} in range({r.randint(1, 50)}):\n    if {v} % {r.randint(2, 7)} == 0:\n        print({v})\n",
-        f"import json\nwith open('{_fname(r)}') as f:\n    obj = json.load(f)\nprint(obj['{r.choice(WORDS)}'])\n",
-        f"if __name__ == '__main__':\n    {f}()\n",
-    ])
+    return r.choice(
+        [
+            f"def {f}(path):\n    with open(path) as fh:\n        for {v} in fh:\n            print({v}.strip())\n",
+            f"import sys\n\n\ndef {f}():\n    data = sys.stdin.read().split()\n"
+            f"    return sum(int({v}) for {v} in data)\n",
+            f"for {v} in range({r.randint(1, 50)}):\n    if {v} % {r.randint(2, 7)} == 0:\n        print({v})\n",
+            f"import json\nwith open('{_fname(r)}') as f:\n    obj = json.load(f)\nprint(obj['{r.choice(WORDS)}'])\n",
+            f"if __name__ == '__main__':\n    {f}()\n",
+        ]
+    )
 
 
 def _man(r: random.Random) -> str:
     c = r.choice(CMDS)
-    return (f"NAME\n       {c} - {_sentence(r, 6).lower()}\n\nSYNOPSIS\n       {c} [OPTION]... [FILE]...\n\n"
-            f"DESCRIPTION\n       {_sentence(r)}\n\n       {r.choice(FLAGS)}\n              {_sentence(r)}\n")
+    return (
+        f"NAME\n       {c} - {_sentence(r, 6).lower()}\n\nSYNOPSIS\n       {c} [OPTION]... [FILE]...\n\n"
+        f"DESCRIPTION\n       {_sentence(r)}\n\n       {r.choice(FLAGS)}\n              {_sentence(r)}\n"
+    )
 
 
 def _output(r: random.Random) -> str:
-    return r.choice([
-        lambda: "\n".join(f"{r.randint(1, 300):>7} {r.choice(WORDS)}" for _ in range(r.randint(1, 6))),
-        lambda: f"bash: {r.choice(CMDS)}: command not found",
-        lambda: f"{r.choice(CMDS)}: cannot access '{_path(r)}': No such file or directory",
-        lambda: f"Traceback (most recent call last):\n  File \"{_fname(r)}\", line {r.randint(1, 99)}, in <module>\n"
-                f"ValueError: invalid literal for int() with base 10: '{r.choice(WORDS)}'",
-        lambda: "\n".join(_path(r) for _ in range(r.randint(1, 5))),
-        lambda: f"{r.randint(0, 5)} passed, {r.randint(0, 5)} failed in {r.random():.2f}s",
-        lambda: "",
-    ])()
+    return r.choice(
+        [
+            lambda: "\n".join(f"{r.randint(1, 300):>7} {r.choice(WORDS)}" for _ in range(r.randint(1, 6))),
+            lambda: f"bash: {r.choice(CMDS)}: command not found",
+            lambda: f"{r.choice(CMDS)}: cannot access '{_path(r)}': No such file or directory",
+            lambda: (
+                f'Traceback (most recent call last):\n  File "{_fname(r)}", line {r.randint(1, 99)}, in <module>\n'
+                f"ValueError: invalid literal for int() with base 10: '{r.choice(WORDS)}'"
+            ),
+            lambda: "\n".join(_path(r) for _ in range(r.randint(1, 5))),
+            lambda: f"{r.randint(0, 5)} passed, {r.randint(0, 5)} failed in {r.random():.2f}s",
+            lambda: "",
+        ]
+    )()
 
 
 def _snippet(r: random.Random) -> str:

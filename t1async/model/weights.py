@@ -84,8 +84,9 @@ def check_state(shapes: dict[str, tuple[int, ...]], state: dict[str, torch.Tenso
     """Raise ConfigError unless every named tensor is in ``shapes`` (a model's state_dict names) with that shape."""
     unknown = sorted(set(state) - set(shapes))
     if unknown:
-        raise ConfigError(f"{where}: names not in the model: {unknown[:5]} "
-                          "(send names from the same model's state_dict)")
+        raise ConfigError(
+            f"{where}: names not in the model: {unknown[:5]} (send names from the same model's state_dict)"
+        )
     for k, v in state.items():
         if tuple(v.shape) != tuple(shapes[k]):
             raise ConfigError(f"{where}: {k} has shape {tuple(v.shape)}, model expects {tuple(shapes[k])}")

@@ -21,8 +21,11 @@ def _parser() -> argparse.ArgumentParser:
         description="The embedded SGLang-compatible sampler (POST /generate, token-in/token-out, MoE routing).",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve the tiny MoE model over SGLang's native HTTP API",
-                       description="Serve a model over SGLang's native HTTP API (DESIGN §4).")
+    s = sub.add_parser(
+        "serve",
+        help="serve the tiny MoE model over SGLang's native HTTP API",
+        description="Serve a model over SGLang's native HTTP API (DESIGN §4).",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")
     s.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
@@ -31,8 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64)")
     s.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefix (KV) cache size in tokens")
     s.add_argument("--served-model-name", default="t1async-tiny-moe", help="the model id in /v1/models")
-    s.add_argument("--pause-timeout", type=float, default=300.0, help="seconds a /pause_generation lasts at most "
-                   "before generation goes on with the old weights (default 300)")
+    s.add_argument(
+        "--pause-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a /pause_generation lasts at most before generation goes on with the old weights (default 300)",
+    )
     s.add_argument("--ready-file", default=None, help="write the URL to this file once the server answers")
     s.add_argument("--log-level", default=None, help="debug|info|warning|error (default: T1_LOG_LEVEL or info)")
     return p
@@ -50,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--port must be in 0..65535, got {args.port}", file=sys.stderr)
         return 2
     if args.model is not None and not Path(args.model).is_dir():
-        print(f"--model {args.model}: no such directory (pass a model directory holding config.json)",
-              file=sys.stderr)
+        print(f"--model {args.model}: no such directory (pass a model directory holding config.json)", file=sys.stderr)
         return 2
 
     import trio
@@ -62,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     from t1async.sampler.server import ServerConfig, serve
 
     config = ServerConfig(
-        host=args.host, port=args.port, model_dir=args.model, seed=args.seed, dtype=args.dtype,
-        max_batch=args.max_batch, prefix_cache_tokens=args.prefix_cache_tokens,
-        served_model_name=args.served_model_name, pause_timeout_s=args.pause_timeout,
+        host=args.host,
+        port=args.port,
+        model_dir=args.model,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        served_model_name=args.served_model_name,
+        pause_timeout_s=args.pause_timeout,
     )
 
     async def run() -> None:
@@ -78,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                         return
 
             nursery.start_soon(signals)
-            url = await nursery.start(lambda task_status: serve(config, shutdown_trigger=stop.wait,
-                                                                  task_status=task_status))
+            url = await nursery.start(
+                lambda task_status: serve(config, shutdown_trigger=stop.wait, task_status=task_status)
+            )
             print(READY_PREFIX + url, flush=True)
             if args.ready_file:
                 tmp = Path(args.ready_file + ".tmp")

@@ -80,10 +80,18 @@ class SamplerApp:
         """The engine's GenRequest for one validated request."""
         s = gi.sampling
         return self.request_type(
-            rid=rid, input_ids=list(gi.input_ids), max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k, stop_token_ids=frozenset(s.stop_token_ids), stop_strings=s.stop,
-            ignore_eos=s.ignore_eos, return_routing=gi.return_routed_experts,
-            routing_start=gi.routed_experts_start_len, seed=s.seed,
+            rid=rid,
+            input_ids=list(gi.input_ids),
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            stop_token_ids=frozenset(s.stop_token_ids),
+            stop_strings=s.stop,
+            ignore_eos=s.ignore_eos,
+            return_routing=gi.return_routed_experts,
+            routing_start=gi.routed_experts_start_len,
+            seed=s.seed,
         )
 
     async def _events(self, gi: P.GenerateInput, state: R.ResponseState) -> AsyncGenerator[R.ResponseState, None]:
@@ -105,9 +113,14 @@ class SamplerApp:
         # no finish_reason: the client went away (or the engine refused it) and the generator was closed
         finish = state.finish_reason["type"] if state.finish_reason else "closed"
         log.info(
-            "sampler.request", rid=state.rid, prompt_tokens=len(state.req.input_ids),
-            completion_tokens=len(state.output_ids), cached_tokens=state.cached_tokens, finish=finish,
-            latency_s=round(time.perf_counter() - state.started, 4), stream=state.req.stream,
+            "sampler.request",
+            rid=state.rid,
+            prompt_tokens=len(state.req.input_ids),
+            completion_tokens=len(state.output_ids),
+            cached_tokens=state.cached_tokens,
+            finish=finish,
+            latency_s=round(time.perf_counter() - state.started, 4),
+            stream=state.req.stream,
         )
 
     def _new_state(self, gi: P.GenerateInput) -> R.ResponseState:
@@ -208,8 +221,9 @@ class SamplerApp:
             body = await self._json_body(request)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
-                raise SamplerRequestError("model_path must be a non-empty string (a directory of weights)",
-                                     param="model_path")
+                raise SamplerRequestError(
+                    "model_path must be a non-empty string (a directory of weights)", param="model_path"
+                )
             version = body.get("weight_version")
             if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
                 raise SamplerRequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
@@ -221,10 +235,16 @@ class SamplerApp:
             await self.engine.update_weights_from_disk(path, weight_version=version)
         except Exception as exc:  # any load failure is reported to the caller, as SGLang does; the old weights stay
             log.warning("sampler.update_weights_failed", model_path=path, error=repr(exc))
-            return json_response({"success": False, "message": f"Failed to update weights from {path}: {exc}",
-                          "num_paused_requests": 0}, 400)
-        log.info("sampler.weights_updated", model_path=path, weight_version=self.engine.weight_version,
-                 seconds=round(time.perf_counter() - t0, 3))
+            return json_response(
+                {"success": False, "message": f"Failed to update weights from {path}: {exc}", "num_paused_requests": 0},
+                400,
+            )
+        log.info(
+            "sampler.weights_updated",
+            model_path=path,
+            weight_version=self.engine.weight_version,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         msg = "Succeeded to update model weights."
         if version is not None:
             msg += f" Weight version updated to {version}."
@@ -233,8 +253,10 @@ class SamplerApp:
     async def flush_cache(self, request: Request) -> Response:
         self.engine.flush_cache()
         log.info("sampler.cache_flushed")
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
 
     async def abort_request(self, request: Request) -> Response:
         try:
@@ -251,29 +273,46 @@ class SamplerApp:
 
     async def get_model_info(self, request: Request) -> Response:
         info = self.info
-        return json_response({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-            "preferred_sampling_params": None,
-            **{k: v for k, v in info.items() if k != "weight_version"},
-            "weight_version": str(self.engine.weight_version),
-            # HF config names too, so clients written for HF-style configs find the MoE shape
-            "num_hidden_layers": info.get("num_layers"), "num_experts_per_tok": info.get("topk"),
-        })
+        return json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                **{k: v for k, v in info.items() if k != "weight_version"},
+                "weight_version": str(self.engine.weight_version),
+                # HF config names too, so clients written for HF-style configs find the MoE shape
+                "num_hidden_layers": info.get("num_layers"),
+                "num_experts_per_tok": info.get("topk"),
+            }
+        )
 
     async def get_server_info(self, request: Request) -> Response:
-        return json_response({
-            **asdict(self.config), "model_path": self.model_path, "weight_version": str(self.engine.weight_version),
-            "internal_states": [{"running_requests": len(self.active), "served_requests": self.served,
-                                 **(self.engine.stats() if hasattr(self.engine, "stats") else {})}],
-            "version": VERSION,
-        })
+        return json_response(
+            {
+                **asdict(self.config),
+                "model_path": self.model_path,
+                "weight_version": str(self.engine.weight_version),
+                "internal_states": [
+                    {
+                        "running_requests": len(self.active),
+                        "served_requests": self.served,
+                        **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+                    }
+                ],
+                "version": VERSION,
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        gi = P.GenerateInput(input_ids=(0,), sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),
-                             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        gi = P.GenerateInput(
+            input_ids=(0,),
+            sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+        )
         with anyio.move_on_after(self.config.health_timeout_s):
             result = await self._run_to_end(gi)
             return Response(status_code=200 if result["meta_info"]["completion_tokens"] == 1 else 503)
@@ -281,6 +320,12 @@ class SamplerApp:
 
     async def models(self, request: Request) -> Response:
         name = self.config.served_model_name
-        card = {"id": name, "object": "model", "created": int(self.started), "owned_by": "sglang", "root": name,
-                "max_model_len": self.max_seq_len}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "sglang",
+            "root": name,
+            "max_model_len": self.max_seq_len,
+        }
         return json_response({"object": "list", "data": [card]})

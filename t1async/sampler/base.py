@@ -6,9 +6,9 @@ both implement it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Sequence
 
 import numpy as np
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import enum
 import random
 import time
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import httpx
@@ -34,8 +34,13 @@ from t1async.errors import SamplerError, SamplerRequestError, SamplerVersionErro
 from t1async.sampler.base import Generation, SamplingParams
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.sampler.response import (
-    error_message, parse_generation, parse_output_versions, parse_weight_version, routing_dtype, shape_from_info,
-)  # fmt: skip
+    error_message,
+    parse_generation,
+    parse_output_versions,
+    parse_weight_version,
+    routing_dtype,
+    shape_from_info,
+)
 
 try:
     from t1async.log import get_logger
@@ -47,9 +52,14 @@ except ImportError:  # pragma: no cover
 
 
 __all__ = [
-    "SGLangClient", "SamplerClosedError", "SamplerUnreachableError", "parse_generation", "parse_output_versions",
-    "parse_weight_version", "routing_dtype",
-]  # fmt: skip
+    "SGLangClient",
+    "SamplerClosedError",
+    "SamplerUnreachableError",
+    "parse_generation",
+    "parse_output_versions",
+    "parse_weight_version",
+    "routing_dtype",
+]
 log = get_logger("sampler.client")
 _RETRY_STATUS = {429, 502, 503, 504}
 
@@ -145,8 +155,16 @@ class SGLangClient:
         except (httpx.HTTPError, ValueError, SamplerVersionError):
             return False, None
 
-    async def _request(self, method: str, path: str, *, json: Any = None, url: str | None = None,
-                       rid_attempts: bool = False, pin: str | None = None) -> tuple[str, httpx.Response]:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        url: str | None = None,
+        rid_attempts: bool = False,
+        pin: str | None = None,
+    ) -> tuple[str, httpx.Response]:
         """Send with retries; returns (url, response) for a 2xx. ``url`` pins one server (no balancing)."""
         self._check_open()
         last: str | None = None
@@ -178,8 +196,9 @@ class SGLangClient:
             last = target
             if attempt < self.max_retries:
                 delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random())
-                log.warning("sampler.retry", url=target, path=path, attempt=attempt + 1, cause=cause,
-                            delay_s=round(delay, 3))
+                log.warning(
+                    "sampler.retry", url=target, path=path, attempt=attempt + 1, cause=cause, delay_s=round(delay, 3)
+                )
                 await anyio.sleep(delay)
         raise (SamplerUnreachableError if resp is None else SamplerError)(
             f"{last}{path} failed after {self.max_retries + 1} attempts (urls: {', '.join(self.urls)}); "
@@ -274,11 +293,14 @@ class SGLangClient:
         if unreachable and (errors or not results or len(self.urls) == 1):
             errors.update(unreachable)
         elif unreachable:  # a dead sampler gets the next push when it is back (and stays out of use until then)
-            log.warning("sampler.push_skipped", urls=list(unreachable), model_path=model_path,
-                        weight_version=weight_version)  # fmt: skip
+            log.warning(
+                "sampler.push_skipped", urls=list(unreachable), model_path=model_path, weight_version=weight_version
+            )
         if errors:
-            raise SamplerError(f"update_weights_from_disk({model_path}) failed on {len(errors)} of "
-                               f"{len(self.urls)} samplers: " + "; ".join(f"{u}: {e}" for u, e in errors.items()))
+            raise SamplerError(
+                f"update_weights_from_disk({model_path}) failed on {len(errors)} of "
+                f"{len(self.urls)} samplers: " + "; ".join(f"{u}: {e}" for u, e in errors.items())
+            )
         self._info.clear()  # weight_version changed
         return [results[u] for u in self.urls if u in results]
 

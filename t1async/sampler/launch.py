@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import AsyncIterator
 
 import anyio
 import httpx
@@ -58,9 +58,24 @@ class LaunchConfig:
     stop_timeout_s: float = 10.0
 
     def command(self, ready_file: Path) -> list[str]:
-        cmd = [sys.executable, "-m", "t1async.sampler", "serve", "--host", self.host, "--port", str(self.port),
-               "--dtype", self.dtype, "--seed", str(self.seed), "--max-batch", str(self.max_batch),
-               "--ready-file", str(ready_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "t1async.sampler",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+            "--max-batch",
+            str(self.max_batch),
+            "--ready-file",
+            str(ready_file),
+        ]
         if self.model_dir is not None:
             cmd += ["--model", str(self.model_dir)]
         if self.prefix_cache_tokens is not None:
@@ -92,8 +107,9 @@ async def launch_sampler(
         ready = Path(tmp) / "url"
         logp = Path(log_path) if log_path else Path(tmp) / "sampler.log"
         with open(logp, "ab") as logf:
-            proc = await anyio.open_process(cfg.command(ready), stdin=None, stdout=logf, stderr=logf,
-                                            env=_child_env(env))
+            proc = await anyio.open_process(
+                cfg.command(ready), stdin=None, stdout=logf, stderr=logf, env=_child_env(env)
+            )
         log.info("sampler.launching", pid=proc.pid, port=cfg.port, log=str(logp))
         try:
             url = await _wait_ready(proc, ready, logp, cfg.start_timeout_s)
@@ -107,8 +123,14 @@ async def launch_sampler(
 class SamplerProcess:
     """The same, synchronously (for session-scoped pytest fixtures and scripts): ``start()`` -> URL, ``stop()``."""
 
-    def __init__(self, model_dir: str | os.PathLike | None = None, *, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None = None,
+        *,
+        log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+        **options: Any,
+    ) -> None:
         self.cfg = LaunchConfig(model_dir=None if model_dir is None else str(model_dir), **options)
         self._tmp = Path(tempfile.mkdtemp(prefix="t1-sampler-"))
         self.log_path = Path(log_path) if log_path else self._tmp / "sampler.log"
@@ -119,8 +141,9 @@ class SamplerProcess:
     def start(self) -> str:
         ready = self._tmp / "url"
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(self.cfg.command(ready), stdin=subprocess.DEVNULL, stdout=logf,
-                                         stderr=logf, env=_child_env(self.env))
+            self.proc = subprocess.Popen(
+                self.cfg.command(ready), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=_child_env(self.env)
+            )
         deadline = time.monotonic() + self.cfg.start_timeout_s
         started = False
         try:
@@ -139,8 +162,10 @@ class SamplerProcess:
                     except httpx.TransportError:
                         pass
                 time.sleep(0.1)
-            raise ServerStartError(f"the sampler (pid {self.proc.pid}) was not ready within "
-                                   f"{self.cfg.start_timeout_s:.0f} s; log {self.log_path}:\n{_tail(self.log_path)}")
+            raise ServerStartError(
+                f"the sampler (pid {self.proc.pid}) was not ready within "
+                f"{self.cfg.start_timeout_s:.0f} s; log {self.log_path}:\n{_tail(self.log_path)}"
+            )
         finally:
             if not started:
                 self.stop()

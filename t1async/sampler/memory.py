@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 import numpy as np
@@ -71,9 +71,16 @@ class MemorySampler:
 
     async def model_info(self) -> dict:
         """Like ``SGLangClient.model_info`` (the embedded server's ``/get_model_info`` keys)."""
-        return {"num_layers": self.num_layers, "topk": self.topk, "num_hidden_layers": self.num_layers,
-                "num_experts_per_tok": self.topk, "num_experts": self.num_experts, "vocab_size": self.vocab_size,
-                "max_seq_len": self.max_seq_len, "weight_version": str(self.weight_version)}
+        return {
+            "num_layers": self.num_layers,
+            "topk": self.topk,
+            "num_hidden_layers": self.num_layers,
+            "num_experts_per_tok": self.topk,
+            "num_experts": self.num_experts,
+            "vocab_size": self.vocab_size,
+            "max_seq_len": self.max_seq_len,
+            "weight_version": str(self.weight_version),
+        }
 
     def update_weights(self, weight_version: int) -> None:
         """What /update_weights_from_disk does to a real sampler: new outputs, new version, cache flushed."""
@@ -107,12 +114,14 @@ class MemorySampler:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise SamplerRequestError(
-                f"input_ids holds {bad[0]}, not a token id of this model (vocab_size {self.vocab_size})")
+                f"input_ids holds {bad[0]}, not a token id of this model (vocab_size {self.vocab_size})"
+            )
         if params.max_new_tokens < 0:
             raise SamplerRequestError(f"sampling_params.max_new_tokens must be >= 0, got {params.max_new_tokens}")
         if len(ids) + params.max_new_tokens > self.max_seq_len:
-            raise SamplerRequestError(f"{len(ids)} input + {params.max_new_tokens} new tokens exceed the "
-                                      f"context length of {self.max_seq_len}")
+            raise SamplerRequestError(
+                f"{len(ids)} input + {params.max_new_tokens} new tokens exceed the context length of {self.max_seq_len}"
+            )
         if start is not None and not 0 <= start <= len(ids):
             raise SamplerRequestError(f"routed_experts_start_len = {start} must be in [0, {len(ids)}]")
 

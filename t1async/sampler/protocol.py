@@ -26,41 +26,84 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
-
 
 from t1async.errors import SamplerRequestError
 from t1async.sampler.base import SamplingParams
 from t1async.sampler.response import ResponseState, decode_routing, encode_routing, error_body
 
 __all__ = [
-    "SGLANG_DEFAULTS", "GenerateInput", "ResponseState", "decode_routing", "encode_routing", "error_body",
-    "parse_generate", "parse_sampling",
-]  # fmt: skip
+    "SGLANG_DEFAULTS",
+    "GenerateInput",
+    "ResponseState",
+    "decode_routing",
+    "encode_routing",
+    "error_body",
+    "parse_generate",
+    "parse_sampling",
+]
 
 
 _TOP_FIELDS = {
-    "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "return_routed_experts",
-    "routed_experts_start_len", "stream", "rid",
+    "input_ids",
+    "text",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "stream",
+    "rid",
 }
 _TOP_NEUTRAL: dict[str, Any] = {
-    "top_logprobs_num": (0, None), "token_ids_logprob": (None,), "return_text_in_logprobs": (False, None),
-    "return_hidden_states": (False, None), "lora_path": (None,), "image_data": (None,), "input_embeds": (None,),
-    "modalities": (None,), "session_params": (None,), "custom_logit_processor": (None,), "log_metrics": None,
-    "priority": None, "data_parallel_rank": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
-    "bootstrap_room": (None,), "extra_key": (None,), "return_indexer_topk": (False, None),
+    "top_logprobs_num": (0, None),
+    "token_ids_logprob": (None,),
+    "return_text_in_logprobs": (False, None),
+    "return_hidden_states": (False, None),
+    "lora_path": (None,),
+    "image_data": (None,),
+    "input_embeds": (None,),
+    "modalities": (None,),
+    "session_params": (None,),
+    "custom_logit_processor": (None,),
+    "log_metrics": None,
+    "priority": None,
+    "data_parallel_rank": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+    "extra_key": (None,),
+    "return_indexer_topk": (False, None),
 }
 _SP_FIELDS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "skip_special_tokens",
-    "no_stop_trim", "ignore_eos", "sampling_seed",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "ignore_eos",
+    "sampling_seed",
 }
 _SP_NEUTRAL: dict[str, Any] = {
-    "n": (1, None), "min_p": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None), "min_new_tokens": (0, None),
-    "spaces_between_special_tokens": None, "json_schema": (None,), "regex": (None,), "ebnf": (None,),
-    "structural_tag": (None,), "custom_params": (None,), "stream_interval": None, "logit_bias": (None,),
+    "n": (1, None),
+    "min_p": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "min_new_tokens": (0, None),
+    "spaces_between_special_tokens": None,
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "custom_params": (None,),
+    "stream_interval": None,
+    "logit_bias": (None,),
 }
 
 
@@ -152,14 +195,17 @@ def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.
     if body is None:
         return SGLANG_DEFAULTS
     if not isinstance(body, dict):
-        raise SamplerRequestError(f"sampling_params must be an object, got {type(body).__name__}", param="sampling_params")
+        raise SamplerRequestError(
+            f"sampling_params must be an object, got {type(body).__name__}", param="sampling_params"
+        )
     _check_neutral(body, _SP_FIELDS, _SP_NEUTRAL, where)
     d = SGLANG_DEFAULTS
     g = body.get
     temperature = _float(g("temperature", d.temperature), where + "temperature")
     if temperature < 0:
-        raise SamplerRequestError(f"{where}temperature must be >= 0 (0 is greedy), got {temperature}",
-                           param=where + "temperature")
+        raise SamplerRequestError(
+            f"{where}temperature must be >= 0 (0 is greedy), got {temperature}", param=where + "temperature"
+        )
     top_p = _float(g("top_p", d.top_p), where + "top_p")
     if not 0 < top_p <= 1:
         raise SamplerRequestError(f"{where}top_p must be in (0, 1], got {top_p}", param=where + "top_p")
@@ -170,8 +216,9 @@ def parse_sampling(body: Any, vocab_size: int, *, where: str = "sampling_params.
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise SamplerRequestError(f"{where}stop must be a string or a list of non-empty strings, got {stop!r}",
-                           param=where + "stop")
+        raise SamplerRequestError(
+            f"{where}stop must be a string or a list of non-empty strings, got {stop!r}", param=where + "stop"
+        )
     stop_ids = g("stop_token_ids") or []
     seed = g("sampling_seed")
     return SamplingParams(
@@ -205,8 +252,10 @@ def parse_generate(
     if has_ids:
         raw = body["input_ids"]
         batch = isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
-        prompts = [_token_ids(p, f"input_ids[{i}]" if batch else "input_ids", vocab_size)
-                   for i, p in enumerate(raw if batch else [raw])]
+        prompts = [
+            _token_ids(p, f"input_ids[{i}]" if batch else "input_ids", vocab_size)
+            for i, p in enumerate(raw if batch else [raw])
+        ]
     else:
         raw = body["text"]
         batch = isinstance(raw, list)
@@ -223,8 +272,9 @@ def parse_generate(
     n = len(prompts)
     stream = _bool(body.get("stream", False), "stream")
     if batch and stream:
-        raise SamplerRequestError("stream=true is not supported for a batch request; send one request per prompt",
-                           param="stream")
+        raise SamplerRequestError(
+            "stream=true is not supported for a batch request; send one request per prompt", param="stream"
+        )
     sp = body.get("sampling_params")
     if batch and isinstance(sp, list):
         if len(sp) != n:
@@ -265,8 +315,17 @@ def parse_generate(
                 f"routed_experts_start_len = {s} is past the prompt ({len(ids)} tokens); it must be in [0, {len(ids)}]",
                 param="routed_experts_start_len",
             )
-        out.append(GenerateInput(
-            input_ids=ids, sampling=spec, rid=r, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            return_routed_experts=return_routed, routed_experts_start_len=s, stream=stream, from_text=has_text,
-        ))
+        out.append(
+            GenerateInput(
+                input_ids=ids,
+                sampling=spec,
+                rid=r,
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                return_routed_experts=return_routed,
+                routed_experts_start_len=s,
+                stream=stream,
+                from_text=has_text,
+            )
+        )
     return out, batch

@@ -27,9 +27,17 @@ if TYPE_CHECKING:
     from t1async.sampler.protocol import GenerateInput
 
 __all__ = [
-    "ResponseState", "decode_routing", "encode_routing", "error_body", "error_message", "parse_generation",
-    "parse_output_versions", "parse_weight_version", "routing_dtype", "shape_from_info",
-]  # fmt: skip
+    "ResponseState",
+    "decode_routing",
+    "encode_routing",
+    "error_body",
+    "error_message",
+    "parse_generation",
+    "parse_output_versions",
+    "parse_weight_version",
+    "routing_dtype",
+    "shape_from_info",
+]
 _LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 _TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "topk")
 _EXPERT_KEYS = ("num_experts", "n_experts", "n_routed_experts")
@@ -60,8 +68,9 @@ def parse_output_versions(meta: dict, n: int, version: int, url: str) -> np.ndar
         raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
     if all(v == raw[0] for v in raw):  # the usual case: one version for the whole turn (no hashing: any JSON)
         return np.full(n, parse_weight_version(raw[0], url, "output_token_weight_versions[0]"), dtype=np.int32)
-    return np.asarray([parse_weight_version(v, url, f"output_token_weight_versions[{i}]")
-                       for i, v in enumerate(raw)], dtype=np.int32)  # fmt: skip
+    return np.asarray(
+        [parse_weight_version(v, url, f"output_token_weight_versions[{i}]") for i, v in enumerate(raw)], dtype=np.int32
+    )
 
 
 def error_message(resp: httpx.Response) -> str:
@@ -142,8 +151,10 @@ def parse_generation(
         if arr.shape[0] == want + start and start:  # a server that ignores routed_experts_start_len
             arr = arr[start:]
         if arr.shape[0] != want:
-            raise SamplerError(f"{url}: routed_experts has {arr.shape[0]} rows, expected {want} "
-                               f"(= {prompt_tokens} prompt + {len(output_ids)} output - 1 - start {start})")
+            raise SamplerError(
+                f"{url}: routed_experts has {arr.shape[0]} rows, expected {want} "
+                f"(= {prompt_tokens} prompt + {len(output_ids)} output - 1 - start {start})"
+            )
         if arr.size and (arr.min() < 0 or (experts and arr.max() >= experts)):
             raise SamplerError(f"{url}: routed_experts holds expert ids outside [0, {experts})")
         dtype = routing_dtype(experts or int(arr.max(initial=0)) + 1)
@@ -164,8 +175,13 @@ def parse_generation(
         latency_s=latency,
         matched_stop=fr.get("matched"),
         text=out.get("text", "") or "",
-        extra={"weight_version": raw_version, "rid": meta.get("id"), "url": url,
-               "e2e_latency": meta.get("e2e_latency"), "finish_reason": fr},
+        extra={
+            "weight_version": raw_version,
+            "rid": meta.get("id"),
+            "url": url,
+            "e2e_latency": meta.get("e2e_latency"),
+            "finish_reason": fr,
+        },
     )
 
 

@@ -74,8 +74,8 @@ async def serve(
     import hypercorn.trio
     from hypercorn.config import Config as HyperConfig
 
-    from t1async.model.weights import default_model_dir
     from t1async.model.engine import Engine, EngineConfig
+    from t1async.model.weights import default_model_dir
 
     model_dir = Path(config.model_dir) if config.model_dir else Path(default_model_dir())
     ecfg: dict[str, Any] = {"max_batch": config.max_batch, "dtype": config.dtype, "seed": config.seed}

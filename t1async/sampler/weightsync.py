@@ -18,8 +18,8 @@ rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process gr
 from __future__ import annotations
 
 import datetime
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import httpx
@@ -48,13 +48,21 @@ def parse_dtype(name: Any, where: str = "dtypes") -> torch.dtype:
 
 def store_master(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store (port 0: a free port, read back from ``.port``)."""
-    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def open_group(
-    store: dist.Store | None, *, host: str, port: int, rank: int, world_size: int, group_name: str,
-    backend: str = "gloo", timeout_s: float = 120.0,
+    store: dist.Store | None,
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
 ) -> Any:
     """Join the weight-update group (blocks until all ``world_size`` ranks joined). Rank 0 passes its store."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -98,20 +106,46 @@ async def _post(client: Any, url: str, path: str, body: dict) -> dict:
     return out
 
 
-async def init_weights_update_group(client: Any, url: str, *, master_address: str, master_port: int,
-                                    rank_offset: int, world_size: int, group_name: str = DEFAULT_GROUP,
-                                    backend: str = "gloo") -> dict:  # fmt: skip
-    body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}  # fmt: skip
+async def init_weights_update_group(
+    client: Any,
+    url: str,
+    *,
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "gloo",
+) -> dict:
+    body = {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
     return await _post(client, url, "/init_weights_update_group", body)
 
 
 async def update_weights_from_distributed(
-    client: Any, url: str, *, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-    group_name: str = DEFAULT_GROUP, flush_cache: bool = True, weight_version: int | str | None = None,
+    client: Any,
+    url: str,
+    *,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    weight_version: int | str | None = None,
 ) -> dict:
-    body: dict = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                  "group_name": group_name, "flush_cache": flush_cache}  # fmt: skip
+    body: dict = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+    }
     if weight_version is not None:
         body["weight_version"] = str(weight_version)
     return await _post(client, url, "/update_weights_from_distributed", body)

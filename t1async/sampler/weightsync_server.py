@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import torch
@@ -98,8 +98,12 @@ class WeightSync:
         """End a pause without its continue: drop the staged tensors, serve the old weights."""
         if not self.paused:
             return
-        log.warning("sampler.pause_expired", why=why, staged=len(self.staged),
-                    paused_s=round(time.monotonic() - self._paused_at, 3))  # fmt: skip
+        log.warning(
+            "sampler.pause_expired",
+            why=why,
+            staged=len(self.staged),
+            paused_s=round(time.monotonic() - self._paused_at, 3),
+        )
         self.staged, self.staged_version = {}, None
         self.paused, self.expired = False, True
         self._resumed.set()
@@ -124,15 +128,22 @@ class WeightSync:
             return _reply(False, str(exc))
         t0 = time.perf_counter()
         try:
-            pg = await anyio.to_thread.run_sync(lambda: W.open_group(
-                None, host=host, port=port, rank=offset, world_size=world, group_name=name,
-                backend=backend))  # fmt: skip
+            pg = await anyio.to_thread.run_sync(
+                lambda: W.open_group(
+                    None, host=host, port=port, rank=offset, world_size=world, group_name=name, backend=backend
+                )
+            )
         except Exception as exc:  # rendezvous timed out, the store is unreachable
             log.warning("sampler.weight_group_failed", group=name, error=repr(exc))
             return _reply(False, f"Failed to init group {name}: {exc}", 500)
         self.groups[name] = pg
-        log.info("sampler.weight_group", group=name, rank=offset, world_size=world,
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        log.info(
+            "sampler.weight_group",
+            group=name,
+            rank=offset,
+            world_size=world,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         return _reply(True, "Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request: Request) -> Response:
@@ -150,12 +161,17 @@ class WeightSync:
             b = await _body(request)
             names, dtypes, shapes = _need(b, "names", list), _need(b, "dtypes", list), _need(b, "shapes", list)
             if not (len(names) == len(dtypes) == len(shapes)) or not names:
-                raise SamplerRequestError(f"names, dtypes and shapes must be non-empty and of one length, got "
-                           f"{len(names)}, {len(dtypes)}, {len(shapes)}")  # fmt: skip
+                raise SamplerRequestError(
+                    f"names, dtypes and shapes must be non-empty and of one length, got "
+                    f"{len(names)}, {len(dtypes)}, {len(shapes)}"
+                )
             tensors = []
             for n, d, s in zip(names, dtypes, shapes):
-                if not isinstance(n, str) or not isinstance(s, list) or not all(
-                        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+                if (
+                    not isinstance(n, str)
+                    or not isinstance(s, list)
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s)
+                ):
                     raise SamplerRequestError(
                         f"each name must be a string and each shape a list of ints >= 0, got {n!r} {s!r}"
                     )
@@ -180,8 +196,11 @@ class WeightSync:
                 return _reply(False, f"Failed to receive weights over group {name} (group dropped): {exc}", 500)
             bucket = dict(zip(names, tensors))
             if self.expired:
-                return _reply(False, f"the pause ended after {self.pause_timeout_s:g} s before this push finished; "
-                                     "its buckets were dropped: /pause_generation and push again")
+                return _reply(
+                    False,
+                    f"the pause ended after {self.pause_timeout_s:g} s before this push finished; "
+                    "its buckets were dropped: /pause_generation and push again",
+                )
             try:  # names and shapes checked now, the model untouched; applied now or at continue
                 if hasattr(self.app.engine, "state_shapes"):
                     check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
@@ -196,9 +215,14 @@ class WeightSync:
                     await self.app.engine.update_weights_from_tensors(bucket, weight_version=version)
                 except Exception as exc:  # the engine stopped; the model is unchanged
                     return _reply(False, f"Failed to update weights: {exc}")
-        log.info("sampler.weights_received", group=name, tensors=len(names), staged=self.paused,
-                 mb=round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2),
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        log.info(
+            "sampler.weights_received",
+            group=name,
+            tensors=len(names),
+            staged=self.paused,
+            mb=round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 2),
+            seconds=round(time.perf_counter() - t0, 3),
+        )
         return _reply(True, "Succeeded to update parameter online.")
 
     async def pause(self, request: Request) -> Response:
@@ -217,8 +241,11 @@ class WeightSync:
 
     async def resume(self, request: Request) -> Response:
         if self.expired:
-            return _reply(False, f"the pause ended after {self.pause_timeout_s:g} s before continue; the update "
-                                 "was dropped and the old weights serve: /pause_generation and push again")
+            return _reply(
+                False,
+                f"the pause ended after {self.pause_timeout_s:g} s before continue; the update "
+                "was dropped and the old weights serve: /pause_generation and push again",
+            )
         async with self._lock:
             staged, version = self.staged, self.staged_version
             self.staged, self.staged_version = {}, None
@@ -244,4 +271,3 @@ class WeightSync:
             Route("/pause_generation", self.pause, methods=["POST"]),
             Route("/continue_generation", self.resume, methods=["POST"]),
         ]
-

@@ -155,7 +155,14 @@ def simulate(cfg: SimConfig) -> SimResult:
     idle += sum(end - t for t in waiting.values())
     n = len(staleness)
     return SimResult(
-        eta=cfg.max_staleness, turns_trained=n, steps=steps, sim_s=end, turns_per_s=n / end if end else 0.0,
-        max_staleness=max(staleness, default=0), hist=hist.as_dict(), expired=led.stats.expired,
-        sampler_idle=idle / (cfg.actors * end) if end else 0.0, staleness=staleness,
-    )  # fmt: skip
+        eta=cfg.max_staleness,
+        turns_trained=n,
+        steps=steps,
+        sim_s=end,
+        turns_per_s=n / end if end else 0.0,
+        max_staleness=max(staleness, default=0),
+        hist=hist.as_dict(),
+        expired=led.stats.expired,
+        sampler_idle=idle / (cfg.actors * end) if end else 0.0,
+        staleness=staleness,
+    )

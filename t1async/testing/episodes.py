@@ -16,8 +16,8 @@ and duplicated. ``check_segments`` asserts the TITO invariant against the ground
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,9 +30,19 @@ KEEP_MODES = ("exact", "under", "zero")
 # ------------------------------------------------------------------------------------------ fake routing
 
 _W = np.zeros(0, np.int64)
-_LAYER_MULT = np.array([0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF, 0x632BE59BD9B4E019, 0x3C6EF372FE94F82B,
-                        0x1B873593CC9E2D51, 0x5851F42D4C957F2D, 0x2545F4914F6CDD1D, 0x14057B7EF767814F,
-                        0x4F1BBCDCBFA53E0B], dtype=np.int64)  # fmt: skip
+_LAYER_MULT = np.array(
+    [
+        0x9E3779B97F4A7C15 & 0x7FFFFFFFFFFFFFFF,
+        0x632BE59BD9B4E019,
+        0x3C6EF372FE94F82B,
+        0x1B873593CC9E2D51,
+        0x5851F42D4C957F2D,
+        0x2545F4914F6CDD1D,
+        0x14057B7EF767814F,
+        0x4F1BBCDCBFA53E0B,
+    ],
+    dtype=np.int64,
+)
 
 
 def _weights(n: int) -> np.ndarray:
@@ -110,11 +120,22 @@ REALISTIC = Sizes(prompt=(400, 1500), output=(200, 2000), observation=(30, 600),
 
 
 def make_episode(
-    rng: np.random.Generator, kinds: Sequence[str], *, episode: str = "ep", keep_modes: Sequence[str] | None = None,
-    sizes: Sizes = SMALL, layers: int = 3, topk: int = 2, num_experts: int = 16, routing: bool = True,
-    shuffle: float = 0.0, duplicate: float = 0.0, with_end: bool = True, fork_window: int | None = None,
+    rng: np.random.Generator,
+    kinds: Sequence[str],
+    *,
+    episode: str = "ep",
+    keep_modes: Sequence[str] | None = None,
+    sizes: Sizes = SMALL,
+    layers: int = 3,
+    topk: int = 2,
+    num_experts: int = 16,
+    routing: bool = True,
+    shuffle: float = 0.0,
+    duplicate: float = 0.0,
+    with_end: bool = True,
+    fork_window: int | None = None,
     no_routing: Collection[int] = (),
-) -> EpisodeCase:  # fmt: skip
+) -> EpisodeCase:
     """An episode of ``len(kinds) + 1`` turns; ``kinds[i]`` is the drift at the boundary before turn i+1.
     A FORK's first difference is anywhere in the prefix, or within ``fork_window`` tokens before turn k's
     output (re-rendering usually differs near the boundary). Turns in ``no_routing`` are sent without a trace
@@ -178,11 +199,25 @@ def make_episode(
             start = 0 if t == 0 else min(keep, n - 1)
             rt = wire.Routing(start, rows_from_hash(hfull[start : len(full) - 1], layers, topk, num_experts))
         reward = float(rng.integers(-1, 3))
-        turns.append(wire.TurnRecord(
-            episode=episode, turn=t, policy_version=version, keep=keep, input_delta=inp[keep:].copy(),
-            input_len=len(inp), input_digest=wire.digest_ids(inp), output_ids=out, output_logprobs=lps,
-            finish=wire.Finish.STOP, routing=rt, reward=reward, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
-        ))  # fmt: skip
+        turns.append(
+            wire.TurnRecord(
+                episode=episode,
+                turn=t,
+                policy_version=version,
+                keep=keep,
+                input_delta=inp[keep:].copy(),
+                input_len=len(inp),
+                input_digest=wire.digest_ids(inp),
+                output_ids=out,
+                output_logprobs=lps,
+                finish=wire.Finish.STOP,
+                routing=rt,
+                reward=reward,
+                tests_passed=-1,
+                t_sample_s=0.0,
+                t_exec_s=0.0,
+            )
+        )
         truth.append(TruthTurn(t, inp, out, lps, version, reward, kind))
         seq, hseq, out_start = full, hfull, len(inp)
     records: list[wire.TurnRecord | wire.EndRecord] = list(turns)
@@ -238,7 +273,9 @@ def check_segments(case: EpisodeCase, segments: Iterable[Segment], *, full_routi
             start = len(tr.input_ids)
             assert np.array_equal(toks[:start], tr.input_ids), f"turn {t}: context differs from the sampler's input"
             k = pos - start
-            assert k.min() >= 0 and np.array_equal(k, np.arange(len(k))), f"turn {t}: loss positions not its output prefix"
+            assert k.min() >= 0 and np.array_equal(k, np.arange(len(k))), (
+                f"turn {t}: loss positions not its output prefix"
+            )
             assert np.array_equal(toks[pos], tr.output_ids[k]), f"turn {t}: loss tokens are not the sampled ids"
             assert np.array_equal(seg.logprobs[pos], tr.logprobs[k]), f"turn {t}: logprobs not paired"
             assert np.all(seg.versions[pos] == tr.version), f"turn {t}: versions not paired"

@@ -23,9 +23,16 @@ from t1async.transport.memory import MemoryBroker, MemoryTransport
 from t1async.transport.nats import NatsConfig, NatsTransport
 
 __all__ = [
-    "MemoryHarness", "NatsHarness", "TransportHarness", "end", "memory_harness", "nats_harness", "raw_publish",
-    "start", "turn",
-]  # fmt: skip
+    "MemoryHarness",
+    "NatsHarness",
+    "TransportHarness",
+    "end",
+    "memory_harness",
+    "nats_harness",
+    "raw_publish",
+    "start",
+    "turn",
+]
 
 
 class TransportHarness(Protocol):
@@ -103,12 +110,24 @@ def turn(ep: str, k: int, *, reward: float = 0.0, n_out: int = 3) -> wire.TurnRe
     delta = np.arange(4, dtype=np.int32) + k
     keep = 10 * k
     return wire.TurnRecord(
-        episode=ep, turn=k, policy_version=1, keep=keep, input_delta=delta, input_len=keep + 4,
-        input_digest=wire.digest_ids(delta), output_ids=np.arange(n_out, dtype=np.int32) + 100,
-        output_logprobs=np.full(n_out, -0.5, np.float32), finish=wire.Finish.STOP,
+        episode=ep,
+        turn=k,
+        policy_version=1,
+        keep=keep,
+        input_delta=delta,
+        input_len=keep + 4,
+        input_digest=wire.digest_ids(delta),
+        output_ids=np.arange(n_out, dtype=np.int32) + 100,
+        output_logprobs=np.full(n_out, -0.5, np.float32),
+        finish=wire.Finish.STOP,
         routing=wire.Routing(max(keep - 1, 0), np.ones((keep + 4 + n_out - 1 - max(keep - 1, 0), 2, 2), np.uint8)),
-        reward=reward, tests_passed=-1, t_sample_s=0.1, t_exec_s=0.2, action="ls", observation="out",
-    )  # fmt: skip
+        reward=reward,
+        tests_passed=-1,
+        t_sample_s=0.1,
+        t_exec_s=0.2,
+        action="ls",
+        observation="out",
+    )
 
 
 def start(ep: str) -> wire.StartRecord:

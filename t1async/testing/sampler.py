@@ -7,8 +7,8 @@ AssertionError naming the broken property.
 
 from __future__ import annotations
 
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,8 +85,9 @@ async def check_sampler(
     if len(a.output_ids) >= 3:
         stop = int(a.output_ids[2])
         first = int(np.flatnonzero(a.output_ids == stop)[0])
-        s = await sampler.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                          stop_token_ids=(stop,)))
+        s = await sampler.generate(
+            prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(stop,))
+        )
         assert s.finish == "stop", f"finish {s.finish!r} with stop token {stop} in the output"
         assert s.output_ids.tolist() == a.output_ids[: first + 1].tolist(), "stop token not where greedy put it"
         assert s.matched_stop == stop, f"matched_stop {s.matched_stop!r}, want {stop}"

@@ -18,8 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sandbox_agent.sandbox import (
-    SANDBOX_WORKDIR, ExecResult, MemorySandbox, Sandbox, SandboxClosedError, SandboxPathError,
-)  # fmt: skip
+    SANDBOX_WORKDIR,
+    ExecResult,
+    MemorySandbox,
+    Sandbox,
+    SandboxClosedError,
+    SandboxPathError,
+)
 from t1async.testing.asserts import raises
 
 __all__ = ["SHELL_PRELUDE", "check_sandbox", "memory_shell"]

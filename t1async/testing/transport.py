@@ -27,16 +27,39 @@ import msgpack
 from t1async import wire
 from t1async.testing.asserts import raises
 from t1async.testing.harness import (
-    MemoryHarness, NatsHarness, TransportHarness, end, memory_harness, nats_harness, raw_publish, start, turn,
-)  # fmt: skip
+    MemoryHarness,
+    NatsHarness,
+    TransportHarness,
+    end,
+    memory_harness,
+    nats_harness,
+    raw_publish,
+    start,
+    turn,
+)
 from t1async.transport.base import (
-    NoRespondersError, RequestTimeoutError, Transport, TransportClosedError, traj_subject,
-)  # fmt: skip
+    NoRespondersError,
+    RequestTimeoutError,
+    Transport,
+    TransportClosedError,
+    traj_subject,
+)
 
 __all__ = [
-    "TRANSPORT_CHECKS", "MemoryHarness", "NatsHarness", "TransportHarness", "assert_nothing_pending",
-    "check_transport", "end", "memory_harness", "nats_harness", "raw_publish", "start", "take", "turn",
-]  # fmt: skip
+    "TRANSPORT_CHECKS",
+    "MemoryHarness",
+    "NatsHarness",
+    "TransportHarness",
+    "assert_nothing_pending",
+    "check_transport",
+    "end",
+    "memory_harness",
+    "nats_harness",
+    "raw_publish",
+    "start",
+    "take",
+    "turn",
+]
 
 
 Check = Callable[[TransportHarness], Awaitable[None]]
@@ -160,9 +183,10 @@ async def an_expired_ack_wait_does_not_hand_over_a_held_record_twice(h: Transpor
 
 
 GARBAGE = [
-    (b"\xc1not msgpack", "msgpack"), (msgpack.packb({"v": 1, "kind": "turn"}), "missing"),
+    (b"\xc1not msgpack", "msgpack"),
+    (msgpack.packb({"v": 1, "kind": "turn"}), "missing"),
     (msgpack.packb({"v": 7, "kind": "turn"}), "version"),
-]  # fmt: skip
+]
 
 
 async def malformed_records_are_dead_lettered_and_the_consumer_goes_on(h: TransportHarness) -> None:
@@ -208,7 +232,9 @@ async def malformed_core_messages_are_dead_lettered_or_shown(h: TransportHarness
                 bad = await raw.__anext__()
                 good = await raw.__anext__()
         assert isinstance(p.record, wire.PolicyRecord) and p.record.version == 4  # the garbage was skipped
-        assert bad.record is None and bad.error is not None and bad.error.reason == "msgpack" and bad.data == b"\x00\x01"
+        assert (
+            bad.record is None and bad.error is not None and bad.error.reason == "msgpack" and bad.data == b"\x00\x01"
+        )
         assert isinstance(good.record, wire.PolicyRecord) and good.record.version == 4
         assert t.stats.dead["msgpack"] == 1, dict(t.stats.dead)
 

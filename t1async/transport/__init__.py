@@ -11,16 +11,45 @@ in-memory one for tests.
 """
 
 from t1async.transport.base import (
-    DEAD_PREFIX, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Delivery, Message, NoRespondersError, Request, RequestTimeoutError,
-    Transport, TransportClosedError, TransportStats, default_msg_id, subject_matches, traj_subject,
-)  # fmt: skip
+    DEAD_PREFIX,
+    TRAJ_STREAM,
+    TRAJ_SUBJECTS,
+    Batch,
+    Delivery,
+    Message,
+    NoRespondersError,
+    Request,
+    RequestTimeoutError,
+    Transport,
+    TransportClosedError,
+    TransportStats,
+    default_msg_id,
+    subject_matches,
+    traj_subject,
+)
 from t1async.transport.base import NoResponders as NoResponders  # the old name of NoRespondersError
 from t1async.transport.base import RequestTimeout as RequestTimeout  # the old name of RequestTimeoutError
 from t1async.transport.memory import MemoryBroker, MemoryTransport
 from t1async.transport.nats import NatsConfig, NatsTransport
 
 __all__ = [
-    "DEAD_PREFIX", "TRAJ_STREAM", "TRAJ_SUBJECTS", "Batch", "Delivery", "MemoryBroker", "MemoryTransport", "Message",
-    "NatsConfig", "NatsTransport", "NoRespondersError", "Request", "RequestTimeoutError", "Transport",
-    "TransportClosedError", "TransportStats", "default_msg_id", "subject_matches", "traj_subject",
-]  # fmt: skip
+    "DEAD_PREFIX",
+    "TRAJ_STREAM",
+    "TRAJ_SUBJECTS",
+    "Batch",
+    "Delivery",
+    "MemoryBroker",
+    "MemoryTransport",
+    "Message",
+    "NatsConfig",
+    "NatsTransport",
+    "NoRespondersError",
+    "Request",
+    "RequestTimeoutError",
+    "Transport",
+    "TransportClosedError",
+    "TransportStats",
+    "default_msg_id",
+    "subject_matches",
+    "traj_subject",
+]

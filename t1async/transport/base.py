@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import abc
 from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
 from t1async.errors import TransportError, WireError
 from t1async.wire import EndRecord, Record, StartRecord, TurnRecord
@@ -167,7 +167,9 @@ class Transport(abc.ABC):
         async for batch in batches: ...; await batch.ack()``. Batches are never empty."""
 
     @abc.abstractmethod
-    def subscribe(self, subject: str, *, include_malformed: bool = False) -> AbstractAsyncContextManager[AsyncIterator[Message]]:
+    def subscribe(
+        self, subject: str, *, include_malformed: bool = False
+    ) -> AbstractAsyncContextManager[AsyncIterator[Message]]:
         """A core subscription (wildcards allowed). Live only: nothing from before it started."""
 
     @abc.abstractmethod

@@ -13,9 +13,9 @@ chunks (in any order, duplicates ignored) keyed by ``T1-Chunk-Of`` and returns t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
-from collections.abc import Mapping
 
 from t1async.errors import WireError
 from t1async.transport.base import HDR_MSG_ID
@@ -120,8 +120,10 @@ class Rejoiner(Generic[H]):
             g = self._groups[group] = _Group(n, total, now, subject=subject)
         elif (g.count, g.total) != (n, total):
             del self._groups[group]
-            raise _err(f"chunk {i}/{n} of {group!r} says {total} bytes, earlier chunks said {g.count} chunks/{g.total} bytes",
-                       [*g.handles, handle])
+            raise _err(
+                f"chunk {i}/{n} of {group!r} says {total} bytes, earlier chunks said {g.count} chunks/{g.total} bytes",
+                [*g.handles, handle],
+            )
         g.handles.append(handle)
         g.parts.setdefault(i, data)
         if len(g.parts) < g.count:

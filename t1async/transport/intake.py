@@ -8,9 +8,9 @@ the caller does the I/O, in one crossing. ``CoreIntake`` does the same for core 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
-from collections.abc import Mapping
 
 from t1async import wire
 from t1async.errors import WireError
@@ -75,8 +75,11 @@ class StreamIntake(Generic[H]):
             out.seqs.extend(s for s, _ in parts)
             self._hold(parts)
         for group, parts, have, count in self._rejoin.expire(now, self.chunk_timeout_s):
-            late = WireError(f"chunk: record {group!r} incomplete after {self.chunk_timeout_s}s ({have} of {count} chunks)",
-                             field="T1-Chunk", reason="chunk")  # fmt: skip
+            late = WireError(
+                f"chunk: record {group!r} incomplete after {self.chunk_timeout_s}s ({have} of {count} chunks)",
+                field="T1-Chunk",
+                reason="chunk",
+            )
             self._reject(out, group, b"", late, parts)
         self.stats.delivered += len(out.deliveries)
         return out
@@ -115,7 +118,9 @@ class CoreIntake:
         self.chunk_timeout_s = chunk_timeout_s
         self._rejoin: chunking.Rejoiner[None] = chunking.Rejoiner()
 
-    def decode(self, subject: str, data: bytes, headers: Mapping[str, str], now: float) -> tuple[bytes, Record | WireError] | None:
+    def decode(
+        self, subject: str, data: bytes, headers: Mapping[str, str], now: float
+    ) -> tuple[bytes, Record | WireError] | None:
         self._rejoin.expire(now, self.chunk_timeout_s)
         try:
             if chunking.is_chunk(headers):
@@ -132,6 +137,5 @@ def count_dead(stats: TransportStats, subject: str, data: bytes, err: WireError,
     """The dead letter for a malformed message, counted in ``stats`` and logged."""
     letter = dead_letter(subject, data, err, max_payload)
     stats.dead[letter[1]["T1-Dead-Reason"]] += 1
-    log.warning("transport.dead_letter", subject=subject, dead_subject=letter[0], error=str(err),
-                                    size=len(data))  # fmt: skip
+    log.warning("transport.dead_letter", subject=subject, dead_subject=letter[0], error=str(err), size=len(data))
     return letter

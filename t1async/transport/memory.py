@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -23,9 +23,21 @@ from t1async import wire
 from t1async.errors import WireError
 from t1async.log import get_logger
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_SUBJECTS, Batch, Message, NoRespondersError, Record, Request, RequestTimeoutError, Transport,
-    TransportClosedError, TransportStats, default_msg_id, is_traj, subject_matches,
-)  # fmt: skip
+    HDR_MSG_ID,
+    TRAJ_SUBJECTS,
+    Batch,
+    Message,
+    NoRespondersError,
+    Record,
+    Request,
+    RequestTimeoutError,
+    Transport,
+    TransportClosedError,
+    TransportStats,
+    default_msg_id,
+    is_traj,
+    subject_matches,
+)
 from t1async.transport.intake import Fetched, StreamIntake, count_dead
 
 log = get_logger("transport.memory")
@@ -211,7 +223,9 @@ class MemoryTransport(Transport):
             self._check_open()
             changed = self.broker._changed
             stored, next_at = self.broker.fetch(durable, n)
-            got = intake.take([Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], time.monotonic())
+            got = intake.take(
+                [Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], time.monotonic()
+            )
             if got.ack_now or got.term:
                 self.broker.settle(durable, got.ack_now + got.term, True)
             for subject, headers, payload in got.dead:
@@ -245,7 +259,9 @@ class MemoryTransport(Transport):
             send.close()
 
     @asynccontextmanager
-    async def subscribe(self, subject: str, *, include_malformed: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
+    async def subscribe(
+        self, subject: str, *, include_malformed: bool = False
+    ) -> AsyncIterator[AsyncIterator[Message]]:
         async with self._core_sub(subject, "") as recv:
             yield self._messages(recv, include_malformed)
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import nats.errors
@@ -34,9 +34,21 @@ from t1async.errors import TransportError, WireError
 from t1async.log import get_logger
 from t1async.transport import chunking
 from t1async.transport.base import (
-    HDR_MSG_ID, TRAJ_STREAM, TRAJ_SUBJECTS, Batch, Message, NoRespondersError, Record, Request, RequestTimeoutError, Transport,
-    TransportClosedError, TransportStats, default_msg_id, is_traj,
-)  # fmt: skip
+    HDR_MSG_ID,
+    TRAJ_STREAM,
+    TRAJ_SUBJECTS,
+    Batch,
+    Message,
+    NoRespondersError,
+    Record,
+    Request,
+    RequestTimeoutError,
+    Transport,
+    TransportClosedError,
+    TransportStats,
+    default_msg_id,
+    is_traj,
+)
 from t1async.transport.intake import CoreIntake, StreamIntake, count_dead
 from t1async.transport.natsio import DEAD_STREAM, DEFAULT_URL, AioNats, Bridge, NatsConfig
 from t1async.transport.pipeline import Outgoing, PipelineConfig, PublishPipeline
@@ -51,8 +63,12 @@ def _single_leaf(group: BaseExceptionGroup) -> BaseException | None:
     return group.exceptions[0] if len(group.exceptions) == 1 else None
 
 
-_PERMANENT = (nats.errors.MaxPayloadError, nats.errors.ConnectionClosedError, nats.errors.BadSubjectError,
-              nats.js.errors.BadRequestError)
+_PERMANENT = (
+    nats.errors.MaxPayloadError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.BadSubjectError,
+    nats.js.errors.BadRequestError,
+)
 
 
 class NatsTransport(Transport):
@@ -79,8 +95,11 @@ class NatsTransport(Transport):
                 raise leaf from leaf.__cause__
             raise
         self._state = "open"
-        log.info("transport.connected", url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
-                 max_payload=self.max_payload)  # fmt: skip
+        log.info(
+            "transport.connected",
+            url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
+            max_payload=self.max_payload,
+        )
         return self
 
     async def _open(self) -> None:
@@ -92,11 +111,20 @@ class NatsTransport(Transport):
             await self._bridge.run(self._aio.init_acks)
             c = self.config
             self._pipeline = PublishPipeline(
-                PipelineConfig(c.ack_timeout_s, c.publish_deadline_s, c.retry_wait_s, c.max_batch, c.max_batch_bytes,
-                               c.max_inflight_batches, c.queue_size),
-                partial(self._bridge.run, self._aio.send), partial(self._bridge.run, self._aio.wait),
-                fatal=self._fatal, before_retry=self._before_retry,
-            )  # fmt: skip
+                PipelineConfig(
+                    c.ack_timeout_s,
+                    c.publish_deadline_s,
+                    c.retry_wait_s,
+                    c.max_batch,
+                    c.max_batch_bytes,
+                    c.max_inflight_batches,
+                    c.queue_size,
+                ),
+                partial(self._bridge.run, self._aio.send),
+                partial(self._bridge.run, self._aio.wait),
+                fatal=self._fatal,
+                before_retry=self._before_retry,
+            )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._tg.start_soon(self._pipeline.run)
             self._stack = stack.pop_all()
@@ -142,8 +170,10 @@ class NatsTransport(Transport):
         if js:
             pieces = chunking.split(data, msg_id or default_msg_id(record), self.max_payload)
         elif len(data) > chunking.chunk_size(self.max_payload, ""):
-            pieces = [({k: v for k, v in h.items() if k != HDR_MSG_ID}, d) for h, d in
-                      chunking.split(data, msg_id or f"core-{self._nc._nuid.next().decode()}", self.max_payload)]  # fmt: skip
+            pieces = [
+                ({k: v for k, v in h.items() if k != HDR_MSG_ID}, d)
+                for h, d in chunking.split(data, msg_id or f"core-{self._nc._nuid.next().decode()}", self.max_payload)
+            ]
         else:
             pieces = [(None, data)]
         await self._pipeline.put(subject, pieces, js)
@@ -179,8 +209,9 @@ class NatsTransport(Transport):
             what = f"no JetStream stream {TRAJ_STREAM} answers (is JetStream enabled on {url}?)"
         else:
             what = f"{type(exc).__name__}: {exc}"
-        err = TransportError(f"{doing} failed: {what}; is nats-server running? start one with "
-                             f"`python -m t1async.cluster up`")  # fmt: skip
+        err = TransportError(
+            f"{doing} failed: {what}; is nats-server running? start one with `python -m t1async.cluster up`"
+        )
         err.__cause__ = exc
         return err
 
@@ -195,8 +226,9 @@ class NatsTransport(Transport):
             psub = await self._bridge.run(self._aio.pull_sub, durable, subject)
         except nats.errors.Error as exc:
             raise self._translate(exc, f"creating durable consumer {durable!r} on {subject}") from exc
-        intake: StreamIntake[Any] = StreamIntake(self.stats, max_payload=self.max_payload,
-                                                 chunk_timeout_s=self.config.chunk_timeout_s)  # fmt: skip
+        intake: StreamIntake[Any] = StreamIntake(
+            self.stats, max_payload=self.max_payload, chunk_timeout_s=self.config.chunk_timeout_s
+        )
         gen = self._batches(psub, batch, max_wait_s, intake)
         try:
             yield gen
@@ -205,7 +237,9 @@ class NatsTransport(Transport):
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await self._bridge.run(self._aio.release, psub, intake.release_all())
 
-    async def _batches(self, psub: Any, n: int, max_wait_s: float, intake: StreamIntake[Any]) -> AsyncGenerator[Batch, None]:
+    async def _batches(
+        self, psub: Any, n: int, max_wait_s: float, intake: StreamIntake[Any]
+    ) -> AsyncGenerator[Batch, None]:
         while True:
             self._check_open()
             try:
@@ -270,7 +304,9 @@ class NatsTransport(Transport):
                 await self._bridge.run(self._aio.settle, [], [], [], dead)
 
     @asynccontextmanager
-    async def subscribe(self, subject: str, *, include_malformed: bool = False) -> AsyncIterator[AsyncIterator[Message]]:
+    async def subscribe(
+        self, subject: str, *, include_malformed: bool = False
+    ) -> AsyncIterator[AsyncIterator[Message]]:
         async with self._core_sub(subject, "") as q:
             gen = self._messages(q, include_malformed)
             try:
@@ -288,9 +324,13 @@ class NatsTransport(Transport):
         try:
             msg = await self._bridge.run(self._nc.request, subject, data, timeout=timeout)
         except nats.errors.NoRespondersError:
-            raise NoRespondersError(f"no server for request on {subject!r} (is the learner running?): retry later") from None
+            raise NoRespondersError(
+                f"no server for request on {subject!r} (is the learner running?): retry later"
+            ) from None
         except nats.errors.TimeoutError:
-            raise RequestTimeoutError(f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry") from None
+            raise RequestTimeoutError(
+                f"no reply on {subject!r} within {timeout}s (the server may be holding it): retry"
+            ) from None
         except nats.errors.Error as exc:
             raise self._translate(exc, f"request on {subject}") from exc
         return wire.decode(msg.data)

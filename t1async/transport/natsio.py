@@ -11,9 +11,9 @@ import asyncio
 import dataclasses
 import json
 import math
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
-from collections.abc import Awaitable, Callable
 
 import nats
 import nats.errors
@@ -111,10 +111,17 @@ class AioNats:
 
         try:
             nc = await nats.connect(
-                servers=urls, name=cfg.name, connect_timeout=cfg.connect_timeout_s, allow_reconnect=True,
-                reconnect_time_wait=cfg.reconnect_wait_s, max_reconnect_attempts=1, pending_size=cfg.pending_bytes,
-                error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
-            )  # fmt: skip
+                servers=urls,
+                name=cfg.name,
+                connect_timeout=cfg.connect_timeout_s,
+                allow_reconnect=True,
+                reconnect_time_wait=cfg.reconnect_wait_s,
+                max_reconnect_attempts=1,
+                pending_size=cfg.pending_bytes,
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+            )
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             raise TransportError(
                 f"cannot reach NATS at {cfg.url}: is the server running? start one with "
@@ -127,12 +134,24 @@ class AioNats:
         cfg = self.config
         r = cfg.stream_replicas or 1
         wanted = [
-            api.StreamConfig(name=TRAJ_STREAM, subjects=[TRAJ_SUBJECTS], storage=api.StorageType.FILE,
-                             duplicate_window=cfg.duplicate_window_s, retention=api.RetentionPolicy.LIMITS,
-                             num_replicas=r),
-            api.StreamConfig(name=DEAD_STREAM, subjects=["t1.dead.>"], storage=api.StorageType.FILE,
-                             max_msgs=100_000, max_bytes=1 << 30, discard=api.DiscardPolicy.OLD, num_replicas=r),
-        ]  # fmt: skip
+            api.StreamConfig(
+                name=TRAJ_STREAM,
+                subjects=[TRAJ_SUBJECTS],
+                storage=api.StorageType.FILE,
+                duplicate_window=cfg.duplicate_window_s,
+                retention=api.RetentionPolicy.LIMITS,
+                num_replicas=r,
+            ),
+            api.StreamConfig(
+                name=DEAD_STREAM,
+                subjects=["t1.dead.>"],
+                storage=api.StorageType.FILE,
+                max_msgs=100_000,
+                max_bytes=1 << 30,
+                discard=api.DiscardPolicy.OLD,
+                num_replicas=r,
+            ),
+        ]
         for sc in wanted:
             try:
                 try:
@@ -215,10 +234,14 @@ class AioNats:
 
     async def pull_sub(self, durable: str, subject: str) -> Any:
         cc = api.ConsumerConfig(
-            durable_name=durable, ack_policy=api.AckPolicy.EXPLICIT, ack_wait=self.config.ack_wait_s,
-            max_ack_pending=self.config.max_ack_pending, deliver_policy=api.DeliverPolicy.ALL,
-            filter_subject=subject, max_deliver=-1,
-        )  # fmt: skip
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.config.ack_wait_s,
+            max_ack_pending=self.config.max_ack_pending,
+            deliver_policy=api.DeliverPolicy.ALL,
+            filter_subject=subject,
+            max_deliver=-1,
+        )
         return await self.js.pull_subscribe(subject, durable=durable, stream=TRAJ_STREAM, config=cc)
 
     @staticmethod
@@ -227,8 +250,10 @@ class AioNats:
             msgs = await psub.fetch(batch=n, timeout=max_wait_s)
         except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either when nothing came
             return []
-        return [Fetched(m.subject, m.data, dict(m.headers or {}), m, m.metadata.sequence.stream,
-                        m.metadata.num_delivered) for m in msgs]  # fmt: skip
+        return [
+            Fetched(m.subject, m.data, dict(m.headers or {}), m, m.metadata.sequence.stream, m.metadata.num_delivered)
+            for m in msgs
+        ]
 
     async def settle(self, ack: list, term: list, nak: list, dead: list) -> None:
         for m in ack:

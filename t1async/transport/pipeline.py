@@ -13,9 +13,9 @@ No library knowledge here: NatsTransport supplies ``send``/``wait`` (each one br
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 
@@ -116,7 +116,9 @@ class PublishPipeline:
                         retry.append(it)
                 if not retry:
                     break
-                log.warning("transport.publish_retry", n=len(retry), error=repr(next(r for r in results if r is not None)))
+                log.warning(
+                    "transport.publish_retry", n=len(retry), error=repr(next(r for r in results if r is not None))
+                )
                 await self._before_retry(results)
                 await anyio.sleep(cfg.retry_wait_s)
                 batch, sent = retry, await self._send(retry)
