@@ -4,12 +4,12 @@ Every payload is a msgpack map with ``v`` (schema version) and ``kind`` (DESIGN 
 ``{"dtype": "i4", "shape": [...], "data": bin}`` holding little-endian raw values, so any msgpack decoder in
 any language can read them: no pickle, no ext types. ``decode`` validates every field and raises
 ``WireError`` whose message names the field and what was wrong, and whose ``reason`` is the short token for
-the dead-letter subject ``t1.dead.<reason>``. Arbitrary bytes never raise anything else.
+the dead-letter subject ``t1.dead.<reason>``. Arbitrary bytes never raise anything else. The array codec and
+the typed field reader are wirefields.py.
 """
 
 from __future__ import annotations
 
-import builtins
 import hashlib
 import math
 from collections.abc import Mapping
@@ -21,10 +21,10 @@ import msgpack
 import numpy as np
 
 from t1async.errors import WireError
+from t1async.wirefields import Fields as _Fields
+from t1async.wirefields import encode_array as _enc_array
 
 SCHEMA_VERSION = 1
-_DTYPES = {"i4": "<i4", "f4": "<f4", "u1": "u1", "u2": "<u2", "i2": "<i2", "i8": "<i8", "f8": "<f8"}
-_CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
 class Finish(StrEnum):
@@ -197,14 +197,6 @@ def records_equal(a: Record, b: Record) -> bool:
 # --------------------------------------------------------------------------------------------- encode
 
 
-def _enc_array(arr: np.ndarray) -> dict:
-    a = np.asarray(arr)
-    code = _CODES.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
-    if code is None:
-        raise WireError(f"cannot encode array of dtype {a.dtype}; allowed: {sorted(_DTYPES)}", field="array")
-    return {"dtype": code, "shape": list(a.shape), "data": np.ascontiguousarray(a, dtype=_DTYPES[code]).tobytes()}
-
-
 def to_map(record: Record) -> dict:
     """The plain map a record becomes on the wire (before msgpack)."""
     m: dict[str, Any] = {"v": SCHEMA_VERSION, "kind": record.kind}
@@ -239,77 +231,6 @@ def encode_map(m: Mapping[str, Any]) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------- decode
-
-
-class _Fields:
-    """Typed access to a decoded map; every failure names ``<kind>.<field>``."""
-
-    def __init__(self, kind: str, m: dict):
-        self.kind, self.m = kind, m
-
-    def _err(self, name: str, what: str, reason: str = "field") -> WireError:
-        return WireError(f"{self.kind}.{name}: {what}", field=name, reason=reason)
-
-    def get(self, name: str, types: type | tuple[type, ...], *, default: Any = ..., what: str = "") -> Any:
-        if name not in self.m:
-            if default is not ...:
-                return default
-            raise self._err(name, "missing required field", "missing")
-        val = self.m[name]
-        if isinstance(val, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise self._err(name, f"expected {what or types}, got bool")
-        if not isinstance(val, types):
-            raise self._err(name, f"expected {what or getattr(types, '__name__', types)}, got {type(val).__name__}")
-        return val
-
-    def int(self, name: str, *, lo: int | None = 0, default: Any = ...) -> int:
-        val = self.get(name, int, default=default, what="int")
-        if lo is not None and val < lo:
-            raise self._err(name, f"must be >= {lo}, got {val}")
-        return val
-
-    def float(self, name: str, *, default: Any = ...) -> float:
-        val = float(self.get(name, (int, float), default=default, what="number"))
-        if not math.isfinite(val):
-            raise self._err(name, f"must be finite, got {val}")
-        return val
-
-    def str(self, name: str, *, nonempty: bool = True, default: Any = ...) -> str:
-        val = self.get(name, str, default=default, what="str")
-        if nonempty and not val:
-            raise self._err(name, "must be a non-empty string")
-        return val
-
-    def enum(self, name: builtins.str, enum: type[Enum]) -> Any:
-        val = self.get(name, str, what="str")
-        try:
-            return enum(val)
-        except ValueError:
-            raise self._err(name, f"{val!r} is not one of {[e.value for e in enum]}") from None
-
-    def array(
-        self, name: builtins.str, m: Any = None, *, dtypes: tuple[builtins.str, ...], ndim: builtins.int
-    ) -> np.ndarray:
-        m = self.get(name, dict, what="array map {dtype, shape, data}") if m is None else m
-        for key in ("dtype", "shape", "data"):
-            if key not in m:
-                raise self._err(f"{name}.{key}", "missing required field", "missing")
-        code, shape, data = m["dtype"], m["shape"], m["data"]
-        if code not in dtypes:
-            raise self._err(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) != ndim
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
-        ):
-            raise self._err(f"{name}.shape", f"expected {ndim} non-negative ints, got {shape!r}")
-        if not isinstance(data, bytes):
-            raise self._err(f"{name}.data", f"expected bin, got {type(data).__name__}")
-        dt = np.dtype(_DTYPES[code])
-        want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if len(data) != want:
-            raise self._err(f"{name}.data", f"holds {len(data)} bytes, shape {shape} of {code} needs {want}")
-        return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
 def _decode_turn(f: _Fields) -> TurnRecord:

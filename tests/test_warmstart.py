@@ -13,7 +13,8 @@ from bench.learning import learning_curve, paired_diff
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
 from sandbox_agent.tasks import load_task
-from t1async.cluster.config import add_up_arguments, from_args
+from t1async.cluster.config import from_args
+from t1async.cluster.flags import add_up_arguments
 from t1async.errors import ConfigError
 from t1async.learner import warmstart
 from t1async.learner.sft import SFTConfig

@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Runs until Ctrl-C, SIGTERM, `down`, --duration or --steps; then stops every component\n"
         "(SIGTERM, then SIGKILL), NATS last. Run it again on the same --run-dir to resume training.",
     )
-    from t1async.cluster.config import add_up_arguments
+    from t1async.cluster.flags import add_up_arguments
 
     add_up_arguments(up)
     up.add_argument(

@@ -26,6 +26,7 @@ from t1async import wire
 from t1async.cluster.glossary import LEGEND, TURN_FIELDS  # noqa: F401 - re-exported for the CLI
 from t1async.transport import Message, NatsTransport, traj_subject
 from t1async.transport.base import HDR_DEAD_ERROR, HDR_DEAD_SUBJECT
+from t1async.wirefields import DTYPES
 
 _CLIP = 160
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127, *range(0x80, 0xA0))} | {9: "\\t", 10: "\\n", 13: "\\r"}
@@ -180,7 +181,7 @@ def _jsonable(key: str, v: Any) -> Any:
     if isinstance(v, dict) and {"dtype", "shape", "data"} <= v.keys():
         if key == "routing":
             return {"start": v.get("start"), "dtype": v["dtype"], "shape": v["shape"]}
-        return np.frombuffer(v["data"], dtype=wire._DTYPES[v["dtype"]]).tolist()
+        return np.frombuffer(v["data"], dtype=DTYPES[v["dtype"]]).tolist()
     if isinstance(v, bytes):
         return v.hex()
     if isinstance(v, dict):
