@@ -77,7 +77,8 @@ def _up_cfg(*argv: str):
     import argparse
     from pathlib import Path
 
-    from t1async.cluster.config import add_up_arguments, from_args
+    from t1async.cluster.config import from_args
+    from t1async.cluster.flags import add_up_arguments
 
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", type=Path, default=None)

@@ -395,7 +395,8 @@ def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     import argparse
 
     from t1async.cluster import components
-    from t1async.cluster.config import add_up_arguments, from_args
+    from t1async.cluster.config import from_args
+    from t1async.cluster.flags import add_up_arguments
     from t1async.errors import ConfigError
     from t1async.learner import serve_cli
 
