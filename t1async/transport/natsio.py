@@ -41,6 +41,7 @@ class NatsConfig:
     ack_timeout_s: float = 5.0  # one publish attempt; then it is retried with the same msg_id
     publish_deadline_s: float = 120.0  # give up (TransportError) after this long without an ack
     retry_wait_s: float = 0.25
+    jetstream_wait_s: float = 60.0  # opening: how long JetStream's API may time out (a cluster electing)
     duplicate_window_s: float = 120.0
     ack_wait_s: float = 120.0  # a consumer's unacknowledged message is redelivered after this
     max_ack_pending: int = 100_000
@@ -152,28 +153,48 @@ class AioNats:
                 num_replicas=r,
             ),
         ]
+        loop = asyncio.get_running_loop()
         for sc in wanted:
-            try:
+            deadline = loop.time() + cfg.jetstream_wait_s
+            while True:  # a cluster that just restarted answers its JetStream API only once it has elected
                 try:
-                    info = await self.js.stream_info(sc.name)
-                except nats.js.errors.NotFoundError:
-                    try:
-                        await self.js.add_stream(sc)
-                        continue
-                    except nats.js.errors.BadRequestError:
-                        info = await self.js.stream_info(sc.name)  # created concurrently by another client: fine
-                have = info.config.num_replicas or 1
-                if cfg.stream_replicas is not None and have != cfg.stream_replicas:
-                    await self.js.update_stream(dataclasses.replace(info.config, num_replicas=cfg.stream_replicas))
-                    log.info("transport.stream_replicas", stream=sc.name, was=have, now=cfg.stream_replicas)
-            except nats.js.errors.APIError as exc:
-                if cfg.stream_replicas and cfg.stream_replicas > 1 and exc.err_code in (10005, 10074, 10023):
-                    raise TransportError(
-                        f"JetStream at {cfg.url} cannot keep stream {sc.name} with {cfg.stream_replicas} replicas "
-                        f"({exc.description}): it needs that many JetStream servers in the cluster; pass "
-                        f"--stream-replicas 1 for a single server, or start a cluster (`cluster up --nats-nodes 3`)"
-                    ) from exc
-                raise
+                    await self._ensure_stream(sc)
+                    break
+                except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
+                    if loop.time() >= deadline:
+                        raise TransportError(
+                            f"JetStream at {cfg.url} did not answer for {cfg.jetstream_wait_s:.0f} s "
+                            f"({type(exc).__name__}): a cluster that just restarted may still be electing, or too "
+                            "few of its servers are up for a quorum; start them, or check their logs"
+                        ) from exc
+                    log.warning("transport.jetstream_wait", stream=sc.name, error=repr(exc))
+                    await asyncio.sleep(cfg.retry_wait_s)
+
+    async def _ensure_stream(self, sc: api.StreamConfig) -> None:
+        cfg = self.config
+        try:
+            try:
+                info = await self.js.stream_info(sc.name)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await self.js.add_stream(sc)
+                    return
+                except nats.js.errors.BadRequestError:
+                    info = await self.js.stream_info(sc.name)  # created concurrently by another client: fine
+            have = info.config.num_replicas or 1
+            if cfg.stream_replicas is not None and have != cfg.stream_replicas:
+                await self.js.update_stream(dataclasses.replace(info.config, num_replicas=cfg.stream_replicas))
+                log.info("transport.stream_replicas", stream=sc.name, was=have, now=cfg.stream_replicas)
+        except nats.js.errors.ServiceUnavailableError:
+            raise  # retried by ensure_streams
+        except nats.js.errors.APIError as exc:
+            if cfg.stream_replicas and cfg.stream_replicas > 1 and exc.err_code in (10005, 10074, 10023):
+                raise TransportError(
+                    f"JetStream at {cfg.url} cannot keep stream {sc.name} with {cfg.stream_replicas} replicas "
+                    f"({exc.description}): it needs that many JetStream servers in the cluster; pass "
+                    f"--stream-replicas 1 for a single server, or start a cluster (`cluster up --nats-nodes 3`)"
+                ) from exc
+            raise
 
     async def init_acks(self) -> None:
         """JetStream publish acks come back on our own inbox, handled in bulk: no future per message (nats-py's
