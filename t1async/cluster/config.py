@@ -61,6 +61,7 @@ class UpConfig:
     lease: float = 180.0
     actor_timeout: float = 15.0
     no_replay: bool = False
+    value_lr: float | None = None  # the value head's learning rate (None: lr; TrainerConfig.value_lr)
     critic: str = "shared"  # shared | detached: whether the value loss trains the trunk (TrainerConfig.critic)
     weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
     weight_bucket_mb: float = 64.0
@@ -97,6 +98,8 @@ class UpConfig:
         for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.value_lr is not None and not self.value_lr > 0:
+            raise ConfigError(f"--value-lr must be > 0, got {self.value_lr}")
         if self.critic not in ("shared", "detached"):
             raise ConfigError(f"--critic must be shared or detached, got {self.critic!r}")
         if self.weight_sync not in ("disk", "distributed"):
@@ -181,7 +184,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if isinstance(default, int) and not isinstance(default, bool):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"{source}: {name.replace('_', '-')} must be an integer, got {value!r}")
-    if isinstance(default, float) or name == "duration":
+    if isinstance(default, float) or name in ("duration", "value_lr"):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{source}: {name.replace('_', '-')} must be a number, got {value!r}")
         return float(value)

@@ -171,6 +171,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds an actor may go without a heartbeat "
         f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})",
     )
+    g.add_argument(
+        "--value-lr",
+        type=float,
+        default=None,
+        help="the value head's own learning rate (default: --lr)",
+    )
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
     g.add_argument(
         "--critic",

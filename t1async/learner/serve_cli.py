@@ -49,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "before its credits are released and its open episodes end as aborted (default 15)",
     )
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    s.add_argument(
+        "--value-lr",
+        type=float,
+        default=None,
+        help="the value head's own learning rate (default: --lr; a fresh head needs more, e.g. 100x)",
+    )
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
     s.add_argument(
         "--critic",
@@ -138,7 +144,11 @@ def serve(args: argparse.Namespace) -> int:
         durable=args.durable,
         wandb=args.wandb,
         trainer=TrainerConfig(
-            lr=args.lr, replay=not args.no_replay, critic=args.critic, microbatch_tokens=args.microbatch_tokens
+            lr=args.lr,
+            value_lr=args.value_lr,
+            replay=not args.no_replay,
+            critic=args.critic,
+            microbatch_tokens=args.microbatch_tokens,
         ),
     )
 
