@@ -166,3 +166,19 @@ def test_ranks_that_never_join_fail_in_one_line(monkeypatch):
     finally:
         ranks.close(None)
     assert ranks.procs == [] and not ranks.joined
+
+
+def test_two_ranks_share_the_steps_turn_baseline(ranks2):
+    """advantage="turn" centres each turn on the mean of the WHOLE step's turns with its number: rank 1 gets rank
+    0's baseline, so 2 ranks step like 1 (a per-rank mean would centre each rank's share on its own rewards)."""
+    ranks, holder = ranks2
+    cfg = TrainerConfig(lr=1e-2, microbatch_tokens=64, advantage="turn")
+    torch.manual_seed(0)
+    base = tiny()
+    segs = segments(base)
+    one = Trainer(copy.deepcopy(base), cfg)
+    m1 = one.step(segs, 0)
+    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), cfg))
+    m2 = two.step(segs, 0)
+    assert_same_weights(one.model, two.model)
+    assert m2.adv_mean == pytest.approx(m1.adv_mean, abs=1e-6) and m2.adv_std == pytest.approx(m1.adv_std, rel=1e-4)

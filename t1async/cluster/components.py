@@ -194,6 +194,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         learner.append("--no-replay")
     if cfg.critic != "shared":
         learner += ["--critic", cfg.critic]
+    if cfg.advantage != "gae":
+        learner += ["--advantage", cfg.advantage]
     if cfg.value_lr is not None:
         learner += ["--value-lr", str(cfg.value_lr)]
     if cfg.wandb:

@@ -61,6 +61,7 @@ class UpConfig:
     lease: float = 180.0
     actor_timeout: float = 15.0
     no_replay: bool = False
+    advantage: str = "gae"  # gae | turn: the learner's advantage estimator (TrainerConfig.advantage)
     value_lr: float | None = None  # the value head's learning rate (None: lr; TrainerConfig.value_lr)
     critic: str = "shared"  # shared | detached: whether the value loss trains the trunk (TrainerConfig.critic)
     weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
@@ -100,6 +101,8 @@ class UpConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.value_lr is not None and not self.value_lr > 0:
             raise ConfigError(f"--value-lr must be > 0, got {self.value_lr}")
+        if self.advantage not in ("gae", "turn"):
+            raise ConfigError(f"--advantage must be gae or turn, got {self.advantage!r}")
         if self.critic not in ("shared", "detached"):
             raise ConfigError(f"--critic must be shared or detached, got {self.critic!r}")
         if self.weight_sync not in ("disk", "distributed"):

@@ -172,6 +172,12 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         f"before the learner releases its credits and aborts its episodes (default {d.actor_timeout:g})",
     )
     g.add_argument(
+        "--advantage",
+        choices=["gae", "turn"],
+        default=None,
+        help="gae: critic-based GAE; turn: each turn's reward minus the step's mean for its turn number (default gae)",
+    )
+    g.add_argument(
         "--value-lr",
         type=float,
         default=None,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from t1async.errors import T1Error
-from t1async.learner import memory
+from t1async.learner import memory, ppo
 from t1async.learner.batch import BatchError, SegmentLike, check_segment
 from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
 from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
@@ -100,7 +100,9 @@ class DistributedTrainer(Trainer):
         for s in segments:
             check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
         parts = balance([len(s.tokens) for s in segments], self.world)
-        msgs = [("step", [segments[i] for i in p], policy_version, self._resync) for p in parts]
+        # advantage="turn": one baseline from the whole step, so every rank centres its turns alike
+        self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
+        msgs = [("step", [segments[i] for i in p], policy_version, self._resync, self._baseline) for p in parts]
         mine: list[Any] = [None]
         _collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
         if self._resync:
@@ -126,7 +128,7 @@ class DistributedTrainer(Trainer):
 
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
-        stop: list[Any] = [("stop", [], 0, False)] * self.world
+        stop: list[Any] = [("stop", [], 0, False, {})] * self.world
         _collective("stopping the ranks", dist.scatter_object_list, [None], stop, src=0)
 
     # ------------------------------------------------------------------------------------- ranks 1..N-1
@@ -136,7 +138,7 @@ class DistributedTrainer(Trainer):
         while True:
             mine: list[Any] = [None]
             _collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
-            kind, local, version, resync = mine[0]
+            kind, local, version, resync, self._baseline = mine[0]
             if kind == "stop":
                 log.info("learner.rank_stopped", rank=self.rank, steps=self.steps)
                 return

@@ -127,6 +127,46 @@ def segment_advantages(
     return adv_full, ret_full
 
 
+def _turn_rewards(loss_mask, turn_ids, turn_ends, turn_rewards) -> dict[int, float]:
+    """Turn number -> reward of the turns of one segment that have loss tokens here."""
+    lm, tid = np.asarray(loss_mask, dtype=bool), np.asarray(turn_ids)
+    trained = set(np.unique(tid[lm]).tolist())
+    out: dict[int, float] = {}
+    for end, r in zip(np.asarray(turn_ends, dtype=np.int64), np.asarray(turn_rewards, dtype=np.float64)):
+        if 0 <= end < len(tid) and int(tid[end]) in trained:
+            out[int(tid[end])] = out.get(int(tid[end]), 0.0) + float(r)
+    return out
+
+
+def turn_baseline(segments) -> dict[int, float]:
+    """The mean reward of a step's trained turns per turn number (turn 0 of every episode together, turn 1, ...):
+    the baseline of ``turn_advantages``. A state-independent, action-independent baseline (the turn number is
+    part of the state), so the policy gradient stays unbiased; a turn number seen once has advantage 0."""
+    sums: dict[int, list[float]] = {}
+    for s in segments:
+        for t, r in _turn_rewards(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards).items():
+            acc = sums.setdefault(t, [0.0, 0.0])
+            acc[0] += r
+            acc[1] += 1.0
+    return {t: total / n for t, (total, n) in sums.items()}
+
+
+def turn_advantages(
+    loss_mask: np.ndarray,
+    turn_ids: np.ndarray,
+    turn_ends: np.ndarray,
+    turn_rewards: np.ndarray,
+    baseline: dict[int, float],
+) -> np.ndarray:
+    """Per-token advantages of one segment under ``TrainerConfig.advantage = "turn"``: every loss token of a turn
+    gets that turn's reward minus ``baseline[turn number]`` (zeros off the loss mask)."""
+    lm, tid = np.asarray(loss_mask, dtype=bool), np.asarray(turn_ids)
+    adv = np.zeros(len(lm), dtype=np.float64)
+    for t, r in _turn_rewards(lm, tid, turn_ends, turn_rewards).items():
+        adv[lm & (tid == t)] = r - baseline.get(t, r)
+    return adv
+
+
 @dataclass(frozen=True)
 class LossConfig:
     clip_eps: float = 0.2  # PPO ratio clip against the proximal policy

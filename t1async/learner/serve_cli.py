@@ -50,6 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument(
+        "--advantage",
+        choices=["gae", "turn"],
+        default="gae",
+        help="gae: critic-based GAE over the episode; turn: each turn's own reward minus the step's mean reward of "
+        "turns with the same number, no critic (default gae)",
+    )
+    s.add_argument(
         "--value-lr",
         type=float,
         default=None,
@@ -146,6 +153,7 @@ def serve(args: argparse.Namespace) -> int:
         trainer=TrainerConfig(
             lr=args.lr,
             value_lr=args.value_lr,
+            advantage=args.advantage,
             replay=not args.no_replay,
             critic=args.critic,
             microbatch_tokens=args.microbatch_tokens,

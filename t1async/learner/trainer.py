@@ -49,6 +49,10 @@ class TrainerConfig:
     lam: float = 0.95
     discount_per: str = "turn"  # "turn": gamma/lam apply across turns only; "token": classic token GAE
     normalize_advantages: bool = True
+    # "gae": critic-based GAE (ppo.segment_advantages). "turn": each turn's tokens get the turn's own reward minus
+    # the step's mean reward of turns with the same turn number (ppo.turn_baseline), no critic and no credit from
+    # later turns: a dense per-turn reward (DESIGN §8) already says what the turn did
+    advantage: str = "gae"
     loss: ppo.LossConfig = field(default_factory=ppo.LossConfig)
     replay: bool = True  # R3: force the recorded experts in the training forward
     ppo_epochs: int = 1
@@ -70,6 +74,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.critic not in ("shared", "detached"):
             raise ConfigError(f"TrainerConfig.critic must be 'shared' or 'detached', got {self.critic!r}")
+        if self.advantage not in ("gae", "turn"):
+            raise ConfigError(f"TrainerConfig.advantage must be 'gae' or 'turn', got {self.advantage!r}")
         if self.discount_per not in ("turn", "token"):
             raise ConfigError(f"TrainerConfig.discount_per must be 'turn' or 'token', got {self.discount_per!r}")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
@@ -110,6 +116,7 @@ class Trainer:
         )
         self.steps = 0
         self.device = next(model.parameters()).device
+        self._baseline: dict[int, float] = {}  # advantage="turn": the step's mean reward per turn number
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -157,6 +164,8 @@ class Trainer:
                 lam=cfg.lam,
                 discount_per=cfg.discount_per,
             )
+            if cfg.advantage == "turn":
+                a = ppo.turn_advantages(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards, self._baseline)
             adv[row, :n], ret[row, :n] = a, r
         return torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
 
@@ -166,6 +175,7 @@ class Trainer:
         self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
     ) -> StepMetrics:
         t0 = time.perf_counter()
+        self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
         batches = self._pack(segments)
         single = len(batches) == 1 and self.config.ppo_epochs == 1
         scored, routing, t_fwd_scoring = self._score(batches, segments, single=single)  # 1. score
