@@ -394,25 +394,14 @@ def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
 def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     import argparse
 
-    from t1async.cluster import components
+    from clusterargs import learner_argv, serve_args
+
     from t1async.cluster.config import from_args
-    from t1async.cluster.flags import add_up_arguments
     from t1async.errors import ConfigError
-    from t1async.learner import serve_cli
 
-    def learner_argv(*argv: str) -> list[str]:
-        p = argparse.ArgumentParser()
-        p.add_argument("--run-dir", default=str(tmp_path))
-        add_up_arguments(p)
-        cfg = from_args(p.parse_args(list(argv)))
-        return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
-
-    argv = learner_argv("--critic", "detached")
+    argv = learner_argv(tmp_path, "--critic", "detached")
     assert argv[argv.index("--critic") + 1] == "detached"
-    assert "--critic" not in learner_argv()  # the default stays off the command line
-    p = argparse.ArgumentParser()
-    serve_cli.add_parser(p.add_subparsers())
-    args = p.parse_args(argv[argv.index("serve") :])
-    assert args.critic == "detached"
+    assert "--critic" not in learner_argv(tmp_path)  # the default stays off the command line
+    assert serve_args(argv).critic == "detached"
     with pytest.raises(ConfigError, match="--critic must be shared or detached"):
         from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))

@@ -102,23 +102,13 @@ def test_turn_advantages_raise_a_better_first_turn_whatever_the_second_did():
 
 
 def test_cluster_up_advantage_reaches_the_learner(tmp_path):
-    from t1async.cluster import components
+    from clusterargs import learner_argv, serve_args
+
     from t1async.cluster.config import from_args
-    from t1async.cluster.flags import add_up_arguments
-    from t1async.learner import serve_cli
 
-    def learner_argv(*argv: str) -> list[str]:
-        p = argparse.ArgumentParser()
-        p.add_argument("--run-dir", default=str(tmp_path))
-        add_up_arguments(p)
-        cfg = from_args(p.parse_args(list(argv)))
-        return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
-
-    argv = learner_argv("--advantage", "turn")
+    argv = learner_argv(tmp_path, "--advantage", "turn")
     assert argv[argv.index("--advantage") + 1] == "turn"
-    assert "--advantage" not in learner_argv()
-    p = argparse.ArgumentParser()
-    serve_cli.add_parser(p.add_subparsers())
-    assert p.parse_args(argv[argv.index("serve") :]).advantage == "turn"
+    assert "--advantage" not in learner_argv(tmp_path)  # unset stays off the command line (the learner's default)
+    assert serve_args(argv).advantage == "turn"
     with pytest.raises(ConfigError, match="--advantage must be gae or turn"):
         from_args(argparse.Namespace(run_dir=tmp_path, advantage="grpo"))

@@ -68,23 +68,13 @@ def test_value_lr_survives_a_checkpoint_and_bad_values_are_refused(tmp_path):
 
 
 def test_cluster_up_value_lr_reaches_the_learner(tmp_path):
-    from t1async.cluster import components
+    from clusterargs import learner_argv, serve_args
+
     from t1async.cluster.config import from_args
-    from t1async.cluster.flags import add_up_arguments
-    from t1async.learner import serve_cli
 
-    def learner_argv(*argv: str) -> list[str]:
-        p = argparse.ArgumentParser()
-        p.add_argument("--run-dir", default=str(tmp_path))
-        add_up_arguments(p)
-        cfg = from_args(p.parse_args(list(argv)))
-        return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
-
-    argv = learner_argv("--value-lr", "0.003")
+    argv = learner_argv(tmp_path, "--value-lr", "0.003")
     assert argv[argv.index("--value-lr") + 1] == "0.003"
-    assert "--value-lr" not in learner_argv()  # unset stays off the command line (the learner's default)
-    p = argparse.ArgumentParser()
-    serve_cli.add_parser(p.add_subparsers())
-    assert p.parse_args(argv[argv.index("serve") :]).value_lr == 0.003
+    assert "--value-lr" not in learner_argv(tmp_path)  # unset stays off the command line (the learner's default)
+    assert serve_args(argv).value_lr == 0.003
     with pytest.raises(ConfigError, match="--value-lr must be > 0"):
         from_args(argparse.Namespace(run_dir=tmp_path, value_lr=-1.0))
