@@ -94,10 +94,12 @@ class Scenario:
     inject: bool  # inputs that discard a whole output (REALIGN), turns after their end, NaN logprobs (poison)
     steps: int = 8
     # how often each injected fault happens (per turn, per delivery, per episode): the every-reason test raises
-    # them so that no reason is left to chance (at 0.03 / 0.05 / 0.1 one reason had no turn in 1 of 10 runs)
+    # the rarest so that no reason is left to chance: at the defaults one reason had no turn in 1 of 10 runs, and
+    # seed 11 settled as few as 2 turns as realign_dropped and 2 as abandoned
     poison_p: float = 0.03
     late_p: float = 0.05
     past_end_p: float = 0.1
+    realign_p: float = 0.15
 
     @classmethod
     def draw(cls, seed: int) -> Scenario:
@@ -166,7 +168,9 @@ async def scripted_actor(
             await credits.acquire(ep, t)
             outbox.append((traj_subject(ep), await sample(t, 0 if t == 0 or realign else len(enc.seq) - 1)))
             obs = np.array([rng.randrange(vocab) for _ in range(rng.randint(1, 4))], np.int32)
-            realign = sc.inject and rng.random() < 0.15  # the agent drops this turn's whole output (TITO REALIGN)
+            realign = (
+                sc.inject and rng.random() < sc.realign_p
+            )  # the agent drops this turn's whole output (TITO REALIGN)
             seq = np.concatenate([enc.seq[: len(seq)] if realign else enc.seq, obs])
             if realign and obs[0] == enc.seq[len(seq) - len(obs)]:
                 seq[len(seq) - len(obs)] = (int(obs[0]) + 1) % vocab  # really differs from the dropped output
@@ -320,9 +324,9 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(t
         expire=True,
         inject=True,
         steps=40,
-        poison_p=0.08,
-        late_p=0.08,
+        poison_p=0.05,
         past_end_p=0.25,
+        realign_p=0.3,
     )
     sizes: list[int] = []
     (learner,), _ = await run_scenario(sc, tmp_path / "run", tiny_model, sizes)
