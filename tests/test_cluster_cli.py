@@ -173,29 +173,18 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
     assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad
 
 
+def _small_cluster(run_dir, env) -> subprocess.Popen:
+    """``cluster up`` with one actor on 5 small tasks for at most 120 s, its output piped."""
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120"]
+    argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.slow
 def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, repo_env):
     """The terminal shows the outcome in words; the supervisor's log lines stay in its file."""
     run_dir = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--duration",
-        "120",
-        "--synth-tasks",
-        "5",
-        "--max-turns",
-        "4",
-        "--actors",
-        "1",
-        "--concurrency",
-        "1",
-    ]
-    proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _small_cluster(run_dir, repo_env)
     try:
         state = _wait_running(run_dir, proc, timeout=180)
         learner = state.components["learner"].pid
@@ -215,25 +204,7 @@ def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env)
     """Closing the terminal (SIGHUP) stops every component, as Ctrl-C does; the components run in their own
     sessions, so a supervisor killed by the hang-up used to leave them all running."""
     run_dir = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--duration",
-        "120",
-        "--synth-tasks",
-        "5",
-        "--max-turns",
-        "4",
-        "--actors",
-        "1",
-        "--concurrency",
-        "1",
-    ]
-    proc = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _small_cluster(run_dir, repo_env)
     started = []
     try:
         state = _wait_running(run_dir, proc, timeout=180)
