@@ -222,3 +222,24 @@ def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env)
     while any(alive(i.pid) for i in started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [i.name for i in started if alive(i.pid)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+async def test_a_stop_signal_sent_as_soon_as_the_run_dir_says_running_is_heard(tmp_path, monkeypatch, sig):
+    """A hang-up or `down` that reads "running" and signals at once stops the cluster. The supervisor used to
+    write "running" before it listened, with SIGHUP still ignored from the start-up: a hang-up in that window
+    was lost and the cluster ran to its --duration (CI, test_a_hang_up_stops_the_cluster...)."""
+    from t1async.cluster.supervisor import ClusterConfig, Supervisor
+
+    save = ClusterState.save
+
+    def save_then_signal(self):
+        save(self)
+        if self.status == "running":
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(ClusterState, "save", save_then_signal)
+    sup = Supervisor(ClusterConfig(run_dir=tmp_path / "run", nats_url="nats://127.0.0.1:1", duration_s=60))
+    with anyio.fail_after(20):  # the old supervisor ignored the signal and ran its 60 s
+        assert await sup.run() == 0
+    assert ClusterState.load(tmp_path / "run").status == "stopped"

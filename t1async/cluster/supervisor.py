@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,17 +117,20 @@ class Supervisor:
                 async with anyio.create_task_group() as tg:
                     for spec in component_specs(self.config, nats_url):
                         await tg.start(self._run_process, spec, nats_url, tg.cancel_scope)
-                    self.state.status = "running"
-                    self.state.save()
-                    log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
-                    print(
-                        f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
-                        f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)",
-                        flush=True,
-                    )
-                    if self.config.progress is not None:
-                        tg.start_soon(self.config.progress, nats_url, run_dir)
-                    await self._wait_for_stop()
+                    # the stop signals are caught before the run dir says "running": whoever reads that and
+                    # hangs up or runs `down` at once must not hit the ignored-while-starting window
+                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                        self.state.status = "running"
+                        self.state.save()
+                        log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
+                        print(
+                            f"cluster up: nats {nats_url}, run dir {run_dir} (Ctrl-C or "
+                            f"`python -m t1async.cluster down --run-dir {run_dir}` to stop)",
+                            flush=True,
+                        )
+                        if self.config.progress is not None:
+                            tg.start_soon(self.config.progress, nats_url, run_dir)
+                        await self._wait_for_stop(signals)
                     # a second Ctrl-C or a hang-up while stopping would leave components behind: let it finish
                     saved.update(
                         {
@@ -162,13 +165,12 @@ class Supervisor:
                 f"stop it with `python -m t1async.cluster down --run-dir {run_dir}` or use another --run-dir"
             )
 
-    async def _wait_for_stop(self) -> None:
+    async def _wait_for_stop(self, signals: AsyncIterator[int]) -> None:
         duration = self.config.duration_s if self.config.duration_s is not None else math.inf
         with anyio.move_on_after(duration):
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
-                async for sig in signals:
-                    log.info("cluster.signal", signal=signal.Signals(sig).name)
-                    return
+            async for sig in signals:
+                log.info("cluster.signal", signal=signal.Signals(sig).name)
+                return
         log.info("cluster.duration_elapsed", duration_s=duration)
 
     async def _run_process(
