@@ -24,7 +24,7 @@ from sandbox_agent.synth.chores import chores_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
-from sandbox_agent.synth.micro import touch4_family
+from sandbox_agent.synth.micro import touch4_family, touchsome_family
 from sandbox_agent.synth.shell import env_family, git_family, scripts_family
 from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
 from sandbox_agent.tasks import split_for
@@ -61,6 +61,7 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "mkfile": mkfile_family,
     "copy": copy_family,
     "touch4": touch4_family,  # one command, four tests: the CI learning test's family (synth/micro.py)
+    "touchsome": touchsome_family,  # touch4 by a demonstrator that stops early: the CI test's warm start
     "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}

@@ -5,7 +5,12 @@ words; each file is its own test, so a reply that copies three of the four names
 reward with signal from the first step). The ``micro`` warm-start recipe (``t1async.learner.warmstart``, 240
 SFT steps) copies all four greedily and 3.33 of 4 on average sampled at temperature 1.
 
-Not in the default corpus: ``generate(..., families=["touch4"])`` names it.
+``touchsome``: the same instruction, but a weaker demonstrator's oracle: it creates only the first k of the
+four (k uniform in 1-4), and the task's tests check those k. The ``micro`` warm start imitates it, so it
+names 1, 2, 3 or 4 of the files as its demonstrator did (~2.5 of 4 on touch4): a policy with one decision
+RL can fix (stop early or name the next file), which ``tests/test_learning_ci.py`` trains on ``touch4``.
+
+Not in the default corpus: ``generate(..., families=["touch4"])`` names them.
 """
 
 from __future__ import annotations
@@ -45,11 +50,21 @@ NAMES = (
 
 
 def touch4_family(rng: random.Random) -> SynthSpec:
+    return _touch(rng, "touch4", all_four=True)
+
+
+def touchsome_family(rng: random.Random) -> SynthSpec:
+    return _touch(rng, "touchsome", all_four=False)
+
+
+def _touch(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     names = pick(rng, NAMES, 4)
     # the names as the reply writes them (" data" is one token in both): copying is a lookup, not a mapping
     # from "`data" to " data" that a few SFT steps do not learn (the backticked version stayed at chance)
     listed = " ".join(f"{n}.txt" for n in names)
     instr = f"In the current directory, create these four files: {listed}"
+    if not all_four:  # the weaker demonstrator stops after k names; its task tests those k
+        names = names[: rng.randint(1, 4)]
     sol = "touch " + " ".join(f"{n}.txt" for n in names) + "\n"
     tests = "".join(
         f"""
@@ -59,4 +74,4 @@ def test_file_{i}():
 """
         for i, n in enumerate(names)
     )
-    return SynthSpec("touch4", instr, sol, tests, tags=("touch",))
+    return SynthSpec(family, instr, sol, tests, tags=("touch",))

@@ -9,23 +9,15 @@ create, one test each) and the reward per trained turn (tests passed by the one 
 - the learner SIGKILLed mid-run and the cluster started again on the same run dir resumes from its
   checkpoint and its steps stay above the threshold.
 
-The warm start is built once (seeded, cached; ``python -m t1async.learner.warmstart --recipe micro``).
+The warm start is built once (seeded, cached; ``python -m t1async.learner.warmstart --recipe micro``, ~2-4
+minutes on 2 cores from nothing). It imitates a weaker demonstrator (``touchsome``) that names only the first
+k of the four files, k uniform in 1-4, so it names 1-4 of them too (2.51 of 4 on 300 touch4 tasks x 4 samples,
+every name copied right): one decision per file that RL with ``--advantage turn`` fixes in ~20 steps.
 
-NOT IN THE SUITE YET (the file is not named test_*.py, so pytest does not collect it): the reward does not
-rise yet. Run it by name:
-
-    .venv/bin/python -m pytest -q tests/learning_ci.py
-
-Seen on 2026-12-01 (reward per turn, tests of 4, 16 turns a step, README "Learning in CI"): the old warm start
-(backticked names) was at chance and RL was flat or collapsed; on the 240-step warm start (greedy 4.00 and
-3.33 of 4 at T = 1 on 64 tasks), lr 5e-5, ``--critic detached``: 3.25 3.62 3.19 3.62 3.00 ... 3.44 3.06
-3.12 3.50 over 30 steps (first 5: 3.34, last 5: 3.26): stable, no rise. The mismatch on same-version
-tokens (eta 0) is ~1e-7.
-
-Since then (README "Learning"): with ``--advantage turn`` the ``learn`` preset does learn, but slowly: held-out
-pass@1 +0.9 points after 80 steps at lr 3e-5 and +17.3 after 200 steps at lr 5e-5 (~31 minutes). A step moves
-this size of policy little, so ~2 minutes of RL on 2 cores (~10 steps) is not yet enough to assert a rise
-that never flakes; this file stays out of the suite until a micro-family moves in that budget.
+Seen on 2026-12-01 (reward per turn, tests of 4, 16 turns a step, lr 1e-4, one run of 30 steps, 1.2 min):
+2.00 2.88 2.38 3.12 3.06 3.25 3.44 3.50 3.50 3.50 3.56 3.12 3.62 3.56 3.38 3.81 3.69 3.62 3.81 3.88 4.00 ...
+3.94 4.00. Earlier warm starts (the oracle's four names: 3.33 of 4 at T = 1, little to gain; at chance: nothing
+to sharpen) and GAE with a critic that lagged the returns did not rise (README "Learning in CI").
 """
 
 from __future__ import annotations
@@ -51,8 +43,8 @@ pytestmark = pytest.mark.slow
 KILL_AT = 20  # the learner is SIGKILLed once it has published this version...
 RESUME_TO = 28  # ...and the restarted cluster trains on to this step
 FIRST, LAST = 5, 5  # steps averaged at the start and at the end of the first run
-MARGIN = 0.3  # tests passed per turn, of 4
-THRESHOLD = 3.0  # the warm start samples 3.33 of 4 at T = 1: a collapse falls far below
+MARGIN = 0.5  # tests passed per turn, of 4 (seen: first 5 steps 2.69, steps 16-20 3.83)
+THRESHOLD = 3.2  # the warm start samples 2.51 of 4: only a policy that learned to name all four gets here
 MISMATCH_BOUND = 0.02
 
 
@@ -92,7 +84,9 @@ def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
         "--max-staleness",
         "0",
         "--lr",
-        "5e-5",
+        "1e-4",
+        "--advantage",
+        "turn",
         "--critic",
         "detached",
         "--sampler-max-batch",
@@ -131,7 +125,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
-    build(get_recipe("micro"), threads=1)  # cached after the first run
+    build(get_recipe("micro"), threads=2)  # cached after the first run
     tasks = tmp_path / "tasks"
     generate(tasks, 300, seed=0, families=["touch4"])
     run = tmp_path / "run"
