@@ -1,6 +1,6 @@
 """Does the whole loop learn? Warm start -> held-out eval -> RL with the real cluster -> the same eval again.
 
-    python -m bench.learning [--recipe learn] [--rl-steps 200] [--samples 4] [--json]
+    python -m bench.learning [--recipe learn] [--rl-steps 300] [--samples 4] [--json]
 
 1. the warm start: ``t1async.learner.warmstart`` builds the recipe's model once (seeded) and caches it;
 2. a corpus of the recipe's families (``--eval-corpus`` tasks, seed 0) is written into the run dir; its eval
@@ -143,9 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--run-dir", type=Path, default=Path("runs/learning"))
     p.add_argument("--eval-corpus", type=int, default=600, help="tasks in the corpus (~10%% are the eval split)")
     p.add_argument("--samples", type=int, default=4, help="seeded episodes per held-out task (default 4)")
-    p.add_argument("--rl-steps", type=int, default=200, help="learner steps of RL (default 200)")
+    p.add_argument("--rl-steps", type=int, default=300, help="learner steps of RL (default 300)")
     p.add_argument(
-        "--rl-timeout", type=float, default=3000.0, help="stop RL after this many seconds anyway (default 3000)"
+        "--rl-timeout", type=float, default=3300.0, help="stop RL after this many seconds anyway (default 3300)"
     )
     p.add_argument("--ood-tasks", type=int, default=220, help="default-family corpus for the OOD eval (0: skip)")
     p.add_argument("--concurrency", type=int, default=8)
