@@ -2,8 +2,8 @@
 
 ``touch4``: "create these four files: a.txt b.txt c.txt d.txt"; the oracle is one ``touch`` naming the four
 words; each file is its own test, so a reply that copies three of the four names right earns 3 of 4 (a dense
-reward with signal from the first step). The ``micro`` warm-start recipe (``t1async.learner.warmstart``, 240
-SFT steps) copies all four greedily and 3.33 of 4 on average sampled at temperature 1.
+reward with signal from the first step). A warm start trained on this oracle names all four (3.33 of 4 at
+temperature 1): too little left for RL to show, hence ``touchsome``.
 
 ``touchsome``: the same instruction, but a weaker demonstrator's oracle: it creates only the first k of the
 four (k uniform in 1-4), and the task's tests check those k. The ``micro`` warm start imitates it, so it
