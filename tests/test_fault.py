@@ -130,17 +130,28 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
             async with (
                 NatsTransport(url) as t,
                 t.subscribe("t1.metrics.learner") as msgs,
+                t.subscribe("t1.traj.*") as trajs,
                 anyio.create_task_group() as tg,
             ):
+                a1_published = anyio.Event()
 
                 async def watch() -> None:
                     async for m in msgs:
                         steps.append(m.record.step)
 
+                async def watch_a1() -> None:
+                    async for m in trajs:
+                        if isinstance(m.record, wire.TurnRecord) and m.record.episode.startswith("a1-"):
+                            a1_published.set()
+                            return
+
                 tg.start_soon(watch)
+                tg.start_soon(watch_a1)
                 first = learner()
                 a0, a1 = actor("a0"), actor("a1")
                 await wait_step(1)
+                with anyio.fail_after(150):  # a step can be all a0's turns: kill a1 only once it has published
+                    await a1_published.wait()
                 stop(a1, signal.SIGKILL)  # mid-episode: its open episodes never get an `end`
                 await wait_step(2)
                 stop(first, signal.SIGKILL)
