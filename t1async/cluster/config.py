@@ -20,6 +20,7 @@ from typing import Any
 from sandbox_agent.context import POLICIES
 from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.errors import ConfigError
+from t1async.learner.options import ADVANTAGES, CRITICS
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,10 @@ class UpConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.value_lr is not None and not self.value_lr > 0:
             raise ConfigError(f"--value-lr must be > 0, got {self.value_lr}")
-        if self.advantage not in ("gae", "turn"):
-            raise ConfigError(f"--advantage must be gae or turn, got {self.advantage!r}")
-        if self.critic not in ("shared", "detached"):
-            raise ConfigError(f"--critic must be shared or detached, got {self.critic!r}")
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"--advantage must be {' or '.join(ADVANTAGES)}, got {self.advantage!r}")
+        if self.critic not in CRITICS:
+            raise ConfigError(f"--critic must be {' or '.join(CRITICS)}, got {self.critic!r}")
         if self.weight_sync not in ("disk", "distributed"):
             raise ConfigError(f"--weight-sync must be disk or distributed, got {self.weight_sync!r}")
         if not self.weight_bucket_mb > 0:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sandbox_agent.context import POLICIES
 from t1async.cluster.config import UpConfig
+from t1async.learner.options import ADVANTAGES, CRITICS
 
 __all__ = ["add_up_arguments"]
 
@@ -173,7 +174,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--advantage",
-        choices=["gae", "turn"],
+        choices=ADVANTAGES,
         default=None,
         help="gae: critic-based GAE; turn: each turn's reward minus the step's mean for its turn number (default gae)",
     )
@@ -186,7 +187,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-replay", action="store_const", const=True, default=None, help="disable R3 routing replay")
     g.add_argument(
         "--critic",
-        choices=["shared", "detached"],
+        choices=CRITICS,
         default=None,
         help="shared: the value loss trains "
         "the trunk too; detached: the value head only, clipped on its own (default shared)",

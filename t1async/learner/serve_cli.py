@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 
 from t1async.errors import ConfigError
+from t1async.learner.options import ADVANTAGES, CRITICS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     s.add_argument(
         "--advantage",
-        choices=["gae", "turn"],
+        choices=ADVANTAGES,
         default="gae",
         help="gae: critic-based GAE over the episode; turn: each turn's own reward minus the step's mean reward of "
         "turns with the same number, no critic (default gae)",
@@ -65,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
     s.add_argument(
         "--critic",
-        choices=["shared", "detached"],
+        choices=CRITICS,
         default="shared",
         help="shared: the value loss "
         "trains the trunk with the policy; detached: it trains the value head only, whose gradient is "

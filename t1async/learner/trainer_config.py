@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from t1async.errors import ConfigError
 from t1async.learner import ppo
+from t1async.learner.options import ADVANTAGES, CRITICS
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,12 @@ class TrainerConfig:
     value_lr: float | None = None
 
     def __post_init__(self) -> None:
-        if self.critic not in ("shared", "detached"):
-            raise ConfigError(f"TrainerConfig.critic must be 'shared' or 'detached', got {self.critic!r}")
-        if self.advantage not in ("gae", "turn"):
-            raise ConfigError(f"TrainerConfig.advantage must be 'gae' or 'turn', got {self.advantage!r}")
+        if self.critic not in CRITICS:
+            raise ConfigError(f"TrainerConfig.critic must be {' or '.join(map(repr, CRITICS))}, got {self.critic!r}")
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(
+                f"TrainerConfig.advantage must be {' or '.join(map(repr, ADVANTAGES))}, got {self.advantage!r}"
+            )
         if self.discount_per not in ("turn", "token"):
             raise ConfigError(f"TrainerConfig.discount_per must be 'turn' or 'token', got {self.discount_per!r}")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
