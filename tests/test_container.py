@@ -61,7 +61,12 @@ async def test_container_shell_keeps_state_and_survives_a_timeout(base_image: st
         assert await sb.read_file("/app/notes/a.txt") == b"hi"
 
 
-async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Path) -> None:
+async def test_abuse_is_contained_in_the_container(
+    base_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # conmon wrote an `oom` file into the cwd of whoever ran podman (seen in CI clones)
     marker = tmp_path / "host-secret"
     marker.write_text("host")
     task = load_task(TB / "tb2/csv-stats")
@@ -94,6 +99,7 @@ async def test_abuse_is_contained_in_the_container(base_image: str, tmp_path: Pa
         name = backend._episodes[str(wd)][0]
         assert name in _ours()
     assert name not in _ours()  # sleepers, TERM-ignorers and bombs went with the container
+    assert list(cwd.iterdir()) == []  # nothing of the container's lands where the user ran us
 
 
 @pytest.mark.slow

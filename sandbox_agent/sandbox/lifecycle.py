@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 
@@ -49,8 +51,12 @@ class ContainerLimits:
 async def _podman(
     argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
 ) -> tuple[int, bytes, bytes]:
+    # conmon (which `podman run -d` leaves behind) writes an `oom` file into its cwd when the container is
+    # OOM-killed: run podman from a scratch dir of ours, not from wherever the user is
+    scratch = Path(tempfile.gettempdir()) / "t1async-podman"
+    scratch.mkdir(exist_ok=True)
     with anyio.fail_after(timeout):
-        r = await anyio.run_process(argv, env=env, check=False, input=stdin)
+        r = await anyio.run_process(argv, env=env, check=False, input=stdin, cwd=scratch)
     return r.returncode, r.stdout, r.stderr
 
 
