@@ -24,6 +24,9 @@ from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, s
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.tasks import Task, TaskNeedsImageError
 from t1async.errors import SandboxError
+from t1async.log import get_logger
+
+log = get_logger("sandbox_agent.backend")
 
 
 class SandboxBackend(Protocol):
@@ -140,6 +143,9 @@ class ContainerBackend:
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     limits: ContainerLimits = dataclasses.field(default_factory=ContainerLimits)
     name: str = "container"
+    # the agent's container on podman's bridge, trusting the host's CAs (``--agent-network``): for tasks
+    # whose solution installs packages as it goes, as Terminal-Bench's containers allow. Off: --network=none
+    agent_network: bool = False
     _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
 
     def supports(self, task: Task) -> bool:
@@ -162,7 +168,9 @@ class ContainerBackend:
             inside, volumes = await anyio.to_thread.run_sync(images.image_workdir, image), ()
         tmpfs = self._tmpfs(inside, volumes)
         limits = task_limits(self.limits, task)
-        async with start_container(podman, env, image, limits=limits, volumes=volumes, tmpfs=tmpfs) as cid:
+        net = "bridge" if self.agent_network else "none"
+        volumes += _host_ca() if self.agent_network else ()
+        async with start_container(podman, env, image, limits=limits, volumes=volumes, tmpfs=tmpfs, network=net) as cid:
             self._episodes[str(workdir)] = (cid, inside)
             try:
                 yield cid
@@ -218,7 +226,9 @@ class ContainerBackend:
         await anyio.to_thread.run_sync(lambda: images.run_podman("commit", "-q", cid, snap))
         try:
             tmpfs = self._tmpfs(inside, ())
-            async with start_container(podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs) as copy:
+            async with start_container(
+                podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs, volumes=_host_ca()
+            ) as copy:
                 if self.limits.disk_bytes is not None:  # a commit leaves tmpfs contents out: carry them over
                     await anyio.to_thread.run_sync(_copy_paths, cid, copy, tmpfs)
                 async with ContainerSandbox.open(
@@ -228,6 +238,12 @@ class ContainerBackend:
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: images.run_podman("rmi", "-f", snap, check=False))
+
+
+def _host_ca() -> tuple[tuple[str, str], ...]:
+    """The host's CA bundle, read-only over the container's, for a session with the network (as in builds)."""
+    bundle = images.host_ca_bundle()
+    return ((str(bundle), f"{images.CA_BUNDLE}:ro"),) if bundle else ()
 
 
 def task_limits(limits: ContainerLimits, task: Task) -> ContainerLimits:
@@ -252,25 +268,37 @@ def _copy_paths(src: str, dst: str, paths: tuple[str, ...]) -> None:
             images.run_podman("cp", f"{tmp}/.", f"{dst}:{p}")
 
 
+def bwrap_first(task: Task, bwrap: BwrapBackend) -> bool:
+    """``auto``'s choice for one task: bwrap for a task with no image of its own (the synthetic corpus); a
+    task with a Dockerfile runs in its container when podman is here, and on bwrap only if podman is not
+    and the Dockerfile subset reproduces it. Published tests expect the image: on bwrap, / is read-only, the
+    shell is not root and /usr is the host's, and 3 of 4 published tasks whose oracle resolves in a
+    container failed there (tests writing /data; README "Terminal-Bench tasks as published")."""
+    return bwrap.supports(task) and (task.docker_image is None or not images.podman_available())
+
+
 @dataclasses.dataclass
 class AutoBackend:
-    """Each task on the backend that runs it exactly: bwrap when it can, else a container (the actors')."""
+    """Each task on the backend that runs it as published (``bwrap_first``): the actors'."""
 
     bwrap: BwrapBackend = dataclasses.field(default_factory=BwrapBackend)
     container: ContainerBackend = dataclasses.field(default_factory=ContainerBackend)
     name: str = "auto"
 
     def kind(self, task: Task) -> str:
-        return "bwrap" if self.bwrap.supports(task) else "container"
+        return "bwrap" if bwrap_first(task, self.bwrap) else "container"
 
     def supports(self, task: Task) -> bool:
-        return self.bwrap.supports(task) or self.container.supports(task)
+        return self.refusal(task) is None
 
     def refusal(self, task: Task) -> str | None:
-        if self.bwrap.supports(task):
+        if bwrap_first(task, self.bwrap):
             return None
         why = self.container.refusal(task)
-        return None if why is None else f"{self.bwrap.refusal(task)}; and the container backend: {why}"
+        if why is None:
+            return None
+        bw = self.bwrap.refusal(task)
+        return why if bw is None else f"{bw}; and the container backend: {why}"
 
     def open(
         self,
@@ -312,17 +340,22 @@ def backend_kind(backend: SandboxBackend, task: Task) -> str:
     return kind(task) if kind is not None else backend.name
 
 
-def pick_backend(name: str, tasks: list[Task] | None = None) -> SandboxBackend:
-    """``auto``: bwrap when it runs every task exactly, else containers (podman must be installed)."""
+def pick_backend(name: str, tasks: list[Task] | None = None, *, agent_network: bool = False) -> SandboxBackend:
+    """``auto``: bwrap when it runs every task exactly, else containers (podman must be installed).
+    ``agent_network``: the agent gets the network, which only a container gives."""
+    if agent_network and name == "bwrap":
+        raise ValueError("the agent's network needs the container backend: use --backend container or auto")
+    if name == "container" or agent_network:
+        images.podman()  # a clear error now if it is missing
+        return ContainerBackend(agent_network=agent_network)
     if name == "bwrap":
         return BwrapBackend()
-    if name == "container":
-        images.podman()  # a clear error now if it is missing
-        return ContainerBackend()
     if name != "auto":
         raise ValueError(f"backend must be auto, bwrap or container, got {name!r}")
     bw = BwrapBackend()
-    if all(bw.supports(t) for t in tasks or ()) or not images.podman_available():
+    if all(bwrap_first(t, bw) for t in tasks or ()) or not images.podman_available():
+        if any(t.docker_image is not None for t in tasks or ()):
+            log.warning("backend.bwrap_without_podman", why="podman is not installed: " + images.INSTALL_HINT)
         return bw
     return ContainerBackend()
 
@@ -331,7 +364,7 @@ def task_backend(task: Task, choice: str = "auto") -> tuple[str, str]:
     """(backend that would run ``task``, its image status) for ``list``: status is ``-`` (no image),
     ``built``, ``not built`` (built on first use), or why it cannot run (``refused: ...``)."""
     bw = BwrapBackend()
-    if choice == "bwrap" or (choice == "auto" and bw.supports(task)):
+    if choice == "bwrap" or (choice == "auto" and bwrap_first(task, bw)):
         why = bw.refusal(task)
         return "bwrap", "-" if why is None else f"refused: {why}"
     why = ContainerBackend().refusal(task)

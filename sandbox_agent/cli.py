@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
     r.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     r.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
+    r.add_argument("--agent-network", action="store_true", help=AGENT_NETWORK_HELP)
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
 
     c = sub.add_parser(
@@ -79,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--concurrency", type=int, default=2, help="tasks run at once (default 2)")
     c.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     c.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
+    c.add_argument("--agent-network", action="store_true", help=AGENT_NETWORK_HELP)
     c.add_argument("--json", action="store_true", help="print a JSON summary (last line)")
 
     ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
@@ -102,8 +104,13 @@ NETWORK_HELP = (
     "containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
     "written (default: no network; such scripts are replaced by their test files under pytest -rA)"
 )
+AGENT_NETWORK_HELP = (
+    "containers only: the agent's container gets the network (podman's bridge, the host's CA bundle), for "
+    "tasks whose solution installs packages as it goes (default: --network=none while the agent acts)"
+)
 BACKEND_HELP = (
-    "sandbox backend (default auto: bwrap when it reproduces every task exactly, else containers with podman)"
+    "sandbox backend (default auto: bwrap for tasks without a Dockerfile or image, containers with podman "
+    "for the rest; bwrap runs the Dockerfile subset it can reproduce only when podman is missing)"
 )
 
 
@@ -149,7 +156,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
 
     task = load_task(a.task_dir)
     policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
-    backend = pick_backend(a.backend, [task])
+    backend = pick_backend(a.backend, [task], agent_network=a.agent_network)
     from sandbox_agent.verifier import VerifierConfig
 
     verifier = VerifierConfig(allow_network=a.verifier_network)
@@ -205,7 +212,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
     groups: dict[str, tuple[object, list]] = {}  # auto: each task on the backend that runs it exactly
     skipped = []
     for t in tasks:
-        backend = pick_backend(a.backend, [t])
+        backend = pick_backend(a.backend, [t], agent_network=a.agent_network)
         if backend.supports(t):
             groups.setdefault(backend.name, (backend, []))[1].append(t)
         else:

@@ -31,6 +31,10 @@ _GENERIC_BASES = re.compile(
     r"^(docker\.io/(library/)?)?(ubuntu|debian|python|buildpack-deps)(:[\w.\-]+)?$"
     r"|^ghcr\.io/laude-institute/t-bench/[\w.\-/]+(:[\w.\-]+)?$"
 )
+# Terminal-Bench's base images (docker/base-images/*) end with ``WORKDIR /app``: a task FROM one of them and
+# with no WORKDIR of its own runs in /app (its run-tests.sh refuses to run from /).
+TBENCH_BASE = re.compile(r"^ghcr\.io/laude-institute/t-bench/")
+TBENCH_WORKDIR = "/app"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SYSTEM = ("/usr", "/etc", "/bin", "/lib", "/lib64", "/sbin", "/proc", "/dev", "/sys")
 _METADATA = frozenset({"LABEL", "CMD", "ENTRYPOINT", "EXPOSE", "MAINTAINER", "SHELL", "STOPSIGNAL", "HEALTHCHECK"})
@@ -150,6 +154,8 @@ def plan_text(text: str, context: Path, *, name: str = "Dockerfile") -> BwrapPla
             base = _expand(words[0], args) if words else ""
             if not _GENERIC_BASES.match(base):
                 return refuse(ins, f"base image {base!r} is not one the host's /usr stands in for")
+            if TBENCH_BASE.match(base):
+                workdir = TBENCH_WORKDIR
         elif kw == "WORKDIR":
             w = _expand(_words(a)[0] if a else "", {**args, **env})
             workdir = posixpath.normpath(posixpath.join(workdir, w))

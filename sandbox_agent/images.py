@@ -2,7 +2,7 @@
 
 Image registries are unreachable here; Debian's and PyPI's package registries are not. So:
 
-- ``build_base()`` makes ``localhost/t1async/base:bookworm-4`` once: ``mmdebstrap --variant=minbase`` of
+- ``build_base()`` makes ``localhost/t1async/base:bookworm-6`` once: ``mmdebstrap --variant=minbase`` of
   Debian bookworm (python3 3.11, pip, venv, pytest, tmux, asciinema, curl, git, procps...), ``podman
   import``, then ``uv`` and ``pytest==8.4.1`` from PyPI wheels (downloaded on the host) and ``python``/
   ``pip`` links, as ``python:3.11-slim`` has them. Cached: a second call returns at once.
@@ -26,22 +26,22 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import tomllib
 from pathlib import Path
 
-from sandbox_agent.dockerfile import build_context, dockerfile_of
+from sandbox_agent.dockerfile import TBENCH_BASE, TBENCH_WORKDIR, build_context, dockerfile_of
 from sandbox_agent.sandbox.base import SandboxStartError
 from sandbox_agent.tasks import Task
+from sandbox_agent.wheels import download
 from t1async.log import get_logger
 
 log = get_logger("sandbox_agent.images")
 
 # The tag names the recipe's version: a changed recipe is a new image (and so new task images, whose tags hash
 # the base's name too), never a stale one found under the old name.
-BASE_IMAGE = "localhost/t1async/base:bookworm-4"
+BASE_IMAGE = "localhost/t1async/base:bookworm-6"
 ROOTFS_IMAGE = "localhost/t1async/rootfs:bookworm"
 BASE_PACKAGES = (
     "python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,git,less,file"
@@ -172,28 +172,7 @@ def _build_base(force: bool, mirror: str) -> str:
         wheels = Path(tmp) / "wheels"
         house = Path(tmp) / "wheelhouse"
         for dest, names in ((wheels, PYPI_PACKAGES), (house, WHEELHOUSE_PACKAGES)):
-            r = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "--only-binary=:all:",
-                    "--python-version",
-                    "3.11",
-                    "--platform",
-                    "manylinux_2_17_x86_64",
-                    "--platform",
-                    "manylinux2014_x86_64",
-                    "--platform",
-                    "any",
-                    "-d",
-                    str(dest),
-                    *names,
-                ],
-                capture_output=True,
-                text=True,
-            )
+            r = download(dest, names)
             if r.returncode != 0:
                 raise ImageError(f"pip download {' '.join(names)} failed: {r.stderr[-1500:]}")
         (Path(tmp) / "uv-env").write_text(_UV_ENV)
@@ -211,7 +190,7 @@ def _build_base(force: bool, mirror: str) -> str:
             " && ln -sf /usr/bin/python3 /usr/local/bin/python && ln -sf /usr/bin/pip3 /usr/local/bin/pip"
             " && ln -sf /usr/local/bin/uv /root/.local/bin/uv && ln -sf /usr/local/bin/uvx /root/.local/bin/uvx"
             " && mkdir -p /logs/verifier /app\n"
-            "ENV LANG=C.UTF-8\n"
+            "ENV LANG=C.UTF-8 UV_SYSTEM_CERTS=1\n"
             'CMD ["/bin/bash"]\n'
         )
         run_podman("build", "--pull=never", "--network=none", "-t", BASE_IMAGE, tmp, timeout=1200)
@@ -348,17 +327,36 @@ def _task_image(task: Task, tag: str) -> str:
             )
         if ref not in stages:
             _ensure(local)
-        return f"{m.group(1)}{m.group(2)}{local}{rest}"
+        workdir = f"\nWORKDIR {TBENCH_WORKDIR}" if TBENCH_BASE.match(ref) else ""  # as t-bench's images set
+        return f"{m.group(1)}{m.group(2)}{local}{rest}{workdir}"
 
     text = _FROM.sub(repl, df.read_text(encoding="utf-8"))
     with tempfile.NamedTemporaryFile("w", suffix=".Dockerfile", delete=False) as f:
         f.write(text)
     try:
         log.info("images.task_build", task=task.id, tag=tag)
-        run_podman("build", "--pull=never", "-f", f.name, "-t", tag, str(ctx), timeout=1800)
+        run_podman("build", "--pull=never", *trust_mounts(), "-f", f.name, "-t", tag, str(ctx), timeout=1800)
     finally:
         os.unlink(f.name)
     return tag
+
+
+def trust_mounts() -> list[str]:
+    """The host's CA bundle over the image's, as a ``podman build``/``run`` volume, so a task's ``RUN pip
+    install``, ``apt-get`` or ``curl`` trusts what the host trusts (here PyPI is reached through a
+    TLS-intercepting proxy whose CA only the host's bundle has). Debian's pip and venvs made from it read
+    that bundle; uv does with ``UV_SYSTEM_CERTS`` (set in the base image). A RUN volume is not committed, so
+    the task's image keeps the bundle its Dockerfile made."""
+    bundle = host_ca_bundle()
+    return [f"--volume={bundle}:{CA_BUNDLE}:ro"] if bundle else []
+
+
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def host_ca_bundle() -> Path | None:
+    bundle = Path(os.environ.get("T1_HOST_CA_BUNDLE", CA_BUNDLE))
+    return bundle if bundle.is_file() else None
 
 
 def _ensure(local: str) -> str:

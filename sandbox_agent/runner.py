@@ -188,7 +188,9 @@ async def run_policy(
             share_read_only(Path(tmp))
             async with backend.open(task, wd, ro_binds=binds) as sb:
                 act = await policy.act(task, sb)
-        result = await verify(task, wd, backend, verifier)
+                # verified with the agent's session still open, as in run_episode and Terminal-Bench: what
+                # the agent left running (a server it started) is there for the tests
+                result = await verify(task, wd, backend, verifier)
     log.info(
         "policy.run", task=task.id, policy=policy.name, passed=result.passed, total=result.total, status=result.status
     )

@@ -34,17 +34,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+import anyio
+
 from sandbox_agent.backend import SandboxBackend, backend_kind
-from sandbox_agent.images import OFFLINE_ENV
+from sandbox_agent.images import WHEELHOUSE
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
+from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this module's API)
+    SHIM_DIR,
+    TESTS_MOUNT,
+    harbor_reward,
+    harbor_rewards,
+    needs_network,
+    script_command,
+    write_shims,
+)
+from sandbox_agent.wheels import verifier_wheels
 from t1async.errors import SandboxError
 from t1async.log import get_logger
 
 log = get_logger("sandbox_agent.verifier")
 
 VerifyStatus = Literal["ok", "timeout", "parse_error", "error"]
-TESTS_MOUNT = "/tests"
 
 
 @dataclass(frozen=True)
@@ -191,19 +202,30 @@ def share_read_only(root: Path) -> None:
             os.chmod(p, os.stat(p).st_mode & 0o777 | 0o444)
 
 
-def build_command(task: Task, nonce: str, python: str) -> str:
+def build_command(task: Task, nonce: str, python: str, deps: tuple[str, ...] = ()) -> str:
     """The shell command run inside the verifier's sandbox (cwd = the work dir).
 
     The work dir is *appended* to sys.path (``-I`` leaves it out): tests that import the agent's module
     (Aider polyglot's ``from bob import response``, EvoEval's) find it, while the standard library and
-    pytest cannot be shadowed by a file the agent planted, and its conftest.py is never collected."""
+    pytest cannot be shadowed by a file the agent planted, and its conftest.py is never collected.
+    ``deps`` (what the task's script would install; in the mounted wheelhouse) go into a dir appended first."""
     env = f'env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/tmp LANG=C.UTF-8 T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT}'
     out, junit = f"/tmp/t1v-{nonce}.out", f"/tmp/t1v-{nonce}.xml"
     if task.test_files:
         files = " ".join(f"{TESTS_MOUNT}/{f}" for f in task.test_files)
-        main = "import os, sys; sys.path.append(os.getcwd()); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+        target = f"/tmp/t1v-deps-{nonce}"
+        own = [d for d in deps if not re.match(r"pytest([<>=!~\[]|$)", d, re.IGNORECASE)]
+        pre = (
+            f"{env} {python} -m pip install -q --no-index --find-links {WHEELHOUSE} --target {target} "
+            + " ".join(f"'{d}'" for d in own)
+            + f" >{out}.pip 2>&1; "
+            if own
+            else ""
+        )
+        path = f"sys.path.append({target!r}); " if own else ""
+        main = f"import os, sys; {path}sys.path.append(os.getcwd()); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
         run = (
-            f"{env} {python} -I -B -c '{main}' -p no:cacheprovider -rA --tb=short --rootdir={TESTS_MOUNT} "
+            f'{pre}{env} {python} -I -B -c "{main}" -p no:cacheprovider -rA --tb=short --rootdir={TESTS_MOUNT} '
             f"-o junit_family=xunit1 --junitxml={junit} {files} >{out} 2>&1"
         )
     else:
@@ -213,68 +235,6 @@ def build_command(task: Task, nonce: str, python: str) -> str:
         f"if [ -f {junit} ]; then cat {junit}; fi; echo; echo '{nonce} OUT'; tail -c 65536 {out}; "
         f"rm -f {junit} {out}"
     )
-
-
-_NETWORK = re.compile(r"\b(curl|wget)\s|astral\.sh|\buvx?\s|\bpip3?\s+install|apt(-get)?\s+(update|install)")
-
-
-def needs_network(script: Path) -> bool:
-    """Whether a test script fetches something (uv, pytest, packages): offline it cannot run as written."""
-    try:
-        text = script.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return True
-    return bool(_NETWORK.search("\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))))
-
-
-def script_command(task: Task, nonce: str, offline: bool = True) -> str:
-    """Terminal-Bench's own entry point, as its harness runs it (cwd = the task's working dir):
-    TB1 ``bash /tests/run-tests.sh``, TB2 ``bash /tests/test.sh`` and then /logs/verifier/reward.*.
-
-    ``offline``: uv and pip install from the base image's wheelhouse (pytest 8.4.1, pytest-json-ctrf), so
-    the usual preamble (curl the uv installer, ``source $HOME/.local/bin/env``, ``uv venv``/``uv pip
-    install pytest==8.4.1``/``uv run pytest``, ``uvx --with pytest==8.4.1 pytest``) runs as written."""
-    out = f"/tmp/t1v-{nonce}.out"
-    name = "run-tests.sh" if task.format == "tb1" else "test.sh"
-    env = " ".join(f"{k}={v}" for k, v in OFFLINE_ENV) + " " if offline else ""
-    return (
-        "mkdir -p /logs/verifier; rm -f /logs/verifier/reward.txt /logs/verifier/reward.json "
-        "/logs/verifier/rewards.json; "
-        f'{env}T1_WORKDIR="$PWD" TEST_DIR={TESTS_MOUNT} bash {TESTS_MOUNT}/{name} >{out} 2>&1 </dev/null; '
-        f"t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
-        f"echo; echo '{nonce} OUT'; tail -c 65536 {out}; echo; "
-        f"echo '{nonce} REWARD' $(cat /logs/verifier/reward.txt 2>/dev/null "
-        f"|| cat /logs/verifier/reward.json 2>/dev/null || cat /logs/verifier/rewards.json 2>/dev/null "
-        f"| tr -d '\n'); rm -f {out}"
-    )
-
-
-def harbor_rewards(text: str) -> dict[str, float] | None:
-    """Harbor's rewards: reward.txt (a number: ``{"reward": x}``), reward.json (``{"reward": x}``) or
-    rewards.json (named rewards, ``{"name": x, ...}``); the numeric entries, or None if absent/unreadable."""
-    import json
-
-    text = text.strip()
-    if not text:
-        return None
-    try:
-        return {"reward": float(text)}
-    except ValueError:
-        pass
-    try:
-        v = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(v, dict):
-        return None
-    out = {str(k): float(x) for k, x in v.items() if isinstance(x, (int, float)) and not isinstance(x, bool)}
-    return out or None
-
-
-def harbor_reward(text: str) -> float | None:
-    """The one reward: ``reward`` if named, else the least of the named ones (all must be met)."""
-    r = harbor_rewards(text)
-    return None if r is None else r.get("reward", min(r.values()))
 
 
 def split_output(text: str, nonce: str) -> tuple[int | None, str | None, str]:
@@ -308,6 +268,12 @@ async def verify(
             "error",
             f"task {task.id} has no tests/test_*.py (run-tests.sh runs only in a container: --backend container)",
         )
+    # the packages the script installs, fetched on the host into a wheelhouse mounted over the image's
+    house: Path | None = None
+    deps: tuple[str, ...] = ()
+    no_house = ""
+    if in_container and task.test_script is not None and not networked:
+        house, deps, no_house = await anyio.to_thread.run_sync(verifier_wheels, task.test_script)
     tmp = Path(tempfile.mkdtemp(prefix="t1v-"))
     fallback: str | None = None
     try:
@@ -323,7 +289,11 @@ async def verify(
         cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
         try:
             opener = backend.open_networked if networked else backend.open  # type: ignore[attr-defined]
-            async with opener(task, workdir, config=cfg, ro_binds=((str(tests_copy), TESTS_MOUNT),)) as sb:
+            binds = ((str(tests_copy), TESTS_MOUNT),) + (((str(house), WHEELHOUSE),) if house else ())
+            if use_script and not networked:
+                write_shims(tmp / "bin")
+                binds += ((str(tmp / "bin"), SHIM_DIR),)
+            async with opener(task, workdir, config=cfg, ro_binds=binds) as sb:
                 if use_script:
                     res = await sb.exec(script_command(task, nonce, offline=not networked), timeout=timeout)
                     if res.timed_out:
@@ -348,7 +318,7 @@ async def verify(
                         f"{_last_lines(out.rpartition(f'{chr(10)}{nonce} REWARD')[0] or out)}"
                     )
                     log.info("verify.script_fallback", task=task.id, why=fallback[:300])
-                res = await sb.exec(build_command(task, nonce, config.python), timeout=timeout)
+                res = await sb.exec(build_command(task, nonce, config.python, deps), timeout=timeout)
         except SandboxError as exc:
             return VerifyResult.failed("error", f"sandbox failed: {exc}", time.monotonic() - t0)
     finally:
@@ -363,6 +333,8 @@ async def verify(
     if not task.test_files:  # tb2 test.sh only: one test, its exit status
         return VerifyResult.from_tests({"test.sh": code == 0}, out[-2000:], dt)
     tests, status, detail = interpret(code, junit, out)
+    if no_house:
+        detail = no_house + ". " + detail
     if fallback is not None:
         detail = fallback + ". " + detail
     elif task.test_script is not None and needs_network(task.test_script):

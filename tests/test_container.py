@@ -18,7 +18,7 @@ import pytest
 from test_actor_learner import tiny_model  # noqa: F401 (a module fixture)
 
 from sandbox_agent import images
-from sandbox_agent.backend import ContainerBackend, pick_backend
+from sandbox_agent.backend import AutoBackend, ContainerBackend, pick_backend
 from sandbox_agent.runner import prepared_workdir
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.container import OWNER_LABEL, reap_orphans
@@ -170,10 +170,14 @@ async def test_a_sigkilled_owner_s_container_is_removed_by_its_guard(base_image:
         p.wait()
 
 
-def test_auto_picks_bwrap_when_it_runs_every_task_exactly_else_containers(base_image: str) -> None:
-    bwrap_ok = [load_task(TB / "tb1/log-summary"), load_task(FIXTURES / "tb1/hello-world")]
-    assert pick_backend("auto", bwrap_ok).name == "bwrap"
-    assert pick_backend("auto", [*bwrap_ok, load_task(TB / "tb1/jq-query")]).name == "container"
+def test_auto_picks_bwrap_for_tasks_without_an_image_and_containers_for_published_ones(base_image: str) -> None:
+    own = [load_task(FIXTURES / "tb1/hello-world"), load_task(FIXTURES / "tb1/fibonacci-legacy")]
+    assert pick_backend("auto", own).name == "bwrap"
+    # log-summary's Dockerfile is only FROM/WORKDIR/COPY/ENV, which bwrap could stage: it still gets its image
+    assert pick_backend("auto", [*own, load_task(TB / "tb1/log-summary")]).name == "container"
+    assert pick_backend("auto", [*own, load_task(TB / "tb1/jq-query")]).name == "container"
+    assert AutoBackend().kind(load_task(TB / "tb2/csv-stats")) == "container"
+    assert AutoBackend().kind(own[0]) == "bwrap"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -197,7 +201,7 @@ def test_cli_runs_a_task_on_the_chosen_backend_and_lists_backend_and_image_statu
     assert r.returncode == 1 and "Dockerfile:3: RUN apt-get update" in r.stderr and "--backend container" in r.stderr
     r = _cli("list", str(TB), "--json")
     rows = {t["id"]: t for t in json.loads(r.stdout.strip().splitlines()[-1])}
-    assert rows["log-summary"]["backend"] == "bwrap" and rows["jq-query"]["backend"] == "container"
+    assert rows["log-summary"]["backend"] == "container" and rows["jq-query"]["backend"] == "container"
     assert rows["jq-query"]["image_status"] in ("built", "not built")
     r = _cli("list", str(FIXTURES), "--json")
     rows = {t["id"]: t for t in json.loads(r.stdout.strip().splitlines()[-1])}

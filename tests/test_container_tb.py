@@ -25,6 +25,9 @@ PUBLISHED = [
     (TB / "tb1/inbox-words", "script", 2),  # uv init; uv add pytest==8.4.1 (a universal lock, offline)
     (TB / "tb1/polyglot-anagram", "script", 4),  # copies *_test.py into /app and runs them there (Aider)
     (TB / "tb2/uvx-ctrf", "script", 3),  # uvx --with pytest==8.4.1 --with pytest-json-ctrf pytest --ctrf
+    # FROM t-bench's image (its WORKDIR /app), RUN pip install from PyPI, a `set -euo pipefail` script that
+    # curls uv's installer and pins a package the image lacks (six): resolved by its own script, offline
+    (TB / "tb1/tbench-base", "script", 3),
     (TB / "tb2/csv-stats", "pytest", 3),
     (TB / "tb2/gen-data", "pytest", 2),
     (FIXTURES / "tb1/hello-world", "script", 3),
@@ -140,3 +143,18 @@ async def test_harbor_named_rewards_count_as_tests(base_image: str, tmp_path: Pa
     r = await run_policy(load_task(t), OracleAgent(), backend=ContainerBackend(config=FAST))
     assert (r.verify.path, r.verify.tests) == ("script", {"dir": True, "file": True, "never": False}), r.verify
     assert (r.verify.passed, r.verify.resolved) == (2, False)
+
+
+async def test_the_agent_gets_the_network_only_when_asked_and_what_it_left_running_is_tested(
+    base_image: str,
+) -> None:
+    # serve-after's solution pip-installs a package and leaves an HTTP server running; its tests use both
+    task = load_task(TB / "tb2/serve-after")
+    backend = ContainerBackend(config=FAST)
+    offline = await run_policy(task, OracleAgent(), backend=backend)
+    assert offline.verify.status == "ok" and offline.verify.passed == 0, offline.verify  # pip had no network
+    networked = ContainerBackend(config=FAST, agent_network=True)
+    oracle = await run_policy(task, OracleAgent(), backend=networked)
+    assert (oracle.verify.path, oracle.verify.passed, oracle.verify.total) == ("script", 2, 2), oracle.verify
+    null = await run_policy(task, NullAgent(), backend=networked)
+    assert null.verify.status == "ok" and null.verify.passed == 0, null.verify

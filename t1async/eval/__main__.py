@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "bwrap", "container"),
         default="auto",
         help="sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap "
-        "when it runs every selected task exactly, else containers)",
+        "when no selected task has an image of its own, else containers)",
     )
     p.add_argument("--split", choices=("eval", "train", "all"), default="eval", help="which tasks (default eval)")
     p.add_argument("--families", default="", help="comma-separated task families (default: all)")

@@ -1,0 +1,75 @@
+"""Running published Terminal-Bench scripts offline, without containers: which pins a test script installs
+(fetched on the host ahead of the verifier), t-bench base images' WORKDIR, the uv-installer shims, and the
+agent's network needing a container."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandbox_agent.backend import pick_backend
+from sandbox_agent.dockerfile import plan_text
+from sandbox_agent.tbscript import write_shims
+from sandbox_agent.wheels import script_packages
+
+SCRIPT = """#!/bin/bash
+set -euo pipefail
+apt-get update && apt-get install -y curl  # not python
+curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh
+uv venv .tbench-testing
+uv pip install --only-binary=:all: pytest==8.4.1 bcrypt==4.1.3 \\
+    "httpx==0.27.0"
+python3 -m pip install -q requests==2.32.3 -r extra.txt --index-url https://example.org/simple ./local
+uvx -p 3.13 -w pytest==8.4.1 --with pyyaml==6.0.1 --with=numpy==2.2.1 pytest --ctrf x.json -rA
+uv run --with scipy==1.15.1 pytest -q
+uv add pytest==8.3.4
+# pip install commented==1.0
+"""
+
+
+def test_script_packages_reads_every_pin_a_script_installs_and_nothing_else() -> None:
+    assert script_packages(SCRIPT) == (
+        "pytest==8.4.1",
+        "bcrypt==4.1.3",
+        "httpx==0.27.0",
+        "requests==2.32.3",
+        "pyyaml==6.0.1",
+        "numpy==2.2.1",
+        "scipy==1.15.1",
+        "pytest==8.3.4",
+    )
+
+
+def test_a_t_bench_base_image_means_workdir_app_unless_the_dockerfile_says_otherwise() -> None:
+    base = "FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\n"
+    assert plan_text(base, Path(".")).workdir == "/app"
+    assert plan_text(base + "WORKDIR /srv/work\n", Path(".")).workdir == "/srv/work"
+    assert plan_text("FROM python:3.11-slim\n", Path(".")).workdir == "/"
+
+
+def test_the_shims_answer_uv_s_installer_and_pass_everything_else_to_the_real_command(tmp_path: Path) -> None:
+    if shutil.which("curl") is None:
+        pytest.fail("curl is missing: apt-get install -y curl")
+    write_shims(tmp_path)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    installer = subprocess.run(
+        ["curl", "-LsSf", "https://astral.sh/uv/0.7.13/install.sh"], env=env, capture_output=True, text=True
+    )
+    assert installer.returncode == 0 and "uv installed" in installer.stdout, installer
+    home = tmp_path / "home"
+    home.mkdir()
+    ran = subprocess.run(["sh"], input=installer.stdout, env={**env, "HOME": str(home)}, capture_output=True, text=True)
+    assert ran.returncode == 0 and (home / ".local" / "bin").is_dir(), ran
+    real = subprocess.run(["curl", "--version"], env=env, capture_output=True, text=True)
+    assert real.returncode == 0 and real.stdout.startswith("curl "), real  # the real curl, found past the shim
+    other = subprocess.run(["curl", "-sS", "file:///nonexistent/t1"], env=env, capture_output=True, text=True)
+    assert other.returncode != 0 and "uv installed" not in other.stdout  # other URLs are not answered
+
+
+def test_the_agent_s_network_needs_a_container() -> None:
+    with pytest.raises(ValueError, match="needs the container backend"):
+        pick_backend("bwrap", agent_network=True)
