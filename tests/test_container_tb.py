@@ -158,3 +158,8 @@ async def test_the_agent_gets_the_network_only_when_asked_and_what_it_left_runni
     assert (oracle.verify.path, oracle.verify.passed, oracle.verify.total) == ("script", 2, 2), oracle.verify
     null = await run_policy(task, NullAgent(), backend=networked)
     assert null.verify.status == "ok" and null.verify.passed == 0, null.verify
+    from sandbox_agent.verifier import VerifierConfig
+
+    # the verifier's network too: it tests the agent's container in place (a committed copy has no server)
+    both = await run_policy(task, OracleAgent(), backend=networked, verifier=VerifierConfig(allow_network=True))
+    assert (both.verify.path, both.verify.passed, both.verify.total) == ("script", 2, 2), both.verify
