@@ -5,8 +5,9 @@ Each verification opens a *fresh* sandbox session over the work dir, with a fres
 
 In a container (the task's own image) the task's own entry point runs as Terminal-Bench runs it: TB1
 ``run-tests.sh``, TB2 ``tests/test.sh`` + ``/logs/verifier/reward.*`` (``path="script"``). It runs offline
-unless the user gave the verifier the network: the base image keeps a wheelhouse (pytest 8.4.1,
-pytest-json-ctrf) and uv's ``~/.local/bin/env``, so the usual uv/pytest preamble works as written. Where the
+unless the user gave the verifier the network: the pins the script installs are fetched on the host into a
+wheelhouse mounted over the image's (``sandbox_agent.wheels``), and uv's installer is answered from the image
+(``sandbox_agent.tbscript``), so the usual uv/pytest preamble works as written. Where the
 script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), with
 ``VerifierConfig(run_script=False)``, and always under bwrap, the test files (``test_*.py`` and
 ``*_test.py``) run directly (``path="pytest"``) with the sandbox's ``python3 -I -B`` (isolated: no user
