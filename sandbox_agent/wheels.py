@@ -11,6 +11,7 @@ as written, offline, with the packages it asked for.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shlex
 import shutil
@@ -146,7 +147,7 @@ def task_wheelhouse(cache: Path, specs: tuple[str, ...], base: tuple[str, ...]) 
     with lock:
         if marker.exists():
             return done, ""
-        part = done.with_name(key + ".part")
+        part = done.with_name(f"{key}.part-{os.getpid()}")  # actor processes may fetch the same set at once
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
         r = download(part, base)  # two resolutions: a script may pin another pytest than the image's
@@ -158,8 +159,12 @@ def task_wheelhouse(cache: Path, specs: tuple[str, ...], base: tuple[str, ...]) 
             log.info("wheels.task_download_failed", specs=list(specs), why=why)
             return None, f"could not fetch {' '.join(specs)} from PyPI: {why}"
         (part / ".complete").write_text(" ".join(specs) + "\n")
-        shutil.rmtree(done, ignore_errors=True)
-        part.rename(done)
+        try:
+            part.rename(done)
+        except OSError:  # another process got there first (a non-empty `done`): theirs serves
+            shutil.rmtree(part, ignore_errors=True)
+            if not marker.exists():
+                return None, f"could not place the wheels for {' '.join(specs)} in {done}"
         log.info("wheels.task_downloaded", specs=list(specs), dir=str(done))
         return done, ""
 

@@ -73,3 +73,26 @@ def test_the_shims_answer_uv_s_installer_and_pass_everything_else_to_the_real_co
 def test_the_agent_s_network_needs_a_container() -> None:
     with pytest.raises(ValueError, match="needs the container backend"):
         pick_backend("bwrap", agent_network=True)
+
+
+def test_the_verifier_wheelhouse_is_fetched_once_per_set_of_pins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandbox_agent import wheels
+
+    calls: list[tuple[str, ...]] = []
+
+    def fake_download(dest: Path, specs: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        calls.append(tuple(specs))
+        for s in specs:
+            (dest / f"{s.replace('==', '-')}.whl").write_text("")
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(wheels, "download", fake_download)
+    first, why = wheels.task_wheelhouse(tmp_path, ("six==1.16.0",), ("pytest==8.4.1",))
+    again, _ = wheels.task_wheelhouse(tmp_path, ("six==1.16.0",), ("pytest==8.4.1",))
+    assert first == again and first is not None and why == ""
+    assert calls == [("pytest==8.4.1",), ("six==1.16.0",)]  # two resolutions (a script may pin another pytest)
+    assert sorted(p.name for p in first.iterdir()) == [".complete", "pytest-8.4.1.whl", "six-1.16.0.whl"]
+    assert not list(tmp_path.rglob("*.part-*"))
+    assert wheels.task_wheelhouse(tmp_path, (), ("pytest==8.4.1",)) == (None, "")  # nothing beyond the image's
