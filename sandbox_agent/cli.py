@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
+    if getattr(a, "agent_network", False) and a.backend == "bwrap":
+        p.error("--agent-network needs a container (--backend container or auto): bwrap gives the agent no network")
     handlers = {
         "synth": _cmd_synth,
         "decontam": _cmd_decontam,

@@ -96,3 +96,12 @@ def test_the_verifier_wheelhouse_is_fetched_once_per_set_of_pins(
     assert sorted(p.name for p in first.iterdir()) == [".complete", "pytest-8.4.1.whl", "six-1.16.0.whl"]
     assert not list(tmp_path.rglob("*.part-*"))
     assert wheels.task_wheelhouse(tmp_path, (), ("pytest==8.4.1",)) == (None, "")  # nothing beyond the image's
+
+
+def test_run_task_refuses_the_agent_s_network_on_bwrap_with_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from sandbox_agent.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run-task", "tests/tb_tasks/tb2/serve-after", "--oracle", "--backend", "bwrap", "--agent-network"])
+    assert exc.value.code == 2
+    assert "--agent-network needs a container (--backend container or auto)" in capsys.readouterr().err
