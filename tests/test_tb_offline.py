@@ -105,3 +105,27 @@ def test_run_task_refuses_the_agent_s_network_on_bwrap_with_a_usage_error(capsys
         main(["run-task", "tests/tb_tasks/tb2/serve-after", "--oracle", "--backend", "bwrap", "--agent-network"])
     assert exc.value.code == 2
     assert "--agent-network needs a container (--backend container or auto)" in capsys.readouterr().err
+
+
+def test_a_wheelhouse_another_process_finished_first_is_kept_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandbox_agent import wheels
+
+    key_dir: list[Path] = []
+
+    def racing_download(dest: Path, specs: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        (dest / "ours.whl").write_text("")
+        if "six==1.16.0" in specs:  # meanwhile another actor process finishes the same set (and mounts it)
+            done = dest.parent / dest.name.split(".part")[0]
+            done.mkdir()
+            (done / "theirs.whl").write_text("")
+            (done / ".complete").write_text("six==1.16.0\n")
+            key_dir.append(done)
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(wheels, "download", racing_download)
+    house, why = wheels.task_wheelhouse(tmp_path, ("six==1.16.0",), ("pytest==8.4.1",))
+    assert (house, why) == (key_dir[0], "")
+    assert (house / "theirs.whl").exists() and not (house / "ours.whl").exists()  # theirs, untouched
+    assert [p.name for p in house.parent.iterdir()] == [house.name]  # our part dir is gone
