@@ -169,7 +169,7 @@ class ContainerBackend:
         tmpfs = self._tmpfs(inside, volumes)
         limits = task_limits(self.limits, task)
         net = "bridge" if self.agent_network else "none"
-        volumes += _host_ca() if self.agent_network else ()
+        volumes += images.host_ca_volumes() if self.agent_network else ()
         async with start_container(podman, env, image, limits=limits, volumes=volumes, tmpfs=tmpfs, network=net) as cid:
             self._episodes[str(workdir)] = (cid, inside)
             try:
@@ -231,7 +231,7 @@ class ContainerBackend:
         try:
             tmpfs = self._tmpfs(inside, ())
             async with start_container(
-                podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs, volumes=_host_ca()
+                podman, env, snap, limits=self.limits, network="bridge", tmpfs=tmpfs, volumes=images.host_ca_volumes()
             ) as copy:
                 if self.limits.disk_bytes is not None:  # a commit leaves tmpfs contents out: carry them over
                     await anyio.to_thread.run_sync(_copy_paths, cid, copy, tmpfs)
@@ -242,12 +242,6 @@ class ContainerBackend:
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: images.run_podman("rmi", "-f", snap, check=False))
-
-
-def _host_ca() -> tuple[tuple[str, str], ...]:
-    """The host's CA bundle, read-only over the container's, for a session with the network (as in builds)."""
-    bundle = images.host_ca_bundle()
-    return ((str(bundle), f"{images.CA_BUNDLE}:ro"),) if bundle else ()
 
 
 def task_limits(limits: ContainerLimits, task: Task) -> ContainerLimits:
@@ -278,7 +272,9 @@ def bwrap_first(task: Task, bwrap: BwrapBackend) -> bool:
     and the Dockerfile subset reproduces it. Published tests expect the image: on bwrap, / is read-only, the
     shell is not root and /usr is the host's, and 3 of 4 published tasks whose oracle resolves in a
     container failed there (tests writing /data; README "Terminal-Bench tasks as published")."""
-    return bwrap.supports(task) and (task.docker_image is None or not images.podman_available())
+    # the cheap test first: only a task that may run on bwrap gets its Dockerfile parsed (``kind`` is called
+    # at every session's open)
+    return (task.docker_image is None or not images.podman_available()) and bwrap.supports(task)
 
 
 @dataclasses.dataclass
@@ -345,7 +341,7 @@ def backend_kind(backend: SandboxBackend, task: Task) -> str:
 
 
 def pick_backend(name: str, tasks: list[Task] | None = None, *, agent_network: bool = False) -> SandboxBackend:
-    """``auto``: bwrap when it runs every task exactly, else containers (podman must be installed).
+    """``auto``: bwrap when ``bwrap_first`` holds for every task, else containers (podman must be installed).
     ``agent_network``: the agent gets the network, which only a container gives."""
     if agent_network and name == "bwrap":
         raise ValueError("the agent's network needs the container backend: use --backend container or auto")

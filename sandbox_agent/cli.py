@@ -209,7 +209,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
     tasks = load_tasks(a.tasks_dir)
     if a.sample and a.sample < len(tasks):
         tasks = random.Random(a.seed).sample(tasks, a.sample)
-    groups: dict[str, tuple[object, list]] = {}  # auto: each task on the backend that runs it exactly
+    groups: dict[str, tuple[object, list]] = {}  # auto: each task on its backend (backend.bwrap_first)
     skipped = []
     for t in tasks:
         backend = pick_backend(a.backend, [t], agent_network=a.agent_network)

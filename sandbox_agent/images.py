@@ -51,6 +51,7 @@ PYPI_PACKAGES = ("uv", "pytest==8.4.1")
 # UV_OFFLINE/UV_FIND_LINKS/PIP_FIND_LINKS in the verifier (OFFLINE_ENV). colorama/tomli/exceptiongroup are
 # pytest's conditional dependencies, which a universal `uv add`/`uv lock` resolution needs as files too.
 WHEELHOUSE = "/opt/t1async/wheels"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's; the host's is mounted over it (host_ca_volumes)
 WHEELHOUSE_PACKAGES = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "colorama", "tomli", "exceptiongroup")
 OFFLINE_ENV = (
     ("UV_OFFLINE", "1"),
@@ -335,28 +336,21 @@ def _task_image(task: Task, tag: str) -> str:
         f.write(text)
     try:
         log.info("images.task_build", task=task.id, tag=tag)
-        run_podman("build", "--pull=never", *trust_mounts(), "-f", f.name, "-t", tag, str(ctx), timeout=1800)
+        trust = [f"--volume={host}:{inside}" for host, inside in host_ca_volumes()]
+        run_podman("build", "--pull=never", *trust, "-f", f.name, "-t", tag, str(ctx), timeout=1800)
     finally:
         os.unlink(f.name)
     return tag
 
 
-def trust_mounts() -> list[str]:
-    """The host's CA bundle over the image's, as a ``podman build``/``run`` volume, so a task's ``RUN pip
-    install``, ``apt-get`` or ``curl`` trusts what the host trusts (here PyPI is reached through a
-    TLS-intercepting proxy whose CA only the host's bundle has). Debian's pip and venvs made from it read
-    that bundle; uv does with ``UV_SYSTEM_CERTS`` (set in the base image). A RUN volume is not committed, so
-    the task's image keeps the bundle its Dockerfile made."""
-    bundle = host_ca_bundle()
-    return [f"--volume={bundle}:{CA_BUNDLE}:ro"] if bundle else []
-
-
-CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-
-def host_ca_bundle() -> Path | None:
+def host_ca_volumes() -> tuple[tuple[str, str], ...]:
+    """The host's CA bundle, read-only over the image's: (host, inside) for ``podman build``'s RUN volumes and
+    for a container with the network, so ``pip``, ``apt-get`` and ``curl`` trust what the host trusts (here
+    PyPI is reached through a TLS-intercepting proxy whose CA only the host's bundle has). Debian's pip and
+    venvs made from it read that bundle; uv does with ``UV_SYSTEM_CERTS`` (set in the base image). A RUN
+    volume is not committed, so a task's image keeps the bundle its Dockerfile made."""
     bundle = Path(os.environ.get("T1_HOST_CA_BUNDLE", CA_BUNDLE))
-    return bundle if bundle.is_file() else None
+    return ((str(bundle), f"{CA_BUNDLE}:ro"),) if bundle.is_file() else ()
 
 
 def _ensure(local: str) -> str:
