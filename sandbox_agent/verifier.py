@@ -234,7 +234,7 @@ def build_command(task: Task, nonce: str, python: str, deps: tuple[str, ...] = (
     return (
         f"{run}; t1rc=$?; echo; echo '{nonce} RC' $t1rc; "
         f"if [ -f {junit} ]; then cat {junit}; fi; echo; echo '{nonce} OUT'; tail -c 65536 {out}; "
-        f"rm -f {junit} {out}"
+        f"rm -rf {junit} {out} {out}.pip /tmp/t1v-deps-{nonce}"
     )
 
 
@@ -311,7 +311,7 @@ async def verify(
                         )
                     result, conclusive = _script_result(task, code, out, nonce, time.monotonic() - t0)
                     if conclusive or not task.test_files:
-                        return result
+                        return replace(result, detail=f"{no_house}. {result.detail}") if no_house else result
                     script = task.test_script.name if task.test_script else "the script"
                     fallback = (
                         f"ran tests/ with pytest -rA: {script} needs the network and gave no per-test "

@@ -163,3 +163,17 @@ async def test_the_agent_gets_the_network_only_when_asked_and_what_it_left_runni
     # the verifier's network too: it tests the agent's container in place (a committed copy has no server)
     both = await run_policy(task, OracleAgent(), backend=networked, verifier=VerifierConfig(allow_network=True))
     assert (both.verify.path, both.verify.passed, both.verify.total) == ("script", 2, 2), both.verify
+
+
+async def test_a_wheelhouse_that_could_not_be_fetched_is_said_on_the_script_path_too(
+    base_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandbox_agent import verifier
+
+    why = "could not fetch six==1.16.0 from PyPI: no network"
+    monkeypatch.setattr(verifier, "verifier_wheels", lambda script: (None, (), why))
+    run = await run_policy(
+        load_task(TB / "tb2/serve-after"), OracleAgent(), backend=ContainerBackend(config=FAST, agent_network=True)
+    )
+    assert (run.verify.path, run.verify.passed) == ("script", 2), run.verify  # the script's own results
+    assert why in run.verify.detail, run.verify  # and the user is told what was missing
