@@ -20,10 +20,10 @@ import anyio
 from actors.actor import ActorConfig, run_actor
 from sandbox_agent.agent import AgentConfig
 from sandbox_agent.context import POLICIES, ContextConfig
-from t1async.errors import T1Error
 from t1async.log import configure, get_logger
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.sampler.base import SamplingParams
+from t1async.protocol.errors import T1Error
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.client import SGLangClient
 from t1async.transport import NatsTransport
 

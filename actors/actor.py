@@ -18,16 +18,16 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from actors.credits import CreditClient
 from actors.episode import EpisodeContext, EpisodeStats, run_one
 from sandbox_agent.agent import AgentConfig, ChatTokenizerLike
 from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
-from t1async.errors import ConfigError
+from t1async.credits.client import CreditClient
 from t1async.log import get_logger
-from t1async.sampler.base import Sampler
+from t1async.protocol.errors import ConfigError
+from t1async.protocol.sampling import Sampler
+from t1async.protocol.wire import Heartbeat, MetricsRecord
 from t1async.transport.base import Transport
-from t1async.wire import Heartbeat, MetricsRecord
 
 log = get_logger("actors.actor")
 

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import anyio
 
-from actors.credits import CreditClient, CreditedSampler
 from actors.records import TurnEncoder
 from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, TurnResult
 from sandbox_agent.backend import SandboxBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
-from t1async.errors import T1Error
+from t1async.credits.client import CreditClient, CreditedSampler
 from t1async.log import get_logger
-from t1async.sampler.base import Sampler
+from t1async.protocol.errors import T1Error
+from t1async.protocol.sampling import Sampler
+from t1async.protocol.wire import EndReason, EndRecord, StartRecord
 from t1async.transport.base import Transport, traj_subject
-from t1async.wire import EndReason, EndRecord, StartRecord
 
 log = get_logger("actors.episode")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from sandbox_agent.agent import TurnResult
-from t1async.tito import common_prefix_len
-from t1async.wire import Finish, Routing, TurnRecord, digest_ids
+from t1async.protocol.sampling import common_prefix_len
+from t1async.protocol.wire import Finish, Routing, TurnRecord, digest_ids
 
 
 class TurnEncoder:

@@ -30,7 +30,7 @@ import numpy as np
 
 from sandbox_agent.actions import SYSTEM_PROMPT, format_observation
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.sampler.base import Sampler, SamplingParams
+from t1async.protocol.sampling import Sampler, SamplingParams
 
 # read-only commands; {f} is a file of the work dir, {w} a word that occurs in the files
 COMMANDS = (
@@ -183,8 +183,8 @@ async def sample_episode(
 def assemble(ep: SampledEpisode, episode: str):
     """Stream the episode's turns as wire records through the learner's real TITO assembly (boundary check
     and repair, routing alignment); returns ``(segments, drift_stats)``."""
-    from t1async import wire
-    from t1async.assembly import Assembler
+    from t1async.ingest.assembly import Assembler
+    from t1async.protocol import wire
 
     asm = Assembler()
     segs = []

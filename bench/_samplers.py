@@ -34,7 +34,7 @@ async def _sessions(
     seed: int,
     temperature: float,
 ) -> dict:
-    from t1async.sampler.base import SamplingParams
+    from t1async.protocol.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=output_len, temperature=temperature)
     prompt = cached = out_tokens = done = 0

@@ -28,8 +28,8 @@ import time  # noqa: E402
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
-from t1async import wire  # noqa: E402
-from t1async.assembly import Assembler  # noqa: E402
+from t1async.ingest.assembly import Assembler  # noqa: E402
+from t1async.protocol import wire  # noqa: E402
 from t1async.testing.episodes import REALISTIC, make_episode  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ the loop version

@@ -10,7 +10,7 @@ the appends that failed, and the acked live records that a reopened journal no l
 
 - old: ``compact(keep)`` reads the whole file, rewrites the kept records to a temp file and renames it over
   the journal. In the learner it ran on the event loop, so ingest and credits waited for all of it.
-- new: ``compact(live)`` (t1async.learner.journal) deletes sealed segment files whose episodes are all
+- new: ``compact(live)`` (t1async.ingest.journal) deletes sealed segment files whose episodes are all
   settled, from a worker thread; the lock appends share is held only to pick the segments.
 
 ``--json`` prints {old_compact_s, new_compact_s, old_lost, new_lost, old_append_errors, ...} last.
@@ -31,8 +31,8 @@ import numpy as np
 
 from bench._common import emit_json, print_grid
 from bench.transport import make_records
-from t1async import wire
-from t1async.learner.journal import Journal, read_journal
+from t1async.ingest.journal import Journal, read_journal
+from t1async.protocol import wire
 
 _LEN = struct.Struct("<I")
 

@@ -26,7 +26,7 @@ from bench._common import emit_json, print_grid
 
 
 def _segments(model, n: int, seq_len: int, seed: int) -> list:  # noqa: ANN001
-    from t1async.tito import Segment
+    from t1async.ingest.tito import Segment
 
     rng = np.random.default_rng(seed)
     out = []

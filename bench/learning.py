@@ -2,7 +2,7 @@
 
     python -m bench.learning [--recipe learn] [--rl-steps 300] [--samples 4] [--json]
 
-1. the warm start: ``t1async.learner.warmstart`` builds the recipe's model once (seeded) and caches it;
+1. the warm start: ``t1async.recipes.warmstart`` builds the recipe's model once (seeded) and caches it;
 2. a corpus of the recipe's families (``--eval-corpus`` tasks, seed 0) is written into the run dir; its eval
    split (a hash of the task id, ~10%) is never drawn by the actors;
 3. eval before: ``t1async.eval.run_eval`` with the embedded sampler on the warm start, ``--samples`` seeded
@@ -67,7 +67,7 @@ def eval_policy(
     from sandbox_agent.agent import AgentConfig
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.sampler.base import SamplingParams
+    from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
 
@@ -156,8 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(level="warning")
     from sandbox_agent.synth import generate
     from sandbox_agent.tasks import load_task
-    from t1async.cluster.presets import preset_values
-    from t1async.learner.warmstart import build, get_recipe, system_prompt_of
+    from t1async.recipes.presets import preset_values
+    from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
 
     pv = preset_values("learn")
     ev = {

@@ -3,7 +3,7 @@
 One episode of ``--turns`` turns (default 320) through the real pieces: the agent loop with the shipped
 chat tokenizer, a REAL bubblewrap sandbox running every command, the actor's ``TurnEncoder`` (``keep`` /
 ``input_delta`` / digest / routing rows from the first uncovered position), a REAL ``nats-server``
-(``t1async.natsd``) and ``NatsTransport``. The sampler is scripted (shell commands, no model) so that what
+(``t1async.transport.natsd``) and ``NatsTransport``. The sampler is scripted (shell commands, no model) so that what
 is measured is the infrastructure. On the learner side a core subscription receives each turn's bytes and
 the bench times ``wire.decode`` + ``Assembler.feed`` (decode, TITO check and repair, routing alignment).
 
@@ -45,14 +45,14 @@ from sandbox_agent.runner import run_episode
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.bwrap import BwrapSandbox
 from sandbox_agent.tasks import load_task
-from t1async import wire
-from t1async.assembly import Assembler, AssemblerConfig
+from t1async.ingest.assembly import Assembler, AssemblerConfig
 from t1async.log import configure
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.natsd import NatsServer
-from t1async.sampler.base import Generation, SamplingParams
+from t1async.protocol import wire
+from t1async.protocol.sampling import Generation, SamplingParams
 from t1async.transport.base import traj_subject
 from t1async.transport.nats import NatsTransport
+from t1async.transport.natsd import NatsServer
 
 TASK = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures" / "tb1" / "hello-world"
 EARLY = (10, 30)  # turns compared with the last 20 (300-320 at the default --turns 320)
@@ -232,10 +232,10 @@ def train_step_child(tokens: int) -> None:
     """Child process: one Trainer.step of the shipped model on one ``tokens``-long segment; prints JSON."""
     import torch
 
+    from t1async.ingest.tito import Segment
     from t1async.learner.trainer import Trainer, TrainerConfig
     from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
-    from t1async.tito import Segment
 
     cfg = MoEConfig()
     model = MoETransformer(cfg)

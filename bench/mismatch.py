@@ -45,11 +45,11 @@ import torch
 
 from bench._mismatch_data import Retokenized, SampledEpisode, assemble, make_scripts, retokenize, sample_episodes
 from bench._mismatch_report import chart, print_result
+from t1async.ingest.tito import Segment
 from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
-from t1async.sampler.base import SamplingParams
-from t1async.tito import Segment
+from t1async.protocol.sampling import SamplingParams
 
 CONFIGS = ("baseline", "tito", "r3", "tito_r3")
 CONFIG_KEYS = (
@@ -199,7 +199,7 @@ def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
         return Path(args.model), None
     if args.sft_steps <= 0:
         return default_model_dir(), None
-    from t1async.learner.sft import SFTConfig, run_sft
+    from t1async.recipes.sft import SFTConfig, run_sft
 
     base = default_model_dir()
     cfg = SFTConfig(

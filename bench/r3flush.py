@@ -29,11 +29,11 @@ import trio
 from actors.records import TurnEncoder
 from bench._common import emit_json, print_grid
 from sandbox_agent.agent import TurnResult
-from t1async import wire
-from t1async.assembly import Assembler
+from t1async.ingest.assembly import Assembler
 from t1async.model.engine import Engine, EngineConfig, GenRequest
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+from t1async.protocol import wire
 
 NEW_TOKENS = 24
 

@@ -28,10 +28,10 @@ import nats
 import numpy as np
 
 from bench._common import emit_json, print_grid
-from t1async import wire
 from t1async.log import configure
-from t1async.natsd import NatsServer
+from t1async.protocol import wire
 from t1async.transport import TRAJ_STREAM, NatsConfig, NatsTransport, chunking
+from t1async.transport.natsd import NatsServer
 
 
 def make_records(

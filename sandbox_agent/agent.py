@@ -45,11 +45,10 @@ from sandbox_agent.agent_types import (
 from sandbox_agent.context import ContextPolicy, History, make_policy
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.verifier import VerifyResult
-from t1async.errors import SamplerError, SandboxError
 from t1async.log import get_logger
-from t1async.sampler.base import Generation, Sampler, SamplingParams
-from t1async.tito import common_prefix_len
-from t1async.wire import EndReason
+from t1async.protocol.errors import SamplerError, SandboxError
+from t1async.protocol.sampling import Generation, Sampler, SamplingParams, common_prefix_len
+from t1async.protocol.wire import EndReason
 
 __all__ = [
     "AgentConfig",

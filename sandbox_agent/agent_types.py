@@ -14,8 +14,8 @@ import numpy as np
 from sandbox_agent.actions import SYSTEM_PROMPT
 from sandbox_agent.context import ContextConfig
 from sandbox_agent.verifier import VerifyResult
-from t1async.sampler.base import SamplingParams
-from t1async.wire import EndReason, Finish
+from t1async.protocol.sampling import SamplingParams
+from t1async.protocol.wire import EndReason, Finish
 
 
 class ChatTokenizerLike(Protocol):
@@ -98,7 +98,7 @@ class EpisodeResult:
 
 
 class TurnGate(Protocol):
-    """A sampler that may make an episode wait before each sample (``actors.credits.CreditedSampler``: the
+    """A sampler that may make an episode wait before each sample (``t1async.credits.client.CreditedSampler``: the
     learner's credits) offers ``wait_turn()``. The agent awaits it before sampling and adds the wait to its
     wall-time deadline: backpressure pauses the episode, it is not the agent's time."""
 

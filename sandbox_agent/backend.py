@@ -23,8 +23,8 @@ from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, Sandbo
 from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.tasks import Task, TaskNeedsImageError
-from t1async.errors import SandboxError
 from t1async.log import get_logger
+from t1async.protocol.errors import SandboxError
 
 log = get_logger("sandbox_agent.backend")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import trio
 
-from t1async.errors import T1Error
 from t1async.log import configure
+from t1async.protocol.errors import T1Error
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 WHOLE, SHORT, DROPPED = "whole", "short", "dropped"
 OMITTED = "[output omitted to fit the context]"

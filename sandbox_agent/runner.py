@@ -27,9 +27,9 @@ from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.tasks import Task, populate_workdir
 from sandbox_agent.verifier import VerifierConfig, VerifyResult, share_read_only, verify
-from t1async.errors import T1Error
 from t1async.log import get_logger
-from t1async.sampler.base import Sampler
+from t1async.protocol.errors import T1Error
+from t1async.protocol.sampling import Sampler
 
 log = get_logger("sandbox_agent.runner")
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from t1async.errors import ConfigError, T1Error
+from t1async.protocol.errors import ConfigError, T1Error
 
 TaskFormat = Literal["tb1", "tb2"]
 Split = Literal["train", "eval"]

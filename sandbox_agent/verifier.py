@@ -51,8 +51,8 @@ from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this
     write_shims,
 )
 from sandbox_agent.wheels import verifier_wheels
-from t1async.errors import SandboxError
 from t1async.log import get_logger
+from t1async.protocol.errors import SandboxError
 
 log = get_logger("sandbox_agent.verifier")
 

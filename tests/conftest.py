@@ -37,7 +37,7 @@ async def nats_server(tmp_path):
     Stopped by PID (SIGTERM, then SIGKILL) when the test ends, also on failure. ``srv.kill()`` and
     ``srv.restart()`` crash it and bring it back on the same port and store.
     """
-    from t1async.natsd import NatsServer
+    from t1async.transport.natsd import NatsServer
 
     async with NatsServer.start(tmp_path / "nats") as srv:
         yield srv

@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.credits import CREDIT_SUBJECT, CreditClient
+from t1async.credits.client import CREDIT_SUBJECT, CreditClient
+from t1async.protocol.wire import CreditGrant
 from t1async.transport.memory import MemoryTransport
-from t1async.wire import CreditGrant
 
 
 async def test_credit_waits_are_counted_with_the_held_time():

@@ -11,15 +11,15 @@ import pytest
 from actors.actor import ActorConfig, run_actor
 from sandbox_agent.agent import AgentConfig
 from sandbox_agent.synth import generate
-from t1async import wire
+from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.settle import trained_counts
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
-from t1async.sampler.base import SamplingParams
+from t1async.protocol import wire
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.memory import MemorySampler
 from t1async.transport import MemoryBroker, MemoryTransport
 
@@ -177,9 +177,9 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     # every turn the learner journaled and had trained before the restart was not trained again
     assert_trained_once(tmp_path / "run", second)
     assert second.state.turns_trained == len(trained_second)
-    # the TensorBoard curves (t1async.tb), read back from the event files: one point per version, the resumed
+    # the TensorBoard curves (t1async.curves), read back from the event files: one point per version, the resumed
     # learner's steps continuing the first one's
-    from t1async.tb import read_scalars
+    from t1async.curves import read_scalars
 
     curves = read_scalars(tmp_path / "run" / "tb" / "learner")
     assert [s for s, _ in curves["train/loss"]] == [1, 2, 3, 4]

@@ -20,10 +20,10 @@ from sandbox_agent.runner import run_episode
 from sandbox_agent.sandbox import ExecResult, MemorySandbox
 from sandbox_agent.tasks import load_task
 from sandbox_agent.verifier import VerifyResult
-from t1async.errors import SamplerError
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.sampler.base import Generation, SamplingParams
-from t1async.wire import EndReason
+from t1async.protocol.errors import SamplerError
+from t1async.protocol.sampling import Generation, SamplingParams
+from t1async.protocol.wire import EndReason
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
 IM_START, IM_END = 256, 257

@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import pytest
 
-from t1async import wire
 from t1async.cluster.state import ClusterState, is_ours
+from t1async.protocol import wire
 from t1async.transport import NatsTransport
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
         assert info is None or not is_ours(info), f"{info.name} (pid {info.pid}) outlived the cluster"
 
     # the run's metrics.jsonl pictures: one page with the learner's steps and their time split
-    from t1async.cluster.report import load, report
+    from t1async.cluster.observe.report import load, report
 
     png, page, numbers = report(run_dir)
     assert png.stat().st_size > 20_000 and "data:image/png;base64," in page.read_text()

@@ -236,9 +236,9 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
 
     from test_actor_learner import VersionedMemorySampler, run_loop
 
-    from t1async import wire
     from t1async.model.config import MoEConfig
     from t1async.model.tokenizer import ChatTokenizer
+    from t1async.protocol import wire
     from t1async.transport import MemoryBroker
 
     tasks = tmp_path / "tasks"

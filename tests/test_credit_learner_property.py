@@ -25,18 +25,18 @@ import anyio
 import numpy as np
 import pytest
 
-from actors.credits import CreditClient
 from actors.records import TurnEncoder
 from sandbox_agent.agent import TurnResult
-from t1async import wire
+from t1async.credits.client import CreditClient
+from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.settle import trained_counts
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
-from t1async.sampler.base import SamplingParams
+from t1async.protocol import wire
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.memory import MemorySampler
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject

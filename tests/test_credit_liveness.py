@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from t1async import wire
-from t1async.learner.liveness import ActorLiveness, actor_of
+from t1async.credits.liveness import ActorLiveness, actor_of
+from t1async.protocol import wire
 
 
 def test_a_silent_actor_is_reported_once_and_a_live_one_never():

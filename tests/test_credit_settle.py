@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from t1async.staleness import SETTLE_REASONS, CreditLedger
+from t1async.credits.ledger import SETTLE_REASONS, CreditLedger
 
 
 def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
@@ -93,8 +93,8 @@ def test_a_turn_uses_the_credit_asked_for_it_else_the_oldest():
 def _turn(ep, t, inp, out, *, prev=None, digest=None):
     import numpy as np
 
-    from t1async import wire
-    from t1async.tito import common_prefix_len
+    from t1async.protocol import wire
+    from t1async.protocol.sampling import common_prefix_len
 
     inp = np.asarray(inp, np.int32)
     keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if prev is not None else 0
@@ -118,8 +118,8 @@ def _turn(ep, t, inp, out, *, prev=None, digest=None):
 
 
 def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
-    from t1async import wire
-    from t1async.assembly import Assembler, AssemblerConfig
+    from t1async.ingest.assembly import Assembler, AssemblerConfig
+    from t1async.protocol import wire
 
     asm = Assembler(AssemblerConfig(max_pending_turns=2))
     asm.add(_turn("e", 0, [1, 2], [10, 11]))

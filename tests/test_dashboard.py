@@ -9,10 +9,10 @@ import json
 import anyio
 from rich.console import Console
 
-from t1async.cluster.dashboard import DASH, RunView, lines, plain_line, render
-from t1async.cluster.progress import sampler_state, show_progress
+from t1async.cluster.observe.dashboard import DASH, RunView, lines, plain_line, render
+from t1async.cluster.observe.progress import sampler_state, show_progress
+from t1async.protocol.wire import MetricsRecord
 from t1async.transport import NatsTransport
-from t1async.wire import MetricsRecord
 
 
 class Clock:
@@ -210,8 +210,8 @@ async def test_show_progress_writes_metrics_and_plain_lines_from_a_real_nats(nat
 
 
 async def test_the_nats_line_shows_the_servers_health(nats_server):
-    from t1async.cluster.progress import _poll_nats_health
-    from t1async.natsd import free_port
+    from t1async.cluster.observe.progress import _poll_nats_health
+    from t1async.transport.natsd import free_port
 
     view = RunView("r", nats_server.url, [])
     for url, want in (
@@ -232,7 +232,7 @@ def test_keys_are_not_echoed_while_the_dashboard_is_drawn_and_echo_comes_back():
     import pty
     import termios
 
-    from t1async.cluster.progress import _no_echo
+    from t1async.cluster.observe.progress import _no_echo
 
     master, slave = pty.openpty()
     try:

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# a command is a module name that ends where the name ends: `t1async.learner.warmstart --recipe` is the warmstart
-# module's flag, not `t1async.learner`'s, and `t1async.cluster.presets.PRESETS` is no command at all
+# a command is a module name that ends where the name ends: `t1async.recipes.warmstart --recipe` is the warmstart
+# module's flag, not `t1async.learner`'s, and `t1async.recipes.presets.PRESETS` is no command at all
 MODULES = (
     r"t1async\.(?:cluster|learner|sampler|eval)(?:\.[a-z_]+)*(?![\w.])"
     r"|actors|sandbox_agent|bench\.[a-z][a-z_]*(?![\w.])"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from t1async import errors
-from t1async.errors import T1Error
+from t1async.protocol import errors
+from t1async.protocol.errors import T1Error
 
 ROOT = Path(__file__).resolve().parent.parent
 # internal signals that never leave their module's callers, with the reason they stay outside the tree

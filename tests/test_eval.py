@@ -19,7 +19,7 @@ from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks
 from t1async.eval import EvalConfig, SeededSampler, episode_seed, run_eval, summarise, task_scores
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.sampler.base import Generation, SamplingParams
+from t1async.protocol.sampling import Generation, SamplingParams
 
 FAMILIES = ["csv", "files", "text"]
 

@@ -9,10 +9,10 @@ import pytest
 
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks
-from t1async import wire
+from t1async.curves import read_scalars
 from t1async.eval.loop import LoopConfig, run_loop
 from t1async.model.weights import default_model_dir
-from t1async.tb import read_scalars
+from t1async.protocol import wire
 from t1async.transport import MemoryBroker, MemoryTransport
 
 pytestmark = pytest.mark.slow

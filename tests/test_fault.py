@@ -15,11 +15,11 @@ import anyio
 import pytest
 
 from sandbox_agent.synth import generate
-from t1async import wire
+from t1async.credits.settle import trained_counts
+from t1async.ingest.journal import read_journal
 from t1async.learner.checkpoint import latest_checkpoint
-from t1async.learner.journal import read_journal
-from t1async.learner.settle import trained_counts
 from t1async.learner.state import LearnerState
+from t1async.protocol import wire
 from t1async.sampler.launch import launch_sampler
 from t1async.transport import NatsTransport
 

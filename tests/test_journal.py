@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from t1async import wire
-from t1async.learner.journal import LEGACY_NAME, Journal, JournalClosedError, read_journal
+from t1async.ingest.journal import LEGACY_NAME, Journal, JournalClosedError, read_journal
+from t1async.protocol import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +174,7 @@ WRITER = r"""
 import random, sys, threading
 sys.path.insert(0, sys.argv[3])
 from t1async import wire
-from t1async.learner.journal import Journal
+from t1async.ingest.journal import Journal
 
 root, tag = sys.argv[1], sys.argv[2]
 rng = random.Random(tag)

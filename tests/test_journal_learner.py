@@ -10,14 +10,14 @@ import anyio
 import numpy as np
 import pytest
 
-from t1async import wire
-from t1async.learner.journal import read_journal
+from t1async.ingest.journal import read_journal
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
+from t1async.protocol import wire
 from t1async.testing.episodes import Sizes, make_episode
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import anyio
 
-from t1async.learner.credits import CREDIT_SUBJECT, CreditServer
-from t1async.staleness import CreditGate, CreditLedger
+from t1async.credits.ledger import CreditGate, CreditLedger
+from t1async.credits.server import CREDIT_SUBJECT, CreditServer
+from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import RequestTimeoutError
-from t1async.wire import CreditGrant, CreditRequest
 
 
 async def _with_server(eta: int, body, batch_turns: int = 4) -> None:

@@ -9,7 +9,7 @@ create, one test each) and the reward per trained turn (tests passed by the one 
 - the learner SIGKILLed mid-run and the cluster started again on the same run dir resumes from its
   checkpoint and its steps stay above the threshold.
 
-The warm start is built once (seeded, cached; ``python -m t1async.learner.warmstart --recipe micro``, ~2-4
+The warm start is built once (seeded, cached; ``python -m t1async.recipes.warmstart --recipe micro``, ~2-4
 minutes on 2 cores from nothing). It imitates a weaker demonstrator (``touchsome``) that names only the first
 k of the four files, k uniform in 1-4, so it names 1-4 of them too (2.51 of 4 on 300 touch4 tasks x 4 samples,
 every name copied right): one decision per file that RL with ``--advantage turn`` fixes in ~20 steps.
@@ -36,7 +36,7 @@ import pytest
 from sandbox_agent.synth import generate
 from t1async.cluster.state import ClusterState
 from t1async.learner.checkpoint import latest_checkpoint
-from t1async.learner.warmstart import build, get_recipe
+from t1async.recipes.warmstart import build, get_recipe
 
 # pyproject's global 300 s timeout does not fit a cold machine: building the micro warm start from nothing
 # takes 2-4 minutes on 2 cores, then the two cluster runs have 900 s deadlines each of their own.

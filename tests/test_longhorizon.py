@@ -21,16 +21,15 @@ from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObser
 from sandbox_agent.sandbox import MemorySandbox
 from sandbox_agent.synth import generate
 from sandbox_agent.verifier import VerifyResult
-from t1async import wire
-from t1async.errors import ConfigError
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
-from t1async.sampler.base import Generation, SamplingParams
-from t1async.tito import common_prefix_len
+from t1async.protocol import wire
+from t1async.protocol.errors import ConfigError
+from t1async.protocol.sampling import Generation, SamplingParams, common_prefix_len
 from t1async.transport import MemoryBroker, MemoryTransport
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
@@ -397,7 +396,7 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
 
 
 def test_tail_names_a_compaction_not_drift():
-    from t1async.cluster.tail import Formatter
+    from t1async.cluster.observe.tail import Formatter
     from t1async.transport.base import Message
 
     fmt = Formatter(text=False)

@@ -19,13 +19,13 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from t1async import wire
 from t1async.cluster.config import UpConfig
-from t1async.cluster.natscluster import wait_replicated
 from t1async.cluster.state import ClusterState, is_ours
-from t1async.errors import ConfigError, TransportError
-from t1async.natsd import NatsCluster, NatsServer
+from t1async.protocol import wire
+from t1async.protocol.errors import ConfigError, TransportError
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
+from t1async.transport.natscluster import wait_replicated
+from t1async.transport.natsd import NatsCluster, NatsServer
 from tests.test_natsd import alive
 from tests.test_transport import turn
 

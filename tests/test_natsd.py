@@ -9,8 +9,8 @@ import anyio
 import httpx
 import pytest
 
-from t1async.errors import ServerStartError
-from t1async.natsd import NatsServer, find_binary
+from t1async.protocol.errors import ServerStartError
+from t1async.transport.natsd import NatsServer, find_binary
 
 
 def alive(pid: int) -> bool:

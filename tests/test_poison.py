@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from t1async import wire
-from t1async.errors import WireError
+from t1async.ingest.validate import ModelLimits, check_turn
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer import TrainerConfig
-from t1async.learner.validate import ModelLimits, check_turn
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import save_pretrained
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
 from t1async.testing.episodes import Sizes, make_episode
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import HDR_DEAD_ERROR, HDR_DEAD_REASON, traj_subject
@@ -195,7 +195,7 @@ async def test_each_kind_of_bad_record_is_dead_lettered_and_the_learner_keeps_tr
 async def test_a_journal_from_before_validation_with_a_bad_record_replays_without_a_crash(tmp_path, tiny_model):
     """A run dir whose journal (the old single file) holds a NaN-logprob turn: the learner used to die on it at
     every restart. Now replay dead-letters it and trains the rest."""
-    from t1async.learner.journal import Journal
+    from t1async.ingest.journal import Journal
 
     vocab = MoEConfig.load(tiny_model / "config.json").vocab_size
     records, bad = workload(vocab)

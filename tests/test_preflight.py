@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from t1async.cluster import cli, preflight
-from t1async.errors import ConfigError
-from t1async.natsd import find_binary, free_port
+from t1async.protocol.errors import ConfigError
+from t1async.transport.natsd import find_binary, free_port
 
 
 def up(tmp_path: Path, repo_env: dict, *flags: str) -> subprocess.CompletedProcess:

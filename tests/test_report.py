@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from t1async.cluster import cli
-from t1async.cluster.report import load, report
-from t1async.errors import ConfigError
+from t1async.cluster.observe.report import load, report
+from t1async.protocol.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "metrics_run.jsonl"
 

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async import wire
-from t1async.assembly import Assembler, AssemblerConfig
-from t1async.routing import (
+from t1async.ingest.assembly import Assembler, AssemblerConfig
+from t1async.ingest.routing import (
     RouteTrack,
     RoutingError,
     RoutingStats,
@@ -22,6 +21,7 @@ from t1async.routing import (
     routing_drift,
     zero_layers,
 )
+from t1async.protocol import wire
 from t1async.testing.episodes import check_segments, make_episode, route_rows
 
 

@@ -13,10 +13,10 @@ import httpx
 import numpy as np
 import pytest
 
-from t1async.errors import SamplerError, SamplerRequestError
 from t1async.model.config import MoEConfig
 from t1async.model.weights import default_model_dir
-from t1async.sampler.base import SamplingParams
+from t1async.protocol.errors import SamplerError, SamplerRequestError
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.client import (
     SamplerClosedError,
     SamplerVersionError,
@@ -46,8 +46,8 @@ async def test_conformance_memory_sampler():
 def test_a_generation_finish_is_the_wire_finish():
     """One finish type from the sampler to the turn record: Generation.finish is a wire.Finish (a str given
     is converted), which prints and compares as its value."""
-    from t1async.sampler.base import Generation
-    from t1async.wire import Finish
+    from t1async.protocol.sampling import Generation
+    from t1async.protocol.wire import Finish
 
     g = Generation(np.arange(3, dtype=np.int32), np.zeros(3, np.float32), "length", 0)
     assert g.finish is Finish.LENGTH and g.finish == "length" and f"{g.finish}" == "length"

@@ -362,7 +362,7 @@ async def test_launch_sampler_stops_its_child_when_cancelled():
 
 
 async def test_launch_sampler_reports_a_failed_start(tmp_path):
-    from t1async.errors import ServerStartError
+    from t1async.protocol.errors import ServerStartError
 
     want = r"(?s)exited with code 1 .*ConfigError: no model config at .*config\.json"
     with pytest.raises(ServerStartError, match=want):
@@ -373,9 +373,9 @@ async def test_launch_sampler_reports_a_failed_start(tmp_path):
 def test_the_sampling_params_an_actor_sends_parse_back_to_the_same_params():
     """One sampling-params type on both sides: the client's SamplingParams, sent as sampling_params, is
     what the server's validation returns; a bad field is a SamplerRequestError naming it."""
-    from t1async.errors import SamplerRequestError
-    from t1async.sampler.base import SamplingParams
-    from t1async.sampler.protocol import SGLANG_DEFAULTS, parse_sampling
+    from t1async.protocol.errors import SamplerRequestError
+    from t1async.protocol.sampling import SamplingParams
+    from t1async.sampler.requests import SGLANG_DEFAULTS, parse_sampling
 
     sent = SamplingParams(
         max_new_tokens=7,
@@ -403,7 +403,7 @@ def test_streamed_text_holds_back_partial_characters(tok):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from t1async.sampler.protocol import SGLANG_DEFAULTS, GenerateInput, ResponseState
+    from t1async.sampler.requests import SGLANG_DEFAULTS, GenerateInput, ResponseState
 
     ids = tok.encode("héllo 世界 ✓ ok 🙂!")
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))), "no split character"
@@ -440,8 +440,8 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     and the learner's segment keep them per token, with policy_version the oldest."""
     from actors.records import TurnEncoder
     from sandbox_agent.agent import TurnResult
-    from t1async import wire
-    from t1async.assembly import Assembler
+    from t1async.ingest.assembly import Assembler
+    from t1async.protocol import wire
     from t1async.sampler.client import parse_generation
 
     new = load_pretrained(default_model_dir())

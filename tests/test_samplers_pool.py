@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from t1async.model.weights import default_model_dir
-from t1async.natsd import free_port
-from t1async.sampler.base import SamplingParams
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import SamplerProcess
 from t1async.sampler.pool import PoolConfig, SamplerPool
+from t1async.transport.natsd import free_port
 
 
 def pool(n: int = 2, cap: int = 2) -> SamplerPool:
@@ -143,7 +143,7 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
 async def test_a_push_skips_a_dead_sampler_only_while_another_took_the_weights():
     import httpx
 
-    from t1async.errors import SamplerError
+    from t1async.protocol.errors import SamplerError
 
     down = {"b"}
 
@@ -166,8 +166,8 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
     import subprocess
     import sys
 
-    from t1async import wire
     from t1async.cluster.state import ClusterState, is_ours
+    from t1async.protocol import wire
     from t1async.transport import NatsTransport
     from tests.test_cluster_e2e import check_episode_turns, wait_running
 

@@ -8,8 +8,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.errors import ConfigError
-from t1async.staleness import CreditGate, CreditLedger, StalenessHistogram
+from t1async.credits.ledger import CreditGate, CreditLedger, StalenessHistogram
+from t1async.protocol.errors import ConfigError
 from t1async.testing.credits import SimConfig, simulate
 
 

@@ -118,7 +118,7 @@ def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
 
 
 def test_bad_cpu_lists_are_one_line_errors(tmp_path):
-    from t1async.errors import ConfigError
+    from t1async.protocol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--sampler-cpus 'x': not a CPU list; give e.g. 0"):
         _up_cfg("--run-dir", str(tmp_path), "--sampler-cpus", "x")

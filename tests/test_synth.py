@@ -11,7 +11,7 @@ import pytest
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import FAMILIES, generate, make_task
 from sandbox_agent.tasks import load_task, split_for
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 
 async def _check_corpus(paths: list[Path]) -> dict[str, str]:

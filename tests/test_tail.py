@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from t1async.cluster import cli
+from t1async.cluster.observe.tail import Formatter, escape, select
 from t1async.cluster.state import ClusterState
-from t1async.cluster.tail import Formatter, escape, select
 from t1async.transport import Message, NatsTransport, traj_subject
 from tests.test_cluster_cli import _read_until
 from tests.test_transport import end, start, turn

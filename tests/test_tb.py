@@ -1,10 +1,10 @@
-"""TensorBoard curves (t1async.tb): what is written is what reads back; non-numbers never become points."""
+"""TensorBoard curves (t1async.curves): what is written is what reads back; non-numbers never become points."""
 
 from __future__ import annotations
 
 import math
 
-from t1async.tb import Curves, learner_scalars, read_scalars
+from t1async.curves import Curves, learner_scalars, read_scalars
 
 
 def test_scalars_read_back_by_step(tmp_path):

@@ -9,11 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from t1async import tito, wire
-from t1async.assembly import Assembler, AssemblerConfig
+from t1async.ingest import tito
+from t1async.ingest.assembly import Assembler, AssemblerConfig
+from t1async.ingest.tito import Boundary, Segment, check_input, classify, hash_update, new_hasher
 from t1async.learner import ppo
+from t1async.protocol import wire
+from t1async.protocol.sampling import common_prefix_len
 from t1async.testing.episodes import check_segments, episodes, make_episode
-from t1async.tito import Boundary, Segment, check_input, classify, common_prefix_len, hash_update, new_hasher
 
 
 def _feed(asm: Assembler, records) -> list[Segment]:

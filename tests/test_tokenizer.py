@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from t1async.errors import ConfigError
 from t1async.model import train_tokenizer
 from t1async.model.tokenizer import CHAT_TEMPLATE, ChatTokenizer, assets_dir
+from t1async.protocol.errors import ConfigError
 
 TOK = ChatTokenizer.load()
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from t1async.ingest.tito import Segment
 from t1async.learner import ppo
 from t1async.learner.batch import BatchError
 from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
 from t1async.learner.trainer import Trainer, TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
-from t1async.tito import Segment
 
 CFG = MoEConfig(
     vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=512, seed=3
@@ -397,7 +397,7 @@ def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     from clusterargs import learner_argv, serve_args
 
     from t1async.cluster.config import from_args
-    from t1async.errors import ConfigError
+    from t1async.protocol.errors import ConfigError
 
     argv = learner_argv(tmp_path, "--critic", "detached")
     assert argv[argv.index("--critic") + 1] == "detached"

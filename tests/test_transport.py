@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from t1async import wire
-from t1async.errors import TransportError
+from t1async.protocol import wire
+from t1async.protocol.errors import TransportError
 from t1async.testing.transport import (
     TRANSPORT_CHECKS,
     MemoryHarness,

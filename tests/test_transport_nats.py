@@ -15,11 +15,11 @@ import nats
 import numpy as np
 import pytest
 
-from t1async import wire
-from t1async.errors import TransportError
-from t1async.natsd import NatsServer, free_port
+from t1async.protocol import wire
+from t1async.protocol.errors import TransportError
 from t1async.testing.transport import end, start, take, turn
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
+from t1async.transport.natsd import NatsServer, free_port
 
 
 def fast(url: str) -> NatsConfig:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.errors import ConfigError
+from t1async.ingest.tito import Segment
 from t1async.learner import ppo
 from t1async.learner.trainer import Trainer, TrainerConfig
-from t1async.tito import Segment
+from t1async.protocol.errors import ConfigError
 from tests.test_trainer import CFG, _advantages_fed_to_the_loss, sampled_segment, tiny
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.errors import ConfigError
 from t1async.learner import ppo
 from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.protocol.errors import ConfigError
 from tests.test_trainer import CFG, sampled_segment, tiny
 
 

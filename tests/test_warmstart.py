@@ -15,10 +15,10 @@ from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
 from sandbox_agent.tasks import load_task
 from t1async.cluster.config import from_args
 from t1async.cluster.flags import add_up_arguments
-from t1async.errors import ConfigError
-from t1async.learner import warmstart
-from t1async.learner.sft import SFTConfig
 from t1async.model.config import MoEConfig
+from t1async.protocol.errors import ConfigError
+from t1async.recipes import warmstart
+from t1async.recipes.sft import SFTConfig
 
 
 async def test_easy_families_oracle_resolves_and_null_does_not(tmp_path):
@@ -171,7 +171,7 @@ def test_easy_family_names_are_the_same_tokens_in_instruction_and_command():
 
 
 def test_copy_pretraining_examples_and_new_fields_keep_old_hashes():
-    from t1async.learner.sft import copy_examples
+    from t1async.recipes.sft import copy_examples
 
     ex = copy_examples(50, 4096, frozenset({0, 1}), seed=3, min_len=4, max_len=9, pool=[0, 1, 7, 8, 9])
     for e in ex:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.errors import ConfigError, SamplerError
 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig, buckets
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+from t1async.protocol.errors import ConfigError, SamplerError
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler import weightsync as W
-from t1async.sampler.base import SamplingParams
 from t1async.sampler.client import SGLangClient
 
 PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]

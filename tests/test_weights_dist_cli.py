@@ -18,7 +18,7 @@ import pytest
 
 from sandbox_agent.synth import generate
 from t1async.model.weights import default_model_dir
-from t1async.sampler.base import SamplingParams
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import launch_sampler
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async import wire
-from t1async.errors import WireError
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=40).map(lambda x: np.asarray(x, dtype=np.int32))
 text = st.text(max_size=20)

@@ -1,6 +1,6 @@
 """The Sandbox seam: records, config, errors, the output cap and path rules shared by every backend.
 
-Error tree (all under ``t1async.errors.SandboxError``)::
+Error tree (all under ``t1async.protocol.errors.SandboxError``)::
 
     SandboxError               a sandbox could not start, or died under us
     ├── SandboxStartError      it could not start (no bwrap, bwrap refused, not root...); says how to fix it
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from t1async.errors import ConfigError, SandboxError
+from t1async.protocol.errors import ConfigError, SandboxError
 
 #: Where the task's work dir appears inside every sandbox (bound read-write). Relative paths given to
 #: ``read_file``/``write_file`` are relative to it; the shell starts there.

@@ -28,7 +28,7 @@ from sandbox_agent.synth.micro import touch4_family, touchsome_family
 from sandbox_agent.synth.shell import env_family, git_family, scripts_family
 from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
 from sandbox_agent.tasks import split_for
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 __all__ = [
     "ALL_FAMILIES",

@@ -21,8 +21,8 @@ import anyio
 import httpx
 
 from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, is_ours
-from t1async.errors import ConfigError, T1Error
 from t1async.log import configure
+from t1async.protocol.errors import ConfigError, T1Error
 
 EXIT_NOT_RUNNING = 3
 
@@ -62,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.log_level, log_file=run_dir / "logs" / "supervisor.jsonl", console_level=args.log_level or "critical"
     )
     from t1async.cluster import components, preflight
-    from t1async.cluster.progress import show_progress
+    from t1async.cluster.observe.progress import show_progress
     from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
 
     # every outside dependency first: a wrong URL or a missing tool fails now, in one line, not minutes later
@@ -85,7 +85,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)
         await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain)
 
-    from t1async.cluster.natscluster import default_replicas
+    from t1async.transport.natscluster import default_replicas
 
     sup = ClusterConfig(
         run_dir=run_dir,
@@ -205,7 +205,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     # stdout carries records only; the tail's own logs go to stderr, and only warnings and worse
     configure(args.log_level, console_level=args.log_level or "warning")
     from t1async.cluster.glossary import TURN_FIELDS
-    from t1async.cluster.tail import TailConfig, tail
+    from t1async.cluster.observe.tail import TailConfig, tail
 
     fields = tuple(f.strip() for f in (args.fields or "").split(",") if f.strip())
     unknown = [f for f in fields if f not in TURN_FIELDS] if not args.json else []
@@ -239,7 +239,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from t1async.cluster.report import report
+    from t1async.cluster.observe.report import report
 
     png, page, numbers = report(Path(args.run_dir), Path(args.out) if args.out else None)
     print(f"wrote {png} and {page}")

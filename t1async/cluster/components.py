@@ -9,9 +9,9 @@ from pathlib import Path
 
 from t1async.cluster.config import UpConfig
 from t1async.cluster.supervisor import ProcessSpec, python_module
-from t1async.errors import ConfigError
 from t1async.log import get_logger
-from t1async.natsd import free_port
+from t1async.protocol.errors import ConfigError
+from t1async.transport.natsd import free_port
 
 log = get_logger("cluster.components")
 
@@ -27,7 +27,7 @@ def ensure_tasks(cfg: UpConfig) -> Path:
     d = tasks_dir(cfg)
     if cfg.tasks is None and not any(d.glob("*/task.yaml")):
         from sandbox_agent.synth import generate
-        from t1async.cluster.progress import setup_bar
+        from t1async.cluster.observe.progress import setup_bar
 
         print(f"tasks: synthesizing {cfg.synth_tasks} into {d}", flush=True)
         partial = d.with_name(d.name + ".partial")
@@ -47,11 +47,11 @@ def ensure_tasks(cfg: UpConfig) -> Path:
 def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     """The SFT command to run before anything starts, or None (no warm start, or it already ran)."""
     if cfg.warm_start:  # a named recipe: built once into the cache, shared by every run that names it
-        from t1async.learner.warmstart import get_recipe, is_built
+        from t1async.recipes.warmstart import get_recipe, is_built
 
         if is_built(get_recipe(cfg.warm_start)):
             return None
-        return python_module("t1async.learner.warmstart", "--recipe", cfg.warm_start)
+        return python_module("t1async.recipes.warmstart", "--recipe", cfg.warm_start)
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
@@ -77,7 +77,7 @@ def warm_model_dir(cfg: UpConfig) -> Path:
 def warm_start_total(cfg: UpConfig) -> int:
     """SFT steps of the warm start (its progress bar's total)."""
     if cfg.warm_start:
-        from t1async.learner.warmstart import get_recipe
+        from t1async.recipes.warmstart import get_recipe
 
         return get_recipe(cfg.warm_start).sft.steps
     return cfg.warm_start_steps
@@ -85,7 +85,7 @@ def warm_start_total(cfg: UpConfig) -> int:
 
 def model_dir(cfg: UpConfig) -> Path | None:
     if cfg.warm_start:
-        from t1async.learner.warmstart import cache_dir, get_recipe
+        from t1async.recipes.warmstart import cache_dir, get_recipe
 
         return cache_dir(get_recipe(cfg.warm_start))
     if cfg.warm_start_steps > 0:
@@ -234,7 +234,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         )
         if model is not None:
             argv += ["--model", str(model)]
-            if cfg.warm_start:  # the prompt the warm start was trained with (t1async.learner.warmstart)
+            if cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
                 argv += ["--system-prompt-file", str(Path(model) / "system_prompt.txt")]
         for u in urls:
             argv += ["--sampler-url", u]

@@ -19,8 +19,8 @@ from typing import Any
 
 from sandbox_agent.context import POLICIES
 from t1async.cluster.state import DEFAULT_RUN_DIR
-from t1async.errors import ConfigError
 from t1async.learner.options import ADVANTAGES, CRITICS
+from t1async.protocol.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class UpConfig:
     prefix_cache_tokens: int = 262_144
     sampler_cpus: str = ""  # taskset CPU list the embedded samplers run on (e.g. "0"); "": any CPU
     warm_start_steps: int = 0  # >0: SFT on oracle demonstrations first
-    warm_start: str = ""  # a named warm-start recipe (t1async.learner.warmstart): its cached model is the policy
+    warm_start: str = ""  # a named warm-start recipe (t1async.recipes.warmstart): its cached model is the policy
     # tasks and actors
     tasks: Path | None = None  # None: a synthetic corpus in <run-dir>/tasks
     synth_tasks: int = 220
@@ -154,7 +154,7 @@ class UpConfig:
                 f"--tasks {self.tasks}: no such directory (make one: python -m sandbox_agent synth --out DIR)"
             )
         if self.warm_start:
-            from t1async.learner.warmstart import get_recipe
+            from t1async.recipes.warmstart import get_recipe
 
             get_recipe(self.warm_start)  # an unknown name fails now, in one line
         if self.synth_families:
@@ -218,7 +218,7 @@ def load_toml(path: Path) -> dict[str, Any]:
 def from_args(args: argparse.Namespace) -> UpConfig:
     values: dict[str, Any] = {}
     if getattr(args, "preset", None):
-        from t1async.cluster.presets import preset_values
+        from t1async.recipes.presets import preset_values
 
         values.update(preset_values(args.preset))
     if getattr(args, "config", None) is not None:

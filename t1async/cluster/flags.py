@@ -19,7 +19,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", type=Path, default=None, metavar="FILE.toml", help="read settings from a TOML file (flags win)"
     )
-    from t1async.cluster.presets import PRESETS
+    from t1async.recipes.presets import PRESETS
 
     p.add_argument(
         "--preset",
@@ -106,7 +106,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RECIPE",
         help="policy = this warm-start recipe's cached "
-        "model (built first if missing; python -m t1async.learner.warmstart)",
+        "model (built first if missing; python -m t1async.recipes.warmstart)",
     )
     g = p.add_argument_group("actors")
     g.add_argument(

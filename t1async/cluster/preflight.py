@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 _NO_NATS_FIX = (
     "start nats-server with JetStream there (`nats-server -js`), or leave out --nats and `cluster up` starts its own"

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 STATE_FILE = "cluster.json"
 DEFAULT_RUN_DIR = Path("runs/latest")

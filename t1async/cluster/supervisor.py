@@ -26,9 +26,9 @@ import anyio.abc
 from anyio.abc import TaskStatus
 
 from t1async.cluster.state import ClusterState, is_ours, proc_info
-from t1async.errors import ConfigError, ServerStartError
 from t1async.log import get_logger
-from t1async.natsd import NatsServer
+from t1async.protocol.errors import ConfigError, ServerStartError
+from t1async.transport.natsd import NatsServer
 
 log = get_logger("cluster")
 
@@ -91,7 +91,7 @@ class Supervisor:
             async with AsyncExitStack() as stack:
                 nats_url = self.config.nats_url
                 if nats_url is None and self.config.nats_nodes > 1:
-                    from t1async.cluster.natscluster import start_embedded_cluster
+                    from t1async.transport.natscluster import start_embedded_cluster
 
                     nats_url = await start_embedded_cluster(
                         stack, run_dir, self.config.nats_nodes, self.config.max_payload, self.state
@@ -109,7 +109,7 @@ class Supervisor:
                     self.state.monitor_url = srv.monitor_url
                     self.state.components["nats"] = proc_info("nats", srv.pid or 0, str(srv.log_path))
                 if self.config.stream_replicas:
-                    from t1async.cluster.natscluster import ensure_replicas
+                    from t1async.transport.natscluster import ensure_replicas
 
                     await ensure_replicas(nats_url, self.config.stream_replicas)
                 self.state.nats_url = nats_url
@@ -256,7 +256,7 @@ class Supervisor:
                 if job.progress_event is None:
                     await proc.wait()
                 else:
-                    from t1async.cluster.progress import setup_bar, watch_log_steps
+                    from t1async.cluster.observe.progress import setup_bar, watch_log_steps
 
                     with setup_bar(f"{job.name}: steps", job.progress_total) as bar:
                         async with anyio.create_task_group() as tg:

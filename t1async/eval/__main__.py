@@ -26,12 +26,12 @@ import anyio
 from sandbox_agent.agent import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
-from t1async.errors import SamplerError, T1Error
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, summarise, task_scores
 from t1async.log import configure, get_logger
-from t1async.sampler.base import Sampler, SamplingParams
+from t1async.protocol.errors import SamplerError, T1Error
+from t1async.protocol.sampling import Sampler, SamplingParams
 
 log = get_logger("t1async.eval")
 
@@ -152,7 +152,7 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
     agent = AgentConfig(
         max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False, sampling=sampling
     )
-    if args.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.learner.warmstart)
+    if args.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.recipes.warmstart)
         agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
     cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,9 +29,9 @@ from typing import TypedDict
 
 import anyio
 
-from t1async import wire
-from t1async.errors import T1Error
 from t1async.log import configure, get_logger
+from t1async.protocol import wire
+from t1async.protocol.errors import T1Error
 
 log = get_logger("t1async.eval.loop")
 
@@ -67,7 +67,7 @@ async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> d
     from t1async.eval.run import EvalConfig, run_eval
     from t1async.eval.stats import summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.sampler.base import SamplingParams
+    from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
 
@@ -122,7 +122,7 @@ class _Due(TypedDict):
 
 async def run_loop(cfg: LoopConfig, transport) -> None:
     """Until cancelled: evaluate every due policy version, newest first, one at a time."""
-    from t1async.tb import Curves
+    from t1async.curves import Curves
 
     tasks = held_out(cfg.tasks)
     curves = Curves(cfg.run_dir / "tb" / "eval")

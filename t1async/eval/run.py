@@ -27,9 +27,9 @@ from sandbox_agent.agent import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend, SandboxBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
-from t1async.errors import ConfigError, T1Error
 from t1async.log import get_logger
-from t1async.sampler.base import Generation, Sampler, SamplingParams
+from t1async.protocol.errors import ConfigError, T1Error
+from t1async.protocol.sampling import Generation, Sampler, SamplingParams
 
 log = get_logger("t1async.eval")
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from t1async.errors import T1Error
+from t1async.protocol.errors import T1Error
 
 SFT_HELP = """\
 Warm start: supervised fine-tuning on oracle demonstrations. Runs each task's oracle solution in the
@@ -23,7 +23,7 @@ examples:
 def _sft(args: argparse.Namespace) -> int:
     import torch
 
-    from t1async.learner.sft import SFTConfig, run_sft
+    from t1async.recipes.sft import SFTConfig, run_sft
 
     torch.set_num_threads(max(1, args.threads))
     cfg = SFTConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len, seed=args.seed)

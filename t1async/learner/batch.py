@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from t1async.errors import T1Error
+from t1async.protocol.errors import T1Error
 
 
 class BatchError(T1Error):
@@ -25,7 +25,7 @@ class BatchError(T1Error):
 
 
 class SegmentLike(Protocol):
-    """The fields of ``t1async.tito.Segment`` the learner reads (read-only: a frozen Segment satisfies it)."""
+    """The fields of ``t1async.ingest.tito.Segment`` the learner reads (read-only: a frozen Segment satisfies it)."""
 
     @property
     def episode(self) -> str: ...

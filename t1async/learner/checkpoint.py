@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from t1async.errors import ConfigError
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into, save_pretrained
+from t1async.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from t1async.errors import T1Error
 from t1async.learner import memory, ppo
 from t1async.learner.batch import BatchError, SegmentLike, check_segment
 from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
 from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
 from t1async.log import get_logger
+from t1async.protocol.errors import T1Error
 
 if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from t1async import wire
-from t1async.errors import WireError
-from t1async.learner.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, restore_weights, segment_letter
-from t1async.learner.settle import loss_turns
+from t1async.credits.settle import loss_turns
+from t1async.ingest.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, restore_weights, segment_letter
+from t1async.ingest.tito import Segment
 from t1async.log import get_logger
 from t1async.model.weights import default_model_dir
-from t1async.tito import Segment
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
 from t1async.transport.base import traj_subject
 
 if TYPE_CHECKING:
-    from t1async.assembly import Assembler
-    from t1async.learner.journal import Journal
+    from t1async.ingest.assembly import Assembler
+    from t1async.ingest.journal import Journal
     from t1async.learner.service import LearnerConfig
     from t1async.learner.trainer import Trainer
     from t1async.transport.base import Transport

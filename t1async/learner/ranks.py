@@ -23,11 +23,11 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from t1async.errors import ConfigError
 from t1async.learner.distributed import DistributedTrainer, RankFailedError, _collective, die_with_parent, init_group
 from t1async.learner.trainer import Trainer
 from t1async.log import get_logger
-from t1async.natsd import free_port
+from t1async.protocol.errors import ConfigError
+from t1async.transport.natsd import free_port
 
 log = get_logger("t1async.learner.ranks")
 

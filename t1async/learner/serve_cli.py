@@ -10,8 +10,8 @@ from pathlib import Path
 
 import anyio
 
-from t1async.errors import ConfigError
 from t1async.learner.options import ADVANTAGES, CRITICS
+from t1async.protocol.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,27 +22,27 @@ import anyio
 import anyio.abc
 import numpy as np
 
-from t1async import wire
-from t1async.assembly import Assembler
+from t1async.credits.ledger import CreditGate, CreditLedger, StalenessHistogram
+from t1async.credits.liveness import ActorLiveness, actor_of, watch_actors
+from t1async.credits.server import CreditServer
+from t1async.credits.settle import Settler, StepLog, loss_turns
+from t1async.ingest.assembly import Assembler
+from t1async.ingest.journal import Journal
+from t1async.ingest.poison import PoisonBook, Screened
+from t1async.ingest.tito import Segment
+from t1async.ingest.validate import ModelLimits
 from t1async.learner import memory
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from t1async.learner.credits import CreditServer
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.intake import Intake
-from t1async.learner.journal import Journal
-from t1async.learner.liveness import ActorLiveness, actor_of, watch_actors
-from t1async.learner.poison import PoisonBook, Screened
-from t1async.learner.settle import Settler, StepLog, loss_turns
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer, TrainerConfig
-from t1async.learner.validate import ModelLimits
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
+from t1async.protocol import wire
 from t1async.sampler.client import SGLangClient
-from t1async.staleness import CreditGate, CreditLedger, StalenessHistogram
-from t1async.tito import Segment
 from t1async.transport.base import Transport, traj_subject
 
 log = get_logger("t1async.learner")
@@ -62,7 +62,7 @@ class LearnerConfig:
     keep_checkpoints: int = 3
     journal_segment_bytes: int = 32 << 20  # the journal rolls over to a new segment file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.tb)
+    tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
     wandb: bool = False  # and to Weights & Biases, when wandb is installed
 
     @property
@@ -113,7 +113,7 @@ class Learner(StepInputs, Intake):
         self._arrived = anyio.Event()
         self.curves = None
         if config.tensorboard:
-            from t1async.tb import Curves
+            from t1async.curves import Curves
 
             self.curves = Curves(config.run_dir / "tb" / "learner", wandb=config.wandb, name=config.run_dir.name)
 
@@ -234,8 +234,8 @@ class Learner(StepInputs, Intake):
             max_staleness=self.hist.max,
         )
         await self._publish_metrics()
-        if self.curves is not None:  # the step's curves in TensorBoard (t1async.tb), at the version it made
-            from t1async.tb import learner_scalars
+        if self.curves is not None:  # the step's curves in TensorBoard (t1async.curves), at the version it made
+            from t1async.curves import learner_scalars
 
             self.curves.scalars(self.version, learner_scalars(self.last_step, self.metrics()))
         await self._compact_journal()

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from t1async.ingest.tito import Segment
 from t1async.log import get_logger
-from t1async.tito import Segment
 
 if TYPE_CHECKING:
-    from t1async.assembly import Assembler
+    from t1async.credits.ledger import CreditGate
+    from t1async.credits.settle import Settler
+    from t1async.ingest.assembly import Assembler
     from t1async.learner.service import LearnerConfig
-    from t1async.learner.settle import Settler
     from t1async.learner.state import LearnerState
-    from t1async.staleness import CreditGate
 
 log = get_logger("t1async.learner")
 

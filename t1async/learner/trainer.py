@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from t1async.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.learner.stepmetrics import StepMetrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
+from t1async.protocol.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
 
 if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer

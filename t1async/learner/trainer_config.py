@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from t1async.errors import ConfigError
 from t1async.learner import ppo
 from t1async.learner.options import ADVANTAGES, CRITICS
+from t1async.protocol.errors import ConfigError
 
 
 @dataclass(frozen=True)

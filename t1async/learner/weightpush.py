@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import torch
 
-from t1async.errors import ConfigError, SamplerError
 from t1async.log import get_logger
+from t1async.protocol.errors import ConfigError, SamplerError
 from t1async.sampler import weightsync as W
 
 log = get_logger("learner.weightpush")

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 MODEL_TYPE = "t1async_moe"
 
@@ -104,7 +104,7 @@ class MoEConfig:
 
 
 # Named model shapes. "tiny" is the shipped default (assets/config.json). "learn" is the model the ``learn``
-# warm-start recipe trains from its seeded init (t1async.learner.warmstart): still a CPU-sized MoE with
+# warm-start recipe trains from its seeded init (t1async.recipes.warmstart): still a CPU-sized MoE with
 # top-k routing, so R3 routing replay stays meaningful.
 MODEL_PRESETS: dict[str, MoEConfig] = {
     "tiny": MoEConfig(),

@@ -46,7 +46,6 @@ from pathlib import Path
 import anyio
 import torch
 
-from t1async.errors import SamplerError, SamplerRequestError
 from t1async.log import get_logger
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
@@ -64,6 +63,7 @@ from t1async.model.scheduler import (
 from t1async.model.stream import EventStream, _Handle
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
+from t1async.protocol.errors import SamplerError, SamplerRequestError
 
 __all__ = ["Engine", "EngineConfig", "GenEvent", "GenRequest", "GenResult"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from t1async.errors import ConfigError, SamplerRequestError
+from t1async.protocol.errors import ConfigError, SamplerRequestError
 
 DTYPES = ("float32", "bfloat16")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from t1async.errors import ConfigError
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import TOKENIZER_FILES, ChatTokenizer, assets_dir
+from t1async.protocol.errors import ConfigError
 
 WEIGHTS_FILE = "model.safetensors"
 INIT_VERSION = "numpy-pcg64-v1"  # bump when reset_parameters changes, so cached defaults are rebuilt

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             await stop.wait()
         # nursery exits when serve() finished its graceful shutdown
 
-    from t1async.errors import T1Error
+    from t1async.protocol.errors import T1Error
 
     failed: list[T1Error | ExceptionGroup[T1Error]] = []
     try:

@@ -19,9 +19,9 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from t1async.errors import SamplerError, SamplerRequestError
 from t1async.log import get_logger
-from t1async.sampler import protocol as P
+from t1async.protocol.errors import SamplerError, SamplerRequestError
+from t1async.sampler import requests as P
 from t1async.sampler import response as R
 
 log = get_logger("sampler.server")

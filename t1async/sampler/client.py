@@ -1,7 +1,7 @@
 """``SGLangClient``: the Sampler protocol over SGLang's native HTTP API (httpx), for a real SGLang server
 or the embedded one, interchangeably.
 
-Errors (all from t1async.errors)::
+Errors (all from t1async.protocol.errors)::
 
     SamplerError                 no URL answered usably after the retries (names the URL and the cause),
     │                            the client was used after ``aclose()`` (SamplerClosedError), or a sampler
@@ -30,8 +30,8 @@ from typing import Any
 import anyio
 import httpx
 
-from t1async.errors import SamplerError, SamplerRequestError, SamplerVersionError
-from t1async.sampler.base import Generation, SamplingParams
+from t1async.protocol.errors import SamplerError, SamplerRequestError, SamplerVersionError
+from t1async.protocol.sampling import Generation, SamplingParams
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.sampler.response import (
     error_message,

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import httpx
 
-from t1async.errors import ServerStartError
+from t1async.protocol.errors import ServerStartError
 
 try:
     from t1async.log import get_logger

@@ -22,10 +22,10 @@ import anyio
 import numpy as np
 from anyio.lowlevel import checkpoint
 
-from t1async.errors import SamplerRequestError
-from t1async.sampler.base import Generation, SamplingParams
+from t1async.protocol.errors import SamplerRequestError
+from t1async.protocol.sampling import Generation, SamplingParams
+from t1async.protocol.wire import Finish
 from t1async.sampler.client import SamplerClosedError, routing_dtype
-from t1async.wire import Finish
 
 Script = Callable[[Sequence[int]], Sequence[int]]
 

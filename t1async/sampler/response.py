@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from t1async.errors import SamplerError, SamplerVersionError
-from t1async.sampler.base import Generation
-from t1async.wire import Finish
+from t1async.protocol.errors import SamplerError, SamplerVersionError
+from t1async.protocol.sampling import Generation
+from t1async.protocol.wire import Finish
 
 if TYPE_CHECKING:
-    from t1async.sampler.protocol import GenerateInput
+    from t1async.sampler.requests import GenerateInput
 
 __all__ = [
     "ResponseState",

@@ -26,8 +26,8 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from t1async.errors import SamplerError
 from t1async.log import get_logger
+from t1async.protocol.errors import SamplerError
 
 log = get_logger("sampler.weightsync")
 

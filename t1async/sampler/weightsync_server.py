@@ -30,9 +30,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from t1async.errors import SamplerRequestError
 from t1async.log import get_logger
 from t1async.model.weights import check_state
+from t1async.protocol.errors import SamplerRequestError
 from t1async.sampler import weightsync as W
 
 log = get_logger("sampler.weightsync")

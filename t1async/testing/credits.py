@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from t1async.staleness import CreditLedger, StalenessHistogram
+from t1async.credits.ledger import CreditLedger, StalenessHistogram
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from t1async import wire
-from t1async.tito import Segment
+from t1async.ingest.tito import Segment
+from t1async.protocol import wire
 
 KINDS = ("clean", "realign", "fork")
 KEEP_MODES = ("exact", "under", "zero")

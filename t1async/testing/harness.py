@@ -16,11 +16,11 @@ from typing import Protocol
 import anyio
 import numpy as np
 
-from t1async import wire
-from t1async.natsd import NatsServer
+from t1async.protocol import wire
 from t1async.transport.base import Transport
 from t1async.transport.memory import MemoryBroker, MemoryTransport
 from t1async.transport.nats import NatsConfig, NatsTransport
+from t1async.transport.natsd import NatsServer
 
 __all__ = [
     "MemoryHarness",

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from t1async.errors import SamplerRequestError
-from t1async.sampler.base import Generation, SamplingParams
+from t1async.protocol.errors import SamplerRequestError
+from t1async.protocol.sampling import Generation, SamplingParams
 
 __all__ = ["check_sampler"]
 

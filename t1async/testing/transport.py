@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import msgpack
 
-from t1async import wire
+from t1async.protocol import wire
 from t1async.testing.asserts import raises
 from t1async.testing.harness import (
     MemoryHarness,

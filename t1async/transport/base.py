@@ -4,7 +4,7 @@ Two implementations pass one conformance suite (tests/test_transport.py): ``Nats
 and ``MemoryTransport`` (in-process, for tests of the layers above). Both are ``async with`` resources;
 any call after the block ended raises ``TransportClosedError``.
 
-Errors (all ``TransportError``, see t1async.errors):
+Errors (all ``TransportError``, see t1async.protocol.errors):
 
     TransportError
     ├── TransportClosedError   your code used the transport after closing it
@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from t1async.errors import TransportError, WireError
-from t1async.wire import EndRecord, Record, StartRecord, TurnRecord
+from t1async.protocol.errors import TransportError, WireError
+from t1async.protocol.wire import EndRecord, Record, StartRecord, TurnRecord
 
 TRAJ_STREAM = "T1_TRAJ"
 TRAJ_SUBJECTS = "t1.traj.>"

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from t1async.errors import WireError
+from t1async.protocol.errors import WireError
 from t1async.transport.base import HDR_MSG_ID
 
 HDR_CHUNK = "T1-Chunk"

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from t1async import wire
-from t1async.errors import WireError
 from t1async.log import get_logger
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
 from t1async.transport.base import (
     HDR_MSG_ID,
     TRAJ_SUBJECTS,
@@ -38,7 +38,7 @@ from t1async.transport.base import (
     is_traj,
     subject_matches,
 )
-from t1async.transport.intake import Fetched, StreamIntake, count_dead
+from t1async.transport.delivery import Fetched, StreamIntake, count_dead
 
 log = get_logger("transport.memory")
 _SUB_BUFFER = 4096

@@ -29,9 +29,9 @@ import anyio
 import nats.errors
 import nats.js.errors
 
-from t1async import wire
-from t1async.errors import TransportError, WireError
 from t1async.log import get_logger
+from t1async.protocol import wire
+from t1async.protocol.errors import TransportError, WireError
 from t1async.transport import chunking
 from t1async.transport.base import (
     HDR_MSG_ID,
@@ -49,7 +49,7 @@ from t1async.transport.base import (
     default_msg_id,
     is_traj,
 )
-from t1async.transport.intake import CoreIntake, StreamIntake, count_dead
+from t1async.transport.delivery import CoreIntake, StreamIntake, count_dead
 from t1async.transport.natsio import DEAD_STREAM, DEFAULT_URL, AioNats, Bridge, NatsConfig
 from t1async.transport.pipeline import Outgoing, PipelineConfig, PublishPipeline
 

@@ -21,10 +21,10 @@ import nats.js.errors
 import sniffio
 from nats.js import api
 
-from t1async.errors import TransportError
 from t1async.log import get_logger
+from t1async.protocol.errors import TransportError
 from t1async.transport.base import TRAJ_STREAM, TRAJ_SUBJECTS
-from t1async.transport.intake import Fetched
+from t1async.transport.delivery import Fetched
 from t1async.transport.pipeline import Outgoing
 
 log = get_logger("transport.nats")

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from t1async.errors import WireError
+from t1async.protocol.errors import WireError
 
 __all__ = ["CODES", "DTYPES", "Fields", "encode_array"]
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from t1async import wire
+from t1async.ingest.routing import RoutingStats
+from t1async.ingest.tito import Boundary, DriftStats, Segment, SegmentBuilder, check_input, hash_update, new_hasher
 from t1async.log import get_logger
-from t1async.routing import RoutingStats
-from t1async.tito import Boundary, DriftStats, Segment, SegmentBuilder, check_input, hash_update, new_hasher
+from t1async.protocol import wire
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -47,7 +47,7 @@ class EpisodeAssembler:
         self.config = config or AssemblerConfig()
         self.stats = DriftStats()
         self.routing = RoutingStats()
-        self.log = log or get_logger("t1async.assembly")
+        self.log = log or get_logger("t1async.ingest.assembly")
         self.next_turn = 0
         self.pending: dict[int, wire.TurnRecord] = {}
         self.seen: dict[int, tuple] = {}

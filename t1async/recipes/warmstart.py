@@ -8,8 +8,8 @@ oracle in the real sandbox (``sft.collect_demos``), trains from the seeded init 
 directory into ``<cache>/warm-start/<recipe hash>/`` atomically (temp dir + rename); a second call finds it
 and returns at once. ``recipe.json`` and ``sft_metrics.json`` sit beside the weights. No weights in git.
 
-    python -m t1async.learner.warmstart --recipe learn            # builds (or finds) it; prints the dir
-    python -m t1async.learner.warmstart --recipe learn --print-dir   # where it is/would be; builds nothing
+    python -m t1async.recipes.warmstart --recipe learn            # builds (or finds) it; prints the dir
+    python -m t1async.recipes.warmstart --recipe learn --print-dir   # where it is/would be; builds nothing
 
 The cache root is ``$T1ASYNC_CACHE`` or ``$XDG_CACHE_HOME/t1async`` or ``~/.cache/t1async``.
 """
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from t1async.errors import ConfigError, T1Error
-from t1async.learner.sft import SFTConfig
 from t1async.log import get_logger
 from t1async.model.config import MODEL_PRESETS, MoEConfig
+from t1async.protocol.errors import ConfigError, T1Error
+from t1async.recipes.sft import SFTConfig
 
-log = get_logger("t1async.learner.warmstart")
+log = get_logger("t1async.recipes.warmstart")
 
 RECIPE_VERSION = "warmstart-v1"  # bump when the build itself changes (demo rendering, training loop)
 PROMPT_FILE = "system_prompt.txt"  # in the model dir: the system prompt the policy was trained with
@@ -137,7 +137,7 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
 
     from sandbox_agent.synth import generate
     from sandbox_agent.tasks import load_task
-    from t1async.learner.sft import Demo, collect_demos
+    from t1async.recipes.sft import Demo, collect_demos
 
     parts: list = [RECIPE_VERSION, list(recipe.families), recipe.tasks, recipe.task_seed]
     if recipe.data_version != 1:
@@ -165,10 +165,10 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
     """The recipe's model directory: found in the cache, or built into it (atomically)."""
     import torch
 
-    from t1async.learner.sft import copy_examples, demo_loss, demo_tokens, sft_train
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import default_model_dir, save_pretrained
+    from t1async.recipes.sft import copy_examples, demo_loss, demo_tokens, sft_train
 
     dest = cache_dir(recipe, cache_root)
     if is_built(recipe, cache_root):
@@ -240,7 +240,7 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
 def main(argv: list[str] | None = None) -> int:
     from t1async.log import configure
 
-    p = argparse.ArgumentParser(prog="python -m t1async.learner.warmstart", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m t1async.recipes.warmstart", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="learn", help=f"recipe name (known: {', '.join(RECIPES)})")
     p.add_argument("--cache", type=Path, default=None, help="cache root (default: $T1ASYNC_CACHE or ~/.cache/t1async)")
     p.add_argument(

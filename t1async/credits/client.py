@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import anyio
 
 from t1async.log import get_logger
-from t1async.sampler.base import Generation, Sampler, SamplingParams
+from t1async.protocol.sampling import Generation, Sampler, SamplingParams
+from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport.base import NoRespondersError, RequestTimeoutError, Transport
-from t1async.wire import CreditGrant, CreditRequest
 
 CREDIT_SUBJECT = "t1.credit"
-log = get_logger("actors.credits")
+log = get_logger("t1async.credits.client")
 
 
 class CreditClient:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 
 @dataclass

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from t1async import wire
-from t1async.errors import WireError
 from t1async.log import get_logger
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
+from t1async.protocol.wire import Record
 from t1async.transport import chunking
 from t1async.transport.base import HDR_MSG_ID, Delivery, SeenSeqs, TransportStats, dead_letter
-from t1async.wire import Record
 
 log = get_logger("transport")
 H = TypeVar("H")

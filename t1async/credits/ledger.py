@@ -47,8 +47,8 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from t1async import wire
-from t1async.errors import ConfigError
+from t1async.protocol import wire
+from t1async.protocol.errors import ConfigError
 
 RUNNING, DELIVERED, SETTLED, EXPIRED = "running", "delivered", "settled", "expired"
 SETTLE_REASONS = ("trained", "stale_masked", "realign_dropped", "poisoned", "abandoned")

@@ -26,14 +26,14 @@ import anyio
 import numpy as np
 import torch
 
-from t1async.errors import ConfigError
 from t1async.learner.batch import plan_microbatches
 from t1async.log import get_logger
+from t1async.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer
 
-log = get_logger("t1async.learner.sft")
+log = get_logger("t1async.recipes.sft")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Named ``cluster up`` recipes (``--preset NAME``): a preset sets defaults, a TOML file and flags override.
 
 ``learn``: RL that measurably learns on 2 CPU cores (``bench.learning`` runs it). The policy is the ``learn``
-warm start (``t1async.learner.warmstart``: a seeded MoE trained on oracle demonstrations of the ``chores``
+warm start (``t1async.recipes.warmstart``: a seeded MoE trained on oracle demonstrations of the ``chores``
 family, cached, built first if missing); the actors draw the train split of a corpus of the same family; every
 turn is verified (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (a
 demonstration takes 3 turns: two commands and DONE).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from t1async.errors import ConfigError
+from t1async.protocol.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
     "learn": {

@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from t1async import wire
-from t1async.errors import T1Error, WireError
+from t1async.ingest.journal import fsync_dir
+from t1async.ingest.tito import Segment
+from t1async.ingest.validate import ModelLimits, check_record
 from t1async.learner.checkpoint import latest_checkpoint
-from t1async.learner.journal import fsync_dir
-from t1async.learner.validate import ModelLimits, check_record
 from t1async.log import get_logger
 from t1async.model.weights import load_weights_into
-from t1async.tito import Segment
+from t1async.protocol import wire
+from t1async.protocol.errors import T1Error, WireError
 
-log = get_logger("t1async.learner.poison")
+log = get_logger("t1async.ingest.poison")
 TRAIN_STEP = "train_step"  # the dead-letter reason of a segment a training step failed on
 ASSEMBLY = "assembly"  # ... of a validated record that taking (assembly) still failed on: its episode goes whole
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from t1async import wire
-from t1async.errors import T1Error
+from t1async.protocol import wire
+from t1async.protocol.errors import T1Error
 
 MISSING = -1
 ZERO_LAYER_MIN_ROWS = 32  # with top-1 routing, an all-zero layer is only suspicious over this many tokens

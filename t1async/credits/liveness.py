@@ -23,7 +23,7 @@ from t1async.log import get_logger
 if TYPE_CHECKING:
     from t1async.transport.base import Transport
 
-log = get_logger("t1async.learner.liveness")
+log = get_logger("t1async.credits.liveness")
 RELEASED_MEMORY = 10_000
 HEARTBEAT_SUBJECTS = "t1.actor.>"  # an actor heartbeats on t1.actor.<actor id>
 
@@ -84,7 +84,7 @@ async def watch_actors(
     task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Record heartbeats from ``t1.actor.>``, and call ``on_silent(actor)`` for each actor that goes silent."""
-    from t1async import wire
+    from t1async.protocol import wire
 
     async def reap() -> None:
         interval = min(1.0, liveness.timeout_s / 4)

@@ -20,9 +20,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from t1async.errors import WireError
-from t1async.wirefields import Fields as _Fields
-from t1async.wirefields import encode_array as _enc_array
+from t1async.protocol.errors import WireError
+from t1async.protocol.fields import Fields as _Fields
+from t1async.protocol.fields import encode_array as _enc_array
 
 SCHEMA_VERSION = 1
 

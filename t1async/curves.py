@@ -24,7 +24,7 @@ from t1async.log import get_logger
 
 __all__ = ["Curves", "learner_scalars", "read_scalars"]
 
-log = get_logger("t1async.tb")
+log = get_logger("t1async.curves")
 
 
 class Curves:

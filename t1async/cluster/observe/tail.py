@@ -22,11 +22,11 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from t1async import wire
 from t1async.cluster.glossary import LEGEND, TURN_FIELDS  # noqa: F401 - re-exported for the CLI
+from t1async.protocol import wire
+from t1async.protocol.fields import DTYPES
 from t1async.transport import Message, NatsTransport, traj_subject
 from t1async.transport.base import HDR_DEAD_ERROR, HDR_DEAD_SUBJECT
-from t1async.wirefields import DTYPES
 
 _CLIP = 160
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(32), 127, *range(0x80, 0xA0))} | {9: "\\t", 10: "\\n", 13: "\\r"}

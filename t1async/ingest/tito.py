@@ -2,7 +2,7 @@
 
 This module is the pure part: the ``Segment`` the learner trains on, the boundary check and classification,
 the drift counters, and ``SegmentBuilder`` (the arrays of one open segment and their repair). The episode
-state around it (reordering, dedupe, when segments are returned) is ``t1async.assembly``.
+state around it (reordering, dedupe, when segments are returned) is ``t1async.ingest.assembly``.
 
 For actors: ``keep`` = the common prefix of this turn's full input and the previous turn's full sequence
 (its input followed by its output), and ``routed_experts_start_len`` = ``min(keep, len(previous sequence) - 1)``
@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from t1async import wire
-from t1async.errors import T1Error
-from t1async.routing import RouteTrack, RoutingStats
+from t1async.ingest.routing import RouteTrack, RoutingStats
+from t1async.protocol import wire
+from t1async.protocol.errors import T1Error
+from t1async.protocol.sampling import common_prefix_len
 
 
 class Boundary(str, Enum):
@@ -57,7 +58,7 @@ class AssemblyError(T1Error):
 
 @dataclass(frozen=True, eq=False)
 class Segment:
-    """One trainable token sequence of an episode (DESIGN §5), produced by ``t1async.assembly.Assembler``.
+    """One trainable token sequence of an episode (DESIGN §5), produced by ``t1async.ingest.assembly.Assembler``.
 
     ``tokens`` is exactly the context the sampler saw followed by sampled outputs; ``loss_mask`` is True
     exactly at the sampled output tokens this segment trains (turns already returned in an earlier cut of the
@@ -168,15 +169,6 @@ class DriftStats:
 # --------------------------------------------------------------------------------------------- check
 
 
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D arrays (vectorised)."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 def classify(prev_len: int, out_start: int, lcp: int) -> Boundary:
     """The boundary kind from the length of ``S_k``, where turn k's output starts in it, and the true common
     prefix of ``I_{k+1}`` and ``S_k``."""
@@ -273,7 +265,7 @@ class TurnSpan:
 
 class SegmentBuilder:
     """One open segment: growable token arrays whose first ``n`` entries are exactly ``S_k``, the turns in
-    it, the running hash of ``S_k`` with checkpoints, and its routing track. Used by ``t1async.assembly``."""
+    it, the running hash of ``S_k`` with checkpoints, and its routing track. Used by ``t1async.ingest.assembly``."""
 
     def __init__(self, rstats: RoutingStats, num_experts: int | None, cap: int = 4096) -> None:
         # appends write every array over the range they cover, so nothing needs an initial fill

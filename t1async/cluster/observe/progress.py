@@ -22,10 +22,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from t1async.cluster.dashboard import RunView, plain_line, render
+from t1async.cluster.observe.dashboard import RunView, plain_line, render
 from t1async.log import get_logger
+from t1async.protocol.wire import MetricsRecord
 from t1async.transport import NatsTransport
-from t1async.wire import MetricsRecord
 
 log = get_logger("cluster.progress")
 
@@ -155,7 +155,7 @@ def _no_echo(out: IO[str]) -> Iterator[None]:
 def _monitor_url(run_dir: Path) -> str:
     """The embedded nats-server's monitoring URL from cluster.json ('' for an external NATS or no state)."""
     from t1async.cluster.state import ClusterState
-    from t1async.errors import ConfigError
+    from t1async.protocol.errors import ConfigError
 
     try:
         return ClusterState.load(run_dir).monitor_url

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from t1async import wire
-from t1async.errors import WireError
-from t1async.routing import zero_layers
+from t1async.ingest.routing import zero_layers
+from t1async.protocol import wire
+from t1async.protocol.errors import WireError
 
 REASONS = ("token_range", "logprob", "routing_shape", "expert_range", "expert_repeat", "length", "version")
 

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from t1async.errors import SamplerRequestError
-from t1async.sampler.base import SamplingParams
+from t1async.protocol.errors import SamplerRequestError
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.response import ResponseState, decode_routing, encode_routing, error_body
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``cluster up --nats-nodes N`` and ``--stream-replicas R``: the supervisor's NATS JetStream cluster.
 
-``start_embedded_cluster`` starts N nats-server nodes routed into one JetStream cluster (t1async.natsd.
+``start_embedded_cluster`` starts N nats-server nodes routed into one JetStream cluster (t1async.transport.natsd.
 NatsCluster: a unique server_name, a cluster {name, listen, routes} block and a store dir each, under
 <run-dir>/nats/node-<i>), records each node in cluster.json as ``nats-<i>``, and restarts a node that dies
 (same ports, same store: it rejoins). ``ensure_replicas`` creates T1_TRAJ (and T1_DEAD) with R replicas, or
@@ -16,11 +16,11 @@ from pathlib import Path
 import anyio
 
 from t1async.cluster.state import ClusterState, proc_info
-from t1async.errors import TransportError
 from t1async.log import get_logger
-from t1async.natsd import NatsCluster
+from t1async.protocol.errors import TransportError
 from t1async.transport import NatsConfig, NatsTransport
 from t1async.transport.base import TRAJ_STREAM
+from t1async.transport.natsd import NatsCluster
 
 log = get_logger("cluster.nats")
 

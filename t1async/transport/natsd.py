@@ -27,8 +27,8 @@ import anyio
 import httpx
 from anyio.abc import Process
 
-from t1async.errors import ServerStartError
 from t1async.log import get_logger
+from t1async.protocol.errors import ServerStartError
 
 log = get_logger("natsd")
 

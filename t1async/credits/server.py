@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import anyio
 
+from t1async.credits.ledger import CreditGate
 from t1async.log import get_logger
-from t1async.staleness import CreditGate
+from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport.base import Request, Transport
-from t1async.wire import CreditGrant, CreditRequest
 
 CREDIT_SUBJECT = "t1.credit"
-log = get_logger("t1async.learner.credits")
+log = get_logger("t1async.credits.server")
 
 
 class CreditServer:

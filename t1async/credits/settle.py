@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from t1async.learner.credits import CreditServer
+from t1async.credits.ledger import SETTLE_REASONS, CreditGate
+from t1async.credits.server import CreditServer
+from t1async.ingest.tito import Segment
 from t1async.log import get_logger
-from t1async.staleness import SETTLE_REASONS, CreditGate
-from t1async.tito import Segment
 
-log = get_logger("t1async.learner.settle")
+log = get_logger("t1async.credits.settle")
 SETTLED_MEMORY = 65_536  # settled keys remembered so a redelivery (within an ack wait) does not reopen them
 
 Key = tuple[str, int]

@@ -33,15 +33,15 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from t1async import wire
-from t1async.errors import T1Error, WireError
 from t1async.log import get_logger
+from t1async.protocol import wire
+from t1async.protocol.errors import T1Error, WireError
 
 _LEN = struct.Struct("<I")
 _SEG = re.compile(r"^(\d{12})\.seg$")
 LEGACY_NAME = "journal.bin"
 SETTLED_NAME = "settled.json"
-log = get_logger("t1async.learner.journal")
+log = get_logger("t1async.ingest.journal")
 
 
 class JournalClosedError(T1Error):

@@ -3,7 +3,7 @@
 ``Assembler`` takes the records of many episodes; each episode has an ``EpisodeAssembler`` that buffers
 out-of-order turns until the gap fills, drops exact redeliveries (counted), counts and logs a conflicting
 duplicate (same turn, different content: the first one wins), checks and repairs every boundary
-(``t1async.tito``) and aligns routing (``t1async.routing``).
+(``t1async.ingest.tito``) and aligns routing (``t1async.ingest.routing``).
 
 Segments come out when they are complete:
 
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from t1async import wire
-from t1async.episode_assembly import AssemblerConfig, EpisodeAssembler
+from t1async.ingest.episode import AssemblerConfig, EpisodeAssembler
+from t1async.ingest.routing import RoutingStats
+from t1async.ingest.tito import DriftStats, Segment
 from t1async.log import get_logger
-from t1async.routing import RoutingStats
-from t1async.tito import DriftStats, Segment
+from t1async.protocol import wire
 
 __all__ = ["Assembler", "AssemblerConfig", "EpisodeAssembler"]
 
@@ -52,7 +52,7 @@ class Assembler:
 
     def __init__(self, config: AssemblerConfig | None = None) -> None:
         self.config = config or AssemblerConfig()
-        self.log = get_logger("t1async.assembly")
+        self.log = get_logger("t1async.ingest.assembly")
         self.open: dict[str, EpisodeAssembler] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.recent: OrderedDict[str, DriftStats] = OrderedDict()

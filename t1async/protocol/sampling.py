@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from t1async.wire import Finish
+from t1async.protocol.wire import Finish
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,12 @@ class Sampler(Protocol):
     ) -> Generation: ...
 
     async def aclose(self) -> None: ...
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D arrays (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
