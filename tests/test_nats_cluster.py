@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
@@ -24,7 +25,7 @@ from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, TransportError
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
-from t1async.transport.natscluster import wait_replicated
+from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
 from tests.test_natsd import alive
 from tests.test_transport import turn
@@ -75,6 +76,26 @@ async def test_the_stream_gets_three_replicas_and_a_single_server_says_it_cannot
         with pytest.raises(TransportError, match=r"cannot keep stream T1_TRAJ with 3 replicas.*--stream-replicas 1"):
             async with NatsTransport(config=fast(srv.url, 3)):
                 pass
+
+
+async def test_the_embedded_cluster_tells_its_caller_each_node_and_each_restart(tmp_path):
+    """The supervisor records the nodes in cluster.json; the transport-side code only calls back."""
+    told: list[tuple[str, int, str]] = []
+    (tmp_path / "logs").mkdir()  # the supervisor makes it
+    async with AsyncExitStack() as stack:
+        cl = await start_embedded_cluster(stack, tmp_path, 2, 1 << 20, lambda *node: told.append(node))
+        assert [t[0] for t in told] == ["nats-0", "nats-1"] and cl.url == ",".join(n.url for n in cl.nodes)
+        assert [t[1] for t in told] == [n.pid for n in cl.nodes] and all(alive(t[1]) for t in told)
+        assert [t[2] for t in told] == [str(n.log_path) for n in cl.nodes]
+        first = cl.nodes[1].pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        with anyio.fail_after(30):
+            while len(told) < 3:
+                await anyio.sleep(0.1)
+        assert told[2][0] == "nats-1" and told[2][1] == cl.nodes[1].pid != first
+        pids = [n.pid for n in cl.nodes]
+    assert not any(alive(p) for p in pids), "the nodes stop with the stack"
 
 
 def test_cluster_flags_are_checked():

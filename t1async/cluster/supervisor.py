@@ -51,7 +51,7 @@ class ClusterConfig:
     run_dir: Path
     nats_url: str | None = None  # an external NATS; None starts the embedded nats-server
     nats_port: int = 0  # 0: a free loopback port
-    nats_nodes: int = 1  # >1: an embedded JetStream cluster of this many nodes (cluster/natscluster.py)
+    nats_nodes: int = 1  # >1: an embedded JetStream cluster of this many nodes (transport/natscluster.py)
     stream_replicas: int | None = None  # create/scale the T1 streams to this many replicas; None: as they are
     max_payload: int = 8 << 20
     duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
@@ -93,9 +93,15 @@ class Supervisor:
                 if nats_url is None and self.config.nats_nodes > 1:
                     from t1async.transport.natscluster import start_embedded_cluster
 
-                    nats_url = await start_embedded_cluster(
-                        stack, run_dir, self.config.nats_nodes, self.config.max_payload, self.state
+                    def record(name: str, pid: int, log_path: str) -> None:
+                        self.state.components[name] = proc_info(name, pid, log_path)
+                        self.state.save()
+
+                    nats_cluster = await start_embedded_cluster(
+                        stack, run_dir, self.config.nats_nodes, self.config.max_payload, record
                     )
+                    nats_url = nats_cluster.url
+                    self.state.monitor_url = nats_cluster.nodes[0].monitor_url
                 elif nats_url is None:
                     srv = await stack.enter_async_context(
                         NatsServer.start(

@@ -2,20 +2,21 @@
 
 ``start_embedded_cluster`` starts N nats-server nodes routed into one JetStream cluster (t1async.transport.natsd.
 NatsCluster: a unique server_name, a cluster {name, listen, routes} block and a store dir each, under
-<run-dir>/nats/node-<i>), records each node in cluster.json as ``nats-<i>``, and restarts a node that dies
-(same ports, same store: it rejoins). ``ensure_replicas`` creates T1_TRAJ (and T1_DEAD) with R replicas, or
-scales existing streams to R, before any component starts; the components then find the streams as they are.
+<run-dir>/nats/node-<i>), tells its caller each node (the supervisor records it in cluster.json as ``nats-<i>``:
+the transport knows nothing of the cluster's state), and restarts a node that dies (same ports, same store: it
+rejoins). ``ensure_replicas`` creates T1_TRAJ (and T1_DEAD) with R replicas, or scales existing streams to R,
+before any component starts; the components then find the streams as they are.
 Every component gets all N URLs (``nats://a,nats://b,nats://c``): nats-py fails over between them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 
-from t1async.cluster.state import ClusterState, proc_info
 from t1async.log import get_logger
 from t1async.protocol.errors import TransportError
 from t1async.transport import NatsConfig, NatsTransport
@@ -36,26 +37,29 @@ def default_replicas(nodes: int, replicas: int, external: bool) -> int | None:
 
 
 async def start_embedded_cluster(
-    stack: AsyncExitStack, run_dir: Path, nodes: int, max_payload: int, state: ClusterState
-) -> str:
-    """Start the cluster inside ``stack`` (stopped when it closes, after its watcher); returns the URL list."""
+    stack: AsyncExitStack,
+    run_dir: Path,
+    nodes: int,
+    max_payload: int,
+    on_node: Callable[[str, int, str], None],
+) -> NatsCluster:
+    """Start the cluster inside ``stack`` (stopped when it closes, after its watcher) and return it (``.url``
+    lists every node). ``on_node(name, pid, log_path)`` is told each node as it starts and each restart."""
     cl = await stack.enter_async_context(
         NatsCluster.start(run_dir / "nats", nodes, max_payload=max_payload, log_dir=run_dir / "logs")
     )
 
     def record(i: int) -> None:
         node = cl.nodes[i]
-        state.components[f"nats-{i}"] = proc_info(f"nats-{i}", node.pid or 0, str(node.log_path))
-        state.save()
+        on_node(f"nats-{i}", node.pid or 0, str(node.log_path))
 
     for i in range(nodes):
         record(i)
-    state.monitor_url = cl.nodes[0].monitor_url
     tg = await stack.enter_async_context(anyio.create_task_group())
     stack.callback(tg.cancel_scope.cancel)  # runs first on exit: the watcher stops, then the nodes
     tg.start_soon(cl.watch, 1.0, record)
     log.info("cluster.nats_cluster", nodes=nodes, urls=cl.url)
-    return cl.url
+    return cl
 
 
 async def ensure_replicas(url: str, replicas: int) -> None:
