@@ -34,6 +34,7 @@ from pathlib import Path
 from sandbox_agent.dockerfile import TBENCH_BASE, TBENCH_WORKDIR, build_context, dockerfile_of
 from sandbox_agent.sandbox.base import SandboxStartError
 from sandbox_agent.tasks import Task
+from sandbox_agent.wheelhouse import WHEELHOUSE, WHEELHOUSE_PACKAGES, cache_dir
 from sandbox_agent.wheels import download
 from t1async.log import get_logger
 
@@ -47,12 +48,8 @@ BASE_PACKAGES = (
     "python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,git,less,file"
 )
 PYPI_PACKAGES = ("uv", "pytest==8.4.1")
-# Kept in the image as a wheelhouse, so a task's test script installs its pinned pytest offline: uv/pip get
-# UV_OFFLINE/UV_FIND_LINKS/PIP_FIND_LINKS in the verifier (OFFLINE_ENV). colorama/tomli/exceptiongroup are
-# pytest's conditional dependencies, which a universal `uv add`/`uv lock` resolution needs as files too.
-WHEELHOUSE = "/opt/t1async/wheels"
+# The image's wheelhouse (WHEELHOUSE, WHEELHOUSE_PACKAGES) is described in sandbox_agent.wheelhouse.
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's; the host's is mounted over it (host_ca_volumes)
-WHEELHOUSE_PACKAGES = ("pytest==8.4.1", "pytest-json-ctrf==0.3.5", "colorama", "tomli", "exceptiongroup")
 OFFLINE_ENV = (
     ("UV_OFFLINE", "1"),
     ("UV_FIND_LINKS", WHEELHOUSE),
@@ -91,12 +88,6 @@ INSTALL_HINT = "install it with `apt-get install -y podman runc mmdebstrap`"
 
 class ImageError(SandboxStartError):
     """An image could not be built or resolved; the message names the step and the fix."""
-
-
-def cache_dir() -> Path:
-    d = Path(os.environ.get("T1_IMAGE_CACHE", "/var/cache/t1async/images"))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def podman() -> str:

@@ -38,7 +38,6 @@ from typing import Literal
 import anyio
 
 from sandbox_agent.backend import SandboxBackend, backend_kind
-from sandbox_agent.images import WHEELHOUSE
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
 from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this module's API)
@@ -50,6 +49,7 @@ from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this
     script_command,
     write_shims,
 )
+from sandbox_agent.wheelhouse import WHEELHOUSE
 from sandbox_agent.wheels import verifier_wheels
 from t1async.log import get_logger
 from t1async.protocol.errors import SandboxError

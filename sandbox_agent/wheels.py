@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from sandbox_agent.wheelhouse import WHEELHOUSE_PACKAGES, cache_dir
 from t1async.log import get_logger
 
 log = get_logger("sandbox_agent.wheels")
@@ -171,15 +172,13 @@ def task_wheelhouse(cache: Path, specs: tuple[str, ...], base: tuple[str, ...]) 
 
 def verifier_wheels(task_script: Path | None) -> tuple[Path | None, tuple[str, ...], str]:
     """(wheelhouse to mount over the image's, the specs beyond the image's own, why not) for a test script."""
-    from sandbox_agent import images  # images imports this module
-
     if task_script is None:
         return None, (), ""
     try:
         specs = script_packages(task_script.read_text(encoding="utf-8", errors="replace"))
     except OSError:
         return None, (), ""
-    have = {s.lower() for s in images.WHEELHOUSE_PACKAGES}
+    have = {s.lower() for s in WHEELHOUSE_PACKAGES}
     extra = tuple(s for s in specs if s.lower() not in have)
-    house, why = task_wheelhouse(images.cache_dir(), extra, images.WHEELHOUSE_PACKAGES)
+    house, why = task_wheelhouse(cache_dir(), extra, WHEELHOUSE_PACKAGES)
     return house, extra if house else (), why
