@@ -312,6 +312,8 @@ def test_checker_sees_every_kind_of_import(tmp_path):
             "t1async/recipes/sft.py": "import t1async.testing.kit\n",
             "sandbox_agent/__init__.py": "",
             "t1async/curves.py": "",
+            "t1async/learner/__init__.py": "",
+            "t1async/learner/__main__.py": "def sft():\n    from t1async.recipes import sft\n",  # a command line
             "sandbox_agent/agent.py": "from t1async import curves\n",
         },
     )
@@ -328,6 +330,7 @@ def test_checker_sees_every_kind_of_import(tmp_path):
         ("t1async.testing.kit", "t1async.recipes.sft", "module"),
         ("t1async.recipes.sft", "t1async.testing.kit", "module"),
         ("sandbox_agent.agent", "t1async.curves", "module"),  # from the top package import a module
+        ("t1async.learner.__main__", "t1async.recipes.sft", "local"),  # allowed: __main__ is an application
     }
     bad = {layer: {(e.src, e.dst) for e in layer_violations(edges, layer)} for layer in RULES}
     assert bad == {
