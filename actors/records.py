@@ -26,7 +26,7 @@ class TurnEncoder:
     def encode(self, t: TurnResult) -> TurnRecord:
         inp = np.asarray(t.input_ids, dtype=np.int32)
         keep = common_prefix_len(inp, self.seq)
-        # per-token versions only when a weight update split the turn; policy_version is the oldest (§7)
+        # per-token versions only when a weight update split the turn; policy_version is the oldest (design §7)
         versions, version = None, int(t.weight_version)
         ov = getattr(t, "output_versions", None)
         if ov is not None and len(ov) == len(t.output_ids) and len(ov):

@@ -51,7 +51,7 @@ def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: s
 
 
 def emit_json(obj: dict) -> None:
-    """The machine-readable result: one JSON object, the last line of stdout (DESIGN §11)."""
+    """The machine-readable result: one JSON object, the last line of stdout (design §11)."""
     print(json.dumps(obj, sort_keys=True), flush=True)
 
 

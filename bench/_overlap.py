@@ -127,7 +127,7 @@ def summarise(records: list[dict], eta: int, *, slots: int, warmup_steps: int = 
 
 
 def why(runs: list[dict], ov: dict) -> list[str]:
-    """One line per measured reason async fell short of the bound or left the sampler idle (README: Overlap,
+    """One line per measured reason async fell short of the bound or left the sampler idle (docs/results.md: Overlap,
     measured); empty when the targets were met."""
     if not ov or ov["targets_met"]:
         return []

@@ -19,7 +19,7 @@ bootstrap CIs over tasks (the differences are paired: the same tasks resampled f
 ``pass1_after``, ``reward_before``, ``reward_after`` (mean tests passed per episode), ``ci95_diff`` and
 ``minutes`` (evals + RL, not the cached warm start).
 
-Targets (issue 12): pass@1 after >= before + 10 points, mean tests >= 1.2x before, both diffs' CIs exclude
+Targets: pass@1 after >= before + 10 points, mean tests >= 1.2x before, both diffs' CIs exclude
 0, mean |Δlogp| <= 0.02 at every step, ``minutes`` <= 60 on 2 cores.
 """
 

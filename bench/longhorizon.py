@@ -15,7 +15,7 @@ minimum), which takes the noise of a shared machine out of the ratio. Then, sepa
 - ``train_peak_rss_gb_32k``: one PPO step of the shipped model on a single 32k-token segment, in a child
   process so that its ``ru_maxrss`` is its own peak.
 
-Targets (issue 9 item 5): ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 10-30)
+Targets: ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 10-30)
 <= 1.5, ``exec_p50_ms`` <= 10, ``train_peak_rss_gb_32k`` < 4.
 
     python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train]

@@ -23,7 +23,7 @@
    where the learner's own top-k differs from the recorded experts, over aligned tokens).
 
 Prints a table, writes ``mismatch.json`` and ``mismatch.png`` to ``--out``; with ``--json`` the last stdout
-line is the JSON object (DESIGN §11). ``ratio`` is tito_r3 over the **ID-matched** baseline (``ratio_raw``
+line is the JSON object (design §11). ``ratio`` is tito_r3 over the **ID-matched** baseline (``ratio_raw``
 over the raw one, for reference). The T1 paper reports 0.021 -> 0.013 (ratio 0.62) for tito_r3/baseline.
 """
 

@@ -4,7 +4,7 @@
 
 For each backend: episode start (open + first command; for containers cold = image build included, warm
 = image cached), the exec round trip of ``true`` (p50/p99 over N, after a warm-up), and the verifier
-time of a small pytest task. Targets (issue 9/11): exec p50 <= 10 ms on both backends, a warm container
+time of a small pytest task. Targets: exec p50 <= 10 ms on both backends, a warm container
 episode start <= 1 s. The last line is JSON.
 
 ``exec_roundtrip(sb, n)`` is the helper other benches (bench.longhorizon) call on any open sandbox.

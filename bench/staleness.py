@@ -20,7 +20,7 @@ the learner) for ``--duration`` seconds on a fresh run dir, and measures:
   and ``learner_cpu_share`` (the learner's CPU seconds over T_train, from ``/proc/<pid>/stat``: near 1 when
   its one torch thread had its core; well below 1 when something else ran there).
 
-``overlap_bound`` = ``(T_sample + T_train) / max(T_sample, T_train)`` from the η = 0 run (DESIGN §11): the
+``overlap_bound`` = ``(T_sample + T_train) / max(T_sample, T_train)`` from the η = 0 run (design §11): the
 most any η can gain by overlapping sampling with training. ``T_train`` is the learner's summed step wall time
 (train, checkpoint, weight push) in the timed window, ``T_sample`` the rest of that wall time (η
 = 0 is synchronous, so the two alternate). ``async_over_sync`` is turns/s at the largest η over turns/s at η

@@ -1,9 +1,9 @@
-"""The agent turn loop: one episode, token-in/token-out (DESIGN §5), against the Sampler seam.
+"""The agent turn loop: one episode, token-in/token-out (design §5), against the Sampler seam.
 
 Every turn's input is built from exact IDs: the previous turn's full input, its sampled output IDs, the
 bridge that closes the assistant turn (``tokenizer.bridge_ids(output)``), the observation message encoded
 on its own (``tokenizer.message_ids``) and the generation prompt. Earlier text is never re-encoded, so every
-boundary is CLEAN. Routing is asked only for rows no earlier turn covered (DESIGN §3):
+boundary is CLEAN. Routing is asked only for rows no earlier turn covered (design §3):
 ``routed_experts_start_len`` is 0 on the first turn, then the previous full sequence length - 1.
 
 When the next input would not fit ``max_context_tokens``, the context policy (``sandbox_agent.context``,
@@ -16,7 +16,7 @@ Its config and records (``AgentConfig``, ``TurnResult``, ``EpisodeResult``) are 
 reads as its seams: ``_sample``, ``_respond`` (parse, ``_act``), ``_next_input`` (with the context
 policy), ``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
 
-Rewards (DESIGN §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
+Rewards (design §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
 ends the episode) its ``reward`` is the change in the number of passing tests; otherwise 0. If the episode
 stops before a turn could carry the final verification (wall time ran out while sampling, a sampler
 error), that change is ``EpisodeResult.unstreamed_reward``, so the streamed rewards plus it always add up to
@@ -144,7 +144,7 @@ class _Loop:
     deadline: float
     rid: str = "episode"
     paused_s: float = 0.0  # time the sampler held the episode before sampling (credits), not on the wall clock
-    routed_start: int = 0  # the first position no earlier turn's routing covered (DESIGN §3)
+    routed_start: int = 0  # the first position no earlier turn's routing covered (design §3)
     compacted: bool = False  # this turn's input is a compaction (a FORK by construction)
     last_passed: int = 0
     last_verify: VerifyResult | None = None

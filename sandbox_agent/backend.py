@@ -271,7 +271,7 @@ def bwrap_first(task: Task, bwrap: BwrapBackend) -> bool:
     task with a Dockerfile runs in its container when podman is here, and on bwrap only if podman is not
     and the Dockerfile subset reproduces it. Published tests expect the image: on bwrap, / is read-only, the
     shell is not root and /usr is the host's, and 3 of 4 published tasks whose oracle resolves in a
-    container failed there (tests writing /data; README "Terminal-Bench tasks as published")."""
+    container failed there (tests writing /data; docs/results.md, "Sandbox")."""
     # the cheap test first: only a task that may run on bwrap gets its Dockerfile parsed (``kind`` is called
     # at every session's open)
     return (task.docker_image is None or not images.podman_available()) and bwrap.supports(task)

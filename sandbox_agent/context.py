@@ -1,4 +1,4 @@
-"""Context policies: what the agent does when the next input would not fit ``max_context`` (DESIGN §12).
+"""Context policies: what the agent does when the next input would not fit ``max_context`` (design §12).
 
 An episode's input is ``head + turn_0 + turn_1 + ...`` where ``head`` is the first input (system prompt and
 task, then the generation prompt) and each turn is its exact sampled output IDs followed by its suffix (the
@@ -6,8 +6,8 @@ bridge that closes the assistant turn, the observation message, the generation p
 ``agent.turn_suffix_ids``). ``History`` keeps those pieces, so a compacted input is built from exact IDs
 like every input: no earlier text is re-encoded, outputs are never retokenized.
 
-A compacted input no longer extends the sequence the learner assembled: that boundary is a FORK (DESIGN
-§5), by construction. The earlier turns were trained in their own context; the turns after it are trained
+A compacted input no longer extends the sequence the learner assembled: that boundary is a FORK (design §5),
+by construction. The earlier turns were trained in their own context; the turns after it are trained
 in the new one.
 
 Policies (``--context-policy``):

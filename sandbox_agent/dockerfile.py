@@ -1,4 +1,4 @@
-"""A task's Dockerfile, read for what the bwrap backend can reproduce exactly (issue 11, DESIGN §12).
+"""A task's Dockerfile, read for what the bwrap backend can reproduce exactly (design §12).
 
 bwrap runs over the host's Debian /usr, so it honours only the instructions it can reproduce exactly:
 

@@ -1,4 +1,4 @@
-"""The verifier: run a task's tests over the agent's work dir and count the passes (DESIGN §8).
+"""The verifier: run a task's tests over the agent's work dir and count the passes (design §8).
 
 Each verification opens a *fresh* sandbox session over the work dir, with a fresh copy of the task's
 ``tests/`` bound read-only at ``/tests`` (the agent cannot edit or pre-plant them).

@@ -23,7 +23,7 @@ ETA = 1
 
 
 def check_episode_turns(turns: list[wire.TurnRecord]) -> None:
-    """TITO and routing fields as DESIGN §3 defines them, for one episode's turns in order."""
+    """TITO and routing fields as design §3 defines them, for one episode's turns in order."""
     seq_len = 0
     covered = 0
     for i, t in enumerate(sorted(turns, key=lambda t: t.turn)):
@@ -32,7 +32,7 @@ def check_episode_turns(turns: list[wire.TurnRecord]) -> None:
         assert t.keep == seq_len, "the token-in actor's boundaries are CLEAN"
         assert len(t.output_logprobs) == len(t.output_ids) and np.all(t.output_logprobs <= 0)
         r = t.routing
-        # a route fork (DESIGN §6): after a weight update flushed the sampler's prefix cache, it re-routed the
+        # a route fork (design §6): after a weight update flushed the sampler's prefix cache, it re-routed the
         # context and sent the routes it used from an earlier start; otherwise the traces tile exactly
         fork = r is not None and i > 0 and r.start < covered
         assert r is not None and (r.start == covered or fork), "traces leave no gap, and overlap only on a route fork"

@@ -1,4 +1,4 @@
-"""The staleness and settling properties on the REAL learner service (DESIGN §7), not the simulator.
+"""The staleness and settling properties on the REAL learner service (design §7), not the simulator.
 
 Scripted actors (credits through ``t1.credit``, heartbeats, the actors' own ``TurnEncoder``) drive a real
 ``Learner`` (memory transport, tiny real MoE, real trainer) in seeded random scenarios: records arrive in

@@ -1,4 +1,4 @@
-"""Actor liveness (DESIGN §7): an actor silent for the timeout is reported once; restarts give a grace period."""
+"""Actor liveness (design §7): an actor silent for the timeout is reported once; restarts give a grace period."""
 
 from __future__ import annotations
 

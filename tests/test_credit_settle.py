@@ -1,4 +1,4 @@
-"""Every delivered turn is settled exactly once, and settling releases its credit (DESIGN §7): the ledger
+"""Every delivered turn is settled exactly once, and settling releases its credit (design §7): the ledger
 stays bounded by the work in flight whatever is never trained, and a silent actor's credits come back."""
 
 from __future__ import annotations

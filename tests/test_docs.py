@@ -1,11 +1,16 @@
 """The README and docs/ stay true: every command they show runs `--help`, every flag they name for a command
-exists in that command's `--help`, and every relative link (and #anchor) resolves."""
+exists in that command's `--help`, and every relative link (and #anchor) resolves. The README stays short,
+every `design §N` pointer in the code names a numbered section of docs/design.md, and no comment or docstring
+cites an issue number of the tracker."""
 
 from __future__ import annotations
 
+import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -134,7 +139,7 @@ def test_relative_links_resolve(doc):
             broken.append(f"{link}: no heading #{anchor} in {path.name}")
     assert not broken, f"{doc.name}: " + "; ".join(broken)
     if doc.name == "README.md":
-        assert {"docs/design.md", "docs/glossary.md", "docs/reading-a-run.md"} <= set(links)
+        assert {"docs/design.md", "docs/results.md", "docs/glossary.md", "docs/reading-a-run.md"} <= set(links)
 
 
 def test_docs_cover_the_dashboard_and_tail_fields():
@@ -158,3 +163,129 @@ def test_sft_help_keeps_its_examples_apart_and_explains_every_flag():
     for flag in ("--lr LR", "--seed SEED"):
         line = next(x for x in opts.splitlines() if x.strip().startswith(flag))
         assert len(line.strip()) > len(flag) + 5, f"{flag} has no help: {line!r}"
+
+
+def test_the_readme_is_short():
+    """A newcomer's page: measurements live in docs/results.md, explanations in docs/design.md."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/design.md or docs/results.md"
+
+
+# --- `design §N` pointers -----------------------------------------------------------------------------------
+
+CODE_DIRS = ("t1async", "actors", "sandbox_agent", "bench", "tests")
+POINTER = re.compile(r"design §(\d+)((?:(?:, | and )§\d+)*)")
+OLD_SPELLING = re.compile(r"DESIGN\s*§\d*")
+
+
+def code_files() -> list[Path]:
+    this = Path(__file__).resolve()
+    return [p for d in CODE_DIRS for p in sorted((ROOT / d).rglob("*.py")) if p.resolve() != this]
+
+
+def design_sections(text: str) -> set[int]:
+    """The numbers of docs/design.md's `## §N Title` headings."""
+    return {int(n) for n in re.findall(r"^## §(\d+) \S", text, flags=re.M)}
+
+
+def pointer_problems(text: str, sections: set[int]) -> list[str]:
+    """What is wrong with the `§` pointers in one file's text: a number design.md has no section for, the old
+    `DESIGN §` spelling, or a `§N` that is not part of a `design §N` pointer (`design §3, §7` is one pointer)."""
+    old = list(OLD_SPELLING.finditer(text))
+    problems = [f"old spelling {m.group(0)!r}: write `design §N`" for m in old]
+    covered = [m.span() for m in old]
+    for m in POINTER.finditer(text):
+        covered.append(m.span())
+        for n in [m.group(1), *re.findall(r"§(\d+)", m.group(2))]:
+            if int(n) not in sections:
+                problems.append(f"`design §{n}`: no `## §{n}` in docs/design.md")
+    for m in re.finditer(r"§\d+", text):
+        if not any(a <= m.start() < b for a, b in covered):
+            line = text[: m.start()].count("\n") + 1
+            problems.append(f"line {line}: {m.group(0)} is not a `design §N` pointer")
+    return problems
+
+
+def test_design_sections_are_numbered_in_order():
+    sections = re.findall(r"^## §(\d+) ", (ROOT / "docs" / "design.md").read_text(encoding="utf-8"), flags=re.M)
+    assert [int(n) for n in sections] == list(range(1, len(sections) + 1)) and len(sections) >= 10
+
+
+def test_every_design_pointer_in_the_code_resolves():
+    sections = design_sections((ROOT / "docs" / "design.md").read_text(encoding="utf-8"))
+    bad = []
+    for path in code_files():
+        bad += [f"{path.relative_to(ROOT)}: {p}" for p in pointer_problems(path.read_text(encoding="utf-8"), sections)]
+    for doc in DOCS:  # the docs may say "§N" alone (design.md about itself), but only of sections that exist
+        text = doc.read_text(encoding="utf-8")
+        bad += [f"{doc.name}: {m.group(0)}" for m in OLD_SPELLING.finditer(text)]
+        bad += [f"{doc.name}: §{n} does not exist" for n in re.findall(r"§(\d+)", text) if int(n) not in sections]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_broken_design_pointer_would_be_caught():
+    """The checker itself: a pointer to a missing section, the old spelling, and a bare `§N` are reported."""
+    sections = {1, 2, 3, 7}
+    assert pointer_problems("# credits (design §7); tiling (design §3, §7)", sections) == []
+    assert pointer_problems("# see design §12", sections) == ["`design §12`: no `## §12` in docs/design.md"]
+    assert pointer_problems("# see design §3 and §9", sections) == ["`design §9`: no `## §9` in docs/design.md"]
+    assert pointer_problems("# see DESIGN §3", sections) == ["old spelling 'DESIGN §3': write `design §N`"]
+    assert pointer_problems("x = 1\n# (§3)", sections) == ["line 2: §3 is not a `design §N` pointer"]
+    assert design_sections("## §1 What it is\n## §2 Layout\n### §9 not a section\n## §x\n") == {1, 2}
+
+
+# --- no issue numbers in comments and docstrings --------------------------------------------------------------
+
+ISSUE = re.compile(r"\bissues? *(?:#|no\.? *)?\d+|(?<![\w/&-])#\d+\b", re.I)
+# another project's tracker, named, is a reference a reader can follow: `prime-rl #3255`
+EXTERNAL = re.compile(r"(?:prime-rl|verl|sglang|vllm|pytorch|torch|nats-py|nats-server|trio|anyio) $", re.I)
+
+
+def comments_and_docstrings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and every module, class and function docstring."""
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    out.append((body[0].lineno, body[0].value.value))
+    return out
+
+
+def issue_citations(source: str) -> list[str]:
+    found = []
+    for line, text in comments_and_docstrings(source):
+        for m in ISSUE.finditer(text):
+            if not EXTERNAL.search(text[: m.start()]):
+                found.append(f"line {line}: {m.group(0)!r}")
+    return found
+
+
+def test_no_comment_or_docstring_cites_an_issue_number():
+    bad = []
+    for path in [*code_files(), Path(__file__)]:
+        bad += [f"{path.relative_to(ROOT)} {c}" for c in issue_citations(path.read_text(encoding="utf-8"))]
+    assert not bad, "say what the issue asked for, not its number:\n" + "\n".join(bad)
+
+
+def test_an_issue_number_would_be_caught():
+    """The checker itself: each way of citing the tracker is reported; other `#` uses are not."""
+    src = (
+        '"""Targets (issue 12): pass@1 up."""\n'
+        "x = 1  # fixed in (#13)\n"
+        "def f():\n"
+        '    """As issue 9 item 5 asks; Issue #4 too."""\n'
+        "# hashing thrashes the cache (prime-rl #3255)\n"
+        'colour = "#999999"  # a colour, ep#0 is an episode id\n'
+    )
+    assert issue_citations(src) == [
+        "line 2: '#13'",
+        "line 1: 'issue 12'",
+        "line 4: 'issue 9'",
+        "line 4: 'Issue #4'",
+    ]

@@ -17,7 +17,7 @@ every name copied right): one decision per file that RL with ``--advantage turn`
 Seen on 2026-12-01 (reward per turn, tests of 4, 16 turns a step, lr 1e-4, one run of 30 steps, 1.2 min):
 2.00 2.88 2.38 3.12 3.06 3.25 3.44 3.50 3.50 3.50 3.56 3.12 3.62 3.56 3.38 3.81 3.69 3.62 3.81 3.88 4.00 ...
 3.94 4.00. Earlier warm starts (the oracle's four names: 3.33 of 4 at T = 1, little to gain; at chance: nothing
-to sharpen) and GAE with a critic that lagged the returns did not rise (README "Learning in CI").
+to sharpen) and GAE with a critic that lagged the returns did not rise (docs/results.md, "Learning in CI").
 """
 
 from __future__ import annotations

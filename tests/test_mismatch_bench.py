@@ -1,5 +1,5 @@
 """bench.mismatch: the text-level view counts drift where retokenization changes tokens, and a tiny run of
-the whole bench (real embedded sampler in bf16) produces the JSON contract of DESIGN §11."""
+the whole bench (real embedded sampler in bf16) produces the JSON contract of design §11."""
 
 from __future__ import annotations
 

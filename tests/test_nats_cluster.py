@@ -1,4 +1,4 @@
-"""A NATS JetStream cluster (DESIGN §10): three real nats-server nodes, T1_TRAJ with 3 replicas.
+"""A NATS JetStream cluster (design §10): three real nats-server nodes, T1_TRAJ with 3 replicas.
 
 Losing one node loses nothing and publishing goes on; with two down, publishes fail loudly (logged), are
 retried with the same Nats-Msg-Id, and land exactly once when quorum returns; a restarted node rejoins.

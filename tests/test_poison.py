@@ -1,5 +1,5 @@
 """Poison records: a record no step could use is dead-lettered with its reason, its episode stops there, and
-the learner keeps training, also across a restart (DESIGN §3, §7). The old learner journaled such a record,
+the learner keeps training, also across a restart (design §3, §7). The old learner journaled such a record,
 raised BatchError out of Trainer.step, and died again on every restart replaying it."""
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def test_a_good_turn_passes_and_an_all_zero_layer_is_left_to_the_assembler():
     rec = a_turn()
     check_turn(rec, LIM)
     ex = rec.routing.experts.copy()
-    ex[:, 1, :] = 0  # a broken capture of one layer: the assembler drops that layer's rows (DESIGN §6)
+    ex[:, 1, :] = 0  # a broken capture of one layer: the assembler drops that layer's rows (design §6)
     check_turn(replace(rec, routing=wire.Routing(rec.routing.start, ex)), LIM)
 
 

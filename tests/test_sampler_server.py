@@ -1,6 +1,6 @@
 """The embedded SGLang-compatible server, over real HTTP, with the real Engine and tiny model.
 
-Field names and shapes (DESIGN §4), streaming, routing traces and routed_experts_start_len, logprobs and
+Field names and shapes (design §4), streaming, routing traces and routed_experts_start_len, logprobs and
 routing replay against a full-sequence forward of the same model, weight updates, bad requests,
 disconnects and aborts.
 """

@@ -1,4 +1,4 @@
-"""Many samplers (DESIGN §10): episodes pinned to one sampler under a load cap; a dead sampler is taken out and
+"""Many samplers (design §10): episodes pinned to one sampler under a load cap; a dead sampler is taken out and
 its episodes go on elsewhere, routes from where the new sampler recomputed; it comes back healthy and at the
 current weight version. The pool's rules on their own, then two real embedded samplers, one SIGKILLed."""
 

@@ -1,4 +1,4 @@
-"""A sandbox's shell lives exactly as long as its owner process, under trio and under asyncio (issue 9).
+"""A sandbox's shell lives exactly as long as its owner process, under trio and under asyncio.
 
 Each case runs in its own Python process (the "actor"), started with one anyio backend, so the owner can
 be SIGKILLed like a real actor and both backends run side by side. Before spawn.py, trio's idle worker

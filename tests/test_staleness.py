@@ -1,4 +1,4 @@
-"""Credit accounting (DESIGN §7): the admission rule, training order, leases, and the staleness bound."""
+"""Credit accounting (design §7): the admission rule, training order, leases, and the staleness bound."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
     c = _cfg("--preset", "learn", "--run-dir", str(tmp_path))
     assert c.warm_start == "learn" and c.synth_families == ("chores",) and c.verify_every == 1
     assert components.model_dir(c) == warmstart.cache_dir(warmstart.get_recipe("learn"))
-    # the RL settings bench.learning measured (README "Learning"): per-turn advantages, lr 5e-5
+    # the RL settings bench.learning measured (docs/results.md, "Learning"): per-turn advantages, lr 5e-5
     assert (c.advantage, c.lr, c.critic, c.value_lr) == ("turn", 5e-5, "detached", 3e-3)
     argv = next(list(s.argv) for s in components.specs(c, "nats://127.0.0.1:1") if s.name == "learner")
     assert argv[argv.index("--advantage") + 1] == "turn" and argv[argv.index("--lr") + 1] == "5e-05"

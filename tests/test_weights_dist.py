@@ -1,6 +1,6 @@
 """SGLang's distributed weight update for real: the learner side in this process (rank 0 of a gloo group on
 127.0.0.1), a real embedded sampler server process (rank 1), weights broadcast in buckets between
-/pause_generation and /continue_generation (DESIGN §10)."""
+/pause_generation and /continue_generation (design §10)."""
 
 from __future__ import annotations
 

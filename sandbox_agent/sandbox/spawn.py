@@ -3,7 +3,7 @@
 Why. bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and Linux sends that signal when the *thread*
 that forked the child exits, not when its process does. Under trio, ``anyio.open_process`` forks from a
 worker thread of trio's cache, and an idle worker exits after 10 s: every sandbox it had started was then
-SIGKILLed ten seconds into any idle gap (issue 9). So every sandbox is forked here, by one dedicated
+SIGKILLed ten seconds into any idle gap. So every sandbox is forked here, by one dedicated
 thread that never returns (a daemon thread blocked on its queue): the death signal then fires only when
 the process itself dies, which is exactly the guard we want (a SIGKILLed actor takes its sandboxes down,
 since the kernel ends the thread with the process).

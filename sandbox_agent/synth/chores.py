@@ -5,7 +5,7 @@ done (doing the whole menu fails every test).
 Every chore has fixed arguments ("create the directory build" is always ``mkdir -p build``), so the policy maps
 instruction phrases to commands: no name is copied from the instruction. A few-million-parameter MoE trained
 from random weights did not learn to copy names in the time a 2-core warm start has (the ``mkfile``/``copy``
-families: README "Learning"), while a phrase -> command lookup is learnt in minutes. Held-out tasks are unseen
+families: docs/results.md, "Learning"), while a phrase -> command lookup is learnt in minutes. Held-out tasks are unseen
 combinations and orders of the menu (9 x 8 x 7 x 6 = 3024 ordered picks).
 """
 

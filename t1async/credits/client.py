@@ -1,4 +1,4 @@
-"""Credits: an actor asks the learner's ``t1.credit`` before sampling each turn (DESIGN §7).
+"""Credits: an actor asks the learner's ``t1.credit`` before sampling each turn (design §7).
 
 The learner holds its reply while granting would break the staleness bound; that wait is the backpressure.
 A request that times out is simply asked again: the learner keys grants by episode, so a retried request

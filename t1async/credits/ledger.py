@@ -1,4 +1,4 @@
-"""Credit accounting: the backpressure rule that bounds policy staleness (DESIGN §7). Pure: no I/O, time is
+"""Credit accounting: the backpressure rule that bounds policy staleness (design §7). Pure: no I/O, time is
 passed in; ``CreditGate`` at the bottom is the thin anyio layer that holds a request until it can be granted.
 
 Definitions (η = ``max_staleness``, B = ``batch_turns``, v = the version the samplers *serve*, v0 = the

@@ -1,4 +1,4 @@
-"""Settling delivered turns (DESIGN §7): every turn the learner takes is settled exactly once, and settling
+"""Settling delivered turns (design §7): every turn the learner takes is settled exactly once, and settling
 releases its credit.
 
 A turn is *open* from the moment the learner takes it (``open``) until it is settled with one reason:

@@ -1,4 +1,4 @@
-"""Evaluation of a policy on a task set (DESIGN §13): ``python -m t1async.eval``.
+"""Evaluation of a policy on a task set (design §13): ``python -m t1async.eval``.
 
 ``run_eval`` runs every (task, sample) as one seeded episode of the real agent loop in the sandbox;
 ``stats`` turns the episodes into pass@k and mean tests passed with bootstrap CIs, per task and family.

@@ -6,7 +6,7 @@ replacement (the samples of a task are not independent draws of the benchmark):
 
 - ``pass@k``: the unbiased estimator of Chen et al. (2021), ``1 - C(n - c, k) / C(n, k)`` for a task with
   ``n`` samples of which ``c`` resolved; ``pass@1`` is then ``c / n``;
-- ``tests``: the mean number of the task's tests that pass (DESIGN §8's dense reward), and ``tests_frac``
+- ``tests``: the mean number of the task's tests that pass (design §8's dense reward), and ``tests_frac``
   the same as a share of the task's tests.
 """
 

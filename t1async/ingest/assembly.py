@@ -9,7 +9,7 @@ Segments come out when they are complete:
 
 - a FORK closes the open segment (``done=False``; its last turn's value is the bootstrap);
 - so does a "route fork": a turn whose trace reaches back into the context with routes other than the ones
-  recorded there (the sampler recomputed it after a weight update flushed its prefix cache, DESIGN §6). Its
+  recorded there (the sampler recomputed it after a weight update flushed its prefix cache, design §6). Its
   new segment replays that turn's own routes for the context; counted in ``DriftStats.route_forks``;
 - the episode's ``end`` record (once every turn up to ``end.turns`` has arrived) closes it with ``done=True``;
 - ``cut()`` returns the open segment *so far* (``done=False``) for partial-trajectory training (``done=True``

@@ -58,7 +58,7 @@ class EpisodeAssembler:
         self.index = 0
         self.last_version = 0  # the newest version that sampled the last assembled turn
         # turns that will never reach a segment, with why ("realign_dropped" or "abandoned"): the learner
-        # drains them (Assembler.drain_dropped) to settle their credits (DESIGN §7)
+        # drains them (Assembler.drain_dropped) to settle their credits (design §7)
         self.dropped: list[tuple[int, str]] = []
         self.stop_at: int | None = None  # the learner poisoned this turn: the episode stops before it (stop())
         self.last_turn: int | None = None  # the turn whose record says it is the episode's last
@@ -128,7 +128,7 @@ class EpisodeAssembler:
         return self._maybe_finish()
 
     def stop(self, turns: int, *, emit: bool = True) -> list[Segment]:
-        """The learner poisoned turn ``turns`` (DESIGN §7): the episode stops before it. Later turns are
+        """The learner poisoned turn ``turns`` (design §3): the episode stops before it. Later turns are
         dropped (``abandoned``); the turns before it are returned once all have arrived, as a cut
         (``done=False``: the episode did not end there). If the episode was assembled past ``turns`` (a step
         failed on those turns), its open segment is dropped, unreturned; so it is with ``emit=False`` (taking a
@@ -238,7 +238,7 @@ class EpisodeAssembler:
             st.keep_understated += 1
         keep, lcp, n, carry = rec.keep, chk.lcp, len(prev), 0.0
         # the sampler recomputed context rows with other routes (a weight update flushed its prefix cache):
-        # this turn gets its own segment, replayed with the routes the sampler used for it (DESIGN §6)
+        # this turn gets its own segment, replayed with the routes the sampler used for it (design §6)
         rerouted = 0
         if b is not None and chk.kind is not Boundary.FORK:
             rerouted = b.track.rerouted(rec.routing, chk.input_len, len(rec.output_ids), lcp)

@@ -1,4 +1,4 @@
-"""The learner's journal: what it has durably taken from the trajectory stream (DESIGN §7).
+"""The learner's journal: what it has durably taken from the trajectory stream (design §9).
 
 A log-structured store of wire records (length-prefixed), in numbered segment files under one directory:
 

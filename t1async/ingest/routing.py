@@ -1,4 +1,4 @@
-"""R3 routing traces: the SGLang codec, trace validation, and alignment to assembled positions (DESIGN §6).
+"""R3 routing traces: the SGLang codec, trace validation, and alignment to assembled positions (design §6).
 
 Positions. Row p of a trace holds the experts chosen at every MoE layer when the sampler *computed* token p
 (prefill or decode). A turn's trace covers ``[start, input_len + len(output_ids) - 1)`` of that turn's full
@@ -52,7 +52,7 @@ class RoutingError(T1Error):
 
 
 def compact_dtype(num_experts: int) -> np.dtype:
-    """u1 when expert ids fit a byte (<= 256 experts), else u2 (DESIGN §3)."""
+    """u1 when expert ids fit a byte (<= 256 experts), else u2 (design §3)."""
     if num_experts < 1 or num_experts > 65536:
         raise RoutingError(f"num_experts must be in [1, 65536], got {num_experts}")
     return np.dtype("u1") if num_experts <= 256 else np.dtype("<u2")
@@ -249,7 +249,7 @@ class RouteTrack:
         """How many positions below ``upto`` the new trace routes differently from the rows this segment holds
         for them (0 when it does not reach back into them, or would be rejected). A sampler that recomputed
         those positions under new weights (its prefix cache was flushed) returns the routes it actually used
-        (DESIGN §6): a turn whose context was routed differently needs its own segment (a "route fork")."""
+        (design §6): a turn whose context was routed differently needs its own segment (a "route fork")."""
         if routing is None or self.shape is None:
             return 0
         hi = min(upto, self.covered, self.n)

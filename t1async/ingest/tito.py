@@ -1,4 +1,4 @@
-"""TITO: train on the exact sampled token IDs; drift is checked and repaired at turn boundaries (DESIGN §5).
+"""TITO: train on the exact sampled token IDs; drift is checked and repaired at turn boundaries (design §5).
 
 This module is the pure part: the ``Segment`` the learner trains on, the boundary check and classification,
 the drift counters, and ``SegmentBuilder`` (the arrays of one open segment and their repair). The episode
@@ -58,7 +58,7 @@ class AssemblyError(T1Error):
 
 @dataclass(frozen=True, eq=False)
 class Segment:
-    """One trainable token sequence of an episode (DESIGN §5), produced by ``t1async.ingest.assembly.Assembler``.
+    """One trainable token sequence of an episode (design §5), produced by ``t1async.ingest.assembly.Assembler``.
 
     ``tokens`` is exactly the context the sampler saw followed by sampled outputs; ``loss_mask`` is True
     exactly at the sampled output tokens this segment trains (turns already returned in an earlier cut of the
@@ -74,7 +74,7 @@ class Segment:
     turn_ids: np.ndarray  # int32 [T]: turn owning each output position (loss or context), -1 for non-output
     routing: np.ndarray | None  # int16 [T, L, K]: experts used to compute position t, -1 = missing
     turn_ends: np.ndarray  # int32 [n]: position of the last output token of each turn trained here
-    turn_rewards: np.ndarray  # float32 [n]: that turn's reward (DESIGN §8)
+    turn_rewards: np.ndarray  # float32 [n]: that turn's reward (design §8)
     done: bool  # the episode ended inside this segment; False: cut (bootstrap from the value at the end)
     # additions (defaults keep the agreed constructor working)
     turn_numbers: np.ndarray | None = None  # int32 [n]: the turn number of each entry of turn_ends
@@ -127,7 +127,7 @@ class DriftStats:
     untrainable_turns: int = 0  # turns whose input could not be reconstructed (not trained)
     resyncs: int = 0  # a full input (keep = 0) after untrainable turns restarted the episode
     tokens_recontextualised: int = 0  # FORK: tokens of I_{k+1} from the first difference on
-    route_forks: int = 0  # turns whose context the sampler re-routed (prefix cache flushed): own segment (§6)
+    route_forks: int = 0  # turns whose context the sampler re-routed (prefix cache flushed): own segment (design §6)
     rerouted_rows: int = 0  # context positions whose recorded routes the sampler no longer used
     stale_context_routes: int = 0  # turns sampled under newer weights whose trace did not re-route the context
     tokens_dropped: int = 0  # REALIGN: sampled tokens that left the sequence and the loss

@@ -1,7 +1,7 @@
 """Ingest validation: everything a training step relies on, checked per record before it is journaled.
 
 ``wire.decode`` checks that a record is well formed; this checks that it fits *this learner's model*, so that
-``Trainer.step`` can assume valid input (DESIGN §3, §7). Vectorised over each record's arrays:
+``Trainer.step`` can assume valid input (design §3, §7). Vectorised over each record's arrays:
 
     token ids        input_delta and output_ids < vocab_size                     reason ``token_range``
     logprobs         every output logprob finite (a null SGLang logprob is NaN)  reason ``logprob``
@@ -16,7 +16,7 @@
 A failure is a ``WireError`` (the sender's fault) whose ``reason`` is the dead-letter subject's last token
 (``t1.dead.<reason>``) and whose message names the episode, turn, field and the offending values. A trace
 with the wrong *row count* is not a failure here: the assembler rejects that trace alone and the turn
-routes freely, counted (DESIGN §6).
+routes freely, counted (design §6).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def check_routing(rec: wire.TurnRecord, ex: np.ndarray, lim: ModelLimits) -> Non
     if lim.top_k > 1:
         s = np.sort(ex, axis=-1)
         dup = (s[..., 1:] == s[..., :-1]).any(-1)
-        dup[:, zero_layers(ex)] = False  # an all-zero layer is a broken capture the assembler drops (§6)
+        dup[:, zero_layers(ex)] = False  # an all-zero layer is a broken capture the assembler drops (design §6)
         if dup.any():
             t, layer = (int(v) for v in np.argwhere(dup)[0])
             raise _fail(

@@ -175,7 +175,7 @@ def routing_drift(free_topk: Tensor, recorded: Tensor | None, lengths: Tensor) -
 
     Returns ``(differ, compared, missing)``: (token, layer) choices whose expert sets differ, choices
     compared (a recorded route is present), and rows with no recorded route among real positions except
-    each segment's last (the sampler never routes a sequence's last token, DESIGN §3).
+    each segment's last (the sampler never routes a sequence's last token, design §3).
     """
     if recorded is None:
         return 0, 0, 0

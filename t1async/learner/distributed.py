@@ -1,4 +1,4 @@
-"""The N-rank learner: data parallel over torch.distributed (gloo on CPU, NCCL on GPU), DESIGN §10.
+"""The N-rank learner: data parallel over torch.distributed (gloo on CPU, NCCL on GPU), design §10.
 
     learner serve --nproc 2 ...      rank 0 is the service process; it starts ranks 1..N-1 itself
 

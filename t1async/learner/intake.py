@@ -1,5 +1,5 @@
 """The learner's intake: ingest, journal replay and compaction, and what happens to a poison record or a
-failed step (DESIGN §3, §7). Mixed into ``service.Learner``, whose state these methods share.
+failed step (design §3, §7). Mixed into ``service.Learner``, whose state these methods share.
 
     ingest   batch ─ screen (validate.py) ─┬─ good → journal (fsync) → ack → take (assembly, credits)
                                            └─ bad  → poison book (fsync) + t1.dead.<reason> → ack

@@ -5,7 +5,7 @@ Conventions (one segment = one token sequence ``tokens[0..T)``):
 - A **loss token** at position ``p >= 1`` is an action the sampler generated. Its log-prob comes from the
   logits at ``p - 1`` and the value of the state it was taken in is ``values[p - 1]`` (the value head reads
   the same hidden state the policy does).
-- **Rewards** are per turn (DESIGN §8: the change in the number of passing tests) and sit on the turn's last
+- **Rewards** are per turn (design §8: the change in the number of passing tests) and sit on the turn's last
   output token.
 - **GAE runs over the loss tokens only.** Non-loss tokens (prompt, observations, template bridges) are
   transitions of the environment, not actions: they are skipped, so the step after a turn's last token is
@@ -257,7 +257,7 @@ def ess(log_weights: Tensor, mask: Tensor) -> float:
 
 @dataclass(frozen=True)
 class DlogpSplit:
-    """|Δlogp| = |learner logprob - sampler logprob| over loss tokens, split by staleness (DESIGN §7).
+    """|Δlogp| = |learner logprob - sampler logprob| over loss tokens, split by staleness (design §7).
 
     ``mismatch`` is the mean over tokens trained at the version that sampled them (staleness 0): the same
     weights on both sides, so what is left is the train/inference mismatch (T1's metric: numerics, kernels,

@@ -1,4 +1,4 @@
-"""The learner service: consume trajectories, serve credits, train, publish weights (DESIGN §1, §7).
+"""The learner service: consume trajectories, serve credits, train, publish weights (design §1, §7).
 
     ingest  ─ T1_TRAJ (durable consumer) → validated → journal (fsync) → ack → credits delivered → TITO
               assembly; a record no step could use goes to t1.dead.<reason> instead (learner/intake.py)
@@ -345,7 +345,7 @@ class Learner(StepInputs, Intake):
             "journal_segments": self.journal.segments,
             "poison": self.poison.metrics(),
             "stale_masked_tokens": self.stale_masked_tokens,
-            "settled": dict(self.settler.counts),  # delivered turns settled, by reason (DESIGN §7)
+            "settled": dict(self.settler.counts),  # delivered turns settled, by reason (design §7)
             "ledger_size": self.gate.ledger.size,
             "actors_timed_out": self.liveness.timeouts,
             "policy_shift_by_staleness": dict(self.last_step.get("policy_shift_by_staleness", {})),

@@ -1,5 +1,5 @@
 """What a training step trains: the learner's ready segments plus cuts of the open episodes that must
-train now, with already-trained and too-stale tokens masked out of the loss (DESIGN §5, §7). Mixed into
+train now, with already-trained and too-stale tokens masked out of the loss (design §5, §7). Mixed into
 ``service.Learner``, whose state these methods share."""
 
 from __future__ import annotations

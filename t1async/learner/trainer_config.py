@@ -21,7 +21,7 @@ class TrainerConfig:
     normalize_advantages: bool = True
     # "gae": critic-based GAE (ppo.segment_advantages). "turn": each turn's tokens get the turn's own reward minus
     # the step's mean reward of turns with the same turn number (ppo.turn_baseline), no critic and no credit from
-    # later turns: a dense per-turn reward (DESIGN §8) already says what the turn did
+    # later turns: a dense per-turn reward (design §8) already says what the turn did
     advantage: str = "gae"
     loss: ppo.LossConfig = field(default_factory=ppo.LossConfig)
     replay: bool = True  # R3: force the recorded experts in the training forward
@@ -34,7 +34,7 @@ class TrainerConfig:
     # reads detached hidden states, so its loss trains the head only, and the head's gradient is clipped on its
     # own: the critic neither moves the policy's weights nor shrinks its step. On the touch4 warm start at lr
     # 2e-4 the shared critic's gradient (returns 0-4, values ~0) set the trunk's update and the policy collapsed
-    # to invalid replies in 9 steps; detached it did not (README, "Learning in CI").
+    # to invalid replies in 9 steps; detached it did not (docs/results.md, "Learning in CI").
     critic: str = "shared"
     # the value head's own learning rate (None: ``lr``). A fresh head at the policy's RL lr barely moves: on the
     # chores warm start at lr 3e-5 its mean stayed ~0.05 over 40 steps while returns averaged 1.6, so every

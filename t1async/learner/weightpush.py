@@ -1,4 +1,4 @@
-"""The learner's weight push over torch.distributed, with SGLang's protocol (DESIGN §10; ``--weight-sync
+"""The learner's weight push over torch.distributed, with SGLang's protocol (design §10; ``--weight-sync
 distributed``).
 
     pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=64))

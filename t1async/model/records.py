@@ -10,7 +10,7 @@ Routing rows: an int32 array [seqlen - 1 - start, L, K] for positions [start, se
 when the engine recomputed a position before it (its prefix cache was flushed, by a weight update or
 ``flush_cache``, or the entry was evicted): then ``start`` is 0 and the rows are every route this request
 used, since the reused prefix may have come from another sequence computed under the current weights, not
-the one whose rows the caller holds (DESIGN §6). The events report the actual ``routing_start``.
+the one whose rows the caller holds (design §6). The events report the actual ``routing_start``.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ def decodes_per_hop(running: int) -> int:
 def routing_start(s: Seq) -> int:
     """Where a finished sequence's returned rows start: the request's ``routing_start``, or 0 when this request
     recomputed a prompt position before it (its prefix was not all in the cache: flushed by a weight update,
-    or evicted). Those rows are then what the sampler actually used, not what the caller holds (DESIGN §6); the
+    or evicted). Those rows are then what the sampler actually used, not what the caller holds (design §6); the
     reused cached prefix may come from another sequence, so every row is returned. The prompt's last position
     is always computed by its own request, so it never counts."""
     start = min(s.req.routing_start, s.prompt_len + len(s.out_ids) - 1)

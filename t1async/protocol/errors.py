@@ -68,7 +68,7 @@ class SamplerRequestError(SamplerError):
 
 class SamplerVersionError(SamplerError):
     """A sampler reported a ``weight_version`` that is not a non-negative integer (a real SGLang server says
-    ``"default"`` until one is set): staleness is computed from it, so it is never silently defaulted (§7)."""
+    ``"default"`` until one is set): staleness is computed from it, so it is never silently defaulted (design §4)."""
 
 
 class SandboxError(T1Error):

@@ -59,7 +59,7 @@ class Generation:
     ``routing`` rows cover sequence positions ``[routing_start, len(input_ids) + len(output_ids) - 1)``,
     shape ``[rows, layers, topk]``, dtype u1 when experts <= 256 else u2; None if not requested.
     ``routing_start`` may be earlier than the ``routed_experts_start_len`` asked for: the sampler recomputed
-    those positions (its prefix cache was flushed) and returns the routes it actually used (DESIGN §6).
+    those positions (its prefix cache was flushed) and returns the routes it actually used (design §6).
     """
 
     output_ids: np.ndarray  # int32 [n]

@@ -1,6 +1,6 @@
 """Wire records: frozen dataclasses, and the msgpack codec that is the only code in t1async that knows bytes.
 
-Every payload is a msgpack map with ``v`` (schema version) and ``kind`` (DESIGN §3). Arrays are maps
+Every payload is a msgpack map with ``v`` (schema version) and ``kind`` (design §3). Arrays are maps
 ``{"dtype": "i4", "shape": [...], "data": bin}`` holding little-endian raw values, so any msgpack decoder in
 any language can read them: no pickle, no ext types. ``decode`` validates every field and raises
 ``WireError`` whose message names the field and what was wrong, and whose ``reason`` is the short token for
@@ -99,9 +99,9 @@ class TurnRecord:
     t_exec_s: float
     action: str = ""  # the parsed action, for humans (tail); never trained on
     observation: str = ""
-    compacted: bool = False  # the context policy compacted this turn's input: a FORK by construction (§12)
+    compacted: bool = False  # the context policy compacted this turn's input: a FORK by construction (design §12)
     # int32 [len(output_ids)]: the weight version that produced each output token (a weight update may land
-    # mid-turn, DESIGN §7); ``policy_version`` is then the oldest of them. None: all are ``policy_version``.
+    # mid-turn, design §7); ``policy_version`` is then the oldest of them. None: all are ``policy_version``.
     output_versions: np.ndarray | None = None
     # the agent stopped after this turn: it is the episode's last (the end record follows). The learner then
     # trains it as done (no value bootstrap) even when it is cut before the end record arrives. Records
@@ -122,7 +122,7 @@ class EndRecord:
     # the change in tests passed that no turn could carry (the episode stopped mid-sample: wall time, a
     # sampler failure); the learner adds it to the last turn's reward, so rewards still sum to tests_passed
     unstreamed_reward: float = 0.0
-    compactions: int = 0  # inputs the context policy compacted in this episode (§12)
+    compactions: int = 0  # inputs the context policy compacted in this episode (design §12)
     kind = "end"
 
 
@@ -155,7 +155,7 @@ class CreditGrant:
 @dataclass(frozen=True, eq=False)
 class Heartbeat:
     """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner leases credits to
-    live actors and closes a silent actor's episodes as ``aborted`` (DESIGN §7)."""
+    live actors and closes a silent actor's episodes as ``aborted`` (design §7)."""
 
     actor: str
     sent_at: float  # the actor's wall clock (for humans; liveness uses the learner's receive time)

@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # each turn's own reward against the step's mean for its turn number (TrainerConfig.advantage): with the
         # critic's GAE (detached, its head at lr) 40-80 steps left held-out pass@1 flat or lower; with this, 200
         # steps at lr 5e-5 raised it 28.2% -> 45.5%, and -> 35.9% in a rerun; 300 steps 28.2% -> 45.5% and mean
-        # tests 2.51 -> 3.11 (1.24x; README "Learning")
+        # tests 2.51 -> 3.11 (1.24x; docs/results.md, "Learning")
         "advantage": "turn",
         "lr": 5e-5,
         "critic": "detached",  # the value loss trains the value head only (TrainerConfig.critic)

@@ -81,7 +81,7 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     # the chores family (a fixed menu, no copying; sandbox_agent/synth/chores.py): 300 steps give ~33% held-out
-    # pass@1 at temperature 1 (README "Learning" has the tries, the copying families among them)
+    # pass@1 at temperature 1 (docs/results.md, "Learning", has the tries, the copying families among them)
     "learn": Recipe(
         name="learn",
         model=MODEL_PRESETS["learn"],

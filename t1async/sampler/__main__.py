@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="serve the tiny MoE model over SGLang's native HTTP API",
-        description="Serve a model over SGLang's native HTTP API (DESIGN §4).",
+        description="Serve a model over SGLang's native HTTP API (design §4).",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")

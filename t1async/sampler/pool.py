@@ -8,7 +8,7 @@
   alone loses prefix locality (verl #6383).
 - **Health**: a sampler that fails a request (connection refused, timeout, 5xx after retries) is taken out at
   once; its episodes are re-pinned to a live one on their next turn (the new sampler recomputes the prefix and
-  returns routes from where it recomputed them: DESIGN §6's route fork, so the learner replays the routes
+  returns routes from where it recomputed them: design §6's route fork, so the learner replays the routes
   actually used). ``SamplerPool.monitor`` probes ``/health_generate`` every ``probe_every_s``; a sampler
   that fails the probe is taken out, and one that passes it comes back only once its ``weight_version`` has
   caught up with the newest among the live samplers (the learner pushes every version to every URL, so a

@@ -15,7 +15,7 @@ The embedded server (server.py) uses these functions; the field names and shapes
   each output token, since a weight update may land between two decode steps of one request; as AReaL's
   ``output_versions``) and ``routed_experts_start_len`` (the position of the first ``routed_experts`` row:
   the request's value, or earlier when the server recomputed positions before it after a prefix-cache
-  flush, so the rows are the routes it actually used, DESIGN §6);
+  flush, so the rows are the routes it actually used, design §6);
 - errors: HTTP 400 with ``{"error": {"message": ...}}`` (SGLang's shape; we add ``type``, ``code`` and
   ``param``, the offending field).
 

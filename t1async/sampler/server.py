@@ -1,4 +1,4 @@
-"""The embedded SGLang-compatible HTTP server (DESIGN §4): starlette on hypercorn, under trio.
+"""The embedded SGLang-compatible HTTP server (design §4): starlette on hypercorn, under trio.
 
 ``build_app(engine, tokenizer, ...)`` is the ASGI app (tests drive it in-process with
 ``httpx.ASGITransport`` or over a socket); ``serve(config)`` loads the model, runs the Engine and the HTTP

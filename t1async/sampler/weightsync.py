@@ -1,4 +1,4 @@
-"""SGLang's distributed weight update, client side and shared pieces (DESIGN §10).
+"""SGLang's distributed weight update, client side and shared pieces (design §10).
 
 The learner (rank 0) and every sampler (ranks ``rank_offset..``) join one torch.distributed group, outside
 any default group, and the learner broadcasts each tensor; an HTTP call tells the sampler which tensors to

@@ -1,4 +1,4 @@
-"""The embedded sampler's side of SGLang's distributed weight update, over a gloo group (DESIGN §10).
+"""The embedded sampler's side of SGLang's distributed weight update, over a gloo group (design §10).
 
 Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``.

@@ -1,4 +1,4 @@
-"""The message transport (DESIGN §3, §9): one small interface, a NATS JetStream implementation and an
+"""The message transport (design §3, §9): one small interface, a NATS JetStream implementation and an
 in-memory one for tests.
 
     from t1async.transport import NatsTransport, MemoryBroker, MemoryTransport
