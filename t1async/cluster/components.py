@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from t1async.cluster.config import UpConfig
 from t1async.cluster.supervisor import ProcessSpec, python_module
+from t1async.config import to_toml
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
 from t1async.transport.natsd import free_port
@@ -128,116 +131,91 @@ def pinned(argv: list[str], cpus: str) -> list[str]:
     return ["taskset", "-c", cpus, *argv] if cpus else argv
 
 
+def config_file(cfg: UpConfig, name: str, values: dict[str, Any]) -> Path:
+    """``values`` as ``<run-dir>/config/<name>.toml``, the settings a child reads with ``--config``."""
+    d = Path(cfg.run_dir) / "config"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.toml"
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(values, header=f"cluster up's settings for its {name} (read with --config; flags win)"))
+    os.replace(tmp, path)
+    return path
+
+
+def _part(cls: type, cfg: UpConfig) -> dict[str, Any]:
+    """The fields ``cfg`` shares with a component's settings class (its base class)."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cls)}
+
+
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
+    """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
+    between copies of one child (a sampler's port, an actor's id and seed)."""
+    from actors.__main__ import EpisodeOptions
+    from t1async.learner.serve_cli import LearnerOptions
+
     out: list[ProcessSpec] = []
     model = model_dir(cfg)
     urls = list(cfg.sampler_url)
     # --samplers N: one of N that dies is restarted on its port; the learner's next push re-syncs it, and the
     # actors' pool keeps it out until then (t1async/sampler/pool.py)
     embedded = []
+    if not urls:
+        sampler_toml = config_file(
+            cfg,
+            "sampler",
+            {
+                "model": model,
+                "seed": cfg.seed,
+                "dtype": cfg.sampler_dtype,
+                "max_batch": cfg.sampler_max_batch,
+                "prefix_cache_tokens": cfg.prefix_cache_tokens,
+            },
+        )
     for i in range(cfg.samplers if not urls else 0):
         ready = sampler_ready_file(cfg, i)
         ready.unlink(missing_ok=True)
         port = free_port()
         argv = python_module(
-            "t1async.sampler",
-            "serve",
-            "--port",
-            str(port),
-            "--ready-file",
-            str(ready),
-            "--dtype",
-            cfg.sampler_dtype,
-            "--max-batch",
-            str(cfg.sampler_max_batch),
-            "--prefix-cache-tokens",
-            str(cfg.prefix_cache_tokens),
-            "--seed",
-            str(cfg.seed),
+            "t1async.sampler", "serve", "--config", str(sampler_toml), "--port", str(port), "--ready-file", str(ready)
         )
-        if model is not None:
-            argv += ["--model", str(model)]
         name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
         argv = pinned(argv, cfg.sampler_cpus)
         out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
         embedded.append(f"http://127.0.0.1:{port}")
     urls = urls or embedded
-    learner = python_module(
-        "t1async.learner",
-        "serve",
-        "--nats",
-        nats_url,
-        "--run-dir",
-        str(cfg.run_dir),
-        "--max-staleness",
-        str(cfg.max_staleness),
-        "--batch-turns",
-        str(cfg.batch_turns),
-        "--steps",
-        str(cfg.steps),
-        "--lr",
-        str(cfg.lr),
-        "--lease",
-        str(cfg.lease),
-        "--actor-timeout",
-        str(cfg.actor_timeout),
-        "--weight-sync",
-        cfg.weight_sync,
-        "--weight-bucket-mb",
-        str(cfg.weight_bucket_mb),
-        "--nproc",
-        str(cfg.learner_procs),
+    learner_toml = config_file(
+        cfg,
+        "learner",
+        {
+            **_part(LearnerOptions, cfg),
+            "nats": nats_url,
+            "run_dir": cfg.run_dir,
+            "model": model,
+            "nproc": cfg.learner_procs,
+            "sampler_url": urls,
+        },
     )
-    if model is not None:
-        learner += ["--model", str(model)]
-    if cfg.no_replay:
-        learner.append("--no-replay")
-    if cfg.critic != "shared":
-        learner += ["--critic", cfg.critic]
-    if cfg.advantage != "gae":
-        learner += ["--advantage", cfg.advantage]
-    if cfg.value_lr is not None:
-        learner += ["--value-lr", str(cfg.value_lr)]
-    if cfg.wandb:
-        learner.append("--wandb")
-    for u in urls:
-        learner += ["--sampler-url", u]
-    learner = pinned(learner, cfg.learner_cpus)
+    learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
     out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
+    prompt = None
+    if model is not None and cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
+        prompt = Path(model) / "system_prompt.txt"
+    actors_toml = config_file(
+        cfg,
+        "actors",
+        {
+            **_part(EpisodeOptions, cfg),
+            "nats": nats_url,
+            "tasks": tasks_dir(cfg),
+            "model": model,
+            "system_prompt_file": prompt,
+            "sampler_url": urls,
+        },
+    )
     for i in range(cfg.actors):
         argv = python_module(
-            "actors",
-            "--nats",
-            nats_url,
-            "--tasks",
-            str(tasks_dir(cfg)),
-            "--concurrency",
-            str(cfg.concurrency),
-            "--max-turns",
-            str(cfg.max_turns),
-            "--max-new-tokens",
-            str(cfg.max_new_tokens),
-            "--max-context",
-            str(cfg.max_context),
-            "--temperature",
-            str(cfg.temperature),
-            "--context-policy",
-            cfg.context_policy,
-            "--context-keep-turns",
-            str(cfg.context_keep_turns),
-            "--verify-every",
-            str(cfg.verify_every),
-            "--actor-id",
-            f"actor-{i}",
-            "--seed",
-            str(cfg.seed + i),
+            "actors", "--config", str(actors_toml), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i)
         )
-        if model is not None:
-            argv += ["--model", str(model)]
-            if cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
-                argv += ["--system-prompt-file", str(Path(model) / "system_prompt.txt")]
-        for u in urls:
-            argv += ["--sampler-url", u]
         out.append(ProcessSpec(f"actor-{i}", argv))
     if cfg.eval_every > 0:
         out.append(eval_spec(cfg, nats_url, model))
