@@ -154,3 +154,12 @@ def test_cluster_up_hands_children_toml_files(tmp_path):
     )
     sampler = resolve(SamplerSettings, _parser().parse_args(by["sampler"][by["sampler"].index("serve") :]))
     assert (sampler.max_batch, sampler.prefix_cache_tokens) == (8, 262_144)
+
+
+def test_presets_are_partial_up_configs(tmp_path):
+    from t1async.cluster.config import UpConfig
+    from t1async.config import from_mapping
+    from t1async.recipes.presets import PRESETS
+
+    for name, values in PRESETS.items():
+        assert UpConfig(run_dir=tmp_path, **from_mapping(UpConfig, values, where=f"preset {name}: "))
