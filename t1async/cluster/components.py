@@ -1,5 +1,9 @@
 """What ``cluster up`` starts after NATS, in order: the embedded sampler (unless --sampler-url), the
-learner, then the actors. Also the work before them: the task corpus and the optional warm start."""
+learner, then the actors. Also the work before them: the task corpus and the optional warm start.
+
+Each child gets its settings as a TOML file, ``<run-dir>/config/{sampler,learner,actors}.toml`` (the part of
+``UpConfig`` its own settings class declares), read with ``--config FILE``; only what differs between copies
+of one child (a sampler's port, an actor's id and seed) is a flag."""
 
 from __future__ import annotations
 
@@ -159,7 +163,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     # --samplers N: one of N that dies is restarted on its port; the learner's next push re-syncs it, and the
     # actors' pool keeps it out until then (t1async/sampler/pool.py)
     embedded = []
-    if not urls:
+    if not urls:  # the embedded samplers, all from one settings file
         sampler_toml = config_file(
             cfg,
             "sampler",
@@ -171,17 +175,24 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
                 "prefix_cache_tokens": cfg.prefix_cache_tokens,
             },
         )
-    for i in range(cfg.samplers if not urls else 0):
-        ready = sampler_ready_file(cfg, i)
-        ready.unlink(missing_ok=True)
-        port = free_port()
-        argv = python_module(
-            "t1async.sampler", "serve", "--config", str(sampler_toml), "--port", str(port), "--ready-file", str(ready)
-        )
-        name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
-        argv = pinned(argv, cfg.sampler_cpus)
-        out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
-        embedded.append(f"http://127.0.0.1:{port}")
+        for i in range(cfg.samplers):
+            ready = sampler_ready_file(cfg, i)
+            ready.unlink(missing_ok=True)
+            port = free_port()
+            argv = python_module(
+                "t1async.sampler",
+                "serve",
+                "--config",
+                str(sampler_toml),
+                "--port",
+                str(port),
+                "--ready-file",
+                str(ready),
+            )
+            name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
+            argv = pinned(argv, cfg.sampler_cpus)
+            out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
+            embedded.append(f"http://127.0.0.1:{port}")
     urls = urls or embedded
     learner_toml = config_file(
         cfg,
