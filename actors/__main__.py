@@ -12,112 +12,128 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
-import anyio
+from sandbox_agent.context import POLICIES
+from t1async.config import add_arguments, check_bounds, resolve, setting
 
-from actors.actor import ActorConfig, run_actor
-from sandbox_agent.agent import AgentConfig
-from sandbox_agent.context import POLICIES, ContextConfig
-from t1async.log import configure, get_logger
-from t1async.model.tokenizer import ChatTokenizer
-from t1async.protocol.errors import T1Error
-from t1async.protocol.sampling import SamplingParams
-from t1async.sampler.client import SGLangClient
-from t1async.transport import NatsTransport
+
+@dataclass(frozen=True)
+class EpisodeOptions:
+    """How an actor runs its episodes; ``cluster up`` takes these too (its config includes these fields)."""
+
+    concurrency: int = setting(4, "episodes per actor at once", ge=1, group="actors")
+    max_turns: int = setting(300, "turns per episode at most", ge=1, group="actors")
+    max_new_tokens: int = setting(256, "tokens sampled per turn at most", ge=1, group="actors")
+    max_context: int = setting(8192, "context budget per episode, in tokens", ge=1, group="actors")
+    context_policy: str = setting(
+        "truncate-observations",
+        "when the next input would not fit --max-context: truncate-observations (keeps the system prompt, the "
+        "task and the last K turns whole, shortens older observations, drops the oldest turns if needed) or stop "
+        "(end the episode with reason context)",
+        choices=tuple(POLICIES),
+        group="actors",
+    )
+    context_keep_turns: int = setting(8, "turns truncate-observations keeps whole", ge=0, metavar="K", group="actors")
+    temperature: float = setting(1.0, "sampling temperature", ge=0, group="actors")
+    verify_every: int = setting(
+        0,
+        "run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
+        ge=0,
+        group="actors",
+    )
+
+
+@dataclass(frozen=True)
+class ActorSettings(EpisodeOptions):
+    """``python -m actors``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+
+    nats: str | None = setting(
+        None, "NATS URL(s), comma-separated (default: $T1_NATS_URL)", metavar="URL", group="actor"
+    )
+    sampler_url: tuple[str, ...] = setting(
+        (),
+        "a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several",
+        metavar="URL",
+        group="actor",
+    )
+    tasks: Path | None = setting(
+        None,
+        "a directory of tasks (TB1/TB2 format), e.g. made by `python -m sandbox_agent synth --out DIR --n 200` "
+        "(required)",
+        metavar="DIR",
+        group="actor",
+    )
+    split: Literal["train", "eval", "all"] = setting("train", "which tasks to draw", group="actor")
+    episodes: int = setting(0, "stop after this many episodes (default 0: never)", ge=0, group="actor")
+    command_timeout: float = setting(30.0, "seconds per shell command", gt=0, group="actor")
+    model: Path | None = setting(None, "model dir whose tokenizer to use (default: shipped)", group="actor")
+    system_prompt_file: Path | None = setting(
+        None,
+        "the agent's system prompt (default: the built-in one); a warm start's model dir has its own, "
+        "system_prompt.txt, which cluster up passes here",
+        metavar="FILE",
+        group="actor",
+    )
+    actor_id: str = setting("", "this actor's name, unique across the cluster (default host-pid)", group="actor")
+    seed: int = setting(0, "task-draw seed", group="actor")
+    log_level: str | None = setting(None, "debug, info (default), warning", group="actor")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m actors",
         description="Run one rollout actor: concurrent sandboxed shell episodes that sample token-in from "
-        "SGLang-compatible samplers and stream every turn to the learner over NATS JetStream.",
+        "SGLang-compatible samplers and stream every turn to the learner over NATS JetStream. Settings come "
+        "from --config FILE.toml (keys named as the flags; cluster up writes one) and flags, flags winning.",
     )
-    p.add_argument(
-        "--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL(s), comma-separated (default: $T1_NATS_URL)"
-    )
-    p.add_argument(
-        "--sampler-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several",
-    )
-    p.add_argument(
-        "--tasks",
-        type=Path,
-        required=True,
-        help="a directory of tasks (TB1/TB2 format), e.g. made by `python -m sandbox_agent synth --out DIR --n 200`",
-    )
-    p.add_argument(
-        "--split", choices=("train", "eval", "all"), default="train", help="which tasks to draw (default train)"
-    )
-    p.add_argument("--concurrency", type=int, default=4, help="episodes run at once (default 4)")
-    p.add_argument("--episodes", type=int, default=0, help="stop after this many episodes (default 0: never)")
-    p.add_argument("--max-turns", type=int, default=300, help="turns per episode at most (default 300)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens sampled per turn at most (default 256)")
-    p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
-    p.add_argument(
-        "--context-policy",
-        choices=tuple(POLICIES),
-        default="truncate-observations",
-        help="when the next input would not fit --max-context: truncate-observations (default; keeps the "
-        "system prompt, the task and the last K turns whole, shortens older observations, drops the oldest "
-        "turns if needed) or stop (end the episode with reason context)",
-    )
-    p.add_argument(
-        "--context-keep-turns",
-        type=int,
-        default=8,
-        metavar="K",
-        help="turns truncate-observations keeps whole (default 8)",
-    )
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument(
-        "--verify-every",
-        type=int,
-        default=0,
-        help="run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
-    )
-    p.add_argument("--command-timeout", type=float, default=30.0, help="seconds per shell command (default 30)")
-    p.add_argument("--model", type=Path, default=None, help="model dir whose tokenizer to use (default: shipped)")
-    p.add_argument(
-        "--system-prompt-file",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the agent's system prompt (default: the built-in one); a warm start's model dir has its "
-        "own, system_prompt.txt, which cluster up passes here",
-    )
-    p.add_argument(
-        "--actor-id",
-        default=f"{socket.gethostname().split('.')[0]}-{os.getpid()}",
-        help="this actor's name, unique across the cluster (default host-pid)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="task-draw seed")
-    p.add_argument("--log-level", default=None, help="debug, info (default), warning")
+    add_arguments(p, ActorSettings)
     return p
 
 
-def validate(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
-    if not args.nats:
+def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> ActorSettings:
+    """The settings (defaults < --config FILE.toml < flags), checked; a bad one exits with a usage error."""
+    from t1async.protocol.errors import ConfigError
+
+    try:
+        cfg: ActorSettings = resolve(ActorSettings, args)
+        check_bounds(cfg)
+    except ConfigError as exc:
+        p.error(str(exc))
+    if not cfg.nats and os.environ.get("T1_NATS_URL"):
+        cfg = replace(cfg, nats=os.environ["T1_NATS_URL"])
+    if not cfg.actor_id:
+        cfg = replace(cfg, actor_id=f"{socket.gethostname().split('.')[0]}-{os.getpid()}")
+    if not cfg.nats:
         p.error(
             "no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL (a local cluster: python -m t1async.cluster up)"
         )
-    if not args.sampler_url:
+    if not cfg.sampler_url:
         p.error("no sampler: pass --sampler-url http://HOST:PORT (start one: python -m t1async.sampler serve)")
-    for name in ("concurrency", "max_turns", "max_new_tokens", "max_context"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.context_keep_turns < 0:
-        p.error(f"--context-keep-turns must be >= 0, got {args.context_keep_turns}")
-    if any(c in args.actor_id for c in ".*> "):
-        p.error(f"--actor-id {args.actor_id!r} may not contain '.', '*', '>' or spaces (it names NATS subjects)")
+    if cfg.tasks is None:
+        p.error("no tasks: pass --tasks DIR (make one: python -m sandbox_agent synth --out DIR)")
+    if any(c in cfg.actor_id for c in ".*> "):
+        p.error(f"--actor-id {cfg.actor_id!r} may not contain '.', '*', '>' or spaces (it names NATS subjects)")
+    return cfg
 
 
-async def amain(args: argparse.Namespace) -> int:
+async def amain(args: ActorSettings) -> int:
+    import anyio
+
+    from actors.actor import ActorConfig, run_actor
+    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.context import ContextConfig
+    from t1async.log import get_logger
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.protocol.errors import T1Error
+    from t1async.protocol.sampling import SamplingParams
+    from t1async.sampler.client import SGLangClient
+    from t1async.transport import NatsTransport
+
     log = get_logger("actors")
+    assert args.nats and args.tasks is not None  # settings() made sure
     tokenizer = ChatTokenizer.load(args.model)
     agent = AgentConfig(
         max_turns=args.max_turns,
@@ -152,9 +168,13 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import anyio
+
+    from t1async.log import configure
+    from t1async.protocol.errors import T1Error
+
     p = build_parser()
-    args = p.parse_args(argv)
-    validate(args, p)
+    args = settings(p.parse_args(argv), p)
     configure(args.log_level)
     try:
         return anyio.run(amain, args, backend=os.environ.get("T1_BACKEND", "trio"))

@@ -1,13 +1,15 @@
-"""What a ``cluster up`` command line hands the learner: its argv, and that argv parsed by ``learner serve``."""
+"""What a ``cluster up`` command line hands the learner: its argv (``learner serve --config FILE.toml``), and
+that argv resolved by ``learner serve`` into its settings."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def learner_argv(run_dir: Path, *argv: str) -> list[str]:
-    """The learner component's argv for ``cluster up --run-dir run_dir *argv``."""
+    """The learner component's argv for ``cluster up --run-dir run_dir *argv`` (it writes the TOML file)."""
     from t1async.cluster import components
     from t1async.cluster.config import from_args
     from t1async.cluster.flags import add_up_arguments
@@ -19,10 +21,17 @@ def learner_argv(run_dir: Path, *argv: str) -> list[str]:
     return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
 
 
-def serve_args(argv: list[str]) -> argparse.Namespace:
-    """``learner serve``'s parse of a learner argv from ``learner_argv``."""
+def learner_toml(argv: list[str]) -> dict[str, Any]:
+    """The TOML file a learner argv from ``learner_argv`` names, as read."""
+    import tomllib
+
+    return tomllib.loads(Path(argv[argv.index("--config") + 1]).read_text())
+
+
+def serve_args(argv: list[str]) -> Any:
+    """``learner serve``'s settings (``ServeConfig``) from a learner argv from ``learner_argv``."""
     from t1async.learner import serve_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_parser(p.add_subparsers())
-    return p.parse_args(argv[argv.index("serve") :])
+    return serve_cli.config_from_args(p.parse_args(argv[argv.index("serve") :]))

@@ -315,7 +315,7 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
 
 
 def test_context_policy_flags_reach_the_actors(tmp_path):
-    from actors.__main__ import build_parser
+    from actors.__main__ import build_parser, settings
     from t1async.cluster.components import specs
     from t1async.cluster.config import UpConfig
 
@@ -326,7 +326,8 @@ def test_context_policy_flags_reach_the_actors(tmp_path):
     ).check()
     actor = next(s for s in specs(cfg, "nats://127.0.0.1:1") if s.name == "actor-0")
     argv = actor.argv[actor.argv.index("actors") + 1 :]
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = settings(p.parse_args(argv), p)  # what the actor reads from the --config file cluster up wrote
     assert (args.context_policy, args.context_keep_turns) == ("stop", 3)
 
 

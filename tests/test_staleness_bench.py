@@ -108,7 +108,7 @@ def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):
     inner = [
         sys.executable,
         "-c",
-        "import sys; from t1async.cluster.components import parse_cpus; "
+        "import sys; from t1async.cluster.cpus import parse_cpus; "
         f"print(sorted(parse_cpus('{last}', '--learner-cpus')))",
     ]
     out = subprocess.run(["taskset", "-c", cpu, *inner], capture_output=True, text=True, check=True).stdout

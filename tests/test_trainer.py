@@ -394,14 +394,14 @@ def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
 def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     import argparse
 
-    from clusterargs import learner_argv, serve_args
+    from clusterargs import learner_argv, learner_toml, serve_args
 
     from t1async.cluster.config import from_args
     from t1async.protocol.errors import ConfigError
 
-    argv = learner_argv(tmp_path, "--critic", "detached")
-    assert argv[argv.index("--critic") + 1] == "detached"
-    assert "--critic" not in learner_argv(tmp_path)  # the default stays off the command line
+    argv = learner_argv(tmp_path / "a", "--critic", "detached")
+    assert learner_toml(argv)["critic"] == "detached" and "--critic" not in argv
     assert serve_args(argv).critic == "detached"
+    assert serve_args(learner_argv(tmp_path / "b")).critic == "shared"  # the default
     with pytest.raises(ConfigError, match="--critic must be shared or detached"):
         from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))

@@ -102,13 +102,13 @@ def test_turn_advantages_raise_a_better_first_turn_whatever_the_second_did():
 
 
 def test_cluster_up_advantage_reaches_the_learner(tmp_path):
-    from clusterargs import learner_argv, serve_args
+    from clusterargs import learner_argv, learner_toml, serve_args
 
     from t1async.cluster.config import from_args
 
-    argv = learner_argv(tmp_path, "--advantage", "turn")
-    assert argv[argv.index("--advantage") + 1] == "turn"
-    assert "--advantage" not in learner_argv(tmp_path)  # unset stays off the command line (the learner's default)
+    argv = learner_argv(tmp_path / "a", "--advantage", "turn")
+    assert learner_toml(argv)["advantage"] == "turn" and "--advantage" not in argv
     assert serve_args(argv).advantage == "turn"
+    assert serve_args(learner_argv(tmp_path / "b")).advantage == "gae"  # the default
     with pytest.raises(ConfigError, match="--advantage must be gae or turn"):
         from_args(argparse.Namespace(run_dir=tmp_path, advantage="grpo"))

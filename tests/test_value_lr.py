@@ -68,13 +68,14 @@ def test_value_lr_survives_a_checkpoint_and_bad_values_are_refused(tmp_path):
 
 
 def test_cluster_up_value_lr_reaches_the_learner(tmp_path):
-    from clusterargs import learner_argv, serve_args
+    from clusterargs import learner_argv, learner_toml, serve_args
 
     from t1async.cluster.config import from_args
 
-    argv = learner_argv(tmp_path, "--value-lr", "0.003")
-    assert argv[argv.index("--value-lr") + 1] == "0.003"
-    assert "--value-lr" not in learner_argv(tmp_path)  # unset stays off the command line (the learner's default)
+    argv = learner_argv(tmp_path / "a", "--value-lr", "0.003")
+    assert learner_toml(argv)["value_lr"] == 0.003  # in the learner's --config file, not re-spelled as a flag
     assert serve_args(argv).value_lr == 0.003
+    unset = learner_argv(tmp_path / "b")
+    assert "value_lr" not in learner_toml(unset) and serve_args(unset).value_lr is None  # the learner's default
     with pytest.raises(ConfigError, match="--value-lr must be > 0"):
         from_args(argparse.Namespace(run_dir=tmp_path, value_lr=-1.0))

@@ -93,7 +93,10 @@ def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
     # the RL settings bench.learning measured (docs/results.md, "Learning"): per-turn advantages, lr 5e-5
     assert (c.advantage, c.lr, c.critic, c.value_lr) == ("turn", 5e-5, "detached", 3e-3)
     argv = next(list(s.argv) for s in components.specs(c, "nats://127.0.0.1:1") if s.name == "learner")
-    assert argv[argv.index("--advantage") + 1] == "turn" and argv[argv.index("--lr") + 1] == "5e-05"
+    from clusterargs import serve_args
+
+    learner = serve_args(argv)  # what the learner reads from the --config file cluster up wrote
+    assert (learner.advantage, learner.lr, learner.critic, learner.value_lr) == ("turn", 5e-5, "detached", 3e-3)
     assert _cfg("--preset", "learn", "--lr", "1e-6", "--max-turns", "9").lr == 1e-6
     assert _cfg("--preset", "learn", "--advantage", "gae").advantage == "gae"
     toml = tmp_path / "c.toml"
@@ -145,9 +148,14 @@ def test_actor_argv_carries_the_warm_starts_prompt(tmp_path):
     from t1async.cluster import components
 
     c = _cfg("--preset", "learn", "--run-dir", str(tmp_path))
+    from actors.__main__ import build_parser, settings
+
     actors = [s for s in components.specs(c, "nats://127.0.0.1:1") if s.name.startswith("actor-")]
-    want = str(warmstart.cache_dir(warmstart.get_recipe("learn")) / warmstart.PROMPT_FILE)
-    assert actors and all(s.argv[s.argv.index("--system-prompt-file") + 1] == want for s in actors)
+    want = warmstart.cache_dir(warmstart.get_recipe("learn")) / warmstart.PROMPT_FILE
+    p = build_parser()
+    parsed = [settings(p.parse_args(s.argv[s.argv.index("actors") + 1 :]), p) for s in actors]
+    assert parsed and all(a.system_prompt_file == want for a in parsed)
+    assert [a.actor_id for a in parsed] == [f"actor-{i}" for i in range(len(actors))]
 
 
 def test_easy_family_names_are_the_same_tokens_in_instruction_and_command():

@@ -1,14 +1,22 @@
 """What ``cluster up`` starts after NATS, in order: the embedded sampler (unless --sampler-url), the
-learner, then the actors. Also the work before them: the task corpus and the optional warm start."""
+learner, then the actors. Also the work before them: the task corpus and the optional warm start.
+
+Each child gets its settings as a TOML file, ``<run-dir>/config/{sampler,learner,actors}.toml`` (the part of
+``UpConfig`` its own settings class declares), read with ``--config FILE``; only what differs between copies
+of one child (a sampler's port, an actor's id and seed) is a flag."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from t1async.cluster.config import UpConfig
+from t1async.cluster.cpus import pinned
 from t1async.cluster.supervisor import ProcessSpec, python_module
+from t1async.config import to_toml
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
 from t1async.transport.natsd import free_port
@@ -103,141 +111,98 @@ def embedded_sampler_urls(cfg: UpConfig) -> list[str]:
     return [f.read_text().strip() for f in files if f.is_file()]
 
 
-def parse_cpus(spec: str, flag: str) -> set[int]:
-    """A taskset-style CPU list ("0", "0,2", "1-3") as a set; every CPU must be one of the machine's."""
-    cpus: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ConfigError(f"{flag} {spec!r}: not a CPU list; give e.g. 0 or 0,2 or 1-3") from None
-    allowed = set(range(os.cpu_count() or 1))  # the machine's, not our own affinity (we may be pinned ourselves)
-    if not cpus or not cpus <= allowed:
-        raise ConfigError(
-            f"{flag} {spec!r}: CPUs {sorted(cpus - allowed) or spec} are not on this machine; "
-            f"it has {min(allowed)}-{max(allowed)}"
-        )
-    if shutil.which("taskset") is None:
-        raise ConfigError(f"{flag} needs taskset (Debian package util-linux): apt-get install util-linux")
-    return cpus
+def config_file(cfg: UpConfig, name: str, values: dict[str, Any]) -> Path:
+    """``values`` as ``<run-dir>/config/<name>.toml``, the settings a child reads with ``--config``."""
+    d = Path(cfg.run_dir) / "config"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{name}.toml"
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(values, header=f"cluster up's settings for its {name} (read with --config; flags win)"))
+    os.replace(tmp, path)
+    return path
 
 
-def pinned(argv: list[str], cpus: str) -> list[str]:
-    """``argv`` run under ``taskset -c cpus`` (its threads, torch's pool included, see only those CPUs)."""
-    return ["taskset", "-c", cpus, *argv] if cpus else argv
+def _part(cls: type, cfg: UpConfig) -> dict[str, Any]:
+    """The fields ``cfg`` shares with a component's settings class (its base class)."""
+    return {f.name: getattr(cfg, f.name) for f in fields(cls)}
 
 
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
+    """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
+    between copies of one child (a sampler's port, an actor's id and seed)."""
+    from actors.__main__ import EpisodeOptions
+    from t1async.learner.serve_cli import LearnerOptions
+
     out: list[ProcessSpec] = []
     model = model_dir(cfg)
     urls = list(cfg.sampler_url)
     # --samplers N: one of N that dies is restarted on its port; the learner's next push re-syncs it, and the
     # actors' pool keeps it out until then (t1async/sampler/pool.py)
     embedded = []
-    for i in range(cfg.samplers if not urls else 0):
-        ready = sampler_ready_file(cfg, i)
-        ready.unlink(missing_ok=True)
-        port = free_port()
-        argv = python_module(
-            "t1async.sampler",
-            "serve",
-            "--port",
-            str(port),
-            "--ready-file",
-            str(ready),
-            "--dtype",
-            cfg.sampler_dtype,
-            "--max-batch",
-            str(cfg.sampler_max_batch),
-            "--prefix-cache-tokens",
-            str(cfg.prefix_cache_tokens),
-            "--seed",
-            str(cfg.seed),
+    if not urls:  # the embedded samplers, all from one settings file
+        sampler_toml = config_file(
+            cfg,
+            "sampler",
+            {
+                "model": model,
+                "seed": cfg.seed,
+                "dtype": cfg.sampler_dtype,
+                "max_batch": cfg.sampler_max_batch,
+                "prefix_cache_tokens": cfg.prefix_cache_tokens,
+            },
         )
-        if model is not None:
-            argv += ["--model", str(model)]
-        name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
-        argv = pinned(argv, cfg.sampler_cpus)
-        out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
-        embedded.append(f"http://127.0.0.1:{port}")
+        for i in range(cfg.samplers):
+            ready = sampler_ready_file(cfg, i)
+            ready.unlink(missing_ok=True)
+            port = free_port()
+            argv = python_module(
+                "t1async.sampler",
+                "serve",
+                "--config",
+                str(sampler_toml),
+                "--port",
+                str(port),
+                "--ready-file",
+                str(ready),
+            )
+            name = "sampler" if cfg.samplers == 1 else f"sampler-{i}"
+            argv = pinned(argv, cfg.sampler_cpus)
+            out.append(ProcessSpec(name, argv, ready_file=ready, restart=cfg.samplers > 1))
+            embedded.append(f"http://127.0.0.1:{port}")
     urls = urls or embedded
-    learner = python_module(
-        "t1async.learner",
-        "serve",
-        "--nats",
-        nats_url,
-        "--run-dir",
-        str(cfg.run_dir),
-        "--max-staleness",
-        str(cfg.max_staleness),
-        "--batch-turns",
-        str(cfg.batch_turns),
-        "--steps",
-        str(cfg.steps),
-        "--lr",
-        str(cfg.lr),
-        "--lease",
-        str(cfg.lease),
-        "--actor-timeout",
-        str(cfg.actor_timeout),
-        "--weight-sync",
-        cfg.weight_sync,
-        "--weight-bucket-mb",
-        str(cfg.weight_bucket_mb),
-        "--nproc",
-        str(cfg.learner_procs),
+    learner_toml = config_file(
+        cfg,
+        "learner",
+        {
+            **_part(LearnerOptions, cfg),
+            "nats": nats_url,
+            "run_dir": cfg.run_dir,
+            "model": model,
+            "nproc": cfg.learner_procs,
+            "sampler_url": urls,
+        },
     )
-    if model is not None:
-        learner += ["--model", str(model)]
-    if cfg.no_replay:
-        learner.append("--no-replay")
-    if cfg.critic != "shared":
-        learner += ["--critic", cfg.critic]
-    if cfg.advantage != "gae":
-        learner += ["--advantage", cfg.advantage]
-    if cfg.value_lr is not None:
-        learner += ["--value-lr", str(cfg.value_lr)]
-    if cfg.wandb:
-        learner.append("--wandb")
-    for u in urls:
-        learner += ["--sampler-url", u]
-    learner = pinned(learner, cfg.learner_cpus)
+    learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
     out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
+    prompt = None
+    if model is not None and cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
+        prompt = Path(model) / "system_prompt.txt"
+    actors_toml = config_file(
+        cfg,
+        "actors",
+        {
+            **_part(EpisodeOptions, cfg),
+            "nats": nats_url,
+            "tasks": tasks_dir(cfg),
+            "model": model,
+            "system_prompt_file": prompt,
+            "sampler_url": urls,
+        },
+    )
     for i in range(cfg.actors):
         argv = python_module(
-            "actors",
-            "--nats",
-            nats_url,
-            "--tasks",
-            str(tasks_dir(cfg)),
-            "--concurrency",
-            str(cfg.concurrency),
-            "--max-turns",
-            str(cfg.max_turns),
-            "--max-new-tokens",
-            str(cfg.max_new_tokens),
-            "--max-context",
-            str(cfg.max_context),
-            "--temperature",
-            str(cfg.temperature),
-            "--context-policy",
-            cfg.context_policy,
-            "--context-keep-turns",
-            str(cfg.context_keep_turns),
-            "--verify-every",
-            str(cfg.verify_every),
-            "--actor-id",
-            f"actor-{i}",
-            "--seed",
-            str(cfg.seed + i),
+            "actors", "--config", str(actors_toml), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i)
         )
-        if model is not None:
-            argv += ["--model", str(model)]
-            if cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
-                argv += ["--system-prompt-file", str(Path(model) / "system_prompt.txt")]
-        for u in urls:
-            argv += ["--sampler-url", u]
         out.append(ProcessSpec(f"actor-{i}", argv))
     if cfg.eval_every > 0:
         out.append(eval_spec(cfg, nats_url, model))

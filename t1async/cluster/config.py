@@ -1,4 +1,10 @@
-"""``cluster up`` settings: one typed config, from defaults, then a TOML file, then flags.
+"""``cluster up`` settings: one typed config, from defaults, then a preset, then a TOML file, then flags.
+
+``UpConfig`` is the learner's settings (``LearnerOptions``, which include the trainer's ``TrainerOptions``), the
+actors' episode settings (``EpisodeOptions``) and the embedded sampler's, plus what only the cluster has (NATS,
+how many of each, the corpus, the warm start, lifetime). Each setting and its help is declared once, in its
+component; the flags (``cluster/flags.py``) and the TOML keys come from the fields (``t1async/config.py``), and
+``cluster up`` hands each child its part as a TOML file (``cluster/components.py``).
 
 A TOML file holds the same settings as the flags, top level or under ``[cluster]``, with ``-`` or ``_``:
 
@@ -11,105 +17,118 @@ A TOML file holds the same settings as the flags, top level or under ``[cluster]
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from actors.__main__ import EpisodeOptions
 from sandbox_agent.context import POLICIES
+from t1async.cluster.cpus import parse_cpus
 from t1async.cluster.state import DEFAULT_RUN_DIR
-from t1async.learner.options import ADVANTAGES, CRITICS
+from t1async.config import check_bounds, like, resolve, setting
+from t1async.learner.serve_cli import LearnerOptions
 from t1async.protocol.errors import ConfigError
+from t1async.sampler.__main__ import Dtype, SamplerSettings
+
+# the flag groups of `cluster up --help`, in this order
+NATS, SAMPLERS, ACTORS, LEARNER = "NATS", "samplers", "actors", "learner"
+EVAL, LIFETIME = "eval in the loop", "lifetime"
 
 
 @dataclass(frozen=True)
-class UpConfig:
-    run_dir: Path = DEFAULT_RUN_DIR
+class UpConfig(LearnerOptions, EpisodeOptions):
+    run_dir: Path = setting(DEFAULT_RUN_DIR, "the run's directory", cli=False)
     # NATS
-    nats: str | None = None  # external NATS URL(s); None starts the embedded nats-server
-    nats_port: int = 0
-    max_payload: int = 8 << 20
-    nats_nodes: int = 1  # >1: start an embedded JetStream cluster of this many nodes
-    stream_replicas: int = 0  # replicas of T1_TRAJ; 0: min(nats_nodes, 3) embedded, an external stream as it is
+    nats: str | None = setting(
+        None, "use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one", metavar="URL", group=NATS
+    )
+    nats_port: int = setting(0, "port of the embedded nats-server (default: a free one)", ge=0, group=NATS)
+    max_payload: int = setting(
+        8 << 20, "max_payload of the embedded nats-server (default 8 MiB)", metavar="BYTES", ge=1, group=NATS
+    )
+    nats_nodes: int = setting(
+        1,
+        "start an embedded JetStream cluster of N nats-server nodes (3 survives losing one node)",
+        metavar="N",
+        group=NATS,
+    )
+    stream_replicas: int = setting(
+        0,
+        "replicas of the T1_TRAJ stream: created with R, or scaled to R (default: min(--nats-nodes, 3); with "
+        "--nats, the stream as it is)",
+        metavar="R",
+        group=NATS,
+    )
     # samplers
-    sampler_url: tuple[str, ...] = ()  # real SGLang servers; none starts the embedded sampler
-    samplers: int = 1  # embedded samplers to start (without --sampler-url)
-    model: Path | None = None
-    sampler_dtype: str = "float32"
-    sampler_max_batch: int = 64
-    prefix_cache_tokens: int = 262_144
-    sampler_cpus: str = ""  # taskset CPU list the embedded samplers run on (e.g. "0"); "": any CPU
-    warm_start_steps: int = 0  # >0: SFT on oracle demonstrations first
-    warm_start: str = ""  # a named warm-start recipe (t1async.recipes.warmstart): its cached model is the policy
-    # tasks and actors
-    tasks: Path | None = None  # None: a synthetic corpus in <run-dir>/tasks
-    synth_tasks: int = 220
-    synth_families: tuple[str, ...] = ()  # families of the synthesized corpus (default: the 11 default ones)
-    actors: int = 2
-    concurrency: int = 4
-    max_turns: int = 300
-    max_new_tokens: int = 128
-    max_context: int = 8192
-    context_policy: str = "truncate-observations"  # what an episode does when its history outgrows max_context
-    context_keep_turns: int = 8  # turns truncate-observations keeps whole
-    temperature: float = 1.0
-    verify_every: int = 0
-    # learner
-    max_staleness: int = 1
-    batch_turns: int = 16
-    lr: float = 1e-4
-    lease: float = 180.0
-    actor_timeout: float = 15.0
-    no_replay: bool = False
-    advantage: str = "gae"  # gae | turn: the learner's advantage estimator (TrainerConfig.advantage)
-    value_lr: float | None = None  # the value head's learning rate (None: lr; TrainerConfig.value_lr)
-    critic: str = "shared"  # shared | detached: whether the value loss trains the trunk (TrainerConfig.critic)
-    weight_sync: str = "disk"  # how versions reach the samplers: disk | distributed (learner/weightpush.py)
-    weight_bucket_mb: float = 64.0
-    learner_cpus: str = ""  # taskset CPU list the learner runs on (e.g. "1"); "": any CPU
-    learner_procs: int = 1  # ranks of the data-parallel learner (learner serve --nproc)
-    wandb: bool = False  # the learner's curves to Weights & Biases too (TensorBoard files are always written)
-    # the held-out eval inside the loop (t1async.eval.loop): every N policy versions, 0 = off
-    eval_every: int = 0
-    eval_samples: int = 1
+    sampler_url: tuple[str, ...] = setting(
+        (),
+        "an SGLang server to sample from (repeatable); none: start the embedded sampler",
+        metavar="URL",
+        group=SAMPLERS,
+    )
+    samplers: int = setting(
+        1,
+        "start N embedded samplers; episodes are pinned to one, a dead one is restarted and re-synced",
+        metavar="N",
+        group=SAMPLERS,
+    )
+    model: Path | None = setting(None, "model directory (default: the shipped tiny MoE)", group=SAMPLERS)
+    sampler_dtype: Dtype = like(SamplerSettings, "dtype", group=SAMPLERS)
+    sampler_max_batch: int = like(SamplerSettings, "max_batch", group=SAMPLERS)
+    prefix_cache_tokens: int = like(SamplerSettings, "prefix_cache_tokens", 262_144, group=SAMPLERS)
+    sampler_cpus: str = setting(
+        "",
+        "pin the embedded samplers to these CPUs (taskset list, e.g. 0; default: any)",
+        metavar="LIST",
+        group=SAMPLERS,
+    )
+    warm_start_steps: int = setting(
+        0, "first fine-tune on oracle demonstrations for N steps (default 0: no)", ge=0, group=SAMPLERS
+    )
+    warm_start: str = setting(
+        "",
+        "policy = this warm-start recipe's cached model (built first if missing; python -m t1async.recipes.warmstart)",
+        metavar="RECIPE",
+        group=SAMPLERS,
+    )
+    # tasks and actors (and EpisodeOptions: how each episode runs)
+    tasks: Path | None = setting(
+        None, "task directory (default: synthesize a corpus into <run-dir>/tasks)", metavar="DIR", group=ACTORS
+    )
+    synth_tasks: int = setting(220, "tasks to synthesize when --tasks is not given", ge=1, group=ACTORS)
+    synth_families: tuple[str, ...] = setting(
+        (), "families to synthesize (default: the 11 default ones)", metavar="A,B", sep=",", group=ACTORS
+    )
+    actors: int = setting(2, "actor processes", ge=1, group=ACTORS)
+    max_new_tokens: int = 128  # cluster up's default (EpisodeOptions: 256)
+    # learner (and LearnerOptions)
+    learner_cpus: str = setting(
+        "", "pin the learner to these CPUs (taskset list, e.g. 1; default: any)", metavar="LIST", group=LEARNER
+    )
+    learner_procs: int = setting(
+        1,
+        "ranks of the data-parallel learner over torch.distributed, gloo on CPU (learner serve --nproc)",
+        metavar="N",
+        ge=1,
+        group=LEARNER,
+    )
+    # the held-out eval inside the loop (t1async.eval.loop)
+    eval_every: int = setting(
+        0,
+        "score the held-out split (the tasks' eval split) every N policy versions, and the starting policy first "
+        "(default 0: off)",
+        metavar="N",
+        ge=0,
+        group=EVAL,
+    )
+    eval_samples: int = setting(1, "episodes per held-out task", metavar="K", ge=1, group=EVAL)
     # lifetime
-    duration: float | None = None
-    steps: int = 0
-    seed: int = 0
-    extra_env: dict[str, str] = field(default_factory=dict)
+    duration: float | None = setting(None, "stop after this many seconds", metavar="SECONDS", gt=0, group=LIFETIME)
+    seed: int = setting(0, "seed for the task corpus and actors", group=LIFETIME)
+    extra_env: dict[str, str] = setting(factory=dict, help="environment for every child", cli=False)
 
     def check(self) -> UpConfig:
-        positive = (
-            "actors",
-            "concurrency",
-            "max_turns",
-            "max_new_tokens",
-            "max_context",
-            "batch_turns",
-            "sampler_max_batch",
-            "synth_tasks",
-            "eval_samples",
-            "learner_procs",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.context_policy not in POLICIES:
             raise ConfigError(f"--context-policy {self.context_policy!r} is not one of: {', '.join(POLICIES)}")
-        for name in ("max_staleness", "steps", "verify_every", "warm_start_steps", "context_keep_turns", "eval_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if self.value_lr is not None and not self.value_lr > 0:
-            raise ConfigError(f"--value-lr must be > 0, got {self.value_lr}")
-        if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"--advantage must be {' or '.join(ADVANTAGES)}, got {self.advantage!r}")
-        if self.critic not in CRITICS:
-            raise ConfigError(f"--critic must be {' or '.join(CRITICS)}, got {self.critic!r}")
-        if self.weight_sync not in ("disk", "distributed"):
-            raise ConfigError(f"--weight-sync must be disk or distributed, got {self.weight_sync!r}")
-        if not self.weight_bucket_mb > 0:
-            raise ConfigError(f"--weight-bucket-mb must be > 0, got {self.weight_bucket_mb}")
         if not 1 <= self.samplers <= 16:
             raise ConfigError(f"--samplers must be 1..16, got {self.samplers}")
         if self.samplers > 1 and self.sampler_url:
@@ -138,17 +157,10 @@ class UpConfig:
                 f"--stream-replicas {self.stream_replicas} needs as many NATS servers, but the embedded "
                 f"NATS has {self.nats_nodes}: pass --nats-nodes {self.stream_replicas}"
             )
-        if not self.actor_timeout > 0:
-            raise ConfigError(f"--actor-timeout must be > 0 seconds, got {self.actor_timeout}")
-        if self.duration is not None and self.duration <= 0:
-            raise ConfigError(f"--duration must be > 0 seconds, got {self.duration}")
+        check_bounds(self)  # each field's own ge/gt/le
         for name in ("sampler_cpus", "learner_cpus"):
             if getattr(self, name):
-                from t1async.cluster.components import parse_cpus
-
                 parse_cpus(getattr(self, name), f"--{name.replace('_', '-')}")
-        if self.sampler_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"--sampler-dtype must be float32 or bfloat16, got {self.sampler_dtype!r}")
         if self.tasks is not None and not Path(self.tasks).is_dir():
             raise ConfigError(
                 f"--tasks {self.tasks}: no such directory (make one: python -m sandbox_agent synth --out DIR)"
@@ -168,63 +180,12 @@ class UpConfig:
         return self
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
-_PATHS = {"run_dir", "model", "tasks"}
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    if name in _PATHS:
-        return None if value is None else Path(value)
-    if name in ("sampler_url", "synth_families"):
-        vals = [value] if isinstance(value, str) else list(value or [])
-        if not all(isinstance(v, str) for v in vals):
-            raise ConfigError(f"{source}: {name.replace('_', '-')} must be a string or a list of strings")
-        if name == "synth_families":
-            vals = [f.strip() for v in vals for f in v.split(",") if f.strip()]
-        return tuple(vals)
-    default = _FIELDS[name].default
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise ConfigError(f"{source}: {name.replace('_', '-')} must be true or false, got {value!r}")
-    if isinstance(default, int) and not isinstance(default, bool):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{source}: {name.replace('_', '-')} must be an integer, got {value!r}")
-    if isinstance(default, float) or name in ("duration", "value_lr"):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{source}: {name.replace('_', '-')} must be a number, got {value!r}")
-        return float(value)
-    return value
-
-
-def load_toml(path: Path) -> dict[str, Any]:
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML: {exc}") from None
-    doc = doc.get("cluster", doc)
-    out = {}
-    for key, value in doc.items():
-        name = key.replace("-", "_")
-        if name not in _FIELDS or name == "extra_env":
-            raise ConfigError(
-                f"--config {path}: unknown setting {key!r}; known: "
-                f"{', '.join(sorted(k.replace('_', '-') for k in _FIELDS if k != 'extra_env'))}"
-            )
-        out[name] = _coerce(name, value, f"--config {path}")
-    return out
-
-
 def from_args(args: argparse.Namespace) -> UpConfig:
-    values: dict[str, Any] = {}
+    """Defaults < ``--preset`` < ``--config FILE.toml`` (top level or ``[cluster]``) < flags; then checked."""
+    preset = None
     if getattr(args, "preset", None):
         from t1async.recipes.presets import preset_values
 
-        values.update(preset_values(args.preset))
-    if getattr(args, "config", None) is not None:
-        values.update(load_toml(args.config))
-    for name in _FIELDS:
-        v = getattr(args, name, None)
-        if v is not None:
-            values[name] = _coerce(name, v, "flag")
-    return UpConfig(**values).check()
+        preset = preset_values(args.preset)
+    cfg: UpConfig = resolve(UpConfig, args, preset=preset, section="cluster", exclude=("extra_env",))
+    return cfg.check()

@@ -18,22 +18,69 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import anyio
 
+from actors.__main__ import EpisodeOptions
 from sandbox_agent.agent import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
+from t1async.config import add_arguments, check_bounds, like, resolve, setting
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, summarise, task_scores
 from t1async.log import configure, get_logger
-from t1async.protocol.errors import SamplerError, T1Error
+from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
+from t1async.sampler.__main__ import Dtype, SamplerSettings
 
 log = get_logger("t1async.eval")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """``python -m t1async.eval``'s settings: ``--config FILE.toml`` and/or flags (flags win)."""
+
+    model: Path | None = setting(None, "model dir: start the embedded sampler on it (or --sampler-url)")
+    sampler_url: tuple[str, ...] = setting(
+        (), "a running SGLang-compatible sampler; repeat for several (or --model)", metavar="URL"
+    )
+    tasks: Path | None = setting(None, "a directory of tasks (Terminal-Bench 1/2 format; required)", metavar="DIR")
+    backend: Literal["auto", "bwrap", "container"] = setting(
+        "auto",
+        "sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap when no "
+        "selected task has an image of its own, else containers)",
+    )
+    split: Literal["eval", "train", "all"] = setting("eval", "which tasks")
+    families: str = setting("", "comma-separated task families (default: all)")
+    samples: int = setting(1, "episodes per task, K; pass@k for k <= K", ge=1)
+    concurrency: int = like(EpisodeOptions, "concurrency", group="episodes", help="episodes at once")
+    seed: int = setting(0, "sampling seed: episodes are seeded per (task, sample, turn)")
+    max_turns: int = like(EpisodeOptions, "max_turns", 20, group="episodes")
+    max_new_tokens: int = like(EpisodeOptions, "max_new_tokens", group="episodes")
+    max_context: int = like(EpisodeOptions, "max_context", group="episodes")
+    temperature: float = like(EpisodeOptions, "temperature", group="episodes", help="sampling temperature (0 = greedy)")
+    dtype: Dtype = like(SamplerSettings, "dtype")
+    prefix_cache_tokens: int | None = like(
+        SamplerSettings,
+        "prefix_cache_tokens",
+        help="the embedded sampler's prefix cache in tokens (default: the sampler's own; 0 = off)",
+    )
+    tokenizer: Path | None = setting(
+        None, "model dir whose tokenizer to use with --sampler-url (default: the shipped one)"
+    )
+    system_prompt_file: Path | None = setting(
+        None,
+        "the agent's system prompt (default: the built-in one); a warm start trained with its own has it in its "
+        "model dir as system_prompt.txt",
+        metavar="FILE",
+    )
+    out: Path = setting(Path("runs/eval"), "where episodes.jsonl, summary.json, eval.png go")
+    json: bool = setting(False, "print the summary as one JSON object on the last stdout line")
+    log_level: str = setting("warning", "debug, info, warning")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,58 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, default=None, help="model dir: start the embedded sampler on it")
-    src.add_argument(
-        "--sampler-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a running SGLang-compatible sampler; repeat for several",
-    )
-    p.add_argument("--tasks", type=Path, required=True, help="a directory of tasks (Terminal-Bench 1/2 format)")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "bwrap", "container"),
-        default="auto",
-        help="sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap "
-        "when no selected task has an image of its own, else containers)",
-    )
-    p.add_argument("--split", choices=("eval", "train", "all"), default="eval", help="which tasks (default eval)")
-    p.add_argument("--families", default="", help="comma-separated task families (default: all)")
-    p.add_argument("--samples", type=int, default=1, help="episodes per task, K (default 1); pass@k for k <= K")
-    p.add_argument("--concurrency", type=int, default=4, help="episodes at once (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed: episodes are seeded per (task, sample, turn)")
-    p.add_argument("--max-turns", type=int, default=20, help="turns per episode at most (default 20)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn at most (default 256)")
-    p.add_argument("--max-context", type=int, default=8192, help="context budget in tokens (default 8192)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0; 0 = greedy)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="embedded sampler dtype")
-    p.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=None,
-        help="the embedded sampler's prefix cache in tokens (default: the sampler's own; 0 = off)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        help="model dir whose tokenizer to use with --sampler-url (default: the shipped one)",
-    )
-    p.add_argument(
-        "--system-prompt-file",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the agent's system prompt (default: the built-in one); a warm start trained with its own "
-        "has it in its model dir as system_prompt.txt",
-    )
-    p.add_argument(
-        "--out", type=Path, default=Path("runs/eval"), help="where episodes.jsonl, summary.json, eval.png go"
-    )
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last stdout line")
-    p.add_argument("--log-level", default="warning", help="debug, info, warning (default)")
+    add_arguments(p, EvalSettings)
     return p
 
 
@@ -122,13 +118,13 @@ def select_tasks(
 
 
 @asynccontextmanager
-async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
+async def open_sampler(args: EvalSettings) -> AsyncIterator[Sampler]:
     from t1async.sampler.client import SGLangClient
 
     if args.model is not None:
         from t1async.sampler.launch import launch_sampler
 
-        opts = {"dtype": args.dtype, "seed": args.seed}
+        opts: dict[str, Any] = {"dtype": args.dtype, "seed": args.seed}
         if args.prefix_cache_tokens is not None:
             opts["prefix_cache_tokens"] = args.prefix_cache_tokens
         async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
@@ -144,7 +140,7 @@ async def open_sampler(args: argparse.Namespace) -> AsyncIterator[Sampler]:
             yield c
 
 
-async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBackend) -> dict:
+async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) -> dict:
     from t1async.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
@@ -201,15 +197,18 @@ async def amain(args: argparse.Namespace, tasks: list[Task], backend: SandboxBac
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    try:
+        args: EvalSettings = resolve(EvalSettings, p.parse_args(argv))
+        check_bounds(args)
+    except ConfigError as exc:
+        p.error(str(exc))
     configure(level=args.log_level)
+    if args.tasks is None:
+        p.error("the following arguments are required: --tasks")
     if args.model is None and not args.sampler_url:
         p.error("no policy: pass --model DIR (starts the embedded sampler) or --sampler-url URL (a running one)")
-    if args.prefix_cache_tokens is not None and args.prefix_cache_tokens < 0:
-        p.error(f"--prefix-cache-tokens must be >= 0, got {args.prefix_cache_tokens}")
-    for name in ("samples", "concurrency", "max_turns", "max_new_tokens", "max_context"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.model is not None and args.sampler_url:
+        p.error("--model starts a sampler, --sampler-url uses running ones: give one of them")
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(
             f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "

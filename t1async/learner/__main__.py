@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from t1async.protocol.errors import T1Error
+from t1async.config import add_arguments, check_bounds, resolve, setting
+from t1async.protocol.errors import ConfigError, T1Error
 
 SFT_HELP = """\
 Warm start: supervised fine-tuning on oracle demonstrations. Runs each task's oracle solution in the
@@ -20,19 +22,40 @@ examples:
 """
 
 
-def _sft(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class SftSettings:
+    """``learner sft``'s settings: ``--config FILE.toml`` and/or flags (flags win)."""
+
+    tasks: Path | None = setting(
+        None, "a directory of task directories (Terminal-Bench 1 or 2 format); or --synth", metavar="DIR"
+    )
+    synth: int | None = setting(None, "generate this many synthetic tasks (sandbox_agent.synth); or --tasks", ge=1)
+    steps: int = setting(200, "optimizer steps", ge=1)
+    out: Path | None = setting(None, "output model directory, loadable by the sampler (required)", metavar="DIR")
+    model: Path | None = setting(None, "starting model directory (default: the shipped embedded model)")
+    lr: float = setting(1e-3, "peak learning rate", gt=0)
+    batch_tokens: int = setting(8192, "padded tokens per step", ge=2)
+    max_len: int = setting(4096, "truncate demonstrations to this many tokens", ge=2)
+    concurrency: int = setting(2, "oracle runs in parallel", ge=1)
+    threads: int = setting(2, "torch CPU threads", ge=1)
+    seed: int = setting(0, "seed for the synthetic tasks (--synth) and the batch order")
+    json: bool = setting(False, "print the summary as JSON on the last stdout line")
+
+
+def _sft(args: SftSettings) -> int:
     import torch
 
     from t1async.recipes.sft import SFTConfig, run_sft
 
+    assert args.out is not None
     torch.set_num_threads(max(1, args.threads))
     cfg = SFTConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len, seed=args.seed)
     summary = run_sft(
-        out=Path(args.out),
-        tasks_dir=Path(args.tasks) if args.tasks else None,
-        synth=args.synth,
+        out=args.out,
+        tasks_dir=args.tasks,
+        synth=args.synth or 0,  # unused with --tasks
         cfg=cfg,
-        model_dir=Path(args.model) if args.model else None,
+        model_dir=args.model,
         concurrency=args.concurrency,
     )
     print(
@@ -56,21 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         description=SFT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tasks", help="a directory of task directories (Terminal-Bench 1 or 2 format)")
-    src.add_argument("--synth", type=int, help="generate this many synthetic tasks (sandbox_agent.synth)")
-    s.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    s.add_argument("--out", required=True, help="output model directory (loadable by the sampler)")
-    s.add_argument("--model", default=None, help="starting model directory (default: the shipped embedded model)")
-    s.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    s.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per step")
-    s.add_argument("--max-len", type=int, default=4096, help="truncate demonstrations to this many tokens")
-    s.add_argument("--concurrency", type=int, default=2, help="oracle runs in parallel")
-    s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    s.add_argument(
-        "--seed", type=int, default=0, help="seed for the synthetic tasks (--synth) and the batch order (default 0)"
-    )
-    s.add_argument("--json", action="store_true", help="print the summary as JSON on the last stdout line")
+    add_arguments(s, SftSettings)
     from t1async.learner import serve_cli
 
     serve_cli.add_parser(sub)
@@ -85,10 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
     if args.cmd == "sft":
-        if args.synth is not None and args.synth < 1:
-            p.error("--synth must be >= 1")
         try:
-            return _sft(args)
+            sft: SftSettings = resolve(SftSettings, args)
+            check_bounds(sft)
+        except ConfigError as exc:
+            s.error(str(exc))
+        if (sft.tasks is None) == (sft.synth is None):
+            s.error("give one of --tasks DIR (a task directory) or --synth N (synthetic tasks)")
+        if sft.out is None:
+            s.error("the following arguments are required: --out")
+        try:
+            return _sft(sft)
         except T1Error as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -6,12 +6,88 @@ import argparse
 import os
 import signal
 from contextlib import AsyncExitStack
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal
 
-import anyio
-
-from t1async.learner.options import ADVANTAGES, CRITICS
+from t1async.config import add_arguments, check_bounds, resolve, setting
+from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
+
+WeightSync = Literal["disk", "distributed"]
+
+
+@dataclass(frozen=True)
+class LearnerOptions(TrainerOptions):
+    """The learner's settings that ``cluster up`` takes too (its config includes these fields)."""
+
+    max_staleness: int = setting(
+        1, "η: max policy versions between sampling and training a token (0 = synchronous)", ge=0, group="learner"
+    )
+    batch_turns: int = setting(16, "B: turns per training step", ge=1, group="learner")
+    steps: int = setting(0, "stop after the learner trained this many steps (default 0: never)", ge=0, group="lifetime")
+    lease: float = setting(180.0, "seconds an unused credit is held", gt=0, group="learner")
+    actor_timeout: float = setting(
+        15.0,
+        "seconds an actor may go without a heartbeat before the learner releases its credits and ends its open "
+        "episodes as aborted",
+        gt=0,
+        group="learner",
+    )
+    wandb: bool = setting(
+        False,
+        "also log the per-step curves to Weights & Biases (needs wandb; WANDB_MODE=offline works); TensorBoard "
+        "files are always in <run-dir>/tb/learner",
+        group="learner",
+    )
+    weight_sync: WeightSync = setting(
+        "disk",
+        "how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint) or "
+        "distributed (SGLang's /update_weights_from_distributed over a torch.distributed group this learner "
+        "hosts, in buckets between /pause_generation and /continue_generation)",
+        group="learner",
+    )
+    weight_bucket_mb: float = setting(
+        64.0,
+        "MiB of tensors per /update_weights_from_distributed call with --weight-sync distributed",
+        gt=0,
+        group="learner",
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig(LearnerOptions):
+    """``learner serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+
+    nats: str | None = setting(None, "NATS URL (default: $T1_NATS_URL)", metavar="URL", group="learner service")
+    sampler_url: tuple[str, ...] = setting(
+        (),
+        "a sampler to push weights to (repeatable; none: train without pushing)",
+        metavar="URL",
+        group="learner service",
+    )
+    run_dir: Path | None = setting(
+        None, "where checkpoints, journal and state live (required)", group="learner service"
+    )
+    model: Path | None = setting(None, "initial model dir (default: the shipped tiny model)", group="learner service")
+    microbatch_tokens: int = setting(
+        65536,
+        "padded tokens per forward (a step that fits in one micro-batch needs one forward instead of two)",
+        ge=2,
+        group="learner",
+    )
+    threads: int = setting(1, "torch CPU threads (per rank)", ge=1, group="learner service")
+    weight_sync_host: str = setting(
+        "127.0.0.1", "address the samplers reach this learner's weight-update group at", group="learner service"
+    )
+    durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
+    nproc: int = setting(
+        1,
+        "ranks of the data-parallel learner: this process is rank 0 (stream, credits, checkpoints, weight push) "
+        "and starts ranks 1..N-1 over torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py)",
+        ge=1,
+        group="learner service",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,103 +97,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Consume T1_TRAJ through the durable consumer, assemble episodes with TITO and routing, "
         "serve t1.credit by the staleness rule, train PPO steps with R3, save checkpoints under "
         "<run-dir>/checkpoints, push each version to every --sampler-url and announce it on t1.policy. "
-        "Restarted on the same --run-dir it resumes from its newest checkpoint and journal.",
+        "Restarted on the same --run-dir it resumes from its newest checkpoint and journal. Settings come from "
+        "--config FILE.toml (keys named as the flags; cluster up writes one) and flags, flags winning.",
     )
-    s.add_argument("--nats", default=os.environ.get("T1_NATS_URL"), help="NATS URL (default: $T1_NATS_URL)")
-    s.add_argument(
-        "--sampler-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a sampler to push weights to (repeatable; none: train without pushing)",
-    )
-    s.add_argument("--run-dir", type=Path, required=True, help="where checkpoints, journal and state live")
-    s.add_argument("--model", type=Path, default=None, help="initial model dir (default: the shipped tiny model)")
-    s.add_argument(
-        "--max-staleness",
-        type=int,
-        default=1,
-        help="η: max policy versions between sampling and training a token (default 1; 0 = synchronous)",
-    )
-    s.add_argument("--batch-turns", type=int, default=16, help="B: turns per training step (default 16)")
-    s.add_argument("--steps", type=int, default=0, help="exit after this many steps (default 0: never)")
-    s.add_argument("--lease", type=float, default=180.0, help="seconds an unused credit is held (default 180)")
-    s.add_argument(
-        "--actor-timeout",
-        type=float,
-        default=15.0,
-        help="seconds an actor may go without a heartbeat "
-        "before its credits are released and its open episodes end as aborted (default 15)",
-    )
-    s.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
-    s.add_argument(
-        "--advantage",
-        choices=ADVANTAGES,
-        default="gae",
-        help="gae: critic-based GAE over the episode; turn: each turn's own reward minus the step's mean reward of "
-        "turns with the same number, no critic (default gae)",
-    )
-    s.add_argument(
-        "--value-lr",
-        type=float,
-        default=None,
-        help="the value head's own learning rate (default: --lr; a fresh head needs more, e.g. 100x)",
-    )
-    s.add_argument("--no-replay", action="store_true", help="disable R3 routing replay in the training forward")
-    s.add_argument(
-        "--critic",
-        choices=CRITICS,
-        default="shared",
-        help="shared: the value loss "
-        "trains the trunk with the policy; detached: it trains the value head only, whose gradient is "
-        "clipped on its own (default shared)",
-    )
-    s.add_argument(
-        "--microbatch-tokens",
-        type=int,
-        default=65536,
-        help="padded tokens per forward (default 65536; "
-        "a step that fits in one micro-batch needs one forward instead of two)",
-    )
-    s.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    s.add_argument(
-        "--wandb",
-        action="store_true",
-        help="also log the per-step curves to Weights & Biases "
-        "(needs wandb; WANDB_MODE=offline works); TensorBoard files are always in <run-dir>/tb/learner",
-    )
-    s.add_argument(
-        "--weight-sync",
-        choices=["disk", "distributed"],
-        default="disk",
-        help="how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint, "
-        "default) or distributed (SGLang's /update_weights_from_distributed over a torch.distributed "
-        "group this learner hosts, in buckets between /pause_generation and /continue_generation)",
-    )
-    s.add_argument(
-        "--weight-bucket-mb",
-        type=float,
-        default=64.0,
-        help="MiB of tensors per /update_weights_from_distributed call with --weight-sync distributed (default 64)",
-    )
-    s.add_argument(
-        "--weight-sync-host",
-        default="127.0.0.1",
-        help="address the samplers reach this learner's weight-update group at (default 127.0.0.1)",
-    )
-    s.add_argument("--durable", default="learner", help="JetStream durable consumer name (default learner)")
-    s.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="ranks of the data-parallel learner (default 1): this "
-        "process is rank 0 (stream, credits, checkpoints, weight push) and starts ranks 1..N-1 over "
-        "torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py); --threads is per rank",
-    )
+    add_arguments(s, ServeConfig)
     s.set_defaults(func=serve)
 
 
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The settings: defaults < --config FILE.toml < flags; NATS from $T1_NATS_URL when neither gives it."""
+    cfg: ServeConfig = resolve(ServeConfig, args)
+    check_bounds(cfg)
+    if cfg.run_dir is None:
+        raise ConfigError("no run dir: pass --run-dir DIR (or run_dir in the --config file)")
+    if not cfg.nats:
+        env = os.environ.get("T1_NATS_URL")
+        if not env:
+            raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
+        cfg = resolve(ServeConfig, args, nats=env)
+    return cfg
+
+
 def serve(args: argparse.Namespace) -> int:
+    c = config_from_args(args)  # a wrong setting fails before the heavy imports
+    assert c.run_dir is not None and c.nats is not None
+    import anyio
     import torch
 
     from t1async.learner import memory
@@ -127,62 +131,47 @@ def serve(args: argparse.Namespace) -> int:
     from t1async.sampler.client import SGLangClient
     from t1async.transport import NatsConfig, NatsTransport
 
-    if not args.nats:
-        raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
-    if args.batch_turns < 1:
-        raise ConfigError(f"--batch-turns must be >= 1, got {args.batch_turns}")
-    if not args.actor_timeout > 0:
-        raise ConfigError(f"--actor-timeout must be > 0 seconds, got {args.actor_timeout}")
-    if args.max_staleness < 0 or args.steps < 0:
-        raise ConfigError("--max-staleness and --steps must be >= 0")
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if not args.weight_bucket_mb > 0:
-        raise ConfigError(f"--weight-bucket-mb must be > 0, got {args.weight_bucket_mb}")
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(max(1, c.threads))
     memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
     cfg = LearnerConfig(
-        run_dir=args.run_dir,
-        model_dir=args.model,
-        max_staleness=args.max_staleness,
-        batch_turns=args.batch_turns,
-        steps=args.steps,
-        lease_s=args.lease,
-        actor_timeout_s=args.actor_timeout,
-        durable=args.durable,
-        wandb=args.wandb,
+        run_dir=c.run_dir,
+        model_dir=c.model,
+        max_staleness=c.max_staleness,
+        batch_turns=c.batch_turns,
+        steps=c.steps,
+        lease_s=c.lease,
+        actor_timeout_s=c.actor_timeout,
+        durable=c.durable,
+        wandb=c.wandb,
         trainer=TrainerConfig(
-            lr=args.lr,
-            value_lr=args.value_lr,
-            advantage=args.advantage,
-            replay=not args.no_replay,
-            critic=args.critic,
-            microbatch_tokens=args.microbatch_tokens,
+            **{f.name: getattr(c, f.name) for f in fields(TrainerOptions)}, microbatch_tokens=c.microbatch_tokens
         ),
     )
+
+    nats_url = c.nats
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
             # the learner acks a batch as soon as its journal has it (milliseconds), so a short ack wait only
             # shortens how long a crashed learner's in-flight records wait before they are redelivered
-            nats = NatsConfig(url=args.nats, ack_wait_s=10.0)
+            nats = NatsConfig(url=nats_url, ack_wait_s=10.0)
             transport = await stack.enter_async_context(NatsTransport(config=nats))
-            samplers = await stack.enter_async_context(SGLangClient(args.sampler_url)) if args.sampler_url else None
+            samplers = await stack.enter_async_context(SGLangClient(c.sampler_url)) if c.sampler_url else None
             learner = Learner(cfg, transport, samplers)
-            if args.weight_sync == "distributed":
+            if c.weight_sync == "distributed":
                 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
 
                 if samplers is None:
                     raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
                 learner.weight_pusher = DistributedPusher(
-                    samplers, WeightPushConfig(bucket_mb=args.weight_bucket_mb, host=args.weight_sync_host)
+                    samplers, WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host)
                 )
                 stack.push_async_callback(learner.weight_pusher.aclose)
             ranks = None
-            if args.nproc > 1:  # the ranks stop first at exit (the stack unwinds in reverse), by PID
+            if c.nproc > 1:  # the ranks stop first at exit (the stack unwinds in reverse), by PID
                 from t1async.learner.ranks import Ranks, RanksConfig
 
-                ranks = Ranks(RanksConfig(nproc=args.nproc, threads=max(1, args.threads)))
+                ranks = Ranks(RanksConfig(nproc=c.nproc, threads=max(1, c.threads)))
 
                 async def close_ranks() -> None:
                     with anyio.CancelScope(shield=True):

@@ -5,12 +5,16 @@ warm start (``t1async.recipes.warmstart``: a seeded MoE trained on oracle demons
 family, cached, built first if missing); the actors draw the train split of a corpus of the same family; every
 turn is verified (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (a
 demonstration takes 3 turns: two commands and DONE).
+
+A preset is a partial ``UpConfig`` (``cluster/config.py``): its keys are the config's field names, its values
+are checked as a TOML file's are (``t1async.config``) when it is used.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from t1async.learner.options import Advantage, Critic
 from t1async.protocol.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -31,9 +35,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # critic's GAE (detached, its head at lr) 40-80 steps left held-out pass@1 flat or lower; with this, 200
         # steps at lr 5e-5 raised it 28.2% -> 45.5%, and -> 35.9% in a rerun; 300 steps 28.2% -> 45.5% and mean
         # tests 2.51 -> 3.11 (1.24x; docs/results.md, "Learning")
-        "advantage": "turn",
+        "advantage": Advantage.TURN,
         "lr": 5e-5,
-        "critic": "detached",  # the value loss trains the value head only (TrainerConfig.critic)
+        "critic": Critic.DETACHED,  # the value loss trains the value head only (TrainerConfig.critic)
         "value_lr": 3e-3,  # the head is only watched under advantage "turn"; at its own rate it tracks the returns
         "sampler_max_batch": 16,
     },

@@ -10,9 +10,34 @@ import argparse
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from t1async.config import add_arguments, check_bounds, resolve, setting
 
 READY_PREFIX = "t1async sampler ready at "
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """``sampler serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(30000, "port to bind; 0 picks a free one", ge=0, le=65535)
+    model: Path | None = setting(None, "model directory (default: the shipped tiny model)")
+    seed: int = setting(0, "sampling seed")
+    dtype: Dtype = setting("float32", "compute dtype of the embedded sampler")
+    max_batch: int = setting(64, "most sequences decoded together", ge=1)
+    prefix_cache_tokens: int | None = setting(None, "prefix (KV) cache size in tokens", ge=0)
+    served_model_name: str = setting("t1async-tiny-moe", "the model id in /v1/models")
+    pause_timeout: float = setting(
+        300.0, "seconds a /pause_generation lasts at most before generation goes on with the old weights", gt=0
+    )
+    ready_file: Path | None = setting(None, "write the URL to this file once the server answers")
+    log_level: str | None = setting(None, "debug|info|warning|error (default: T1_LOG_LEVEL or info)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,37 +49,21 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve",
         help="serve the tiny MoE model over SGLang's native HTTP API",
-        description="Serve a model over SGLang's native HTTP API (design §4).",
+        description="Serve a model over SGLang's native HTTP API (design §4). Settings come from --config "
+        "FILE.toml (keys named as the flags; cluster up writes one) and flags, flags winning.",
     )
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=30000, help="port to bind; 0 picks a free one (default 30000)")
-    s.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
-    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    s.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together (default 64)")
-    s.add_argument("--prefix-cache-tokens", type=int, default=None, help="prefix (KV) cache size in tokens")
-    s.add_argument("--served-model-name", default="t1async-tiny-moe", help="the model id in /v1/models")
-    s.add_argument(
-        "--pause-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a /pause_generation lasts at most before generation goes on with the old weights (default 300)",
-    )
-    s.add_argument("--ready-file", default=None, help="write the URL to this file once the server answers")
-    s.add_argument("--log-level", default=None, help="debug|info|warning|error (default: T1_LOG_LEVEL or info)")
+    add_arguments(s, SamplerSettings)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.max_batch < 1:
-        print(f"--max-batch must be >= 1, got {args.max_batch}", file=sys.stderr)
-        return 2
-    if not args.pause_timeout > 0:
-        print(f"--pause-timeout must be > 0 seconds, got {args.pause_timeout}", file=sys.stderr)
-        return 2
-    if not 0 <= args.port < 65536:
-        print(f"--port must be in 0..65535, got {args.port}", file=sys.stderr)
+    from t1async.protocol.errors import ConfigError
+
+    try:
+        args: SamplerSettings = resolve(SamplerSettings, _parser().parse_args(argv))
+        check_bounds(args)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
         return 2
     if args.model is not None and not Path(args.model).is_dir():
         print(f"--model {args.model}: no such directory (pass a model directory holding config.json)", file=sys.stderr)
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        model_dir=args.model,
+        model_dir=str(args.model) if args.model is not None else None,
         seed=args.seed,
         dtype=args.dtype,
         max_batch=args.max_batch,
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(READY_PREFIX + url, flush=True)
             if args.ready_file:
-                tmp = Path(args.ready_file + ".tmp")
+                tmp = Path(str(args.ready_file) + ".tmp")
                 tmp.write_text(url + "\n")
                 os.replace(tmp, args.ready_file)
             # serve() returns once the HTTP server has shut down; then stop the signal watcher
