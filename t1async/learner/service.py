@@ -96,9 +96,7 @@ class Learner(StepInputs, Intake):
         self.assembler = Assembler()
         learner_dir = config.run_dir / "learner"
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", ModelLimits.of(self.model.cfg))
-        self.journal = Journal(
-            learner_dir / "journal", segment_bytes=config.journal_segment_bytes, legacy=learner_dir / "journal.bin"
-        )
+        self.journal = Journal(learner_dir / "journal", segment_bytes=config.journal_segment_bytes)
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
         self.hist = StalenessHistogram()
