@@ -267,7 +267,7 @@ async def test_a_poisoned_episode_is_remembered_by_the_time_its_batch_is_acked(t
         def crash(rec, *, live):
             raise Crash
 
-        learner._take_safely = crash
+        learner.ingest._take_safely = crash
 
     with pytest.raises(BaseExceptionGroup) as err:
         await run_learner(tmp_path / "run", tiny_model, broker, 1, [], patch=patch)

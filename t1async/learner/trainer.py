@@ -21,7 +21,8 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,13 +30,13 @@ from torch import Tensor
 
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
+from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.stepmetrics import StepMetrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
+from t1async.model.moe import MoETransformer
+from t1async.model.weights import load_weights_into
 from t1async.protocol.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
-
-if TYPE_CHECKING:
-    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.trainer")
 
@@ -314,19 +315,36 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save(self, root, version: int, *, keep: int = 3):
+    def save(self, root: str | Path, version: int, *, keep: int = 3) -> CheckpointInfo:
         """Write checkpoint ``root/v<version>`` (a model dir the samplers load, plus optimizer state)."""
-        from t1async.learner.checkpoint import save_checkpoint
-
         return save_checkpoint(root, self.model, self.optimizer, version=version, step=self.steps, keep=keep)
 
-    def load(self, path):
+    def load(self, path: str | Path) -> CheckpointInfo:
         """Resume from a checkpoint directory: weights, optimizer state and the step count."""
-        from t1async.learner.checkpoint import load_checkpoint
-
         info = load_checkpoint(path, self.model, self.optimizer)
         self.steps = info.step
         return info
+
+    def restore(self, checkpoints: Path, version: int, initial: Path) -> str:
+        """Put the weights and optimizer state back at ``version`` (a step that raised may have stepped the
+        optimizer already): its checkpoint, or ``initial`` weights at version 0 of a fresh run. Returns what
+        it loaded ('' when nothing matches ``version``: left as is, logged)."""
+        ckpt = latest_checkpoint(checkpoints)
+        if ckpt is not None and ckpt.version == version:
+            self.load(ckpt.path)
+            return str(ckpt.path)
+        if version == 0:
+            load_weights_into(self.model, initial)
+            self.optimizer.state.clear()
+            self.steps = 0
+            return str(initial)
+        log.error(
+            "learner.restore_missing",
+            version=version,
+            newest=ckpt.version if ckpt else None,
+            hint="no checkpoint of this version: the weights stay as the failed step left them",
+        )
+        return ""
 
     # ------------------------------------------------------------------------------------ scoring only
 
