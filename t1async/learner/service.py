@@ -26,6 +26,7 @@ from t1async.credits.ledger import CreditGate, CreditLedger, StalenessHistogram
 from t1async.credits.liveness import ActorLiveness, watch_actors
 from t1async.credits.server import CreditServer
 from t1async.credits.settle import Settler, StepLog, loss_turns
+from t1async.curves import Curves, learner_scalars
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.journal import Journal
 from t1async.ingest.poison import PoisonBook
@@ -117,8 +118,6 @@ class Learner:
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self.curves = None
         if config.tensorboard:
-            from t1async.curves import Curves
-
             self.curves = Curves(config.run_dir / "tb" / "learner", wandb=config.wandb, name=config.run_dir.name)
 
     # ingest's, named here too: what tests and tools read of a learner
@@ -257,8 +256,6 @@ class Learner:
         )
         await self._publish_metrics()
         if self.curves is not None:  # the step's curves in TensorBoard (t1async.curves), at the version it made
-            from t1async.curves import learner_scalars
-
             self.curves.scalars(self.version, learner_scalars(self.last_step, self.metrics()))
         await self.ingest.compact()
 
