@@ -1,4 +1,4 @@
-"""The learner's journal: segments, torn tails, migration, compaction that never loses an acked record."""
+"""The learner's journal: segments, torn tails, compaction that never loses an acked record."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from t1async.ingest.journal import LEGACY_NAME, Journal, JournalClosedError, read_journal
+from t1async.ingest.journal import Journal, JournalClosedError, read_journal
 from t1async.protocol import wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,20 +56,6 @@ def test_a_torn_tail_of_the_last_segment_is_truncated_and_appends_continue(tmp_p
     j.append([rec("a", 2)])
     assert keys(j.replay()) == [("a", 0), ("a", 1), ("a", 2)]
     j.close()
-
-
-def test_an_old_single_file_journal_is_replayed_as_the_first_segment(tmp_path):
-    old = tmp_path / LEGACY_NAME
-    with open(old, "wb") as f:  # the pre-segment format: the same length-prefixed frames in one file
-        for i in range(3):
-            b = wire.encode(rec("old", i))
-            f.write(len(b).to_bytes(4, "little") + b)
-    j = Journal(tmp_path / "journal", legacy=old)
-    j.append([rec("new", 0)])
-    assert not old.exists()
-    assert keys(j.replay()) == [("old", 0), ("old", 1), ("old", 2), ("new", 0)]
-    j.close()
-    assert keys(Journal(tmp_path / "journal", legacy=old).replay())[0] == ("old", 0)
 
 
 def test_compaction_deletes_settled_segments_and_a_restart_never_sees_half_an_episode(tmp_path):

@@ -103,7 +103,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
     assert all(turns == {0, 1, 2, 3, "end"} for turns in replayed.values()), replayed
 
     again = Learner(replace(cfg, steps=0), MemoryTransport(broker), None)
-    again._replay_journal()
+    again.ingest.replay()
     again.journal.close()
     # the learner stops after its last step, which may have taken only part of the last wave (on a loaded machine
     # the step starts while the wave is still arriving): those turns, and nothing trained, are all there is to redo

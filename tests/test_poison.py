@@ -193,19 +193,15 @@ async def test_each_kind_of_bad_record_is_dead_lettered_and_the_learner_keeps_tr
 
 
 async def test_a_journal_from_before_validation_with_a_bad_record_replays_without_a_crash(tmp_path, tiny_model):
-    """A run dir whose journal (the old single file) holds a NaN-logprob turn: the learner used to die on it at
-    every restart. Now replay dead-letters it and trains the rest."""
+    """A run dir whose journal holds a NaN-logprob turn (journaled unscreened): the learner used to die on it
+    at every restart. Now replay dead-letters it and trains the rest."""
     from t1async.ingest.journal import Journal
 
     vocab = MoEConfig.load(tiny_model / "config.json").vocab_size
     records, bad = workload(vocab)
-    legacy = tmp_path / "run" / "learner" / "journal.bin"
-    legacy.parent.mkdir(parents=True)
-    j = Journal(tmp_path / "scratch")
+    j = Journal(tmp_path / "run" / "learner" / "journal")
     j.append(records)
     j.close()
-    seg = sorted((tmp_path / "scratch").glob("*.seg"))[0]
-    legacy.write_bytes(seg.read_bytes())  # the same frames, in the pre-segment single file
     dead: list = []
     broker = MemoryBroker()
     learner = await run_learner(tmp_path / "run", tiny_model, broker, 2, dead, waves=(good(10, 1),))
@@ -271,7 +267,7 @@ async def test_a_poisoned_episode_is_remembered_by_the_time_its_batch_is_acked(t
         def crash(rec, *, live):
             raise Crash
 
-        learner._take_safely = crash
+        learner.ingest._take_safely = crash
 
     with pytest.raises(BaseExceptionGroup) as err:
         await run_learner(tmp_path / "run", tiny_model, broker, 1, [], patch=patch)

@@ -511,6 +511,5 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     from t1async.transport import MemoryTransport
 
     learner = Learner(LearnerConfig(run_dir=tmp_path / "run", max_staleness=0), MemoryTransport(), None)
-    learner.version = 1
-    kept = learner._mask(seg)
+    kept = learner.inputs.mask(seg, 1, learner.state.trained)
     assert learner.stale_masked_tokens == split and kept.versions[kept.loss_mask].tolist() == [1] * (600 - split)

@@ -16,7 +16,6 @@ A log-structured store of wire records (length-prefixed), in numbered segment fi
 - The directory is fsynced after every create, rename and delete.
 - Replay reads the segments in order. A torn tail (a crash mid-append) can only be in the last segment; it
   is truncated on open.
-- Migration: a run dir with the old single ``journal.bin`` is moved in as segment 0 (one atomic rename).
 
 A restarted learner replays the journal to rebuild its episodes (context included) and skips the turns its
 last checkpoint says were trained: no admitted turn is lost, and none is trained twice.
@@ -39,7 +38,6 @@ from t1async.protocol.errors import T1Error, WireError
 
 _LEN = struct.Struct("<I")
 _SEG = re.compile(r"^(\d{12})\.seg$")
-LEGACY_NAME = "journal.bin"
 SETTLED_NAME = "settled.json"
 log = get_logger("t1async.ingest.journal")
 
@@ -109,7 +107,7 @@ def _load_settled(path: Path) -> set[str]:
 def read_journal(path: str | Path) -> Iterator[wire.Record]:
     """The records of a journal directory (its segments in order, less settled episodes) or of one journal
     file, read-only: safe while a learner appends (a torn tail is left alone). A learner's journal is
-    ``<run_dir>/learner/journal``; given a run's not yet migrated ``learner/journal.bin``, that file is read."""
+    ``<run_dir>/learner/journal``."""
     path = Path(path)
     if path.is_dir():
         settled = _load_settled(path / SETTLED_NAME)
@@ -136,9 +134,9 @@ class CompactResult:
 
 
 class Journal:
-    """``Journal(run_dir / "learner" / "journal")``; ``legacy``: an old single-file journal to take over."""
+    """``Journal(run_dir / "learner" / "journal")``."""
 
-    def __init__(self, root: str | Path, *, segment_bytes: int = 32 << 20, legacy: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path, *, segment_bytes: int = 32 << 20) -> None:
         self.root = Path(root)
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
@@ -149,8 +147,6 @@ class Journal:
             self.root.mkdir(parents=True)
             for p in made:  # each new directory's entry, in its parent
                 fsync_dir(p.parent)
-        if legacy is not None:
-            self._migrate(Path(legacy))
         self._settled: set[str] = _load_settled(self.root / SETTLED_NAME)
         found = _segments(self.root)
         self._segs = [_Segment(seq, p, p.stat().st_size, None) for seq, p in found]
@@ -161,17 +157,6 @@ class Journal:
         self._f = open(self._segs[-1].path, "ab")  # noqa: SIM115 - closed in close()
 
     # -- opening -------------------------------------------------------------------------------------
-
-    def _migrate(self, legacy: Path) -> None:
-        if not legacy.exists():
-            return
-        target = _seg_path(self.root, 0)
-        if target.exists():  # cannot happen: the rename below is atomic and removes the legacy file
-            raise T1Error(f"both {legacy} and {target} exist: move one away, then restart the learner")
-        os.replace(legacy, target)
-        fsync_dir(self.root)
-        fsync_dir(legacy.parent)
-        log.info("journal.migrated", legacy=str(legacy), segment=str(target))
 
     def _repair_tail(self, seg: _Segment) -> None:
         with open(seg.path, "rb") as f:

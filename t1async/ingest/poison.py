@@ -26,16 +26,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from t1async.ingest.journal import fsync_dir
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits, check_record
-from t1async.learner.checkpoint import latest_checkpoint
 from t1async.log import get_logger
-from t1async.model.weights import load_weights_into
 from t1async.protocol import wire
 from t1async.protocol.errors import T1Error, WireError
 
@@ -190,25 +187,3 @@ def segment_letter(s: Segment) -> bytes:
     if s.routing is not None:
         m["routing"] = np.asarray(s.routing, np.int16)
     return wire.encode_map(m)
-
-
-def restore_weights(trainer: Any, checkpoints: Path, version: int, initial: Path) -> str:
-    """Put ``trainer`` back at the weights and optimizer state of ``version`` (a step that raised may have
-    stepped the optimizer already): its checkpoint, or ``initial`` weights at version 0 of a fresh run.
-    Returns what it loaded ('' when nothing matches ``version``: left as is, logged)."""
-    ckpt = latest_checkpoint(checkpoints)
-    if ckpt is not None and ckpt.version == version:
-        trainer.load(ckpt.path)
-        return str(ckpt.path)
-    if version == 0:
-        load_weights_into(trainer.model, initial)
-        trainer.optimizer.state.clear()
-        trainer.steps = 0
-        return str(initial)
-    log.error(
-        "learner.restore_missing",
-        version=version,
-        newest=ckpt.version if ckpt else None,
-        hint="no checkpoint of this version: the weights stay as the failed step left them",
-    )
-    return ""

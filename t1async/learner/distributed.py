@@ -4,12 +4,14 @@
 
 Rank 0 alone consumes the stream, journals, serves credits, assembles, checkpoints and pushes weights (the
 learner service, unchanged). Each step it splits the step's segments into N token-balanced parts
-(``balance``), scatters them (``scatter_object_list``), and every rank trains its part: the scoring forward,
-its micro-batches' backward. The ranks meet three times a step: the advantage moments (so advantages are
-whitened over the whole step's loss tokens), one gradient all-reduce per PPO epoch (sum: every rank's loss
-is already divided by the step's global loss-token count), and a gather of the metric tensors to rank 0.
-Every rank then clips the same summed gradient and takes the same AdamW step, so the weights stay
-identical everywhere (the DDP algorithm; replicated weights, so a checkpoint is rank 0's, loadable at any N).
+(``balance``), scatters them (``scatter_object_list``), and every rank trains its part with the one
+``Trainer.step`` (rank 0) or its body ``Trainer._train`` (ranks 1..N-1): the scoring forward, its
+micro-batches' backward. ``DistributedTrainer`` only supplies the meetings, Trainer's hooks (no-ops on one
+rank). The ranks meet three times a step: the advantage moments (so advantages are whitened over the whole
+step's loss tokens), one gradient all-reduce per PPO epoch (sum: every rank's loss is already divided by the
+step's global loss-token count), and a gather of the metric tensors to rank 0. Every rank then clips the
+same summed gradient and takes the same AdamW step, so the weights stay identical everywhere (the DDP
+algorithm; replicated weights, so a checkpoint is rank 0's, loadable at any N).
 
 Why not torch's DDP wrapper or FSDP2 ``fully_shard`` (which does run on CPU + gloo in torch 2.13): both
 issue collectives inside every forward/backward, so every rank must run the same number of micro-batch
@@ -30,21 +32,19 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from t1async.learner import memory, ppo
-from t1async.learner.batch import BatchError, SegmentLike, check_segment
+from t1async.learner import memory
+from t1async.learner.batch import SegmentLike
 from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
 from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
 from t1async.log import get_logger
+from t1async.model.moe import MoETransformer
 from t1async.protocol.errors import T1Error
-
-if TYPE_CHECKING:
-    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.distributed")
 
@@ -77,54 +77,48 @@ def _collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thi
 
 
 class DistributedTrainer(Trainer):
-    """A Trainer whose ``step`` (on rank 0) trains over all ranks of the default process group; the other
-    ranks run ``serve_rank``. Needs ``dist.init_process_group`` done on every rank."""
+    """A Trainer whose ranks meet over the default process group: ``Trainer.step`` (on rank 0) trains over
+    all of them, the other ranks run ``serve_rank``. Needs ``dist.init_process_group`` done on every rank.
+    Only the meetings are its own (``_scatter``, ``_adv_moments``, ``_reduce_grads``, ``_gather``)."""
 
     def __init__(self, model: MoETransformer, config: TrainerConfig | None = None) -> None:
         super().__init__(model, config or TrainerConfig())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._resync = True  # send rank 0's weights and optimizer state with the next step
-        self._failed: BaseException | None = None  # this rank's own error in the step now running
-        self._t_wait = 0.0  # seconds of this step spent in the gradient all-reduce (waiting for the others)
-        self.rank_busy_s: list[float] = []  # rank 0: each rank's compute seconds in the last step (balance)
+        self._part_tokens: list[int] = []  # rank 0: each rank's tokens in the last step (balance)
 
     # ------------------------------------------------------------------------------------------- rank 0
 
     def step(
         self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
     ) -> StepMetrics:
-        t0 = time.perf_counter()
-        m = self.mcfg
-        if not segments:
-            raise BatchError("Trainer.step needs at least one segment")
-        for s in segments:
-            check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
+        metrics = super().step(segments, policy_version, drift=drift)
+        log.info(
+            "learner.dist_step",
+            step=metrics.step,
+            ranks=self.world,
+            t_step_s=round(metrics.t_step_s, 3),
+            tokens=self._part_tokens,
+            busy_s=[round(b, 3) for b in self.rank_busy_s],
+        )
+        return metrics
+
+    def _scatter(self, segments: Sequence[SegmentLike], policy_version: int) -> Sequence[SegmentLike]:
+        """Split the step's segments into token-balanced parts, one per rank, and send each rank its part
+        (with rank 0's weights and optimizer state when they need re-sending). Returns rank 0's part."""
         parts = balance([len(s.tokens) for s in segments], self.world)
-        # advantage="turn": one baseline from the whole step, so every rank centres its turns alike
-        self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
+        self._part_tokens = [sum(len(segments[i].tokens) for i in p) for p in parts]
         msgs = [("step", [segments[i] for i in p], policy_version, self._resync, self._baseline) for p in parts]
         mine: list[Any] = [None]
         _collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
         if self._resync:
             self._sync_state()
             self._resync = False
-        try:
-            metrics = self._rank_step(mine[0][1], policy_version, drift, all_segments=segments, t0=t0)
-        except RankFailedError:
-            raise
-        except Exception:
+        return mine[0][1]
+
+    def _step_raised(self, exc: Exception) -> None:
+        if not isinstance(exc, RankFailedError):
             self._resync = True  # the service restores rank 0's weights; the next step re-sends them
-            raise
-        assert metrics is not None
-        log.info(
-            "learner.dist_step",
-            step=metrics.step,
-            ranks=self.world,
-            t_step_s=round(metrics.t_step_s, 3),
-            tokens=[sum(len(segments[i].tokens) for i in p) for p in parts],
-            busy_s=[round(b, 3) for b in self.rank_busy_s],
-        )
-        return metrics
 
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
@@ -145,7 +139,7 @@ class DistributedTrainer(Trainer):
             if resync:
                 self._sync_state()
             try:
-                self._rank_step(local, version, None, all_segments=local, t0=time.perf_counter())
+                self._train(local, version, None, all_segments=local, t0=time.perf_counter())
             except RankFailedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
@@ -170,57 +164,11 @@ class DistributedTrainer(Trainer):
             tensors, groups, self.steps = box[0]
             set_optimizer_state(self.model, self.optimizer, tensors, groups, source="rank 0")
 
-    def _rank_step(
-        self,
-        local: Sequence[SegmentLike],
-        version: int,
-        drift: Mapping[str, int] | None,
-        *,
-        all_segments: Sequence[SegmentLike],
-        t0: float,
-    ) -> StepMetrics | None:
-        """This rank's part of a step (Trainer.step's stages with the three meetings). Metrics on rank 0."""
-        self._failed, self._t_wait = None, 0.0
-        scored: list[_Scored] = []
-        routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
-        try:
-            batches = self._pack(local) if local else []
-            single = len(batches) == 1 and self.config.ppo_epochs == 1
-            scored, routing, t_fwd_scoring = self._score(batches, local, single=single)
-        except Exception as exc:  # noqa: BLE001 - told to every rank at the next meeting (_adv_moments)
-            self._failed, scored = exc, []
-        n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
-        sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)
-        toks = self._loss_token_tensors(scored) if scored else {}
+    def _gather(self, part: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
         gathered: list[Any] = [None] * self.world
-        part = (toks, dict(sums), routing, t_fwd_scoring + t_update - self._t_wait)
         dst_list = gathered if self.rank == 0 else None
         _collective("gathering the step's metrics", dist.gather_object, part, dst_list, dst=0)
-        if self.rank != 0:
-            return None
-        all_sums: defaultdict[str, float] = defaultdict(float)
-        all_routing = [0, 0, 0, 0]
-        self.rank_busy_s = [busy for *_, busy in gathered]
-        for _, s, r, _ in gathered:
-            for k, v in s.items():
-                all_sums[k] += v
-            all_routing = [a + b for a, b in zip(all_routing, r)]
-        all_toks = {k: torch.cat([g[0][k] for g in gathered if g[0]]) for k in next(g[0] for g in gathered if g[0])}
-        return self._metrics(
-            all_segments,
-            all_toks,
-            version,
-            drift,
-            sums=all_sums,
-            grad_norm=grad_norm,
-            routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]),
-            n_loss=n_loss,
-            adv_mean=adv_mean,
-            adv_std=adv_std,
-            t0=t0,
-            t_fwd=t_fwd_scoring + t_fwd_ppo,
-            t_backward=max(t_update - t_fwd_ppo, 0.0),
-        )
+        return gathered if self.rank == 0 else None
 
     def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
         """Count, mean and std over every rank's loss tokens (float64 sums); also where a rank's scoring
@@ -246,10 +194,6 @@ class DistributedTrainer(Trainer):
             self._failed = exc
             self._reduce_grads()  # the meeting the other ranks are in: it fails the step on all of them
             raise
-
-    def _optimizer_step(self) -> float:
-        self._reduce_grads()
-        return super()._optimizer_step()
 
     def _reduce_grads(self) -> None:
         """Sum every parameter's gradient over the ranks in one all-reduce. A parameter no rank has a

@@ -1,9 +1,10 @@
 """The learner service: consume trajectories, serve credits, train, publish weights (design §1, §7).
 
     ingest  ─ T1_TRAJ (durable consumer) → validated → journal (fsync) → ack → credits delivered → TITO
-              assembly; a record no step could use goes to t1.dead.<reason> instead (learner/intake.py)
-    credits ─ t1.credit: held until the staleness rule grants (learner/credits.py)
-    train   ─ wait for B turns and the step's due credits → PPO step (R3) → checkpoint →
+              assembly; a record no step could use goes to t1.dead.<reason> instead (ingest/stage.py)
+    credits ─ t1.credit: held until the staleness rule grants (credits/)
+    train   ─ wait for B turns and the step's due credits → step inputs (learner/stepinputs.py) →
+              PPO step (R3) → checkpoint →
               /update_weights_from_disk on every sampler → t1.policy → t1.metrics.learner
 
 A restarted learner loads its newest checkpoint, replays its journal to rebuild every episode's context,
@@ -13,7 +14,6 @@ and skips the turns that checkpoint says were trained: no admitted turn is lost,
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,18 +23,19 @@ import anyio.abc
 import numpy as np
 
 from t1async.credits.ledger import CreditGate, CreditLedger, StalenessHistogram
-from t1async.credits.liveness import ActorLiveness, actor_of, watch_actors
+from t1async.credits.liveness import ActorLiveness, watch_actors
 from t1async.credits.server import CreditServer
 from t1async.credits.settle import Settler, StepLog, loss_turns
+from t1async.curves import Curves, learner_scalars
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.journal import Journal
-from t1async.ingest.poison import PoisonBook, Screened
+from t1async.ingest.poison import PoisonBook
+from t1async.ingest.stage import Ingest
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
 from t1async.learner import memory
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.distributed import RankFailedError
-from t1async.learner.intake import Intake
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer, TrainerConfig
@@ -70,7 +71,10 @@ class LearnerConfig:
         return self.run_dir / "checkpoints"
 
 
-class Learner(StepInputs, Intake):
+class Learner:
+    """Composes ingest (``Ingest``: journal, poison, assembly), the credits (gate, server, settler, actors'
+    liveness) and the trainer; owns the policy version, the trained-turns state and the step loop."""
+
     def __init__(self, config: LearnerConfig, transport: Transport, samplers: SGLangClient | None) -> None:
         self.cfg, self.transport, self.samplers = config, transport, samplers
         ckpt = latest_checkpoint(config.checkpoints)
@@ -93,43 +97,60 @@ class Learner(StepInputs, Intake):
         self.credits = CreditServer(self.gate, transport, on_actor=self.liveness.seen)
         self.settler = Settler(self.gate, self.credits, lambda ep, t: self.state.was_trained(ep, t))
         self.step_log = StepLog(config.run_dir / "learner" / "steps.jsonl")
-        self.assembler = Assembler()
-        learner_dir = config.run_dir / "learner"
-        self.poison = PoisonBook(learner_dir / "poisoned.jsonl", ModelLimits.of(self.model.cfg))
-        self.journal = Journal(
-            learner_dir / "journal", segment_bytes=config.journal_segment_bytes, legacy=learner_dir / "journal.bin"
+        self.ingest = Ingest(
+            config.run_dir / "learner",
+            ModelLimits.of(self.model.cfg),
+            transport,
+            settler=self.settler,
+            gate=self.gate,
+            credits=self.credits,
+            liveness=self.liveness,
+            version=lambda: self.version,
+            durable=config.durable,
+            segment_bytes=config.journal_segment_bytes,
         )
-        self.ready: list[Segment] = []  # closed segments waiting for a step
+        self.inputs = StepInputs(self.ingest, self.gate, self.settler, config.max_staleness)
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
         self.hist = StalenessHistogram()
-        self.ended: deque[wire.EndRecord] = deque(maxlen=200)
-        self.stale_masked_tokens = 0
         self.last_step: dict = {}
         self.t0 = time.monotonic()
-        self._taking: set[str] = set()  # episodes of the batch ingest is journaling and taking now
-        self._replay_dead: list[Screened] = []  # bad records found replaying the journal, dead-lettered by run()
         self.weight_pusher: Any = None  # --weight-sync distributed: a learner.weightpush.DistributedPusher
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
-        self._arrived = anyio.Event()
         self.curves = None
         if config.tensorboard:
-            from t1async.curves import Curves
-
             self.curves = Curves(config.run_dir / "tb" / "learner", wandb=config.wandb, name=config.run_dir.name)
+
+    # ingest's, named here too: what tests and tools read of a learner
+    @property
+    def journal(self) -> Journal:
+        return self.ingest.journal
+
+    @property
+    def poison(self) -> PoisonBook:
+        return self.ingest.poison
+
+    @property
+    def assembler(self) -> Assembler:
+        return self.ingest.assembler
+
+    @property
+    def stale_masked_tokens(self) -> int:
+        return self.inputs.stale_masked_tokens
+
+    def _running(self, episode: str) -> bool:  # tests/test_credit_learner_property.py reads it (another branch's)
+        return self.ingest.running(episode)
 
     # ------------------------------------------------------------------------------------------ the loop
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        self._replay_journal()
-        for s in self._replay_dead:
-            await self._dead_letter(s)
-        self._replay_dead.clear()
+        for s in self.ingest.replay():  # bad records found replaying the journal
+            await self.ingest.dead_letter(s)
         self.liveness.restart_clocks()
         await self._sync_samplers()
         async with anyio.create_task_group() as tg:
             await tg.start(self.credits.serve)
             await tg.start(watch_actors, self.liveness, self.transport, self._release_actor)
-            await tg.start(self._ingest)
+            await tg.start(self.ingest.run)
             tg.start_soon(self._metrics_loop)
             task_status.started()
             log.info(
@@ -155,12 +176,12 @@ class Learner(StepInputs, Intake):
             await self._next_arrival()
 
     async def _next_arrival(self, timeout_s: float = 1.0) -> None:
-        arrived = self._arrived
+        arrived = self.ingest.arrived
         with anyio.move_on_after(timeout_s):
             await arrived.wait()
 
     async def _train_step(self) -> None:
-        segments = self._take_segments()
+        segments = self.inputs.take(self.version, self.state.trained)
         if not segments:  # nothing trainable yet (a turn waits for an earlier one): wait for more to arrive
             await self._next_arrival()
             return
@@ -171,7 +192,7 @@ class Learner(StepInputs, Intake):
         try:
             self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
             try:
-                m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self._drift()))
+                m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self.ingest.drift()))
             except RankFailedError:  # a rank of the distributed learner died: not the segments' fault, stop
                 raise
             except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
@@ -199,7 +220,7 @@ class Learner(StepInputs, Intake):
             )
             t_ckpt = time.monotonic() - t_ckpt
             self.settler.settle(trained, "trained")
-            self._forget_unreachable()
+            self.inputs.forget_unreachable()
             if self.weight_pusher is not None:  # the same weights as the checkpoint, over the group
                 t_push = time.monotonic()
                 await self.weight_pusher.push(self.model, self.version)
@@ -235,53 +256,22 @@ class Learner(StepInputs, Intake):
         )
         await self._publish_metrics()
         if self.curves is not None:  # the step's curves in TensorBoard (t1async.curves), at the version it made
-            from t1async.curves import learner_scalars
-
             self.curves.scalars(self.version, learner_scalars(self.last_step, self.metrics()))
-        await self._compact_journal()
+        await self.ingest.compact()
 
-    # ------------------------------------------------------------------------------------------ ingest
+    # ------------------------------------------------------------------------------------------ failures
 
-    def _take(self, rec: wire.Record, *, live: bool) -> None:
-        if isinstance(rec, wire.TurnRecord):
-            key = (rec.episode, rec.turn)
-            # a turn trained before a restart, or settled already (a redelivery), is not taken again
-            if self.settler.open(key, rec.policy_version) and live:
-                self.credits.on_delivered(*key)
-                self.gate.on_delivered(*key)
-        elif isinstance(rec, wire.StartRecord):
-            if self._running(rec.episode):
-                self.liveness.owns(rec.episode, rec.actor)
-        elif isinstance(rec, wire.EndRecord):
-            if live:
-                self.ended.append(rec)
-            # a credit still unspent when its episode ended (the last sample returned no tokens, failed, or was
-            # cut by the wall time) can never be used: release it now, not when its lease runs out
-            if self.gate.release_episode(rec.episode, from_turn=rec.turns):
-                self.credits.forget(episodes={rec.episode})
-        self.ready.extend(self.assembler.feed(rec))
-        if isinstance(rec, (wire.TurnRecord, wire.EndRecord)):
-            self._settle_dropped(rec.episode)  # and no longer the actor's open work once it is assembled
-            if self._running(rec.episode) and rec.episode not in self.liveness.owner:  # its start record was not seen
-                self.liveness.owns(rec.episode, actor_of(rec.episode))
-
-    def _running(self, episode: str) -> bool:
-        """Is ``episode`` still open work of its actor (not yet retired by the assembler)?"""
-        return episode in self.assembler.open or episode not in self.assembler.ended
-
-    def settle(self, keys: list[tuple[str, int]], reason: str) -> int:
-        """Settle delivered turns (settle.Settler.settle): ``poisoned`` for a rejected record or a failed
-        step's turns; the learner settles the other reasons itself."""
-        return self.settler.settle(keys, reason)
-
-    def _settle_dropped(self, episode: str) -> None:
-        by_reason: dict[str, list[tuple[str, int]]] = {}
-        for ep, turn, reason in self.assembler.drain_dropped(episode):
-            by_reason.setdefault(reason, []).append((ep, turn))
-        for reason, keys in by_reason.items():
-            self.settler.settle(keys, reason)
-        if not self._running(episode):  # ended or stopped (poisoned, aborted): no longer its actor's open work
-            self.liveness.closed(episode)
+    async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
+        """Trainer.step raised despite validation: ingest dead-letters the step's segments and poisons their
+        episodes (so no restart retries it); then the weights go back to ``version`` (it may have stepped),
+        and the learner goes on."""
+        await self.ingest.step_failed(segments, version, exc)
+        # after the poison book: if restoring fails too, the restarted learner loads the checkpoint itself and
+        # never retries this step
+        initial = self.cfg.model_dir or default_model_dir()
+        restored = await anyio.to_thread.run_sync(self.trainer.restore, self.cfg.checkpoints, version, initial)
+        log.info("learner.weights_restored", version=version, source=restored)
+        await self._publish_metrics()
 
     async def _release_actor(self, actor: str) -> None:
         """``actor`` went silent: free its running credits now and end its open episodes as ``aborted`` (the
@@ -290,10 +280,9 @@ class Learner(StepInputs, Intake):
         self.credits.forget(actor=actor)
         episodes = self.liveness.episodes_of(actor)
         for ep in episodes:
-            a = self.assembler.open.get(ep)
+            a = self.ingest.assembler.open.get(ep)
             if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
-                self.ready.extend(self.assembler.stop(ep, a.next_turn))  # there (a restart stops it again)
-                self._settle_dropped(ep)
+                self.ingest.stop(ep, a.next_turn)  # there (a restart stops it again)
                 continue
             why = f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s"
             end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
@@ -321,8 +310,8 @@ class Learner(StepInputs, Intake):
 
     def metrics(self) -> dict:
         el = max(time.monotonic() - self.t0, 1e-9)
-        ended = list(self.ended)
-        drift = self.assembler.stats().as_dict()
+        ended = list(self.ingest.ended)
+        drift = self.ingest.assembler.stats().as_dict()
         turns_trained = self.state.turns_trained
         return {
             **{k: v for k, v in self.last_step.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
@@ -340,11 +329,11 @@ class Learner(StepInputs, Intake):
             "episodes_ended": len(ended),
             "training": bool(self.credits.training),  # a step is running now (the dashboard's learner state)
             "untrained_turns": len(self.untrained),
-            "journal_bytes": self.journal.size_bytes(),
+            "journal_bytes": self.ingest.journal.size_bytes(),
             "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
-            "journal_segments": self.journal.segments,
-            "poison": self.poison.metrics(),
-            "stale_masked_tokens": self.stale_masked_tokens,
+            "journal_segments": self.ingest.journal.segments,
+            "poison": self.ingest.poison.metrics(),
+            "stale_masked_tokens": self.inputs.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (design §7)
             "ledger_size": self.gate.ledger.size,
             "actors_timed_out": self.liveness.timeouts,

@@ -12,6 +12,11 @@ micro-batch and one epoch, the scoring forward is the training forward (no secon
 The forward replays the recorded routing (R3) when ``config.replay`` is on; either way the metrics compare
 the learner's own top-k with the recorded experts (routing drift) and its log-probs with the sampler's
 (mean |Δlogp|, k3 KL, ESS of the importance weights).
+
+The same ``step`` trains over any number of ranks. Where the ranks meet is a hook, a no-op here (one rank):
+``_scatter`` (this rank's part of the step's segments), ``_adv_moments`` (the advantage moments over every
+rank's loss tokens), ``_reduce_grads`` (before each optimizer step), ``_gather`` (the metric parts to rank 0)
+and ``_step_raised``. learner.distributed.DistributedTrainer meets over torch.distributed.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,13 +35,13 @@ from torch import Tensor
 
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
+from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.stepmetrics import StepMetrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
+from t1async.model.moe import MoETransformer
+from t1async.model.weights import load_weights_into
 from t1async.protocol.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
-
-if TYPE_CHECKING:
-    from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.trainer")
 
@@ -65,6 +71,10 @@ class Trainer:
         self.steps = 0
         self.device = next(model.parameters()).device
         self._baseline: dict[int, float] = {}  # advantage="turn": the step's mean reward per turn number
+        self.rank, self.world = 0, 1  # learner.distributed.DistributedTrainer: this rank of ``world``
+        self._failed: BaseException | None = None  # this rank's own error in the step now running
+        self._t_wait = 0.0  # seconds of this step spent waiting for the other ranks (the gradient meeting)
+        self.rank_busy_s: list[float] = []  # each rank's compute seconds in the last step (rank 0)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -123,33 +133,22 @@ class Trainer:
         self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
     ) -> StepMetrics:
         t0 = time.perf_counter()
+        self._check(segments)
+        # advantage="turn": one baseline from the whole step, so every rank centres its turns alike
         self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
-        batches = self._pack(segments)
-        single = len(batches) == 1 and self.config.ppo_epochs == 1
-        scored, routing, t_fwd_scoring = self._score(batches, segments, single=single)  # 1. score
-        n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(segments))
-        sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
-        metrics = self._metrics(  # 3. metrics over loss tokens
-            segments,
-            self._loss_token_tensors(scored),
-            policy_version,
-            drift,
-            sums=sums,
-            grad_norm=grad_norm,
-            routing=routing,
-            n_loss=n_loss,
-            adv_mean=adv_mean,
-            adv_std=adv_std,
-            t0=t0,
-            t_fwd=t_fwd_scoring + t_fwd_ppo,
-            t_backward=max(t_update - t_fwd_ppo, 0.0),
-        )
+        local = self._scatter(segments, policy_version)
+        try:
+            metrics = self._train(local, policy_version, drift, all_segments=segments, t0=t0)
+        except Exception as exc:
+            self._step_raised(exc)
+            raise
+        assert metrics is not None  # rank 0's
         log.info(
             "trainer.step",
             step=metrics.step,
             version=policy_version,
             segments=metrics.segments,
-            loss_tokens=n_loss,
+            loss_tokens=metrics.loss_tokens,
             loss=round(metrics.loss, 5),
             dlogp=round(metrics.mean_abs_dlogp, 5),
             mismatch=round(metrics.mismatch, 5),
@@ -160,15 +159,84 @@ class Trainer:
         )
         return metrics
 
-    def _pack(self, segments: Sequence[SegmentLike]) -> list[Batch]:
-        """Check the segments and pack them into micro-batches of at most ``microbatch_tokens``."""
+    def _check(self, segments: Sequence[SegmentLike]) -> None:
         m = self.mcfg
         if not segments:
             raise BatchError("Trainer.step needs at least one segment")
         for s in segments:
             check_segment(s, n_layers=m.n_layers, top_k=m.top_k, vocab_size=m.vocab_size, n_experts=m.n_experts)
+
+    def _train(
+        self,
+        local: Sequence[SegmentLike],
+        version: int,
+        drift: Mapping[str, int] | None,
+        *,
+        all_segments: Sequence[SegmentLike],
+        t0: float,
+    ) -> StepMetrics | None:
+        """This rank's part of a step (``local``, of ``all_segments``): 1. score, 2. PPO epochs, 3. metrics.
+        The metrics are rank 0's (None on the other ranks)."""
+        self._failed, self._t_wait = None, 0.0
+        scored: list[_Scored] = []
+        routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
+        try:
+            batches = self._pack(local) if local else []
+            single = len(batches) == 1 and self.config.ppo_epochs == 1
+            scored, routing, t_fwd_scoring = self._score(batches, local, single=single)  # 1. score
+        except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
+            self._failed, scored = exc, []
+        n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
+        sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
+        toks = self._loss_token_tensors(scored) if scored else {}
+        gathered = self._gather((toks, dict(sums), routing, t_fwd_scoring + t_update - self._t_wait))
+        if gathered is None:
+            return None
+        all_sums: defaultdict[str, float] = defaultdict(float)
+        all_routing = [0, 0, 0, 0]
+        self.rank_busy_s = [busy for *_, busy in gathered]
+        for _, part_sums, r, _ in gathered:
+            for k, v in part_sums.items():
+                all_sums[k] += v
+            all_routing = [a + b for a, b in zip(all_routing, r)]
+        all_toks = {k: torch.cat([g[0][k] for g in gathered if g[0]]) for k in next(g[0] for g in gathered if g[0])}
+        return self._metrics(  # 3. metrics over loss tokens
+            all_segments,
+            all_toks,
+            version,
+            drift,
+            sums=all_sums,
+            grad_norm=grad_norm,
+            routing=(all_routing[0], all_routing[1], all_routing[2], all_routing[3]),
+            n_loss=n_loss,
+            adv_mean=adv_mean,
+            adv_std=adv_std,
+            t0=t0,
+            t_fwd=t_fwd_scoring + t_fwd_ppo,
+            t_backward=max(t_update - t_fwd_ppo, 0.0),
+        )
+
+    def _pack(self, segments: Sequence[SegmentLike]) -> list[Batch]:
+        """Pack checked segments into micro-batches of at most ``microbatch_tokens``."""
+        m = self.mcfg
         groups = plan_microbatches([len(s.tokens) for s in segments], self.config.microbatch_tokens)
         return [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
+
+    # ------------------------------------------------------------------- where the ranks meet (no-ops at 1)
+
+    def _scatter(self, segments: Sequence[SegmentLike], policy_version: int) -> Sequence[SegmentLike]:
+        """The segments this rank trains: all of them on one rank."""
+        return segments
+
+    def _reduce_grads(self) -> None:
+        """Sum the accumulated gradients over the ranks (before each optimizer step): nothing on one rank."""
+
+    def _gather(self, part: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
+        """Every rank's metric part (loss-token tensors, loss sums, routing counts, busy seconds), on rank 0."""
+        return [part]
+
+    def _step_raised(self, exc: Exception) -> None:
+        """A step raised on this rank (after ``_scatter``): nothing to do on one rank."""
 
     def _score(
         self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool
@@ -213,7 +281,9 @@ class Trainer:
 
     def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
         """(count, mean, population std) of the step's loss-token advantages; over all ranks in
-        learner.distributed.DistributedTrainer."""
+        learner.distributed.DistributedTrainer. The first meeting: a scoring error is raised here."""
+        if self._failed is not None:
+            raise self._failed
         n = int(adv_all.numel())
         if n == 0:
             return 0, 0.0, 0.0
@@ -263,6 +333,7 @@ class Trainer:
 
     def _optimizer_step(self) -> float:
         """Clip the accumulated gradients and step; a non-finite norm skips the step. Returns the norm."""
+        self._reduce_grads()
         cfg = self.config
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -314,19 +385,36 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save(self, root, version: int, *, keep: int = 3):
+    def save(self, root: str | Path, version: int, *, keep: int = 3) -> CheckpointInfo:
         """Write checkpoint ``root/v<version>`` (a model dir the samplers load, plus optimizer state)."""
-        from t1async.learner.checkpoint import save_checkpoint
-
         return save_checkpoint(root, self.model, self.optimizer, version=version, step=self.steps, keep=keep)
 
-    def load(self, path):
+    def load(self, path: str | Path) -> CheckpointInfo:
         """Resume from a checkpoint directory: weights, optimizer state and the step count."""
-        from t1async.learner.checkpoint import load_checkpoint
-
         info = load_checkpoint(path, self.model, self.optimizer)
         self.steps = info.step
         return info
+
+    def restore(self, checkpoints: Path, version: int, initial: Path) -> str:
+        """Put the weights and optimizer state back at ``version`` (a step that raised may have stepped the
+        optimizer already): its checkpoint, or ``initial`` weights at version 0 of a fresh run. Returns what
+        it loaded ('' when nothing matches ``version``: left as is, logged)."""
+        ckpt = latest_checkpoint(checkpoints)
+        if ckpt is not None and ckpt.version == version:
+            self.load(ckpt.path)
+            return str(ckpt.path)
+        if version == 0:
+            load_weights_into(self.model, initial)
+            self.optimizer.state.clear()
+            self.steps = 0
+            return str(initial)
+        log.error(
+            "learner.restore_missing",
+            version=version,
+            newest=ckpt.version if ckpt else None,
+            hint="no checkpoint of this version: the weights stay as the failed step left them",
+        )
+        return ""
 
     # ------------------------------------------------------------------------------------ scoring only
 
