@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 
 from actors.actor import ActorConfig, run_actor
-from sandbox_agent.agent import AgentConfig
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.context import POLICIES, ContextConfig
 from t1async.log import configure, get_logger
 from t1async.model.tokenizer import ChatTokenizer

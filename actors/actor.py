@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 
 from actors.episode import EpisodeContext, EpisodeStats, run_one
-from sandbox_agent.agent import AgentConfig, ChatTokenizerLike
+from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike
 from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.credits.client import CreditClient

@@ -38,7 +38,6 @@ from sandbox_agent.agent_types import (
     ChatTokenizerLike,
     EpisodeResult,
     OnTurn,
-    TurnGate,
     TurnResult,
     VerifyFn,
 )
@@ -51,13 +50,6 @@ from t1async.protocol.sampling import Generation, Sampler, SamplingParams, commo
 from t1async.protocol.wire import EndReason
 
 __all__ = [
-    "AgentConfig",
-    "ChatTokenizerLike",
-    "EpisodeResult",
-    "OnTurn",
-    "TurnGate",
-    "TurnResult",
-    "VerifyFn",
     "initial_messages",
     "prompt_ids",
     "render_turns_ids",

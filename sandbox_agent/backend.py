@@ -20,8 +20,9 @@ import anyio
 
 from sandbox_agent import dockerfile, images
 from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, SandboxConfig
-from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
+from sandbox_agent.sandbox.container import ContainerSandbox
 from sandbox_agent.sandbox.files import chown_tree
+from sandbox_agent.sandbox.lifecycle import ContainerLimits, start_container
 from sandbox_agent.tasks import Task, TaskNeedsImageError
 from t1async.log import get_logger
 from t1async.protocol.errors import SandboxError

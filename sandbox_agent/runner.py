@@ -22,7 +22,8 @@ from typing import Protocol
 import anyio
 
 from sandbox_agent.actions import format_observation
-from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn, run_agent
+from sandbox_agent.agent import run_agent
+from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn
 from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.tasks import Task, populate_workdir

@@ -41,7 +41,7 @@ from sandbox_agent.backend import SandboxBackend, backend_kind
 from sandbox_agent.images import WHEELHOUSE
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
-from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this module's API)
+from sandbox_agent.tbscript import (
     SHIM_DIR,
     TESTS_MOUNT,
     harbor_reward,

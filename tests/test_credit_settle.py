@@ -118,7 +118,8 @@ def _turn(ep, t, inp, out, *, prev=None, digest=None):
 
 
 def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
-    from t1async.ingest.assembly import Assembler, AssemblerConfig
+    from t1async.ingest.assembly import Assembler
+    from t1async.ingest.episode import AssemblerConfig
     from t1async.protocol import wire
 
     asm = Assembler(AssemblerConfig(max_pending_turns=2))

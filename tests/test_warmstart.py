@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import learning_curve, paired_diff
+from bench.learning_stats import learning_curve, paired_diff
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
 from sandbox_agent.tasks import load_task

@@ -28,7 +28,6 @@ from sandbox_agent.sandbox.base import (
     OutputBuffer,
     SandboxClosedError,
     SandboxConfig,
-    SandboxError,
     SandboxStartError,
     exec_result,
     exec_timeout,
@@ -36,12 +35,13 @@ from sandbox_agent.sandbox.base import (
 from sandbox_agent.sandbox.hostpids import host_pid as _host_pid
 from sandbox_agent.sandbox.hostpids import session as _session
 from sandbox_agent.sandbox.hostpids import signal_pid as _signal
-from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, ContainerLimits, _podman, reap_orphans, start_container
+from sandbox_agent.sandbox.lifecycle import _podman
 from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
 from t1async.log import get_logger
+from t1async.protocol.errors import SandboxError
 
-__all__ = ["OWNER_LABEL", "ContainerLimits", "ContainerSandbox", "reap_orphans", "start_container"]
+__all__ = ["ContainerSandbox"]
 
 log = get_logger("sandbox_agent.sandbox.container")
 

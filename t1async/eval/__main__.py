@@ -23,7 +23,7 @@ from pathlib import Path
 
 import anyio
 
-from sandbox_agent.agent import AgentConfig
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.eval.report import plot, print_report

@@ -63,7 +63,7 @@ def held_out(tasks: Path) -> list:
 
 async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> dict:
     """Score ``model`` on ``tasks``; the summary record's values."""
-    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, run_eval
     from t1async.eval.stats import summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer

@@ -23,7 +23,7 @@ from typing import IO
 
 import anyio
 
-from sandbox_agent.agent import AgentConfig, TurnResult
+from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend, SandboxBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task

@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     from t1async.learner import memory
     from t1async.learner.distributed import RankFailedError
     from t1async.learner.service import Learner, LearnerConfig
-    from t1async.learner.trainer import TrainerConfig
+    from t1async.learner.trainer_config import TrainerConfig
     from t1async.sampler.client import SGLangClient
     from t1async.transport import NatsConfig, NatsTransport
 

@@ -32,7 +32,6 @@ from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment,
 from t1async.learner.stepmetrics import StepMetrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
-from t1async.protocol.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
 
 if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer

@@ -65,7 +65,7 @@ from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
 from t1async.protocol.errors import SamplerError, SamplerRequestError
 
-__all__ = ["Engine", "EngineConfig", "GenEvent", "GenRequest", "GenResult"]
+__all__ = ["Engine"]
 
 log = get_logger("model.engine")
 

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     from t1async.log import configure
 
     configure(args.log_level)  # before importing modules that bind their loggers at import time
-    from t1async.sampler.server import ServerConfig, serve
+    from t1async.sampler.app import ServerConfig
+    from t1async.sampler.server import serve
 
     config = ServerConfig(
         host=args.host,

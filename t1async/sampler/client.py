@@ -36,9 +36,7 @@ from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.sampler.response import (
     error_message,
     parse_generation,
-    parse_output_versions,
     parse_weight_version,
-    routing_dtype,
     shape_from_info,
 )
 
@@ -55,10 +53,6 @@ __all__ = [
     "SGLangClient",
     "SamplerClosedError",
     "SamplerUnreachableError",
-    "parse_generation",
-    "parse_output_versions",
-    "parse_weight_version",
-    "routing_dtype",
 ]
 log = get_logger("sampler.client")
 _RETRY_STATUS = {429, 502, 503, 504}

@@ -51,9 +51,6 @@ class NoRespondersError(TransportError):
     """Nobody serves this subject right now (e.g. the learner has not started): retry later."""
 
 
-RequestTimeout, NoResponders = RequestTimeoutError, NoRespondersError  # their old names, still importable
-
-
 # ------------------------------------------------------------------------------------------ types
 
 

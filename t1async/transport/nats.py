@@ -32,6 +32,7 @@ import nats.js.errors
 from t1async.log import get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import TransportError, WireError
+from t1async.protocol.wire import Record
 from t1async.transport import chunking
 from t1async.transport.base import (
     HDR_MSG_ID,
@@ -40,7 +41,6 @@ from t1async.transport.base import (
     Batch,
     Message,
     NoRespondersError,
-    Record,
     Request,
     RequestTimeoutError,
     Transport,
@@ -50,10 +50,10 @@ from t1async.transport.base import (
     is_traj,
 )
 from t1async.transport.delivery import CoreIntake, StreamIntake, count_dead
-from t1async.transport.natsio import DEAD_STREAM, DEFAULT_URL, AioNats, Bridge, NatsConfig
+from t1async.transport.natsio import DEFAULT_URL, AioNats, Bridge, NatsConfig
 from t1async.transport.pipeline import Outgoing, PipelineConfig, PublishPipeline
 
-__all__ = ["DEAD_STREAM", "DEFAULT_URL", "NatsConfig", "NatsTransport"]
+__all__ = ["NatsTransport"]
 log = get_logger("transport.nats")
 
 
