@@ -3,7 +3,7 @@
 ``BwrapBackend`` runs tasks in the default environment (the host's /usr, read-only, under bubblewrap). A
 task that names its own image (``Task.docker_image``) needs a container backend; ``require_backend``
 raises ``TaskNeedsImageError`` when the chosen backend cannot run it. A container backend (docker, podman,
-a remote sandbox service) implements the same two members.
+a remote sandbox service) implements every member of ``SandboxBackend``; callers use no other.
 """
 
 from __future__ import annotations
@@ -31,9 +31,30 @@ log = get_logger("sandbox_agent.backend")
 
 
 class SandboxBackend(Protocol):
+    """Where a task's sandbox sessions run. An episode: ``prepare`` the work dir, enter ``episode``, then
+    ``open`` sessions over it (the agent's, the verifier's: ``open_networked`` when it may use the network),
+    ``reclaim``-ing the work dir between them."""
+
     name: str
 
+    def kind(self, task: Task) -> str:
+        """Where ``task`` runs: "bwrap", "container", or the backend's own name."""
+        ...
+
     def supports(self, task: Task) -> bool: ...
+
+    def refusal(self, task: Task) -> str | None:
+        """Why this backend cannot run ``task`` as published (None: it can)."""
+        ...
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        """Stage what the task's environment needs in ``workdir`` before the episode (blocking: call it in a
+        thread); a no-op where the task's image has it."""
+        ...
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        """What lives for the whole episode (a container every session runs in; nothing for bwrap)."""
+        ...
 
     def open(
         self,
@@ -46,6 +67,18 @@ class SandboxBackend(Protocol):
         """A fresh sandbox session over ``workdir``, with extra read-only binds (host path, sandbox path)."""
         ...
 
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        """A session like ``open``'s with the network (the verifier's, when the user allows it). Only a
+        container has one: other backends raise ``SandboxError``."""
+        ...
+
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         """Give ``workdir`` back to ``sandbox`` after another session (the verifier's) used it."""
         ...
@@ -53,7 +86,7 @@ class SandboxBackend(Protocol):
 
 def require_backend(task: Task, backend: SandboxBackend) -> None:
     if not backend.supports(task):
-        why = getattr(backend, "refusal", lambda t: None)(task)
+        why = backend.refusal(task)
         raise TaskNeedsImageError(task, backend.name, why)
 
 
@@ -63,6 +96,9 @@ class BwrapBackend:
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     name: str = "bwrap"
+
+    def kind(self, task: Task) -> str:
+        return "bwrap"
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -99,6 +135,19 @@ class BwrapBackend:
             )
         return BwrapSandbox.open(workdir, config=cfg)
 
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        raise SandboxError("a bwrap sandbox has no network: the networked verifier needs the container backend")
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
+
     def prepare(self, task: Task, workdir: Path) -> None:
         """Stage the task's Dockerfile COPYs (into the work dir and its ``.mnt`` dirs) before the episode."""
         p = dockerfile.plan(task)
@@ -119,8 +168,20 @@ class FactoryBackend:
     factory: Callable[..., AbstractAsyncContextManager[Sandbox]]
     name: str = "factory"
 
+    def kind(self, task: Task) -> str:
+        return self.name
+
     def supports(self, task: Task) -> bool:
         return True
+
+    def refusal(self, task: Task) -> str | None:
+        return None
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        return None
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
 
     def open(
         self,
@@ -131,6 +192,16 @@ class FactoryBackend:
         ro_binds: tuple[tuple[str, str], ...] = (),
     ) -> AbstractAsyncContextManager[Sandbox]:
         return self.factory(task=task, workdir=workdir, config=config, ro_binds=ro_binds)
+
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        raise SandboxError(f"backend {self.name!r} has no network: the networked verifier needs containers")
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         return None
@@ -149,6 +220,9 @@ class ContainerBackend:
     agent_network: bool = False
     _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
 
+    def kind(self, task: Task) -> str:
+        return "container"
+
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
 
@@ -156,6 +230,9 @@ class ContainerBackend:
         if not images.podman_available():
             return f"podman is not installed ({images.INSTALL_HINT})"
         return images.missing_image(task)
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        return None  # the task's image has its files
 
     @contextlib.asynccontextmanager
     async def episode(self, task: Task, workdir: Path) -> AsyncIterator[str]:
@@ -333,12 +410,6 @@ class AutoBackend:
         ro_binds: tuple[tuple[str, str], ...] = (),
     ) -> AbstractAsyncContextManager[Sandbox]:
         return self.container.open_networked(task, workdir, config=config, ro_binds=ro_binds)
-
-
-def backend_kind(backend: SandboxBackend, task: Task) -> str:
-    """Where ``task`` runs on ``backend``: "bwrap", "container", or the backend's own name."""
-    kind = getattr(backend, "kind", None)
-    return kind(task) if kind is not None else backend.name
 
 
 def pick_backend(name: str, tasks: list[Task] | None = None, *, agent_network: bool = False) -> SandboxBackend:

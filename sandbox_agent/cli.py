@@ -199,7 +199,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
 def _cmd_check(a: argparse.Namespace) -> int:
     import random
 
-    from sandbox_agent.backend import pick_backend
+    from sandbox_agent.backend import SandboxBackend, pick_backend
     from sandbox_agent.runner import check_tasks
     from sandbox_agent.tasks import load_tasks
     from sandbox_agent.verifier import VerifierConfig
@@ -209,7 +209,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
     tasks = load_tasks(a.tasks_dir)
     if a.sample and a.sample < len(tasks):
         tasks = random.Random(a.seed).sample(tasks, a.sample)
-    groups: dict[str, tuple[object, list]] = {}  # auto: each task on its backend (backend.bwrap_first)
+    groups: dict[str, tuple[SandboxBackend, list]] = {}  # auto: each task on its backend (backend.bwrap_first)
     skipped = []
     for t in tasks:
         backend = pick_backend(a.backend, [t], agent_network=a.agent_network)
@@ -217,7 +217,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
             groups.setdefault(backend.name, (backend, []))[1].append(t)
         else:
             skipped.append(t)
-            why = getattr(backend, "refusal", lambda t: None)(t) or f"needs image {t.docker_image}"
+            why = backend.refusal(t) or f"needs image {t.docker_image}"
             print(f"skip {t.id:<40} {why}")
 
     async def run_all() -> list:
@@ -226,7 +226,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
             out += await check_tasks(
                 group,
                 backend=backend,
-                concurrency=a.concurrency,  # type: ignore[arg-type]
+                concurrency=a.concurrency,
                 verifier=VerifierConfig(allow_network=a.verifier_network),
             )
         return out

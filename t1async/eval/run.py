@@ -145,7 +145,7 @@ async def run_one(
         "split": task.split,
         "sample": sample,
         "seed": episode_seed(cfg.seed, task.id, sample, 0),
-        "backend": getattr(backend, "name", ""),
+        "backend": backend.name,
     }
     t0 = time.monotonic()
     seeded = SeededSampler(sampler, cfg.seed, task.id, sample)

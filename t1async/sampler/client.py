@@ -298,6 +298,19 @@ class SGLangClient:
         self._info.clear()  # weight_version changed
         return [results[u] for u in self.urls if u in results]
 
+    async def post_once(self, url: str, path: str, body: dict) -> httpx.Response:
+        """POST ``body`` to ``url + path`` once: no retries, no balancing, any status returned (for a call a
+        resend would repeat, e.g. a weight-update broadcast). Raises ``httpx.TransportError`` as is."""
+        self._check_open()
+        return await self._http.post(url + path, json=body)
+
+    async def get_once(self, url: str, path: str, *, timeout_s: float | None = None) -> httpx.Response:
+        """GET ``url + path`` once (no retries; ``timeout_s``: else the client's). Raises ``httpx.HTTPError``."""
+        self._check_open()
+        if timeout_s is None:
+            return await self._http.get(url + path)
+        return await self._http.get(url + path, timeout=timeout_s)
+
     async def flush_cache(self) -> None:
         for u in self.urls:
             await self._request("POST", "/flush_cache", url=u)

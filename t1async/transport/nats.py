@@ -153,8 +153,17 @@ class NatsTransport(Transport):
         return self._aio.nc
 
     @property
-    def _js(self) -> Any:  # the JetStream context: `await t._bridge.run(t._js.stream_info, name)` in tools/tests
+    def _js(self) -> Any:
         return self._aio.js
+
+    async def stream_info(self, stream: str) -> Any:
+        """JetStream's ``StreamInfo`` for ``stream`` (its config, state and cluster: leader, replicas)."""
+        return await self._bridge.run(self._js.stream_info, stream)
+
+    async def last_message(self, stream: str, subject: str) -> Any:
+        """The last message stored in ``stream`` on ``subject`` (a ``RawStreamMsg``: data, headers), as
+        ``nats stream get STREAM --last-for SUBJECT`` shows it."""
+        return await self._bridge.run(self._js.get_last_msg, stream, subject)
 
     @property
     def max_payload(self) -> int:
