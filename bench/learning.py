@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import emit_json, print_grid
-from bench.learning_stats import figure, learning_curve, paired_diff, per_task, plot
+from bench.learning_stats import column, learning_curve, per_task, plot
+from t1async.eval.stats import mean_ci, paired_diff
 from t1async.log import configure, get_logger
 
 log = get_logger("bench.learning")
@@ -214,8 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ood_b = eval_policy(warm, ood, samples=1, out=run / "ood-before.jsonl", **ev)
         ood_a = eval_policy(ckpt, ood, samples=1, out=run / "ood-after.jsonl", **ev)
     b, a = per_task(rows_b), per_task(rows_a)
-    table = {w: {"pass1": figure(s, 0), "tests": figure(s, 1)} for w, s in (("before", b), ("after", a))}
-    diff = {"pass1": paired_diff(b, a, 0), "tests": paired_diff(b, a, 1)}
+    table = {
+        w: {"pass1": mean_ci(list(column(s, 0).values())), "tests": mean_ci(list(column(s, 1).values()))}
+        for w, s in (("before", b), ("after", a))
+    }
+    diff = {k: paired_diff(column(b, i), column(a, i)) for i, k in enumerate(("pass1", "tests"))}
     curve = learning_curve(rl_dir / "metrics.jsonl")
     print_grid(
         ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
