@@ -43,6 +43,7 @@ from bench._common import emit_json, print_grid
 from bench.learning_stats import column, learning_curve, per_task, plot
 from t1async.eval.stats import mean_ci, paired_diff
 from t1async.log import configure, get_logger
+from t1async.signals import handlers
 
 log = get_logger("bench.learning")
 DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
@@ -117,13 +118,12 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
         # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
         # `cluster up` and its components running)
-        old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            rc = proc.wait(timeout=timeout_s)
+            with handlers({signal.SIGTERM: lambda *_: sys.exit(143)}):
+                rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             print(f"rl: stopping after {timeout_s:.0f} s (--rl-timeout)", flush=True)
         finally:
-            signal.signal(signal.SIGTERM, old)
             if proc.poll() is None:
                 proc.terminate()  # the supervisor stops every component it started
                 proc.wait(timeout=120)

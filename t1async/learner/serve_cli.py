@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import anyio
 
 from t1async.learner.options import ADVANTAGES, CRITICS
 from t1async.protocol.errors import ConfigError
+from t1async.signals import cancel_on_stop
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -193,14 +193,7 @@ def serve(args: argparse.Namespace) -> int:
             async with anyio.create_task_group() as tg:
                 if ranks is not None:
                     tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailedError)
-
-                async def stop_on_signal() -> None:
-                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                        async for _ in signals:
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(stop_on_signal)
+                tg.start_soon(cancel_on_stop, tg.cancel_scope)
                 await learner.run()
                 tg.cancel_scope.cancel()
 

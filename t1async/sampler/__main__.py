@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -67,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level)  # before importing modules that bind their loggers at import time
     from t1async.sampler.app import ServerConfig
     from t1async.sampler.server import serve
+    from t1async.signals import wait_for_stop
 
     config = ServerConfig(
         host=args.host,
@@ -85,10 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         async with trio.open_nursery() as nursery:
 
             async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-                    async for _ in received:
-                        stop.set()
-                        return
+                await wait_for_stop()
+                stop.set()
 
             nursery.start_soon(signals)
             url = await nursery.start(
