@@ -7,18 +7,18 @@ import random
 
 import pytest
 
-from t1async.credits.ledger import SETTLE_REASONS, CreditLedger
+from t1async.credits.ledger import CreditLedger, SettleReason
 
 
-def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
-    """One delivered turn is never settled; 3,000 steps later the ledger holds that ticket and the work in
-    flight, not every ticket granted since (the old grant-order deque held ~48k here)."""
+def test_a_stuck_credit_does_not_pin_the_ledger_over_a_long_run():
+    """One delivered turn is never settled; 3,000 steps later the ledger holds that credit and the work in
+    flight, not every credit granted since (the old grant-order deque held ~48k here)."""
     B, eta = 16, 1
     led = CreditLedger(max_staleness=eta, batch_turns=B, lease_s=1e9)
     rng = random.Random(0)
     now, ep = 0.0, 0
     sizes = []
-    reasons = [r for r in SETTLE_REASONS if r != "trained"]
+    reasons = [r for r in SettleReason if r is not SettleReason.TRAINED]
     for step in range(3000):
         batch = []
         while (g := led.try_grant("a", f"e{ep}", 1, now, turn=0)) is not None:
@@ -43,7 +43,7 @@ def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
     assert led.stats.granted > 40_000
     assert max(sizes[100:]) <= 1 + (eta + 1) * B, max(sizes)
     assert led.size == 1 and led.due(led.version) == [stuck]
-    assert all(led.stats.settled[r] > 0 for r in SETTLE_REASONS)
+    assert all(led.stats.settled[r] > 0 for r in SettleReason)
     assert sum(led.stats.settled.values()) == led.stats.delivered - 1
 
 

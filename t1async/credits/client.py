@@ -18,7 +18,7 @@ from t1async.protocol.sampling import Generation, Sampler, SamplingParams
 from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport.base import NoRespondersError, RequestTimeoutError, Transport
 
-CREDIT_SUBJECT = "t1.credit"
+CREDIT_SUBJECT = "t1.credit"  # the learner's CreditServer serves it; actors request credits on it
 log = get_logger("t1async.credits.client")
 
 
