@@ -13,6 +13,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +31,15 @@ from t1async.protocol.errors import SandboxError
 log = get_logger("sandbox_agent.backend")
 
 
+class BackendName(StrEnum):
+    """The backends a user picks (``--backend``) and where a task runs (``SandboxBackend.kind``): ``auto``
+    picks bwrap or a container for each task (``bwrap_first``)."""
+
+    AUTO = "auto"
+    BWRAP = "bwrap"
+    CONTAINER = "container"
+
+
 class SandboxBackend(Protocol):
     """Where a task's sandbox sessions run. An episode: ``prepare`` the work dir, enter ``episode``, then
     ``open`` sessions over it (the agent's, the verifier's: ``open_networked`` when it may use the network),
@@ -38,7 +48,7 @@ class SandboxBackend(Protocol):
     name: str
 
     def kind(self, task: Task) -> str:
-        """Where ``task`` runs: "bwrap", "container", or the backend's own name."""
+        """Where ``task`` runs: ``BackendName.BWRAP``, ``BackendName.CONTAINER``, or the backend's own name."""
         ...
 
     def supports(self, task: Task) -> bool: ...
@@ -95,10 +105,10 @@ class BwrapBackend:
     """The default environment: bubblewrap over the host's /usr. Runs tasks without their own image."""
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
-    name: str = "bwrap"
+    name: str = BackendName.BWRAP
 
     def kind(self, task: Task) -> str:
-        return "bwrap"
+        return BackendName.BWRAP
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -214,14 +224,14 @@ class ContainerBackend:
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     limits: ContainerLimits = dataclasses.field(default_factory=ContainerLimits)
-    name: str = "container"
+    name: str = BackendName.CONTAINER
     # the agent's container on podman's bridge, trusting the host's CAs (``--agent-network``): for tasks
     # whose solution installs packages as it goes, as Terminal-Bench's containers allow. Off: --network=none
     agent_network: bool = False
     _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
 
     def kind(self, task: Task) -> str:
-        return "container"
+        return BackendName.CONTAINER
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -361,10 +371,10 @@ class AutoBackend:
 
     bwrap: BwrapBackend = dataclasses.field(default_factory=BwrapBackend)
     container: ContainerBackend = dataclasses.field(default_factory=ContainerBackend)
-    name: str = "auto"
+    name: str = BackendName.AUTO
 
     def kind(self, task: Task) -> str:
-        return "bwrap" if bwrap_first(task, self.bwrap) else "container"
+        return BackendName.BWRAP if bwrap_first(task, self.bwrap) else BackendName.CONTAINER
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -386,15 +396,15 @@ class AutoBackend:
         config: SandboxConfig | None = None,
         ro_binds: tuple[tuple[str, str], ...] = (),
     ) -> AbstractAsyncContextManager[Sandbox]:
-        b: SandboxBackend = self.bwrap if self.kind(task) == "bwrap" else self.container
+        b: SandboxBackend = self.bwrap if self.kind(task) == BackendName.BWRAP else self.container
         return b.open(task, workdir, config=config, ro_binds=ro_binds)
 
     def prepare(self, task: Task, workdir: Path) -> None:
-        if self.kind(task) == "bwrap":
+        if self.kind(task) == BackendName.BWRAP:
             self.bwrap.prepare(task, workdir)
 
     def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
-        if self.kind(task) == "bwrap":
+        if self.kind(task) == BackendName.BWRAP:
             return contextlib.nullcontext()
         return self.container.episode(task, workdir)
 
@@ -415,14 +425,14 @@ class AutoBackend:
 def pick_backend(name: str, tasks: list[Task] | None = None, *, agent_network: bool = False) -> SandboxBackend:
     """``auto``: bwrap when ``bwrap_first`` holds for every task, else containers (podman must be installed).
     ``agent_network``: the agent gets the network, which only a container gives."""
-    if agent_network and name == "bwrap":
+    if agent_network and name == BackendName.BWRAP:
         raise ValueError("the agent's network needs the container backend: use --backend container or auto")
-    if name == "container" or agent_network:
+    if name == BackendName.CONTAINER or agent_network:
         images.podman()  # a clear error now if it is missing
         return ContainerBackend(agent_network=agent_network)
-    if name == "bwrap":
+    if name == BackendName.BWRAP:
         return BwrapBackend()
-    if name != "auto":
+    if name != BackendName.AUTO:
         raise ValueError(f"backend must be auto, bwrap or container, got {name!r}")
     bw = BwrapBackend()
     if all(bwrap_first(t, bw) for t in tasks or ()) or not images.podman_available():
@@ -436,10 +446,10 @@ def task_backend(task: Task, choice: str = "auto") -> tuple[str, str]:
     """(backend that would run ``task``, its image status) for ``list``: status is ``-`` (no image),
     ``built``, ``not built`` (built on first use), or why it cannot run (``refused: ...``)."""
     bw = BwrapBackend()
-    if choice == "bwrap" or (choice == "auto" and bwrap_first(task, bw)):
+    if choice == BackendName.BWRAP or (choice == BackendName.AUTO and bwrap_first(task, bw)):
         why = bw.refusal(task)
-        return "bwrap", "-" if why is None else f"refused: {why}"
+        return BackendName.BWRAP, "-" if why is None else f"refused: {why}"
     why = ContainerBackend().refusal(task)
     if why is not None:
-        return "container", f"refused: {why}"
-    return "container", "built" if images.image_exists(images.task_image_tag(task)) else "not built"
+        return BackendName.CONTAINER, f"refused: {why}"
+    return BackendName.CONTAINER, "built" if images.image_exists(images.task_image_tag(task)) else "not built"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from sandbox_agent.backend import BackendName
 from t1async.log import configure
 from t1async.protocol.errors import T1Error
 
@@ -99,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-BACKENDS = ("auto", "bwrap", "container")
+BACKENDS = tuple(b.value for b in BackendName)
 NETWORK_HELP = (
     "containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
     "written (default: no network; such scripts are replaced by their test files under pytest -rA)"
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
-    if getattr(a, "agent_network", False) and a.backend == "bwrap":
+    if getattr(a, "agent_network", False) and a.backend == BackendName.BWRAP:
         p.error("--agent-network needs a container (--backend container or auto): bwrap gives the agent no network")
     handlers = {
         "synth": _cmd_synth,

@@ -37,7 +37,7 @@ from typing import Literal
 
 import anyio
 
-from sandbox_agent.backend import SandboxBackend
+from sandbox_agent.backend import BackendName, SandboxBackend
 from sandbox_agent.images import WHEELHOUSE
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
@@ -261,7 +261,7 @@ async def verify(
     # network the usual uv/pytest preamble wants) unless the user gave the verifier the network. Where that
     # yields no results (a dependency not in the wheelhouse, `uvx -p 3.13`), and under bwrap (whose host env
     # is not the task's image), it runs what the script means: the test files with pytest -rA, TEST_DIR=/tests.
-    in_container = backend.kind(task) == "container"
+    in_container = backend.kind(task) == BackendName.CONTAINER
     networked = in_container and config.allow_network
     use_script = in_container and task.test_script is not None and (config.run_script or networked)
     if not use_script and not task.test_files and task.format == "tb1":
