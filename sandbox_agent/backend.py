@@ -166,9 +166,8 @@ class BwrapBackend:
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         # every BwrapSandbox session chowns the work dir to its own uid; hand it back to the agent's
-        uid = getattr(sandbox, "uid", None)
-        if uid is not None:
-            await anyio.to_thread.run_sync(chown_tree, Path(workdir), uid, uid)
+        if isinstance(sandbox, BwrapSandbox):
+            await anyio.to_thread.run_sync(chown_tree, Path(workdir), sandbox.uid, sandbox.uid)
 
 
 @dataclasses.dataclass
@@ -409,7 +408,7 @@ class AutoBackend:
         return self.container.episode(task, workdir)
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
-        await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
+        await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (not a BwrapSandbox)
 
     def open_networked(
         self,
