@@ -122,7 +122,7 @@ async def run_actor(
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
     async def heartbeat() -> None:
-        """A sign of life: the learner leases credits only to a live actor (DESIGN §7)."""
+        """A sign of life: the learner grants credits only to a live actor (DESIGN §7)."""
         while True:
             try:
                 await transport.publish(f"t1.actor.{config.actor_id}", Heartbeat(config.actor_id, time.time()))

@@ -154,7 +154,7 @@ class CreditGrant:
 
 @dataclass(frozen=True, eq=False)
 class Heartbeat:
-    """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner leases credits to
+    """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner grants credits to
     live actors and closes a silent actor's episodes as ``aborted`` (DESIGN §7)."""
 
     actor: str
