@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 import nats.errors
 import nats.js.errors
+from nats.nuid import NUID
 
 from t1async.log import get_logger
 from t1async.protocol import wire
@@ -81,6 +82,7 @@ class NatsTransport(Transport):
         self._bridge = Bridge()
         self._aio = AioNats(self.config, lambda: self._state == "open")
         self._stack: AsyncExitStack | None = None
+        self._nuid = NUID()  # group ids of chunked core messages (nats-py's own is its connection's, private)
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -181,7 +183,7 @@ class NatsTransport(Transport):
         elif len(data) > chunking.chunk_size(self.max_payload, ""):
             pieces = [
                 ({k: v for k, v in h.items() if k != HDR_MSG_ID}, d)
-                for h, d in chunking.split(data, msg_id or f"core-{self._nc._nuid.next().decode()}", self.max_payload)
+                for h, d in chunking.split(data, msg_id or f"core-{self._nuid.next().decode()}", self.max_payload)
             ]
         else:
             pieces = [(None, data)]
