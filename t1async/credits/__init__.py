@@ -7,6 +7,8 @@ Glossary (one word a thing; DESIGN §7):
   (``ledger.CreditLedger``, which keeps one ``ledger.Credit`` a credit), and the turn's delivery spends it.
 - **request**: an actor's ask for credits on ``t1.credit`` (``wire.CreditRequest``: actor, episode, turn). A
   request the ledger cannot grant yet is *held* (``server.CreditServer``): that wait is the backpressure.
+- **gate** (``ledger.CreditGate``): the ledger under anyio: ``acquire`` waits until a credit can be granted
+  (and grants nothing while the gate is held: η = 0 during a step).
 - **grant**: the learner's answer to one request (``wire.CreditGrant``): ``granted`` credits given together
   under one ``grant_id``, with the version the samplers served then and the lease. A retried request for
   a turn already granted gets the same grant back.

@@ -22,6 +22,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from enum import StrEnum
 from functools import partial
 from typing import Any
 
@@ -72,22 +73,30 @@ _PERMANENT = (
 )
 
 
+class _State(StrEnum):
+    """A NatsTransport's life: opened once (its ``async with``), closed for good after."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
 class NatsTransport(Transport):
     """``async with NatsTransport("nats://127.0.0.1:4222") as t: ...`` (creates stream T1_TRAJ if missing)."""
 
     def __init__(self, url: str | None = None, *, config: NatsConfig | None = None):
         self.config = config or NatsConfig(url=url or DEFAULT_URL)
         self.stats = TransportStats()
-        self._state = "unopened"
+        self._state = _State.UNOPENED
         self._bridge = Bridge()
-        self._aio = AioNats(self.config, lambda: self._state == "open")
+        self._aio = AioNats(self.config, lambda: self._state is _State.OPEN)
         self._stack: AsyncExitStack | None = None
         self._nuid = NUID()  # group ids of chunked core messages (nats-py's own is its connection's, private)
 
     # ------------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> NatsTransport:
-        if self._state != "unopened":
+        if self._state is not _State.UNOPENED:
             raise TransportClosedError(f"NatsTransport is {self._state}: a transport is opened once; make a new one")
         try:
             await self._open()
@@ -96,7 +105,7 @@ class NatsTransport(Transport):
             if isinstance(leaf, TransportError):
                 raise leaf from leaf.__cause__
             raise
-        self._state = "open"
+        self._state = _State.OPEN
         log.info(
             "transport.connected",
             url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
@@ -132,10 +141,10 @@ class NatsTransport(Transport):
             self._stack = stack.pop_all()
 
     async def aclose(self) -> None:
-        if self._state in ("closed", "unopened"):
-            self._state = "closed"
+        if self._state is not _State.OPEN:
+            self._state = _State.CLOSED
             return
-        self._state = "closed"
+        self._state = _State.CLOSED
         stack, self._stack = self._stack, None
         try:
             self._pipeline.close()  # what is queued is still sent and acknowledged
@@ -147,7 +156,7 @@ class NatsTransport(Transport):
                 await stack.aclose()
 
     def _check_open(self) -> None:
-        if self._state != "open":
+        if self._state is not _State.OPEN:
             raise TransportClosedError(f"NatsTransport used while {self._state} (outside its `async with` block)")
 
     @property
