@@ -123,7 +123,7 @@ async def amain(args: ActorSettings) -> int:
     import anyio
 
     from actors.actor import ActorConfig, run_actor
-    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.agent_types import AgentConfig
     from sandbox_agent.context import ContextConfig
     from t1async.log import get_logger
     from t1async.model.tokenizer import ChatTokenizer

@@ -19,7 +19,7 @@ import anyio
 import anyio.abc
 
 from actors.episode import EpisodeContext, EpisodeStats, run_one
-from sandbox_agent.agent import AgentConfig, ChatTokenizerLike
+from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike
 from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.credits.client import CreditClient
@@ -122,7 +122,7 @@ async def run_actor(
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
     async def heartbeat() -> None:
-        """A sign of life: the learner leases credits only to a live actor (design §7)."""
+        """A sign of life: the learner grants credits only to a live actor (design §7)."""
         while True:
             try:
                 await transport.publish(f"t1.actor.{config.actor_id}", Heartbeat(config.actor_id, time.time()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 
 from actors.records import TurnEncoder
-from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, TurnResult
+from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, TurnResult
 from sandbox_agent.backend import SandboxBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task

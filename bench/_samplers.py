@@ -89,15 +89,12 @@ async def run_samplers(args, levels: list[int]) -> dict:
                 info = await c.model_info()
                 vocab = args.vocab_size or int(info.get("vocab_size") or 1000)
                 for u in urls:  # warm-up, not measured: the first request of a process pays for allocations
-                    await c._request(
-                        "POST",
-                        "/generate",
-                        url=u,
-                        json={"input_ids": list(range(16, 80)), "sampling_params": {"max_new_tokens": 8}},
+                    resp = await c.post_once(
+                        u, "/generate", {"input_ids": list(range(16, 80)), "sampling_params": {"max_new_tokens": 8}}
                     )
+                    resp.raise_for_status()
                 for pinned in (True, False) if n > 1 else (True,):
-                    for u in urls:
-                        await c._request("POST", "/flush_cache", url=u)
+                    await c.flush_cache()
                     r = await _sessions(
                         c,
                         pinned=pinned,

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = p.parse_args(argv)
     from t1async.learner.ranks import Ranks, RanksConfig
-    from t1async.learner.trainer import Trainer, TrainerConfig
+    from t1async.learner.trainer import Trainer
+    from t1async.learner.trainer_config import TrainerConfig
     from t1async.model.weights import default_model_dir, load_pretrained
 
     torch.set_num_threads(args.threads)

@@ -40,8 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import emit_json, print_grid
-from bench.learning_stats import figure, learning_curve, paired_diff, per_task, plot
+from bench.learning_stats import column, learning_curve, per_task, plot
+from t1async.eval.stats import mean_ci, paired_diff
 from t1async.log import configure, get_logger
+from t1async.signals import handlers
 
 log = get_logger("bench.learning")
 DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
@@ -64,7 +66,7 @@ def eval_policy(
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
     import anyio
 
-    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.protocol.sampling import SamplingParams
@@ -116,13 +118,12 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
         # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
         # `cluster up` and its components running)
-        old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            rc = proc.wait(timeout=timeout_s)
+            with handlers({signal.SIGTERM: lambda *_: sys.exit(143)}):
+                rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             print(f"rl: stopping after {timeout_s:.0f} s (--rl-timeout)", flush=True)
         finally:
-            signal.signal(signal.SIGTERM, old)
             if proc.poll() is None:
                 proc.terminate()  # the supervisor stops every component it started
                 proc.wait(timeout=120)
@@ -214,8 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ood_b = eval_policy(warm, ood, samples=1, out=run / "ood-before.jsonl", **ev)
         ood_a = eval_policy(ckpt, ood, samples=1, out=run / "ood-after.jsonl", **ev)
     b, a = per_task(rows_b), per_task(rows_a)
-    table = {w: {"pass1": figure(s, 0), "tests": figure(s, 1)} for w, s in (("before", b), ("after", a))}
-    diff = {"pass1": paired_diff(b, a, 0), "tests": paired_diff(b, a, 1)}
+    table = {
+        w: {"pass1": mean_ci(list(column(s, 0).values())), "tests": mean_ci(list(column(s, 1).values()))}
+        for w, s in (("before", b), ("after", a))
+    }
+    diff = {k: paired_diff(column(b, i), column(a, i)) for i, k in enumerate(("pass1", "tests"))}
     curve = learning_curve(rl_dir / "metrics.jsonl")
     print_grid(
         ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],

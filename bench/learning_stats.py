@@ -1,5 +1,6 @@
-"""bench.learning's arithmetic and figure: per-task scores, the paired before/after difference with its bootstrap
-CI, the learning curve read from a run's ``metrics.jsonl``, and ``learning.png``."""
+"""bench.learning's arithmetic and figure: per-task scores, the learning curve read from a run's
+``metrics.jsonl``, and ``learning.png``. Means, CIs and the paired before/after difference are
+``t1async.eval.stats``'s (``mean_ci``, ``paired_diff``)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,9 @@ def per_task(rows: Sequence[dict]) -> dict[str, tuple[float, float]]:
     }
 
 
-def paired_diff(before: dict, after: dict, idx: int, seed: int = 0, resamples: int = 4000) -> dict:
-    """Mean over tasks of after - before, with a paired percentile bootstrap CI (tasks resampled)."""
-    tasks = sorted(set(before) & set(after))
-    d = np.array([after[t][idx] - before[t][idx] for t in tasks])
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
-    lo, hi = np.quantile(means, [0.025, 0.975])
-    return {"mean": float(d.mean()), "ci95": [float(lo), float(hi)], "tasks": int(d.size)}
-
-
-def figure(scores: dict, idx: int, seed: int = 0) -> dict:
-    from t1async.eval.stats import bootstrap_ci
-
-    v = [s[idx] for s in scores.values()]
-    lo, hi = bootstrap_ci(v, seed=seed)
-    return {"mean": float(np.mean(v)) if v else float("nan"), "ci95": [lo, hi]}
+def column(scores: dict[str, tuple[float, float]], idx: int) -> dict[str, float]:
+    """task -> one of ``per_task``'s values (0: share resolved, 1: mean tests passed)."""
+    return {t: s[idx] for t, s in scores.items()}
 
 
 def learning_curve(metrics: Path) -> list[dict]:

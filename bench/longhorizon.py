@@ -39,13 +39,14 @@ import numpy as np
 
 from actors.records import TurnEncoder
 from bench._common import emit_json, print_grid, print_table
-from sandbox_agent.agent import AgentConfig, TurnResult
+from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.bwrap import BwrapSandbox
 from sandbox_agent.tasks import load_task
-from t1async.ingest.assembly import Assembler, AssemblerConfig
+from t1async.ingest.assembly import Assembler
+from t1async.ingest.episode import AssemblerConfig
 from t1async.log import configure
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
@@ -233,7 +234,8 @@ def train_step_child(tokens: int) -> None:
     import torch
 
     from t1async.ingest.tito import Segment
-    from t1async.learner.trainer import Trainer, TrainerConfig
+    from t1async.learner.trainer import Trainer
+    from t1async.learner.trainer_config import TrainerConfig
     from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
 

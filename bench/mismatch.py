@@ -46,7 +46,8 @@ import torch
 from bench._mismatch_data import Retokenized, SampledEpisode, assemble, make_scripts, retokenize, sample_episodes
 from bench._mismatch_report import chart, print_result
 from t1async.ingest.tito import Segment
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.protocol.sampling import SamplingParams

@@ -28,9 +28,10 @@ import trio
 
 from actors.records import TurnEncoder
 from bench._common import emit_json, print_grid
-from sandbox_agent.agent import TurnResult
+from sandbox_agent.agent_types import TurnResult
 from t1async.ingest.assembly import Assembler
-from t1async.model.engine import Engine, EngineConfig, GenRequest
+from t1async.model.engine import Engine
+from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 from t1async.protocol import wire

@@ -51,13 +51,6 @@ from t1async.protocol.sampling import Generation, Sampler, SamplingParams, commo
 from t1async.protocol.wire import EndReason
 
 __all__ = [
-    "AgentConfig",
-    "ChatTokenizerLike",
-    "EpisodeResult",
-    "OnTurn",
-    "TurnGate",
-    "TurnResult",
-    "VerifyFn",
     "initial_messages",
     "prompt_ids",
     "render_turns_ids",
@@ -155,11 +148,10 @@ async def _sample(
     sampler: Sampler, st: _Loop, cfg: AgentConfig, params: SamplingParams, k: int, rid: str
 ) -> tuple[Generation | None, EndReason | None, str]:
     """Sample turn ``k``: (generation, None, "") or (None, stop reason, detail)."""
-    wait_turn = getattr(sampler, "wait_turn", None)
     try:
-        if wait_turn is not None:  # outside the wall clock: a paused episode is not spending the agent's time
+        if isinstance(sampler, TurnGate):  # outside the wall clock: a paused episode is not spending the agent's time
             t0 = anyio.current_time()
-            await wait_turn()
+            await sampler.wait_turn()
             st.paused_s += anyio.current_time() - t0
             st.deadline += anyio.current_time() - t0
         with anyio.move_on_after(st.deadline - anyio.current_time()):

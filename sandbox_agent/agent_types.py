@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -97,6 +97,7 @@ class EpisodeResult:
     paused_s: float = 0.0  # time the sampler held the episode before sampling (credits), not on the wall clock
 
 
+@runtime_checkable
 class TurnGate(Protocol):
     """A sampler that may make an episode wait before each sample (``t1async.credits.client.CreditedSampler``: the
     learner's credits) offers ``wait_turn()``. The agent awaits it before sampling and adds the wait to its

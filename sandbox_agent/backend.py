@@ -3,7 +3,7 @@
 ``BwrapBackend`` runs tasks in the default environment (the host's /usr, read-only, under bubblewrap). A
 task that names its own image (``Task.docker_image``) needs a container backend; ``require_backend``
 raises ``TaskNeedsImageError`` when the chosen backend cannot run it. A container backend (docker, podman,
-a remote sandbox service) implements the same two members.
+a remote sandbox service) implements every member of ``SandboxBackend``; callers use no other.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -20,8 +21,9 @@ import anyio
 
 from sandbox_agent import dockerfile, images
 from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, SandboxConfig
-from sandbox_agent.sandbox.container import ContainerLimits, ContainerSandbox, start_container
+from sandbox_agent.sandbox.container import ContainerSandbox
 from sandbox_agent.sandbox.files import chown_tree
+from sandbox_agent.sandbox.lifecycle import ContainerLimits, start_container
 from sandbox_agent.tasks import Task, TaskNeedsImageError
 from t1async.log import get_logger
 from t1async.protocol.errors import SandboxError
@@ -29,10 +31,40 @@ from t1async.protocol.errors import SandboxError
 log = get_logger("sandbox_agent.backend")
 
 
+class BackendName(StrEnum):
+    """The backends a user picks (``--backend``) and where a task runs (``SandboxBackend.kind``): ``auto``
+    picks bwrap or a container for each task (``bwrap_first``)."""
+
+    AUTO = "auto"
+    BWRAP = "bwrap"
+    CONTAINER = "container"
+
+
 class SandboxBackend(Protocol):
+    """Where a task's sandbox sessions run. An episode: ``prepare`` the work dir, enter ``episode``, then
+    ``open`` sessions over it (the agent's, the verifier's: ``open_networked`` when it may use the network),
+    ``reclaim``-ing the work dir between them."""
+
     name: str
 
+    def kind(self, task: Task) -> str:
+        """Where ``task`` runs: ``BackendName.BWRAP``, ``BackendName.CONTAINER``, or the backend's own name."""
+        ...
+
     def supports(self, task: Task) -> bool: ...
+
+    def refusal(self, task: Task) -> str | None:
+        """Why this backend cannot run ``task`` as published (None: it can)."""
+        ...
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        """Stage what the task's environment needs in ``workdir`` before the episode (blocking: call it in a
+        thread); a no-op where the task's image has it."""
+        ...
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        """What lives for the whole episode (a container every session runs in; nothing for bwrap)."""
+        ...
 
     def open(
         self,
@@ -45,6 +77,18 @@ class SandboxBackend(Protocol):
         """A fresh sandbox session over ``workdir``, with extra read-only binds (host path, sandbox path)."""
         ...
 
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        """A session like ``open``'s with the network (the verifier's, when the user allows it). Only a
+        container has one: other backends raise ``SandboxError``."""
+        ...
+
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         """Give ``workdir`` back to ``sandbox`` after another session (the verifier's) used it."""
         ...
@@ -52,7 +96,7 @@ class SandboxBackend(Protocol):
 
 def require_backend(task: Task, backend: SandboxBackend) -> None:
     if not backend.supports(task):
-        why = getattr(backend, "refusal", lambda t: None)(task)
+        why = backend.refusal(task)
         raise TaskNeedsImageError(task, backend.name, why)
 
 
@@ -61,7 +105,10 @@ class BwrapBackend:
     """The default environment: bubblewrap over the host's /usr. Runs tasks without their own image."""
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
-    name: str = "bwrap"
+    name: str = BackendName.BWRAP
+
+    def kind(self, task: Task) -> str:
+        return BackendName.BWRAP
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -98,6 +145,19 @@ class BwrapBackend:
             )
         return BwrapSandbox.open(workdir, config=cfg)
 
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        raise SandboxError("a bwrap sandbox has no network: the networked verifier needs the container backend")
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
+
     def prepare(self, task: Task, workdir: Path) -> None:
         """Stage the task's Dockerfile COPYs (into the work dir and its ``.mnt`` dirs) before the episode."""
         p = dockerfile.plan(task)
@@ -106,9 +166,8 @@ class BwrapBackend:
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         # every BwrapSandbox session chowns the work dir to its own uid; hand it back to the agent's
-        uid = getattr(sandbox, "uid", None)
-        if uid is not None:
-            await anyio.to_thread.run_sync(chown_tree, Path(workdir), uid, uid)
+        if isinstance(sandbox, BwrapSandbox):
+            await anyio.to_thread.run_sync(chown_tree, Path(workdir), sandbox.uid, sandbox.uid)
 
 
 @dataclasses.dataclass
@@ -118,8 +177,20 @@ class FactoryBackend:
     factory: Callable[..., AbstractAsyncContextManager[Sandbox]]
     name: str = "factory"
 
+    def kind(self, task: Task) -> str:
+        return self.name
+
     def supports(self, task: Task) -> bool:
         return True
+
+    def refusal(self, task: Task) -> str | None:
+        return None
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        return None
+
+    def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
 
     def open(
         self,
@@ -130,6 +201,16 @@ class FactoryBackend:
         ro_binds: tuple[tuple[str, str], ...] = (),
     ) -> AbstractAsyncContextManager[Sandbox]:
         return self.factory(task=task, workdir=workdir, config=config, ro_binds=ro_binds)
+
+    def open_networked(
+        self,
+        task: Task,
+        workdir: Path,
+        *,
+        config: SandboxConfig | None = None,
+        ro_binds: tuple[tuple[str, str], ...] = (),
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        raise SandboxError(f"backend {self.name!r} has no network: the networked verifier needs containers")
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
         return None
@@ -142,11 +223,14 @@ class ContainerBackend:
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     limits: ContainerLimits = dataclasses.field(default_factory=ContainerLimits)
-    name: str = "container"
+    name: str = BackendName.CONTAINER
     # the agent's container on podman's bridge, trusting the host's CAs (``--agent-network``): for tasks
     # whose solution installs packages as it goes, as Terminal-Bench's containers allow. Off: --network=none
     agent_network: bool = False
     _episodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict, repr=False)
+
+    def kind(self, task: Task) -> str:
+        return BackendName.CONTAINER
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -155,6 +239,9 @@ class ContainerBackend:
         if not images.podman_available():
             return f"podman is not installed ({images.INSTALL_HINT})"
         return images.missing_image(task)
+
+    def prepare(self, task: Task, workdir: Path) -> None:
+        return None  # the task's image has its files
 
     @contextlib.asynccontextmanager
     async def episode(self, task: Task, workdir: Path) -> AsyncIterator[str]:
@@ -283,10 +370,10 @@ class AutoBackend:
 
     bwrap: BwrapBackend = dataclasses.field(default_factory=BwrapBackend)
     container: ContainerBackend = dataclasses.field(default_factory=ContainerBackend)
-    name: str = "auto"
+    name: str = BackendName.AUTO
 
     def kind(self, task: Task) -> str:
-        return "bwrap" if bwrap_first(task, self.bwrap) else "container"
+        return BackendName.BWRAP if bwrap_first(task, self.bwrap) else BackendName.CONTAINER
 
     def supports(self, task: Task) -> bool:
         return self.refusal(task) is None
@@ -308,20 +395,20 @@ class AutoBackend:
         config: SandboxConfig | None = None,
         ro_binds: tuple[tuple[str, str], ...] = (),
     ) -> AbstractAsyncContextManager[Sandbox]:
-        b: SandboxBackend = self.bwrap if self.kind(task) == "bwrap" else self.container
+        b: SandboxBackend = self.bwrap if self.kind(task) == BackendName.BWRAP else self.container
         return b.open(task, workdir, config=config, ro_binds=ro_binds)
 
     def prepare(self, task: Task, workdir: Path) -> None:
-        if self.kind(task) == "bwrap":
+        if self.kind(task) == BackendName.BWRAP:
             self.bwrap.prepare(task, workdir)
 
     def episode(self, task: Task, workdir: Path) -> AbstractAsyncContextManager[object]:
-        if self.kind(task) == "bwrap":
+        if self.kind(task) == BackendName.BWRAP:
             return contextlib.nullcontext()
         return self.container.episode(task, workdir)
 
     async def reclaim(self, sandbox: Sandbox, workdir: Path) -> None:
-        await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (no uid)
+        await self.bwrap.reclaim(sandbox, workdir)  # a no-op for a container's sandbox (not a BwrapSandbox)
 
     def open_networked(
         self,
@@ -334,23 +421,17 @@ class AutoBackend:
         return self.container.open_networked(task, workdir, config=config, ro_binds=ro_binds)
 
 
-def backend_kind(backend: SandboxBackend, task: Task) -> str:
-    """Where ``task`` runs on ``backend``: "bwrap", "container", or the backend's own name."""
-    kind = getattr(backend, "kind", None)
-    return kind(task) if kind is not None else backend.name
-
-
 def pick_backend(name: str, tasks: list[Task] | None = None, *, agent_network: bool = False) -> SandboxBackend:
     """``auto``: bwrap when ``bwrap_first`` holds for every task, else containers (podman must be installed).
     ``agent_network``: the agent gets the network, which only a container gives."""
-    if agent_network and name == "bwrap":
+    if agent_network and name == BackendName.BWRAP:
         raise ValueError("the agent's network needs the container backend: use --backend container or auto")
-    if name == "container" or agent_network:
+    if name == BackendName.CONTAINER or agent_network:
         images.podman()  # a clear error now if it is missing
         return ContainerBackend(agent_network=agent_network)
-    if name == "bwrap":
+    if name == BackendName.BWRAP:
         return BwrapBackend()
-    if name != "auto":
+    if name != BackendName.AUTO:
         raise ValueError(f"backend must be auto, bwrap or container, got {name!r}")
     bw = BwrapBackend()
     if all(bwrap_first(t, bw) for t in tasks or ()) or not images.podman_available():
@@ -364,10 +445,10 @@ def task_backend(task: Task, choice: str = "auto") -> tuple[str, str]:
     """(backend that would run ``task``, its image status) for ``list``: status is ``-`` (no image),
     ``built``, ``not built`` (built on first use), or why it cannot run (``refused: ...``)."""
     bw = BwrapBackend()
-    if choice == "bwrap" or (choice == "auto" and bwrap_first(task, bw)):
+    if choice == BackendName.BWRAP or (choice == BackendName.AUTO and bwrap_first(task, bw)):
         why = bw.refusal(task)
-        return "bwrap", "-" if why is None else f"refused: {why}"
+        return BackendName.BWRAP, "-" if why is None else f"refused: {why}"
     why = ContainerBackend().refusal(task)
     if why is not None:
-        return "container", f"refused: {why}"
-    return "container", "built" if images.image_exists(images.task_image_tag(task)) else "not built"
+        return BackendName.CONTAINER, f"refused: {why}"
+    return BackendName.CONTAINER, "built" if images.image_exists(images.task_image_tag(task)) else "not built"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from sandbox_agent.backend import BackendName
 from t1async.log import configure
 from t1async.protocol.errors import T1Error
 
@@ -99,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-BACKENDS = ("auto", "bwrap", "container")
+BACKENDS = tuple(b.value for b in BackendName)
 NETWORK_HELP = (
     "containers only: give the verifier the network, so a test script that fetches uv/pytest runs as "
     "written (default: no network; such scripts are replaced by their test files under pytest -rA)"
@@ -199,7 +200,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
 def _cmd_check(a: argparse.Namespace) -> int:
     import random
 
-    from sandbox_agent.backend import pick_backend
+    from sandbox_agent.backend import SandboxBackend, pick_backend
     from sandbox_agent.runner import check_tasks
     from sandbox_agent.tasks import load_tasks
     from sandbox_agent.verifier import VerifierConfig
@@ -209,7 +210,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
     tasks = load_tasks(a.tasks_dir)
     if a.sample and a.sample < len(tasks):
         tasks = random.Random(a.seed).sample(tasks, a.sample)
-    groups: dict[str, tuple[object, list]] = {}  # auto: each task on its backend (backend.bwrap_first)
+    groups: dict[str, tuple[SandboxBackend, list]] = {}  # auto: each task on its backend (backend.bwrap_first)
     skipped = []
     for t in tasks:
         backend = pick_backend(a.backend, [t], agent_network=a.agent_network)
@@ -217,7 +218,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
             groups.setdefault(backend.name, (backend, []))[1].append(t)
         else:
             skipped.append(t)
-            why = getattr(backend, "refusal", lambda t: None)(t) or f"needs image {t.docker_image}"
+            why = backend.refusal(t) or f"needs image {t.docker_image}"
             print(f"skip {t.id:<40} {why}")
 
     async def run_all() -> list:
@@ -226,7 +227,7 @@ def _cmd_check(a: argparse.Namespace) -> int:
             out += await check_tasks(
                 group,
                 backend=backend,
-                concurrency=a.concurrency,  # type: ignore[arg-type]
+                concurrency=a.concurrency,
                 verifier=VerifierConfig(allow_network=a.verifier_network),
             )
         return out
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure(level="warning")  # events go to stderr; stdout carries the report (and --json's last line)
-    if getattr(a, "agent_network", False) and a.backend == "bwrap":
+    if getattr(a, "agent_network", False) and a.backend == BackendName.BWRAP:
         p.error("--agent-network needs a container (--backend container or auto): bwrap gives the agent no network")
     handlers = {
         "synth": _cmd_synth,

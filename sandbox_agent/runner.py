@@ -22,7 +22,8 @@ from typing import Protocol
 import anyio
 
 from sandbox_agent.actions import format_observation
-from sandbox_agent.agent import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn, run_agent
+from sandbox_agent.agent import run_agent
+from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn
 from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.tasks import Task, populate_workdir
@@ -61,12 +62,10 @@ async def prepared_workdir(
 async def _prepare(task: Task, backend: SandboxBackend, wd: Path, stack: contextlib.AsyncExitStack) -> None:
     """Environment files, the Dockerfile's COPYs (bwrap) or the episode's container, then setup.sh."""
     populate_workdir(task, wd)
-    prepare = getattr(backend, "prepare", None)
-    if prepare is not None:  # the task's Dockerfile COPYs (bwrap), or nothing (an image has them)
-        await anyio.to_thread.run_sync(prepare, task, wd)
-    episode = getattr(backend, "episode", None)
-    if episode is not None:  # one container for the whole episode: every session runs in it
-        await stack.enter_async_context(episode(task, wd))
+    # the task's Dockerfile COPYs (bwrap), or nothing (an image has them)
+    await anyio.to_thread.run_sync(backend.prepare, task, wd)
+    # one container for the whole episode (every session runs in it), or nothing (bwrap)
+    await stack.enter_async_context(backend.episode(task, wd))
     if task.setup_script is not None:
         with tempfile.TemporaryDirectory(prefix="t1s-") as tmp:
             shutil.copy2(task.setup_script, Path(tmp) / "setup.sh")

@@ -37,10 +37,10 @@ from typing import Literal
 
 import anyio
 
-from sandbox_agent.backend import SandboxBackend, backend_kind
+from sandbox_agent.backend import BackendName, SandboxBackend
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.tasks import Task
-from sandbox_agent.tbscript import (  # noqa: F401 (harbor_rewards: part of this module's API)
+from sandbox_agent.tbscript import (
     SHIM_DIR,
     TESTS_MOUNT,
     harbor_reward,
@@ -261,7 +261,7 @@ async def verify(
     # network the usual uv/pytest preamble wants) unless the user gave the verifier the network. Where that
     # yields no results (a dependency not in the wheelhouse, `uvx -p 3.13`), and under bwrap (whose host env
     # is not the task's image), it runs what the script means: the test files with pytest -rA, TEST_DIR=/tests.
-    in_container = backend_kind(backend, task) == "container"
+    in_container = backend.kind(task) == BackendName.CONTAINER
     networked = in_container and config.allow_network
     use_script = in_container and task.test_script is not None and (config.run_script or networked)
     if not use_script and not task.test_files and task.format == "tb1":
@@ -289,7 +289,7 @@ async def verify(
         share_read_only(tmp)
         cfg = replace(config.sandbox, output_limit_bytes=config.output_limit_bytes, command_timeout_s=timeout)
         try:
-            opener = backend.open_networked if networked else backend.open  # type: ignore[attr-defined]
+            opener = backend.open_networked if networked else backend.open
             binds = ((str(tests_copy), TESTS_MOUNT),) + (((str(house), WHEELHOUSE),) if house else ())
             if use_script and not networked:
                 write_shims(tmp / "bin")

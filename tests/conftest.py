@@ -56,8 +56,8 @@ def repo_env():
 @pytest.fixture
 def nats_raw_publish():
     """``await pub(url, subject, data, headers=None)``: publish raw bytes over a bare TCP connection speaking the
-    NATS protocol (PUB/HPUB), as a misbehaving client would (t1async.testing.transport.raw_publish)."""
-    from t1async.testing.transport import raw_publish
+    NATS protocol (PUB/HPUB), as a misbehaving client would (t1async.testing.harness.raw_publish)."""
+    from t1async.testing.harness import raw_publish
 
     return raw_publish
 

@@ -9,11 +9,11 @@ import anyio
 import pytest
 
 from actors.actor import ActorConfig, run_actor
-from sandbox_agent.agent import AgentConfig
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.synth import generate
 from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

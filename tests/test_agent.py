@@ -14,7 +14,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox_agent.agent import AgentConfig, TurnResult, initial_messages, run_agent
+from sandbox_agent.agent import initial_messages, run_agent
+from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.context import ContextConfig
 from sandbox_agent.runner import run_episode
 from sandbox_agent.sandbox import ExecResult, MemorySandbox

@@ -21,7 +21,7 @@ from sandbox_agent import images
 from sandbox_agent.backend import AutoBackend, ContainerBackend, pick_backend
 from sandbox_agent.runner import prepared_workdir
 from sandbox_agent.sandbox import SandboxConfig
-from sandbox_agent.sandbox.container import OWNER_LABEL, reap_orphans
+from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, reap_orphans
 from sandbox_agent.tasks import load_task
 
 TB = Path(__file__).resolve().parent / "tb_tasks"

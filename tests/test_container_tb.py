@@ -90,7 +90,7 @@ async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
 ) -> None:
     import shutil
 
-    from sandbox_agent.sandbox.container import ContainerLimits
+    from sandbox_agent.sandbox.lifecycle import ContainerLimits
     from sandbox_agent.verifier import VerifierConfig
 
     backend = ContainerBackend(config=FAST, limits=ContainerLimits(disk_bytes=16 << 20))

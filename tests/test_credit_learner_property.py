@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 
 from actors.records import TurnEncoder
-from sandbox_agent.agent import TurnResult
+from sandbox_agent.agent_types import TurnResult
 from t1async.credits.client import CreditClient
 from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

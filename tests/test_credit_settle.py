@@ -7,18 +7,18 @@ import random
 
 import pytest
 
-from t1async.credits.ledger import SETTLE_REASONS, CreditLedger
+from t1async.credits.ledger import CreditLedger, SettleReason
 
 
-def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
-    """One delivered turn is never settled; 3,000 steps later the ledger holds that ticket and the work in
-    flight, not every ticket granted since (the old grant-order deque held ~48k here)."""
+def test_a_stuck_credit_does_not_pin_the_ledger_over_a_long_run():
+    """One delivered turn is never settled; 3,000 steps later the ledger holds that credit and the work in
+    flight, not every credit granted since (the old grant-order deque held ~48k here)."""
     B, eta = 16, 1
     led = CreditLedger(max_staleness=eta, batch_turns=B, lease_s=1e9)
     rng = random.Random(0)
     now, ep = 0.0, 0
     sizes = []
-    reasons = [r for r in SETTLE_REASONS if r != "trained"]
+    reasons = [r for r in SettleReason if r is not SettleReason.TRAINED]
     for step in range(3000):
         batch = []
         while (g := led.try_grant("a", f"e{ep}", 1, now, turn=0)) is not None:
@@ -43,7 +43,7 @@ def test_a_stuck_ticket_does_not_pin_the_ledger_over_a_long_run():
     assert led.stats.granted > 40_000
     assert max(sizes[100:]) <= 1 + (eta + 1) * B, max(sizes)
     assert led.size == 1 and led.due(led.version) == [stuck]
-    assert all(led.stats.settled[r] > 0 for r in SETTLE_REASONS)
+    assert all(led.stats.settled[r] > 0 for r in SettleReason)
     assert sum(led.stats.settled.values()) == led.stats.delivered - 1
 
 
@@ -118,7 +118,8 @@ def _turn(ep, t, inp, out, *, prev=None, digest=None):
 
 
 def test_the_assembler_names_every_turn_that_will_never_reach_a_segment():
-    from t1async.ingest.assembly import Assembler, AssemblerConfig
+    from t1async.ingest.assembly import Assembler
+    from t1async.ingest.episode import AssemblerConfig
     from t1async.protocol import wire
 
     asm = Assembler(AssemblerConfig(max_pending_turns=2))

@@ -12,8 +12,9 @@ import torch
 import trio
 
 from t1async.model.config import MoEConfig
-from t1async.model.engine import Engine, EngineConfig, GenRequest
+from t1async.model.engine import Engine
 from t1async.model.moe import MoETransformer
+from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained, save_pretrained
 from t1async.protocol.errors import ConfigError, SamplerError, SamplerRequestError

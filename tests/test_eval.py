@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandbox_agent.agent import AgentConfig
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.runner import render_command, solution_chunks
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from t1async.eval.stats import bootstrap_ci, by_family, pass_at_k, summarise, task_scores
+from t1async.eval.stats import bootstrap_ci, by_family, mean_ci, paired_diff, pass_at_k, summarise, task_scores
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(5, 0, 1), (5, 2, 1), (5, 2, 2), (6, 3, 4), (4, 4, 3), (7, 1, 7)])
@@ -57,3 +57,22 @@ def test_summary_weighs_every_task_the_same_and_splits_by_family():
     assert 0.0 <= lo <= s["pass@1"]["mean"] <= hi <= 1.0
     fam = by_family(scores)
     assert set(fam) == {"f", "g"} and fam["f"]["pass@1"]["mean"] == pytest.approx(0.75) and fam["g"]["tasks"] == 1
+
+
+def test_paired_diff_resamples_tasks_with_both_their_values():
+    rng = np.random.default_rng(1)
+    before = {f"t{i}": float(x) for i, x in enumerate(rng.random(30))}
+    after = {t: v + 0.1 + 0.05 * rng.standard_normal() for t, v in before.items()}
+    after["only-after"] = 5.0  # a task one side lacks is left out
+    d = paired_diff(before, after, seed=3)
+    diffs = np.array([after[t] - before[t] for t in sorted(before)])
+    # the paired bootstrap by hand: tasks resampled, the mean difference of each resample, its 2.5/97.5 %
+    means = diffs[np.random.default_rng(3).integers(0, diffs.size, size=(4000, diffs.size))].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    assert d["tasks"] == 30 and d["mean"] == pytest.approx(diffs.mean())
+    assert d["ci95"] == pytest.approx([lo, hi], abs=1e-12)
+    # paired: far narrower than the spread of either side alone
+    assert d["ci95"][1] - d["ci95"][0] < 0.5 * np.subtract(*bootstrap_ci(list(before.values()))[::-1])
+    none = paired_diff({}, after)
+    assert none["tasks"] == 0 and math.isnan(none["mean"]) and all(map(math.isnan, none["ci95"]))
+    assert mean_ci([1.0, 3.0], seed=0)["mean"] == 2.0

@@ -12,7 +12,7 @@ import pytest
 
 from t1async.ingest.journal import read_journal
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

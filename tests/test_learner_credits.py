@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import anyio
 
+from t1async.credits.client import CREDIT_SUBJECT
 from t1async.credits.ledger import CreditGate, CreditLedger
-from t1async.credits.server import CREDIT_SUBJECT, CreditServer
+from t1async.credits.server import CreditServer
 from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import RequestTimeoutError

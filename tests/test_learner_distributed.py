@@ -16,7 +16,8 @@ from test_trainer import sampled_segment, tiny
 from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
 from t1async.learner.ranks import Ranks, RanksConfig
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 
 # several micro-batches per rank, and a different number on each rank
 TCFG = TrainerConfig(lr=1e-2, microbatch_tokens=64, ppo_epochs=2)

@@ -16,13 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from actors.actor import ActorConfig, run_actor
-from sandbox_agent.agent import AgentConfig, TurnResult, run_agent
+from sandbox_agent.agent import run_agent
+from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObservations, make_policy
 from sandbox_agent.sandbox import MemorySandbox
 from sandbox_agent.synth import generate
 from sandbox_agent.verifier import VerifyResult
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from t1async.model.attention import rotary_angles
 from t1async.model.config import MoEConfig
 from t1async.model.kvcache import KVCache
-from t1async.model.moe import MoETransformer, rotary_angles
+from t1async.model.moe import MoETransformer
 from t1async.model.weights import default_model_dir, load_pretrained, load_weights_into, save_pretrained
 from t1async.protocol.errors import ConfigError
 

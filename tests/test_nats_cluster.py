@@ -43,7 +43,7 @@ async def get_json(url: str) -> dict:
 
 
 async def stream_info(t: NatsTransport, name: str = "T1_TRAJ"):
-    return await t._bridge.run(t._js.stream_info, name)
+    return await t.stream_info(name)
 
 
 async def test_three_nodes_have_unique_names_routes_and_a_store_each(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from t1async.ingest.validate import ModelLimits, check_turn
 from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
@@ -374,7 +374,7 @@ async def test_over_real_nats_the_dead_letter_stream_keeps_the_record_and_its_re
             await learner.run()
         learner.journal.close()
         # read back from JetStream's T1_DEAD, as an operator would (nats stream get T1_DEAD --last-for ...)
-        msg = await t._bridge.run(t._js.get_last_msg, "T1_DEAD", "t1.dead.logprob")
+        msg = await t.last_message("T1_DEAD", "t1.dead.logprob")
     assert learner.state.step == 1 and not learner.state.was_trained("nan-ep", 1)
     assert msg.headers[HDR_DEAD_REASON] == "logprob" and "nan-ep#1" in msg.headers[HDR_DEAD_ERROR]
     assert wire.records_equal(wire.decode(msg.data), recs[1])

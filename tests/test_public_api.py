@@ -48,3 +48,70 @@ def test_all_is_declared_and_true(name):
     init = ROOT.joinpath(*name.split("."), "__init__.py")
     missing = defined_names(init) - set(exported)
     assert not missing, f"{name}: public names defined in __init__ but not in __all__: {sorted(missing)}"
+
+
+MODULES = sorted(
+    p
+    for top in ("t1async", "actors", "sandbox_agent", "bench")
+    for p in (ROOT / top).rglob("*.py")
+    if "fixtures" not in p.parts and p.name != "__init__.py"
+)
+
+
+def imported_names(tree: ast.Module) -> dict[str, str]:
+    """Names a module binds by a top-level ``from M import N``: name -> M."""
+    return {
+        a.asname or a.name: node.module or ""
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
+
+
+def test_a_module_exports_only_what_it_defines():
+    """No re-exports outside a package's ``__init__``: a name has one import path, the module that defines it
+    (old paths kept "for compatibility" were removed, and must not come back)."""
+    shims = []
+    for path in MODULES:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        exported: list[str] = []
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                exported = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+        imported = imported_names(tree)
+        shims += [f"{path.relative_to(ROOT)}: {n} (from {imported[n]})" for n in exported if n in imported]
+    assert not shims, shims
+
+
+def bound_names(tree: ast.Module) -> set[str]:
+    """Names a module binds itself at top level (def, class, assignment), also under if/try."""
+    names: set[str] = set()
+    for top in tree.body:
+        for node in [top, *(ast.walk(top) if isinstance(top, (ast.If, ast.Try)) else [])]:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_every_import_names_the_module_that_defines_it():
+    """``from M import N`` (code, tests, bench) where M is a module, not a package: M defines N, it does not
+    merely import it from elsewhere."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in MODULES}
+    trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in modules.items()}
+    defined = {m: bound_names(t) for m, t in trees.items()}
+    users = [*MODULES, *sorted((ROOT / "tests").glob("*.py"))]
+    through = []
+    for path in users:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in trees:
+                through += [
+                    f"{path.relative_to(ROOT)}: {a.name} from {node.module}"
+                    for a in node.names
+                    if a.name not in defined[node.module] and a.name in imported_names(trees[node.module])
+                ]
+    assert not through, through

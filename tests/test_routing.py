@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.ingest.assembly import Assembler, AssemblerConfig
+from t1async.ingest.assembly import Assembler
+from t1async.ingest.episode import AssemblerConfig
 from t1async.ingest.routing import (
     RouteTrack,
     RoutingError,
@@ -235,10 +236,11 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
     import trio
 
     from actors.records import TurnEncoder
-    from sandbox_agent.agent import TurnResult
+    from sandbox_agent.agent_types import TurnResult
     from t1async.model.config import MoEConfig
-    from t1async.model.engine import Engine, EngineConfig, GenRequest
+    from t1async.model.engine import Engine
     from t1async.model.moe import MoETransformer
+    from t1async.model.records import EngineConfig, GenRequest
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import save_pretrained
 

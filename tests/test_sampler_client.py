@@ -15,16 +15,11 @@ import pytest
 
 from t1async.model.config import MoEConfig
 from t1async.model.weights import default_model_dir
-from t1async.protocol.errors import SamplerError, SamplerRequestError
+from t1async.protocol.errors import SamplerError, SamplerRequestError, SamplerVersionError
 from t1async.protocol.sampling import SamplingParams
-from t1async.sampler.client import (
-    SamplerClosedError,
-    SamplerVersionError,
-    SGLangClient,
-    parse_generation,
-    parse_weight_version,
-)
+from t1async.sampler.client import SamplerClosedError, SGLangClient
 from t1async.sampler.memory import MemorySampler
+from t1async.sampler.response import parse_generation, parse_weight_version
 from t1async.testing.sampler import check_sampler
 
 CFG = MoEConfig.load(default_model_dir())

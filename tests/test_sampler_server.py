@@ -403,7 +403,8 @@ def test_streamed_text_holds_back_partial_characters(tok):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from t1async.sampler.requests import SGLANG_DEFAULTS, GenerateInput, ResponseState
+    from t1async.sampler.requests import SGLANG_DEFAULTS, GenerateInput
+    from t1async.sampler.response import ResponseState
 
     ids = tok.encode("héllo 世界 ✓ ok 🙂!")
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids))), "no split character"
@@ -439,10 +440,10 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     version that produced it (our meta_info extension), the client reads them as ints, and the turn record
     and the learner's segment keep them per token, with policy_version the oldest."""
     from actors.records import TurnEncoder
-    from sandbox_agent.agent import TurnResult
+    from sandbox_agent.agent_types import TurnResult
     from t1async.ingest.assembly import Assembler
     from t1async.protocol import wire
-    from t1async.sampler.client import parse_generation
+    from t1async.sampler.response import parse_generation
 
     new = load_pretrained(default_model_dir())
     with torch.no_grad():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from sandbox_agent.agent import AgentConfig, run_agent
+from sandbox_agent.agent import run_agent
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.sandbox.memory import MemorySandbox
 from sandbox_agent.verifier import VerifyResult
 from t1async.model.config import MoEConfig

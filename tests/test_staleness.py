@@ -41,11 +41,11 @@ def test_lease_expiry_releases_unused_credits_and_late_turns_are_unadmitted():
 
 def test_training_order_waits_for_due_turns_and_names_them():
     led = CreditLedger(max_staleness=1, batch_turns=2, lease_s=100.0)
-    led.try_grant("a", "e1", 2, now=0.0)  # tickets 0, 1
-    led.try_grant("b", "e2", 2, now=0.0)  # tickets 2, 3
+    led.try_grant("a", "e1", 2, now=0.0)  # credits 0, 1
+    led.try_grant("b", "e2", 2, now=0.0)  # credits 2, 3
     for t in range(2):
         led.on_delivered("e2", t, now=1.0)
-    # step 0 must train the first 2 tickets (e1's), which are still running
+    # step 0 must train the first 2 credits (e1's), which are still running
     assert not led.can_train(0) and led.due(0) == []
     led.on_delivered("e1", 0, now=2.0)
     assert not led.can_train(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.staleness import summarise
+from bench._overlap import summarise
 
 
 def learner(t, step, turns, t_step_s, **kw):
@@ -127,7 +127,7 @@ def test_bad_cpu_lists_are_one_line_errors(tmp_path):
 
 
 def test_sampler_idle_from_its_own_busy_accounting():
-    from bench.staleness import sampler_idle
+    from bench._overlap import sampler_idle
 
     # (wall time, busy_s, uptime_s): outside the window [10, 20] the sampler was idle; inside, busy 6 s of 8
     samples = [(5.0, 0.0, 1.0), (11.0, 1.0, 7.0), (15.0, 4.0, 11.0), (19.0, 7.0, 15.0), (25.0, 7.0, 21.0)]
@@ -137,7 +137,7 @@ def test_sampler_idle_from_its_own_busy_accounting():
 
 
 def test_overlap_sets_async_beside_the_bound():
-    from bench.staleness import overlap
+    from bench._overlap import overlap
 
     sync = {
         "eta": 0,
@@ -164,7 +164,7 @@ def test_learner_pid_and_cpu_seconds_from_proc(tmp_path):
     import os
     import time
 
-    from bench.staleness import component_pid, cpu_s
+    from bench._overlap import component_pid, cpu_s
 
     assert component_pid(tmp_path, "learner") is None  # before cluster up wrote its state
     (tmp_path / "cluster.json").write_text(json.dumps({"components": {"learner": {"pid": os.getpid()}}}))
@@ -178,7 +178,7 @@ def test_learner_pid_and_cpu_seconds_from_proc(tmp_path):
 
 
 def test_why_names_each_measured_reason():
-    from bench.staleness import overlap, why
+    from bench._overlap import overlap, why
 
     base = {"tokens_per_turn": 276.0, "train_s_per_ktok": 1.36, "learner_cpu_share": 0.95}
     sync = {

@@ -160,6 +160,6 @@ def test_a_bad_resource_size_says_which_field(tmp_path: Path) -> None:
     ],
 )
 def test_harbor_reward_files_are_read(text: str, rewards: dict | None, reward: float | None) -> None:
-    from sandbox_agent.verifier import harbor_reward, harbor_rewards
+    from sandbox_agent.tbscript import harbor_reward, harbor_rewards
 
     assert harbor_rewards(text) == rewards and harbor_reward(text) == reward

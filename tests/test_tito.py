@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from t1async.ingest import tito
-from t1async.ingest.assembly import Assembler, AssemblerConfig
+from t1async.ingest.assembly import Assembler
+from t1async.ingest.episode import AssemblerConfig
 from t1async.ingest.tito import Boundary, Segment, check_input, classify, hash_update, new_hasher
 from t1async.learner import ppo
 from t1async.protocol import wire

@@ -15,7 +15,8 @@ from t1async.ingest.tito import Segment
 from t1async.learner import ppo
 from t1async.learner.batch import BatchError
 from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 
@@ -188,7 +189,8 @@ def test_bad_segments_are_rejected_with_the_reason():
 
 
 async def test_checkpoint_loads_in_the_engine_and_resumes(tmp_path):
-    from t1async.model.engine import Engine, EngineConfig, GenRequest
+    from t1async.model.engine import Engine
+    from t1async.model.records import EngineConfig, GenRequest
     from t1async.model.weights import save_pretrained
 
     model = tiny()
@@ -365,7 +367,7 @@ def test_all_positive_rewards_still_lower_the_worse_replies_tokens():
 def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
     """With ``critic="detached"`` the value loss trains the value head only: the trunk and the LM head move the
     same whatever ``value_coef`` is (with a shared critic they do not), and the value head still learns."""
-    from t1async.learner.trainer import ConfigError
+    from t1async.protocol.errors import ConfigError
 
     toks = np.random.default_rng(5).integers(0, CFG.vocab_size, size=60)
     runs = []

@@ -15,16 +15,8 @@ import pytest
 
 from t1async.protocol import wire
 from t1async.protocol.errors import TransportError
-from t1async.testing.transport import (
-    TRANSPORT_CHECKS,
-    MemoryHarness,
-    check_transport,
-    end,
-    memory_harness,
-    nats_harness,
-    start,
-    turn,
-)
+from t1async.testing.harness import MemoryHarness, end, memory_harness, nats_harness, start, turn
+from t1async.testing.transport import TRANSPORT_CHECKS, check_transport
 from t1async.transport import (
     MemoryBroker,
     MemoryTransport,

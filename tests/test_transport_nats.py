@@ -17,7 +17,8 @@ import pytest
 
 from t1async.protocol import wire
 from t1async.protocol.errors import TransportError
-from t1async.testing.transport import end, start, take, turn
+from t1async.testing.harness import end, start, turn
+from t1async.testing.transport import take
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.transport.natsd import NatsServer, free_port
 

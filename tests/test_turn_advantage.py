@@ -12,7 +12,8 @@ import torch
 
 from t1async.ingest.tito import Segment
 from t1async.learner import ppo
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol.errors import ConfigError
 from tests.test_trainer import CFG, _advantages_fed_to_the_loss, sampled_segment, tiny
 

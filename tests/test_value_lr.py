@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from t1async.learner import ppo
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol.errors import ConfigError
 from tests.test_trainer import CFG, sampled_segment, tiny
 

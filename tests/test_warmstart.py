@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.learning import learning_curve, paired_diff
+from bench.learning_stats import column, learning_curve
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
 from sandbox_agent.tasks import load_task
 from t1async.cluster.config import from_args
 from t1async.cluster.flags import add_up_arguments
+from t1async.eval.stats import paired_diff
 from t1async.model.config import MoEConfig
 from t1async.protocol.errors import ConfigError
 from t1async.recipes import warmstart
@@ -130,9 +131,9 @@ def test_learning_curve_and_paired_diff(tmp_path):
     assert c[1]["resolved_rate"] == 1.0 and c[1]["tests_per_episode"] == 4.0
     before = {f"t{i}": (0.0, 1.0) for i in range(20)}
     after = {f"t{i}": (1.0 if i % 2 else 0.0, 2.0) for i in range(20)}
-    d = paired_diff(before, after, 0)
+    d = paired_diff(column(before, 0), column(after, 0))
     assert d["mean"] == 0.5 and 0.2 < d["ci95"][0] < 0.5 < d["ci95"][1] < 0.8
-    assert paired_diff(before, after, 1) == {"mean": 1.0, "ci95": [1.0, 1.0], "tasks": 20}
+    assert paired_diff(column(before, 1), column(after, 1)) == {"mean": 1.0, "ci95": [1.0, 1.0], "tasks": 20}
 
 
 def test_eval_cli_says_when_the_system_prompt_file_is_missing(tmp_path, capsys):

@@ -150,11 +150,11 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
     sampler process that the actor samples from: every step's version reaches the sampler over the gloo
     group, and the sampler ends with exactly the weights of the learner's last checkpoint."""
     from actors.actor import ActorConfig, run_actor
-    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.agent_types import AgentConfig
     from sandbox_agent.synth import generate
     from t1async.learner.checkpoint import latest_checkpoint
     from t1async.learner.service import Learner, LearnerConfig
-    from t1async.learner.trainer import TrainerConfig
+    from t1async.learner.trainer_config import TrainerConfig
     from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
@@ -235,7 +235,8 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
 async def test_a_pause_without_continue_ends_by_itself_and_drops_that_push():
     """A trainer that dies mid-push must not stall every actor: the pause expires, the old weights serve,
     and the rest of that push is refused until the next pause; a whole push then works."""
-    from t1async.sampler.server import ServerConfig, serve
+    from t1async.sampler.app import ServerConfig
+    from t1async.sampler.server import serve
 
     with anyio.fail_after(240):  # without the expiry the held request would wait forever
         await _expiring_pause(serve, ServerConfig)

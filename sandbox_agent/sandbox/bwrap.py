@@ -57,7 +57,6 @@ from sandbox_agent.sandbox.base import (
     OutputBuffer,
     SandboxClosedError,
     SandboxConfig,
-    SandboxError,
     SandboxStartError,
     exec_result,
     exec_timeout,
@@ -66,6 +65,7 @@ from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
 from sandbox_agent.sandbox.shell import Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
+from t1async.protocol.errors import SandboxError
 
 log = structlog.get_logger("sandbox_agent.sandbox")
 

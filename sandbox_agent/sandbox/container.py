@@ -28,7 +28,6 @@ from sandbox_agent.sandbox.base import (
     OutputBuffer,
     SandboxClosedError,
     SandboxConfig,
-    SandboxError,
     SandboxStartError,
     exec_result,
     exec_timeout,
@@ -36,12 +35,13 @@ from sandbox_agent.sandbox.base import (
 from sandbox_agent.sandbox.hostpids import host_pid as _host_pid
 from sandbox_agent.sandbox.hostpids import session as _session
 from sandbox_agent.sandbox.hostpids import signal_pid as _signal
-from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, ContainerLimits, _podman, reap_orphans, start_container
+from sandbox_agent.sandbox.lifecycle import podman_call
 from sandbox_agent.sandbox.shell import DRIVER, Done, ShellChannel, ShellEOF
 from sandbox_agent.sandbox.spawn import HostProcess, spawn
 from t1async.log import get_logger
+from t1async.protocol.errors import SandboxError
 
-__all__ = ["OWNER_LABEL", "ContainerLimits", "ContainerSandbox", "reap_orphans", "start_container"]
+__all__ = ["ContainerSandbox"]
 
 log = get_logger("sandbox_agent.sandbox.container")
 
@@ -73,12 +73,12 @@ class ContainerSandbox:
     ) -> AsyncIterator[ContainerSandbox]:
         """A shell session in ``container`` (cwd ``workdir``), after copying host dirs in (``copies``)."""
         for host, inside in copies:
-            rc, _, err = await _podman([podman, "exec", container, "rm", "-rf", inside], env)
-            rc, _, err = await _podman([podman, "cp", host, f"{container}:{inside}"], env)
+            rc, _, err = await podman_call([podman, "exec", container, "rm", "-rf", inside], env)
+            rc, _, err = await podman_call([podman, "cp", host, f"{container}:{inside}"], env)
             if rc != 0:
                 raise SandboxStartError(f"podman cp {host} -> {inside} failed: {err.decode(errors='replace')[-500:]}")
         sb = cls(podman, env, container, workdir, config)
-        rc, _, _ = await _podman([podman, "exec", container, "sh", "-c", "command -v prlimit"], env)
+        rc, _, _ = await podman_call([podman, "exec", container, "sh", "-c", "command -v prlimit"], env)
         sb._has_prlimit = True if rc == 0 else None
         try:
             await sb._start()
@@ -239,7 +239,7 @@ class ContainerSandbox:
     async def _host_shell_pid(self) -> int | None:
         """The shell's pid as the host sees it (rootful podman: the container's processes are ours)."""
         if self._host_shell is None and self._shell_pid is not None:
-            rc, out, _ = await _podman(
+            rc, out, _ = await podman_call(
                 [self.podman, "inspect", "--format", "{{.State.Pid}}", self.container], self._env
             )
             init = int(out.decode().strip() or 0) if rc == 0 else 0
@@ -252,7 +252,8 @@ class ContainerSandbox:
     async def read_file(self, path: str) -> bytes:
         if self._closed:
             raise SandboxClosedError("read_file() on a closed sandbox")
-        rc, out, err = await _podman([self.podman, "exec", self.container, "cat", "--", self._path(path)], self._env)
+        argv = [self.podman, "exec", self.container, "cat", "--", self._path(path)]
+        rc, out, err = await podman_call(argv, self._env)
         if rc != 0:
             raise SandboxError(
                 f"read_file({path!r}) in container {self.container}: {err.decode(errors='replace')[-300:]}"
@@ -266,7 +267,7 @@ class ContainerSandbox:
             raise TypeError(f"write_file data must be bytes, got {type(data).__name__}")
         p = self._path(path)
         script = f"mkdir -p -- {shlex.quote(os.path.dirname(p) or '/')} && cat > {shlex.quote(p)}"
-        rc, _, err = await _podman(
+        rc, _, err = await podman_call(
             [self.podman, "exec", "-i", self.container, "sh", "-c", script], self._env, stdin=bytes(data)
         )
         if rc != 0:

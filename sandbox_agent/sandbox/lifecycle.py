@@ -48,9 +48,10 @@ class ContainerLimits:
     disk_bytes: int | None = None
 
 
-async def _podman(
+async def podman_call(
     argv: list[str], env: dict[str, str], *, timeout: float = 120, stdin: bytes | None = None
 ) -> tuple[int, bytes, bytes]:
+    """Run podman (``argv`` from the binary on) without blocking the event loop: (exit code, stdout, stderr)."""
     # conmon (which `podman run -d` leaves behind) writes an `oom` file into its cwd when the container is
     # OOM-killed: run podman from a scratch dir of ours, not from wherever the user is
     scratch = Path(tempfile.gettempdir()) / "t1async-podman"
@@ -66,7 +67,7 @@ async def reap_orphans(podman: str, env: dict[str, str], *, min_age_s: float = 6
     that hung and was abandoned leaves those behind. Only ones older than ``min_age_s`` count, so a
     container another process is starting right now is left alone."""
     strays = conmons(min_age_s)
-    rc, out, _ = await _podman([podman, "ps", "-a", "--format", "{{.ID}} {{.Names}} {{.Labels}}"], env)
+    rc, out, _ = await podman_call([podman, "ps", "-a", "--format", "{{.ID}} {{.Names}} {{.Labels}}"], env)
     dead: list[str] = []
     known: set[str] = set()
     for line in out.decode().splitlines():
@@ -84,7 +85,7 @@ async def reap_orphans(podman: str, env: dict[str, str], *, min_age_s: float = 6
         if pid is not None and not os.path.exists(f"/proc/{pid}"):
             dead.append(cid)
     if dead:
-        await _podman([podman, "rm", "-f", "-t", "0", *dead], env)
+        await podman_call([podman, "rm", "-f", "-t", "0", *dead], env)
         log.warning("container.orphans_removed", containers=dead)
     if rc == 0:  # an unreadable list knows no container: kill nothing on it
         for pid, name in strays.items():
@@ -131,7 +132,7 @@ async def start_container(
         for path in tmpfs:
             argv += ["--mount", f"type=tmpfs,destination={path},tmpfs-size={limits.disk_bytes},tmpcopyup"]
     try:
-        rc, out, err = await _podman([*argv, image, "sleep", "infinity"], env)
+        rc, out, err = await podman_call([*argv, image, "sleep", "infinity"], env)
     except BaseException:  # timed out (a hung runtime) or cancelled: leave neither container nor runtime behind
         with anyio.CancelScope(shield=True):
             await _abandon(podman, env, name)
@@ -162,14 +163,14 @@ async def start_container(
             if guard is not None:
                 guard.kill()
                 await guard.aclose()
-            await _podman([podman, "rm", "-f", "-t", "0", name], env)
+            await podman_call([podman, "rm", "-f", "-t", "0", name], env)
 
 
 async def _abandon(podman: str, env: dict[str, str], name: str) -> None:
     """Clean up a start that failed or hung: the container if podman recorded it, its conmon and runc init
     if they were left running (``podman ps`` does not list such a container, so ``rm`` alone misses them)."""
     try:
-        await _podman([podman, "rm", "-f", "-t", "0", name], env, timeout=60)
+        await podman_call([podman, "rm", "-f", "-t", "0", name], env, timeout=60)
     except (TimeoutError, OSError):
         pass
     for pid in conmons(0.0, name):

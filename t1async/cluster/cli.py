@@ -23,6 +23,7 @@ import httpx
 from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, is_ours
 from t1async.log import configure
 from t1async.protocol.errors import ConfigError, T1Error
+from t1async.signals import cancel_on_stop
 
 EXIT_NOT_RUNNING = 3
 
@@ -226,10 +227,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(tail, cfg, sys.stdout, sys.stderr)
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    tg.cancel_scope.cancel()
-                    return
+            await cancel_on_stop(tg.cancel_scope)
 
     _run(main)
     return 0

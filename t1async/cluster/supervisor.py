@@ -28,6 +28,7 @@ from anyio.abc import TaskStatus
 from t1async.cluster.state import ClusterState, is_ours, proc_info
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError, ServerStartError
+from t1async.signals import STOP, next_signal, receive, set_handlers
 from t1async.transport.natsd import NatsServer
 
 log = get_logger("cluster")
@@ -84,7 +85,7 @@ class Supervisor:
         self.state.save()
         # a closed terminal (SIGHUP) must not kill the supervisor while its components run in their own
         # sessions: they would be orphaned. It is ignored while starting and stopping, a stop request between.
-        saved = _set_handlers({signal.SIGHUP: signal.SIG_IGN})
+        saved = set_handlers({signal.SIGHUP: signal.SIG_IGN})
         try:
             for job in self.config.before:
                 await self._run_oneshot(job)
@@ -125,7 +126,7 @@ class Supervisor:
                         await tg.start(self._run_process, spec, nats_url, tg.cancel_scope)
                     # the stop signals are caught before the run dir says "running": whoever reads that and
                     # hangs up or runs `down` at once must not hit the ignored-while-starting window
-                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+                    with receive(*STOP, signal.SIGHUP) as signals:
                         self.state.status = "running"
                         self.state.save()
                         log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
@@ -141,7 +142,7 @@ class Supervisor:
                     saved.update(
                         {
                             k: v
-                            for k, v in _set_handlers(
+                            for k, v in set_handlers(
                                 {signal.SIGHUP: signal.SIG_IGN, signal.SIGINT: signal.SIG_IGN}
                             ).items()
                             if k not in saved
@@ -154,7 +155,7 @@ class Supervisor:
             self.state.status = "stopped"
             self.state.components.clear()
             self.state.save()
-            _set_handlers(saved)
+            set_handlers(saved)
         log.info("cluster.down", run_dir=str(run_dir), failed=self.failed)
         why = self.failed or self.finished
         print(f"cluster stopped{': ' + why if why else ''}", flush=True)
@@ -174,9 +175,9 @@ class Supervisor:
     async def _wait_for_stop(self, signals: AsyncIterator[int]) -> None:
         duration = self.config.duration_s if self.config.duration_s is not None else math.inf
         with anyio.move_on_after(duration):
-            async for sig in signals:
-                log.info("cluster.signal", signal=signal.Signals(sig).name)
-                return
+            sig = await next_signal(signals)
+            log.info("cluster.signal", signal=sig.name)
+            return
         log.info("cluster.duration_elapsed", duration_s=duration)
 
     async def _run_process(
@@ -277,17 +278,6 @@ class Supervisor:
         if proc.returncode != 0:
             raise ServerStartError(f"{job.name} failed with exit code {proc.returncode}; see {path}")
         print(f"{job.name}: done", flush=True)
-
-
-def _set_handlers(handlers: Mapping[signal.Signals, Any]) -> dict[signal.Signals, Any]:
-    """Install signal handlers; returns the previous ones (none off the main thread, where Python forbids it)."""
-    old: dict[signal.Signals, Any] = {}
-    for sig, handler in handlers.items():
-        try:
-            old[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
-    return old
 
 
 def python_module(module: str, *args: str) -> list[str]:

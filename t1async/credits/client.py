@@ -18,7 +18,7 @@ from t1async.protocol.sampling import Generation, Sampler, SamplingParams
 from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport.base import NoRespondersError, RequestTimeoutError, Transport
 
-CREDIT_SUBJECT = "t1.credit"
+CREDIT_SUBJECT = "t1.credit"  # the learner's CreditServer serves it; actors request credits on it
 log = get_logger("t1async.credits.client")
 
 
@@ -84,7 +84,7 @@ class CreditedSampler:
     by the learner when the ``end`` arrives.
 
     ``wait_turn()`` takes the next turn's credit ahead of ``generate``: the agent calls it outside its wall
-    clock (``sandbox_agent.agent.TurnGate``), because the learner's backpressure pauses the episode; it is
+    clock (``sandbox_agent.agent_types.TurnGate``), because the learner's backpressure pauses the episode; it is
     not time the agent spent."""
 
     def __init__(self, inner: Sampler, credits: CreditClient, episode: str) -> None:

@@ -4,34 +4,35 @@ passed in; ``CreditGate`` at the bottom is the thin anyio layer that holds a req
 Definitions (η = ``max_staleness``, B = ``batch_turns``, v = the version the samplers *serve*, v0 = the
 version when the ledger started):
 
-- a **credit** (ticket) admits one turn; tickets are ordered by grant time;
-- ``running``  = tickets granted, not yet delivered, not expired and not released;
-- ``accepted`` = tickets delivered and trained or still waiting to be settled (cumulative since start);
-- a ticket whose lease ran out before delivery (the actor never used it), or whose actor went silent
+- a **credit** admits one turn (a ``Credit`` here); credits are ordered by grant time (see the glossary in
+  ``t1async.credits``);
+- ``running``  = credits granted, not yet delivered, not expired and not released;
+- ``accepted`` = credits delivered and trained or still waiting to be settled (cumulative since start);
+- a credit whose lease ran out before delivery (the actor never used it), or whose actor went silent
   (``release_actor``), is released: it leaves ``running`` and does not count in ``accepted``;
-- every delivered ticket is **settled** exactly once (``settle``) with a reason: ``trained``,
-  ``stale_masked``, ``realign_dropped``, ``poisoned`` or ``abandoned``. A ticket settled without training
+- every delivered credit is **settled** exactly once (``settle``) with a reason: ``trained``,
+  ``stale_masked``, ``realign_dropped``, ``poisoned`` or ``abandoned``. A credit settled without training
   leaves ``accepted`` like a released one: its capacity goes back to the actors.
 
-**Admission**: grant while ``accepted + running < (η + (v - v0) + 1) · B``. A ticket's **rank** is
+**Admission**: grant while ``accepted + running < (η + (v - v0) + 1) · B``. A credit's **rank** is
 ``accepted + running`` when it is granted; its **deadline** is ``v0 + rank // B``.
 
 **Training order**: the learner's step at version s (the step that turns version s into s + 1) must train
-every delivered, unsettled ticket whose deadline is <= s (``due(s)``), may train any other delivered ticket
-too, and may not run while a ticket with deadline <= s is still running (``can_train(s)`` is False; it
+every delivered, unsettled credit whose deadline is <= s (``due(s)``), may train any other delivered credit
+too, and may not run while a credit with deadline <= s is still running (``can_train(s)`` is False; it
 becomes True on delivery, lease expiry or release).
 
-**Why staleness <= η.** A ticket granted while the served version was ``v_g`` has, by admission, rank
+**Why staleness <= η.** A credit granted while the served version was ``v_g`` has, by admission, rank
 ``< (η + v_g - v0 + 1) · B``, so its deadline is ``<= v_g + η``: it is trained by the step at a version
 ``s <= v_g + η``. The sampler served ``u >= v_g`` when it sampled the turn (``on_version(v)`` is called only
 once samplers serve v), so the staleness ``s - u <= η``. Releases and untrained settles only lower the rank
-of later tickets, which keeps the bound. η = 0 is synchronous RL.
+of later credits, which keeps the bound. η = 0 is synchronous RL.
 
-**Bounded.** The ledger holds only live tickets (running, or delivered and unsettled), indexed by deadline:
-a turn that is never settled keeps its own ticket and nothing else, and ``due``/``can_train`` cost
-O(live tickets), however long the run.
+**Bounded.** The ledger holds only live credits (running, or delivered and unsettled), indexed by deadline:
+a turn that is never settled keeps its own credit and nothing else, and ``due``/``can_train`` cost
+O(live credits), however long the run.
 
-A turn delivered with no live ticket (its lease expired, its actor was released, or it sampled without
+A turn delivered with no live credit (its lease expired, its actor was released, or it sampled without
 asking) is *unadmitted*: ``on_delivered`` returns None and the learner must decide (train only if
 ``v - u <= η``).
 """
@@ -41,6 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import anyio
@@ -50,13 +52,41 @@ import numpy as np
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 
-RUNNING, DELIVERED, SETTLED, EXPIRED = "running", "delivered", "settled", "expired"
-SETTLE_REASONS = ("trained", "stale_masked", "realign_dropped", "poisoned", "abandoned")
+
+class CreditState(StrEnum):
+    """Where a granted credit is: running (granted, not delivered), delivered (its turn arrived, not settled),
+    settled, or expired (released before delivery: its lease ran out, or its actor or episode was released)."""
+
+    RUNNING = "running"
+    DELIVERED = "delivered"
+    SETTLED = "settled"
+    EXPIRED = "expired"
+
+
+class SettleReason(StrEnum):
+    """Why a delivered turn was settled (``t1async.credits.settle`` says when each applies). The values are
+    the names in logs and metrics (``settled``: reason -> count)."""
+
+    TRAINED = "trained"
+    STALE_MASKED = "stale_masked"
+    REALIGN_DROPPED = "realign_dropped"
+    POISONED = "poisoned"
+    ABANDONED = "abandoned"
+
+    @classmethod
+    def of(cls, reason: str) -> SettleReason:
+        """``reason`` as a SettleReason (a member, or its string); ValueError names the valid ones."""
+        try:
+            return cls(reason)
+        except ValueError:
+            raise ValueError(f"settle reason {reason!r} is not one of {tuple(r.value for r in cls)}") from None
+
+
 SEEN_MEMORY = 65_536  # delivered keys remembered to ignore redeliveries (they come within an ack wait, seconds)
 
 
 @dataclass(eq=False)
-class Ticket:
+class Credit:
     seq: int
     grant_id: str
     actor: str
@@ -64,9 +94,9 @@ class Ticket:
     version: int  # served version when granted
     expires_at: float
     deadline: int = 0  # the step at this version must settle it (v0 + rank // B)
-    state: str = RUNNING
+    state: CreditState = CreditState.RUNNING
     turn: int = -1  # the turn it was asked for (-1: any), then the turn delivered
-    reason: str = ""  # why it was settled
+    reason: SettleReason | None = None  # why it was settled
 
 
 @dataclass
@@ -74,11 +104,11 @@ class LedgerStats:
     granted: int = 0
     delivered: int = 0
     expired: int = 0  # leases that ran out
-    released: int = 0  # running tickets of a silent actor or a closed episode
+    released: int = 0  # running credits of a silent actor or a closed episode
     unadmitted: int = 0
     trained: int = 0
     held_requests: int = 0  # requests that could not be granted at once (backpressure)
-    settled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SETTLE_REASONS, 0))
+    settled: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in SettleReason})
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "settled": dict(self.settled)}
@@ -99,12 +129,12 @@ class CreditLedger:
         self.running = 0
         self.stats = LedgerStats()
         self._seq = 0
-        self._by_deadline: dict[int, dict[int, Ticket]] = {}  # live tickets (running or delivered, unsettled)
+        self._by_deadline: dict[int, dict[int, Credit]] = {}  # live credits (running or delivered, unsettled)
         self._live = 0
-        self._leases: deque[Ticket] = deque()  # running tickets in grant (= expiry) order, lazily cleaned
-        self._by_episode: dict[str, deque[Ticket]] = {}  # running tickets per episode, in grant order
-        self._delivered: dict[tuple[str, int], Ticket] = {}  # delivered, not yet settled
-        self._seen: OrderedDict[tuple[str, int], Ticket] = OrderedDict()  # redeliveries (at-least-once) are no-ops
+        self._leases: deque[Credit] = deque()  # running credits in grant (= expiry) order, lazily cleaned
+        self._by_episode: dict[str, deque[Credit]] = {}  # running credits per episode, in grant order
+        self._delivered: dict[tuple[str, int], Credit] = {}  # delivered, not yet settled
+        self._seen: OrderedDict[tuple[str, int], Credit] = OrderedDict()  # redeliveries (at-least-once) are no-ops
 
     # -- admission -----------------------------------------------------------------------------------
 
@@ -118,7 +148,7 @@ class CreditLedger:
 
     @property
     def size(self) -> int:
-        """Tickets the ledger holds (running, or delivered and unsettled): bounded by the work in flight."""
+        """Credits the ledger holds (running, or delivered and unsettled): bounded by the work in flight."""
         return self._live
 
     def try_grant(self, actor: str, episode: str, n: int, now: float, turn: int = -1) -> wire.CreditGrant | None:
@@ -132,7 +162,7 @@ class CreditLedger:
         q = self._by_episode.setdefault(episode, deque())
         for i in range(k):
             rank = self.accepted + self.running
-            t = Ticket(
+            t = Credit(
                 self._seq,
                 gid,
                 actor,
@@ -151,15 +181,15 @@ class CreditLedger:
         self.stats.granted += k
         return wire.CreditGrant(granted=k, version=self.version, lease_s=self.lease_s, grant_id=gid)
 
-    def _drop(self, t: Ticket) -> None:
+    def _drop(self, t: Credit) -> None:
         bucket = self._by_deadline[t.deadline]
         del bucket[t.seq]
         if not bucket:
             del self._by_deadline[t.deadline]
         self._live -= 1
 
-    def _release(self, t: Ticket) -> None:
-        t.state = EXPIRED
+    def _release(self, t: Credit) -> None:
+        t.state = CreditState.EXPIRED
         self.running -= 1
         q = self._by_episode[t.episode]
         q.remove(t)
@@ -168,18 +198,18 @@ class CreditLedger:
         self._drop(t)
 
     def expire(self, now: float) -> int:
-        """Release running tickets whose lease ran out (the actor never delivered them)."""
+        """Release running credits whose lease ran out (the actor never delivered them)."""
         n = 0
-        while self._leases and (self._leases[0].state != RUNNING or self._leases[0].expires_at <= now):
+        while self._leases and (self._leases[0].state != CreditState.RUNNING or self._leases[0].expires_at <= now):
             t = self._leases.popleft()
-            if t.state == RUNNING:
+            if t.state == CreditState.RUNNING:
                 self._release(t)
                 n += 1
         self.stats.expired += n
         return n
 
     def release_actor(self, actor: str) -> int:
-        """Release every running ticket of ``actor`` (it went silent): its capacity goes back at once."""
+        """Release every running credit of ``actor`` (it went silent): its capacity goes back at once."""
         gone = [t for q in self._by_episode.values() for t in q if t.actor == actor]
         for t in gone:
             self._release(t)
@@ -187,7 +217,7 @@ class CreditLedger:
         return len(gone)
 
     def release_episode(self, episode: str, from_turn: int | None = None) -> int:
-        """Release the running tickets of an episode (None: all of them), or those asked for turns >=
+        """Release the running credits of an episode (None: all of them), or those asked for turns >=
         ``from_turn``: an episode that ended after ``from_turn`` turns never delivers those, but its earlier
         turns may still be on their way (records can arrive after their episode's end)."""
         gone = [t for t in self._by_episode.get(episode, ()) if from_turn is None or t.turn >= from_turn]
@@ -198,7 +228,7 @@ class CreditLedger:
 
     def next_expiry(self) -> float | None:
         for t in self._leases:
-            if t.state == RUNNING:
+            if t.state == CreditState.RUNNING:
                 return t.expires_at
         return None
 
@@ -207,11 +237,11 @@ class CreditLedger:
         if version > self.version:
             self.version = version
 
-    def on_delivered(self, episode: str, turn: int, now: float) -> Ticket | None:
-        """A turn arrived: it uses the episode's ticket asked for this turn, else the episode's oldest running
-        ticket (an actor that skips an empty output numbers its turns below its samples: the ticket used is
-        never newer than the one matched, so the bound holds). None: unadmitted (no live ticket). A
-        redelivered (episode, turn) returns its ticket again and changes nothing."""
+    def on_delivered(self, episode: str, turn: int, now: float) -> Credit | None:
+        """A turn arrived: it uses the episode's credit asked for this turn, else the episode's oldest running
+        credit (an actor that skips an empty output numbers its turns below its samples: the credit used is
+        never newer than the one matched, so the bound holds). None: unadmitted (no live credit). A
+        redelivered (episode, turn) returns its credit again and changes nothing."""
         seen = self._seen.get((episode, turn))
         if seen is not None:
             return seen
@@ -224,7 +254,7 @@ class CreditLedger:
         q.remove(t)
         if not q:
             del self._by_episode[episode]
-        t.state, t.turn = DELIVERED, turn
+        t.state, t.turn = CreditState.DELIVERED, turn
         self.running -= 1
         self.accepted += 1
         self.stats.delivered += 1
@@ -236,41 +266,42 @@ class CreditLedger:
 
     # -- training order ------------------------------------------------------------------------------
 
-    def _due_tickets(self, version: int) -> list[Ticket]:
+    def _due_credits(self, version: int) -> list[Credit]:
         return [t for d, bucket in self._by_deadline.items() if d <= version for t in bucket.values()]
 
     def can_train(self, version: int) -> bool:
-        """May the step at learner version ``version`` run? (None of its due tickets is still running.)"""
-        return all(t.state != RUNNING for t in self._due_tickets(version))
+        """May the step at learner version ``version`` run? (None of its due credits is still running.)"""
+        return all(t.state != CreditState.RUNNING for t in self._due_credits(version))
 
     def due(self, version: int) -> list[tuple[str, int]]:
         """(episode, turn) of the delivered turns the step at ``version`` must train, in grant order."""
         return [
-            (t.episode, t.turn) for t in sorted(self._due_tickets(version), key=lambda t: t.seq) if t.state == DELIVERED
+            (t.episode, t.turn)
+            for t in sorted(self._due_credits(version), key=lambda t: t.seq)
+            if t.state == CreditState.DELIVERED
         ]
 
-    def settle(self, turns: Iterable[tuple[str, int]], reason: str) -> int:
-        """Settle delivered turns: each ticket once (a second settle of a turn is a no-op). Returns how many
-        tickets this settled. Untrained reasons give the capacity back (like a release)."""
-        if reason not in SETTLE_REASONS:
-            raise ValueError(f"settle reason {reason!r} is not one of {SETTLE_REASONS}")
+    def settle(self, turns: Iterable[tuple[str, int]], reason: SettleReason | str) -> int:
+        """Settle delivered turns: each credit once (a second settle of a turn is a no-op). Returns how many
+        credits this settled. Untrained reasons give the capacity back (like a release)."""
+        reason = SettleReason.of(reason)
         n = 0
         for key in turns:
             t = self._delivered.pop(key, None)
             if t is None:
                 continue
-            t.state, t.reason = SETTLED, reason
+            t.state, t.reason = CreditState.SETTLED, reason
             self._drop(t)
-            if reason != "trained":
+            if reason is not SettleReason.TRAINED:
                 self.accepted -= 1
             n += 1
         self.stats.settled[reason] += n
-        if reason == "trained":
+        if reason is SettleReason.TRAINED:
             self.stats.trained += n
         return n
 
     def on_trained(self, turns: Iterable[tuple[str, int]]) -> None:
-        self.settle(turns, "trained")
+        self.settle(turns, SettleReason.TRAINED)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -356,7 +387,7 @@ class CreditGate:
                 await changed.wait()
 
     async def wait_trainable(self, version: int) -> None:
-        """Wait until the step at ``version`` may run (its due tickets delivered or expired)."""
+        """Wait until the step at ``version`` may run (its due credits delivered or expired)."""
         while True:
             self.ledger.expire(self.clock())
             if self.ledger.can_train(version):
@@ -370,15 +401,15 @@ class CreditGate:
         self.ledger.on_version(version)
         self._notify()
 
-    def on_delivered(self, episode: str, turn: int) -> Ticket | None:
+    def on_delivered(self, episode: str, turn: int) -> Credit | None:
         t = self.ledger.on_delivered(episode, turn, self.clock())
         self._notify()
         return t
 
     def on_trained(self, turns: list[tuple[str, int]]) -> None:
-        self.settle(turns, "trained")
+        self.settle(turns, SettleReason.TRAINED)
 
-    def settle(self, turns: Iterable[tuple[str, int]], reason: str) -> int:
+    def settle(self, turns: Iterable[tuple[str, int]], reason: SettleReason | str) -> int:
         n = self.ledger.settle(turns, reason)
         self._notify()
         return n

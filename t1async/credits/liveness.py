@@ -1,4 +1,4 @@
-"""Which actors are alive (design §7): credits are leased to a live actor.
+"""Which actors are alive (design §7): credits are granted to live actors only.
 
 Actors publish a ``heartbeat`` on ``t1.actor.<id>`` every few seconds (actors/actor.py); a credit request
 is a sign of life too. The learner knows each open episode's actor from its ``start`` record (journaled, so

@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import anyio
 
+from t1async.credits.client import CREDIT_SUBJECT
 from t1async.credits.ledger import CreditGate
 from t1async.log import get_logger
 from t1async.protocol.wire import CreditGrant, CreditRequest
 from t1async.transport.base import Request, Transport
 
-CREDIT_SUBJECT = "t1.credit"
 log = get_logger("t1async.credits.server")
 
 
@@ -46,7 +46,7 @@ class CreditServer:
         self._granted.pop((episode, turn), None)
 
     def forget(self, *, actor: str | None = None, episodes: set[str] | frozenset[str] = frozenset()) -> int:
-        """Drop the remembered grants of a released actor or of closed episodes (their tickets are gone), and
+        """Drop the remembered grants of a released actor or of closed episodes (their credits are gone), and
         cancel their held requests: a grant made later would be a credit nobody uses until its lease ends."""
         gone = [k for k, (a, _) in self._granted.items() if a == actor or k[0] in episodes]
         for k in gone:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t1async.credits.ledger import SETTLE_REASONS, CreditGate
+from t1async.credits.ledger import CreditGate, SettleReason
 from t1async.credits.server import CreditServer
 from t1async.ingest.tito import Segment
 from t1async.log import get_logger
@@ -42,9 +42,9 @@ class Settler:
     def __init__(self, gate: CreditGate, credits: CreditServer, was_trained: Callable[[str, int], bool]) -> None:
         self.gate, self.credits, self.was_trained = gate, credits, was_trained
         self.untrained: dict[Key, int] = {}
-        self.counts: dict[str, int] = dict.fromkeys(SETTLE_REASONS, 0)
+        self.counts: dict[str, int] = {r.value: 0 for r in SettleReason}
         self.opened = 0  # turns taken: opened == sum(counts) + len(untrained) at every moment
-        self._settled: OrderedDict[Key, str] = OrderedDict()
+        self._settled: OrderedDict[Key, SettleReason] = OrderedDict()
 
     def open(self, key: Key, version: int) -> bool:
         """Take a delivered turn: open unless it was trained into the weights or already settled."""
@@ -54,18 +54,17 @@ class Settler:
         self.opened += 1
         return True
 
-    def settle(self, keys: Iterable[Key], reason: str) -> int:
+    def settle(self, keys: Iterable[Key], reason: SettleReason | str) -> int:
         """Settle open turns with ``reason``: each turn once (settling a settled turn is a no-op). A
         ``poisoned`` turn never opened (its record was rejected before the learner took it) is settled too,
         and its credit released. Returns how many turns this settled."""
-        if reason not in SETTLE_REASONS:
-            raise ValueError(f"settle reason {reason!r} is not one of {SETTLE_REASONS}")
+        reason = SettleReason.of(reason)
         new: list[Key] = []
         for key in keys:
             if key in self._settled:
                 continue
             if self.untrained.pop(key, None) is None:  # not open: only a record rejected before it was taken
-                if reason != "poisoned" or self.was_trained(*key):
+                if reason is not SettleReason.POISONED or self.was_trained(*key):
                     continue
                 self.opened += 1
                 self.gate.on_delivered(*key)  # it uses its credit now
@@ -78,11 +77,11 @@ class Settler:
             return 0
         self.gate.settle(new, reason)
         self.counts[reason] += len(new)
-        if reason != "trained":
+        if reason is not SettleReason.TRAINED:
             log.debug("learner.settled", reason=reason, turns=len(new), first=f"{new[0][0]}#{new[0][1]}")
         return len(new)
 
-    def reason(self, key: Key) -> str | None:
+    def reason(self, key: Key) -> SettleReason | None:
         return self._settled.get(key)
 
 

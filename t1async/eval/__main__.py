@@ -25,7 +25,7 @@ from typing import Any, Literal
 import anyio
 
 from actors.__main__ import EpisodeOptions
-from sandbox_agent.agent import AgentConfig
+from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.config import add_arguments, check_bounds, like, resolve, setting

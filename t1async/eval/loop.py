@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ import anyio
 from t1async.log import configure, get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import T1Error
+from t1async.signals import cancel_on_stop
 
 log = get_logger("t1async.eval.loop")
 
@@ -63,7 +63,7 @@ def held_out(tasks: Path) -> list:
 
 async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> dict:
     """Score ``model`` on ``tasks``; the summary record's values."""
-    from sandbox_agent.agent import AgentConfig
+    from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, run_eval
     from t1async.eval.stats import summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer
@@ -209,14 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         from t1async.transport.nats import NatsTransport
 
         async with NatsTransport(args.nats) as t, anyio.create_task_group() as tg:
-
-            async def stop_on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(stop_on_signal)
+            tg.start_soon(cancel_on_stop, tg.cancel_scope)
             await run_loop(cfg, t)
             tg.cancel_scope.cancel()
 

@@ -23,7 +23,7 @@ from typing import IO
 
 import anyio
 
-from sandbox_agent.agent import AgentConfig, TurnResult
+from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend, SandboxBackend
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
@@ -145,7 +145,7 @@ async def run_one(
         "split": task.split,
         "sample": sample,
         "seed": episode_seed(cfg.seed, task.id, sample, 0),
-        "backend": getattr(backend, "name", ""),
+        "backend": backend.name,
     }
     t0 = time.monotonic()
     seeded = SeededSampler(sampler, cfg.seed, task.id, sample)

@@ -1,4 +1,5 @@
-"""The numbers of an evaluation, pure and numpy-only: pass@k, mean tests passed, 95% bootstrap CIs.
+"""The numbers of an evaluation, pure and numpy-only: pass@k, mean tests passed, 95% bootstrap CIs, and the
+paired difference of two evaluations of the same tasks (``paired_diff``).
 
 Episodes are grouped by task. Every figure is a mean over tasks of a per-task value (each task weighs the
 same, however many samples it has), and its confidence interval comes from resampling *tasks* with
@@ -78,9 +79,20 @@ def task_scores(episodes: Iterable[Mapping]) -> list[TaskScore]:
     return out
 
 
-def _figure(values: Sequence[float], seed: int) -> dict:
-    lo, hi = bootstrap_ci(values, seed=seed)
+def mean_ci(values: Sequence[float], *, seed: int = 0, resamples: int = 2000) -> dict:
+    """``{"mean", "ci95"}`` of ``values`` (one per task): their mean and its ``bootstrap_ci``."""
+    lo, hi = bootstrap_ci(values, seed=seed, resamples=resamples)
     return {"mean": float(np.mean(values)) if len(values) else float("nan"), "ci95": [lo, hi]}
+
+
+def paired_diff(
+    before: Mapping[str, float], after: Mapping[str, float], *, seed: int = 0, resamples: int = 4000
+) -> dict:
+    """``{"mean", "ci95", "tasks"}`` of ``after - before`` over the tasks both have (task -> value), with a
+    paired percentile bootstrap CI: a resample draws tasks, each with both its values, so the CI is that of
+    the difference (not two CIs subtracted, which would count the tasks' own spread twice)."""
+    d = [after[t] - before[t] for t in sorted(set(before) & set(after))]
+    return {**mean_ci(d, seed=seed, resamples=resamples), "tasks": len(d)}
 
 
 def summarise(scores: Sequence[TaskScore], *, k_values: Sequence[int] = (1,), seed: int = 0) -> dict:
@@ -91,9 +103,9 @@ def summarise(scores: Sequence[TaskScore], *, k_values: Sequence[int] = (1,), se
     n_min = min(s.n for s in scores)
     out: dict = {"tasks": len(scores), "episodes": int(sum(s.n for s in scores))}
     for k in sorted({k for k in k_values if 1 <= k <= n_min}):
-        out[f"pass@{k}"] = _figure([pass_at_k(s.n, s.resolved, k) for s in scores], seed)
-    out["tests"] = _figure([s.tests_mean for s in scores], seed)
-    out["tests_frac"] = _figure([s.tests_mean / s.tests_total if s.tests_total else 0.0 for s in scores], seed)
+        out[f"pass@{k}"] = mean_ci([pass_at_k(s.n, s.resolved, k) for s in scores], seed=seed)
+    out["tests"] = mean_ci([s.tests_mean for s in scores], seed=seed)
+    out["tests_frac"] = mean_ci([s.tests_mean / s.tests_total if s.tests_total else 0.0 for s in scores], seed=seed)
     out["resolved_rate"] = sum(s.resolved for s in scores) / out["episodes"]
     return out
 

@@ -40,7 +40,7 @@ from t1async.ingest.tito import DriftStats, Segment
 from t1async.log import get_logger
 from t1async.protocol import wire
 
-__all__ = ["Assembler", "AssemblerConfig", "EpisodeAssembler"]
+__all__ = ["Assembler"]
 
 
 class Assembler:

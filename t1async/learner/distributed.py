@@ -41,7 +41,9 @@ from torch import Tensor
 from t1async.learner import memory
 from t1async.learner.batch import SegmentLike
 from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
-from t1async.learner.trainer import StepMetrics, Trainer, TrainerConfig, _Scored
+from t1async.learner.stepmetrics import StepMetrics
+from t1async.learner.trainer import Trainer, _Scored
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.protocol.errors import T1Error

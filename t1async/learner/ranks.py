@@ -27,6 +27,7 @@ from t1async.learner.distributed import DistributedTrainer, RankFailedError, _co
 from t1async.learner.trainer import Trainer
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
+from t1async.signals import set_handlers
 from t1async.transport.natsd import free_port
 
 log = get_logger("t1async.learner.ranks")
@@ -147,7 +148,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=RanksConfig.group_timeout_s)
     args = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_handlers({signal.SIGINT: signal.SIG_IGN})
     from t1async.log import configure
 
     configure()

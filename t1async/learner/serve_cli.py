@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Literal
 from t1async.config import add_arguments, check_bounds, resolve, setting
 from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
+from t1async.signals import cancel_on_stop
 
 WeightSync = Literal["disk", "distributed"]
 
@@ -127,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
     from t1async.learner import memory
     from t1async.learner.distributed import RankFailedError
     from t1async.learner.service import Learner, LearnerConfig
-    from t1async.learner.trainer import TrainerConfig
+    from t1async.learner.trainer_config import TrainerConfig
     from t1async.sampler.client import SGLangClient
     from t1async.transport import NatsConfig, NatsTransport
 
@@ -182,14 +182,7 @@ def serve(args: argparse.Namespace) -> int:
             async with anyio.create_task_group() as tg:
                 if ranks is not None:
                     tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailedError)
-
-                async def stop_on_signal() -> None:
-                    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                        async for _ in signals:
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(stop_on_signal)
+                tg.start_soon(cancel_on_stop, tg.cancel_scope)
                 await learner.run()
                 tg.cancel_scope.cancel()
 

@@ -38,7 +38,8 @@ from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
-from t1async.learner.trainer import Trainer, TrainerConfig
+from t1async.learner.trainer import Trainer
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained

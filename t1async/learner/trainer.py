@@ -41,7 +41,6 @@ from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.weights import load_weights_into
-from t1async.protocol.errors import ConfigError  # noqa: F401 - re-exported: tests import it from here
 
 log = get_logger("t1async.learner.trainer")
 

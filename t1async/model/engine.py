@@ -60,12 +60,12 @@ from t1async.model.scheduler import (
     routing_slice,
     routing_start,
 )
-from t1async.model.stream import EventStream, _Handle
+from t1async.model.stream import EventStream, Handle
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
 from t1async.protocol.errors import SamplerError, SamplerRequestError
 
-__all__ = ["Engine", "EngineConfig", "GenEvent", "GenRequest", "GenResult"]
+__all__ = ["Engine"]
 
 log = get_logger("model.engine")
 
@@ -84,9 +84,9 @@ class Engine:
         self._core = EngineCore(model, self.tokenizer, config)
         self.model_cfg = model.cfg
         self.weight_version = "0"
-        self._waiting: deque[_Handle] = deque()
-        self._handles: dict[str, _Handle] = {}
-        self._aborts: list[_Handle] = []
+        self._waiting: deque[Handle] = deque()
+        self._handles: dict[str, Handle] = {}
+        self._aborts: list[Handle] = []
         self._updates: list[tuple[WeightUpdate, anyio.Event]] = []
         self._flush = False
         self._wake = anyio.Event()
@@ -226,7 +226,7 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def _enqueue(self, req: GenRequest) -> _Handle:
+    def _enqueue(self, req: GenRequest) -> Handle:
         if self._state != "running":
             raise SamplerError(f"engine is {self._state}; start Engine.run in a task group before submitting")
         if req.rid in self._handles:
@@ -239,7 +239,7 @@ class Engine:
         self._counter += 1
         seed = req.seed if req.seed is not None else request_seed(self.config.seed, self._counter)
         seq = Seq(req=req, ids=ids, rng=random.Random(seed), stops=StopStrings(self.tokenizer.decode, req.stop_strings))
-        h = _Handle(seq)
+        h = Handle(seq)
         h.version = self.weight_version
         self._handles[req.rid] = h
         self._waiting.append(h)

@@ -1,4 +1,4 @@
-"""Typed records of the inference engine (re-exported by ``t1async.model.engine``).
+"""Typed records of the inference engine (``t1async.model.engine``).
 
 A bad request raises ``SamplerRequestError`` (HTTP 400 at the server) with the offending value.
 

@@ -20,7 +20,8 @@ import time
 import anyio
 import numpy as np
 
-from t1async.model.engine import Engine, EngineConfig, GenRequest
+from t1async.model.engine import Engine
+from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.weights import default_model_dir
 
 KEYS = ("tokens_per_s", "decode_tokens_per_s", "step_ms", "wall_s")

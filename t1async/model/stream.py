@@ -1,5 +1,5 @@
 """One request's stream of events between the engine's step loop and its async consumer: the engine fills a
-``_Handle`` (pending tokens, logprobs, versions, the finish) and sets its ``wake`` event; ``EventStream``
+``Handle`` (pending tokens, logprobs, versions, the finish) and sets its ``wake`` event; ``EventStream``
 hands them out as ``GenEvent``s (what ``Engine.submit`` returns)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import numpy as np
 from t1async.model.records import GenEvent
 from t1async.model.scheduler import Seq
 
-__all__ = ["EventStream"]
+__all__ = ["EventStream", "Handle"]
 
 
-class _Handle:
+class Handle:
     """The event-loop side of one request."""
 
     def __init__(self, seq: Seq) -> None:
@@ -42,7 +42,7 @@ class _Handle:
 class EventStream:
     """Async iterator of one request's ``GenEvent``s (from ``Engine.submit``)."""
 
-    def __init__(self, h: _Handle) -> None:
+    def __init__(self, h: Handle) -> None:
         self._h = h
         self._closed = False
 

@@ -109,7 +109,8 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32) -
     return model.to(dtype).eval()
 
 
-def _cache_root() -> Path:
+def default_cache_root() -> Path:
+    """Where t1async caches models and warm starts: $T1ASYNC_CACHE, else $XDG_CACHE_HOME/t1async (~/.cache)."""
     if os.environ.get("T1ASYNC_CACHE"):
         return Path(os.environ["T1ASYNC_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -122,7 +123,7 @@ def default_model_dir() -> Path:
     h = hashlib.sha256(INIT_VERSION.encode())
     for name in ("config.json", *TOKENIZER_FILES):
         h.update((src / name).read_bytes())
-    dest = _cache_root() / "models" / h.hexdigest()[:16]
+    dest = default_cache_root() / "models" / h.hexdigest()[:16]
     if (dest / WEIGHTS_FILE).is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -33,37 +33,37 @@ class Fields:
     def __init__(self, kind: str, m: dict):
         self.kind, self.m = kind, m
 
-    def _err(self, name: str, what: str, reason: str = "field") -> WireError:
+    def error(self, name: str, what: str, reason: str = "field") -> WireError:
         return WireError(f"{self.kind}.{name}: {what}", field=name, reason=reason)
 
     def get(self, name: str, types: type | tuple[type, ...], *, default: Any = ..., what: str = "") -> Any:
         if name not in self.m:
             if default is not ...:
                 return default
-            raise self._err(name, "missing required field", "missing")
+            raise self.error(name, "missing required field", "missing")
         val = self.m[name]
         if isinstance(val, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            raise self._err(name, f"expected {what or types}, got bool")
+            raise self.error(name, f"expected {what or types}, got bool")
         if not isinstance(val, types):
-            raise self._err(name, f"expected {what or getattr(types, '__name__', types)}, got {type(val).__name__}")
+            raise self.error(name, f"expected {what or getattr(types, '__name__', types)}, got {type(val).__name__}")
         return val
 
     def int(self, name: str, *, lo: int | None = 0, default: Any = ...) -> int:
         val = self.get(name, int, default=default, what="int")
         if lo is not None and val < lo:
-            raise self._err(name, f"must be >= {lo}, got {val}")
+            raise self.error(name, f"must be >= {lo}, got {val}")
         return val
 
     def float(self, name: str, *, default: Any = ...) -> float:
         val = float(self.get(name, (int, float), default=default, what="number"))
         if not math.isfinite(val):
-            raise self._err(name, f"must be finite, got {val}")
+            raise self.error(name, f"must be finite, got {val}")
         return val
 
     def str(self, name: str, *, nonempty: bool = True, default: Any = ...) -> str:
         val = self.get(name, str, default=default, what="str")
         if nonempty and not val:
-            raise self._err(name, "must be a non-empty string")
+            raise self.error(name, "must be a non-empty string")
         return val
 
     def enum(self, name: builtins.str, enum: type[Enum]) -> Any:
@@ -71,7 +71,7 @@ class Fields:
         try:
             return enum(val)
         except ValueError:
-            raise self._err(name, f"{val!r} is not one of {[e.value for e in enum]}") from None
+            raise self.error(name, f"{val!r} is not one of {[e.value for e in enum]}") from None
 
     def array(
         self, name: builtins.str, m: Any = None, *, dtypes: tuple[builtins.str, ...], ndim: builtins.int
@@ -79,20 +79,20 @@ class Fields:
         m = self.get(name, dict, what="array map {dtype, shape, data}") if m is None else m
         for key in ("dtype", "shape", "data"):
             if key not in m:
-                raise self._err(f"{name}.{key}", "missing required field", "missing")
+                raise self.error(f"{name}.{key}", "missing required field", "missing")
         code, shape, data = m["dtype"], m["shape"], m["data"]
         if code not in dtypes:
-            raise self._err(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")
+            raise self.error(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")
         if (
             not isinstance(shape, list)
             or len(shape) != ndim
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31 for d in shape)
         ):
-            raise self._err(f"{name}.shape", f"expected {ndim} non-negative ints, got {shape!r}")
+            raise self.error(f"{name}.shape", f"expected {ndim} non-negative ints, got {shape!r}")
         if not isinstance(data, bytes):
-            raise self._err(f"{name}.data", f"expected bin, got {type(data).__name__}")
+            raise self.error(f"{name}.data", f"expected bin, got {type(data).__name__}")
         dt = np.dtype(DTYPES[code])
         want = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if len(data) != want:
-            raise self._err(f"{name}.data", f"holds {len(data)} bytes, shape {shape} of {code} needs {want}")
+            raise self.error(f"{name}.data", f"holds {len(data)} bytes, shape {shape} of {code} needs {want}")
         return np.frombuffer(data, dtype=dt).reshape(shape)

@@ -154,7 +154,7 @@ class CreditGrant:
 
 @dataclass(frozen=True, eq=False)
 class Heartbeat:
-    """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner leases credits to
+    """An actor's sign of life on ``t1.actor.<actor>`` (core, every few seconds): the learner grants credits to
     live actors and closes a silent actor's episodes as ``aborted`` (design §7)."""
 
     actor: str
@@ -239,24 +239,24 @@ def _decode_turn(f: _Fields) -> TurnRecord:
     lps = f.array("output_logprobs", dtypes=("f4",), ndim=1)
     keep, input_len = f.int("keep"), f.int("input_len", lo=1)
     if input_len != keep + len(delta):
-        raise f._err("input_len", f"{input_len} != keep {keep} + len(input_delta) {len(delta)}")
+        raise f.error("input_len", f"{input_len} != keep {keep} + len(input_delta) {len(delta)}")
     if len(lps) != len(out):
-        raise f._err("output_logprobs", f"has {len(lps)} values for {len(out)} output_ids")
+        raise f.error("output_logprobs", f"has {len(lps)} values for {len(out)} output_ids")
     if len(out) == 0:
-        raise f._err("output_ids", "is empty: a turn samples at least one token")
+        raise f.error("output_ids", "is empty: a turn samples at least one token")
     if np.any(delta < 0) or np.any(out < 0):
-        raise f._err("output_ids" if np.any(out < 0) else "input_delta", "holds a negative token id")
+        raise f.error("output_ids" if np.any(out < 0) else "input_delta", "holds a negative token id")
     digest = f.get("input_digest", bytes, what="bin")
     if len(digest) != 16:
-        raise f._err("input_digest", f"expected 16 bytes, got {len(digest)}")
+        raise f.error("input_digest", f"expected 16 bytes, got {len(digest)}")
     versions = None
     if f.m.get("output_versions") is not None:
         versions = f.array("output_versions", dtypes=("i4",), ndim=1)
         if len(versions) != len(out):
-            raise f._err("output_versions", f"has {len(versions)} values for {len(out)} output_ids")
+            raise f.error("output_versions", f"has {len(versions)} values for {len(out)} output_ids")
         lo = int(versions.min())
         if lo != f.int("policy_version"):
-            raise f._err(
+            raise f.error(
                 "output_versions",
                 f"oldest version {lo} != policy_version {f.m['policy_version']} "
                 "(policy_version must be the oldest per-token version)",
@@ -266,7 +266,7 @@ def _decode_turn(f: _Fields) -> TurnRecord:
     if rm is not None:
         start = rm.get("start")
         if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            raise f._err("routing.start", f"expected a non-negative int, got {start!r}")
+            raise f.error("routing.start", f"expected a non-negative int, got {start!r}")
         routing = Routing(start, f.array("routing", rm, dtypes=("u1", "u2"), ndim=3))
     return TurnRecord(
         episode=f.str("episode"),
@@ -296,7 +296,7 @@ def _decode_metrics(f: _Fields) -> MetricsRecord:
     values = {k: v for k, v in f.m.items() if k not in ("v", "kind", "component", "step", "version")}
     for k in values:
         if not isinstance(k, str):
-            raise f._err(repr(k), "metric names must be strings")
+            raise f.error(repr(k), "metric names must be strings")
     return MetricsRecord(component=f.str("component"), step=f.int("step"), version=f.int("version"), values=values)
 
 
@@ -325,7 +325,7 @@ def from_map(m: Any) -> Record:
     if kind == "end":
         passed, total = f.int("tests_passed"), f.int("tests_total")
         if passed > total:
-            raise f._err("tests_passed", f"{passed} > tests_total {total}")
+            raise f.error("tests_passed", f"{passed} > tests_total {total}")
         return EndRecord(
             f.str("episode"),
             f.int("turns"),

@@ -113,9 +113,9 @@ def get_recipe(name: str) -> Recipe:
 
 
 def cache_dir(recipe: Recipe, cache_root: Path | None = None) -> Path:
-    from t1async.model.weights import _cache_root
+    from t1async.model.weights import default_cache_root
 
-    return (cache_root or _cache_root()) / "warm-start" / f"{recipe.name}-{recipe.digest()}"
+    return (cache_root or default_cache_root()) / "warm-start" / f"{recipe.name}-{recipe.digest()}"
 
 
 def is_built(recipe: Recipe, cache_root: Path | None = None) -> bool:

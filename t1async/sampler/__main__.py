@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from t1async.log import configure
 
     configure(args.log_level)  # before importing modules that bind their loggers at import time
-    from t1async.sampler.server import ServerConfig, serve
+    from t1async.sampler.app import ServerConfig
+    from t1async.sampler.server import serve
+    from t1async.signals import wait_for_stop
 
     config = ServerConfig(
         host=args.host,
@@ -93,10 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         async with trio.open_nursery() as nursery:
 
             async def signals() -> None:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
-                    async for _ in received:
-                        stop.set()
-                        return
+                await wait_for_stop()
+                stop.set()
 
             nursery.start_soon(signals)
             url = await nursery.start(

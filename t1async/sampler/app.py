@@ -61,7 +61,7 @@ class SamplerApp:
     ) -> None:
         self.engine, self.tokenizer, self.config, self.model_path = engine, tokenizer, config, model_path
         if request_type is None:
-            from t1async.model.engine import GenRequest as request_type
+            from t1async.model.records import GenRequest as request_type
         self.request_type = request_type
         info = dict(engine.model_info())
         self.info = info

@@ -36,9 +36,7 @@ from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.sampler.response import (
     error_message,
     parse_generation,
-    parse_output_versions,
     parse_weight_version,
-    routing_dtype,
     shape_from_info,
 )
 
@@ -55,10 +53,6 @@ __all__ = [
     "SGLangClient",
     "SamplerClosedError",
     "SamplerUnreachableError",
-    "parse_generation",
-    "parse_output_versions",
-    "parse_weight_version",
-    "routing_dtype",
 ]
 log = get_logger("sampler.client")
 _RETRY_STATUS = {429, 502, 503, 504}
@@ -303,6 +297,19 @@ class SGLangClient:
             )
         self._info.clear()  # weight_version changed
         return [results[u] for u in self.urls if u in results]
+
+    async def post_once(self, url: str, path: str, body: dict) -> httpx.Response:
+        """POST ``body`` to ``url + path`` once: no retries, no balancing, any status returned (for a call a
+        resend would repeat, e.g. a weight-update broadcast). Raises ``httpx.TransportError`` as is."""
+        self._check_open()
+        return await self._http.post(url + path, json=body)
+
+    async def get_once(self, url: str, path: str, *, timeout_s: float | None = None) -> httpx.Response:
+        """GET ``url + path`` once (no retries; ``timeout_s``: else the client's). Raises ``httpx.HTTPError``."""
+        self._check_open()
+        if timeout_s is None:
+            return await self._http.get(url + path)
+        return await self._http.get(url + path, timeout=timeout_s)
 
     async def flush_cache(self) -> None:
         for u in self.urls:

@@ -25,7 +25,8 @@ from anyio.lowlevel import checkpoint
 from t1async.protocol.errors import SamplerRequestError
 from t1async.protocol.sampling import Generation, SamplingParams
 from t1async.protocol.wire import Finish
-from t1async.sampler.client import SamplerClosedError, routing_dtype
+from t1async.sampler.client import SamplerClosedError
+from t1async.sampler.response import routing_dtype
 
 Script = Callable[[Sequence[int]], Sequence[int]]
 

@@ -32,15 +32,10 @@ from typing import Any
 
 from t1async.protocol.errors import SamplerRequestError
 from t1async.protocol.sampling import SamplingParams
-from t1async.sampler.response import ResponseState, decode_routing, encode_routing, error_body
 
 __all__ = [
     "SGLANG_DEFAULTS",
     "GenerateInput",
-    "ResponseState",
-    "decode_routing",
-    "encode_routing",
-    "error_body",
     "parse_generate",
     "parse_sampling",
 ]

@@ -23,9 +23,9 @@ from starlette.routing import Route
 
 from t1async.log import get_logger
 from t1async.sampler import response as R
-from t1async.sampler.app import VERSION, SamplerApp, ServerConfig, json_response
+from t1async.sampler.app import SamplerApp, ServerConfig, json_response
 
-__all__ = ["VERSION", "SamplerApp", "ServerConfig", "build_app", "serve"]
+__all__ = ["build_app", "serve"]
 log = get_logger("sampler.server")
 
 
@@ -74,7 +74,8 @@ async def serve(
     import hypercorn.trio
     from hypercorn.config import Config as HyperConfig
 
-    from t1async.model.engine import Engine, EngineConfig
+    from t1async.model.engine import Engine
+    from t1async.model.records import EngineConfig
     from t1async.model.weights import default_model_dir
 
     model_dir = Path(config.model_dir) if config.model_dir else Path(default_model_dir())

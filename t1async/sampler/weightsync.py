@@ -89,9 +89,8 @@ def broadcast(pg: Any, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
 async def _post(client: Any, url: str, path: str, body: dict) -> dict:
     """POST once to one sampler (never retried: a resent update would wait for a broadcast already sent);
     a non-2xx status or ``success: false`` raises SamplerError with the server's message."""
-    client._check_open()
     try:
-        resp = await client._http.post(url + path, json=body)
+        resp = await client.post_once(url, path, body)
     except httpx.TransportError as exc:
         raise SamplerError(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
     try:
@@ -188,7 +187,7 @@ async def reachable(client: Any, urls: Sequence[str], timeout_s: float = 5.0) ->
 
     async def one(u: str) -> None:
         try:
-            if (await client._http.get(u + "/health", timeout=timeout_s)).status_code == 200:
+            if (await client.get_once(u, "/health", timeout_s=timeout_s)).status_code == 200:
                 ok.add(u)
         except httpx.HTTPError:
             pass

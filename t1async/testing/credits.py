@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from t1async.credits.ledger import CreditLedger, StalenessHistogram
+from t1async.credits.ledger import CreditLedger, SettleReason, StalenessHistogram
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def simulate(cfg: SimConfig) -> SimResult:
             ep = f"a{a}e{count}"
             if led.on_delivered(ep, turn, now) is not None:
                 if rng.random() < cfg.drop_p:
-                    led.settle([(ep, turn)], "realign_dropped")
+                    led.settle([(ep, turn)], SettleReason.REALIGN_DROPPED)
                 else:
                     delivered[(ep, turn)] = u
             state[a] = (count + 1, 0) if turn + 1 >= cfg.episode_turns else (count, turn + 1)

@@ -19,8 +19,9 @@ import numpy as np
 from t1async.protocol import wire
 from t1async.transport.base import Transport
 from t1async.transport.memory import MemoryBroker, MemoryTransport
-from t1async.transport.nats import NatsConfig, NatsTransport
+from t1async.transport.nats import NatsTransport
 from t1async.transport.natsd import NatsServer
+from t1async.transport.natsio import NatsConfig
 
 __all__ = [
     "MemoryHarness",

@@ -27,13 +27,8 @@ import msgpack
 from t1async.protocol import wire
 from t1async.testing.asserts import raises
 from t1async.testing.harness import (
-    MemoryHarness,
-    NatsHarness,
     TransportHarness,
     end,
-    memory_harness,
-    nats_harness,
-    raw_publish,
     start,
     turn,
 )
@@ -47,18 +42,9 @@ from t1async.transport.base import (
 
 __all__ = [
     "TRANSPORT_CHECKS",
-    "MemoryHarness",
-    "NatsHarness",
-    "TransportHarness",
     "assert_nothing_pending",
     "check_transport",
-    "end",
-    "memory_harness",
-    "nats_harness",
-    "raw_publish",
-    "start",
     "take",
-    "turn",
 ]
 
 

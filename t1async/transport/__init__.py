@@ -27,10 +27,9 @@ from t1async.transport.base import (
     subject_matches,
     traj_subject,
 )
-from t1async.transport.base import NoResponders as NoResponders  # the old name of NoRespondersError
-from t1async.transport.base import RequestTimeout as RequestTimeout  # the old name of RequestTimeoutError
 from t1async.transport.memory import MemoryBroker, MemoryTransport
-from t1async.transport.nats import NatsConfig, NatsTransport
+from t1async.transport.nats import NatsTransport
+from t1async.transport.natsio import NatsConfig
 
 __all__ = [
     "DEAD_PREFIX",

@@ -8,8 +8,8 @@ Errors (all ``TransportError``, see t1async.protocol.errors):
 
     TransportError
     ├── TransportClosedError   your code used the transport after closing it
-    ├── RequestTimeout         no reply within the timeout (the server may be holding it: retry)
-    └── NoResponders           nobody serves that subject right now (retry later)
+    ├── RequestTimeoutError    no reply within the timeout (the server may be holding it: retry)
+    └── NoRespondersError      nobody serves that subject right now (retry later)
 
 Malformed messages never reach user code and never crash a consumer: they are counted in
 ``transport.stats``, logged, published to ``t1.dead.<reason>`` (raw bytes as the payload, the error in
@@ -49,9 +49,6 @@ class RequestTimeoutError(TransportError):
 
 class NoRespondersError(TransportError):
     """Nobody serves this subject right now (e.g. the learner has not started): retry later."""
-
-
-RequestTimeout, NoResponders = RequestTimeoutError, NoRespondersError  # their old names, still importable
 
 
 # ------------------------------------------------------------------------------------------ types
@@ -174,7 +171,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def request(self, subject: str, record: Record, *, timeout: float) -> Record:
-        """Send a request and wait up to ``timeout`` seconds for the reply (raises RequestTimeout/NoResponders)."""
+        """Send a request and wait up to ``timeout`` seconds for the reply (raises RequestTimeoutError or
+        NoRespondersError)."""
 
     @abc.abstractmethod
     def serve(self, subject: str, *, queue: str = "") -> AbstractAsyncContextManager[AsyncIterator[Request]]:

@@ -22,13 +22,13 @@ from anyio.streams.memory import MemoryObjectSendStream
 from t1async.log import get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import WireError
+from t1async.protocol.wire import Record
 from t1async.transport.base import (
     HDR_MSG_ID,
     TRAJ_SUBJECTS,
     Batch,
     Message,
     NoRespondersError,
-    Record,
     Request,
     RequestTimeoutError,
     Transport,

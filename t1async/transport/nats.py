@@ -22,16 +22,19 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from enum import StrEnum
 from functools import partial
 from typing import Any
 
 import anyio
 import nats.errors
 import nats.js.errors
+from nats.nuid import NUID
 
 from t1async.log import get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import TransportError, WireError
+from t1async.protocol.wire import Record
 from t1async.transport import chunking
 from t1async.transport.base import (
     HDR_MSG_ID,
@@ -40,7 +43,6 @@ from t1async.transport.base import (
     Batch,
     Message,
     NoRespondersError,
-    Record,
     Request,
     RequestTimeoutError,
     Transport,
@@ -50,10 +52,10 @@ from t1async.transport.base import (
     is_traj,
 )
 from t1async.transport.delivery import CoreIntake, StreamIntake, count_dead
-from t1async.transport.natsio import DEAD_STREAM, DEFAULT_URL, AioNats, Bridge, NatsConfig
+from t1async.transport.natsio import DEFAULT_URL, AioNats, Bridge, NatsConfig
 from t1async.transport.pipeline import Outgoing, PipelineConfig, PublishPipeline
 
-__all__ = ["DEAD_STREAM", "DEFAULT_URL", "NatsConfig", "NatsTransport"]
+__all__ = ["NatsTransport"]
 log = get_logger("transport.nats")
 
 
@@ -71,21 +73,30 @@ _PERMANENT = (
 )
 
 
+class _State(StrEnum):
+    """A NatsTransport's life: opened once (its ``async with``), closed for good after."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
 class NatsTransport(Transport):
     """``async with NatsTransport("nats://127.0.0.1:4222") as t: ...`` (creates stream T1_TRAJ if missing)."""
 
     def __init__(self, url: str | None = None, *, config: NatsConfig | None = None):
         self.config = config or NatsConfig(url=url or DEFAULT_URL)
         self.stats = TransportStats()
-        self._state = "unopened"
+        self._state = _State.UNOPENED
         self._bridge = Bridge()
-        self._aio = AioNats(self.config, lambda: self._state == "open")
+        self._aio = AioNats(self.config, lambda: self._state is _State.OPEN)
         self._stack: AsyncExitStack | None = None
+        self._nuid = NUID()  # group ids of chunked core messages (nats-py's own is its connection's, private)
 
     # ------------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> NatsTransport:
-        if self._state != "unopened":
+        if self._state is not _State.UNOPENED:
             raise TransportClosedError(f"NatsTransport is {self._state}: a transport is opened once; make a new one")
         try:
             await self._open()
@@ -94,7 +105,7 @@ class NatsTransport(Transport):
             if isinstance(leaf, TransportError):
                 raise leaf from leaf.__cause__
             raise
-        self._state = "open"
+        self._state = _State.OPEN
         log.info(
             "transport.connected",
             url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
@@ -130,10 +141,10 @@ class NatsTransport(Transport):
             self._stack = stack.pop_all()
 
     async def aclose(self) -> None:
-        if self._state in ("closed", "unopened"):
-            self._state = "closed"
+        if self._state is not _State.OPEN:
+            self._state = _State.CLOSED
             return
-        self._state = "closed"
+        self._state = _State.CLOSED
         stack, self._stack = self._stack, None
         try:
             self._pipeline.close()  # what is queued is still sent and acknowledged
@@ -145,7 +156,7 @@ class NatsTransport(Transport):
                 await stack.aclose()
 
     def _check_open(self) -> None:
-        if self._state != "open":
+        if self._state is not _State.OPEN:
             raise TransportClosedError(f"NatsTransport used while {self._state} (outside its `async with` block)")
 
     @property
@@ -153,8 +164,17 @@ class NatsTransport(Transport):
         return self._aio.nc
 
     @property
-    def _js(self) -> Any:  # the JetStream context: `await t._bridge.run(t._js.stream_info, name)` in tools/tests
+    def _js(self) -> Any:
         return self._aio.js
+
+    async def stream_info(self, stream: str) -> Any:
+        """JetStream's ``StreamInfo`` for ``stream`` (its config, state and cluster: leader, replicas)."""
+        return await self._bridge.run(self._js.stream_info, stream)
+
+    async def last_message(self, stream: str, subject: str) -> Any:
+        """The last message stored in ``stream`` on ``subject`` (a ``RawStreamMsg``: data, headers), as
+        ``nats stream get STREAM --last-for SUBJECT`` shows it."""
+        return await self._bridge.run(self._js.get_last_msg, stream, subject)
 
     @property
     def max_payload(self) -> int:
@@ -172,7 +192,7 @@ class NatsTransport(Transport):
         elif len(data) > chunking.chunk_size(self.max_payload, ""):
             pieces = [
                 ({k: v for k, v in h.items() if k != HDR_MSG_ID}, d)
-                for h, d in chunking.split(data, msg_id or f"core-{self._nc._nuid.next().decode()}", self.max_payload)
+                for h, d in chunking.split(data, msg_id or f"core-{self._nuid.next().decode()}", self.max_payload)
             ]
         else:
             pieces = [(None, data)]

@@ -78,7 +78,7 @@ async def wait_replicated(t: NatsTransport, replicas: int, timeout_s: float = 60
     with anyio.move_on_after(timeout_s):
         while True:
             try:
-                info = await t._bridge.run(t._js.stream_info, stream)
+                info = await t.stream_info(stream)
                 peers = (info.cluster.replicas or []) if info.cluster else []
                 settled = info.cluster.leader and len(peers) == replicas - 1 and all(p.current for p in peers)
                 if replicas <= 1 or settled:

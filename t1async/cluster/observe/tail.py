@@ -22,7 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.text import Text
 
-from t1async.cluster.glossary import LEGEND, TURN_FIELDS  # noqa: F401 - re-exported for the CLI
+from t1async.cluster.glossary import TURN_FIELDS
 from t1async.protocol import wire
 from t1async.protocol.fields import DTYPES
 from t1async.transport import Message, NatsTransport, traj_subject

@@ -1,0 +1,93 @@
+"""Signal handling, written once: how a process stops on Ctrl-C/SIGTERM and what it ignores meanwhile.
+
+Async (anyio, under trio or asyncio), for long-running commands:
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(signals.cancel_on_stop, tg.cancel_scope)   # Ctrl-C or SIGTERM cancels the group
+        await run()
+
+    sig = await signals.wait_for_stop()                          # until Ctrl-C or SIGTERM; returns which
+
+    with signals.receive(*signals.STOP, signal.SIGHUP) as received:   # caught from here on (no window)
+        ...                                                            # say "running"
+        sig = await signals.next_signal(received)
+
+Sync (``signal.signal``), where Python allows it (the main thread; elsewhere nothing is installed):
+
+    saved = signals.set_handlers({signal.SIGHUP: signal.SIG_IGN})   # the previous handlers
+    signals.set_handlers(saved)                                     # put back
+    with signals.handlers({signal.SIGTERM: exit_143}): ...          # the same, scoped
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from types import FrameType
+from typing import Any, TypeAlias
+
+import anyio
+
+__all__ = [
+    "STOP",
+    "Handler",
+    "cancel_on_stop",
+    "handlers",
+    "next_signal",
+    "receive",
+    "set_handlers",
+    "wait_for_stop",
+]
+
+STOP: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a component gracefully: Ctrl-C and SIGTERM (`cluster down`, the supervisor)."""
+
+Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+def receive(*sigs: signal.Signals) -> AbstractContextManager[AsyncIterator[int]]:
+    """Catch ``sigs`` (default ``STOP``) from now until the block ends; iterate to receive them."""
+    return anyio.open_signal_receiver(*(sigs or STOP))
+
+
+async def next_signal(received: AsyncIterator[int]) -> signal.Signals:
+    """The next signal ``received`` (from ``receive``)."""
+    async for sig in received:
+        return signal.Signals(sig)
+    raise RuntimeError("the signal receiver ended")  # anyio's never does
+
+
+async def wait_for_stop(*sigs: signal.Signals) -> signal.Signals:
+    """Until one of ``sigs`` (default ``STOP``) arrives; returns it."""
+    with receive(*sigs) as received:
+        return await next_signal(received)
+
+
+async def cancel_on_stop(scope: anyio.CancelScope, *sigs: signal.Signals) -> None:
+    """Cancel ``scope`` at the first of ``sigs`` (default ``STOP``). Start it in the task group whose scope it
+    is, and cancel that scope when the work is done (this task waits for a signal until then)."""
+    await wait_for_stop(*sigs)
+    scope.cancel()
+
+
+def set_handlers(new: Mapping[signal.Signals, Handler]) -> dict[signal.Signals, Handler]:
+    """Install signal handlers; returns the previous ones (none off the main thread, where Python forbids it)."""
+    old: dict[signal.Signals, Handler] = {}
+    for sig, handler in new.items():
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    return old
+
+
+@contextlib.contextmanager
+def handlers(new: Mapping[signal.Signals, Handler]) -> Iterator[None]:
+    """``set_handlers(new)`` for the block; the previous handlers are put back after it."""
+    old = set_handlers(new)
+    try:
+        yield
+    finally:
+        set_handlers(old)

@@ -1,0 +1,41 @@
+"""t1async.signals: a stop signal cancels the work it guards; handlers installed for a block are put back."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from t1async import signals
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_a_stop_signal_cancels_the_group_it_guards(sig):
+    reached_end = False
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(signals.cancel_on_stop, tg.cancel_scope)
+            await anyio.sleep(0.1)  # the receiver is open
+            os.kill(os.getpid(), sig)
+            await anyio.sleep(10)
+            reached_end = True
+    assert not reached_end
+
+
+async def test_a_receiver_catches_a_signal_sent_before_it_is_read():
+    with signals.receive(*signals.STOP, signal.SIGHUP) as received:
+        os.kill(os.getpid(), signal.SIGHUP)  # caught, not fatal: the receiver is open
+        with anyio.fail_after(10):
+            assert await signals.next_signal(received) is signal.SIGHUP
+
+
+def test_handlers_are_put_back_after_the_block():
+    before = signal.getsignal(signal.SIGHUP)
+    with signals.handlers({signal.SIGHUP: signal.SIG_IGN}):
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGHUP) is before
+    saved = signals.set_handlers({signal.SIGUSR2: signal.SIG_IGN})
+    signals.set_handlers(saved)
+    assert signal.getsignal(signal.SIGUSR2) is saved[signal.SIGUSR2]
