@@ -12,74 +12,10 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Literal
+from dataclasses import replace
 
-from sandbox_agent.context import POLICIES
-from t1async.config import add_arguments, check_bounds, resolve, setting
-
-
-@dataclass(frozen=True)
-class EpisodeOptions:
-    """How an actor runs its episodes; ``cluster up`` takes these too (its config includes these fields)."""
-
-    concurrency: int = setting(4, "episodes per actor at once", ge=1, group="actors")
-    max_turns: int = setting(300, "turns per episode at most", ge=1, group="actors")
-    max_new_tokens: int = setting(256, "tokens sampled per turn at most", ge=1, group="actors")
-    max_context: int = setting(8192, "context budget per episode, in tokens", ge=1, group="actors")
-    context_policy: str = setting(
-        "truncate-observations",
-        "when the next input would not fit --max-context: truncate-observations (keeps the system prompt, the "
-        "task and the last K turns whole, shortens older observations, drops the oldest turns if needed) or stop "
-        "(end the episode with reason context)",
-        choices=tuple(POLICIES),
-        group="actors",
-    )
-    context_keep_turns: int = setting(8, "turns truncate-observations keeps whole", ge=0, metavar="K", group="actors")
-    temperature: float = setting(1.0, "sampling temperature", ge=0, group="actors")
-    verify_every: int = setting(
-        0,
-        "run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
-        ge=0,
-        group="actors",
-    )
-
-
-@dataclass(frozen=True)
-class ActorSettings(EpisodeOptions):
-    """``python -m actors``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
-
-    nats: str | None = setting(
-        None, "NATS URL(s), comma-separated (default: $T1_NATS_URL)", metavar="URL", group="actor"
-    )
-    sampler_url: tuple[str, ...] = setting(
-        (),
-        "a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several",
-        metavar="URL",
-        group="actor",
-    )
-    tasks: Path | None = setting(
-        None,
-        "a directory of tasks (TB1/TB2 format), e.g. made by `python -m sandbox_agent synth --out DIR --n 200` "
-        "(required)",
-        metavar="DIR",
-        group="actor",
-    )
-    split: Literal["train", "eval", "all"] = setting("train", "which tasks to draw", group="actor")
-    episodes: int = setting(0, "stop after this many episodes (default 0: never)", ge=0, group="actor")
-    command_timeout: float = setting(30.0, "seconds per shell command", gt=0, group="actor")
-    model: Path | None = setting(None, "model dir whose tokenizer to use (default: shipped)", group="actor")
-    system_prompt_file: Path | None = setting(
-        None,
-        "the agent's system prompt (default: the built-in one); a warm start's model dir has its own, "
-        "system_prompt.txt, which cluster up passes here",
-        metavar="FILE",
-        group="actor",
-    )
-    actor_id: str = setting("", "this actor's name, unique across the cluster (default host-pid)", group="actor")
-    seed: int = setting(0, "task-draw seed", group="actor")
-    log_level: str | None = setting(None, "debug, info (default), warning", group="actor")
+from actors.settings import ActorSettings
+from t1async.config import add_arguments, check_bounds, resolve
 
 
 def build_parser() -> argparse.ArgumentParser:

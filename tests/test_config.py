@@ -135,7 +135,8 @@ def test_cluster_up_hands_children_toml_files(tmp_path):
     from actors.__main__ import build_parser, settings
     from t1async.cluster import components
     from t1async.cluster.config import UpConfig
-    from t1async.sampler.__main__ import SamplerSettings, _parser
+    from t1async.sampler.__main__ import _parser
+    from t1async.sampler.settings import SamplerSettings
 
     cfg = UpConfig(run_dir=tmp_path, max_new_tokens=77, lr=3e-5, value_lr=1e-2, sampler_max_batch=8).check()
     by = {s.name: list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1")}

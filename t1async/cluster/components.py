@@ -130,7 +130,7 @@ def _part(cls: type, cfg: UpConfig) -> dict[str, Any]:
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
     between copies of one child (a sampler's port, an actor's id and seed)."""
-    from actors.__main__ import EpisodeOptions
+    from actors.settings import EpisodeOptions
     from t1async.learner.serve_cli import LearnerOptions
 
     out: list[ProcessSpec] = []

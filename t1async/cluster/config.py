@@ -20,14 +20,14 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.__main__ import EpisodeOptions
+from actors.settings import EpisodeOptions
 from sandbox_agent.context import POLICIES
 from t1async.cluster.cpus import parse_cpus
 from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.config import check_bounds, like, resolve, setting
 from t1async.learner.serve_cli import LearnerOptions
 from t1async.protocol.errors import ConfigError
-from t1async.sampler.__main__ import Dtype, SamplerSettings
+from t1async.sampler.settings import Dtype, SamplerSettings
 
 # the flag groups of `cluster up --help`, in this order
 NATS, SAMPLERS, ACTORS, LEARNER = "NATS", "samplers", "actors", "learner"

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import anyio
 
-from actors.__main__ import EpisodeOptions
+from actors.settings import EpisodeOptions
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
@@ -35,7 +35,7 @@ from t1async.eval.stats import by_family, summarise, task_scores
 from t1async.log import configure, get_logger
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
-from t1async.sampler.__main__ import Dtype, SamplerSettings
+from t1async.sampler.settings import Dtype, SamplerSettings
 
 log = get_logger("t1async.eval")
 

@@ -1,0 +1,30 @@
+"""The embedded sampler's settings (``python -m t1async.sampler serve``, and the sampler part of ``cluster up``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from t1async.config import setting
+
+Dtype = Literal["float32", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """``sampler serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+
+    host: str = setting("127.0.0.1", "address to bind")
+    port: int = setting(30000, "port to bind; 0 picks a free one", ge=0, le=65535)
+    model: Path | None = setting(None, "model directory (default: the shipped tiny model)")
+    seed: int = setting(0, "sampling seed")
+    dtype: Dtype = setting("float32", "compute dtype of the embedded sampler")
+    max_batch: int = setting(64, "most sequences decoded together", ge=1)
+    prefix_cache_tokens: int | None = setting(None, "prefix (KV) cache size in tokens", ge=0)
+    served_model_name: str = setting("t1async-tiny-moe", "the model id in /v1/models")
+    pause_timeout: float = setting(
+        300.0, "seconds a /pause_generation lasts at most before generation goes on with the old weights", gt=0
+    )
+    ready_file: Path | None = setting(None, "write the URL to this file once the server answers")
+    log_level: str | None = setting(None, "debug|info|warning|error (default: T1_LOG_LEVEL or info)")
