@@ -1,5 +1,9 @@
 """The learner's t1.credit server over the in-memory transport: retries are idempotent, turn-less requests
-each get their own credit, and η = 0 holds grants while a step trains."""
+each get their own credit, and η = 0 holds grants while a step trains.
+
+Every test runs on trio's MockClock with autojump (``autojump_clock``): virtual time moves only when every task
+is blocked, so "wait 0.2 s, then assert nothing was granted" means "once nothing more can happen without time
+passing, nothing was granted", with no wall-clock wait and no race with a slow machine."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ async def _with_server(eta: int, body, batch_turns: int = 4) -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_get_one():
+async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_get_one(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         a = await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)
         b = await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)
@@ -34,7 +38,7 @@ async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_
     await _with_server(1, body)
 
 
-async def test_eta0_holds_grants_while_a_step_trains():
+async def test_eta0_holds_grants_while_a_step_trains(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         server.set_training(True)
         try:
@@ -49,7 +53,7 @@ async def test_eta0_holds_grants_while_a_step_trains():
     await _with_server(0, body)
 
 
-async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant():
+async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)  # capacity (0+0+1)*1 used
         grants: list = []
@@ -65,13 +69,14 @@ async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant():
             server.gate.on_delivered("ep", 0)
             server.gate.on_version(1)
             await anyio.sleep(0.2)
+            assert len(grants) == 1, "capacity for one more: one of the two is granted, the other still held"
             server.gate.on_version(2)
         assert len({g.grant_id for g in grants}) == 2
 
     await _with_server(0, body, batch_turns=1)
 
 
-async def test_a_released_actors_held_request_is_never_granted():
+async def test_a_released_actors_held_request_is_never_granted(autojump_clock):
     """A dead actor's request still held when it is released must not turn into a credit later: that credit
     would sit unused until its lease ends, holding the training order (η = 0) for minutes."""
 
