@@ -104,3 +104,34 @@ async def test_a_released_actors_held_request_is_never_granted(autojump_clock):
             assert isinstance(g, CreditGrant) and server.gate.ledger.running == 1
 
     await _with_server(0, body, batch_turns=1)
+
+
+async def test_a_held_request_waits_for_the_release_not_on_a_lease_already_past_due(mock_clock):
+    """η = 0 holds grants while a step trains. A lease that ran out meanwhile (nothing expires it while no grant
+    is tried) must not wake the held request over and over: that loop spun the CPU for the whole step, and on
+    a MockClock it never lets time move again (the property test's η = 0 scenarios hung in it)."""
+    gate = CreditGate(CreditLedger(0, 1, 30.0))
+    await gate.acquire("a", "e1", 1, 0)  # capacity 1, used; its lease runs out 30 s from now
+    gate.hold(True)
+    mock_clock.jump(31.0)  # past due, not expired yet
+    wakes = 0
+    next_expiry = gate.ledger.next_expiry
+
+    def counted() -> float | None:
+        nonlocal wakes
+        wakes += 1
+        return next_expiry()
+
+    gate.ledger.next_expiry = counted  # type: ignore[method-assign]
+    grants: list = []
+
+    async def ask() -> None:
+        grants.append(await gate.acquire("b", "e2", 1, 0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        for _ in range(50):
+            await anyio.lowlevel.checkpoint()
+        assert grants == [] and wakes <= 1, f"the held request woke {wakes} times with no change"
+        gate.hold(False)  # the step ended: the expired lease's capacity goes to the held request
+    assert len(grants) == 1 and gate.ledger.stats.expired == 1
