@@ -15,7 +15,7 @@ dir. Checked from the step log (each step's trained set and token staleness, wri
 
 Deterministic for a seed: the same seed gives the same history (the test below runs one twice and compares).
 Time is trio's MockClock with autojump (virtual seconds pass only when every task waits), worker-thread
-calls (a trainer step, a journal append) run inline and take ``THREAD_S`` virtual seconds, trio's scheduler
+calls (a trainer step, a journal append) run inline and take ``STEP_S``/``IO_S`` virtual seconds, trio's scheduler
 and the memory broker draw from Randoms seeded by the scenario, episode ids come from the actor's Random.
 Nothing waits on the wall clock: the real trainer's compute is the only real time spent.
 """
@@ -68,16 +68,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return d
 
 
-THREAD_S = 0.25  # virtual seconds a worker-thread call takes (a trainer step, a journal append, a checkpoint):
-# long enough that leases run out while a step trains and its deliveries wait, as on a loaded machine
+# virtual seconds a worker-thread call takes: a trainer step or a checkpoint (the calls Learner._train_step
+# makes) about what the tiny model's take for real (t_step_s ~0.05), a journal append or a trim less. The
+# ratio decides which interleavings a seed explores: with every call 0.25 s the learner was slow enough that
+# the due turns were always in by the time it trained, and a can_train() that always said yes went unseen
+STEP_S, IO_S = 0.05, 0.005
 
 
 async def _inline_thread(func, *args, abandon_on_cancel=False, cancellable=None, limiter=None):
-    """``anyio.to_thread.run_sync`` made deterministic: the call runs inline after ``THREAD_S`` virtual seconds.
-    As a real worker thread, it cannot be interrupted once started: a cancel lands at the next checkpoint."""
+    """``anyio.to_thread.run_sync`` made deterministic: the call runs inline after its virtual duration. As a
+    real worker thread, it cannot be interrupted once started: a cancel lands at the next checkpoint."""
     await anyio.lowlevel.checkpoint_if_cancelled()
     with anyio.CancelScope(shield=True):
-        await anyio.sleep(THREAD_S)
+        await anyio.sleep(STEP_S if "_train_step" in getattr(func, "__qualname__", "") else IO_S)
     return func(*args)
 
 
@@ -324,7 +327,7 @@ async def run_scenario(
     return learners, sampler
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(24))  # a seed is one interleaving: 24 explore more than 8 did
 async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each_turn_once(
     seed, seeded, autojump_clock, tmp_path, tiny_model
 ):
