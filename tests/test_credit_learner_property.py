@@ -13,10 +13,10 @@ dir. Checked from the step log (each step's trained set and token staleness, wri
 - every turn the learner took is settled at most once, and opened == settled + still open;
 - the ledger holds only the work in flight.
 
-Deterministic for a seed: the same seed gives the same history (the test below runs one twice and compares).
-Time is trio's MockClock with autojump (virtual seconds pass only when every task waits), worker-thread
-calls (a trainer step, a journal append) run inline and take ``STEP_S``/``IO_S`` virtual seconds, trio's scheduler
-and the memory broker draw from Randoms seeded by the scenario, episode ids come from the actor's Random.
+Deterministic for a seed: the same seed gives the same history (the last test runs one twice and compares).
+Time is trio's MockClock with autojump (virtual seconds pass only when every task waits); worker-thread calls
+(a trainer step, a journal append) run inline and take ``STEP_S`` / ``IO_S`` virtual seconds; trio's scheduler
+and the memory broker draw from Randoms seeded by the scenario; episode ids come from the actor's Random.
 Nothing waits on the wall clock: the real trainer's compute is the only real time spent.
 """
 
@@ -69,7 +69,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 # virtual seconds a worker-thread call takes: a trainer step or a checkpoint (the calls Learner._train_step
-# makes) about what the tiny model's take for real (t_step_s ~0.05), a journal append or a trim less. The
+# makes) about what the tiny model's step takes for real (t_step_s ~0.05), a journal append or a trim less. The
 # ratio decides which interleavings a seed explores: with every call 0.25 s the learner was slow enough that
 # the due turns were always in by the time it trained, and a can_train() that always said yes went unseen
 STEP_S, IO_S = 0.05, 0.005
@@ -399,8 +399,8 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(
 
 
 def history(learners: list[Learner], sampler: SplitSampler, run: Path) -> dict:
-    """What a run did, as data: every step-log line (superseded ones too), each learner's ledger and settles,
-    the sampler's calls and split turns, and the virtual time it ended at."""
+    """What a run did, as data: every step-log line (superseded ones too), each learner's ledger, settles,
+    releases and staleness histogram, the trained turns, and the sampler's calls and split turns."""
     return {
         "step_log": (run / "learner" / "steps.jsonl").read_text().splitlines(),
         "ledgers": [lr.gate.ledger.snapshot() for lr in learners],
