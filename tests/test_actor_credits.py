@@ -1,5 +1,9 @@
 """The actor's credit client: waits a held reply out and keeps the waits it felt (count, mean, p50/p99, max)
-for its metrics record."""
+for its metrics record.
+
+On trio's MockClock (``mock_clock``: time moves only when the test jumps it), so each wait is known exactly:
+no wall clock, no latency bound. How long credit waits are in a real run is bench.staleness's figure
+(``credit_wait_mean_s``, ``credit_wait_p99_s``, ``credit_wait_max_s``, ``credit_wait_share``)."""
 
 from __future__ import annotations
 
@@ -10,10 +14,12 @@ from t1async.credits.client import CREDIT_SUBJECT, CreditClient
 from t1async.protocol.wire import CreditGrant
 from t1async.transport.memory import MemoryTransport
 
+HELD_S = 0.3
 
-async def test_credit_waits_are_counted_with_the_held_time():
+
+async def test_credit_waits_are_counted_with_the_held_time(mock_clock):
     async with MemoryTransport() as t:
-        release = anyio.Event()
+        held, release = anyio.Event(), anyio.Event()
 
         async def learner(*, task_status=anyio.TASK_STATUS_IGNORED):
             async with t.serve(CREDIT_SUBJECT) as requests:
@@ -22,6 +28,7 @@ async def test_credit_waits_are_counted_with_the_held_time():
                 async for req in requests:
                     n += 1
                     if n == 3:  # the third request is held until the test releases it (backpressure)
+                        held.set()
                         await release.wait()
                     await req.respond(CreditGrant(1, 0, 30.0, f"g{n}"))
 
@@ -33,14 +40,18 @@ async def test_credit_waits_are_counted_with_the_held_time():
             await client.acquire("e", 1)
 
             async def let_go():
-                await anyio.sleep(0.3)
+                await held.wait()  # the learner holds the third request: HELD_S pass, then it is granted
+                mock_clock.jump(HELD_S)
                 release.set()
 
             tg.start_soon(let_go)
-            await client.acquire("e", 2)
+            g = await client.acquire("e", 2)
+            assert release.is_set() and g.grant_id == "g3", "the held request returned before it was granted"
             tg.cancel_scope.cancel()
     s = client.wait_stats()
     assert s["credit_waits"] == 3
-    assert s["credit_wait_max_s"] >= 0.3  # the held request waited at least as long as it was held
-    assert s["credit_wait_p99_s"] == s["credit_wait_max_s"] and s["credit_wait_p50_s"] < 0.3
+    # the two granted at once waited no time at all; the held one waited exactly as long as it was held
+    assert s["credit_wait_max_s"] == pytest.approx(HELD_S) and s["credit_wait_p99_s"] == s["credit_wait_max_s"]
+    assert s["credit_wait_p50_s"] == 0.0
+    assert s["credit_wait_s"] == pytest.approx(HELD_S)
     assert s["credit_wait_s"] == pytest.approx(3 * s["credit_wait_mean_s"])

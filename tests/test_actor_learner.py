@@ -82,13 +82,21 @@ async def run_loop(
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
         learner = Learner(lcfg, lt, sampler)
         async with mt.subscribe("t1.>") as sub, anyio.create_task_group() as tg:
+            finished, barrier = anyio.Event(), anyio.Event()
 
             async def watch():
                 async for m in sub:
-                    seen.append(m.record)
+                    if m.subject == "t1.test.barrier":
+                        barrier.set()  # delivery is in order: every record published before it is in `seen`
+                    else:
+                        seen.append(m.record)
+
+            async def run_learner(*, task_status=anyio.TASK_STATUS_IGNORED):
+                await learner.run(task_status=task_status)  # returns after `steps` steps (lcfg.steps)
+                finished.set()
 
             tg.start_soon(watch)
-            await tg.start(learner.run)
+            await tg.start(run_learner)
             actor_scope = anyio.CancelScope()
 
             async def actor():
@@ -103,9 +111,9 @@ async def run_loop(
 
             tg.start_soon(actor)
             with anyio.fail_after(240):
-                while learner.state.step < steps:
-                    await anyio.sleep(0.1)
-            await anyio.sleep(0.3)
+                await finished.wait()
+                await lt.publish("t1.test.barrier", wire.Heartbeat("test", 0.0))
+                await barrier.wait()
             actor_scope.cancel()
             tg.cancel_scope.cancel()
     learner.journal.close()

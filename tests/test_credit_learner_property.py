@@ -12,18 +12,26 @@ dir. Checked from the step log (each step's trained set and token staleness, wri
   crashed predecessor);
 - every turn the learner took is settled at most once, and opened == settled + still open;
 - the ledger holds only the work in flight.
+
+Deterministic for a seed: the same seed gives the same history (the last test runs one twice and compares).
+Time is trio's MockClock with autojump (virtual seconds pass only when every task waits); worker-thread calls
+(a trainer step, a journal append) run inline and take ``STEP_S`` / ``IO_S`` virtual seconds; trio's scheduler
+and the memory broker draw from Randoms seeded by the scenario; episode ids come from the actor's Random.
+Nothing waits on the wall clock: the real trainer's compute is the only real time spent.
 """
 
 from __future__ import annotations
 
 import random
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
+import torch
+import trio
+import trio.testing
 
 from actors.records import TurnEncoder
 from sandbox_agent.agent_types import TurnResult
@@ -58,6 +66,48 @@ def tiny_model(tmp_path_factory) -> Path:
     )
     save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
     return d
+
+
+# virtual seconds a worker-thread call takes: a trainer step or a checkpoint (the calls Learner._train_step
+# makes) about what the tiny model's step takes for real (t_step_s ~0.05), a journal append or a trim less. The
+# ratio decides which interleavings a seed explores: with every call 0.25 s the learner was slow enough that
+# the due turns were always in by the time it trained, and a can_train() that always said yes went unseen
+STEP_S, IO_S = 0.05, 0.005
+
+
+async def _inline_thread(func, *args, abandon_on_cancel=False, cancellable=None, limiter=None):
+    """``anyio.to_thread.run_sync`` made deterministic: the call runs inline after its virtual duration. As a
+    real worker thread, it cannot be interrupted once started: a cancel lands at the next checkpoint."""
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    with anyio.CancelScope(shield=True):
+        await anyio.sleep(STEP_S if "_train_step" in getattr(func, "__qualname__", "") else IO_S)
+    return func(*args)
+
+
+def seed_everything(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """What a run draws that the scenario's own Randoms do not: trio's scheduling order (pytest-trio turns on
+    trio's deterministic scheduling; its Random is seeded here), the memory broker's choice among subscribers,
+    and the timing of worker threads. Call it before each trio run."""
+    monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)
+    monkeypatch.setattr(trio._core._run, "_r", random.Random(f"trio-{seed}"))
+    monkeypatch.setattr("t1async.transport.memory.random", random.Random(f"broker-{seed}"))
+    monkeypatch.setattr(anyio.to_thread, "run_sync", _inline_thread)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """The trainer step runs inline on the event loop's thread: torch's other intra-op threads would spin after
+    each op and starve the loop (seed 0: 14 s of CPU instead of 5 on 2 cores)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+@pytest.fixture
+def seeded(seed, monkeypatch, one_torch_thread):
+    """Seeds a test parametrized by ``seed`` before its trio run starts (with pytest-trio's ``autojump_clock``)."""
+    seed_everything(monkeypatch, seed)
 
 
 class SplitSampler(MemorySampler):
@@ -125,7 +175,7 @@ async def scripted_actor(
     late_s = 3.0 if sc.expire else 0.0  # > the 1.5 s lease of an `expire` scenario
 
     async def episode() -> None:
-        ep = f"{name}-{uuid.uuid4().hex[:8]}"
+        ep = f"{name}-{rng.getrandbits(32):08x}"  # from the seed: a uuid4 would differ run to run
         enc = TurnEncoder(ep)
         await transport.publish(traj_subject(ep), wire.StartRecord(ep, name, "task", 99, 0.0))
         seq = np.array([rng.randrange(vocab) for _ in range(rng.randint(4, 12))], np.int32)
@@ -216,7 +266,7 @@ async def run_scenario(
         eos_token_id=tok.im_end_id,
         seed=sc.seed,
     )
-    broker = MemoryBroker(ack_wait_s=1.0)
+    broker = MemoryBroker(ack_wait_s=1.0, clock=anyio.current_time)  # redeliveries on the (mock) loop clock
     lcfg = LearnerConfig(
         run_dir=run,
         model_dir=model,
@@ -277,8 +327,10 @@ async def run_scenario(
     return learners, sampler
 
 
-@pytest.mark.parametrize("seed", range(8))
-async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each_turn_once(seed, tmp_path, tiny_model):
+@pytest.mark.parametrize("seed", range(24))  # a seed is one interleaving: 24 explore more than 8 did
+async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each_turn_once(
+    seed, seeded, autojump_clock, tmp_path, tiny_model
+):
     sc = Scenario.draw(seed)
     learners, sampler = await run_scenario(sc, tmp_path / "run", tiny_model)
     final = learners[-1]
@@ -309,12 +361,15 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
 
 
 @pytest.mark.slow
-async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(tmp_path, tiny_model):
+@pytest.mark.parametrize("seed", [11])
+async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(
+    seed, seeded, autojump_clock, tmp_path, tiny_model
+):
     """40 steps at η = 1 with every way a delivered turn can end: trained, stale-masked (delivered after its
     lease ran out), dropped by a REALIGN, poisoned (NaN logprob), abandoned (past its end). The ledger holds
     the work in flight at every moment, not every ticket since the start."""
     sc = Scenario(
-        seed=11,
+        seed=seed,
         eta=1,
         batch_turns=3,
         actors=3,
@@ -341,3 +396,39 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(t
     # releases are granted again, so not a hard cap); the old grant-order deque grew with every grant
     bound = 2 * ((sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency)
     assert max(sizes) <= bound and led.stats.granted > 3 * bound, (max(sizes), bound, led.snapshot())
+
+
+def history(learners: list[Learner], sampler: SplitSampler, run: Path) -> dict:
+    """What a run did, as data: every step-log line (superseded ones too), each learner's ledger, settles,
+    releases and staleness histogram, the trained turns, and the sampler's calls and split turns."""
+    return {
+        "step_log": (run / "learner" / "steps.jsonl").read_text().splitlines(),
+        "ledgers": [lr.gate.ledger.snapshot() for lr in learners],
+        "settled": [(dict(lr.settler.counts), lr.settler.opened, sorted(lr.settler.untrained)) for lr in learners],
+        "released": [sorted(lr.liveness.released) for lr in learners],
+        "trained": {ep: sorted(ts) for ep, ts in learners[-1].state.trained.items()},
+        "sampler": ([(c.input_ids, c.routed_experts_start_len) for c in sampler.calls], sampler.split_turns),
+        "hist": [lr.hist.as_dict() for lr in learners],
+    }
+
+
+@pytest.mark.parametrize("seed", [4])  # η 0, kill, restart, expire, inject (Scenario.draw(4)): every path
+def test_the_same_seed_gives_the_same_history(seed, tmp_path, tiny_model, monkeypatch, one_torch_thread):
+    """The scenario is a function of its seed: two runs, each in a fresh trio run on a fresh MockClock, make
+    the same steps of the same turns, the same ledgers and settles, and end at the same virtual time."""
+    sc = Scenario.draw(seed)
+    runs = []
+    for i in range(2):
+        seed_everything(monkeypatch, seed)
+        run = tmp_path / f"run{i}"
+
+        async def main(run: Path = run) -> tuple[dict, float]:
+            learners, sampler = await run_scenario(sc, run, tiny_model)
+            return history(learners, sampler, run), trio.current_time()
+
+        runs.append(trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)))
+    (first, t_first), (second, t_second) = runs
+    assert len(first["step_log"]) >= sc.steps and len(first["ledgers"]) == 1 + sc.restart, first["ledgers"]
+    for key in first:
+        assert first[key] == second[key], f"seed {seed}: {key} differs between two runs of one seed"
+    assert t_first == t_second

@@ -1,5 +1,9 @@
 """The learner's t1.credit server over the in-memory transport: retries are idempotent, turn-less requests
-each get their own credit, and η = 0 holds grants while a step trains."""
+each get their own credit, and η = 0 holds grants while a step trains.
+
+Every test runs on trio's MockClock with autojump (``autojump_clock``): virtual time moves only when every task
+is blocked, so "wait 0.2 s, then assert nothing was granted" means "once nothing more can happen without time
+passing, nothing was granted", with no wall-clock wait and no race with a slow machine."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ async def _with_server(eta: int, body, batch_turns: int = 4) -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_get_one():
+async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_get_one(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         a = await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)
         b = await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)
@@ -35,7 +39,7 @@ async def test_a_retried_request_gets_the_same_grant_and_turnless_requests_each_
     await _with_server(1, body)
 
 
-async def test_eta0_holds_grants_while_a_step_trains():
+async def test_eta0_holds_grants_while_a_step_trains(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         server.set_training(True)
         try:
@@ -50,7 +54,7 @@ async def test_eta0_holds_grants_while_a_step_trains():
     await _with_server(0, body)
 
 
-async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant():
+async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant(autojump_clock):
     async def body(server: CreditServer, t: MemoryTransport) -> None:
         await t.request(CREDIT_SUBJECT, CreditRequest("x", "ep", 1, 0), timeout=5)  # capacity (0+0+1)*1 used
         grants: list = []
@@ -66,13 +70,14 @@ async def test_held_turnless_requests_of_one_episode_each_get_their_own_grant():
             server.gate.on_delivered("ep", 0)
             server.gate.on_version(1)
             await anyio.sleep(0.2)
+            assert len(grants) == 1, "capacity for one more: one of the two is granted, the other still held"
             server.gate.on_version(2)
         assert len({g.grant_id for g in grants}) == 2
 
     await _with_server(0, body, batch_turns=1)
 
 
-async def test_a_released_actors_held_request_is_never_granted():
+async def test_a_released_actors_held_request_is_never_granted(autojump_clock):
     """A dead actor's request still held when it is released must not turn into a credit later: that credit
     would sit unused until its lease ends, holding the training order (η = 0) for minutes."""
 
@@ -100,3 +105,34 @@ async def test_a_released_actors_held_request_is_never_granted():
             assert isinstance(g, CreditGrant) and server.gate.ledger.running == 1
 
     await _with_server(0, body, batch_turns=1)
+
+
+async def test_a_held_request_waits_for_the_release_not_on_a_lease_already_past_due(mock_clock):
+    """η = 0 holds grants while a step trains. A lease that ran out meanwhile (nothing expires it while no grant
+    is tried) must not wake the held request over and over: that loop spun the CPU for the whole step, and on
+    a MockClock it never lets time move again (the property test's η = 0 scenarios hung in it)."""
+    gate = CreditGate(CreditLedger(0, 1, 30.0))
+    await gate.acquire("a", "e1", 1, 0)  # capacity 1, used; its lease runs out 30 s from now
+    gate.hold(True)
+    mock_clock.jump(31.0)  # past due, not expired yet
+    wakes = 0
+    next_expiry = gate.ledger.next_expiry
+
+    def counted() -> float | None:
+        nonlocal wakes
+        wakes += 1
+        return next_expiry()
+
+    gate.ledger.next_expiry = counted  # type: ignore[method-assign]
+    grants: list = []
+
+    async def ask() -> None:
+        grants.append(await gate.acquire("b", "e2", 1, 0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        for _ in range(50):
+            await anyio.lowlevel.checkpoint()
+        assert grants == [] and wakes <= 1, f"the held request woke {wakes} times with no change"
+        gate.hold(False)  # the step ended: the expired lease's capacity goes to the held request
+    assert len(grants) == 1 and gate.ledger.stats.expired == 1

@@ -123,10 +123,14 @@ async def run_learner(
         if patch is not None:
             patch(learner)
         async with wt.subscribe("t1.dead.>", include_malformed=True) as sub, anyio.create_task_group() as tg:
+            barrier = anyio.Event()
 
             async def watch():
                 async for m in sub:
-                    dead.append(m)
+                    if m.subject == "t1.dead.test-barrier":
+                        barrier.set()  # delivery is in order: every dead letter published before it is in `dead`
+                    else:
+                        dead.append(m)
 
             def tried() -> int:
                 return learner.state.step + learner.poison.failed_steps
@@ -143,7 +147,8 @@ async def run_learner(
             tg.start_soon(feed)
             with anyio.fail_after(150):
                 await learner.run()
-            await anyio.sleep(0.05)
+                await wt.publish("t1.dead.test-barrier", wire.Heartbeat("test", 0.0))
+                await barrier.wait()
             tg.cancel_scope.cancel()
     learner.journal.close()
     return learner

@@ -169,7 +169,7 @@ async def test_500_is_not_retried_and_names_the_url():
     assert len(calls) == 1
 
 
-async def test_least_outstanding_balancing_favours_the_faster_server():
+async def test_least_outstanding_balancing_favours_the_faster_server(autojump_clock):
     """Two servers, one 10x slower: with least-outstanding routing the fast one takes most requests, and
     no server ever holds more than its share plus one while both are busy."""
     sent = {"slow": 0, "fast": 0}

@@ -124,7 +124,9 @@ def test_sigkilled_owner_leaves_no_process_of_the_slot_uid(tmp_path: Path, backe
             line = p.stdout.readline()
         assert line, f"the owner exited before its sandbox ran: {p.communicate()[1][-2000:]}"
         uid = int(line)
-        time.sleep(0.3)  # let the last command start
+        deadline = time.monotonic() + 10.0  # the last command starts: its sleepers appear (an external process)
+        while len(procs.uid_pids(uid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(procs.uid_pids(uid)) >= 4, "the sandbox should be running the shell and three sleepers"
         os.kill(p.pid, signal.SIGKILL)
         p.wait()

@@ -7,7 +7,6 @@ gets the grant it may already have been given, never a second one.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -49,7 +48,7 @@ class CreditClient:
         }
 
     async def acquire(self, episode: str, turn: int = -1) -> CreditGrant:
-        t0 = time.monotonic()
+        t0 = anyio.current_time()  # the event loop's clock: a test's MockClock drives it
         backoff = 0.2
         while True:
             try:
@@ -57,7 +56,7 @@ class CreditClient:
                     CREDIT_SUBJECT, CreditRequest(self.actor, episode, 1, turn), timeout=self.request_timeout_s
                 )
             except RequestTimeoutError:
-                log.debug("credit.held", episode=episode, waited_s=round(time.monotonic() - t0, 1))
+                log.debug("credit.held", episode=episode, waited_s=round(anyio.current_time() - t0, 1))
                 continue
             except NoRespondersError:
                 log.info("credit.no_learner", episode=episode, retry_in_s=backoff)
@@ -65,7 +64,7 @@ class CreditClient:
                 backoff = min(backoff * 2, 5.0)
                 continue
             if isinstance(reply, CreditGrant) and reply.granted > 0:
-                waited = time.monotonic() - t0
+                waited = anyio.current_time() - t0
                 self.wait_s += waited
                 self.wait_max_s = max(self.wait_max_s, waited)
                 self._recent.append(waited)

@@ -382,7 +382,8 @@ class CreditGate:
                 self._notify()
                 return grant
             changed = self._changed
-            nxt = self.ledger.next_expiry()
+            # while held only hold(False) can grant (it wakes us); a lease already past due would spin this loop
+            nxt = None if self.held else self.ledger.next_expiry()
             with anyio.move_on_after(max(0.0, nxt - self.clock()) if nxt is not None else float("inf")):
                 await changed.wait()
 

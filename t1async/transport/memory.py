@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,10 +67,22 @@ class _Sub:
 
 
 class MemoryBroker:
-    """The in-process stand-in for nats-server (one stream, ``T1_TRAJ``, on ``t1.traj.>``)."""
+    """The in-process stand-in for nats-server (one stream, ``T1_TRAJ``, on ``t1.traj.>``).
 
-    def __init__(self, *, duplicate_window_s: float = 120.0, ack_wait_s: float = 30.0, max_payload: int = 1 << 20):
+    ``clock`` times the duplicate window and redeliveries: ``anyio.current_time`` puts them on the event loop's
+    clock, which a test's trio MockClock drives (the default, the wall clock, lets a broker be used outside
+    async code)."""
+
+    def __init__(
+        self,
+        *,
+        duplicate_window_s: float = 120.0,
+        ack_wait_s: float = 30.0,
+        max_payload: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.duplicate_window_s, self.ack_wait_s, self.max_payload = duplicate_window_s, ack_wait_s, max_payload
+        self.clock = clock
         self.stream: list[_Stored] = []
         self._dedupe: dict[str, float] = {}
         self._durables: dict[str, _Durable] = {}
@@ -81,7 +93,7 @@ class MemoryBroker:
 
     def store(self, subject: str, data: bytes, headers: dict[str, str]) -> int | None:
         """Append to the stream (None: a duplicate msg_id within the window), and deliver to core subs."""
-        now = time.monotonic()
+        now = self.clock()
         msg_id = headers.get(HDR_MSG_ID)
         if msg_id is not None:
             if now - self._dedupe.get(msg_id, -math.inf) < self.duplicate_window_s:
@@ -135,7 +147,7 @@ class MemoryBroker:
 
     def fetch(self, name: str, n: int) -> tuple[list[tuple[_Stored, int]], float]:
         """Up to ``n`` messages (redeliveries first) and the time of the next redelivery (inf if none)."""
-        d, now = self._durables[name], time.monotonic()
+        d, now = self._durables[name], self.clock()
         out: list[tuple[_Stored, int]] = []
         for seq, p in sorted(d.pending.items()):
             if len(out) >= n:
@@ -224,7 +236,7 @@ class MemoryTransport(Transport):
             changed = self.broker._changed
             stored, next_at = self.broker.fetch(durable, n)
             got = intake.take(
-                [Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], time.monotonic()
+                [Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], self.broker.clock()
             )
             if got.ack_now or got.term:
                 self.broker.settle(durable, got.ack_now + got.term, True)
@@ -233,7 +245,7 @@ class MemoryTransport(Transport):
             if got.deliveries:
                 yield Batch(got.deliveries, self._settler(durable, got.seqs, intake))
                 continue
-            with anyio.move_on_after(max(0.0, next_at - time.monotonic()) if next_at < math.inf else math.inf):
+            with anyio.move_on_after(max(0.0, next_at - self.broker.clock()) if next_at < math.inf else math.inf):
                 await changed.wait()
 
     def _settler(self, durable: str, seqs: list[int], intake: StreamIntake[int]):
