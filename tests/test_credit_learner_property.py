@@ -353,7 +353,7 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
         assert s.opened == sum(s.counts.values()) + len(s.untrained), (s.opened, s.counts, len(s.untrained))
         assert led.size <= 2 * ((sc.eta + 2) * sc.batch_turns + sc.actors * sc.concurrency), led.snapshot()
     # the actors' open episodes only: an ended (or stopped) episode is no longer anyone's work
-    assert not [ep for ep in final.liveness.owner if ep in final.assembler.ended or not final._running(ep)]
+    assert not [ep for ep in final.liveness.owner if ep in final.assembler.ended or not final.ingest.running(ep)]
     if sc.kill:  # released (by the learner running then), and none of its episodes is left open
         assert any("a0" in lr.liveness.released for lr in learners), [lr.liveness.released for lr in learners]
         left = {ep: (a.next_turn, a.end_record) for ep, a in final.assembler.open.items() if ep.startswith("a0-")}
@@ -367,7 +367,7 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(
 ):
     """40 steps at η = 1 with every way a delivered turn can end: trained, stale-masked (delivered after its
     lease ran out), dropped by a REALIGN, poisoned (NaN logprob), abandoned (past its end). The ledger holds
-    the work in flight at every moment, not every ticket since the start."""
+    the work in flight at every moment, not every credit since the start."""
     sc = Scenario(
         seed=seed,
         eta=1,

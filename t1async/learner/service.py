@@ -138,9 +138,6 @@ class Learner:
     def stale_masked_tokens(self) -> int:
         return self.inputs.stale_masked_tokens
 
-    def _running(self, episode: str) -> bool:  # tests/test_credit_learner_property.py reads it (another branch's)
-        return self.ingest.running(episode)
-
     # ------------------------------------------------------------------------------------------ the loop
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
