@@ -66,7 +66,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
         batch_turns=4,
         steps=steps,
         metrics_every_s=60,
-        journal_segment_bytes=4096,
+        journal_file_bytes=4096,
         trainer=TrainerConfig(lr=1e-4),
     )
     broker = MemoryBroker()
@@ -94,7 +94,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
     assert wave > 4096  # each wave rolls over at least one segment
     # settled waves' segments go; the first one stays, pinned by the running episode: no growth
     assert max(sizes) < 3 * wave + 3 * 4096, sizes
-    assert learner.metrics()["journal_segments"] <= 5
+    assert learner.metrics()["journal_files"] <= 5
     replayed: dict[str, set] = {}
     for r in read_journal(tmp_path / "run" / "learner" / "journal"):
         replayed.setdefault(r.episode, set()).add(getattr(r, "turn", "end"))

@@ -2,8 +2,8 @@
 
     ingest   batch ─ screen (validate.py) ─┬─ good → journal (fsync) → ack → take (credits, assembly)
                                            └─ bad  → poison book (fsync) + t1.dead.<reason> → ack
-    replay   journal segments in order ─ screened the same way ─ take
-    compact  after each step: the live set on the loop, segment deletion in a worker thread
+    replay   journal files in order ─ screened the same way ─ take
+    compact  after each step: the live set on the loop, journal file deletion in a worker thread
     failures a record whose taking raises: t1.dead.assembly, episode dropped whole;
              a step that raises (``step_failed``): segments to t1.dead.train_step, episodes stopped
 
@@ -56,12 +56,12 @@ class Ingest:
         liveness: ActorLiveness,
         version: Callable[[], int],
         durable: str,
-        segment_bytes: int,
+        journal_file_bytes: int,
     ) -> None:
         self.transport, self.durable, self.version = transport, durable, version
         self.settler, self.gate, self.credits, self.liveness = settler, gate, credits, liveness
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", limits)
-        self.journal = Journal(learner_dir / "journal", segment_bytes=segment_bytes)
+        self.journal = Journal(learner_dir / "journal", file_bytes=journal_file_bytes)
         self.assembler = Assembler()
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.ended: deque[wire.EndRecord] = deque(maxlen=200)  # the last episodes ended (live, not replayed)
@@ -235,16 +235,16 @@ class Ingest:
         return {k: int(d.get(k, 0)) for k in ("clean", "realign", "fork")}
 
     async def compact(self) -> None:
-        """Delete the journal segments whose episodes are all settled, in a worker thread: ingest keeps
-        appending (to the active segment) and credits keep flowing meanwhile."""
-        before = self.journal.active_seq  # segments sealed after this may hold episodes ``live`` does not know
+        """Delete the journal files whose episodes are all settled, in a worker thread: ingest keeps
+        appending (to the active journal file) and credits keep flowing meanwhile."""
+        before = self.journal.active_seq  # journal files sealed after this may hold episodes ``live`` does not know
         live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
         r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
-        if r.deleted_segments:
+        if r.deleted_files:
             log.info(
                 "learner.journal_compacted",
-                deleted_segments=r.deleted_segments,
+                deleted_files=r.deleted_files,
                 deleted_bytes=r.deleted_bytes,
-                kept_segments=r.kept_segments,
+                kept_files=r.kept_files,
                 kept_bytes=r.kept_bytes,
             )

@@ -62,7 +62,7 @@ class LearnerConfig:
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
-    journal_segment_bytes: int = 32 << 20  # the journal rolls over to a new segment file past this size
+    journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
     wandb: bool = False  # and to Weights & Biases, when wandb is installed
@@ -108,7 +108,7 @@ class Learner:
             liveness=self.liveness,
             version=lambda: self.version,
             durable=config.durable,
-            segment_bytes=config.journal_segment_bytes,
+            journal_file_bytes=config.journal_file_bytes,
         )
         self.inputs = StepInputs(self.ingest, self.gate, self.settler, config.max_staleness)
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
@@ -329,7 +329,7 @@ class Learner:
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.ingest.journal.size_bytes(),
             "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
-            "journal_segments": self.ingest.journal.segments,
+            "journal_files": self.ingest.journal.files,
             "poison": self.ingest.poison.metrics(),
             "stale_masked_tokens": self.inputs.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (design §7)
