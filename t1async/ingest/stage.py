@@ -54,11 +54,11 @@ class Ingest:
         gate: CreditGate,
         credits: CreditServer,
         liveness: ActorLiveness,
-        version: Callable[[], int],
+        policy_version: Callable[[], int],
         durable: str,
         journal_file_bytes: int,
     ) -> None:
-        self.transport, self.durable, self.version = transport, durable, version
+        self.transport, self.durable, self.policy_version = transport, durable, policy_version
         self.settler, self.gate, self.credits, self.liveness = settler, gate, credits, liveness
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", limits)
         self.journal = Journal(learner_dir / "journal", file_bytes=journal_file_bytes)
@@ -79,7 +79,9 @@ class Ingest:
         async with self.transport.consume(self.durable) as batches:
             task_status.started()
             async for batch in batches:
-                s = self.poison.screen([d.record for d in batch], self.version())  # validate.py: what a step relies on
+                s = self.poison.screen(
+                    [d.record for d in batch], self.policy_version()
+                )  # validate.py: what a step relies on
                 # journaled before the assembler knows them: live for compaction until taken
                 self._taking = {getattr(r, "episode", "") for r in s.good}
                 changed: list[Poison] = []
@@ -103,7 +105,7 @@ class Ingest:
         dead: list[Screened] = []
         n = 0
         for rec in self.journal.replay():
-            s = self.poison.screen([rec], self.version())
+            s = self.poison.screen([rec], self.policy_version())
             if s.bad:
                 dead.append(s)
                 self.poison.add(s.poisons)
@@ -115,7 +117,12 @@ class Ingest:
             if p.episode in self.assembler.open:
                 self.stop(p.episode, p.turn)  # its dropped turns settled, no longer its actor's open work
         if n:
-            log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version())
+            log.info(
+                "learner.journal_replayed",
+                records=n,
+                untrained_turns=len(self.untrained),
+                policy_version=self.policy_version(),
+            )
         return dead
 
     async def dead_letter(self, s: Screened) -> None:
@@ -196,19 +203,21 @@ class Ingest:
         for p in changed:
             self.stop(p.episode, p.turn, emit=p.reason != ASSEMBLY)
 
-    async def step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
-        """A training step at ``version`` raised despite validation: dead-letter its segments and poison their
+    async def step_failed(self, segments: list[Segment], policy_version: int, exc: Exception) -> None:
+        """A training step at ``policy_version`` raised despite validation: dead-letter its segments and poison their
         episodes at the first turn each held, so no restart retries it. (Putting the weights back is the
         learner's.)"""
         self.poison.failed_steps += 1
         log.error(
             "learner.step_failed",
-            version=version,
+            policy_version=policy_version,
             segments=len(segments),
             error=f"{type(exc).__name__}: {exc}",
             hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped",
         )
-        err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
+        err = WireError(
+            f"training step at version {policy_version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP
+        )
         poisons = []
         for s in segments:
             turns = s.turn_ids[s.loss_mask]
