@@ -95,7 +95,7 @@ async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRe
             "turn.published",
             episode=episode,
             turn=t.turn,
-            version=rec.policy_version,
+            policy_version=rec.policy_version,
             keep=rec.keep,
             delta=len(rec.input_delta),
             out=len(rec.output_ids),

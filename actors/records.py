@@ -27,10 +27,10 @@ class TurnEncoder:
         inp = np.asarray(t.input_ids, dtype=np.int32)
         keep = common_prefix_len(inp, self.seq)
         # per-token versions only when a weight update split the turn; policy_version is the oldest (design §7)
-        versions, version = None, int(t.weight_version)
+        versions, policy_version = None, int(t.policy_version)
         ov = getattr(t, "output_versions", None)
         if ov is not None and len(ov) == len(t.output_ids) and len(ov):
-            version = int(np.min(ov))
+            policy_version = int(np.min(ov))
             versions = np.asarray(ov, dtype=np.int32) if np.ptp(ov) > 0 else None
         routing = None
         if t.routing is not None:
@@ -39,7 +39,7 @@ class TurnEncoder:
             episode=self.episode,
             turn=self.turns,
             keep=keep,
-            policy_version=version,
+            policy_version=policy_version,
             input_delta=inp[keep:].copy(),
             input_len=len(inp),
             input_digest=digest_ids(inp),

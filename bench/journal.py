@@ -1,6 +1,6 @@
-"""bench.journal: compaction beside appends, the old rewrite-in-place journal vs the segmented one.
+"""bench.journal: compaction beside appends, the old rewrite-in-place journal vs the one in journal files.
 
-    python -m bench.journal [--mb 64] [--segment-mb 8] [--json]
+    python -m bench.journal [--mb 64] [--file-mb 8] [--json]
 
 Both sides get the same turn records (``--mb`` of them; 8 episodes of 40 turns run at a time; all but the
 last 8 are settled), then compact while a
@@ -10,8 +10,8 @@ the appends that failed, and the acked live records that a reopened journal no l
 
 - old: ``compact(keep)`` reads the whole file, rewrites the kept records to a temp file and renames it over
   the journal. In the learner it ran on the event loop, so ingest and credits waited for all of it.
-- new: ``compact(live)`` (t1async.ingest.journal) deletes sealed segment files whose episodes are all
-  settled, from a worker thread; the lock appends share is held only to pick the segments.
+- new: ``compact(live)`` (t1async.ingest.journal) deletes sealed journal files whose episodes are all
+  settled, from a worker thread; the lock appends share is held only to pick the files.
 
 ``--json`` prints {old_compact_s, new_compact_s, old_lost, new_lost, old_append_errors, ...} last.
 """
@@ -38,7 +38,7 @@ _LEN = struct.Struct("<I")
 
 
 class RewriteJournal:
-    """The journal before segments (commit 34955e3^), reduced to what this bench drives."""
+    """The journal before journal files (commit 34955e3^), reduced to what this bench drives."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -126,7 +126,7 @@ def race(journal, compact: Callable[[], None], record: wire.TurnRecord) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=64.0, help="journal size to compact (default 64)")
-    ap.add_argument("--segment-mb", type=float, default=8.0, help="the new journal's segment size (default 8)")
+    ap.add_argument("--file-mb", type=float, default=8.0, help="the new journal's file size (default 8)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     records = make_records(64, output_tokens=256, delta=256, layers=4, topk=2)
@@ -140,7 +140,7 @@ def main() -> None:
         old.close()
         have_old = {r.turn for r in read_journal(Path(d) / "journal.bin") if r.episode == "live"}
 
-        new = Journal(Path(d) / "journal", segment_bytes=int(a.segment_mb * 1e6))
+        new = Journal(Path(d) / "journal", file_bytes=int(a.file_mb * 1e6))
         list(new.replay())
         fill(new.append, records, n)
         r_new = race(new, lambda: new.compact(live), records[0])

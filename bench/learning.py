@@ -134,7 +134,7 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
             f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
             f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}"
         )
-    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.version})", flush=True)
+    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version})", flush=True)
     return Path(ck.path)
 
 

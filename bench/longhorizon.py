@@ -100,7 +100,7 @@ class ScriptedSampler:
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=np.full(len(out), -0.25, np.float32),
             finish="stop",
-            weight_version=0,
+            policy_version=0,
             routing=routing if routed_experts_start_len is not None else None,
             routing_start=start,
             prompt_tokens=len(input_ids),

@@ -40,7 +40,7 @@ NEW_TOKENS = 24
 
 
 def versions_of_weights(n: int, noise: float, out: Path, tok: ChatTokenizer) -> list[Path]:
-    """``n`` weight versions: the shipped model, then each the previous one plus relative Gaussian noise."""
+    """``n`` policy versions: the shipped model, then each the previous one plus relative Gaussian noise."""
     g = torch.Generator().manual_seed(0)
     m = load_pretrained(default_model_dir())
     dirs = []
@@ -60,7 +60,7 @@ def turn_result(k: int, ids: list[int], r, rows: np.ndarray, start: int) -> Turn
         output_ids=np.asarray(r.output_ids, np.int32),
         logprobs=np.asarray(r.logprobs, np.float32),
         finish="length",
-        weight_version=int(r.weight_version),
+        policy_version=int(r.weight_version),
         routing=rows.astype(np.uint8),
         routing_start=start,
         action_kind="none",
@@ -93,7 +93,7 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
             if k:
                 await engine.update_weights_from_disk(dirs[k], str(k))
 
-            async def one(e: int, k: int = k) -> None:  # this weight version, bound at definition
+            async def one(e: int, k: int = k) -> None:  # this policy version, bound at definition
                 ids, start = state[e]
                 r = await engine.collect(
                     GenRequest(

@@ -65,7 +65,7 @@ async def _run(name: str, repeats: int, bucket_mb: float, work: Path) -> dict:
     proc = SamplerProcess(init_dir, max_batch=4, start_timeout_s=300.0)
     url = proc.start()
     disk, disk_load, dist = [], [], []
-    version = 0
+    policy_version = 0
     try:
         async with SGLangClient([url], timeout=600.0) as client:
             pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=bucket_mb))
@@ -73,17 +73,17 @@ async def _run(name: str, repeats: int, bucket_mb: float, work: Path) -> dict:
             try:
                 for r in range(repeats):
                     _perturb(model, r)
-                    version += 1
+                    policy_version += 1
                     t0 = time.perf_counter()
-                    path = save_pretrained(model, work / f"{name}-v{version}")
+                    path = save_pretrained(model, work / f"{name}-v{policy_version}")
                     t1 = time.perf_counter()
-                    await client.update_weights_from_disk(str(path), version)
+                    await client.update_weights_from_disk(str(path), policy_version)
                     t2 = time.perf_counter()
                     disk.append(t2 - t0)
                     disk_load.append(t2 - t1)
-                    version += 1
+                    policy_version += 1
                     t0 = time.perf_counter()
-                    out = await pusher.push(model, version)
+                    out = await pusher.push(model, policy_version)
                     dist.append(time.perf_counter() - t0)
             finally:
                 await pusher.aclose()

@@ -307,7 +307,7 @@ async def run_agent(
                     output_ids=np.asarray(out, dtype=np.int32),
                     logprobs=np.asarray(gen.logprobs, dtype=np.float32),
                     finish=gen.finish,
-                    weight_version=gen.weight_version,
+                    policy_version=gen.policy_version,
                     routing=gen.routing,
                     routing_start=gen.routing_start,
                     action_kind=kind,

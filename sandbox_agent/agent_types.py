@@ -59,7 +59,7 @@ class TurnResult:
     output_ids: np.ndarray  # int32
     logprobs: np.ndarray  # float32
     finish: Finish
-    weight_version: int
+    policy_version: int
     routing: np.ndarray | None
     routing_start: int
     action_kind: str  # "bash" | "done" | "invalid" | "none" (aborted sample)
@@ -74,7 +74,7 @@ class TurnResult:
     t_exec_s: float
     last: bool = False
     compacted: bool = False  # this turn's input was compacted by the context policy (a FORK)
-    output_versions: np.ndarray | None = None  # int32: each output token's weight version (None: weight_version)
+    output_versions: np.ndarray | None = None  # int32: each output token's policy version (None: policy_version)
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ def tiny_model(tmp_path_factory) -> Path:
 class VersionedMemorySampler(MemorySampler):
     """The in-memory sampler, with the weight-update call the learner makes."""
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        self.weight_version = int(version)
+    async def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        self.weight_version = int(policy_version)
 
 
 async def run_loop(
@@ -137,10 +137,10 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
     )
     seen: list = []
     learner = await run_loop(tmp_path, tiny_model, eta=eta, steps=3, broker=broker, sampler=sampler, seen=seen)
-    assert learner.version == 3 and sampler.weight_version == 3
+    assert learner.policy_version == 3 and sampler.weight_version == 3
     assert 0 <= learner.hist.max <= eta and learner.hist.total > 0
     assert learner.stale_masked_tokens == 0
-    policies = [r.version for r in seen if isinstance(r, wire.PolicyRecord)]
+    policies = [r.policy_version for r in seen if isinstance(r, wire.PolicyRecord)]
     assert policies == [1, 2, 3]
     turns = [r for r in seen if isinstance(r, wire.TurnRecord)]
     assert turns and all(
@@ -155,8 +155,8 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
 def assert_trained_once(run: Path, learner: Learner) -> None:
     """Every step's trained set (written before the step ran, from the segments the trainer got) has each
     turn at most once, and the steps together are exactly what the final checkpoint's state says."""
-    steps, counts = trained_counts(run, learner.state.version)
-    assert sorted(steps) == list(range(learner.state.version)), sorted(steps)
+    steps, counts = trained_counts(run, learner.state.policy_version)
+    assert sorted(steps) == list(range(learner.state.policy_version)), sorted(steps)
     twice = sorted(k for k, c in counts.items() if c > 1)
     assert not twice, f"trained twice: {twice[:5]}"
     assert set(counts) == {(ep, t) for ep, ts in learner.state.trained.items() for t in ts}
@@ -179,7 +179,7 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     first = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=broker, sampler=sampler, seen=[])
     trained_first = {(ep, t) for ep, ts in first.state.trained.items() for t in ts}
     second = await run_loop(tmp_path, tiny_model, eta=1, steps=4, broker=broker, sampler=sampler, seen=[])
-    assert second.resumed_from is not None and second.resumed_from.version == 2 and second.version == 4
+    assert second.resumed_from is not None and second.resumed_from.policy_version == 2 and second.policy_version == 4
     trained_second = {(ep, t) for ep, ts in second.state.trained.items() for t in ts}
     assert trained_first <= trained_second
     # every turn the learner journaled and had trained before the restart was not trained again
@@ -203,4 +203,4 @@ def test_a_state_without_its_checkpoint_is_not_resumed(tmp_path, tiny_model):
     LearnerState().after_step(1, 1, [("ep", 0), ("ep", 1)]).save(tmp_path / "run" / "checkpoints")
     learner = Learner(LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model), MemoryTransport(), None)
     learner.journal.close()
-    assert learner.version == 0 and not learner.state.was_trained("ep", 0) and learner.resumed_from is None
+    assert learner.policy_version == 0 and not learner.state.was_trained("ep", 0) and learner.resumed_from is None

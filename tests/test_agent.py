@@ -95,7 +95,7 @@ class ScriptedSampler:
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=np.full(len(out), -0.5, np.float32),
             finish=finish,
-            weight_version=7,
+            policy_version=7,
             routing=routing,
             routing_start=start,
         )
@@ -188,7 +188,7 @@ async def test_routing_start_tiles_the_sequence():
         assert t.routing_start == covered
         covered += t.routing.shape[0]
         assert covered == len(t.input_ids) + len(t.output_ids) - 1
-    assert all(t.weight_version == 7 for t in turns)
+    assert all(t.policy_version == 7 for t in turns)
 
 
 async def test_no_routing_requested_when_disabled():
@@ -275,7 +275,7 @@ async def test_abort_finish_ends_episode():
         async def generate(self, input_ids, params, *, routed_experts_start_len=None, rid=None):
             g = await super().generate(input_ids, params, routed_experts_start_len=routed_experts_start_len, rid=rid)
             if len(self.calls) == 2:
-                return Generation(g.output_ids[:3], g.logprobs[:3], "abort", g.weight_version)
+                return Generation(g.output_ids[:3], g.logprobs[:3], "abort", g.policy_version)
             return g
 
     res, turns, _, sb, _ = await episode(None, sampler=Aborting(tok, [bash("touch t0")]))

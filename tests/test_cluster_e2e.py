@@ -129,7 +129,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     for ep_turns in turns.values():
         check_episode_turns(ep_turns)
 
-    policies = [r.version for r in records if isinstance(r, wire.PolicyRecord)]
+    policies = [r.policy_version for r in records if isinstance(r, wire.PolicyRecord)]
     assert policies[:2] == [1, 2], policies
     assert server_versions and max(server_versions) >= 2, "the sampler serves the pushed versions"
     assert max(t.policy_version for ts in turns.values() for t in ts) >= 1, "turns were sampled by trained weights"

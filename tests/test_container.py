@@ -256,7 +256,7 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     seen: list = []
     before = _ours()
     learner = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen)
-    assert learner.version == 2
+    assert learner.policy_version == 2
     starts = {r.episode: r.task for r in seen if isinstance(r, wire.StartRecord)}
     ends = [r for r in seen if isinstance(r, wire.EndRecord)]
     assert ends and {starts[e.episode] for e in ends} <= {"jq-query", "gen-data"}, ends

@@ -126,7 +126,7 @@ class SplitSampler(MemorySampler):
         n, v1 = len(g.output_ids), self.weight_version
         if v1 != v0 and n >= 2:
             k = self.rng.randint(1, n - 1)
-            g = replace(g, output_versions=np.array([v0] * k + [v1] * (n - k), np.int32), weight_version=v1)
+            g = replace(g, output_versions=np.array([v0] * k + [v1] * (n - k), np.int32), policy_version=v1)
             self.split_turns += 1
         return g
 
@@ -196,7 +196,7 @@ async def scripted_actor(
                 g.output_ids,
                 lps,
                 "length",
-                g.weight_version,
+                g.policy_version,
                 g.routing,
                 g.routing_start,
                 "bash",
@@ -335,8 +335,8 @@ async def test_the_learner_service_keeps_every_token_within_eta_and_settles_each
     learners, sampler = await run_scenario(sc, tmp_path / "run", tiny_model)
     final = learners[-1]
     assert final.state.step >= sc.steps and len(learners) == 1 + sc.restart
-    steps, counts = trained_counts(tmp_path / "run", final.state.version)
-    assert sorted(steps) == list(range(final.state.version)), sorted(steps)
+    steps, counts = trained_counts(tmp_path / "run", final.state.policy_version)
+    assert sorted(steps) == list(range(final.state.policy_version)), sorted(steps)
     twice = sorted(k for k, c in counts.items() if c > 1)
     assert not twice, f"{sc}: trained twice: {twice[:5]}"
     assert set(counts) == {(ep, t) for ep, ts in final.state.trained.items() for t in ts}
@@ -389,7 +389,7 @@ async def test_a_long_run_settles_by_every_reason_and_the_ledger_stays_bounded(
     assert all(n > 0 for n in s.counts.values()), str(dict(s.counts))
     assert s.opened == sum(s.counts.values()) + len(s.untrained)
     assert learner.metrics()["settled"] == s.counts
-    steps, counts = trained_counts(tmp_path / "run", learner.state.version)
+    steps, counts = trained_counts(tmp_path / "run", learner.state.policy_version)
     assert max(counts.values()) == 1 and max(r["max_staleness"] for r in steps.values()) <= sc.eta
     assert led.stats.granted > 100 and len(sizes) > 100
     # in flight: about (η + 1)·B admitted plus a credit per actor slot (ranks freed by untrained settles and

@@ -28,8 +28,8 @@ def test_a_stuck_credit_does_not_pin_the_ledger_over_a_long_run():
             ep += 1
         if step == 0:
             stuck = batch.pop(0)  # delivered, never settled
-        assert led.can_train(led.version), step
-        due = set(led.due(led.version))
+        assert led.can_train(led.policy_version), step
+        due = set(led.due(led.policy_version))
         assert step == 0 or stuck in due  # past its deadline: due at every step, but it pins nothing else
         rng.shuffle(batch)
         k = len(batch) // 10  # a tenth is settled for another reason (realign, poison, ...)
@@ -37,12 +37,12 @@ def test_a_stuck_credit_does_not_pin_the_ledger_over_a_long_run():
             assert led.settle([key], reasons[step % len(reasons)]) == 1
         led.settle(batch[k:], "trained")
         assert led.settle(batch, "trained") == 0, "a second settle of a turn is a no-op"
-        led.on_version(led.version + 1)
+        led.on_version(led.policy_version + 1)
         sizes.append(led.size)
         now += 1.0
     assert led.stats.granted > 40_000
     assert max(sizes[100:]) <= 1 + (eta + 1) * B, max(sizes)
-    assert led.size == 1 and led.due(led.version) == [stuck]
+    assert led.size == 1 and led.due(led.policy_version) == [stuck]
     assert all(led.stats.settled[r] > 0 for r in SettleReason)
     assert sum(led.stats.settled.values()) == led.stats.delivered - 1
 

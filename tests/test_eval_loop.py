@@ -48,7 +48,7 @@ async def test_scores_the_start_and_every_nth_version(tmp_path):
                     else:
                         break
         tg.cancel_scope.cancel()
-    assert [(r.component, r.version) for r in got] == [("eval", 0), ("eval", 2)]
+    assert [(r.component, r.policy_version) for r in got] == [("eval", 0), ("eval", 2)]
     for r in got:
         assert r.values["tasks"] == len(held) and r.values["episodes"] == len(held)
         assert 0.0 <= r.values["pass1"] <= 1.0 and 0.0 <= r.values["tests_mean"] <= 4.0

@@ -159,8 +159,8 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                 # first, so a kill while v2's weights were being written leaves v2's state without them, and
                 # the learner rightly resumes from v1 (CI saw the test fail reading the state: v2 vs v000001)
                 ckpt = latest_checkpoint(run / "checkpoints")
-                assert ckpt is not None and ckpt.version >= 1
-                resumed_from = ckpt.version
+                assert ckpt is not None and ckpt.policy_version >= 1
+                resumed_from = ckpt.policy_version
                 steps.clear()
                 second = learner()
                 await wait_step(resumed_from + 2)
@@ -187,8 +187,8 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     state = LearnerState.load(run / "checkpoints")
     # the independent record: each step's trained set, written before the step ran (a crashed step's line is
     # superseded by the resumed learner's line for the same version)
-    counted, counts = trained_counts(run, state.version)
-    assert sorted(counted) == list(range(state.version))
+    counted, counts = trained_counts(run, state.policy_version)
+    assert sorted(counted) == list(range(state.policy_version))
     twice = sorted(k for k, c in counts.items() if c > 1)
     assert not twice, f"trained twice: {twice[:5]}"
     trained = set(counts)

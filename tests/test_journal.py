@@ -1,4 +1,4 @@
-"""The learner's journal: segments, torn tails, compaction that never loses an acked record."""
+"""The learner's journal: journal files, torn tails, compaction that never loses an acked record."""
 
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ def keys(records) -> list[tuple[str, int]]:
     return [(r.episode, r.turns) for r in records]
 
 
-def test_records_replay_in_order_across_segments_and_a_restart(tmp_path):
-    j = Journal(tmp_path / "j", segment_bytes=300)
+def test_records_replay_in_order_across_files_and_a_restart(tmp_path):
+    j = Journal(tmp_path / "j", file_bytes=300)
     want = [("a", i) if i % 2 else ("b", i) for i in range(40)]
     for k in range(0, 40, 3):
         j.append([rec(ep, i) for ep, i in want[k : k + 3]])
-    assert j.segments > 3
+    assert j.files > 3
     j.close()
-    again = Journal(tmp_path / "j", segment_bytes=300)
+    again = Journal(tmp_path / "j", file_bytes=300)
     assert keys(again.replay()) == want
     assert keys(read_journal(tmp_path / "j")) == want
     again.append([rec("c", 0)])
@@ -43,7 +43,7 @@ def test_records_replay_in_order_across_segments_and_a_restart(tmp_path):
     assert keys(read_journal(tmp_path / "j"))[-1] == ("c", 0)
 
 
-def test_a_torn_tail_of_the_last_segment_is_truncated_and_appends_continue(tmp_path):
+def test_a_torn_tail_of_the_last_file_is_truncated_and_appends_continue(tmp_path):
     j = Journal(tmp_path / "j")
     j.append([rec("a", 0), rec("a", 1)])
     j.close()
@@ -58,36 +58,36 @@ def test_a_torn_tail_of_the_last_segment_is_truncated_and_appends_continue(tmp_p
     j.close()
 
 
-def test_compaction_deletes_settled_segments_and_a_restart_never_sees_half_an_episode(tmp_path):
-    j = Journal(tmp_path / "j", segment_bytes=1)  # every append seals its segment
+def test_compaction_deletes_settled_files_and_a_restart_never_sees_half_an_episode(tmp_path):
+    j = Journal(tmp_path / "j", file_bytes=1)  # every append seals its file
     list(j.replay())
     j.append([rec("done", 0)])
     j.append([rec("done", 1), rec("long", 0)])  # "long" is still running
     j.append([rec("other", 0)])
     j.append([rec("other", 1)])
     r = j.compact(live={"long"})
-    assert r.deleted_segments == 3  # the segment shared with the live "long" stays
-    # "done" lost its first record with its segment: the rest of it is settled, so no replay shows it
+    assert r.deleted_files == 3  # the file shared with the live "long" stays
+    # "done" lost its first record with its file: the rest of it is settled, so no replay shows it
     assert keys(j.replay()) == [("long", 0)]
     assert keys(read_journal(tmp_path / "j")) == [("long", 0)]
     j.close()
-    again = Journal(tmp_path / "j", segment_bytes=1)
+    again = Journal(tmp_path / "j", file_bytes=1)
     assert keys(again.replay()) == [("long", 0)]
     again.append([rec("long", 1)])
     r = again.compact(live=set())
-    assert keys(read_journal(tmp_path / "j")) == [] and r.kept_segments == 1  # the (empty) active segment
+    assert keys(read_journal(tmp_path / "j")) == [] and r.kept_files == 1  # the (empty) active file
     again.close()
 
 
-def test_a_segment_sealed_after_the_live_set_was_taken_is_never_deleted(tmp_path):
+def test_a_journal_file_sealed_after_the_live_set_was_taken_is_never_deleted(tmp_path):
     """The learner computes ``live`` on its event loop, then compacts in a thread; meanwhile ingest may append
-    a new episode's first record and seal that segment. ``before`` keeps such a segment."""
-    j = Journal(tmp_path / "j", segment_bytes=200)
+    a new episode's first record and seal that file. ``before`` keeps such a file."""
+    j = Journal(tmp_path / "j", file_bytes=200)
     list(j.replay())
     j.append([rec("old", 0)])  # settled
     live, before = set(), j.active_seq  # what the loop computed ...
     j.append([rec("new", 0)] * 3)  # ... before ingest appended a new episode and rolled over
-    assert j.segments == 2
+    assert j.files == 2
     j.compact(live, before)
     assert keys(read_journal(tmp_path / "j")) == [("old", 0)] + [("new", 0)] * 3
     j.compact(live)  # what a compaction without the watermark does: acked records of "new" gone
@@ -96,7 +96,7 @@ def test_a_segment_sealed_after_the_live_set_was_taken_is_never_deleted(tmp_path
 
 
 def test_journal_size_stays_bounded_in_a_long_run(tmp_path):
-    j = Journal(tmp_path / "j", segment_bytes=4096)
+    j = Journal(tmp_path / "j", file_bytes=4096)
     list(j.replay())
     running: list[str] = []
     sizes = []
@@ -109,7 +109,7 @@ def test_journal_size_stays_bounded_in_a_long_run(tmp_path):
         j.compact(live=set(running))
         sizes.append(j.size_bytes())
     assert max(sizes[200:]) <= 3 * 4096 + 2048
-    assert j.segments <= 4
+    assert j.files <= 4
     j.close()
 
 
@@ -123,7 +123,7 @@ def test_append_after_close_is_a_clear_error(tmp_path):
 def test_appends_racing_compaction_in_threads_lose_no_acked_record(tmp_path):
     """The old journal rewrote the file while a worker thread appended to it: records fsynced to the old
     file after compaction read it were acked, then lost (51 of 473 in one run), and appends hit a closed file."""
-    j = Journal(tmp_path / "j", segment_bytes=2048)
+    j = Journal(tmp_path / "j", file_bytes=2048)
     list(j.replay())
     for i in range(300):
         j.append([rec(f"dead{i}", 0)])
@@ -152,7 +152,7 @@ def test_appends_racing_compaction_in_threads_lose_no_acked_record(tmp_path):
     got = set(keys(read_journal(tmp_path / "j")))
     assert not errors
     assert len(acked) >= 200 and set(acked) <= got
-    # only a segment shared with the live episode still holds dead records (about 28 records a segment)
+    # only a file shared with the live episode still holds dead records (about 28 records a file)
     assert sum(ep.startswith("dead") for ep, _ in got) < 60
 
 
@@ -164,7 +164,7 @@ from t1async.ingest.journal import Journal
 
 root, tag = sys.argv[1], sys.argv[2]
 rng = random.Random(tag)
-j = Journal(root, segment_bytes=2048)
+j = Journal(root, file_bytes=2048)
 earlier = frozenset(r.episode for r in j.replay())  # earlier rounds' unsettled episodes: live forever
 settled = set()
 lock = threading.Lock()
@@ -207,7 +207,7 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
     rng = random.Random(7)
     acked: dict[tuple[str, int], int] = {}
     settled: set[str] = set()
-    segments_seen = 0
+    files_seen = 0
     for rnd in range(5):
         p = subprocess.Popen(
             [sys.executable, str(script), str(root), f"r{rnd}", str(ROOT)],
@@ -231,8 +231,8 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
             elif kind == "S":
                 settled.add(rest[0])
         assert any(k[0].startswith(f"r{rnd}-") for k in acked), err.decode()[-2000:]
-        segments_seen = max(segments_seen, len(list(root.iterdir())))
-        j = Journal(root, segment_bytes=2048)
+        files_seen = max(files_seen, len(list(root.iterdir())))
+        j = Journal(root, file_bytes=2048)
         got = keys(j.replay())
         j.close()
         need = [k for k in sorted(acked, key=acked.get) if k[0] not in settled]
@@ -241,4 +241,4 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
         assert not missing, f"round {rnd}: {len(missing)} acked records lost, e.g. {missing[:3]}"
         order = {k: i for i, k in enumerate(got)}
         assert [order[k] for k in need] == sorted(order[k] for k in need)
-    assert len(settled) > 10 and segments_seen > 1
+    assert len(settled) > 10 and files_seen > 1

@@ -41,7 +41,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return d
 
 
-def episodes(first: int, n: int, version: int, *, end: bool = True) -> list:
+def episodes(first: int, n: int, policy_version: int, *, end: bool = True) -> list:
     out = []
     for i in range(first, first + n):
         case = make_episode(
@@ -54,7 +54,9 @@ def episodes(first: int, n: int, version: int, *, end: bool = True) -> list:
             topk=2,
             num_experts=4,
         )
-        out += [replace(r, policy_version=version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
+        out += [
+            replace(r, policy_version=policy_version) if isinstance(r, wire.TurnRecord) else r for r in case.records
+        ]
     return out
 
 
@@ -66,7 +68,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
         batch_turns=4,
         steps=steps,
         metrics_every_s=60,
-        journal_segment_bytes=4096,
+        journal_file_bytes=4096,
         trainer=TrainerConfig(lr=1e-4),
     )
     broker = MemoryBroker()
@@ -82,7 +84,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
                     sizes.append(learner.journal.size_bytes())
                     # the first wave also starts an episode that never ends: it must survive every compaction
                     extra = episodes(1000, 1, 0, end=False) if k == 0 else []
-                    for r in episodes(10 * k, 3, learner.version) + extra:
+                    for r in episodes(10 * k, 3, learner.policy_version) + extra:
                         await pub.publish(traj_subject(r.episode), r)
 
             tg.start_soon(feed)
@@ -94,7 +96,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
     assert wave > 4096  # each wave rolls over at least one segment
     # settled waves' segments go; the first one stays, pinned by the running episode: no growth
     assert max(sizes) < 3 * wave + 3 * 4096, sizes
-    assert learner.metrics()["journal_segments"] <= 5
+    assert learner.metrics()["journal_files"] <= 5
     replayed: dict[str, set] = {}
     for r in read_journal(tmp_path / "run" / "learner" / "journal"):
         replayed.setdefault(r.episode, set()).add(getattr(r, "turn", "end"))

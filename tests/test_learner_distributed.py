@@ -23,14 +23,18 @@ from t1async.learner.trainer_config import TrainerConfig
 TCFG = TrainerConfig(lr=1e-2, microbatch_tokens=64, ppo_epochs=2)
 
 
-def segments(model, n: int = 7, seed: int = 0, version: int = 0):
+def segments(model, n: int = 7, seed: int = 0, policy_version: int = 0):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         t = int(rng.integers(12, 40))
         toks = rng.integers(5, 4000, size=t).tolist()
         loss = range(t // 2, t)
-        out.append(sampled_segment(model, toks, loss, reward=float(rng.normal()), version=version, episode=f"e{i}"))
+        out.append(
+            sampled_segment(
+                model, toks, loss, reward=float(rng.normal()), policy_version=policy_version, episode=f"e{i}"
+            )
+        )
     return out
 
 
@@ -74,12 +78,12 @@ def test_two_ranks_step_like_one_rank(ranks2):
         assert getattr(m2, k) == pytest.approx(getattr(m1, k), rel=1e-4, abs=1e-6), k
     assert m2.routing_compared == m1.routing_compared and m2.staleness_hist == m1.staleness_hist
     # a second step: rank 1's weights and optimizer state stayed the same as rank 0's
-    segs2 = segments(one.model, seed=1, version=1)
+    segs2 = segments(one.model, seed=1, policy_version=1)
     one.step(segs2, 1)
     two.step(segs2, 1)
     assert_same_weights(one.model, two.model)
     # one segment for two ranks: rank 1 trains nothing, yet takes the same optimizer step
-    seg3 = segments(one.model, n=1, seed=4, version=2)
+    seg3 = segments(one.model, n=1, seed=4, policy_version=2)
     m1, m2 = one.step(seg3, 2), two.step(seg3, 2)
     assert_same_weights(one.model, two.model)
     assert m2.loss == pytest.approx(m1.loss, rel=1e-4, abs=1e-6)
@@ -91,21 +95,21 @@ def test_checkpoints_move_between_two_ranks_and_one(ranks2, tmp_path):
     base = tiny()
     two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
     two.step(segments(base), 0)
-    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, version=1, step=two.steps)
+    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, policy_version=1, step=two.steps)
     # N=2 -> N=1: a plain trainer resumes from it and steps like the 2-rank trainer goes on
     one = Trainer(tiny(), TCFG)
     load_checkpoint(ck.path, one.model, one.optimizer)
     one.steps = ck.step
     assert_same_weights(one.model, two.model)
-    segs = segments(two.model, seed=2, version=1)
+    segs = segments(two.model, seed=2, policy_version=1)
     one.step(segs, 1)
     two.step(segs, 1)
     assert_same_weights(one.model, two.model)
     # N=1 -> N=2: the 2-rank trainer loads a 1-rank checkpoint; rank 0 sends it to rank 1 with the next step
-    ck1 = save_checkpoint(tmp_path / "ck1", one.model, one.optimizer, version=2, step=one.steps)
+    ck1 = save_checkpoint(tmp_path / "ck1", one.model, one.optimizer, policy_version=2, step=one.steps)
     two.load(latest_checkpoint(tmp_path / "ck1").path)
     two._resync = True
-    segs = segments(one.model, seed=3, version=2)
+    segs = segments(one.model, seed=3, policy_version=2)
     one.step(segs, 2)
     two.step(segs, 2)
     assert_same_weights(one.model, two.model)
@@ -135,7 +139,7 @@ def test_a_failed_step_fails_on_every_rank_and_the_next_resyncs(ranks2, tmp_path
     torch.manual_seed(2)
     base = tiny()
     two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
-    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, version=0, step=0)
+    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, policy_version=0, step=0)
     calls = {"n": 0}
     real = two._optimizer_step
 

@@ -96,14 +96,14 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     steps = events(log, "learner.dist_step")
     assert [e["ranks"] for e in steps] == [2, 2] and all(len(e["tokens"]) == 2 for e in steps), steps
     assert all(len(e["busy_s"]) == 2 and min(e["busy_s"]) > 0 for e in steps), steps
-    assert [e["version"] for e in events(log, "learner.step")] == [1, 2]
+    assert [e["policy_version"] for e in events(log, "learner.step")] == [1, 2]
     assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()
-    assert [(e["path"], e["version"]) for e in events(log, "learner.weights_pushed")] == [
+    assert [(e["path"], e["policy_version"]) for e in events(log, "learner.weights_pushed")] == [
         ("distributed", 1),
         ("distributed", 2),
     ]
     updated = events(run / "logs" / "sampler.log", "engine.weights_updated")  # applied from the received tensors
-    assert [(e["path"], str(e["version"])) for e in updated] == [("(tensors)", "1"), ("(tensors)", "2")], updated
+    assert [(e["path"], str(e["weight_version"])) for e in updated] == [("(tensors)", "1"), ("(tensors)", "2")], updated
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {m.get("learner_ranks") for m in metrics if m["component"] == "learner"} == {2}
     pids = events(log, "learner.ranks_starting")[0]["pids"]
@@ -118,9 +118,9 @@ async def test_cluster_resumes_across_rank_counts(tmp_path, repo_env):
     for procs, steps in ((1, 1), (2, 3), (1, 4)):
         cluster_up(tmp_path, run, repo_env, procs=procs, steps=steps)
     ready = events(log, "learner.ready")
-    assert [e["version"] for e in ready] == [0, 1, 3]
+    assert [e["policy_version"] for e in ready] == [0, 1, 3]
     assert [e["resumed"] and Path(e["resumed"]).name for e in ready] == [None, "v000001", "v000003"]
-    assert [e["version"] for e in events(log, "learner.step")] == [1, 2, 3, 4]
+    assert [e["policy_version"] for e in events(log, "learner.step")] == [1, 2, 3, 4]
     assert [e["step"] for e in events(log, "learner.dist_step")] == [2, 3]  # the 2-rank run's steps
     updated = events(run / "logs" / "sampler.log", "sampler.weights_updated")
     assert [str(e["weight_version"]) for e in updated][-1] == "4"

@@ -143,7 +143,7 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
             )
             assert time.monotonic() < deadline, f"no version {KILL_AT} in {RUN_DEADLINE_S} s: {sorted(steps_of(run))}"
             ck = latest_checkpoint(run / "checkpoints")
-            if ck is not None and ck.version >= KILL_AT:
+            if ck is not None and ck.policy_version >= KILL_AT:
                 break
             time.sleep(1.0)
         learner = ClusterState.load(run).components["learner"].pid

@@ -83,7 +83,7 @@ class ScriptedMoESampler:
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=lps,
             finish=finish,
-            weight_version=self.weight_version,
+            policy_version=self.weight_version,
             routing=routing,
             routing_start=start,
         )

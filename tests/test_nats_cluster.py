@@ -230,15 +230,15 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
             assert info.config.num_replicas == 3
             with anyio.fail_after(240):
                 async for m in policies:
-                    if m.record.version >= 2:
+                    if m.record.policy_version >= 2:
                         break
             leader = int((await stream_info(t)).cluster.leader.rsplit("-", 1)[1])
             victim = st.components[f"nats-{leader}"]
             os.kill(victim.pid, signal.SIGKILL)  # the stream's leader, mid-run
-            killed_at = m.record.version
+            killed_at = m.record.policy_version
             with anyio.fail_after(240):
                 async for m in policies:
-                    if m.record.version >= killed_at + 3:
+                    if m.record.policy_version >= killed_at + 3:
                         break  # training went on
             back = ClusterState.load(run_dir).components[f"nats-{leader}"]
             assert back.pid != victim.pid and is_ours(back), "the supervisor restarted the killed node"

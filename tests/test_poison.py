@@ -46,7 +46,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return d
 
 
-def episode(name: str, seed: int, turns: int = 4, version: int = 0) -> list:
+def episode(name: str, seed: int, turns: int = 4, policy_version: int = 0) -> list:
     rng = np.random.default_rng(seed)
     case = make_episode(
         rng,
@@ -58,7 +58,7 @@ def episode(name: str, seed: int, turns: int = 4, version: int = 0) -> list:
         num_experts=EXPERTS,
     )
     # sampled by the version the learner serves when they are published
-    return [replace(r, policy_version=version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
+    return [replace(r, policy_version=policy_version) if isinstance(r, wire.TurnRecord) else r for r in case.records]
 
 
 def spoil(rec: wire.TurnRecord, kind: str, vocab: int) -> wire.TurnRecord:
@@ -85,8 +85,8 @@ KINDS = ["logprob", "token_range", "expert_range", "expert_repeat", "routing_sha
 BAD_AT = {"routing_shape": 0}  # a segment takes its routing shape from its first trace: poison that one
 
 
-def good(first: int, version: int = 0, n: int = 4) -> list:
-    return [r for i in range(first, first + n) for r in episode(f"good{i}", i, version=version)]
+def good(first: int, policy_version: int = 0, n: int = 4) -> list:
+    return [r for i in range(first, first + n) for r in episode(f"good{i}", i, policy_version=policy_version)]
 
 
 def workload(vocab: int) -> tuple[list, dict[str, wire.TurnRecord]]:
@@ -226,15 +226,15 @@ async def test_a_step_that_raises_dead_letters_its_segments_and_is_never_retried
         real = learner.trainer.step
         before = {k: v.clone() for k, v in learner.model.state_dict().items()}
 
-        def step(segments, version, **kw):
+        def step(segments, policy_version, **kw):
             if not failed:  # the first step fails the way an unforeseen defect would: after the update
                 failed.append({(s.episode, int(t)) for s in segments for t in np.unique(s.turn_ids[s.loss_mask])})
-                real(segments, version, **kw)
+                real(segments, policy_version, **kw)
                 raise RuntimeError("injected: the step's metrics hit something no check saw")
             if not restored:  # the next step starts from the weights of its version, not the failed update
                 restored.append(all(torch.equal(v, before[k]) for k, v in learner.model.state_dict().items()))
                 restored.append(learner.trainer.steps == 0 and not learner.trainer.optimizer.state)
-            return real(segments, version, **kw)
+            return real(segments, policy_version, **kw)
 
         learner.trainer.step = step
 
@@ -346,10 +346,10 @@ def test_a_turn_longer_than_the_model_is_rejected():
 
 def test_a_turn_from_a_version_the_learner_never_had_is_rejected():
     rec = replace(a_turn(), policy_version=5)
-    check_turn(rec, LIM, version=5)
+    check_turn(rec, LIM, policy_version=5)
     with pytest.raises(WireError, match="5 is newer than the learner's version 4") as err:
-        check_turn(rec, LIM, version=4)
-    assert err.value.reason == "version"
+        check_turn(rec, LIM, policy_version=4)
+    assert err.value.reason == "policy_version"
 
 
 def test_input_token_ids_are_checked_too():
@@ -367,7 +367,7 @@ def test_input_token_ids_are_checked_too():
 async def test_over_real_nats_the_dead_letter_stream_keeps_the_record_and_its_reason(tmp_path, tiny_model, nats_server):
     from t1async.transport import NatsTransport
 
-    recs = episode("nan-ep", 7, version=0)
+    recs = episode("nan-ep", 7, policy_version=0)
     recs[1] = spoil(recs[1], "logprob", 0)
     records = recs + good(0, 0)
     cfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, batch_turns=4, steps=1, metrics_every_s=60)

@@ -281,7 +281,7 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
             output_ids=np.asarray(r.output_ids, np.int32),
             logprobs=np.asarray(r.logprobs, np.float32),
             finish="length",
-            weight_version=int(r.weight_version),
+            policy_version=int(r.weight_version),
             routing=r.routing.astype(np.uint8),
             routing_start=r.routing_start,
             action_kind="none",
@@ -353,7 +353,7 @@ def test_a_newer_version_whose_trace_does_not_reach_back_is_counted(seed):
     replays the old weights' rows there. It cannot repair that, but it counts every such turn."""
     rng = np.random.default_rng(seed)
     case = make_episode(rng, ["clean"] * 10)  # its version goes up now and then, traces never reach back
-    want = sum(b.version > a.version for a, b in zip(case.truth, case.truth[1:]))
+    want = sum(b.policy_version > a.policy_version for a, b in zip(case.truth, case.truth[1:]))
     asm = Assembler()
     for r in case.records:
         asm.feed(r)

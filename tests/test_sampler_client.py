@@ -73,7 +73,7 @@ async def test_generation_fields_from_the_real_server(sampler_url):
         CFG.n_layers,
         CFG.top_k,
     )
-    assert g.routing_start == 4 and g.weight_version == 0 and g.extra["weight_version"] == "0"
+    assert g.routing_start == 4 and g.policy_version == 0 and g.extra["weight_version"] == "0"
     assert g.extra["rid"] == "client-1" and g.latency_s > 0 and g.prompt_tokens == len(PROMPT)
     assert info["num_layers"] == CFG.n_layers
 
@@ -151,7 +151,7 @@ async def test_retries_503_then_succeeds():
 
     async with SGLangClient("http://s", transport=httpx.MockTransport(handler), backoff_s=0.001) as c:
         g = await c.generate([1, 2, 3], SamplingParams(max_new_tokens=2), rid="r")
-    assert g.output_ids.tolist() == [7, 8] and g.weight_version == 3 and len(calls) == 3
+    assert g.output_ids.tolist() == [7, 8] and g.policy_version == 3 and len(calls) == 3
     rids = [json.loads(r.content)["rid"] for r in calls]
     assert rids[0] == "r" and len(set(rids)) == 3, "a retried request needs a fresh rid (the first may still run)"
 
@@ -230,7 +230,7 @@ def test_parse_generation_tolerates_real_sglang_responses():
     del out["output_ids"]  # older servers: ids from output_token_logprobs
     # a server that ignores routed_experts_start_len returns all rows: the client keeps the tail
     g = parse_generation(out, 4, 2, (2, 2, 300))
-    assert g.output_ids.tolist() == [4, 5, 6] and g.weight_version == 7 and g.extra["weight_version"] == "7"
+    assert g.output_ids.tolist() == [4, 5, 6] and g.policy_version == 7 and g.extra["weight_version"] == "7"
     assert g.output_versions.tolist() == [7, 7, 7]  # no per-token versions from a real SGLang: the request's
     assert g.routing.dtype == np.uint16 and np.array_equal(g.routing, rows[2:])
     with pytest.raises(SamplerError, match="rows"):
@@ -256,7 +256,7 @@ def test_per_token_versions_and_an_earlier_routing_start_are_read():
     out["meta_info"]["routed_experts"] = base64.b64encode(rows.tobytes()).decode()
     out["meta_info"]["routed_experts_start_len"] = 0  # the server recomputed positions before the asked 2
     g = parse_generation(out, 3, 2, (2, 2, 8))
-    assert g.weight_version == 2 and g.output_versions.tolist() == [1, 1, 2]
+    assert g.policy_version == 2 and g.output_versions.tolist() == [1, 1, 2]
     assert g.routing_start == 0 and np.array_equal(g.routing, rows)
     out["meta_info"]["output_token_weight_versions"] = ["1", "default", "2"]
     with pytest.raises(SamplerVersionError, match=r"output_token_weight_versions\[1\] 'default'"):
@@ -316,7 +316,7 @@ async def test_memory_sampler_scripts_versions_and_cache():
     assert g2.routing_start == 4 and np.array_equal(g2.routing, m.routing_for([1, 5, 6, 7, 3, 9])[4:])
     await m.update_weights_from_disk("/ckpt/4", 4)
     g3 = await m.generate([1, 5, 6, 7, 3, 9], SamplingParams(max_new_tokens=1), routed_experts_start_len=4)
-    assert g3.weight_version == 4 and g3.cached_tokens == 0 and m.weight_paths == ["/ckpt/4"]
+    assert g3.policy_version == 4 and g3.cached_tokens == 0 and m.weight_paths == ["/ckpt/4"]
     assert g3.routing_start == 0 and g3.output_versions.tolist() == [4]  # the flush re-routed the context
     assert (await m.model_info())["weight_version"] == "4" and await m.health() == {"memory": True}
     assert [c.input_ids for c in m.calls][0] == (1, 5)
@@ -338,10 +338,10 @@ async def test_memory_sampler_splits_a_turn_that_a_weight_update_lands_in(autoju
         await anyio.sleep(7.0)  # after the prompt and the first half, before the rest
         m.update_weights(3)
     g = got["g"]
-    assert g.output_versions.tolist() == [0, 0, 0, 3, 3, 3] and g.weight_version == 3
+    assert g.output_versions.tolist() == [0, 0, 0, 3, 3, 3] and g.policy_version == 3
     seq = prompt + list(range(10, 16))
     split = len(prompt) + 3 - 1  # the row of position p is computed when output p - len(prompt) + 1 is sampled
-    assert np.array_equal(g.routing[:split], m.routing_for(seq[:split], version=0))
-    assert np.array_equal(g.routing[split:], m.routing_for(seq[:-1], version=3)[split:])
+    assert np.array_equal(g.routing[:split], m.routing_for(seq[:split], policy_version=0))
+    assert np.array_equal(g.routing[split:], m.routing_for(seq[:-1], policy_version=3)[split:])
     nxt = await m.generate(seq + [7], SamplingParams(max_new_tokens=1), routed_experts_start_len=len(seq) - 1)
     assert nxt.cached_tokens == 0 and nxt.routing_start == 0 and nxt.output_versions.tolist() == [3]

@@ -478,7 +478,7 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     split = raw.index("1")
     assert 0 < split < 600 and set(raw[:split]) == {"0"} and set(raw[split:]) == {"1"}, "one switch, 0 then 1"
     g = parse_generation(last, len(PROMPT), 0, (L, K, E), url=url)
-    assert g.weight_version == 1 and g.output_versions.dtype == np.int32
+    assert g.policy_version == 1 and g.output_versions.dtype == np.int32
     assert g.output_versions.tolist() == [0] * split + [1] * (600 - split)
     t = TurnResult(
         turn=0,
@@ -486,7 +486,7 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
         output_ids=g.output_ids,
         logprobs=g.logprobs,
         finish=g.finish,
-        weight_version=g.weight_version,
+        policy_version=g.policy_version,
         routing=g.routing,
         routing_start=g.routing_start,
         action_kind="none",

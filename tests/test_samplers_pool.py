@@ -210,11 +210,11 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
                     r = m.record
                     if isinstance(r, wire.TurnRecord):
                         turns.setdefault(r.episode, {})[r.turn] = r  # a retried publish is seen twice here
-                    if isinstance(r, wire.PolicyRecord) and r.version >= 2 and victim is None:
+                    if isinstance(r, wire.PolicyRecord) and r.policy_version >= 2 and victim is None:
                         victim = ClusterState.load(run_dir).components["sampler-0"]
                         os.kill(victim.pid, signal.SIGKILL)
-                        killed_at = r.version
-                    if isinstance(r, wire.PolicyRecord) and victim is not None and r.version >= killed_at + 3:
+                        killed_at = r.policy_version
+                    if isinstance(r, wire.PolicyRecord) and victim is not None and r.policy_version >= killed_at + 3:
                         break  # training went on
             back = ClusterState.load(run_dir).components["sampler-0"]
         proc.send_signal(signal.SIGINT)

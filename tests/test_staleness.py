@@ -17,7 +17,7 @@ def test_admission_rule_capacity_grows_with_version():
     led = CreditLedger(max_staleness=1, batch_turns=4, lease_s=10.0)
     assert led.capacity == 8
     g = led.try_grant("a", "e1", 5, now=0.0)
-    assert g.granted == 5 and g.version == 0 and led.running == 5
+    assert g.granted == 5 and g.policy_version == 0 and led.running == 5
     assert led.try_grant("b", "e2", 5, now=0.0).granted == 3  # accepted + running < (1 + 0 + 1) * 4
     assert led.try_grant("c", "e3", 1, now=0.0) is None and led.stats.held_requests == 1
     led.on_delivered("e1", 0, now=1.0)  # delivering does not free capacity: accepted counts it now

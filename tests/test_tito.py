@@ -103,13 +103,15 @@ def test_invariant_with_cuts_for_partial_training(case, cut_at):
 # ------------------------------------------------------------------------------------------ examples
 
 
-def _turn(ep, t, inp, out, keep=None, *, prev=None, version=0, reward=0.0, routing=None, digest=None, last=False):
+def _turn(
+    ep, t, inp, out, keep=None, *, prev=None, policy_version=0, reward=0.0, routing=None, digest=None, last=False
+):
     inp = np.asarray(inp, np.int32)
     keep = common_prefix_len(inp, np.asarray(prev, np.int32)) if keep is None and prev is not None else (keep or 0)
     return wire.TurnRecord(
         episode=ep,
         turn=t,
-        policy_version=version,
+        policy_version=policy_version,
         keep=keep,
         input_delta=inp[keep:],
         input_len=len(inp),

@@ -35,7 +35,7 @@ def sampled_segment(
     loss_positions,
     *,
     reward: float,
-    version: int = 0,
+    policy_version: int = 0,
     done: bool = True,
     routing_from: MoETransformer | None = None,
     episode: str = "ep",
@@ -60,7 +60,7 @@ def sampled_segment(
         tokens=toks,
         loss_mask=lm,
         logprobs=np.where(lm, lp, 0).astype(np.float32),
-        versions=np.where(lm, version, -1).astype(np.int32),
+        versions=np.where(lm, policy_version, -1).astype(np.int32),
         turn_ids=np.where(lm, 0, -1).astype(np.int32),
         routing=rt,
         turn_ends=np.array([last], np.int32),
@@ -121,9 +121,9 @@ def test_replay_removes_mismatch_from_routing_the_learner_would_not_choose():
 def test_staleness_histogram_and_drift_pass_through():
     model = tiny()
     segs = [
-        sampled_segment(model, [1, 2, 3, 4, 5], [3, 4], reward=0.0, version=3),
-        sampled_segment(model, [1, 2, 9, 8], [2, 3], reward=1.0, version=5, done=False),
-        sampled_segment(model, [1, 7, 9], [2], reward=1.0, version=5),
+        sampled_segment(model, [1, 2, 3, 4, 5], [3, 4], reward=0.0, policy_version=3),
+        sampled_segment(model, [1, 2, 9, 8], [2, 3], reward=1.0, policy_version=5, done=False),
+        sampled_segment(model, [1, 7, 9], [2], reward=1.0, policy_version=5),
     ]
     m = Trainer(model).step(segs, policy_version=6, drift={"clean": 4, "realign": 1, "fork": 0})
     assert m.staleness_hist == {1: 3, 3: 2}
@@ -198,7 +198,7 @@ async def test_checkpoint_loads_in_the_engine_and_resumes(tmp_path):
     trainer = Trainer(model, TrainerConfig(lr=1e-2))
     seg = sampled_segment(model, [5, 6, 7, 100, 101], [3, 4], reward=1.0)
     trainer.step([seg], 0)
-    info = trainer.save(tmp_path / "ckpt", version=1)
+    info = trainer.save(tmp_path / "ckpt", policy_version=1)
     assert latest_checkpoint(tmp_path / "ckpt") == info
 
     prompt = [5, 6, 7, 100]
@@ -219,14 +219,14 @@ async def test_checkpoint_loads_in_the_engine_and_resumes(tmp_path):
     fresh = tiny()
     t2 = Trainer(fresh, TrainerConfig(lr=1e-2))
     got = t2.load(info.path)
-    assert (got.version, got.step, t2.steps) == (1, 1, 1)
+    assert (got.policy_version, got.step, t2.steps) == (1, 1, 1)
     seg2 = sampled_segment(model, [9, 8, 7, 300, 301], [3, 4], reward=-1.0)
     trainer.step([seg2], 1)
     t2.step([seg2], 1)
     for pa, pb in zip(model.parameters(), fresh.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="already exists"):
-        save_checkpoint(tmp_path / "ckpt", model, trainer.optimizer, version=1, step=2)
+        save_checkpoint(tmp_path / "ckpt", model, trainer.optimizer, policy_version=1, step=2)
 
 
 def _shift_after_one_step(lr: float) -> tuple:
@@ -241,7 +241,8 @@ def _shift_after_one_step(lr: float) -> tuple:
         [sampled_segment(model, s, range(12, 24), reward=float(i % 2), episode=f"a{i}") for i, s in enumerate(seqs)], 0
     )
     fresh = [
-        sampled_segment(model, s, range(12, 24), reward=1.0, version=1, episode=f"new{i}") for i, s in enumerate(seqs)
+        sampled_segment(model, s, range(12, 24), reward=1.0, policy_version=1, episode=f"new{i}")
+        for i, s in enumerate(seqs)
     ]
     second = trainer.step(fresh + stale_segs, 1)
     return first, second

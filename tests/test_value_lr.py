@@ -59,7 +59,7 @@ def test_value_lr_survives_a_checkpoint_and_bad_values_are_refused(tmp_path):
     model = tiny()
     trainer = Trainer(model, TrainerConfig(lr=1e-4, value_lr=3e-3, critic="detached"))
     trainer.step(_segments(model), 0)
-    saved = trainer.save(tmp_path / "ck", version=1)
+    saved = trainer.save(tmp_path / "ck", policy_version=1)
     again = Trainer(tiny(), TrainerConfig(lr=1e-4, value_lr=3e-3, critic="detached"))
     again.load(saved.path)
     assert [g["lr"] for g in again.optimizer.param_groups] == [1e-4, 3e-3]

@@ -42,7 +42,7 @@ def _perturbed(seed: int) -> torch.nn.Module:
 
 async def _logprobs(client: SGLangClient) -> tuple[np.ndarray, np.ndarray, int]:
     gen = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))
-    return gen.output_ids, gen.logprobs, gen.weight_version
+    return gen.output_ids, gen.logprobs, gen.policy_version
 
 
 async def _version(client: SGLangClient) -> str:
@@ -56,7 +56,7 @@ async def test_distributed_push_lands_the_same_weights_as_disk(own_sampler, tmp_
         ids0, lp0, _ = await _logprobs(client)
         pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))  # several buckets
         try:
-            out = await pusher.push(model, version=5)
+            out = await pusher.push(model, policy_version=5)
             assert out["buckets"] > 1
             assert await _version(client) == "5"
             ids1, lp1, v1 = await _logprobs(client)
@@ -68,7 +68,7 @@ async def test_distributed_push_lands_the_same_weights_as_disk(own_sampler, tmp_
             assert v2 == 6 and np.array_equal(ids1, ids2)
             np.testing.assert_allclose(lp1, lp2, rtol=0, atol=1e-6)
             # a second push over the same group: back to the shipped weights
-            await pusher.push(load_pretrained(default_model_dir()), version=7)
+            await pusher.push(load_pretrained(default_model_dir()), policy_version=7)
             ids3, lp3, v3 = await _logprobs(client)
             assert v3 == 7 and np.array_equal(ids0, ids3)
             np.testing.assert_allclose(lp0, lp3, rtol=0, atol=1e-6)
@@ -125,13 +125,13 @@ async def test_bad_updates_are_clear_errors_and_leave_the_weights(own_sampler):
         bogus.register_buffer("not_a_weight", torch.ones(3))
         pusher = DistributedPusher(client, WeightPushConfig())
         with pytest.raises(SamplerError, match="names not in the model"):
-            await pusher.push(bogus, version=3)  # received, then rejected; the sampler is continued
+            await pusher.push(bogus, policy_version=3)  # received, then rejected; the sampler is continued
         ids1, lp1, v1 = await _logprobs(client)
         assert v1 == v0 and np.array_equal(ids0, ids1)
         np.testing.assert_allclose(lp0, lp1, rtol=0, atol=1e-6)
         # the failed push dropped its group: the next push makes a new one and works
         try:
-            await pusher.push(_perturbed(5), version=4)
+            await pusher.push(_perturbed(5), policy_version=4)
             assert (await _logprobs(client))[2] == 4
         finally:
             await pusher.aclose()
@@ -220,7 +220,7 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
                 ids1, lp1, v1 = await _logprobs(client)
                 assert v1 == 2
                 ckpt = latest_checkpoint(lcfg.checkpoints)
-                assert ckpt.version == 2
+                assert ckpt.policy_version == 2
                 await client.update_weights_from_disk(str(ckpt.path), 3)  # the checkpoint through the disk path
                 ids2, lp2, v2 = await _logprobs(client)
                 assert v2 == 3 and np.array_equal(ids1, ids2)
@@ -262,7 +262,7 @@ async def _expiring_pause(serve, ServerConfig) -> None:
             with pytest.raises(SamplerError, match="pause ended"):
                 await W.continue_generation(client)
             assert await _version(client) == "0"
-            await pusher.push(model, version=2)  # the group still works: a whole push lands
+            await pusher.push(model, policy_version=2)  # the group still works: a whole push lands
             assert (await _logprobs(client))[2] == 2
             await pusher.aclose()
         tg.cancel_scope.cancel()
@@ -280,12 +280,12 @@ async def test_a_restarted_sampler_rejoins_at_the_next_push(tmp_path):
     try:
         async with SGLangClient([url]) as client:
             pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.25))
-            await pusher.push(model, version=1)
+            await pusher.push(model, policy_version=1)
             proc.stop()
             proc = SamplerProcess(max_batch=4, port=port)  # the same URL, a fresh process: no group
             assert proc.start() == url
             assert await _version(client) == "0"
-            await pusher.push(model, version=2)
+            await pusher.push(model, policy_version=2)
             assert (await _logprobs(client))[2] == 2
             await pusher.aclose()
     finally:
@@ -304,7 +304,7 @@ async def test_one_push_reaches_every_sampler():
             before = await _logprobs(a)
             pusher = DistributedPusher(both, WeightPushConfig(bucket_mb=0.25))
             try:
-                await pusher.push(model, version=3)
+                await pusher.push(model, policy_version=3)
             finally:
                 await pusher.aclose()
             (ia, la, va), (ib, lb, vb) = await _logprobs(a), await _logprobs(b)
@@ -330,11 +330,11 @@ async def test_a_dead_sampler_is_left_out_and_taken_in_when_it_is_back():
         async with SGLangClient(urls) as both, SGLangClient(urls[:1]) as a, SGLangClient(urls[1:]) as b:
             pusher = DistributedPusher(both, WeightPushConfig(bucket_mb=0.25))
             try:
-                await pusher.push(model, version=1)
+                await pusher.push(model, policy_version=1)
                 assert pusher.members == urls[:1] and (await _logprobs(a))[2] == 1
                 procs[1] = SamplerProcess(max_batch=4, port=port)
                 assert procs[1].start() == urls[1]
-                await pusher.push(model, version=2)
+                await pusher.push(model, policy_version=2)
                 assert pusher.members == urls
                 (ia, la, va), (ib, lb, vb) = await _logprobs(a), await _logprobs(b)
                 assert va == vb == 2 and np.array_equal(ia, ib)

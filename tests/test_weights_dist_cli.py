@@ -63,7 +63,7 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
 
         async def sample() -> tuple[np.ndarray, np.ndarray, int]:
             g = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))
-            return g.output_ids, g.logprobs, g.weight_version
+            return g.output_ids, g.logprobs, g.policy_version
 
         learner_argv = [
             "t1async.learner",
@@ -117,7 +117,7 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
             stop(actor)
             stop(learner)
         pushed = events(logs / "learner.log", "learner.weights_pushed")
-        assert [e["version"] for e in pushed] == [1, 2] and all(e["buckets"] > 1 for e in pushed), pushed
+        assert [e["policy_version"] for e in pushed] == [1, 2] and all(e["buckets"] > 1 for e in pushed), pushed
         assert not events(logs / "sampler.log", "sampler.weights_updated")  # nothing went through the disk path
         assert len(events(logs / "sampler.log", "sampler.weights_received")) >= 2 * pushed[0]["buckets"]
         ids2, lp2, v2 = await sample()
@@ -176,7 +176,7 @@ def test_cluster_up_with_distributed_weight_sync(tmp_path, repo_env):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "learner finished" in out.stdout
     pushed = events(run / "logs" / "learner.log", "learner.weights_pushed")
-    assert [e["version"] for e in pushed] == [1, 2] and all(e["path"] == "distributed" for e in pushed), pushed
+    assert [e["policy_version"] for e in pushed] == [1, 2] and all(e["path"] == "distributed" for e in pushed), pushed
     assert not events(run / "logs" / "sampler.log", "sampler.weights_updated")  # nothing through the disk path
     bad = subprocess.run(
         [*argv[:4], "--run-dir", str(tmp_path / "bad"), "--weight-bucket-mb", "0"],

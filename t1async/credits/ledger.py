@@ -91,7 +91,7 @@ class Credit:
     grant_id: str
     actor: str
     episode: str
-    version: int  # served version when granted
+    policy_version: int  # served version when granted
     expires_at: float
     deadline: int = 0  # the step at this version must settle it (v0 + rank // B)
     state: CreditState = CreditState.RUNNING
@@ -117,14 +117,14 @@ class LedgerStats:
 class CreditLedger:
     """The admission rule and training order above. Not thread-safe; time is injected as ``now``."""
 
-    def __init__(self, max_staleness: int, batch_turns: int, lease_s: float, version: int = 0) -> None:
+    def __init__(self, max_staleness: int, batch_turns: int, lease_s: float, policy_version: int = 0) -> None:
         if max_staleness < 0 or batch_turns < 1 or not lease_s > 0:
             raise ConfigError(
                 f"credit ledger needs max_staleness >= 0, batch_turns >= 1, lease_s > 0; got "
                 f"{max_staleness}, {batch_turns}, {lease_s}"
             )
         self.eta, self.B, self.lease_s = max_staleness, batch_turns, float(lease_s)
-        self.v0 = self.version = version
+        self.v0 = self.policy_version = policy_version
         self.accepted = 0
         self.running = 0
         self.stats = LedgerStats()
@@ -140,7 +140,7 @@ class CreditLedger:
 
     @property
     def capacity(self) -> int:
-        return (self.eta + (self.version - self.v0) + 1) * self.B
+        return (self.eta + (self.policy_version - self.v0) + 1) * self.B
 
     @property
     def available(self) -> int:
@@ -167,7 +167,7 @@ class CreditLedger:
                 gid,
                 actor,
                 episode,
-                self.version,
+                self.policy_version,
                 now + self.lease_s,
                 deadline=self.v0 + rank // self.B,
                 turn=turn + i if turn >= 0 else -1,
@@ -179,7 +179,7 @@ class CreditLedger:
             q.append(t)
             self.running += 1
         self.stats.granted += k
-        return wire.CreditGrant(granted=k, version=self.version, lease_s=self.lease_s, grant_id=gid)
+        return wire.CreditGrant(granted=k, policy_version=self.policy_version, lease_s=self.lease_s, grant_id=gid)
 
     def _drop(self, t: Credit) -> None:
         bucket = self._by_deadline[t.deadline]
@@ -232,10 +232,10 @@ class CreditLedger:
                 return t.expires_at
         return None
 
-    def on_version(self, version: int) -> None:
-        """The samplers now serve ``version`` (call after the weight update is acknowledged)."""
-        if version > self.version:
-            self.version = version
+    def on_version(self, policy_version: int) -> None:
+        """The samplers now serve ``policy_version`` (call after the weight update is acknowledged)."""
+        if policy_version > self.policy_version:
+            self.policy_version = policy_version
 
     def on_delivered(self, episode: str, turn: int, now: float) -> Credit | None:
         """A turn arrived: it uses the episode's credit asked for this turn, else the episode's oldest running
@@ -266,18 +266,18 @@ class CreditLedger:
 
     # -- training order ------------------------------------------------------------------------------
 
-    def _due_credits(self, version: int) -> list[Credit]:
-        return [t for d, bucket in self._by_deadline.items() if d <= version for t in bucket.values()]
+    def _due_credits(self, policy_version: int) -> list[Credit]:
+        return [t for d, bucket in self._by_deadline.items() if d <= policy_version for t in bucket.values()]
 
-    def can_train(self, version: int) -> bool:
-        """May the step at learner version ``version`` run? (None of its due credits is still running.)"""
-        return all(t.state != CreditState.RUNNING for t in self._due_credits(version))
+    def can_train(self, policy_version: int) -> bool:
+        """May the step at learner version ``policy_version`` run? (None of its due credits is still running.)"""
+        return all(t.state != CreditState.RUNNING for t in self._due_credits(policy_version))
 
-    def due(self, version: int) -> list[tuple[str, int]]:
-        """(episode, turn) of the delivered turns the step at ``version`` must train, in grant order."""
+    def due(self, policy_version: int) -> list[tuple[str, int]]:
+        """(episode, turn) of the delivered turns the step at ``policy_version`` must train, in grant order."""
         return [
             (t.episode, t.turn)
-            for t in sorted(self._due_credits(version), key=lambda t: t.seq)
+            for t in sorted(self._due_credits(policy_version), key=lambda t: t.seq)
             if t.state == CreditState.DELIVERED
         ]
 
@@ -305,7 +305,7 @@ class CreditLedger:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "version": self.version,
+            "policy_version": self.policy_version,
             "capacity": self.capacity,
             "accepted": self.accepted,
             "running": self.running,
@@ -387,19 +387,19 @@ class CreditGate:
             with anyio.move_on_after(max(0.0, nxt - self.clock()) if nxt is not None else float("inf")):
                 await changed.wait()
 
-    async def wait_trainable(self, version: int) -> None:
-        """Wait until the step at ``version`` may run (its due credits delivered or expired)."""
+    async def wait_trainable(self, policy_version: int) -> None:
+        """Wait until the step at ``policy_version`` may run (its due credits delivered or expired)."""
         while True:
             self.ledger.expire(self.clock())
-            if self.ledger.can_train(version):
+            if self.ledger.can_train(policy_version):
                 return
             changed = self._changed
             nxt = self.ledger.next_expiry()
             with anyio.move_on_after(max(0.0, nxt - self.clock()) if nxt is not None else float("inf")):
                 await changed.wait()
 
-    def on_version(self, version: int) -> None:
-        self.ledger.on_version(version)
+    def on_version(self, policy_version: int) -> None:
+        self.ledger.on_version(policy_version)
         self._notify()
 
     def on_delivered(self, episode: str, turn: int) -> Credit | None:

@@ -46,11 +46,11 @@ class Settler:
         self.opened = 0  # turns taken: opened == sum(counts) + len(untrained) at every moment
         self._settled: OrderedDict[Key, SettleReason] = OrderedDict()
 
-    def open(self, key: Key, version: int) -> bool:
+    def open(self, key: Key, policy_version: int) -> bool:
         """Take a delivered turn: open unless it was trained into the weights or already settled."""
         if key in self.untrained or key in self._settled or self.was_trained(*key):
             return False
-        self.untrained[key] = version
+        self.untrained[key] = policy_version
         self.opened += 1
         return True
 
@@ -93,17 +93,17 @@ def loss_turns(segments: Iterable[Segment]) -> list[Key]:
 
 class StepLog:
     """``<run_dir>/learner/steps.jsonl``: one line per step, written (and fsynced) before the step trains,
-    ``{"version": v, "turns": [[episode, turn], ...], "tokens": n, "max_staleness": s}``. A step that never
+    ``{"policy_version": v, "turns": [[episode, turn], ...], "tokens": n, "max_staleness": s}``. A step that never
     finished (a crash) is superseded by the line the resumed learner writes for the same version."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def write(self, version: int, segments: list[Segment]) -> None:
+    def write(self, policy_version: int, segments: list[Segment]) -> None:
         turns = loss_turns(segments)
-        stale = [version - int(s.versions[s.loss_mask].min()) for s in segments if s.loss_mask.any()]
+        stale = [policy_version - int(s.versions[s.loss_mask].min()) for s in segments if s.loss_mask.any()]
         body = {
-            "version": version,
+            "policy_version": policy_version,
             "turns": [[e, t] for e, t in turns],
             "tokens": int(sum(s.loss_tokens for s in segments)),
             "max_staleness": max(stale, default=0),
@@ -126,7 +126,7 @@ def read_step_log(path: Path, upto_version: int | None = None) -> dict[int, dict
         if not line.strip():
             continue
         rec = json.loads(line)
-        v = int(rec["version"])
+        v = int(rec["policy_version"])
         for old in [k for k in steps if k >= v]:
             del steps[old]
         steps[v] = rec

@@ -61,7 +61,7 @@ def held_out(tasks: Path) -> list:
     return held
 
 
-async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> dict:
+async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: list) -> dict:
     """Score ``model`` on ``tasks``; the summary record's values."""
     from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, run_eval
@@ -85,10 +85,12 @@ async def evaluate(cfg: LoopConfig, model: Path, version: int, tasks: list) -> d
     out = cfg.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     async with (
-        launch_sampler(model, seed=cfg.seed, prefix_cache_tokens=0, log_path=out / f"sampler-v{version}.log") as url,
+        launch_sampler(
+            model, seed=cfg.seed, prefix_cache_tokens=0, log_path=out / f"sampler-v{policy_version}.log"
+        ) as url,
         SGLangClient([url]) as c,
     ):
-        rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{version}.jsonl")
+        rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{policy_version}.jsonl")
     s = summarise(task_scores(rows), seed=cfg.seed)
     return {
         "pass1": s["pass@1"]["mean"],
@@ -115,7 +117,7 @@ def snapshot(src: Path, dest: Path) -> Path:
 class _Due(TypedDict):
     """The newest policy version to evaluate (None: none yet), its weights and learner step."""
 
-    version: int | None
+    policy_version: int | None
     path: str | None
     step: int
 
@@ -126,9 +128,9 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
 
     tasks = held_out(cfg.tasks)
     curves = Curves(cfg.run_dir / "tb" / "eval")
-    due: _Due = {"version": None, "path": None, "step": 0}
+    due: _Due = {"policy_version": None, "path": None, "step": 0}
     if cfg.model is not None:
-        due.update({"version": 0, "path": str(cfg.model), "step": 0})
+        due.update({"policy_version": 0, "path": str(cfg.model), "step": 0})
     wake = anyio.Event()
     done = -1
 
@@ -137,8 +139,12 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
         async with transport.subscribe("t1.policy") as msgs:
             async for m in msgs:
                 rec = m.record
-                if isinstance(rec, wire.PolicyRecord) and rec.version % cfg.every == 0 and rec.version > done:
-                    due.update({"version": rec.version, "path": rec.weights, "step": rec.step})
+                if (
+                    isinstance(rec, wire.PolicyRecord)
+                    and rec.policy_version % cfg.every == 0
+                    and rec.policy_version > done
+                ):
+                    due.update({"policy_version": rec.policy_version, "path": rec.weights, "step": rec.step})
                     wake.set()
 
     try:
@@ -146,21 +152,29 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
             tg.start_soon(follow)
             log.info("eval_loop.ready", every=cfg.every, tasks=len(tasks), baseline=cfg.model is not None)
             while True:
-                if due["version"] is None or due["version"] <= done:
+                if due["policy_version"] is None or due["policy_version"] <= done:
                     wake = anyio.Event()
                     await wake.wait()
                     continue
-                version, path, step = int(due["version"]), Path(str(due["path"])), int(due["step"])
-                done = version
+                policy_version, path, step = int(due["policy_version"]), Path(str(due["path"])), int(due["step"])
+                done = policy_version
                 try:
-                    model = snapshot(path, cfg.run_dir / "eval" / f"v{version}" / "model") if version else path
-                    values = await evaluate(cfg, model, version, tasks)
+                    model = (
+                        snapshot(path, cfg.run_dir / "eval" / f"v{policy_version}" / "model")
+                        if policy_version
+                        else path
+                    )
+                    values = await evaluate(cfg, model, policy_version, tasks)
                 except (OSError, T1Error) as exc:  # a pruned checkpoint, a sampler that would not start: next one
-                    log.warning("eval_loop.failed", version=version, error=f"{type(exc).__name__}: {exc}")
+                    log.warning("eval_loop.failed", policy_version=policy_version, error=f"{type(exc).__name__}: {exc}")
                     continue
-                curves.scalars(version, {f"eval/{k}": v for k, v in values.items()})  # on disk before it is announced
-                await transport.publish("t1.metrics.eval", wire.MetricsRecord("eval", step, version, values))
-                log.info("eval_loop.scored", version=version, **{k: round(v, 4) for k, v in values.items()})
+                curves.scalars(
+                    policy_version, {f"eval/{k}": v for k, v in values.items()}
+                )  # on disk before it is announced
+                await transport.publish("t1.metrics.eval", wire.MetricsRecord("eval", step, policy_version, values))
+                log.info(
+                    "eval_loop.scored", policy_version=policy_version, **{k: round(v, 4) for k, v in values.items()}
+                )
     finally:
         curves.close()
 

@@ -126,7 +126,7 @@ async def run_one(
 
     async def on_turn(t: TurnResult) -> None:
         digest.update(t.output_ids.astype("<i4").tobytes())
-        versions.add(int(t.weight_version))
+        versions.add(int(t.policy_version))
         steps.append(
             {
                 "turn": t.turn,
@@ -181,7 +181,7 @@ async def run_one(
     row.update(
         wall_s=round(time.monotonic() - t0, 3),
         output_digest=digest.hexdigest()[:16],
-        weight_versions=sorted(versions),
+        policy_versions=sorted(versions),
         steps=steps,
     )
     return row

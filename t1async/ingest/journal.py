@@ -1,20 +1,20 @@
 """The learner's journal: what it has durably taken from the trajectory stream (design §9).
 
-A log-structured store of wire records (length-prefixed), in numbered segment files under one directory:
+A log-structured store of wire records (length-prefixed), in numbered files under one directory:
 
-    journal/000000000001.seg   sealed: never written again, deleted whole once every episode in it is settled
-    journal/000000000002.seg   sealed
-    journal/000000000003.seg   active: appended and fsynced before the learner acks JetStream
+    journal/000000000001.jf   sealed: never written again, deleted whole once every episode in it is settled
+    journal/000000000002.jf   sealed
+    journal/000000000003.jf   active: appended and fsynced before the learner acks JetStream
 
 - One writer: ``append`` (the ingest task, through a worker thread) and ``compact`` (any thread) are
   serialised by one lock held only for the file write and the bookkeeping, never for a deletion.
-- ``append`` rolls over to a new segment once the active one reaches ``segment_bytes``.
-- ``compact(live)`` deletes sealed segments whose episodes are all settled (not in ``live``). Settled episodes
-  that still have records in kept segments are listed in ``settled.json`` (written before the deletion) and
+- ``append`` rolls over to a new file once the active one reaches ``file_bytes``.
+- ``compact(live)`` deletes sealed files whose episodes are all settled (not in ``live``). Settled episodes
+  that still have records in kept files are listed in ``settled.json`` (written before the deletion) and
   skipped by replay, so a restart never sees half an episode. Records are never rewritten: a record acked
-  into a segment stays there until the whole segment goes.
+  into a file stays there until the whole file goes.
 - The directory is fsynced after every create, rename and delete.
-- Replay reads the segments in order. A torn tail (a crash mid-append) can only be in the last segment; it
+- Replay reads the files in order. A torn tail (a crash mid-append) can only be in the last file; it
   is truncated on open.
 
 A restarted learner replays the journal to rebuild its episodes (context included) and skips the turns its
@@ -37,7 +37,7 @@ from t1async.protocol import wire
 from t1async.protocol.errors import T1Error, WireError
 
 _LEN = struct.Struct("<I")
-_SEG = re.compile(r"^(\d{12})\.seg$")
+_SEG = re.compile(r"^(\d{12})\.jf$")
 SETTLED_NAME = "settled.json"
 log = get_logger("t1async.ingest.journal")
 
@@ -56,10 +56,10 @@ def fsync_dir(path: Path) -> None:
 
 
 def _seg_path(root: Path, seq: int) -> Path:
-    return root / f"{seq:012d}.seg"
+    return root / f"{seq:012d}.jf"
 
 
-def _segments(root: Path) -> list[tuple[int, Path]]:
+def _journal_files(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _SEG.match(p.name)))
@@ -105,20 +105,20 @@ def _load_settled(path: Path) -> set[str]:
 
 
 def read_journal(path: str | Path) -> Iterator[wire.Record]:
-    """The records of a journal directory (its segments in order, less settled episodes) or of one journal
+    """The records of a journal directory (its files in order, less settled episodes) or of one journal
     file, read-only: safe while a learner appends (a torn tail is left alone). A learner's journal is
     ``<run_dir>/learner/journal``."""
     path = Path(path)
     if path.is_dir():
         settled = _load_settled(path / SETTLED_NAME)
-        for _, p in _segments(path):
+        for _, p in _journal_files(path):
             yield from (r for r in _read_file(p) if getattr(r, "episode", "") not in settled)
     elif path.exists():
         yield from _read_file(path)
 
 
 @dataclass
-class _Segment:
+class _File:
     seq: int
     path: Path
     size: int = 0
@@ -127,18 +127,18 @@ class _Segment:
 
 @dataclass(frozen=True)
 class CompactResult:
-    deleted_segments: int
+    deleted_files: int
     deleted_bytes: int
-    kept_segments: int
+    kept_files: int
     kept_bytes: int
 
 
 class Journal:
     """``Journal(run_dir / "learner" / "journal")``."""
 
-    def __init__(self, root: str | Path, *, segment_bytes: int = 32 << 20) -> None:
+    def __init__(self, root: str | Path, *, file_bytes: int = 32 << 20) -> None:
         self.root = Path(root)
-        self.segment_bytes = segment_bytes
+        self.file_bytes = file_bytes
         self._lock = threading.Lock()
         self._closed = False
         self.records = 0
@@ -148,33 +148,33 @@ class Journal:
             for p in made:  # each new directory's entry, in its parent
                 fsync_dir(p.parent)
         self._settled: set[str] = _load_settled(self.root / SETTLED_NAME)
-        found = _segments(self.root)
-        self._segs = [_Segment(seq, p, p.stat().st_size, None) for seq, p in found]
-        if self._segs:
-            self._repair_tail(self._segs[-1])
-        if not self._segs or self._segs[-1].size >= segment_bytes:
-            self._segs.append(self._create(self._segs[-1].seq + 1 if self._segs else 1))
-        self._f = open(self._segs[-1].path, "ab")  # noqa: SIM115 - closed in close()
+        found = _journal_files(self.root)
+        self._files = [_File(seq, p, p.stat().st_size, None) for seq, p in found]
+        if self._files:
+            self._repair_tail(self._files[-1])
+        if not self._files or self._files[-1].size >= file_bytes:
+            self._files.append(self._create(self._files[-1].seq + 1 if self._files else 1))
+        self._f = open(self._files[-1].path, "ab")  # noqa: SIM115 - closed in close()
 
     # -- opening -------------------------------------------------------------------------------------
 
-    def _repair_tail(self, seg: _Segment) -> None:
-        with open(seg.path, "rb") as f:
+    def _repair_tail(self, jf: _File) -> None:
+        with open(jf.path, "rb") as f:
             data = f.read()
         good = _good_prefix(data)
         if good != len(data):
-            log.warning("journal.torn_tail", path=str(seg.path), kept_bytes=good, dropped_bytes=len(data) - good)
-            with open(seg.path, "r+b") as f:
+            log.warning("journal.torn_tail", path=str(jf.path), kept_bytes=good, dropped_bytes=len(data) - good)
+            with open(jf.path, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
-            seg.size = good
+            jf.size = good
 
-    def _create(self, seq: int) -> _Segment:
+    def _create(self, seq: int) -> _File:
         path = _seg_path(self.root, seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.close(fd)
         fsync_dir(self.root)
-        return _Segment(seq, path)
+        return _File(seq, path)
 
     # -- the writer ----------------------------------------------------------------------------------
 
@@ -193,56 +193,56 @@ class Journal:
         with self._lock:
             if self._closed:
                 raise JournalClosedError(f"journal {self.root} was appended to after close(); nothing was written")
-            seg = self._segs[-1]
+            jf = self._files[-1]
             self._f.write(buf)
             self._f.flush()
             os.fsync(self._f.fileno())
-            seg.size += len(buf)
-            if seg.episodes is not None:
-                seg.episodes |= episodes
+            jf.size += len(buf)
+            if jf.episodes is not None:
+                jf.episodes |= episodes
             self.records += n
-            if seg.size >= self.segment_bytes:
+            if jf.size >= self.file_bytes:
                 self._roll()
         return n
 
     def _roll(self) -> None:
-        new = self._create(self._segs[-1].seq + 1)
+        new = self._create(self._files[-1].seq + 1)
         old, self._f = self._f, open(new.path, "ab")  # noqa: SIM115 - closed in close()
-        self._segs.append(new)
+        self._files.append(new)
         old.close()
 
     def replay(self) -> Iterator[wire.Record]:
-        """Every record, segments in order; learns which episodes each segment holds (for ``compact``).
+        """Every record, files in order; learns which episodes each file holds (for ``compact``).
         Call before the first append of this process."""
-        for seg in list(self._segs):
+        for jf in list(self._files):
             eps: set[str] = set()
-            for rec in _read_file(seg.path):
+            for rec in _read_file(jf.path):
                 ep = getattr(rec, "episode", "")
                 eps.add(ep)
                 if ep not in self._settled:
                     yield rec
             with self._lock:
-                seg.episodes = eps if seg.episodes is None else seg.episodes | eps
+                jf.episodes = eps if jf.episodes is None else jf.episodes | eps
 
     def compact(self, live: Collection[str], before: int | None = None) -> CompactResult:
-        """Delete the sealed segments whose episodes are all settled (none in ``live``). Safe to run in a
-        thread beside ``append``: the lock is held only to pick the segments.
+        """Delete the sealed files whose episodes are all settled (none in ``live``). Safe to run in a
+        thread beside ``append``: the lock is held only to pick the files.
 
-        ``before``: only segments numbered below it (``active_seq`` read when ``live`` was computed): a
-        segment sealed later may hold records of an episode that began after ``live`` was computed.
+        ``before``: only files numbered below it (``active_seq`` read when ``live`` was computed): a
+        file sealed later may hold records of an episode that began after ``live`` was computed.
 
-        Settled episodes that still have records in kept segments are listed first (``settled.json``, written
+        Settled episodes that still have records in kept files are listed first (``settled.json``, written
         atomically) and skipped by ``replay``, so a restart never sees half an episode."""
         with self._lock:
-            if any(s.episodes is None for s in self._segs):  # not replayed yet: cannot know what is settled
-                return CompactResult(0, 0, len(self._segs), self.size_bytes())
-            gone = [s for s in self._segs[:-1] if (before is None or s.seq < before) and s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
+            if any(s.episodes is None for s in self._files):  # not replayed yet: cannot know what is settled
+                return CompactResult(0, 0, len(self._files), self.size_bytes())
+            gone = [s for s in self._files[:-1] if (before is None or s.seq < before) and s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
             if not gone:
-                return CompactResult(0, 0, len(self._segs), self.size_bytes())
-            self._segs = [s for s in self._segs if s not in gone]
-            kept_eps: set[str] = set().union(*(s.episodes or () for s in self._segs))
+                return CompactResult(0, 0, len(self._files), self.size_bytes())
+            self._files = [s for s in self._files if s not in gone]
+            kept_eps: set[str] = set().union(*(s.episodes or () for s in self._files))
             # this round's episodes stay listed whole (a late record of one may be appended right now); older
-            # entries only while a kept segment still holds a record of theirs
+            # entries only while a kept file still holds a record of theirs
             settled = (self._settled & kept_eps) | set().union(*(s.episodes or () for s in gone))
             kept_bytes = self.size_bytes()
         if settled != self._settled:
@@ -250,7 +250,7 @@ class Journal:
         for s in gone:  # no lock: sealed files are never written again
             s.path.unlink(missing_ok=True)
         fsync_dir(self.root)
-        return CompactResult(len(gone), sum(s.size for s in gone), len(self._segs), kept_bytes)
+        return CompactResult(len(gone), sum(s.size for s in gone), len(self._files), kept_bytes)
 
     def _write_settled(self, settled: set[str]) -> None:
         path = self.root / SETTLED_NAME
@@ -267,15 +267,15 @@ class Journal:
 
     @property
     def active_seq(self) -> int:
-        """The number of the segment appends go to now (see ``compact(before=)``)."""
-        return self._segs[-1].seq
+        """The number of the file appends go to now (see ``compact(before=)``)."""
+        return self._files[-1].seq
 
     @property
-    def segments(self) -> int:
-        return len(self._segs)
+    def files(self) -> int:
+        return len(self._files)
 
     def size_bytes(self) -> int:
-        return sum(s.size for s in self._segs)
+        return sum(s.size for s in self._files)
 
     def close(self) -> None:
         with self._lock:

@@ -83,15 +83,15 @@ class PoisonBook:
         p = self.at.get(episode)
         return None if p is None else p.turn
 
-    def screen(self, records: Sequence[wire.Record], version: int | None = None) -> Screened:
+    def screen(self, records: Sequence[wire.Record], policy_version: int | None = None) -> Screened:
         """Split a batch: records to journal, bad records, and later turns of poisoned episodes (this batch's
-        new poisons included, whatever the order the turns arrived in). ``version``: the learner's. Counts
+        new poisons included, whatever the order the turns arrived in). ``policy_version``: the learner's. Counts
         nothing: see ``count``."""
         out = Screened()
         stop: dict[str, int] = {}
         for r in records:
             try:
-                check_record(r, self.limits, version)
+                check_record(r, self.limits, policy_version)
             except WireError as err:
                 out.bad.append((r, err))
                 if isinstance(r, wire.TurnRecord):

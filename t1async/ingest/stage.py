@@ -2,8 +2,8 @@
 
     ingest   batch ─ screen (validate.py) ─┬─ good → journal (fsync) → ack → take (credits, assembly)
                                            └─ bad  → poison book (fsync) + t1.dead.<reason> → ack
-    replay   journal segments in order ─ screened the same way ─ take
-    compact  after each step: the live set on the loop, segment deletion in a worker thread
+    replay   journal files in order ─ screened the same way ─ take
+    compact  after each step: the live set on the loop, journal file deletion in a worker thread
     failures a record whose taking raises: t1.dead.assembly, episode dropped whole;
              a step that raises (``step_failed``): segments to t1.dead.train_step, episodes stopped
 
@@ -54,14 +54,14 @@ class Ingest:
         gate: CreditGate,
         credits: CreditServer,
         liveness: ActorLiveness,
-        version: Callable[[], int],
+        policy_version: Callable[[], int],
         durable: str,
-        segment_bytes: int,
+        journal_file_bytes: int,
     ) -> None:
-        self.transport, self.durable, self.version = transport, durable, version
+        self.transport, self.durable, self.policy_version = transport, durable, policy_version
         self.settler, self.gate, self.credits, self.liveness = settler, gate, credits, liveness
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", limits)
-        self.journal = Journal(learner_dir / "journal", segment_bytes=segment_bytes)
+        self.journal = Journal(learner_dir / "journal", file_bytes=journal_file_bytes)
         self.assembler = Assembler()
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.ended: deque[wire.EndRecord] = deque(maxlen=200)  # the last episodes ended (live, not replayed)
@@ -79,7 +79,9 @@ class Ingest:
         async with self.transport.consume(self.durable) as batches:
             task_status.started()
             async for batch in batches:
-                s = self.poison.screen([d.record for d in batch], self.version())  # validate.py: what a step relies on
+                s = self.poison.screen(
+                    [d.record for d in batch], self.policy_version()
+                )  # validate.py: what a step relies on
                 # journaled before the assembler knows them: live for compaction until taken
                 self._taking = {getattr(r, "episode", "") for r in s.good}
                 changed: list[Poison] = []
@@ -103,7 +105,7 @@ class Ingest:
         dead: list[Screened] = []
         n = 0
         for rec in self.journal.replay():
-            s = self.poison.screen([rec], self.version())
+            s = self.poison.screen([rec], self.policy_version())
             if s.bad:
                 dead.append(s)
                 self.poison.add(s.poisons)
@@ -115,7 +117,12 @@ class Ingest:
             if p.episode in self.assembler.open:
                 self.stop(p.episode, p.turn)  # its dropped turns settled, no longer its actor's open work
         if n:
-            log.info("learner.journal_replayed", records=n, untrained_turns=len(self.untrained), version=self.version())
+            log.info(
+                "learner.journal_replayed",
+                records=n,
+                untrained_turns=len(self.untrained),
+                policy_version=self.policy_version(),
+            )
         return dead
 
     async def dead_letter(self, s: Screened) -> None:
@@ -196,19 +203,21 @@ class Ingest:
         for p in changed:
             self.stop(p.episode, p.turn, emit=p.reason != ASSEMBLY)
 
-    async def step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
-        """A training step at ``version`` raised despite validation: dead-letter its segments and poison their
+    async def step_failed(self, segments: list[Segment], policy_version: int, exc: Exception) -> None:
+        """A training step at ``policy_version`` raised despite validation: dead-letter its segments and poison their
         episodes at the first turn each held, so no restart retries it. (Putting the weights back is the
         learner's.)"""
         self.poison.failed_steps += 1
         log.error(
             "learner.step_failed",
-            version=version,
+            policy_version=policy_version,
             segments=len(segments),
             error=f"{type(exc).__name__}: {exc}",
             hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped",
         )
-        err = WireError(f"training step at version {version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP)
+        err = WireError(
+            f"training step at version {policy_version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP
+        )
         poisons = []
         for s in segments:
             turns = s.turn_ids[s.loss_mask]
@@ -235,16 +244,16 @@ class Ingest:
         return {k: int(d.get(k, 0)) for k in ("clean", "realign", "fork")}
 
     async def compact(self) -> None:
-        """Delete the journal segments whose episodes are all settled, in a worker thread: ingest keeps
-        appending (to the active segment) and credits keep flowing meanwhile."""
-        before = self.journal.active_seq  # segments sealed after this may hold episodes ``live`` does not know
+        """Delete the journal files whose episodes are all settled, in a worker thread: ingest keeps
+        appending (to the active journal file) and credits keep flowing meanwhile."""
+        before = self.journal.active_seq  # journal files sealed after this may hold episodes ``live`` does not know
         live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
         r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
-        if r.deleted_segments:
+        if r.deleted_files:
             log.info(
                 "learner.journal_compacted",
-                deleted_segments=r.deleted_segments,
+                deleted_files=r.deleted_files,
                 deleted_bytes=r.deleted_bytes,
-                kept_segments=r.kept_segments,
+                kept_files=r.kept_files,
                 kept_bytes=r.kept_bytes,
             )

@@ -70,7 +70,7 @@ class Segment:
     tokens: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
     logprobs: np.ndarray  # float32 [T]: sampler logprob at loss positions, 0 elsewhere
-    versions: np.ndarray  # int32 [T]: the weight version that sampled each loss token (per token), -1 elsewhere
+    versions: np.ndarray  # int32 [T]: the policy version that sampled each loss token (per token), -1 elsewhere
     turn_ids: np.ndarray  # int32 [T]: turn owning each output position (loss or context), -1 for non-output
     routing: np.ndarray | None  # int16 [T, L, K]: experts used to compute position t, -1 = missing
     turn_ends: np.ndarray  # int32 [n]: position of the last output token of each turn trained here

@@ -10,7 +10,7 @@
     expert repeats   no (token, layer) names one expert twice                    reason ``expert_repeat``
                      (a layer all 0 over the trace is a broken capture: the assembler drops that layer)
     length           input_len + len(output_ids) <= max_seq_len                  reason ``length``
-    version          no token sampled by a version newer than the learner's      reason ``version``
+    policy version   no token sampled by a version newer than the learner's      reason ``policy_version``
                      (a learner resumed from an older checkpoint than the samplers served)
 
 A failure is a ``WireError`` (the sender's fault) whose ``reason`` is the dead-letter subject's last token
@@ -29,7 +29,7 @@ from t1async.ingest.routing import zero_layers
 from t1async.protocol import wire
 from t1async.protocol.errors import WireError
 
-REASONS = ("token_range", "logprob", "routing_shape", "expert_range", "expert_repeat", "length", "version")
+REASONS = ("token_range", "logprob", "routing_shape", "expert_range", "expert_repeat", "length", "policy_version")
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,14 @@ def _fail(rec: wire.TurnRecord, field: str, reason: str, what: str) -> WireError
     return WireError(f"turn {rec.episode}#{rec.turn}: {field} {what}", field=field, reason=reason)
 
 
-def check_record(rec: wire.Record, limits: ModelLimits, version: int | None = None) -> None:
+def check_record(rec: wire.Record, limits: ModelLimits, policy_version: int | None = None) -> None:
     """Raise ``WireError`` if a training step could not use ``rec``. Only turns carry what a step reads.
-    ``version``: the learner's policy version (no turn may claim a newer one)."""
+    ``policy_version``: the learner's policy version (no turn may claim a newer one)."""
     if isinstance(rec, wire.TurnRecord):
-        check_turn(rec, limits, version)
+        check_turn(rec, limits, policy_version)
 
 
-def check_turn(rec: wire.TurnRecord, lim: ModelLimits, version: int | None = None) -> None:
+def check_turn(rec: wire.TurnRecord, lim: ModelLimits, policy_version: int | None = None) -> None:
     out, delta = rec.output_ids, rec.input_delta
     for name, ids in (("output_ids", out), ("input_delta", delta)):
         if len(ids) and int(ids.max()) >= lim.vocab_size:
@@ -90,15 +90,15 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, version: int | None = Non
             "length",
             f"{rec.input_len} + {len(out)} outputs = {n} tokens exceeds the model's max_seq_len {lim.max_seq_len}",
         )
-    if version is not None:
+    if policy_version is not None:
         ov = getattr(rec, "output_versions", None)
         newest = max(rec.policy_version, int(ov.max()) if ov is not None and len(ov) else 0)
-        if newest > version:
+        if newest > policy_version:
             raise _fail(
                 rec,
                 "policy_version",
-                "version",
-                f"{newest} is newer than the learner's version {version}: "
+                "policy_version",
+                f"{newest} is newer than the learner's version {policy_version}: "
                 "the samplers served weights this learner never had (was it resumed from an older checkpoint?)",
             )
     if rec.routing is not None:

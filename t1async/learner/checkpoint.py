@@ -6,7 +6,7 @@
         config.json                 } a model directory: POST /update_weights_from_disk {model_path: this dir}
         tokenizer.json, ...        /
         trainer_state.safetensors  AdamW moments, keyed "<param name>.exp_avg" / ".exp_avg_sq" / ".step"
-        trainer_state.json         {version, step, optimizer hyper-parameters, format}
+        trainer_state.json         {policy_version, step, optimizer hyper-parameters, format}
 
 Everything is safetensors or JSON (no pickle). A checkpoint is written into a temporary directory in
 ``root`` and renamed into place, so a sampler or a resuming learner never sees a half-written one.
@@ -45,12 +45,12 @@ _NAME = re.compile(r"^v(\d{6,})$")
 @dataclass(frozen=True)
 class CheckpointInfo:
     path: Path  # the model directory
-    version: int
+    policy_version: int
     step: int
 
 
-def checkpoint_dir(root: str | Path, version: int) -> Path:
-    return Path(root) / f"v{version:06d}"
+def checkpoint_dir(root: str | Path, policy_version: int) -> Path:
+    return Path(root) / f"v{policy_version:06d}"
 
 
 def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
@@ -64,7 +64,7 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
         if m and (p / STATE_JSON).is_file():
             meta = json.loads((p / STATE_JSON).read_text())
             out.append(CheckpointInfo(p, int(m.group(1)), int(meta.get("step", 0))))
-    return sorted(out, key=lambda c: c.version)
+    return sorted(out, key=lambda c: c.policy_version)
 
 
 def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
@@ -117,7 +117,7 @@ def save_checkpoint(
     model: MoETransformer,
     optimizer: torch.optim.Optimizer | None,
     *,
-    version: int,
+    policy_version: int,
     step: int,
     tokenizer: ChatTokenizer | None = None,
     keep: int = 3,
@@ -125,13 +125,15 @@ def save_checkpoint(
     """Write checkpoint ``v<version>`` atomically; drop all but the newest ``keep`` (0 = keep all)."""
     r = Path(root)
     r.mkdir(parents=True, exist_ok=True)
-    dest = checkpoint_dir(r, version)
+    dest = checkpoint_dir(r, policy_version)
     if dest.exists():
-        raise ConfigError(f"checkpoint {dest} already exists; versions are published once (pick version > {version})")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version:06d}-", dir=r))
+        raise ConfigError(
+            f"checkpoint {dest} already exists; versions are published once (pick version > {policy_version})"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-v{policy_version:06d}-", dir=r))
     try:
         save_pretrained(model, tmp, tokenizer)
-        meta: dict = {"format": FORMAT, "version": version, "step": step, "param_groups": []}
+        meta: dict = {"format": FORMAT, "policy_version": policy_version, "step": step, "param_groups": []}
         if optimizer is not None:
             save_file(_optimizer_tensors(model, optimizer), str(tmp / STATE_TENSORS))
             meta["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -142,8 +144,8 @@ def save_checkpoint(
     if keep > 0:
         for old in list_checkpoints(r)[:-keep]:
             shutil.rmtree(old.path, ignore_errors=True)
-    log.info("checkpoint.saved", path=str(dest), version=version, step=step)
-    return CheckpointInfo(dest, version, step)
+    log.info("checkpoint.saved", path=str(dest), policy_version=policy_version, step=step)
+    return CheckpointInfo(dest, policy_version, step)
 
 
 def load_checkpoint(
@@ -165,6 +167,6 @@ def load_checkpoint(
             meta.get("param_groups", []),
             source=str(d / STATE_TENSORS),
         )
-    info = CheckpointInfo(d, int(meta["version"]), int(meta["step"]))
-    log.info("checkpoint.loaded", path=str(d), version=info.version, step=info.step)
+    info = CheckpointInfo(d, int(meta["policy_version"]), int(meta["step"]))
+    log.info("checkpoint.loaded", path=str(d), policy_version=info.policy_version, step=info.step)
     return info

@@ -134,19 +134,22 @@ class DistributedTrainer(Trainer):
         while True:
             mine: list[Any] = [None]
             _collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
-            kind, local, version, resync, self._baseline = mine[0]
+            kind, local, policy_version, resync, self._baseline = mine[0]
             if kind == "stop":
                 log.info("learner.rank_stopped", rank=self.rank, steps=self.steps)
                 return
             if resync:
                 self._sync_state()
             try:
-                self._train(local, version, None, all_segments=local, t0=time.perf_counter())
+                self._train(local, policy_version, None, all_segments=local, t0=time.perf_counter())
             except RankFailedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
                 log.warning(
-                    "learner.rank_step_failed", rank=self.rank, version=version, error=f"{type(exc).__name__}: {exc}"
+                    "learner.rank_step_failed",
+                    rank=self.rank,
+                    policy_version=policy_version,
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             memory.trim()  # a flat RSS between steps, as on rank 0
 

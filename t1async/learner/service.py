@@ -62,7 +62,7 @@ class LearnerConfig:
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
-    journal_segment_bytes: int = 32 << 20  # the journal rolls over to a new segment file past this size
+    journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
     wandb: bool = False  # and to Weights & Biases, when wandb is installed
@@ -90,10 +90,12 @@ class Learner:
         if ckpt is not None:
             load_checkpoint(ckpt.path, self.model, self.trainer.optimizer)
             self.trainer.steps = ckpt.step
-            self.state = LearnerState.load(config.checkpoints, ckpt.version)
+            self.state = LearnerState.load(config.checkpoints, ckpt.policy_version)
             self.resumed_from = ckpt
-        self.version = self.state.version
-        self.gate = CreditGate(CreditLedger(config.max_staleness, config.batch_turns, config.lease_s, self.version))
+        self.policy_version = self.state.policy_version
+        self.gate = CreditGate(
+            CreditLedger(config.max_staleness, config.batch_turns, config.lease_s, self.policy_version)
+        )
         self.liveness = ActorLiveness(config.actor_timeout_s)
         self.credits = CreditServer(self.gate, transport, on_actor=self.liveness.seen)
         self.settler = Settler(self.gate, self.credits, lambda ep, t: self.state.was_trained(ep, t))
@@ -106,9 +108,9 @@ class Learner:
             gate=self.gate,
             credits=self.credits,
             liveness=self.liveness,
-            version=lambda: self.version,
+            policy_version=lambda: self.policy_version,
             durable=config.durable,
-            segment_bytes=config.journal_segment_bytes,
+            journal_file_bytes=config.journal_file_bytes,
         )
         self.inputs = StepInputs(self.ingest, self.gate, self.settler, config.max_staleness)
         self.untrained = self.settler.untrained  # delivered, not settled: (episode, turn) -> oldest version
@@ -153,7 +155,7 @@ class Learner:
             task_status.started()
             log.info(
                 "learner.ready",
-                version=self.version,
+                policy_version=self.policy_version,
                 eta=self.cfg.max_staleness,
                 batch_turns=self.cfg.batch_turns,
                 resumed=str(self.resumed_from.path) if self.resumed_from else None,
@@ -163,12 +165,12 @@ class Learner:
                 await self._train_step()
             await self._publish_metrics()
             tg.cancel_scope.cancel()
-        log.info("learner.done", steps=self.state.step, version=self.version)
+        log.info("learner.done", steps=self.state.step, policy_version=self.policy_version)
 
     async def _wait_for_batch(self) -> None:
         while True:
             if len(self.untrained) >= self.cfg.batch_turns:
-                await self.gate.wait_trainable(self.version)
+                await self.gate.wait_trainable(self.policy_version)
                 if len(self.untrained) >= self.cfg.batch_turns:
                     return
             await self._next_arrival()
@@ -179,11 +181,11 @@ class Learner:
             await arrived.wait()
 
     async def _train_step(self) -> None:
-        segments = self.inputs.take(self.version, self.state.trained)
+        segments = self.inputs.take(self.policy_version, self.state.trained)
         if not segments:  # nothing trainable yet (a turn waits for an earlier one): wait for more to arrive
             await self._next_arrival()
             return
-        v = self.version
+        v = self.policy_version
         t_start = time.monotonic()
         t_ckpt = t_push = 0.0
         self.credits.set_training(True)
@@ -200,8 +202,8 @@ class Learner:
             trained = loss_turns(segments)
             for s in segments:
                 self.hist.record(v, s.versions[s.loss_mask])
-            self.version = v + 1
-            self.state = self.state.after_step(self.version, self.state.step + 1, trained, m.loss_tokens)
+            self.policy_version = v + 1
+            self.state = self.state.after_step(self.policy_version, self.state.step + 1, trained, m.loss_tokens)
             # the state first: a checkpoint is only ever loaded together with the state of its version
             t_ckpt = time.monotonic()
             self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
@@ -210,7 +212,7 @@ class Learner:
                     self.cfg.checkpoints,
                     self.model,
                     self.trainer.optimizer,
-                    version=self.version,
+                    policy_version=self.policy_version,
                     step=self.trainer.steps,
                     tokenizer=self.tokenizer,
                     keep=self.cfg.keep_checkpoints,
@@ -221,13 +223,13 @@ class Learner:
             self.inputs.forget_unreachable()
             if self.weight_pusher is not None:  # the same weights as the checkpoint, over the group
                 t_push = time.monotonic()
-                await self.weight_pusher.push(self.model, self.version)
+                await self.weight_pusher.push(self.model, self.policy_version)
                 t_push = time.monotonic() - t_push
             elif self.samplers is not None:
                 t_push = time.monotonic()
-                await self.samplers.update_weights_from_disk(str(ckpt.path), self.version)
+                await self.samplers.update_weights_from_disk(str(ckpt.path), self.policy_version)
                 t_push = time.monotonic() - t_push
-            self.gate.on_version(self.version)
+            self.gate.on_version(self.policy_version)
         finally:
             self.credits.set_training(False)
         wall = time.monotonic() - t_start
@@ -239,11 +241,13 @@ class Learner:
             "t_push_s": t_push,
             "t_step_wall_s": wall,
         }
-        await self.transport.publish("t1.policy", wire.PolicyRecord(self.version, self.state.step, str(ckpt.path)))
+        await self.transport.publish(
+            "t1.policy", wire.PolicyRecord(self.policy_version, self.state.step, str(ckpt.path))
+        )
         log.info(
             "learner.step",
             step=self.state.step,
-            version=self.version,
+            policy_version=self.policy_version,
             turns=len(trained),
             loss=round(m.loss, 4),
             dlogp=round(m.mean_abs_dlogp, 5),
@@ -254,21 +258,21 @@ class Learner:
         )
         await self._publish_metrics()
         if self.curves is not None:  # the step's curves in TensorBoard (t1async.curves), at the version it made
-            self.curves.scalars(self.version, learner_scalars(self.last_step, self.metrics()))
+            self.curves.scalars(self.policy_version, learner_scalars(self.last_step, self.metrics()))
         await self.ingest.compact()
 
     # ------------------------------------------------------------------------------------------ failures
 
-    async def _step_failed(self, segments: list[Segment], version: int, exc: Exception) -> None:
+    async def _step_failed(self, segments: list[Segment], policy_version: int, exc: Exception) -> None:
         """Trainer.step raised despite validation: ingest dead-letters the step's segments and poisons their
-        episodes (so no restart retries it); then the weights go back to ``version`` (it may have stepped),
+        episodes (so no restart retries it); then the weights go back to ``policy_version`` (it may have stepped),
         and the learner goes on."""
-        await self.ingest.step_failed(segments, version, exc)
+        await self.ingest.step_failed(segments, policy_version, exc)
         # after the poison book: if restoring fails too, the restarted learner loads the checkpoint itself and
         # never retries this step
         initial = self.cfg.model_dir or default_model_dir()
-        restored = await anyio.to_thread.run_sync(self.trainer.restore, self.cfg.checkpoints, version, initial)
-        log.info("learner.weights_restored", version=version, source=restored)
+        restored = await anyio.to_thread.run_sync(self.trainer.restore, self.cfg.checkpoints, policy_version, initial)
+        log.info("learner.weights_restored", policy_version=policy_version, source=restored)
         await self._publish_metrics()
 
     async def _release_actor(self, actor: str) -> None:
@@ -300,11 +304,11 @@ class Learner:
     async def _sync_samplers(self) -> None:
         """After a resume, make every sampler serve the checkpoint this learner continues from."""
         if self.weight_pusher is not None and self.resumed_from is not None:
-            await self.weight_pusher.push(self.model, self.version)
-            log.info("learner.samplers_synced", version=self.version, path="distributed")
+            await self.weight_pusher.push(self.model, self.policy_version)
+            log.info("learner.samplers_synced", policy_version=self.policy_version, path="distributed")
         elif self.samplers is not None and self.resumed_from is not None:
-            await self.samplers.update_weights_from_disk(str(self.resumed_from.path), self.version)
-            log.info("learner.samplers_synced", version=self.version, path=str(self.resumed_from.path))
+            await self.samplers.update_weights_from_disk(str(self.resumed_from.path), self.policy_version)
+            log.info("learner.samplers_synced", policy_version=self.policy_version, path=str(self.resumed_from.path))
 
     def metrics(self) -> dict:
         el = max(time.monotonic() - self.t0, 1e-9)
@@ -312,7 +316,11 @@ class Learner:
         drift = self.ingest.assembler.stats().as_dict()
         turns_trained = self.state.turns_trained
         return {
-            **{k: v for k, v in self.last_step.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
+            **{
+                k: v
+                for k, v in self.last_step.items()
+                if isinstance(v, (int, float)) and k not in ("step", "policy_version")
+            },
             "turns_trained": turns_trained,
             "t_busy_s": self.busy_s,
             "learner_ranks": int(getattr(self.trainer, "world", 1)),  # learner serve --nproc
@@ -329,7 +337,7 @@ class Learner:
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.ingest.journal.size_bytes(),
             "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
-            "journal_segments": self.ingest.journal.segments,
+            "journal_files": self.ingest.journal.files,
             "poison": self.ingest.poison.metrics(),
             "stale_masked_tokens": self.inputs.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (design §7)
@@ -349,7 +357,7 @@ class Learner:
         }
 
     async def _publish_metrics(self) -> None:
-        rec = wire.MetricsRecord("learner", self.state.step, self.version, self.metrics())
+        rec = wire.MetricsRecord("learner", self.state.step, self.policy_version, self.metrics())
         await self.transport.publish("t1.metrics.learner", rec)
 
     async def _metrics_loop(self) -> None:

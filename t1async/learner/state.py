@@ -17,7 +17,7 @@ _NAME = re.compile(r"^learner_state_v(\d{6,})\.json$")
 
 @dataclass(frozen=True)
 class LearnerState:
-    version: int = 0
+    policy_version: int = 0
     step: int = 0
     trained: dict[str, frozenset[int]] = field(default_factory=dict)  # episode -> turns trained
     turns_trained: int = 0
@@ -28,12 +28,12 @@ class LearnerState:
         t = self.trained.get(episode)
         return t is not None and turn in t
 
-    def after_step(self, version: int, step: int, turns: list[tuple[str, int]], tokens: int = 0) -> LearnerState:
+    def after_step(self, policy_version: int, step: int, turns: list[tuple[str, int]], tokens: int = 0) -> LearnerState:
         trained = dict(self.trained)
         for ep, t in turns:
             trained[ep] = trained.get(ep, frozenset()) | {t}
         return LearnerState(
-            version,
+            policy_version,
             step,
             trained,
             self.turns_trained + len(turns),
@@ -43,10 +43,10 @@ class LearnerState:
 
     def save(self, root: Path, keep: int = 3) -> Path:
         root.mkdir(parents=True, exist_ok=True)
-        path = root / f"learner_state_v{self.version:06d}.json"
+        path = root / f"learner_state_v{self.policy_version:06d}.json"
         tmp = path.with_suffix(".tmp")
         body = {
-            "version": self.version,
+            "policy_version": self.policy_version,
             "step": self.step,
             "turns_trained": self.turns_trained,
             "trained": {ep: sorted(t) for ep, t in self.trained.items()},
@@ -61,16 +61,16 @@ class LearnerState:
         return path
 
     @classmethod
-    def load(cls, root: Path, version: int | None = None) -> LearnerState:
-        """The state saved with checkpoint ``version`` (None: the newest), or a fresh state."""
+    def load(cls, root: Path, policy_version: int | None = None) -> LearnerState:
+        """The state saved with checkpoint ``policy_version`` (None: the newest), or a fresh state."""
         if not root.is_dir():
             return cls()
         found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
-        if version is not None:
-            found = [(v, p) for v, p in found if v == version]
+        if policy_version is not None:
+            found = [(v, p) for v, p in found if v == policy_version]
         if not found:
-            return cls(version=version or 0)
+            return cls(policy_version=policy_version or 0)
         v, p = found[-1]
         body = json.loads(p.read_text())
         trained = {ep: frozenset(int(t) for t in ts) for ep, ts in body.get("trained", {}).items()}
-        return cls(int(body["version"]), int(body["step"]), trained, int(body.get("turns_trained", 0)))
+        return cls(int(body["policy_version"]), int(body["step"]), trained, int(body.get("turns_trained", 0)))

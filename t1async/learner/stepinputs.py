@@ -26,12 +26,12 @@ class StepInputs:
         self.ingest, self.gate, self.settler, self.max_staleness = ingest, gate, settler, max_staleness
         self.stale_masked_tokens = 0
 
-    def take(self, version: int, trained: Mapping[str, Collection[int]]) -> list[Segment]:
+    def take(self, policy_version: int, trained: Mapping[str, Collection[int]]) -> list[Segment]:
         """Closed segments, plus a cut of each open episode that holds a turn this step must train: one the
         credit order makes due, or one that would be too stale for the next step. Other open episodes keep
         growing: a cut re-forwards the episode's whole context, so cutting less often is what η buys.
         ``trained``: episode -> turns trained before (the learner's state)."""
-        v, eta = version, self.max_staleness
+        v, eta = policy_version, self.max_staleness
         must = {ep for ep, _ in self.gate.ledger.due(v)}
         must |= {ep for (ep, _), u in self.settler.untrained.items() if u <= v - eta}
         if not must and not self.ingest.ready:  # nothing due (e.g. its credits expired): train what has arrived
@@ -40,23 +40,25 @@ class StepInputs:
         segs = self.ingest.take_ready() + cuts
         out = []
         for s in segs:
-            masked = self.mask(s, version, trained)
+            masked = self.mask(s, policy_version, trained)
             if masked is not None:
                 out.append(masked)
         return out
 
-    def mask(self, s: Segment, version: int, trained: Mapping[str, Collection[int]]) -> Segment | None:
+    def mask(self, s: Segment, policy_version: int, trained: Mapping[str, Collection[int]]) -> Segment | None:
         """Drop from the loss what was trained before a restart, and (a safety net for turns delivered
-        after their credit's lease expired) what would exceed the staleness bound at ``version``. Counted; a
+        after their credit's lease expired) what would exceed the staleness bound at ``policy_version``. Counted; a
         turn left with no loss token is settled ``stale_masked``."""
         keep = s.loss_mask.copy()
         done = trained.get(s.episode)
         if done:
             keep &= ~np.isin(s.turn_ids, np.fromiter(done, dtype=np.int32))
-        too_stale = keep & (s.versions >= 0) & (version - s.versions > self.max_staleness)
+        too_stale = keep & (s.versions >= 0) & (policy_version - s.versions > self.max_staleness)
         if too_stale.any():
             self.stale_masked_tokens += int(too_stale.sum())
-            log.warning("learner.stale_masked", episode=s.episode, tokens=int(too_stale.sum()), version=version)
+            log.warning(
+                "learner.stale_masked", episode=s.episode, tokens=int(too_stale.sum()), policy_version=policy_version
+            )
             before = set(np.unique(s.turn_ids[keep]).tolist())
             keep &= ~too_stale
             gone = before - set(np.unique(s.turn_ids[keep]).tolist())

@@ -20,7 +20,7 @@ from t1async.learner.batch import SegmentLike
 @dataclass(frozen=True)
 class StepMetrics:
     step: int  # optimizer steps taken by this trainer after this step
-    version: int  # the policy version the step trained at (staleness reference)
+    policy_version: int  # the policy version the step trained at (staleness reference)
     segments: int
     tokens: int  # real tokens forwarded
     loss_tokens: int
@@ -97,7 +97,7 @@ def step_metrics(
     split = ppo.dlogp_split(prox, behav, policy_version - vers)
     return StepMetrics(
         step=step,
-        version=policy_version,
+        policy_version=policy_version,
         segments=len(segments),
         tokens=int(sum(len(s.tokens) for s in segments)),
         loss_tokens=n_loss,

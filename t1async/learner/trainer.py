@@ -145,7 +145,7 @@ class Trainer:
         log.info(
             "trainer.step",
             step=metrics.step,
-            version=policy_version,
+            policy_version=policy_version,
             segments=metrics.segments,
             loss_tokens=metrics.loss_tokens,
             loss=round(metrics.loss, 5),
@@ -168,7 +168,7 @@ class Trainer:
     def _train(
         self,
         local: Sequence[SegmentLike],
-        version: int,
+        policy_version: int,
         drift: Mapping[str, int] | None,
         *,
         all_segments: Sequence[SegmentLike],
@@ -202,7 +202,7 @@ class Trainer:
         return self._metrics(  # 3. metrics over loss tokens
             all_segments,
             all_toks,
-            version,
+            policy_version,
             drift,
             sums=all_sums,
             grad_norm=grad_norm,
@@ -384,9 +384,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save(self, root: str | Path, version: int, *, keep: int = 3) -> CheckpointInfo:
+    def save(self, root: str | Path, policy_version: int, *, keep: int = 3) -> CheckpointInfo:
         """Write checkpoint ``root/v<version>`` (a model dir the samplers load, plus optimizer state)."""
-        return save_checkpoint(root, self.model, self.optimizer, version=version, step=self.steps, keep=keep)
+        return save_checkpoint(
+            root, self.model, self.optimizer, policy_version=policy_version, step=self.steps, keep=keep
+        )
 
     def load(self, path: str | Path) -> CheckpointInfo:
         """Resume from a checkpoint directory: weights, optimizer state and the step count."""
@@ -394,23 +396,23 @@ class Trainer:
         self.steps = info.step
         return info
 
-    def restore(self, checkpoints: Path, version: int, initial: Path) -> str:
-        """Put the weights and optimizer state back at ``version`` (a step that raised may have stepped the
+    def restore(self, checkpoints: Path, policy_version: int, initial: Path) -> str:
+        """Put the weights and optimizer state back at ``policy_version`` (a step that raised may have stepped the
         optimizer already): its checkpoint, or ``initial`` weights at version 0 of a fresh run. Returns what
-        it loaded ('' when nothing matches ``version``: left as is, logged)."""
+        it loaded ('' when nothing matches ``policy_version``: left as is, logged)."""
         ckpt = latest_checkpoint(checkpoints)
-        if ckpt is not None and ckpt.version == version:
+        if ckpt is not None and ckpt.policy_version == policy_version:
             self.load(ckpt.path)
             return str(ckpt.path)
-        if version == 0:
+        if policy_version == 0:
             load_weights_into(self.model, initial)
             self.optimizer.state.clear()
             self.steps = 0
             return str(initial)
         log.error(
             "learner.restore_missing",
-            version=version,
-            newest=ckpt.version if ckpt else None,
+            policy_version=policy_version,
+            newest=ckpt.policy_version if ckpt else None,
             hint="no checkpoint of this version: the weights stay as the failed step left them",
         )
         return ""

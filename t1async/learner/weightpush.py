@@ -3,7 +3,7 @@ distributed``).
 
     pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=64))
     await pusher.connect()                 # rank 0 hosts the store; every sampler joins (rank 1..N)
-    await pusher.push(model, version=7)    # pause -> buckets (HTTP names/dtypes/shapes + broadcasts) -> continue
+    await pusher.push(model, policy_version=7)    # pause -> buckets (HTTP names/dtypes/shapes + broadcasts) -> continue
     await pusher.aclose()                  # /destroy_weights_update_group
 
 Each bucket is one ``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent
@@ -123,18 +123,18 @@ class DistributedPusher:
             seconds=round(time.perf_counter() - t0, 3),
         )
 
-    async def push(self, model: torch.nn.Module, version: int) -> dict:
-        """Send every tensor of ``model``'s state dict to every sampler as ``version``; returns timings.
+    async def push(self, model: torch.nn.Module, policy_version: int) -> dict:
+        """Send every tensor of ``model``'s state dict to every sampler as ``policy_version``; returns timings.
 
         A failed push is tried once more over a new group (a sampler that restarted has no group: the new one
         takes it in); a second failure raises SamplerError."""
         try:
-            return await self._push_once(model, version)
+            return await self._push_once(model, policy_version)
         except SamplerError as exc:
-            log.warning("learner.weight_push_retry", version=version, error=str(exc))
-            return await self._push_once(model, version)
+            log.warning("learner.weight_push_retry", policy_version=policy_version, error=str(exc))
+            return await self._push_once(model, policy_version)
 
-    async def _push_once(self, model: torch.nn.Module, version: int) -> dict:
+    async def _push_once(self, model: torch.nn.Module, policy_version: int) -> dict:
         left_out = [u for u in self.client.urls if u not in self.members]
         if self.pg is not None and left_out and await W.reachable(self.client, left_out):
             await self.aclose()  # a sampler is back: a new group takes it in
@@ -146,7 +146,7 @@ class DistributedPusher:
         await W.pause_generation(self.client, urls=self.members)
         try:
             for part in parts:
-                await self._bucket(part, version)
+                await self._bucket(part, policy_version)
         except BaseException:
             with anyio.CancelScope(shield=True):  # the group may be half-used: drop it, reconnect next time
                 try:
@@ -159,18 +159,23 @@ class DistributedPusher:
             await W.continue_generation(self.client, urls=self.members)
         self.pushes += 1
         mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
-        self.last = {"seconds": time.perf_counter() - t0, "buckets": len(parts), "mb": mb, "version": version}
+        self.last = {
+            "seconds": time.perf_counter() - t0,
+            "buckets": len(parts),
+            "mb": mb,
+            "policy_version": policy_version,
+        }
         log.info(
             "learner.weights_pushed",
             path="distributed",
-            version=version,
+            policy_version=policy_version,
             buckets=len(parts),
             mb=round(mb, 2),
             seconds=round(self.last["seconds"], 3),
         )
         return self.last
 
-    async def _bucket(self, part: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _bucket(self, part: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
         names = [n for n, _ in part]
         dtypes = [W.dtype_name(t.dtype) for _, t in part]
         shapes = [list(t.shape) for _, t in part]
@@ -188,7 +193,7 @@ class DistributedPusher:
                         shapes=shapes,
                         group_name=self.cfg.group_name,
                         flush_cache=True,
-                        weight_version=version,
+                        weight_version=policy_version,
                     )
                 except SamplerError as exc:
                     errors.append(str(exc))
@@ -207,7 +212,7 @@ class DistributedPusher:
             tg.start_soon(send)
         if errors:
             raise SamplerError(
-                f"weight push v{version} failed on {len(errors)} of {len(self.members)} samplers: {errors[0]}"
+                f"weight push v{policy_version} failed on {len(errors)} of {len(self.members)} samplers: {errors[0]}"
             )
 
     async def aclose(self) -> None:

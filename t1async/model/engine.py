@@ -150,7 +150,7 @@ class Engine:
                 self._requeue(deferred)
                 for u, done in updates:
                     if u.error is None:
-                        self.weight_version = u.version
+                        self.weight_version = u.weight_version
                     done.set()
                 updates = []
                 self._deliver(changed)
@@ -209,7 +209,7 @@ class Engine:
             if h is None or h.seq is not s:
                 continue
             h.cached_tokens = s.cached
-            h.version = self.weight_version
+            h.weight_version = self.weight_version
             h.pending_ids.extend(s.out_ids[s.reported :])
             h.pending_lps.extend(s.out_lps[s.reported :])
             # every token of this step was sampled after the step's weight updates: the current version
@@ -240,7 +240,7 @@ class Engine:
         seed = req.seed if req.seed is not None else request_seed(self.config.seed, self._counter)
         seq = Seq(req=req, ids=ids, rng=random.Random(seed), stops=StopStrings(self.tokenizer.decode, req.stop_strings))
         h = Handle(seq)
-        h.version = self.weight_version
+        h.weight_version = self.weight_version
         self._handles[req.rid] = h
         self._waiting.append(h)
         self._wake.set()
@@ -311,8 +311,8 @@ class Engine:
         """Load new weights between steps (waits for the current step); raises ConfigError if they don't fit."""
         if self._state != "running":
             raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
-        version = weight_version if weight_version is not None else self._next_version()
-        u = WeightUpdate(Path(model_path), str(version))
+        weight_version = weight_version if weight_version is not None else self._next_version()
+        u = WeightUpdate(Path(model_path), str(weight_version))
         done = anyio.Event()
         self._updates.append((u, done))
         self._wake.set()
@@ -332,8 +332,8 @@ class Engine:
         name or shape does not fit (the model is then unchanged)."""
         if self._state != "running":
             raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
-        version = weight_version if weight_version is not None else self._next_version()
-        u = WeightUpdate(Path(""), str(version), tensors=dict(tensors))
+        weight_version = weight_version if weight_version is not None else self._next_version()
+        u = WeightUpdate(Path(""), str(weight_version), tensors=dict(tensors))
         done = anyio.Event()
         self._updates.append((u, done))
         self._wake.set()

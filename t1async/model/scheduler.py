@@ -75,7 +75,7 @@ class Seq:
 @dataclass
 class WeightUpdate:
     model_path: Path
-    version: str
+    weight_version: str
     error: Exception | None = None
     tensors: dict | None = None  # named tensors received over a weight-update group (no model_path then)
 
@@ -183,7 +183,7 @@ class EngineCore:
     def _apply_update(self, u: WeightUpdate) -> None:
         try:
             if u.tensors is not None:
-                load_state_into(self.model, u.tensors, where=f"weight update to version {u.version}")
+                load_state_into(self.model, u.tensors, where=f"weight update to version {u.weight_version}")
             else:
                 load_weights_into(self.model, u.model_path)
         except Exception as exc:  # reported to the caller of update_weights_from_disk
@@ -194,7 +194,7 @@ class EngineCore:
             log.info(
                 "engine.weights_updated",
                 path=str(u.model_path) if u.tensors is None else "(tensors)",
-                version=u.version,
+                weight_version=u.weight_version,
             )
 
     # -- admission / prefill ----------------------------------------------------------------------------

@@ -28,14 +28,14 @@ class Handle:
         self.routing_start = 0
         self.prompt_tokens = seq.prompt_len
         self.cached_tokens = 0
-        self.version = "0"
+        self.weight_version = "0"
         self.wake = anyio.Event()
         self.admitted = False
 
-    def fail(self, message: str, version: str) -> None:
+    def fail(self, message: str, weight_version: str) -> None:
         self.done = True
         self.finish_reason = {"type": "abort", "message": message}
-        self.version = version
+        self.weight_version = weight_version
         self.wake.set()
 
 
@@ -64,7 +64,7 @@ class EventStream:
             finish_reason=h.finish_reason,
             prompt_tokens=h.prompt_tokens,
             cached_tokens=h.cached_tokens,
-            weight_version=h.version,
+            weight_version=h.weight_version,
             routing=h.routing if h.done else None,
             new_versions=h.pending_versions,
             routing_start=h.routing_start,

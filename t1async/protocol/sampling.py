@@ -65,7 +65,7 @@ class Generation:
     output_ids: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n]
     finish: Finish  # STOP | LENGTH | ABORT; a str given ("stop") is converted, an unknown one raises ValueError
-    weight_version: int
+    policy_version: int  # the sampler's weight_version (SGLang's name), as an int
     routing: np.ndarray | None = None
     routing_start: int = 0
     prompt_tokens: int = 0
@@ -73,8 +73,8 @@ class Generation:
     latency_s: float = 0.0
     matched_stop: int | str | None = None
     text: str = ""
-    # int32 [n]: the weight version that produced each output token (a weight update may land mid-request);
-    # None: the sampler did not say, read ``weight_version`` for all of them
+    # int32 [n]: the policy version that produced each output token (a weight update may land mid-request);
+    # None: the sampler did not say, read ``policy_version`` for all of them
     output_versions: np.ndarray | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 

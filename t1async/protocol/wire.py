@@ -100,7 +100,7 @@ class TurnRecord:
     action: str = ""  # the parsed action, for humans (tail); never trained on
     observation: str = ""
     compacted: bool = False  # the context policy compacted this turn's input: a FORK by construction (design §12)
-    # int32 [len(output_ids)]: the weight version that produced each output token (a weight update may land
+    # int32 [len(output_ids)]: the policy version that produced each output token (a weight update may land
     # mid-turn, design §7); ``policy_version`` is then the oldest of them. None: all are ``policy_version``.
     output_versions: np.ndarray | None = None
     # the agent stopped after this turn: it is the episode's last (the end record follows). The learner then
@@ -128,7 +128,7 @@ class EndRecord:
 
 @dataclass(frozen=True, eq=False)
 class PolicyRecord:
-    version: int
+    policy_version: int
     step: int
     weights: str  # a path or URI the samplers can load
     kind = "policy"
@@ -146,7 +146,7 @@ class CreditRequest:
 @dataclass(frozen=True, eq=False)
 class CreditGrant:
     granted: int
-    version: int
+    policy_version: int
     lease_s: float
     grant_id: str
     kind = "credit_grant"
@@ -166,7 +166,7 @@ class Heartbeat:
 class MetricsRecord:
     component: str
     step: int
-    version: int
+    policy_version: int
     values: Mapping[str, Any] = field(default_factory=dict)  # flattened into the top-level map on the wire
     kind = "metrics"
 
@@ -293,11 +293,13 @@ def _decode_turn(f: _Fields) -> TurnRecord:
 
 
 def _decode_metrics(f: _Fields) -> MetricsRecord:
-    values = {k: v for k, v in f.m.items() if k not in ("v", "kind", "component", "step", "version")}
+    values = {k: v for k, v in f.m.items() if k not in ("v", "kind", "component", "step", "policy_version")}
     for k in values:
         if not isinstance(k, str):
             raise f.error(repr(k), "metric names must be strings")
-    return MetricsRecord(component=f.str("component"), step=f.int("step"), version=f.int("version"), values=values)
+    return MetricsRecord(
+        component=f.str("component"), step=f.int("step"), policy_version=f.int("policy_version"), values=values
+    )
 
 
 def from_map(m: Any) -> Record:
@@ -338,14 +340,14 @@ def from_map(m: Any) -> Record:
             f.int("compactions", default=0),
         )
     if kind == "policy":
-        return PolicyRecord(f.int("version"), f.int("step"), f.str("weights"))
+        return PolicyRecord(f.int("policy_version"), f.int("step"), f.str("weights"))
     if kind == "heartbeat":
         return Heartbeat(f.str("actor"), f.float("sent_at"))
     if kind == "credit_request":
         return CreditRequest(
             f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1)
         )
-    return CreditGrant(f.int("granted"), f.int("version"), f.float("lease_s"), f.str("grant_id"))
+    return CreditGrant(f.int("granted"), f.int("policy_version"), f.float("lease_s"), f.str("grant_id"))
 
 
 def _no_ext(code: int, data: bytes) -> Any:

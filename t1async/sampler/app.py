@@ -224,15 +224,19 @@ class SamplerApp:
                 raise SamplerRequestError(
                     "model_path must be a non-empty string (a directory of weights)", param="model_path"
                 )
-            version = body.get("weight_version")
-            if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-                raise SamplerRequestError(f"weight_version must be a string, got {version!r}", param="weight_version")
+            weight_version = body.get("weight_version")
+            if weight_version is not None and (
+                not isinstance(weight_version, (str, int)) or isinstance(weight_version, bool)
+            ):
+                raise SamplerRequestError(
+                    f"weight_version must be a string, got {weight_version!r}", param="weight_version"
+                )
         except SamplerRequestError as exc:
             return _bad(str(exc), param=exc.param)
-        version = None if version is None else str(version)
+        weight_version = None if weight_version is None else str(weight_version)
         t0 = time.perf_counter()
         try:
-            await self.engine.update_weights_from_disk(path, weight_version=version)
+            await self.engine.update_weights_from_disk(path, weight_version=weight_version)
         except Exception as exc:  # any load failure is reported to the caller, as SGLang does; the old weights stay
             log.warning("sampler.update_weights_failed", model_path=path, error=repr(exc))
             return json_response(
@@ -246,8 +250,8 @@ class SamplerApp:
             seconds=round(time.perf_counter() - t0, 3),
         )
         msg = "Succeeded to update model weights."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
+        if weight_version is not None:
+            msg += f" Weight version updated to {weight_version}."
         return json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
     async def flush_cache(self, request: Request) -> Response:

@@ -134,7 +134,7 @@ class SGLangClient:
 
     async def monitor(self) -> None:
         """Probe every sampler's ``/health_generate`` forever; take failed ones out, bring them back healthy and
-        at the current weight version (SamplerPool). Run it in the owner's task group."""
+        at the current policy version (SamplerPool). Run it in the owner's task group."""
         self._monitored = True
         try:
             await self.pool.monitor(self._probe)

@@ -90,18 +90,18 @@ class MemorySampler:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
         """``SGLangClient.update_weights_from_disk``'s signature; the path is only recorded."""
-        version = self.weight_version + 1 if weight_version is None else int(weight_version)
-        self.update_weights(version)
+        weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        self.update_weights(weight_version)
         self.weight_paths.append(str(model_path))
-        return [{"success": True, "message": f"Weight version updated to {version}.", "num_paused_requests": 0}]
+        return [{"success": True, "message": f"Weight version updated to {weight_version}.", "num_paused_requests": 0}]
 
     async def health(self) -> dict[str, bool]:
         return {"memory": not self._closed}
 
-    def routing_for(self, tokens: Sequence[int], version: int | None = None) -> np.ndarray:
-        """The experts of each position of ``tokens`` under ``version`` (default: the current weights):
+    def routing_for(self, tokens: Sequence[int], policy_version: int | None = None) -> np.ndarray:
+        """The experts of each position of ``tokens`` under ``policy_version`` (default: the current weights):
         [len, layers, topk], distinct within a row."""
-        v = self.weight_version if version is None else version
+        v = self.weight_version if policy_version is None else policy_version
         out = np.empty((len(tokens), self.num_layers, self.topk), dtype=np.int64)
         for pos, tok in enumerate(tokens):
             rng = np.random.default_rng(_seed("route", self.seed, v, pos, int(tok)))
@@ -189,15 +189,15 @@ class MemorySampler:
                 start = 0
             full = ids + out
             split = len(ids) + half - 1  # position p is computed by the step that samples output p - len(ids) + 1
-            rows = self.routing_for(full[:split], version=v0)
+            rows = self.routing_for(full[:split], policy_version=v0)
             if len(full) - 1 > split:
-                rows = np.concatenate([rows, self.routing_for(full[: len(full) - 1], version=v1)[split:]])
+                rows = np.concatenate([rows, self.routing_for(full[: len(full) - 1], policy_version=v1)[split:]])
             routing = rows[start:]
         return Generation(
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=logprobs,
             finish=Finish(finish),
-            weight_version=v1,
+            policy_version=v1,
             routing=routing,
             routing_start=start,
             prompt_tokens=len(ids),

@@ -83,7 +83,7 @@ class SamplerPool:
     def mark_up(self, url: str) -> None:
         if url not in self.live:
             self.live.add(url)
-            log.info("sampler.up", url=url, weight_version=self.versions.get(url), live=len(self.live))
+            log.info("sampler.up", url=url, policy_version=self.versions.get(url), live=len(self.live))
 
     async def probe_all(self, probe: Probe) -> None:
         """One round: probe every URL; take out the failed ones, bring back the healthy and current ones."""
@@ -98,18 +98,18 @@ class SamplerPool:
         async with anyio.create_task_group() as tg:
             for u in self.urls:
                 tg.start_soon(one, u)
-        for u, (ok, version) in results.items():
-            if version is not None:
-                self.versions[u] = version
+        for u, (ok, policy_version) in results.items():
+            if policy_version is not None:
+                self.versions[u] = policy_version
             if not ok:
                 self.mark_down(u, "health_generate failed")
         current = max((self.versions.get(u, 0) for u in self.live if results[u][0]), default=0)
-        for u, (ok, version) in results.items():
+        for u, (ok, policy_version) in results.items():
             if ok and u not in self.live:
-                if version is not None and version >= current:
+                if policy_version is not None and policy_version >= current:
                     self.mark_up(u)
                 else:
-                    log.info("sampler.waiting_for_weights", url=u, weight_version=version, current=current)
+                    log.info("sampler.waiting_for_weights", url=u, policy_version=policy_version, current=current)
 
     async def monitor(self, probe: Probe) -> None:
         """Probe forever (run it in the owner's task group; cancel it to stop)."""

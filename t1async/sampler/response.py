@@ -57,12 +57,12 @@ def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight
     )
 
 
-def parse_output_versions(meta: dict, n: int, version: int, url: str) -> np.ndarray:
+def parse_output_versions(meta: dict, n: int, policy_version: int, url: str) -> np.ndarray:
     """Per-token weight versions from ``meta_info.output_token_weight_versions`` (the embedded server's
-    extension; a weight update may land mid-request), else ``version`` for every token (a real SGLang)."""
+    extension; a weight update may land mid-request), else ``policy_version`` for every token (a real SGLang)."""
     raw = meta.get("output_token_weight_versions")
     if raw is None:
-        return np.full(n, version, dtype=np.int32)
+        return np.full(n, policy_version, dtype=np.int32)
     if not isinstance(raw, list) or len(raw) != n:
         got = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
         raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
@@ -160,13 +160,13 @@ def parse_generation(
         dtype = routing_dtype(experts or int(arr.max(initial=0)) + 1)
         routing = arr.astype(dtype)
     raw_version = meta.get("weight_version", "")
-    version = parse_weight_version(raw_version, url or "the sampler")
-    versions = parse_output_versions(meta, len(output_ids), version, url or "the sampler")
+    policy_version = parse_weight_version(raw_version, url or "the sampler")
+    versions = parse_output_versions(meta, len(output_ids), policy_version, url or "the sampler")
     return Generation(
         output_ids=output_ids,
         logprobs=logprobs,
         finish=Finish(finish) if finish in ("stop", "length", "abort") else Finish.ABORT,
-        weight_version=version,
+        policy_version=policy_version,
         output_versions=versions,
         routing=routing,
         routing_start=start,

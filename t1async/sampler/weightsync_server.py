@@ -177,9 +177,11 @@ class WeightSync:
                     )
                 tensors.append(torch.empty(s, dtype=W.parse_dtype(d)))
             name = _need(b, "group_name", str, W.DEFAULT_GROUP)
-            version = b.get("weight_version")
-            if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-                raise SamplerRequestError(f"weight_version must be a string, got {version!r}")
+            weight_version = b.get("weight_version")
+            if weight_version is not None and (
+                not isinstance(weight_version, (str, int)) or isinstance(weight_version, bool)
+            ):
+                raise SamplerRequestError(f"weight_version must be a string, got {weight_version!r}")
             pg = self.groups.get(name)
             if pg is None:
                 raise SamplerRequestError(f"no weight update group {name!r}: call /init_weights_update_group first")
@@ -206,13 +208,13 @@ class WeightSync:
                     check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
             except Exception as exc:
                 return _reply(False, f"Failed to update weights: {exc}")
-            version = None if version is None else str(version)
+            weight_version = None if weight_version is None else str(weight_version)
             if self.paused:
                 self.staged.update(bucket)
-                self.staged_version = version if version is not None else self.staged_version
+                self.staged_version = weight_version if weight_version is not None else self.staged_version
             else:
                 try:
-                    await self.app.engine.update_weights_from_tensors(bucket, weight_version=version)
+                    await self.app.engine.update_weights_from_tensors(bucket, weight_version=weight_version)
                 except Exception as exc:  # the engine stopped; the model is unchanged
                     return _reply(False, f"Failed to update weights: {exc}")
         log.info(
@@ -247,12 +249,12 @@ class WeightSync:
                 "was dropped and the old weights serve: /pause_generation and push again",
             )
         async with self._lock:
-            staged, version = self.staged, self.staged_version
+            staged, weight_version = self.staged, self.staged_version
             self.staged, self.staged_version = {}, None
             error = None
             if staged:
                 try:
-                    await self.app.engine.update_weights_from_tensors(staged, weight_version=version)
+                    await self.app.engine.update_weights_from_tensors(staged, weight_version=weight_version)
                 except Exception as exc:
                     error = exc
             self.paused = False

@@ -87,7 +87,7 @@ class TruthTurn:
     input_ids: np.ndarray  # the sampler's full input I_k
     output_ids: np.ndarray
     logprobs: np.ndarray
-    version: int
+    policy_version: int
     reward: float
     kind: str  # the drift injected at the boundary before this turn ('' for turn 0)
 
@@ -154,7 +154,7 @@ def make_episode(
     seq = np.zeros(0, np.int32)  # S_k as the actor (and the learner) see it
     hseq = np.zeros(0, np.int64)  # its prefix hash (routing is generated incrementally)
     out_start = 0
-    version = 0
+    policy_version = 0
     for t in range(len(kinds) + 1):
         kind = "" if t == 0 else kinds[t - 1]
         obs = ids(draw(sizes.observation if t else sizes.prompt))
@@ -191,7 +191,7 @@ def make_episode(
         out = ids(draw(sizes.output))
         lps = -rng.exponential(1.0, size=len(out)).astype(np.float32)
         if rng.random() < 0.2:
-            version += 1
+            policy_version += 1
         full = np.concatenate([inp, out])
         hfull = prefix_hash(full, hseq, lcp)
         rt = None
@@ -203,7 +203,7 @@ def make_episode(
             wire.TurnRecord(
                 episode=episode,
                 turn=t,
-                policy_version=version,
+                policy_version=policy_version,
                 keep=keep,
                 input_delta=inp[keep:].copy(),
                 input_len=len(inp),
@@ -218,7 +218,7 @@ def make_episode(
                 t_exec_s=0.0,
             )
         )
-        truth.append(TruthTurn(t, inp, out, lps, version, reward, kind))
+        truth.append(TruthTurn(t, inp, out, lps, policy_version, reward, kind))
         seq, hseq, out_start = full, hfull, len(inp)
     records: list[wire.TurnRecord | wire.EndRecord] = list(turns)
     if with_end:
@@ -278,7 +278,7 @@ def check_segments(case: EpisodeCase, segments: Iterable[Segment], *, full_routi
             )
             assert np.array_equal(toks[pos], tr.output_ids[k]), f"turn {t}: loss tokens are not the sampled ids"
             assert np.array_equal(seg.logprobs[pos], tr.logprobs[k]), f"turn {t}: logprobs not paired"
-            assert np.all(seg.versions[pos] == tr.version), f"turn {t}: versions not paired"
+            assert np.all(seg.versions[pos] == tr.policy_version), f"turn {t}: versions not paired"
             assert not trained[int(t)][k].any(), f"turn {t}: a token is trained twice"
             trained[int(t)][k] = True
             n_loss += len(pos)

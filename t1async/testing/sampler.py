@@ -29,11 +29,11 @@ def _check_generation(g: Generation, prompt_len: int, params: SamplingParams, vo
     assert g.finish in ("stop", "length"), f"finish {g.finish!r}"
     if g.finish == "length":
         assert n == params.max_new_tokens, f"finish=length after {n} of {params.max_new_tokens} tokens"
-    assert isinstance(g.weight_version, int), f"weight_version {g.weight_version!r} is not an int"
+    assert isinstance(g.policy_version, int), f"policy_version {g.policy_version!r} is not an int"
     ov = g.output_versions
     if ov is not None:  # per-token versions: one int per output token, none newer than the reported version
         assert ov.dtype == np.int32 and ov.shape == (n,), f"output_versions {ov.dtype} {ov.shape} for {n} tokens"
-        assert (ov <= g.weight_version).all(), f"output_versions {ov[:8]} newer than weight_version {g.weight_version}"
+        assert (ov <= g.policy_version).all(), f"output_versions {ov[:8]} newer than policy_version {g.policy_version}"
     assert g.prompt_tokens == prompt_len, f"prompt_tokens {g.prompt_tokens}, sent {prompt_len}"
     assert 0 <= g.cached_tokens < prompt_len, f"cached_tokens {g.cached_tokens} of {prompt_len}"
 

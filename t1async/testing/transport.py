@@ -217,11 +217,11 @@ async def malformed_core_messages_are_dead_lettered_or_shown(h: TransportHarness
                 p = await policy.__anext__()
                 bad = await raw.__anext__()
                 good = await raw.__anext__()
-        assert isinstance(p.record, wire.PolicyRecord) and p.record.version == 4  # the garbage was skipped
+        assert isinstance(p.record, wire.PolicyRecord) and p.record.policy_version == 4  # the garbage was skipped
         assert (
             bad.record is None and bad.error is not None and bad.error.reason == "msgpack" and bad.data == b"\x00\x01"
         )
-        assert isinstance(good.record, wire.PolicyRecord) and good.record.version == 4
+        assert isinstance(good.record, wire.PolicyRecord) and good.record.policy_version == 4
         assert t.stats.dead["msgpack"] == 1, dict(t.stats.dead)
 
 

@@ -131,10 +131,10 @@ class RunView:
 
     # -- feeding ------------------------------------------------------------------------------------
 
-    def on_metrics(self, component: str, name: str, step: int, version: int, values: dict[str, Any]) -> None:
+    def on_metrics(self, component: str, name: str, step: int, policy_version: int, values: dict[str, Any]) -> None:
         now = self.clock()
         if component == "learner":
-            self.learner = {**values, "step": step, "version": version}
+            self.learner = {**values, "step": step, "policy_version": policy_version}
             self.learner_series.add(
                 now,
                 {k: float(self.learner[k]) for k in LEARNER_COUNTERS if isinstance(self.learner.get(k), (int, float))},
@@ -148,7 +148,7 @@ class RunView:
             }
             self.actor_series.add(now, sums)
         elif component == "eval":
-            self.eval = {**values, "step": step, "version": version}
+            self.eval = {**values, "step": step, "policy_version": policy_version}
 
     def on_traj(self, nbytes: int) -> None:
         self.traj_msgs += 1
@@ -297,7 +297,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
         out.append(
             (
                 "learner",
-                f"policy v{v.get('version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
+                f"policy v{v.get('policy_version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
                 f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
                 f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
                 f"busy {fmt(busy, '.0%')}",
@@ -359,7 +359,7 @@ def plain_line(view: RunView) -> str:
     if split is not None:
         step += " (" + " ".join(f"{k} {x:.1f}" for k, x in split.items()) + ")"
     parts = [
-        f"{duration(view.clock() - view.t0)} v{v.get('version', DASH)}",
+        f"{duration(view.clock() - view.t0)} v{v.get('policy_version', DASH)}",
         f"episodes {fmt(_sum(a, 'episodes_running'), '.0f')} running {fmt(_sum(a, 'episodes_done'), '.0f')} ended",
         f"{fmt(view.actor_series.rate('turns'))} turns/s",
         f"sampler busy {fmt(view.sampler_busy(), '.0%')}",
@@ -372,7 +372,7 @@ def plain_line(view: RunView) -> str:
     ]
     if view.eval is not None and "pass1" in view.eval:  # the in-loop eval (cluster up --eval-every)
         parts.append(
-            f"eval v{view.eval.get('version', DASH)} pass@1 {fmt(view.eval['pass1'], '.0%')} "
+            f"eval v{view.eval.get('policy_version', DASH)} pass@1 {fmt(view.eval['pass1'], '.0%')} "
             f"tests {fmt(view.eval.get('tests_mean'), '.2f')}"
         )
     return " | ".join(parts)

@@ -78,13 +78,13 @@ async def _watch_metrics(t: NatsTransport, view: RunView, sink: IO[str]) -> None
                 "subject": m.subject,
                 "component": rec.component,
                 "step": rec.step,
-                "version": rec.version,
+                "policy_version": rec.policy_version,
                 "t": time.time(),
                 **rec.values,
             }
             sink.write(json.dumps(body, default=str) + "\n")
             sink.flush()
-            view.on_metrics(rec.component, m.subject.rsplit(".", 1)[-1], rec.step, rec.version, dict(rec.values))
+            view.on_metrics(rec.component, m.subject.rsplit(".", 1)[-1], rec.step, rec.policy_version, dict(rec.values))
 
 
 async def _watch_traj(t: NatsTransport, view: RunView) -> None:

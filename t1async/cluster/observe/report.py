@@ -190,7 +190,7 @@ def headline(rs: RunSeries) -> dict[str, Any]:
     last = rs.learner[-1] if rs.learner else {}
     out: dict[str, Any] = {
         "duration_min": round((last.get("t", 0.0)) / 60, 1) if last else None,
-        "policy_version": last.get("version"),
+        "policy_version": last.get("policy_version"),
         "steps": last.get("step"),
         "turns_trained": last.get("turns_trained"),
         "episodes_ended": last.get("episodes_ended"),

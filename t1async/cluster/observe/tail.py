@@ -99,9 +99,9 @@ class Formatter:
             )
         if isinstance(rec, wire.MetricsRecord):
             vals = " ".join(f"{k}={_short(v)}" for k, v in sorted(rec.values.items()))
-            return escape(f"metrics {rec.component} step={rec.step} v={rec.version} {vals}")
+            return escape(f"metrics {rec.component} step={rec.step} v={rec.policy_version} {vals}")
         if isinstance(rec, wire.PolicyRecord):
-            return escape(f"policy v={rec.version} step={rec.step} weights={rec.weights}")
+            return escape(f"policy v={rec.policy_version} step={rec.step} weights={rec.weights}")
         fields = " ".join(f"{k}={v}" for k, v in wire.to_map(rec).items() if k not in ("v", "kind"))  # type: ignore[arg-type]
         return escape(f"{rec.kind} on {msg.subject}: {fields}")  # type: ignore[union-attr]
 
