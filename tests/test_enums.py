@@ -36,3 +36,15 @@ def test_a_dead_reason_reads_as_its_plain_string():
     assert json.dumps({"reason": DeadReason.TRAIN_STEP}) == '{"reason": "train_step"}'
     assert f"{DeadReason.MSGPACK}" == "msgpack" and DeadReason.MSGPACK == "msgpack"
     assert dead_letter("s", b"", WireError("bad"), 1 << 20)[0] == "t1.dead.invalid"
+
+
+def test_cluster_statuses_keep_their_values(tmp_path):
+    from t1async.cluster.state import ClusterState, ProcStatus, RunStatus
+
+    assert [s.value for s in RunStatus] == ["starting", "running", "stopping", "stopped"]
+    assert [s.value for s in ProcStatus] == ["alive", "gone"]
+    st = ClusterState(run_dir=str(tmp_path), status=RunStatus.STOPPING)
+    st.save()
+    assert json.loads((tmp_path / "cluster.json").read_text())["status"] == "stopping"
+    assert ClusterState.load(tmp_path).status is RunStatus.STOPPING
+    assert f"status:   {RunStatus.RUNNING}  {ProcStatus.GONE}" == "status:   running  gone"
