@@ -64,9 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     g = r.add_mutually_exclusive_group()
     g.add_argument("--oracle", action="store_true", help="run the task's solution (same as --agent oracle)")
     g.add_argument("--agent", choices=("null", "oracle"), help="scripted agent (default: null)")
-    r.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
-    r.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
-    r.add_argument("--agent-network", action="store_true", help=AGENT_NETWORK_HELP)
+    _environment_flags(r)
     r.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
 
     c = sub.add_parser(
@@ -79,9 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--sample", type=int, default=0, help="check a random sample of K tasks (default: all)")
     c.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     c.add_argument("--concurrency", type=int, default=2, help="tasks run at once (default 2)")
-    c.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
-    c.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
-    c.add_argument("--agent-network", action="store_true", help=AGENT_NETWORK_HELP)
+    _environment_flags(c)
     c.add_argument("--json", action="store_true", help="print a JSON summary (last line)")
 
     ls = sub.add_parser("list", help="list the tasks under a directory", description="Load and list tasks.")
@@ -113,6 +109,13 @@ BACKEND_HELP = (
     "sandbox backend (default auto: bwrap for tasks without a Dockerfile or image, containers with podman "
     "for the rest; bwrap runs the Dockerfile subset it can reproduce only when podman is missing)"
 )
+
+
+def _environment_flags(p: argparse.ArgumentParser) -> None:
+    """``--backend``, ``--verifier-network``, ``--agent-network``: where a task runs (run-task, check)."""
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    p.add_argument("--verifier-network", action="store_true", help=NETWORK_HELP)
+    p.add_argument("--agent-network", action="store_true", help=AGENT_NETWORK_HELP)
 
 
 def _cmd_synth(a: argparse.Namespace) -> int:

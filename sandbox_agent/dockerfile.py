@@ -135,15 +135,11 @@ def plan_text(text: str, context: Path, *, name: str = "Dockerfile") -> BwrapPla
     args: dict[str, str] = {"PATH": DEFAULT_PATH}  # what ${PATH} means before an ENV sets it
     copies: list[Copy] = []
 
+    def result(refusal: str | None = None) -> BwrapPlan:
+        return BwrapPlan(base, workdir, tuple(env.items()), tuple(copies), context, refusal=refusal)
+
     def refuse(ins: Instruction, why: str) -> BwrapPlan:
-        return BwrapPlan(
-            base,
-            workdir,
-            tuple(env.items()),
-            tuple(copies),
-            context,
-            refusal=f"{name}:{ins.line}: {ins.keyword} {ins.args[:80]!s} ({why})",
-        )
+        return result(f"{name}:{ins.line}: {ins.keyword} {ins.args[:80]!s} ({why})")
 
     for ins in parse(text):
         kw, a = ins.keyword, ins.args
@@ -207,15 +203,8 @@ def plan_text(text: str, context: Path, *, name: str = "Dockerfile") -> BwrapPla
             return refuse(ins, "needs a container backend to run")
     if workdir in ("/", "/tmp") or workdir.startswith(tuple(d + "/" for d in _SYSTEM)) or workdir in _SYSTEM:
         if workdir != "/":
-            return BwrapPlan(
-                base,
-                workdir,
-                tuple(env.items()),
-                tuple(copies),
-                context,
-                refusal=f"{name}: WORKDIR {workdir} needs a container backend",
-            )
-    return BwrapPlan(base, workdir, tuple(env.items()), tuple(copies), context)
+            return result(f"{name}: WORKDIR {workdir} needs a container backend")
+    return result()
 
 
 def copy_dir(c: Copy, context: Path) -> str:

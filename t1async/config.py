@@ -414,4 +414,11 @@ def resolve(
         values.update(load_toml(Path(path), cls, section=section, exclude=exclude))
     values.update(from_namespace(cls, args))
     values.update(fixed)
+    missing = [
+        flag_name(f.name)
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in values and _default(f) is _MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing required setting(s) {', '.join(missing)}: give the flag or the key in --config")
     return cls(**values)

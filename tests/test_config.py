@@ -164,3 +164,58 @@ def test_presets_are_partial_up_configs(tmp_path):
 
     for name, values in PRESETS.items():
         assert UpConfig(run_dir=tmp_path, **from_mapping(UpConfig, values, where=f"preset {name}: "))
+
+
+def test_cluster_up_hands_the_eval_and_the_warm_start_toml_files(tmp_path):
+    """The in-loop eval and the warm-start SFT read their settings from ``--config`` too (no re-spelled flags),
+    and a user's flags still work (and win)."""
+    from t1async.cluster import components
+    from t1async.cluster.config import UpConfig
+    from t1async.eval.loop import LoopSettings
+    from t1async.learner.settings import SftSettings
+
+    tasks = tmp_path / "tasks"
+    (tasks / "t0").mkdir(parents=True)
+    (tasks / "t0" / "task.yaml").write_text("")  # ensure_tasks: a corpus is there, nothing is synthesized
+    cfg = UpConfig(run_dir=tmp_path, tasks=tasks, eval_every=3, max_turns=7, warm_start_steps=5, seed=4).check()
+    by = {s.name: list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1")}
+    argv = by["eval"][by["eval"].index("t1async.eval.loop") + 1 :]
+    assert argv == ["--config", str(tmp_path / "config" / "eval.toml")]
+    p = argparse.ArgumentParser()
+    add_arguments(p, LoopSettings)
+    ev = resolve(LoopSettings, p.parse_args(argv))
+    assert (ev.nats, ev.tasks, ev.run_dir, ev.every, ev.max_turns, ev.seed, ev.system_prompt_file) == (
+        "nats://127.0.0.1:1",
+        tasks,
+        tmp_path,
+        3,
+        7,
+        4,
+        None,
+    )
+    assert resolve(LoopSettings, p.parse_args([*argv, "--every", "9"])).every == 9  # flags win
+    with pytest.raises(ConfigError, match="missing required setting.*--run-dir, --tasks, --every"):
+        resolve(LoopSettings, p.parse_args(["--nats", "nats://x:1"]))
+
+    warm = components.warm_start_argv(cfg)
+    assert warm is not None and warm[warm.index("sft") + 1 :] == [
+        "--config",
+        str(tmp_path / "config" / "warm-start.toml"),
+    ]
+    p = argparse.ArgumentParser()
+    add_arguments(p, SftSettings)
+    sft = resolve(SftSettings, p.parse_args(warm[warm.index("sft") + 1 :]))
+    assert (sft.tasks, sft.steps, sft.out, sft.model) == (tasks, 5, components.warm_model_dir(cfg), None)
+
+
+def test_the_eval_loop_command_line_takes_flags_or_a_file(tmp_path, capsys):
+    from t1async.eval.loop import main
+
+    assert main(["--run-dir", str(tmp_path), "--tasks", str(tmp_path), "--every", "0", "--nats", "nats://x:1"]) == 2
+    assert "--every must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["--run-dir", str(tmp_path), "--tasks", str(tmp_path), "--every", "1"]) == 2
+    assert "no --nats URL" in capsys.readouterr().err
+    f = tmp_path / "eval.toml"
+    f.write_text('every = 2\nnats = "nats://x:1"\n')
+    assert main(["--config", str(f)]) == 2
+    assert "missing required setting(s) --run-dir, --tasks" in capsys.readouterr().err

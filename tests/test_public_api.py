@@ -115,3 +115,31 @@ def test_every_import_names_the_module_that_defines_it():
                     if a.name not in defined[node.module] and a.name in imported_names(trees[node.module])
                 ]
     assert not through, through
+
+
+OURS = ("t1async", "actors", "sandbox_agent", "bench")
+
+
+def private_imports(source: str, where: str) -> list[str]:
+    """``from M import _n`` in ``source`` where M is one of our modules: reaching into another module's
+    private name (``_n`` is its own business; give it a public name where it belongs)."""
+    return [
+        f"{where}:{node.lineno}: {a.name} from {node.module}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in OURS
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+
+
+def test_no_module_imports_another_modules_private_name():
+    """Code (t1async, actors, sandbox_agent, bench) imports no ``_name`` of ours. Tests may: a white-box test
+    of a helper (``_parser``, ``_no_echo``) is worth more than making the helper public just for it, and
+    nothing ships that depends on it. (A private *module*, ``bench._common``, is its package's business.)"""
+    found = [h for p in MODULES for h in private_imports(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
+    assert not found, found
+
+
+def test_the_private_import_check_can_fail():
+    src = "import os\nfrom t1async.learner.checkpoint import _secret, optimizer_tensors\nfrom os import _exit\n"
+    assert private_imports(src, "x.py") == ["x.py:2: _secret from t1async.learner.checkpoint"]

@@ -163,6 +163,17 @@ class Sandbox(Protocol):
 SHELL_RESTARTED = (
     "[note: the shell was restarted: cwd kept; variables, functions and background jobs from earlier commands are gone]"
 )
+# the notes an ``exec`` appends when a command timed out or its shell went away (both shell backends)
+_FRESH_SHELL = "the next command starts a fresh shell in the same directory (variables and background jobs are lost)"
+SHELL_STOPPED = f"[the shell did not recover and was stopped; {_FRESH_SHELL}]"
+
+
+def timed_out_note(timeout: float) -> str:
+    return f"[timed out after {timeout:g} s: the command's processes were killed]"
+
+
+def shell_exited_note(rc: int | None) -> str:
+    return f"[the shell exited (status {rc}); {_FRESH_SHELL}]"
 
 
 def exec_timeout(command: str, timeout: float | None, config: SandboxConfig) -> float:

@@ -53,6 +53,7 @@ from sandbox_agent.sandbox import procs
 from sandbox_agent.sandbox.base import (
     SANDBOX_WORKDIR,
     SHELL_RESTARTED,
+    SHELL_STOPPED,
     ExecResult,
     OutputBuffer,
     SandboxClosedError,
@@ -60,6 +61,8 @@ from sandbox_agent.sandbox.base import (
     SandboxStartError,
     exec_result,
     exec_timeout,
+    shell_exited_note,
+    timed_out_note,
 )
 from sandbox_agent.sandbox.files import chown_tree, read_beneath, write_beneath
 from sandbox_agent.sandbox.launch import build_argv, check_host, data_files, memfd
@@ -251,16 +254,13 @@ class BwrapSandbox:
                 done = await self._kill_command(session, before, nonce, out)
             self._inflight = None
             if timed_out:
-                notes.append(f"[timed out after {timeout:g} s: the command's processes were killed]")
+                notes.append(timed_out_note(timeout))
                 if done is None:
                     session.channel.take_pending(out)
                     self._session = None
                     await session.kill()
                     await self._reap_uid(deadline_s=5.0)
-                    notes.append(
-                        "[the shell did not recover and was stopped; the next command starts a fresh "
-                        "shell in the same directory (variables and background jobs are lost)]"
-                    )
+                    notes.append(SHELL_STOPPED)
             if done is not None:
                 self._cwd_quoted = done.cwd_quoted
             return exec_result(out, None if timed_out or done is None else done.status, timed_out, t0, notes)
@@ -314,10 +314,7 @@ class BwrapSandbox:
         await session.kill()
         await self._reap_uid(deadline_s=5.0)
         rc = session.proc.returncode
-        notes.append(
-            f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
-            f"directory (variables and background jobs are lost)]"
-        )
+        notes.append(shell_exited_note(rc))
         return exec_result(out, rc, False, t0, notes)
 
     def _as_workspace(self, path: str) -> str:

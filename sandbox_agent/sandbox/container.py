@@ -24,6 +24,7 @@ import anyio
 
 from sandbox_agent.sandbox.base import (
     SHELL_RESTARTED,
+    SHELL_STOPPED,
     ExecResult,
     OutputBuffer,
     SandboxClosedError,
@@ -31,6 +32,8 @@ from sandbox_agent.sandbox.base import (
     SandboxStartError,
     exec_result,
     exec_timeout,
+    shell_exited_note,
+    timed_out_note,
 )
 from sandbox_agent.sandbox.hostpids import host_pid as _host_pid
 from sandbox_agent.sandbox.hostpids import session as _session
@@ -190,14 +193,11 @@ class ContainerSandbox:
                     done = await channel.read_until_done(nonce, out)
                 if done is None:
                     done = await self._abort(channel, nonce, out)
-                    notes.append(f"[timed out after {timeout:g} s: the command's processes were killed]")
+                    notes.append(timed_out_note(timeout))
                     if done is None:
                         channel.take_pending(out)
                         await self._kill_session()
-                        notes.append(
-                            "[the shell did not recover and was stopped; the next command starts a fresh "
-                            "shell in the same directory]"
-                        )
+                        notes.append(SHELL_STOPPED)
                     return exec_result(out, None, True, t0, notes)
             except (ShellEOF, anyio.BrokenResourceError):
                 rc = None
@@ -205,10 +205,7 @@ class ContainerSandbox:
                     with anyio.move_on_after(5.0):
                         rc = await self._proc.wait()
                 await self._kill_session()
-                notes.append(
-                    f"[the shell exited (status {rc}); the next command starts a fresh shell in the same "
-                    f"directory (variables and background jobs are lost)]"
-                )
+                notes.append(shell_exited_note(rc))
                 return exec_result(out, rc, False, t0, notes)
             self._cwd_quoted = done.cwd_quoted
             return exec_result(out, done.status, False, t0, notes)

@@ -129,7 +129,7 @@ class Slot:
             os.close(self._fd)  # drops the flock
             self._fd = None
             if self._pool is not None:
-                self._pool._held.discard(self.index)
+                self._pool.forget(self.index)
 
 
 class SlotPool:
@@ -138,6 +138,10 @@ class SlotPool:
     def __init__(self, base_uid: int, max_slots: int, lock_dir: str) -> None:
         self.base_uid, self.max_slots, self.lock_dir = base_uid, max_slots, Path(lock_dir)
         self._held: set[int] = set()
+
+    def forget(self, k: int) -> None:
+        """Slot ``k`` was released (its flock dropped): this process may hand it out again."""
+        self._held.discard(k)
 
     def _try(self, k: int) -> Slot | None:
         if k in self._held:

@@ -76,12 +76,23 @@ def spawner_thread() -> threading.Thread:
         return _spawner.thread
 
 
-class FdReceiveStream(ByteReceiveStream):
-    """The read end of a pipe, non-blocking, as an anyio byte stream."""
+class _PipeEnd:
+    """One end of a pipe, non-blocking: its fd (None once closed) and ``aclose``."""
 
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self.fd: int | None = fd
+
+    async def aclose(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            anyio.notify_closing(fd)
+            os.close(fd)
+        await anyio.lowlevel.checkpoint()
+
+
+class FdReceiveStream(_PipeEnd, ByteReceiveStream):
+    """The read end of a pipe, non-blocking, as an anyio byte stream."""
 
     async def receive(self, max_bytes: int = _CHUNK) -> bytes:
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -99,20 +110,9 @@ class FdReceiveStream(ByteReceiveStream):
                 raise anyio.EndOfStream
             return data
 
-    async def aclose(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            anyio.notify_closing(fd)
-            os.close(fd)
-        await anyio.lowlevel.checkpoint()
 
-
-class FdSendStream(ByteSendStream):
+class FdSendStream(_PipeEnd, ByteSendStream):
     """The write end of a pipe, non-blocking, as an anyio byte stream."""
-
-    def __init__(self, fd: int) -> None:
-        os.set_blocking(fd, False)
-        self.fd: int | None = fd
 
     async def send(self, item: bytes) -> None:
         await anyio.lowlevel.checkpoint_if_cancelled()
@@ -128,13 +128,6 @@ class FdSendStream(ByteSendStream):
             except OSError as exc:  # EPIPE: the reader is gone
                 raise anyio.BrokenResourceError from exc
             view = view[n:]
-
-    async def aclose(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            anyio.notify_closing(fd)
-            os.close(fd)
-        await anyio.lowlevel.checkpoint()
 
 
 class HostProcess:

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import httpx
 
-from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, is_ours
+from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, ProcStatus, RunStatus, is_ours
 from t1async.log import configure
 from t1async.protocol.errors import ConfigError, T1Error
 from t1async.signals import cancel_on_stop
@@ -138,8 +138,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         if is_ours(info):
             lines.append(_stop(info, args.timeout))
     state = ClusterState.load(args.run_dir)
-    if state.status != "stopped":
-        state.status, state.components = "stopped", {}
+    if state.status != RunStatus.STOPPED:
+        state.status, state.components = RunStatus.STOPPED, {}
         state.save()
     print("\n".join(lines) if lines else "nothing was running", flush=True)
     return 0
@@ -162,8 +162,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = ClusterState.load(args.run_dir)
     procs = ([state.supervisor] if state.supervisor else []) + list(state.components.values())
     alive = {p.name: is_ours(p) for p in procs}
-    running = state.status == "running" and all(alive.values()) and bool(alive)
-    health = _healthz(state.monitor_url) if state.status != "stopped" else "-"
+    running = state.status == RunStatus.RUNNING and all(alive.values()) and bool(alive)
+    health = _healthz(state.monitor_url) if state.status != RunStatus.STOPPED else "-"
     if args.json:
         print(
             json.dumps(
@@ -183,7 +183,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"healthz:  {health}"
         )
         for p in procs:
-            print(f"  {p.name:<12} pid {p.pid:<8} {'alive' if alive[p.name] else 'gone'}  {p.log}")
+            print(f"  {p.name:<12} pid {p.pid:<8} {ProcStatus.ALIVE if alive[p.name] else ProcStatus.GONE}  {p.log}")
     return 0 if running else EXIT_NOT_RUNNING
 
 
@@ -197,7 +197,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             state = ClusterState.load(args.run_dir)
         except ConfigError as exc:
             raise ConfigError(f"no --nats given and {exc}; or pass --nats nats://HOST:PORT") from None
-        if state.status == "stopped" or not state.nats_url:
+        if state.status == RunStatus.STOPPED or not state.nats_url:
             raise ConfigError(
                 f"the cluster in {args.run_dir} is not running (status {state.status}): start it with "
                 f"`python -m t1async.cluster up --run-dir {args.run_dir}`, or pass --nats URL"

@@ -1,15 +1,15 @@
 """What ``cluster up`` starts after NATS, in order: the embedded sampler (unless --sampler-url), the
 learner, then the actors. Also the work before them: the task corpus and the optional warm start.
 
-Each child gets its settings as a TOML file, ``<run-dir>/config/{sampler,learner,actors}.toml`` (the part of
-``UpConfig`` its own settings class declares), read with ``--config FILE``; only what differs between copies
-of one child (a sampler's port, an actor's id and seed) is a flag."""
+Each child gets its settings as a TOML file, ``<run-dir>/config/{sampler,learner,actors,eval,warm-start}.toml``
+(the part of ``UpConfig`` its own settings class declares), read with ``--config FILE``; only what differs
+between copies of one child (a sampler's port, an actor's id and seed) is a flag."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -63,19 +63,10 @@ def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
-    argv = python_module(
-        "t1async.learner",
-        "sft",
-        "--tasks",
-        str(ensure_tasks(cfg)),
-        "--steps",
-        str(cfg.warm_start_steps),
-        "--out",
-        str(out),
-    )
-    if cfg.model is not None:
-        argv += ["--model", str(cfg.model)]
-    return argv
+    from t1async.learner.settings import SftSettings
+
+    sft = SftSettings(tasks=ensure_tasks(cfg), steps=cfg.warm_start_steps, out=out, model=cfg.model)
+    return python_module("t1async.learner", "sft", "--config", str(config_file(cfg, "warm-start", asdict(sft))))
 
 
 def warm_model_dir(cfg: UpConfig) -> Path:
@@ -212,34 +203,24 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
 def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:
     """The in-loop evaluator (t1async.eval.loop): the eval split, every ``--eval-every`` versions, its own
     sampler on each scored checkpoint, the starting policy first."""
+    from t1async.eval.loop import LoopSettings
     from t1async.model.weights import default_model_dir
 
     start = model if model is not None else default_model_dir()
-    argv = python_module(
-        "t1async.eval.loop",
-        "--nats",
-        nats_url,
-        "--tasks",
-        str(tasks_dir(cfg)),
-        "--run-dir",
-        str(cfg.run_dir),
-        "--every",
-        str(cfg.eval_every),
-        "--model",
-        str(start),
-        "--samples",
-        str(cfg.eval_samples),
-        "--seed",
-        str(cfg.seed),
-        "--max-turns",
-        str(cfg.max_turns),
-        "--max-new-tokens",
-        str(cfg.max_new_tokens),
-        "--max-context",
-        str(cfg.max_context),
-        "--temperature",
-        str(cfg.temperature),
+    settings = LoopSettings(
+        nats=nats_url,
+        tasks=tasks_dir(cfg),
+        run_dir=Path(cfg.run_dir),
+        every=cfg.eval_every,
+        model=Path(start),
+        samples=cfg.eval_samples,
+        seed=cfg.seed,
+        max_turns=cfg.max_turns,
+        max_new_tokens=cfg.max_new_tokens,
+        max_context=cfg.max_context,
+        temperature=cfg.temperature,
+        system_prompt_file=Path(start) / "system_prompt.txt" if cfg.warm_start else None,
     )
-    if cfg.warm_start:
-        argv += ["--system-prompt-file", str(Path(start) / "system_prompt.txt")]
-    return ProcessSpec("eval", argv)
+    return ProcessSpec(
+        "eval", python_module("t1async.eval.loop", "--config", str(config_file(cfg, "eval", asdict(settings))))
+    )

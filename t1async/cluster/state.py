@@ -14,12 +14,29 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from t1async.protocol.errors import ConfigError
 
 STATE_FILE = "cluster.json"
 DEFAULT_RUN_DIR = Path("runs/latest")
+
+
+class RunStatus(StrEnum):
+    """A cluster's ``status`` in ``cluster.json``, as the supervisor (and ``down``) move it along."""
+
+    STARTING = "starting"  # the supervisor is starting NATS and the components
+    RUNNING = "running"  # all started, and stop signals are handled
+    STOPPING = "stopping"  # a stop was asked for or a component died: components are being stopped
+    STOPPED = "stopped"  # nothing of the cluster runs (or ``down`` found it dead)
+
+
+class ProcStatus(StrEnum):
+    """What ``cluster status`` says of one recorded process."""
+
+    ALIVE = "alive"  # its PID still shows the recorded cmdline and start time
+    GONE = "gone"
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,7 @@ class ProcInfo:
 @dataclass
 class ClusterState:
     run_dir: str
-    status: str = "starting"
+    status: RunStatus = RunStatus.STARTING
     nats_url: str = ""
     monitor_url: str = ""
     supervisor: ProcInfo | None = None
@@ -57,7 +74,7 @@ class ClusterState:
             sup = raw.get("supervisor")
             return cls(
                 run_dir=raw["run_dir"],
-                status=raw["status"],
+                status=RunStatus(raw["status"]),
                 nats_url=raw.get("nats_url", ""),
                 monitor_url=raw.get("monitor_url", ""),
                 supervisor=ProcInfo(**sup) if sup else None,

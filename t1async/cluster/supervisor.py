@@ -25,7 +25,7 @@ import anyio
 import anyio.abc
 from anyio.abc import TaskStatus
 
-from t1async.cluster.state import ClusterState, is_ours, proc_info
+from t1async.cluster.state import ClusterState, RunStatus, is_ours, proc_info
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError, ServerStartError
 from t1async.signals import STOP, next_signal, receive, set_handlers
@@ -127,7 +127,7 @@ class Supervisor:
                     # the stop signals are caught before the run dir says "running": whoever reads that and
                     # hangs up or runs `down` at once must not hit the ignored-while-starting window
                     with receive(*STOP, signal.SIGHUP) as signals:
-                        self.state.status = "running"
+                        self.state.status = RunStatus.RUNNING
                         self.state.save()
                         log.info("cluster.up", nats_url=nats_url, run_dir=str(run_dir), pid=os.getpid())
                         print(
@@ -148,11 +148,11 @@ class Supervisor:
                             if k not in saved
                         }
                     )
-                    self.state.status = "stopping"
+                    self.state.status = RunStatus.STOPPING
                     self.state.save()
                     tg.cancel_scope.cancel()
         finally:
-            self.state.status = "stopped"
+            self.state.status = RunStatus.STOPPED
             self.state.components.clear()
             self.state.save()
             set_handlers(saved)
@@ -166,7 +166,7 @@ class Supervisor:
             old = ClusterState.load(run_dir)
         except ConfigError:
             return
-        if old.status != "stopped" and old.supervisor is not None and is_ours(old.supervisor):
+        if old.status != RunStatus.STOPPED and old.supervisor is not None and is_ours(old.supervisor):
             raise ConfigError(
                 f"a cluster is already running in {run_dir} (supervisor pid {old.supervisor.pid}): "
                 f"stop it with `python -m t1async.cluster down --run-dir {run_dir}` or use another --run-dir"

@@ -1,6 +1,7 @@
 """The held-out eval inside the RL loop (``cluster up --eval-every N``): one more cluster component.
 
     python -m t1async.eval.loop --nats URL --tasks DIR --run-dir RUN --every N [--model DIR] [...]
+    python -m t1async.eval.loop --config FILE.toml      # what ``cluster up`` does (flags still win)
 
 It follows ``t1.policy``: when the learner publishes a version that is a multiple of N, it copies that
 checkpoint into ``<run-dir>/eval/v<version>/model`` (the learner prunes old checkpoints), starts an embedded
@@ -22,15 +23,16 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TypedDict
 
 import anyio
 
+from t1async.config import add_arguments, resolve, setting
 from t1async.log import configure, get_logger
 from t1async.protocol import wire
-from t1async.protocol.errors import T1Error
+from t1async.protocol.errors import ConfigError, T1Error
 from t1async.signals import cancel_on_stop
 
 log = get_logger("t1async.eval.loop")
@@ -38,18 +40,34 @@ log = get_logger("t1async.eval.loop")
 
 @dataclass(frozen=True)
 class LoopConfig:
-    run_dir: Path
-    tasks: Path
-    every: int
-    model: Path | None = None  # the starting policy (scored as version 0); None: start at the first due version
-    samples: int = 1
-    concurrency: int = 2
-    seed: int = 0
-    max_turns: int = 20
-    max_new_tokens: int = 128
-    max_context: int = 8192
-    temperature: float = 1.0
-    system_prompt_file: Path | None = None
+    """What ``run_loop`` evaluates, and how."""
+
+    run_dir: Path = setting(help="where eval/ and tb/eval go (required)", metavar="DIR")
+    tasks: Path = setting(help="task dir; its eval split is scored (required)", metavar="DIR")
+    every: int = setting(help="score every N-th policy version (required)", ge=1)
+    model: Path | None = setting(
+        None, "the starting policy: scored first as version 0 (default: start at the first due version)"
+    )
+    samples: int = setting(1, "episodes per held-out task", ge=1)
+    concurrency: int = setting(2, "episodes in parallel", ge=1)
+    seed: int = setting(0, "seed of the episodes (per task and sample, the same for every version)")
+    max_turns: int = setting(20, "turns per episode", ge=1)
+    max_new_tokens: int = setting(128, "tokens per turn", ge=1)
+    max_context: int = setting(8192, "tokens of context per episode", ge=1)
+    temperature: float = setting(1.0, "sampling temperature", ge=0)
+    system_prompt_file: Path | None = setting(None, "the agent's system prompt (default: the built-in one)")
+
+
+@dataclass(frozen=True)
+class LoopSettings(LoopConfig):
+    """``python -m t1async.eval.loop``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or
+    flags (flags win)."""
+
+    nats: str | None = setting(None, "NATS URL the learner publishes t1.policy on (required)", metavar="URL")
+    log_level: str = setting("info", "log level")
+
+    def loop_config(self) -> LoopConfig:
+        return LoopConfig(**{f.name: getattr(self, f.name) for f in fields(LoopConfig)})
 
 
 def held_out(tasks: Path) -> list:
@@ -181,39 +199,17 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m t1async.eval.loop", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats", required=True, help="NATS URL the learner publishes t1.policy on")
-    p.add_argument("--tasks", type=Path, required=True, help="task dir; its eval split is scored")
-    p.add_argument("--run-dir", type=Path, required=True, help="where eval/ and tb/eval go")
-    p.add_argument("--every", type=int, required=True, help="score every N-th policy version")
-    p.add_argument("--model", type=Path, default=None, help="the starting policy: scored first as version 0")
-    p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-turns", type=int, default=20)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-context", type=int, default=8192)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--system-prompt-file", type=Path, default=None)
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    configure(level=args.log_level)
-    if args.every < 1:
-        print(f"error: --every must be >= 1, got {args.every}", file=sys.stderr)
+    add_arguments(p, LoopSettings)
+    try:
+        settings: LoopSettings = resolve(LoopSettings, p.parse_args(argv))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    cfg = LoopConfig(
-        run_dir=args.run_dir,
-        tasks=args.tasks,
-        every=args.every,
-        model=args.model,
-        samples=args.samples,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        max_turns=args.max_turns,
-        max_new_tokens=args.max_new_tokens,
-        max_context=args.max_context,
-        temperature=args.temperature,
-        system_prompt_file=args.system_prompt_file,
-    )
+    if settings.nats is None:
+        print("error: no --nats URL (a flag or the nats key of --config)", file=sys.stderr)
+        return 2
+    configure(level=settings.log_level)
+    cfg, nats = settings.loop_config(), settings.nats
     try:
         os.nice(10)  # spare capacity: the actors, sampler and learner come first
     except OSError:
@@ -222,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     async def amain() -> None:
         from t1async.transport.nats import NatsTransport
 
-        async with NatsTransport(args.nats) as t, anyio.create_task_group() as tg:
+        async with NatsTransport(nats) as t, anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_stop, tg.cancel_scope)
             await run_loop(cfg, t)
             tg.cancel_scope.cancel()

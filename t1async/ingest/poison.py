@@ -34,18 +34,16 @@ from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits, check_record
 from t1async.log import get_logger
 from t1async.protocol import wire
-from t1async.protocol.errors import T1Error, WireError
+from t1async.protocol.errors import DeadReason, T1Error, WireError
 
 log = get_logger("t1async.ingest.poison")
-TRAIN_STEP = "train_step"  # the dead-letter reason of a segment a training step failed on
-ASSEMBLY = "assembly"  # ... of a validated record that taking (assembly) still failed on: its episode goes whole
 
 
 @dataclass(frozen=True)
 class Poison:
     episode: str
     turn: int  # the first turn dropped: the episode stops before it
-    reason: str
+    reason: DeadReason
     error: str
 
 
@@ -162,7 +160,7 @@ def _load(path: Path) -> list[Poison]:
             continue
         try:
             d = json.loads(line)
-            out.append(Poison(str(d["episode"]), int(d["turn"]), str(d["reason"]), str(d.get("error", ""))))
+            out.append(Poison(str(d["episode"]), int(d["turn"]), DeadReason(d["reason"]), str(d.get("error", ""))))
         except (ValueError, KeyError, TypeError) as exc:
             if n == len(lines):  # a torn last line: a crash mid-write, before its batch was acked
                 log.warning("learner.poison_book_torn_line", path=str(path), line=n)

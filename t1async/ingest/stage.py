@@ -28,12 +28,12 @@ from t1async.credits.server import CreditServer
 from t1async.credits.settle import Settler, loss_turns
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.journal import Journal
-from t1async.ingest.poison import ASSEMBLY, TRAIN_STEP, Poison, PoisonBook, Screened, segment_letter
+from t1async.ingest.poison import Poison, PoisonBook, Screened, segment_letter
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
 from t1async.log import get_logger
 from t1async.protocol import wire
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 from t1async.transport.base import Transport, traj_subject
 
 log = get_logger("t1async.learner")
@@ -168,9 +168,9 @@ class Ingest:
             err = WireError(
                 f"turn {ep}#{turn}: taking it failed ({type(exc).__name__}: {exc}); its episode is dropped whole",
                 field="",
-                reason=ASSEMBLY,
+                reason=DeadReason.ASSEMBLY,
             )
-            self._poisoned(self.poison.add([Poison(ep, 0, ASSEMBLY, str(err))]), [])
+            self._poisoned(self.poison.add([Poison(ep, 0, DeadReason.ASSEMBLY, str(err))]), [])
             return Screened(bad=[(rec, err)])
 
     def running(self, episode: str) -> bool:
@@ -201,7 +201,7 @@ class Ingest:
         if keys:
             self.settler.settle(keys, "poisoned")
         for p in changed:
-            self.stop(p.episode, p.turn, emit=p.reason != ASSEMBLY)
+            self.stop(p.episode, p.turn, emit=p.reason != DeadReason.ASSEMBLY)
 
     async def step_failed(self, segments: list[Segment], policy_version: int, exc: Exception) -> None:
         """A training step at ``policy_version`` raised despite validation: dead-letter its segments and poison their
@@ -216,15 +216,16 @@ class Ingest:
             hint="its segments are dead-lettered to t1.dead.train_step and their episodes stopped",
         )
         err = WireError(
-            f"training step at version {policy_version} failed: {type(exc).__name__}: {exc}", reason=TRAIN_STEP
+            f"training step at version {policy_version} failed: {type(exc).__name__}: {exc}",
+            reason=DeadReason.TRAIN_STEP,
         )
         poisons = []
         for s in segments:
             turns = s.turn_ids[s.loss_mask]
             await self.transport.publish_dead(traj_subject(s.episode), segment_letter(s), err)
-            self.poison.dead[TRAIN_STEP] += 1
+            self.poison.dead[DeadReason.TRAIN_STEP] += 1
             if turns.size:
-                poisons.append(Poison(s.episode, int(turns.min()), TRAIN_STEP, str(err)))
+                poisons.append(Poison(s.episode, int(turns.min()), DeadReason.TRAIN_STEP, str(err)))
         changed = await anyio.to_thread.run_sync(self.poison.add, poisons)
         self._poisoned(changed, loss_turns(segments))
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from t1async.ingest.routing import zero_layers
 from t1async.protocol import wire
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 
 REASONS = ("token_range", "logprob", "routing_shape", "expert_range", "expert_repeat", "length", "policy_version")
 
@@ -48,7 +48,7 @@ class ModelLimits:
         return cls(cfg.vocab_size, cfg.n_layers, cfg.top_k, cfg.n_experts, cfg.max_seq_len)  # type: ignore[attr-defined]
 
 
-def _fail(rec: wire.TurnRecord, field: str, reason: str, what: str) -> WireError:
+def _fail(rec: wire.TurnRecord, field: str, reason: DeadReason, what: str) -> WireError:
     return WireError(f"turn {rec.episode}#{rec.turn}: {field} {what}", field=field, reason=reason)
 
 
@@ -67,7 +67,7 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, policy_version: int | Non
             raise _fail(
                 rec,
                 name,
-                "token_range",
+                DeadReason.TOKEN_RANGE,
                 f"[{bad}] = {int(ids[bad])} is not below the model's vocab_size "
                 f"{lim.vocab_size} (max {int(ids.max())}): was it sampled by another model or tokenizer?",
             )
@@ -78,7 +78,7 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, policy_version: int | Non
         raise _fail(
             rec,
             "output_logprobs",
-            "logprob",
+            DeadReason.LOGPROB,
             f"[{bad}] = {float(lps[bad])} is not finite "
             f"({int((~finite).sum())} of {len(lps)}): the sampler returned no logprob for that token",
         )
@@ -87,7 +87,7 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, policy_version: int | Non
         raise _fail(
             rec,
             "input_len",
-            "length",
+            DeadReason.LENGTH,
             f"{rec.input_len} + {len(out)} outputs = {n} tokens exceeds the model's max_seq_len {lim.max_seq_len}",
         )
     if policy_version is not None:
@@ -97,7 +97,7 @@ def check_turn(rec: wire.TurnRecord, lim: ModelLimits, policy_version: int | Non
             raise _fail(
                 rec,
                 "policy_version",
-                "policy_version",
+                DeadReason.POLICY_VERSION,
                 f"{newest} is newer than the learner's version {policy_version}: "
                 "the samplers served weights this learner never had (was it resumed from an older checkpoint?)",
             )
@@ -110,7 +110,7 @@ def check_routing(rec: wire.TurnRecord, ex: np.ndarray, lim: ModelLimits) -> Non
         raise _fail(
             rec,
             "routing",
-            "routing_shape",
+            DeadReason.ROUTING_SHAPE,
             f"has shape {list(ex.shape)}, expected [rows, n_layers "
             f"{lim.n_layers}, top_k {lim.top_k}]: was it routed by another model?",
         )
@@ -122,7 +122,7 @@ def check_routing(rec: wire.TurnRecord, ex: np.ndarray, lim: ModelLimits) -> Non
         raise _fail(
             rec,
             "routing",
-            "expert_range",
+            DeadReason.EXPERT_RANGE,
             f"row {t} layer {layer} holds expert {hi}, not below the model's n_experts {lim.n_experts}",
         )
     if lim.top_k > 1:
@@ -134,7 +134,7 @@ def check_routing(rec: wire.TurnRecord, ex: np.ndarray, lim: ModelLimits) -> Non
             raise _fail(
                 rec,
                 "routing",
-                "expert_repeat",
+                DeadReason.EXPERT_REPEAT,
                 f"row {t} layer {layer} names an expert twice: "
                 f"{ex[t, layer].tolist()} (a top-k picks k distinct experts)",
             )

@@ -72,7 +72,7 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
     return cps[-1] if cps else None
 
 
-def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for group in opt.param_groups:
@@ -94,7 +94,7 @@ def set_optimizer_state(
     *,
     source: str,
 ) -> None:
-    """Put the state ``_optimizer_tensors`` wrote (``"<param>.<field>"`` tensors) and the param groups'
+    """Put the state ``optimizer_tensors`` wrote (``"<param>.<field>"`` tensors) and the param groups'
     hyper-parameters into ``optimizer``. Also how the distributed learner's rank 0 syncs the other ranks."""
     params = dict(model.named_parameters())
     by_param: dict[str, dict[str, torch.Tensor]] = {}
@@ -135,7 +135,7 @@ def save_checkpoint(
         save_pretrained(model, tmp, tokenizer)
         meta: dict = {"format": FORMAT, "policy_version": policy_version, "step": step, "param_groups": []}
         if optimizer is not None:
-            save_file(_optimizer_tensors(model, optimizer), str(tmp / STATE_TENSORS))
+            save_file(optimizer_tensors(model, optimizer), str(tmp / STATE_TENSORS))
             meta["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         (tmp / STATE_JSON).write_text(json.dumps(meta, indent=2, default=list) + "\n")
         tmp.rename(dest)

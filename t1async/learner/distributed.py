@@ -40,9 +40,9 @@ from torch import Tensor
 
 from t1async.learner import memory
 from t1async.learner.batch import SegmentLike
-from t1async.learner.checkpoint import _optimizer_tensors, set_optimizer_state
+from t1async.learner.checkpoint import optimizer_tensors, set_optimizer_state
 from t1async.learner.stepmetrics import StepMetrics
-from t1async.learner.trainer import Trainer, _Scored
+from t1async.learner.trainer import Scored, Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
@@ -71,7 +71,8 @@ def balance(lengths: Sequence[int], n: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def _collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin wrapper over dist calls
+def collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin wrapper over dist calls
+    """``fn(*args, **kwargs)``, a ``torch.distributed`` call; a failed peer becomes ``RankFailedError``."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the group timed out
@@ -112,7 +113,7 @@ class DistributedTrainer(Trainer):
         self._part_tokens = [sum(len(segments[i].tokens) for i in p) for p in parts]
         msgs = [("step", [segments[i] for i in p], policy_version, self._resync, self._baseline) for p in parts]
         mine: list[Any] = [None]
-        _collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
+        collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
         if self._resync:
             self._sync_state()
             self._resync = False
@@ -125,7 +126,7 @@ class DistributedTrainer(Trainer):
     def stop_ranks(self) -> None:
         """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
         stop: list[Any] = [("stop", [], 0, False, {})] * self.world
-        _collective("stopping the ranks", dist.scatter_object_list, [None], stop, src=0)
+        collective("stopping the ranks", dist.scatter_object_list, [None], stop, src=0)
 
     # ------------------------------------------------------------------------------------- ranks 1..N-1
 
@@ -133,7 +134,7 @@ class DistributedTrainer(Trainer):
         """Train every step rank 0 scatters until it says stop (ranks 1..N-1)."""
         while True:
             mine: list[Any] = [None]
-            _collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
+            collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
             kind, local, policy_version, resync, self._baseline = mine[0]
             if kind == "stop":
                 log.info("learner.rank_stopped", rank=self.rank, steps=self.steps)
@@ -159,12 +160,12 @@ class DistributedTrainer(Trainer):
         """Rank 0's weights, optimizer state and step count to every rank."""
         with torch.no_grad():
             for t in self.model.state_dict().values():
-                _collective("syncing the weights", dist.broadcast, t, src=0)
+                collective("syncing the weights", dist.broadcast, t, src=0)
         box: list[Any] = [None]
         if self.rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            box = [(_optimizer_tensors(self.model, self.optimizer), groups, self.steps)]
-        _collective("syncing the optimizer", dist.broadcast_object_list, box, src=0)
+            box = [(optimizer_tensors(self.model, self.optimizer), groups, self.steps)]
+        collective("syncing the optimizer", dist.broadcast_object_list, box, src=0)
         if self.rank != 0:
             tensors, groups, self.steps = box[0]
             set_optimizer_state(self.model, self.optimizer, tensors, groups, source="rank 0")
@@ -172,7 +173,7 @@ class DistributedTrainer(Trainer):
     def _gather(self, part: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
         gathered: list[Any] = [None] * self.world
         dst_list = gathered if self.rank == 0 else None
-        _collective("gathering the step's metrics", dist.gather_object, part, dst_list, dst=0)
+        collective("gathering the step's metrics", dist.gather_object, part, dst_list, dst=0)
         return gathered if self.rank == 0 else None
 
     def _adv_moments(self, adv_all: Tensor) -> tuple[int, float, float]:
@@ -182,7 +183,7 @@ class DistributedTrainer(Trainer):
         buf = torch.tensor(
             [a.numel(), float(a.sum()), float((a * a).sum()), float(self._failed is not None)], dtype=torch.float64
         )
-        _collective("reducing the advantage moments", dist.all_reduce, self._on_device(buf))
+        collective("reducing the advantage moments", dist.all_reduce, self._on_device(buf))
         self._raise_if_failed(float(buf[3]))
         n = int(buf[0])
         if n == 0:
@@ -190,7 +191,7 @@ class DistributedTrainer(Trainer):
         mean = float(buf[1]) / n
         return n, mean, max(float(buf[2]) / n - mean * mean, 0.0) ** 0.5 if n > 1 else 0.0
 
-    def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
+    def _update(self, scored: list[Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
         try:
             return super()._update(scored, n_loss)
         except (RankFailedError, RankStepError):
@@ -208,7 +209,7 @@ class DistributedTrainer(Trainer):
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
         buf = torch.cat([self._on_device(flags).to(grads[0].dtype), *grads])
         t_wait = time.perf_counter()
-        _collective("reducing the gradients", dist.all_reduce, buf)
+        collective("reducing the gradients", dist.all_reduce, buf)
         self._t_wait += time.perf_counter() - t_wait
         self._raise_if_failed(float(buf[0]))
         off = len(params) + 1

@@ -23,7 +23,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from t1async.learner.distributed import DistributedTrainer, RankFailedError, _collective, die_with_parent, init_group
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, collective, die_with_parent, init_group
 from t1async.learner.trainer import Trainer
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
@@ -161,7 +161,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     init_group(args.rank, args.world, args.host, args.port, backend=args.backend, timeout_s=args.timeout)
     try:
         box: list[Any] = [None]
-        _collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
+        collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
         tcfg, mcfg, dtype = box[0]
         model = MoETransformer(mcfg).to(dtype)
         if args.backend == "nccl":

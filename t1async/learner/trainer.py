@@ -46,7 +46,9 @@ log = get_logger("t1async.learner.trainer")
 
 
 @dataclass
-class _Scored:
+class Scored:
+    """A batch after the scoring pass: what ``Trainer._update`` (and ``DistributedTrainer``'s) consumes."""
+
     batch: Batch
     prox_logp: Tensor  # detached [B, T]
     old_values: Tensor  # detached [B, T], value of the state each token was chosen in
@@ -177,7 +179,7 @@ class Trainer:
         """This rank's part of a step (``local``, of ``all_segments``): 1. score, 2. PPO epochs, 3. metrics.
         The metrics are rank 0's (None on the other ranks)."""
         self._failed, self._t_wait = None, 0.0
-        scored: list[_Scored] = []
+        scored: list[Scored] = []
         routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
         try:
             batches = self._pack(local) if local else []
@@ -239,20 +241,20 @@ class Trainer:
 
     def _score(
         self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool
-    ) -> tuple[list[_Scored], tuple[int, int, int, int], float]:
+    ) -> tuple[list[Scored], tuple[int, int, int, int], float]:
         """1. Score with the current weights: proximal log-probs, values, advantages, routing drift.
         Returns (scored, (differ, compared, missing, used_differ), seconds). With ``single`` the forward
         keeps its graph and is the training forward too."""
         cfg = self.config
         want_ent = cfg.loss.entropy_coef > 0
         self.model.train()
-        scored: list[_Scored] = []
+        scored: list[Scored] = []
         differ = compared = missing = used_differ = 0
         t_fwd = time.perf_counter()
         for b in batches:
             with torch.set_grad_enabled(single):
                 out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
-            sc = _Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
+            sc = Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
             d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
@@ -262,7 +264,7 @@ class Trainer:
             del out
         return scored, (differ, compared, missing, used_differ), time.perf_counter() - t_fwd
 
-    def _normalise_advantages(self, scored: list[_Scored], n_segments: int) -> tuple[int, float, float]:
+    def _normalise_advantages(self, scored: list[Scored], n_segments: int) -> tuple[int, float, float]:
         """The step's loss-token count and advantage mean and std (before normalising); whitens the
         advantages over the step's loss tokens in place when configured."""
         if scored:
@@ -288,7 +290,7 @@ class Trainer:
             return 0, 0.0, 0.0
         return n, float(adv_all.mean()), float(adv_all.std(unbiased=False)) if n > 1 else 0.0
 
-    def _update(self, scored: list[_Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
+    def _update(self, scored: list[Scored], n_loss: int) -> tuple[defaultdict[str, float], float, float, float]:
         """2. PPO epochs: accumulate the loss over the micro-batches, one optimizer step per epoch.
         Returns (loss sums, last grad norm, seconds in forwards, seconds in all)."""
         cfg = self.config
@@ -350,7 +352,7 @@ class Trainer:
         return grad_norm
 
     @staticmethod
-    def _loss_token_tensors(scored: list[_Scored]) -> dict[str, Tensor]:
+    def _loss_token_tensors(scored: list[Scored]) -> dict[str, Tensor]:
         """The per-loss-token tensors the metrics read (1-D, in the same token order)."""
         lm = torch.cat([sc.batch.loss_mask.flatten() for sc in scored])
         return {

@@ -309,16 +309,8 @@ class Engine:
 
     async def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> None:
         """Load new weights between steps (waits for the current step); raises ConfigError if they don't fit."""
-        if self._state != "running":
-            raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
-        weight_version = weight_version if weight_version is not None else self._next_version()
-        u = WeightUpdate(Path(model_path), str(weight_version))
-        done = anyio.Event()
-        self._updates.append((u, done))
-        self._wake.set()
-        await done.wait()
-        if u.error is not None:
-            raise u.error
+        version = self._update_version(weight_version)
+        await self._swap(WeightUpdate(Path(model_path), version))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The model's state_dict names and shapes (what a distributed update may name)."""
@@ -330,10 +322,17 @@ class Engine:
         """Copy named tensors (some or all of the state dict) into the model between steps, as one update:
         the same swap as ``update_weights_from_disk`` (cache flushed, version set); raises ConfigError if a
         name or shape does not fit (the model is then unchanged)."""
+        version = self._update_version(weight_version)
+        await self._swap(WeightUpdate(Path(""), version, tensors=dict(tensors)))
+
+    def _update_version(self, weight_version: str | None) -> str:
+        """The version a weight update sets (the next one if not given); the engine must be running."""
         if self._state != "running":
             raise SamplerError(f"engine is {self._state}; weight updates need a running engine")
-        weight_version = weight_version if weight_version is not None else self._next_version()
-        u = WeightUpdate(Path(""), str(weight_version), tensors=dict(tensors))
+        return str(weight_version if weight_version is not None else self._next_version())
+
+    async def _swap(self, u: WeightUpdate) -> None:
+        """Hand ``u`` to the step loop, which applies it between steps; raise its error, if any."""
         done = anyio.Event()
         self._updates.append((u, done))
         self._wake.set()

@@ -35,15 +35,40 @@ Each error puts the offending values in its message and says what to do, where t
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 
 class T1Error(Exception):
     """Base class for every error t1async raises on purpose."""
 
 
+class DeadReason(StrEnum):
+    """Why a message (or a segment) was dead-lettered: the last token of its subject ``t1.dead.<reason>``, the
+    ``T1-Dead-Reason`` header, the key of ``TransportStats.dead`` and the poison file's ``reason``."""
+
+    INVALID = "invalid"  # a WireError that names no better reason
+    FIELD = "field"  # a field of the wrong type or value (protocol.fields)
+    MISSING = "missing"  # a required field is absent
+    SCHEMA = "schema"  # not a msgpack map, or no int schema version
+    VERSION = "version"  # an unsupported schema version
+    POLICY_VERSION = "policy_version"  # ingest.validate: a token sampled by a policy newer than the learner's
+    KIND = "kind"  # an unknown envelope kind
+    MSGPACK = "msgpack"  # not valid msgpack, or an ext type the wire does not allow
+    CHUNK = "chunk"  # a chunked record's pieces contradict or expired (transport.chunking)
+    TOKEN_RANGE = "token_range"  # ingest.validate: a token id >= vocab_size
+    LOGPROB = "logprob"  # ... an output logprob that is not finite
+    ROUTING_SHAPE = "routing_shape"  # ... a routing trace of the wrong shape
+    EXPERT_RANGE = "expert_range"  # ... an expert id >= n_experts
+    EXPERT_REPEAT = "expert_repeat"  # ... one (token, layer) names an expert twice
+    LENGTH = "length"  # ... longer than max_seq_len
+    ASSEMBLY = "assembly"  # a validated record that assembly still failed on: its episode goes whole
+    TRAIN_STEP = "train_step"  # a segment a training step failed on
+
+
 class WireError(T1Error):
     """A message failed to decode or validate. ``field`` names the offending field ('' for the envelope)."""
 
-    def __init__(self, message: str, *, field: str = "", reason: str = "invalid") -> None:
+    def __init__(self, message: str, *, field: str = "", reason: DeadReason = DeadReason.INVALID) -> None:
         super().__init__(message)
         self.field = field
         self.reason = reason  # short token used for the dead-letter subject t1.dead.<reason>

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 
 __all__ = ["CODES", "DTYPES", "Fields", "encode_array"]
 
@@ -33,14 +33,14 @@ class Fields:
     def __init__(self, kind: str, m: dict):
         self.kind, self.m = kind, m
 
-    def error(self, name: str, what: str, reason: str = "field") -> WireError:
+    def error(self, name: str, what: str, reason: DeadReason = DeadReason.FIELD) -> WireError:
         return WireError(f"{self.kind}.{name}: {what}", field=name, reason=reason)
 
     def get(self, name: str, types: type | tuple[type, ...], *, default: Any = ..., what: str = "") -> Any:
         if name not in self.m:
             if default is not ...:
                 return default
-            raise self.error(name, "missing required field", "missing")
+            raise self.error(name, "missing required field", DeadReason.MISSING)
         val = self.m[name]
         if isinstance(val, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
             raise self.error(name, f"expected {what or types}, got bool")
@@ -79,7 +79,7 @@ class Fields:
         m = self.get(name, dict, what="array map {dtype, shape, data}") if m is None else m
         for key in ("dtype", "shape", "data"):
             if key not in m:
-                raise self.error(f"{name}.{key}", "missing required field", "missing")
+                raise self.error(f"{name}.{key}", "missing required field", DeadReason.MISSING)
         code, shape, data = m["dtype"], m["shape"], m["data"]
         if code not in dtypes:
             raise self.error(f"{name}.dtype", f"{code!r} is not one of {list(dtypes)}")

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 from t1async.protocol.fields import Fields as _Fields
 from t1async.protocol.fields import encode_array as _enc_array
 
@@ -304,17 +304,19 @@ def _decode_metrics(f: _Fields) -> MetricsRecord:
 
 def from_map(m: Any) -> Record:
     if not isinstance(m, dict):
-        raise WireError(f"payload: expected a msgpack map, got {type(m).__name__}", reason="schema")
+        raise WireError(f"payload: expected a msgpack map, got {type(m).__name__}", reason=DeadReason.SCHEMA)
     v = m.get("v")
     if not isinstance(v, int) or isinstance(v, bool):
-        raise WireError(f"envelope.v: expected int schema version, got {v!r}", field="v", reason="schema")
+        raise WireError(f"envelope.v: expected int schema version, got {v!r}", field="v", reason=DeadReason.SCHEMA)
     if v != SCHEMA_VERSION:
         raise WireError(
-            f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})", field="v", reason="version"
+            f"envelope.v: schema version {v} is not supported (this is {SCHEMA_VERSION})",
+            field="v",
+            reason=DeadReason.VERSION,
         )
     kind = m.get("kind")
     if not isinstance(kind, str) or kind not in _KINDS:
-        raise WireError(f"envelope.kind: {kind!r} is not one of {sorted(_KINDS)}", field="kind", reason="kind")
+        raise WireError(f"envelope.kind: {kind!r} is not one of {sorted(_KINDS)}", field="kind", reason=DeadReason.KIND)
     f = _Fields(kind, m)
     if kind == "turn":
         return _decode_turn(f)
@@ -351,7 +353,7 @@ def from_map(m: Any) -> Record:
 
 
 def _no_ext(code: int, data: bytes) -> Any:
-    raise WireError(f"payload: msgpack ext type {code} is not allowed on the wire", reason="msgpack")
+    raise WireError(f"payload: msgpack ext type {code} is not allowed on the wire", reason=DeadReason.MSGPACK)
 
 
 def decode(data: bytes | bytearray | memoryview) -> Record:
@@ -369,10 +371,10 @@ def decode(data: bytes | bytearray | memoryview) -> Record:
         UnicodeDecodeError,
     ) as exc:
         raise WireError(
-            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack"
+            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason=DeadReason.MSGPACK
         ) from exc
     except Exception as exc:  # msgpack raises a few undocumented types on hostile input
         raise WireError(
-            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason="msgpack"
+            f"payload: not a valid msgpack message ({type(exc).__name__}: {exc})", reason=DeadReason.MSGPACK
         ) from exc
     return from_map(m)

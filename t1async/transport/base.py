@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from t1async.protocol.errors import TransportError, WireError
+from t1async.protocol.errors import DeadReason, TransportError, WireError
 from t1async.protocol.wire import EndRecord, Record, StartRecord, TurnRecord
 
 TRAJ_STREAM = "T1_TRAJ"
@@ -234,7 +234,7 @@ def subject_matches(pattern: str, subject: str) -> bool:
 
 def dead_letter(subject: str, data: bytes, error: WireError, max_payload: int) -> tuple[str, dict[str, str], bytes]:
     """Subject, headers and (possibly truncated) payload of the dead letter for a malformed message."""
-    reason = "".join(c if c.isalnum() or c in "_-" else "_" for c in (error.reason or "invalid")) or "invalid"
+    reason = DeadReason(error.reason).value  # a subject token: a closed set of plain words
     headers = {
         HDR_DEAD_REASON: reason,
         HDR_DEAD_ERROR: " ".join(str(error).split())[:1000],

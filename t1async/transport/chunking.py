@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 from t1async.transport.base import HDR_MSG_ID
 
 HDR_CHUNK = "T1-Chunk"
@@ -60,7 +60,7 @@ class ChunkError(WireError):
     """A chunk contradicts its headers or its group; ``handles`` are every message of the group dropped."""
 
     def __init__(self, message: str, handles: list | None = None):
-        super().__init__(message, field="T1-Chunk", reason="chunk")
+        super().__init__(message, field="T1-Chunk", reason=DeadReason.CHUNK)
         self.handles = handles or []
 
 

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from t1async.log import get_logger
 from t1async.protocol import wire
-from t1async.protocol.errors import WireError
+from t1async.protocol.errors import DeadReason, WireError
 from t1async.protocol.wire import Record
 from t1async.transport import chunking
 from t1async.transport.base import HDR_MSG_ID, Delivery, SeenSeqs, TransportStats, dead_letter
@@ -78,7 +78,7 @@ class StreamIntake(Generic[H]):
             late = WireError(
                 f"chunk: record {group!r} incomplete after {self.chunk_timeout_s}s ({have} of {count} chunks)",
                 field="T1-Chunk",
-                reason="chunk",
+                reason=DeadReason.CHUNK,
             )
             self._reject(out, group, b"", late, parts)
         self.stats.delivered += len(out.deliveries)

@@ -129,6 +129,13 @@ class MemoryBroker:
             self.core(subject, data, headers or {})
         await anyio.lowlevel.checkpoint()
 
+    def add_sub(self, sub: _Sub) -> None:
+        """Deliver core messages matching ``sub.pattern`` to ``sub`` until ``remove_sub``."""
+        self._subs.append(sub)
+
+    def remove_sub(self, sub: _Sub) -> None:
+        self._subs.remove(sub)
+
     def _wake(self) -> None:
         if self._changed_ev is not None:
             self._changed_ev.set()
@@ -137,13 +144,15 @@ class MemoryBroker:
     # -------------------------------------------------------------------- durable consumers
 
     @property
-    def _changed(self) -> anyio.Event:
+    def changed(self) -> anyio.Event:
+        """Set at the next change (a message stored, settled or released): what a waiting consumer awaits."""
         if self._changed_ev is None:
             self._changed_ev = anyio.Event()
         return self._changed_ev
 
-    def _durable(self, name: str, filter: str) -> _Durable:
-        return self._durables.setdefault(name, _Durable(filter))
+    def open_durable(self, name: str, filter: str) -> None:
+        """Create the durable consumer ``name`` on ``filter`` (a no-op if it exists)."""
+        self._durables.setdefault(name, _Durable(filter))
 
     def fetch(self, name: str, n: int) -> tuple[list[tuple[_Stored, int]], float]:
         """Up to ``n`` messages (redeliveries first) and the time of the next redelivery (inf if none)."""
@@ -220,7 +229,7 @@ class MemoryTransport(Transport):
         self, durable: str, subject: str = TRAJ_SUBJECTS, *, batch: int = 256, max_wait_s: float = 1.0
     ) -> AsyncIterator[AsyncIterator[Batch]]:
         self._check_open()
-        self.broker._durable(durable, subject)
+        self.broker.open_durable(durable, subject)
         intake: StreamIntake[int] = StreamIntake(self.stats, max_payload=self.broker.max_payload, chunk_timeout_s=300.0)
         gen = self._batches(durable, batch, intake)
         try:
@@ -233,7 +242,7 @@ class MemoryTransport(Transport):
     async def _batches(self, durable: str, n: int, intake: StreamIntake[int]) -> AsyncGenerator[Batch, None]:
         while True:
             self._check_open()
-            changed = self.broker._changed
+            changed = self.broker.changed
             stored, next_at = self.broker.fetch(durable, n)
             got = intake.take(
                 [Fetched(m.subject, m.data, m.headers, m.seq, m.seq, k) for m, k in stored], self.broker.clock()
@@ -261,13 +270,12 @@ class MemoryTransport(Transport):
         self._check_open()
         send, recv = anyio.create_memory_object_stream[tuple](_SUB_BUFFER)
         sub = _Sub(pattern, send, queue)
-        registry = self.broker._subs
-        registry.append(sub)
+        self.broker.add_sub(sub)
         try:
             async with recv:
                 yield recv  # type: ignore[misc]
         finally:
-            registry.remove(sub)
+            self.broker.remove_sub(sub)
             send.close()
 
     @asynccontextmanager

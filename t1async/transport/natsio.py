@@ -310,6 +310,7 @@ class AioNats:
     async def sync(self) -> None:
         """Wait until the server has processed everything we sent. nats-py's flush() alone does not: it
         writes its PING straight to the socket, ahead of commands still in its pending buffer."""
+        # nats-py private API, on purpose: it has no public way to push its pending buffer out first
         await self.nc._flush_pending(force_flush=True)
         await self.nc.flush(timeout=max(1, math.ceil(self.config.ack_timeout_s)))
 
