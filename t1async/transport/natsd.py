@@ -335,7 +335,34 @@ class NatsCluster:
             for node in self.nodes:
                 tg.start_soon(node.launch)
         await self.wait_healthy()
+        await self.wait_routed()
         log.info("natsd.cluster_ready", name=self.config.name, urls=self.url)
+
+    async def wait_routed(self, timeout_s: float | None = None) -> None:
+        """Until every node has a route to every other one (``/routez``). ``/healthz`` turns 200 once a node's
+        JetStream meta group has a quorum, which two of three routed nodes already make: a node can then still
+        be routed to one peer only, and a message published there reaches the third node later or not at all."""
+        timeout_s = self.config.start_timeout_s if timeout_s is None else timeout_s
+        names = {n.config.server_name for n in self.nodes}
+        missing: dict[str, set[str]] = {}
+        with anyio.move_on_after(timeout_s):
+            async with httpx.AsyncClient(timeout=1.0, trust_env=False) as client:
+                while True:
+                    for node in self.nodes:
+                        me = node.config.server_name
+                        try:
+                            resp = await client.get(f"{node.monitor_url}/routez")
+                            routed = {r.get("remote_name") for r in resp.json().get("routes") or ()}
+                        except (httpx.TransportError, ValueError):
+                            routed = set()
+                        missing[me] = names - {me} - routed
+                    if not any(missing.values()):
+                        return
+                    await anyio.sleep(0.1)
+        raise ServerStartError(
+            f"the NATS cluster {self.config.name!r} was not fully routed within {timeout_s}s: "
+            + "; ".join(f"{k} has no route to {sorted(v)}" for k, v in missing.items() if v)
+        )
 
     async def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Until every node answers ``/healthz`` with 200 (it is routed and its JetStream is current)."""
