@@ -159,7 +159,7 @@ def test_appends_racing_compaction_in_threads_lose_no_acked_record(tmp_path):
 WRITER = r"""
 import random, sys, threading
 sys.path.insert(0, sys.argv[3])
-from t1async import wire
+from t1async.protocol import wire
 from t1async.ingest.journal import Journal
 
 root, tag = sys.argv[1], sys.argv[2]
