@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 
 from actors.settings import ActorSettings
-from t1async.config import add_arguments, check_bounds, resolve
+from t1async.config import add_arguments, resolve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +35,6 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> ActorSetti
 
     try:
         cfg: ActorSettings = resolve(ActorSettings, args)
-        check_bounds(cfg)
     except ConfigError as exc:
         p.error(str(exc))
     if not cfg.nats and os.environ.get("T1_NATS_URL"):

@@ -421,4 +421,6 @@ def resolve(
     ]
     if missing:
         raise ConfigError(f"missing required setting(s) {', '.join(missing)}: give the flag or the key in --config")
-    return cls(**values)
+    cfg = cls(**values)
+    check_bounds(cfg)  # every resolved config, whichever CLI resolved it
+    return cfg

@@ -28,7 +28,7 @@ from actors.settings import EpisodeOptions
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.tasks import Task, load_tasks
-from t1async.config import add_arguments, check_bounds, like, resolve, setting
+from t1async.config import add_arguments, like, resolve, setting
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, summarise, task_scores
@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     try:
         args: EvalSettings = resolve(EvalSettings, p.parse_args(argv))
-        check_bounds(args)
     except ConfigError as exc:
         p.error(str(exc))
     configure(level=args.log_level)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from t1async.config import add_arguments, check_bounds, resolve
+from t1async.config import add_arguments, resolve
 from t1async.learner.settings import SftSettings
 from t1async.protocol.errors import ConfigError, T1Error
 
@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "sft":
         try:
             sft: SftSettings = resolve(SftSettings, args)
-            check_bounds(sft)
         except ConfigError as exc:
             s.error(str(exc))
         if (sft.tasks is None) == (sft.synth is None):

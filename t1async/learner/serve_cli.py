@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from t1async.config import add_arguments, check_bounds, resolve, setting
+from t1async.config import add_arguments, resolve, setting
 from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
 from t1async.signals import cancel_on_stop
@@ -107,7 +107,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The settings: defaults < --config FILE.toml < flags; NATS from $T1_NATS_URL when neither gives it."""
     cfg: ServeConfig = resolve(ServeConfig, args)
-    check_bounds(cfg)
     if cfg.run_dir is None:
         raise ConfigError("no run dir: pass --run-dir DIR (or run_dir in the --config file)")
     if not cfg.nats:

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from t1async.config import add_arguments, check_bounds, resolve
+from t1async.config import add_arguments, resolve
 from t1async.sampler.settings import SamplerSettings
 
 READY_PREFIX = "t1async sampler ready at "
@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args: SamplerSettings = resolve(SamplerSettings, _parser().parse_args(argv))
-        check_bounds(args)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
