@@ -61,6 +61,8 @@ def compact_dtype(num_experts: int) -> np.dtype:
 def decode_sglang(b64: str | bytes, num_layers: int, topk: int, num_experts: int) -> np.ndarray:
     """SGLang's ``meta_info.routed_experts`` (base64 of little-endian int32, logical ``[rows, layers, topk]``)
     to a compact ``[rows, num_layers, topk]`` array of u1 (<= 256 experts) or u2."""
+    if num_layers < 1 or topk < 1:
+        raise RoutingError(f"routed_experts needs num_layers and topk >= 1, got {num_layers} and {topk}")
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError, TypeError) as exc:

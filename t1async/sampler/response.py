@@ -117,7 +117,27 @@ def parse_generation(
     latency: float = 0.0,
     url: str = "",
 ) -> Generation:
-    """An SGLang ``/generate`` response (one object) as a Generation. Tolerates extra fields."""
+    """An SGLang ``/generate`` response (one object) as a Generation. Tolerates extra fields; anything
+    malformed in it raises ``SamplerError`` (and nothing else), naming what was wrong."""
+    try:
+        return _parse_generation(out, prompt_len, routing_start, shape, latency=latency, url=url)
+    except SamplerError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:  # binascii too
+        raise SamplerError(
+            f"{url}/generate answered a malformed response ({type(exc).__name__}: {exc}): {str(out)[:200]}"
+        ) from exc
+
+
+def _parse_generation(
+    out: Any,
+    prompt_len: int,
+    routing_start: int | None,
+    shape: tuple[int, int, int] | None,
+    *,
+    latency: float,
+    url: str,
+) -> Generation:
     if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
         raise SamplerError(f"{url}/generate answered without meta_info: {str(out)[:200]}")
     meta = out["meta_info"]
