@@ -175,6 +175,14 @@ def test_the_dashboard_fits_80_columns_and_the_plain_line_has_no_escapes():
     assert "\x1b" not in line and "\r" not in line and "\n" not in line
 
 
+def test_a_full_disk_shows_on_the_learner_line():
+    view = fed(3, wait=30, sample=35, exec_=2)
+    view.on_metrics("learner", "learner", 3, 3, learner(3, journal_blocked_s=42.0))
+    assert "DISK FULL 42s: not acking" in text(view)
+    view.on_metrics("learner", "learner", 4, 4, learner(4, journal_blocked_s=0.0))
+    assert "DISK FULL" not in text(view)
+
+
 def test_sampler_state_reads_sglang_and_embedded_answers():
     import httpx
 

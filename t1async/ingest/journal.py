@@ -46,6 +46,15 @@ class JournalClosedError(T1Error):
     """The journal was used after ``close()``: a bug in the caller (the learner closes it last)."""
 
 
+class JournalWriteError(T1Error):
+    """An append could not be written or fsynced (a full disk, a quota, an I/O error). Nothing of it is in
+    the journal: the file was cut back to where the append began, so the caller may retry it as it is."""
+
+    def __init__(self, message: str, errno: int | None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 def fsync_dir(path: Path) -> None:
     """Make a create, rename or delete in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -154,7 +163,8 @@ class Journal:
             self._repair_tail(self._files[-1])
         if not self._files or self._files[-1].size >= file_bytes:
             self._files.append(self._create(self._files[-1].seq + 1 if self._files else 1))
-        self._f = open(self._files[-1].path, "ab")  # noqa: SIM115 - closed in close()
+        self._fd = os.open(self._files[-1].path, os.O_WRONLY | os.O_APPEND)  # closed in close()
+        self._cut_to: int | None = None  # a failed append left bytes past this offset: cut them first
 
     # -- opening -------------------------------------------------------------------------------------
 
@@ -173,7 +183,11 @@ class Journal:
         path = _seg_path(self.root, seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.close(fd)
-        fsync_dir(self.root)
+        try:
+            fsync_dir(self.root)
+        except OSError:
+            path.unlink(missing_ok=True)  # not known to be durable: not a journal file yet
+            raise
         return _File(seq, path)
 
     # -- the writer ----------------------------------------------------------------------------------
@@ -194,9 +208,26 @@ class Journal:
             if self._closed:
                 raise JournalClosedError(f"journal {self.root} was appended to after close(); nothing was written")
             jf = self._files[-1]
-            self._f.write(buf)
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            try:
+                if self._cut_to is not None:  # an earlier append failed half-way: its bytes go first
+                    os.ftruncate(self._fd, self._cut_to)
+                    self._cut_to = None
+                view = memoryview(buf)
+                while view:
+                    view = view[os.write(self._fd, view) :]
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._cut_to = jf.size
+                try:  # cut it back now if the disk lets us (truncating frees space, so it usually does)
+                    os.ftruncate(self._fd, jf.size)
+                    self._cut_to = None
+                except OSError:
+                    pass
+                raise JournalWriteError(
+                    f"journal {jf.path}: could not write and fsync {len(buf)} bytes ({exc.strerror or exc}); "
+                    "nothing of it was kept",
+                    exc.errno,
+                ) from exc
             jf.size += len(buf)
             if jf.episodes is not None:
                 jf.episodes |= episodes
@@ -206,10 +237,17 @@ class Journal:
         return n
 
     def _roll(self) -> None:
-        new = self._create(self._files[-1].seq + 1)
-        old, self._f = self._f, open(new.path, "ab")  # noqa: SIM115 - closed in close()
+        """Seal the active file and start the next. The records are durable already: a roll that fails (a
+        full disk) keeps appending to the active file and is tried again after the next append."""
+        try:
+            new = self._create(self._files[-1].seq + 1)
+            fd = os.open(new.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as exc:
+            log.warning("journal.roll_failed", path=str(self.root), error=str(exc))
+            return
+        old, self._fd = self._fd, fd
         self._files.append(new)
-        old.close()
+        os.close(old)
 
     def replay(self) -> Iterator[wire.Record]:
         """Every record, files in order; learns which episodes each file holds (for ``compact``).
@@ -239,14 +277,15 @@ class Journal:
             gone = [s for s in self._files[:-1] if (before is None or s.seq < before) and s.episodes.isdisjoint(live)]  # type: ignore[union-attr]
             if not gone:
                 return CompactResult(0, 0, len(self._files), self.size_bytes())
-            self._files = [s for s in self._files if s not in gone]
-            kept_eps: set[str] = set().union(*(s.episodes or () for s in self._files))
+            kept_eps: set[str] = set().union(*(s.episodes or () for s in self._files if s not in gone))
             # this round's episodes stay listed whole (a late record of one may be appended right now); older
             # entries only while a kept file still holds a record of theirs
             settled = (self._settled & kept_eps) | set().union(*(s.episodes or () for s in gone))
+        if settled != self._settled:  # before the deletions: a crash between leaves no half episode. If it
+            self._write_settled(settled)  # fails (a full disk) nothing changed: the files stay, tried next time
+        with self._lock:
+            self._files = [s for s in self._files if s not in gone]
             kept_bytes = self.size_bytes()
-        if settled != self._settled:
-            self._write_settled(settled)  # before the deletions: a crash between leaves no half episode
         for s in gone:  # no lock: sealed files are never written again
             s.path.unlink(missing_ok=True)
         fsync_dir(self.root)
@@ -255,10 +294,14 @@ class Journal:
     def _write_settled(self, settled: set[str]) -> None:
         path = self.root / SETTLED_NAME
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(sorted(settled), f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "w") as f:
+                json.dump(sorted(settled), f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
         fsync_dir(self.root)
         self._settled = settled
@@ -281,4 +324,4 @@ class Journal:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._f.close()
+                os.close(self._fd)

@@ -20,6 +20,7 @@ can never put the learner in a crash loop, not even from a journal written befor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import Counter
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from t1async.ingest.journal import fsync_dir
+from t1async.ingest.journal import JournalWriteError, fsync_dir
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits, check_record
 from t1async.log import get_logger
@@ -118,18 +119,39 @@ class PoisonBook:
     def add(self, poisons: Iterable[Poison]) -> list[Poison]:
         """Remember poisons durably (fsync). Returns those that changed an episode: newly poisoned, or at an
         earlier turn than before."""
-        changed = [p for p in poisons if self._remember(p)]
+        best: dict[str, Poison] = {}  # the earliest turn per episode that is news; remembered once written
+        for p in poisons:
+            old = best.get(p.episode) or self.at.get(p.episode)
+            if old is None or p.turn < old.turn:
+                best[p.episode] = p
+        changed = list(best.values())
         if changed:
             new = not self.path.exists()
-            with open(self.path, "a", encoding="utf-8") as f:
-                for p in changed:
-                    f.write(
-                        json.dumps({"episode": p.episode, "turn": p.turn, "reason": p.reason, "error": p.error}) + "\n"
-                    )
-                f.flush()
-                os.fsync(f.fileno())
-            if new:
-                fsync_dir(self.path.parent)
+            lines = "".join(
+                json.dumps({"episode": p.episode, "turn": p.turn, "reason": p.reason, "error": p.error}) + "\n"
+                for p in changed
+            ).encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                start = os.fstat(fd).st_size
+                try:
+                    view = memoryview(lines)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                    if new:
+                        fsync_dir(self.path.parent)
+                except OSError as exc:  # a full disk: cut back what was written, remember nothing; retried
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, start)
+                    raise JournalWriteError(
+                        f"poison book {self.path}: could not write and fsync {len(lines)} bytes "
+                        f"({exc.strerror or exc}); nothing of it was kept",
+                        exc.errno,
+                    ) from exc
+            finally:
+                os.close(fd)
+            self.at.update(best)
             for p in changed:
                 log.warning("learner.episode_poisoned", episode=p.episode, turn=p.turn, reason=p.reason, error=p.error)
         return changed

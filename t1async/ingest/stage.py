@@ -15,9 +15,11 @@ liveness (which actor owns which running episode).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.abc
@@ -27,7 +29,7 @@ from t1async.credits.liveness import ActorLiveness, actor_of
 from t1async.credits.server import CreditServer
 from t1async.credits.settle import Settler, loss_turns
 from t1async.ingest.assembly import Assembler
-from t1async.ingest.journal import Journal
+from t1async.ingest.journal import Journal, JournalWriteError
 from t1async.ingest.poison import Poison, PoisonBook, Screened, segment_letter
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
@@ -36,6 +38,8 @@ from t1async.protocol import wire
 from t1async.protocol.errors import DeadReason, WireError
 from t1async.transport.base import Transport, traj_subject
 
+_A = TypeVar("_A")
+_R = TypeVar("_R")
 log = get_logger("t1async.learner")
 
 
@@ -62,6 +66,8 @@ class Ingest:
         self.settler, self.gate, self.credits, self.liveness = settler, gate, credits, liveness
         self.poison = PoisonBook(learner_dir / "poisoned.jsonl", limits)
         self.journal = Journal(learner_dir / "journal", file_bytes=journal_file_bytes)
+        self.blocked_since: float | None = None  # the journal or poison book refuses writes since (epoch s)
+        self.blocked_error = ""
         self.assembler = Assembler()
         self.ready: list[Segment] = []  # closed segments waiting for a step
         self.ended: deque[wire.EndRecord] = deque(maxlen=200)  # the last episodes ended (live, not replayed)
@@ -86,9 +92,9 @@ class Ingest:
                 self._taking = {getattr(r, "episode", "") for r in s.good}
                 changed: list[Poison] = []
                 if s.bad or s.dropped:  # the poison book and dead letters first: durable before the ack
-                    changed = await anyio.to_thread.run_sync(self.poison.add, s.poisons)
+                    changed = await self._durably(self.poison.add, s.poisons)
                     await self.dead_letter(s)
-                await anyio.to_thread.run_sync(self.journal.append, s.good)
+                await self._durably(self.journal.append, s.good)
                 await batch.ack()  # durably taken: in the journal, or dead-lettered
                 failed = [f for rec in s.good if (f := self._take_safely(rec, live=True)) is not None]
                 if s.bad or s.dropped:
@@ -98,6 +104,37 @@ class Ingest:
                     await self.dead_letter(f)
                 self.arrived.set()
                 self.arrived = anyio.Event()
+
+    async def _durably(self, write: Callable[[_A], _R], arg: _A) -> _R:
+        """``write(arg)`` in a worker thread, retried until it succeeds. While it cannot (a full disk, an I/O
+        error: ``JournalWriteError``, which leaves nothing behind) the batch stays unacked, so JetStream
+        keeps its records and the actors' publishes queue behind it: backpressure, never an ack without a
+        durable write and never a crash loop. One event when it blocks, one when it resumes."""
+        delay = 0.5
+        while True:
+            try:
+                result = await anyio.to_thread.run_sync(write, arg)
+            except JournalWriteError as exc:
+                if self.blocked_since is None:
+                    self.blocked_since = time.time()
+                    self.blocked_error = str(exc)
+                    log.error(
+                        "learner.journal_blocked",
+                        error=str(exc),
+                        errno=exc.errno,
+                        action="not acking: JetStream keeps the records; retrying until the disk takes writes",
+                    )
+                await anyio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            if self.blocked_since is not None:
+                log.info("learner.journal_resumed", blocked_s=round(time.time() - self.blocked_since, 1))
+                self.blocked_since, self.blocked_error = None, ""
+            return result
+
+    def blocked_s(self) -> float:
+        """Seconds the journal has refused writes (0 when it takes them): the dashboard's disk-full flag."""
+        return 0.0 if self.blocked_since is None else round(time.time() - self.blocked_since, 1)
 
     def replay(self) -> list[Screened]:
         """Rebuild from the journal, screened as at ingest: a record journaled before validation existed (or
@@ -249,7 +286,11 @@ class Ingest:
         appending (to the active journal file) and credits keep flowing meanwhile."""
         before = self.journal.active_seq  # journal files sealed after this may hold episodes ``live`` does not know
         live = set(self.assembler.open) | {ep for ep, _ in self.untrained} | {s.episode for s in self.ready}
-        r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
+        try:
+            r = await anyio.to_thread.run_sync(self.journal.compact, live | self._taking, before)
+        except OSError as exc:  # a full disk: settled.json could not be written; nothing changed, tried next step
+            log.warning("learner.journal_compact_failed", error=str(exc))
+            return
         if r.deleted_files:
             log.info(
                 "learner.journal_compacted",

@@ -338,6 +338,7 @@ class Learner:
             "journal_bytes": self.ingest.journal.size_bytes(),
             "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
             "journal_files": self.ingest.journal.files,
+            "journal_blocked_s": self.ingest.blocked_s(),  # > 0: a full disk; ingest holds its batch unacked
             "poison": self.ingest.poison.metrics(),
             "stale_masked_tokens": self.inputs.stale_masked_tokens,
             "settled": dict(self.settler.counts),  # delivered turns settled, by reason (design §7)

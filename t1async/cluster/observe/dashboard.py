@@ -226,6 +226,9 @@ def _over(v: dict[str, Any], key: str, count: str) -> Any:
 
 
 def _learner_state(v: dict[str, Any]) -> str:
+    blocked = v.get("journal_blocked_s")
+    if isinstance(blocked, (int, float)) and blocked > 0:  # a full disk: backpressure, not a crash
+        return f"DISK FULL {blocked:.0f}s: not acking, JetStream keeps the turns"
     if v.get("training") is True:
         return "training"
     if isinstance(v.get("untrained_turns"), int):
