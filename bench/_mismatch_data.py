@@ -280,7 +280,12 @@ def retokenize(ep: SampledEpisode, tok: ChatTokenizer) -> Retokenized:
         # the turn's tokens: any token overlapping the content, then the template's im_end if sampled
         idx = list(np.flatnonzero((offs[:, 1] > c0) & (offs[:, 0] < c1))) if c1 > c0 else []
         end_tok = int(np.searchsorted(offs[:, 0], c1, side="left"))
-        if len(sampled) and int(sampled[-1]) == tok.im_end_id and end_tok < r and int(ids[end_tok]) == tok.im_end_id:
+        if (
+            len(sampled)
+            and int(sampled[-1]) == tok.end_of_turn_id
+            and end_tok < r
+            and int(ids[end_tok]) == tok.end_of_turn_id
+        ):
             idx.append(end_tok)
         for i, p in enumerate(idx):
             loss[p] = True

@@ -88,7 +88,7 @@ class ScriptedSampler:
         k = self.calls
         self.calls += 1
         cmd = self.COMMANDS[k % len(self.COMMANDS)].format(k=k, k2=k + 40)
-        out = self.tok.encode(f"Next.\n```bash\n{cmd}\n```") + [self.tok.im_end_id]
+        out = self.tok.encode(f"Next.\n```bash\n{cmd}\n```") + [self.tok.end_of_turn_id]
         out = out[: params.max_new_tokens]
         start = 0 if routed_experts_start_len is None else routed_experts_start_len
         pos = np.arange(start, len(input_ids) + len(out) - 1)

@@ -177,7 +177,7 @@ async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer)
 
     scripts = make_scripts(args.episodes, args.turns, seed=args.seed)
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=(tok.im_end_id,)
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=(tok.end_of_turn_id,)
     )
     async with launch_sampler(model_dir, dtype=args.sampler_dtype, max_batch=args.max_batch, seed=args.seed) as url:
         async with SGLangClient([url]) as client:

@@ -95,7 +95,7 @@ def render_turns_ids(
     ids = prompt_ids(tokenizer, instruction, system_prompt)
     mask = [False] * len(ids)
     for k, (text, observation) in enumerate(turns):
-        out = list(tokenizer.encode(text)) + [tokenizer.im_end_id]
+        out = list(tokenizer.encode(text)) + [tokenizer.end_of_turn_id]
         ids += out
         mask += [True] * len(out)
         if k + 1 < len(turns):
@@ -259,7 +259,7 @@ async def run_agent(
         rid,
     )
     policy = make_policy(cfg.context)
-    stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.im_end_id, *tokenizer.eos_ids}))
+    stop_ids = cfg.sampling.stop_token_ids or tuple(sorted({tokenizer.end_of_turn_id, *tokenizer.eos_ids}))
     reason: EndReason = EndReason.MAX_TURNS
     detail = ""
     turns = 0

@@ -132,7 +132,7 @@ async def test_loop_trains_versions_within_staleness(tmp_path, tiny_model, eta):
         num_layers=cfg.n_layers,
         topk=cfg.top_k,
         num_experts=cfg.n_experts,
-        eos_token_id=tok.im_end_id,
+        eos_token_id=tok.end_of_turn_id,
         seed=eta,
     )
     seen: list = []
@@ -174,7 +174,7 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
         num_layers=cfg.n_layers,
         topk=cfg.top_k,
         num_experts=cfg.n_experts,
-        eos_token_id=tok.im_end_id,
+        eos_token_id=tok.end_of_turn_id,
     )
     first = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=broker, sampler=sampler, seen=[])
     trained_first = {(ep, t) for ep, ts in first.state.trained.items() for t in ts}

@@ -33,7 +33,7 @@ IM_START, IM_END = 256, 257
 class ByteTok:
     """A byte-level ChatML tokenizer with the ChatTokenizer methods the agent uses."""
 
-    im_end_id = IM_END
+    end_of_turn_id = IM_END
     eos_ids = (IM_END,)
 
     def encode(self, text: str) -> list[int]:
@@ -86,7 +86,7 @@ class ScriptedSampler:
         finish = "stop"
         if isinstance(reply, tuple):
             reply, finish = reply
-        out = self.tok.encode(reply) + ([self.tok.im_end_id] if finish == "stop" else [])
+        out = self.tok.encode(reply) + ([self.tok.end_of_turn_id] if finish == "stop" else [])
         out = out[: params.max_new_tokens]
         start = routed_experts_start_len or 0
         rows = len(input_ids) + len(out) - 1 - start
@@ -171,10 +171,10 @@ async def test_inputs_are_exact_ids_and_clean(tok):
         assert sampler.calls[k]["input_ids"] == want == turns[k].input_ids.tolist()
         assert want[: len(prev_in) + len(prev_out)] == prev_in + prev_out  # CLEAN boundary
     # the length-finished output got its end-of-turn from the bridge, not merged into the output
-    assert turns[1].finish == "length" and turns[1].output_ids[-1] != tok.im_end_id
-    assert turns[2].input_ids[len(turns[1].input_ids) + len(turns[1].output_ids)] == tok.im_end_id
+    assert turns[1].finish == "length" and turns[1].output_ids[-1] != tok.end_of_turn_id
+    assert turns[2].input_ids[len(turns[1].input_ids) + len(turns[1].output_ids)] == tok.end_of_turn_id
     assert sb.commands == ["touch t0", "touch t1"]
-    assert all(c["params"].stop_token_ids == tuple(sorted({tok.im_end_id, *tok.eos_ids})) for c in sampler.calls)
+    assert all(c["params"].stop_token_ids == tuple(sorted({tok.end_of_turn_id, *tok.eos_ids})) for c in sampler.calls)
 
 
 async def test_routing_start_tiles_the_sequence():

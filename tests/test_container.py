@@ -250,7 +250,7 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
         num_layers=cfg.n_layers,
         topk=cfg.top_k,
         num_experts=cfg.n_experts,
-        eos_token_id=ChatTokenizer.load().im_end_id,
+        eos_token_id=ChatTokenizer.load().end_of_turn_id,
         seed=1,
     )
     seen: list = []

@@ -263,7 +263,7 @@ async def run_scenario(
         num_layers=cfg.n_layers,
         topk=cfg.top_k,
         num_experts=cfg.n_experts,
-        eos_token_id=tok.im_end_id,
+        eos_token_id=tok.end_of_turn_id,
         seed=sc.seed,
     )
     broker = MemoryBroker(ack_wait_s=1.0, clock=anyio.current_time)  # redeliveries on the (mock) loop clock

@@ -277,16 +277,16 @@ async def test_eos_stops_unless_ignored(model_dir, tmp_path):
     p = PROMPTS[3]
     with torch.no_grad():
         first = int(m(torch.tensor([p])).logits[0, -1].argmax())
-        m.lm_head.weight[TOK.im_end_id] = 2 * m.lm_head.weight[first]
+        m.lm_head.weight[TOK.end_of_turn_id] = 2 * m.lm_head.weight[first]
     eng = Engine(save_pretrained(m, tmp_path / "eos"), EngineConfig())
     async with trio.open_nursery() as n:
         await n.start(eng.run)
         stopped = await eng.collect(req("e1", p, n=6))
         ignored = await eng.collect(req("e2", p, n=6, ignore_eos=True))
         n.cancel_scope.cancel()
-    assert stopped.output_ids == [TOK.im_end_id]
-    assert stopped.finish_reason == {"type": "stop", "matched": TOK.im_end_id}
-    assert len(ignored.output_ids) == 6 and ignored.output_ids[0] == TOK.im_end_id
+    assert stopped.output_ids == [TOK.end_of_turn_id]
+    assert stopped.finish_reason == {"type": "stop", "matched": TOK.end_of_turn_id}
+    assert len(ignored.output_ids) == 6 and ignored.output_ids[0] == TOK.end_of_turn_id
 
 
 async def test_abort_running_and_queued_requests(engine):

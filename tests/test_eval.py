@@ -44,7 +44,7 @@ class ScriptSampler:
         task, k = rid.removeprefix("eval-").rsplit("-s", 1)[0], int(rid.rsplit("/", 1)[1])
         chunks = self.chunks[task] if self.oracle else []
         text = render_command(chunks[k]) if k < len(chunks) else "DONE"
-        ids = list(self.tok.encode(text)) + [self.tok.im_end_id]
+        ids = list(self.tok.encode(text)) + [self.tok.end_of_turn_id]
         return Generation(np.asarray(ids, np.int32), np.full(len(ids), -0.1, np.float32), "stop", 0)
 
     async def aclose(self) -> None:

@@ -70,7 +70,7 @@ class ScriptedMoESampler:
         if k in self.empty_at:
             out, finish = [], self.empty_at[k]
         else:
-            out = self.tok.encode(f"```bash\n{self.script(k)}\n```") + [self.tok.im_end_id]
+            out = self.tok.encode(f"```bash\n{self.script(k)}\n```") + [self.tok.end_of_turn_id]
             finish = "stop" if len(out) <= params.max_new_tokens else "length"
             out = out[: params.max_new_tokens]
         start = routed_experts_start_len or 0
@@ -176,7 +176,7 @@ def test_history_drops_oldest_turns_when_shortening_is_not_enough():
     head = tok.render([{"role": "system", "content": "s"}, {"role": "user", "content": "task"}])
     h = History(tok, head)
     for k in range(30):
-        out = tok.encode(f"echo {k} " + "x" * 80) + [tok.im_end_id]
+        out = tok.encode(f"echo {k} " + "x" * 80) + [tok.end_of_turn_id]
         h.add(
             out,
             f"[exit code: 0]\n{k}",
@@ -487,7 +487,7 @@ def test_compaction_property(sizes, keep, limit, frac):
     h = History(tok, head)
     outs = []
     for k, (n_out, n_obs) in enumerate(sizes):
-        out = [7 + (k % 50)] * n_out + [tok.im_end_id]
+        out = [7 + (k % 50)] * n_out + [tok.end_of_turn_id]
         obs = "[exit code: 0]\n" + "z" * n_obs
         outs.append(out)
         h.add(out, obs, tok.bridge_ids(out) + tok.message_ids("user", obs) + tok.generation_prompt_ids())

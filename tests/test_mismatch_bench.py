@@ -47,7 +47,7 @@ def episode(
 
 def test_canonical_outputs_retokenize_without_drift():
     tok = ChatTokenizer.load()
-    outs = [tok.encode("```bash\nls -la\n```") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]]
+    outs = [tok.encode("```bash\nls -la\n```") + [tok.end_of_turn_id], tok.encode("DONE") + [tok.end_of_turn_id]]
     ep = episode(tok, outs)
     r = retokenize(ep, tok)
     n = len(ep.tokens)
@@ -62,7 +62,7 @@ def test_noncanonical_output_drifts_and_shifts_later_context():
     canon = tok.encode("cat notes.txt")
     split = tok.encode("c") + tok.encode("at") + tok.encode(" no") + tok.encode("tes.txt")  # same text, other IDs
     assert tok.decode(split) == "cat notes.txt" and split != canon
-    ep = episode(tok, [split + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]])
+    ep = episode(tok, [split + [tok.end_of_turn_id], tok.encode("DONE") + [tok.end_of_turn_id]])
     r = retokenize(ep, tok)
     first_turn = r.loss_mask & (np.arange(len(r.tokens)) < ep.turn_spans[1][0] - 5)
     assert r.drift[first_turn].any()  # the first turn's IDs changed
@@ -77,7 +77,12 @@ def test_exact_ids_through_the_learners_tito_assembly_keep_every_sampled_token()
     tok = ChatTokenizer.load()
     split = tok.encode("c") + tok.encode("at") + tok.encode(" no") + tok.encode("tes.txt")  # non-canonical
     ep = episode(
-        tok, [split + [tok.im_end_id], tok.encode("ls") + [tok.im_end_id], tok.encode("DONE") + [tok.im_end_id]]
+        tok,
+        [
+            split + [tok.end_of_turn_id],
+            tok.encode("ls") + [tok.end_of_turn_id],
+            tok.encode("DONE") + [tok.end_of_turn_id],
+        ],
     )
     segs, stats = assemble(ep, "e")
     assert len(segs) == 1 and stats.clean == stats.boundaries == 2 and stats.fork == stats.realign == 0

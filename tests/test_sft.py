@@ -29,7 +29,7 @@ class ScriptedSampler:
 
     async def generate(self, input_ids, params: SamplingParams, *, routed_experts_start_len=None, rid=None):
         self.inputs.append([int(t) for t in input_ids])
-        out = np.asarray([*self.tok.encode(self.replies[len(self.inputs) - 1]), self.tok.im_end_id], np.int32)
+        out = np.asarray([*self.tok.encode(self.replies[len(self.inputs) - 1]), self.tok.end_of_turn_id], np.int32)
         return Generation(output_ids=out, logprobs=np.zeros(len(out), np.float32), finish="stop", policy_version=0)
 
     async def aclose(self) -> None:

@@ -322,7 +322,7 @@ def _run_agent(tok, turns: int, *, token_in: bool) -> Assembler:
             inp = tok.render(msgs)  # re-encode the whole chat text every turn
         out = _sampled_ids(tok, action)
         if t % 3 != 2:  # sometimes a length finish: no end-of-turn token
-            out.append(tok.im_end_id)
+            out.append(tok.end_of_turn_id)
         asm.add(_turn("agent", t, inp, out, prev=seq if t else None))
         seq, seq_out = inp + out, out
         msgs += [

@@ -15,6 +15,7 @@ from t1async.model.tokenizer import CHAT_TEMPLATE, ChatTokenizer, assets_dir
 from t1async.protocol.errors import ConfigError
 
 TOK = ChatTokenizer.load()
+IM_START_ID = TOK.tok.token_to_id("<|im_start|>")
 
 CONVO = [
     {"role": "system", "content": "You are a terminal agent."},
@@ -34,20 +35,20 @@ def test_shipped_files_load_with_tokenizers_and_carry_the_hf_config():
     for tid, spec in cfg["added_tokens_decoder"].items():
         assert raw.token_to_id(spec["content"]) == int(tid) and spec["special"]
     assert TOK.vocab_size == raw.get_vocab_size() == 4096
-    assert TOK.eos_ids == (TOK.im_end_id,) and TOK.pad_id != TOK.im_end_id != TOK.im_start_id
+    assert TOK.eos_ids == (TOK.end_of_turn_id,) and TOK.pad_id != TOK.end_of_turn_id != IM_START_ID
 
 
 def test_render_text_equals_the_jinja_template():
     for gen in (True, False):
         jinja = jinja2.Environment().from_string(CHAT_TEMPLATE).render(messages=CONVO, add_generation_prompt=gen)
-        assert ChatTokenizer.render_text(CONVO, add_generation_prompt=gen) == jinja
+        assert TOK.render_text(CONVO, add_generation_prompt=gen) == jinja
 
 
 def test_pieces_decode_to_exactly_the_rendered_text():
     pieces = [i for m in CONVO for i in TOK.message_ids(m["role"], m["content"])] + TOK.generation_prompt_ids()
-    assert TOK.decode(pieces) == TOK.decode(TOK.render(CONVO)) == ChatTokenizer.render_text(CONVO)
+    assert TOK.decode(pieces) == TOK.decode(TOK.render(CONVO)) == TOK.render_text(CONVO)
     assert TOK.render(CONVO) == pieces  # this conversation has no merge across piece boundaries
-    assert TOK.generation_prompt_ids()[0] == TOK.im_start_id
+    assert TOK.generation_prompt_ids()[0] == IM_START_ID
     assert TOK.decode(TOK.generation_prompt_ids()) == "<|im_start|>assistant\n"
 
 
@@ -59,21 +60,21 @@ def test_text_level_rendering_drifts_from_exact_pieces():
     assert TOK.decode(rendered) == TOK.decode(pieces)
     assert rendered != pieces
     # a sampled output that is not the canonical encoding of its text drifts when re-encoded
-    sampled = [t for ch in "ls -la" for t in TOK.encode(ch)] + [TOK.im_end_id]
+    sampled = [t for ch in "ls -la" for t in TOK.encode(ch)] + [TOK.end_of_turn_id]
     reencoded = TOK.encode(TOK.decode(sampled))
     assert TOK.decode(reencoded) == TOK.decode(sampled) and reencoded != sampled
 
 
 def test_bridge_ids_close_a_turn_once():
-    out = TOK.encode("echo hi") + [TOK.im_end_id]
+    out = TOK.encode("echo hi") + [TOK.end_of_turn_id]
     assert TOK.bridge_ids(out) == TOK.encode("\n")
-    assert TOK.bridge_ids(out[:-1]) == [TOK.im_end_id] + TOK.encode("\n")
-    assert TOK.bridge_ids([]) == [TOK.im_end_id] + TOK.encode("\n")
+    assert TOK.bridge_ids(out[:-1]) == [TOK.end_of_turn_id] + TOK.encode("\n")
+    assert TOK.bridge_ids([]) == [TOK.end_of_turn_id] + TOK.encode("\n")
 
 
 def test_message_ids_layout():
     ids = TOK.message_ids("user", "hello")
-    assert ids == [TOK.im_start_id, *TOK.encode("user\n"), *TOK.encode("hello"), TOK.im_end_id, *TOK.encode("\n")]
+    assert ids == [IM_START_ID, *TOK.encode("user\n"), *TOK.encode("hello"), TOK.end_of_turn_id, *TOK.encode("\n")]
     assert TOK.decode(ids, skip_special_tokens=True) == "user\nhello\n"
 
 
@@ -100,6 +101,6 @@ def test_train_script_writes_loadable_files(tmp_path):
     tok = ChatTokenizer.load(tmp_path)
     assert tok.vocab_size == 400
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert cfg["added_tokens_decoder"][str(tok.im_end_id)]["content"] == "<|im_end|>"
-    text = ChatTokenizer.render_text(CONVO)
-    assert tok.decode(tok.render(CONVO)) == text
+    assert cfg["added_tokens_decoder"][str(tok.end_of_turn_id)]["content"] == "<|im_end|>"
+    text = tok.render_text(CONVO)
+    assert text == TOK.render_text(CONVO) and tok.decode(tok.render(CONVO)) == text

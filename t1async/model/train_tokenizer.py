@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from t1async.model.tokenizer import SPECIAL_TOKENS, ChatTokenizer, assets_dir
+from t1async.model.tokenizer import SPECIAL_TOKENS, ChatTokenizer, assets_dir, chatml_text
 
 WORDS = (
     "the a an of to in for on with from by file files directory line lines output input error test tests "
@@ -165,7 +165,7 @@ def _conversation(r: random.Random) -> str:
     for _ in range(r.randint(1, 4)):
         turns.append(("assistant", f"```bash\n{_command(r)}\n```"))
         turns.append(("tool", _output(r)))
-    return ChatTokenizer.render_text([{"role": a, "content": b} for a, b in turns], add_generation_prompt=False)
+    return chatml_text([{"role": a, "content": b} for a, b in turns], add_generation_prompt=False)
 
 
 def corpus(seed: int, n_docs: int) -> list[str]:

@@ -3,7 +3,7 @@
 A demonstration is a task's oracle solution rendered as agent turns (``sandbox_agent.runner.oracle_turns``:
 ``[(assistant_text, observation), ..., ("DONE", "")]``, observations from really running each chunk in the
 sandbox). ``demo_tokens`` builds the token sequence the agent would have produced had the model sampled
-those replies: the first input is ``render(system + instruction)``; each reply is ``encode(text) + <|im_end|>``
+those replies: the first input is ``render(system + instruction)``; each reply is ``encode(text) + end_of_turn_id``
 (the sampler stops on, and keeps, the end-of-turn token); then ``bridge_ids`` + the observation message
 encoded on its own + the generation prompt. The loss is on the reply tokens only. So SFT trains the very
 token sequences RL later samples: no template mismatch between warm start and RL.
@@ -81,7 +81,7 @@ def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
     if not demo.turns:
         raise ConfigError(f"demonstration for {demo.task} has no turns")
     for k, (reply, obs) in enumerate(demo.turns):
-        out = [*tok.encode(reply), tok.im_end_id]
+        out = [*tok.encode(reply), tok.end_of_turn_id]
         ids += out
         mask += [True] * len(out)
         if k == len(demo.turns) - 1:
