@@ -12,7 +12,7 @@ Two traps, and how they are avoided:
   So every child here is forked by one dedicated thread that never returns (a daemon blocked on its queue):
   it ends only with the process.
 - ``preexec_fn`` is unsafe in a threaded parent. Instead the child starts as a tiny shim,
-  ``python -I -S -c SHIM PPID SIG FD argv...`` (~20 ms), that calls prctl, exits if its parent already died
+  ``python -I -S -c SHIM PPID SIG FD argv...``, that calls prctl, exits if its parent already died
   (the race before prctl), then ``execvp``s the real argv; the spawn returns once that exec closed FD, so
   ``/proc/PID/cmdline`` already shows the real argv to whoever records it (``cluster.json``). The signal
   survives ``execve`` (it is cleared only for a set-uid binary): it guards a Go binary such as nats-server
