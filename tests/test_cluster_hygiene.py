@@ -139,7 +139,8 @@ async def test_a_guarded_child_dies_with_its_parent_even_after_an_idle_spawner(t
         "trio.run(main)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    parent = await open_process([sys.executable, str(script)], stdout=open(tmp_path / "pids", "wb"), env=env)
+    with open(tmp_path / "pids", "wb") as out:
+        parent = await open_process([sys.executable, str(script)], stdout=out, env=env)
     try:
         with anyio.fail_after(60):
             while len((tmp_path / "pids").read_text().split()) < 2:
