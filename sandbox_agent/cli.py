@@ -11,7 +11,10 @@
 Dockerfile, or only FROM/WORKDIR/COPY/ENV), else the container backend (podman).
 
 Exit status: 0 done (whatever the tests said), 1 the task could not be run (TaskNeedsImageError, a broken
-task, a sandbox failure), 2 bad usage. With ``--json`` the last line of stdout is one JSON object.
+task, a sandbox failure), 2 bad usage, 3 the task's image did not build (its Dockerfile failed, e.g. a host
+it needs is unreachable: not the policy's fault). With ``--json`` the last line of stdout is one JSON object,
+whatever the outcome; ``"status": "image_build_failed"`` names the failing ``step`` and unreachable ``host``.
+``check`` exits 1 if a task is bad, else 3 if some task's image did not build.
 """
 
 from __future__ import annotations
@@ -24,8 +27,12 @@ from pathlib import Path
 import trio
 
 from sandbox_agent.backend import BackendName
+from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
 from t1async.log import configure
 from t1async.protocol.errors import T1Error
+
+EXIT_NOT_RUN = 1
+EXIT_IMAGE_BUILD_FAILED = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,7 +171,11 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
     from sandbox_agent.verifier import VerifierConfig
 
     verifier = VerifierConfig(allow_network=a.verifier_network)
-    run = trio.run(lambda: run_policy(task, policy, backend=backend, verifier=verifier))
+    head = {"task": task.id, "format": task.format, "agent": policy.name, "backend": backend.name}
+    try:
+        run = trio.run(lambda: run_policy(task, policy, backend=backend, verifier=verifier))
+    except Exception as exc:
+        return _run_task_failed(a, head, exc)
     v = run.verify
     print(f"task {task.id} ({task.format}) agent={policy.name} backend={backend.name} verifier={v.path}")
     if run.act is not None:
@@ -198,6 +209,28 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+def _run_task_failed(a: argparse.Namespace, head: dict, exc: Exception) -> int:
+    """run-task could not run the task: say why in one line (and, with --json, as its JSON line)."""
+    from sandbox_agent.images import image_build_error
+
+    built = image_build_error(exc)
+    if built is None:
+        leaves = list(exc.exceptions) if isinstance(exc, ExceptionGroup) else [exc]
+        err = next((e for e in leaves if isinstance(e, T1Error)), None)
+        if err is None:
+            raise exc
+        if a.json:
+            print(json.dumps({**head, "status": "error", "resolved": False, "detail": str(err)[:2000]}))
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NOT_RUN
+    if a.json:
+        fields = {"status": IMAGE_BUILD_FAILED, "resolved": False, "reward": 0, "passed": 0, "total": 0, "tests": {}}
+        detail = {"step": built.step, "host": built.host, "detail": built.cause}
+        print(json.dumps({**head, **fields, **detail}))
+    print(f"error: {built}", file=sys.stderr)
+    return EXIT_IMAGE_BUILD_FAILED
 
 
 def _cmd_check(a: argparse.Namespace) -> int:
@@ -237,26 +270,41 @@ def _cmd_check(a: argparse.Namespace) -> int:
 
     rows = trio.run(run_all)
     for r in rows:
+        if r.unbuilt is not None:
+            at = f" at `{r.unbuilt.step}`" if r.unbuilt.step else ""
+            print(f"IMG {r.task_id:<40} image build failed{at}: {r.unbuilt.cause}")
+            continue
         print(
             f"{'ok ' if r.ok else 'BAD'} {r.task_id:<40} oracle {r.oracle.status} {r.oracle.passed}/{r.oracle.total}"
             f"  null {r.null.status} {r.null.passed}/{r.null.total}"
         )
-    bad = [r.task_id for r in rows if not r.ok]
-    print(f"{len(rows) - len(bad)} of {len(rows)} tasks ok")
+    unbuilt = [r for r in rows if r.unbuilt is not None]
+    bad = [r.task_id for r in rows if not r.ok and r.unbuilt is None]
+    checked = len(rows) - len(unbuilt)
+    print(
+        f"{checked - len(bad)} of {checked} tasks ok"
+        + (f"; {len(unbuilt)} more could not build their image (not counted)" if unbuilt else "")
+    )
     if a.json:
         print(
             json.dumps(
                 {
                     "tasks": len(rows),
-                    "ok": len(rows) - len(bad),
+                    "ok": checked - len(bad),
                     "bad": bad,
                     "skipped": [t.id for t in skipped],
+                    IMAGE_BUILD_FAILED: len(unbuilt),
+                    "unbuilt": [
+                        {"task": r.task_id, "step": r.unbuilt.step, "host": r.unbuilt.host, "detail": r.unbuilt.cause}
+                        for r in unbuilt
+                        if r.unbuilt is not None
+                    ],
                     "oracle_resolved": sum(r.oracle.resolved for r in rows),
                     "null_resolved": sum(r.null.resolved for r in rows),
                 }
             )
         )
-    return 1 if bad else 0
+    return EXIT_NOT_RUN if bad else EXIT_IMAGE_BUILD_FAILED if unbuilt else 0
 
 
 def _cmd_list(a: argparse.Namespace) -> int:
@@ -328,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     except _Usage as exc:
         p.error(str(exc))
     except T1Error as exc:
+        if a.cmd == "run-task" and a.json:  # e.g. a task dir it cannot read: still one JSON line
+            print(json.dumps({"task": str(a.task_dir), "status": "error", "resolved": False, "detail": str(exc)}))
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_RUN
     return 0

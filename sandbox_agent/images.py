@@ -31,6 +31,7 @@ import threading
 import tomllib
 from pathlib import Path
 
+from sandbox_agent.buildfail import BuildFailure, parse_build_failure, unreachable_host
 from sandbox_agent.dockerfile import TBENCH_BASE, TBENCH_WORKDIR, build_context, dockerfile_of
 from sandbox_agent.sandbox.base import SandboxStartError
 from sandbox_agent.tasks import Task
@@ -88,6 +89,16 @@ INSTALL_HINT = "install it with `apt-get install -y podman runc mmdebstrap`"
 
 class ImageError(SandboxStartError):
     """An image could not be built or resolved; the message names the step and the fix."""
+
+
+class ImageBuildError(ImageError):
+    """A task's image did not build: the task cannot run here, whatever the policy does. Reports count it
+    apart from a policy's failures (status ``image_build_failed``)."""
+
+    def __init__(self, task_id: str, failure: BuildFailure) -> None:
+        self.task_id, self.step, self.host, self.cause = task_id, failure.step, failure.host, failure.cause
+        at = f" at step `{failure.step}`" if failure.step else ""
+        super().__init__(f"task {task_id!r}: image build failed{at}: {failure.cause}")
 
 
 def podman() -> str:
@@ -313,12 +324,24 @@ def _task_image(task: Task, tag: str) -> str:
         if alias:
             stages.add(alias.group(1))
         if local is None:
-            raise ImageError(
-                f"task {task.id!r}: base image {ref!r} ({df}) is not local and not in the image map: "
-                f"add it to $T1_IMAGE_MAP or run `python -m sandbox_agent images build-base`"
+            raise ImageBuildError(
+                task.id,
+                BuildFailure(
+                    f"FROM {ref}",
+                    None,
+                    f"base image {ref!r} ({df}) is not local and not in the image map: add it to $T1_IMAGE_MAP "
+                    "or run `python -m sandbox_agent images build-base`",
+                ),
             )
         if ref not in stages:
-            _ensure(local)
+            try:
+                _ensure(local)
+            except ImageBuildError:
+                raise
+            except ImageError as exc:  # the mapped image is missing, or the base image did not build
+                raise ImageBuildError(
+                    task.id, BuildFailure(f"FROM {ref}", unreachable_host(str(exc)), str(exc))
+                ) from exc
         workdir = f"\nWORKDIR {TBENCH_WORKDIR}" if TBENCH_BASE.match(ref) else ""  # as t-bench's images set
         return f"{m.group(1)}{m.group(2)}{local}{rest}{workdir}"
 
@@ -328,9 +351,14 @@ def _task_image(task: Task, tag: str) -> str:
     try:
         log.info("images.task_build", task=task.id, tag=tag)
         trust = [f"--volume={host}:{inside}" for host, inside in host_ca_volumes()]
-        run_podman("build", "--pull=never", *trust, "-f", f.name, "-t", tag, str(ctx), timeout=1800)
+        argv = ["build", "--pull=never", *trust, "-f", f.name, "-t", tag, str(ctx)]
+        out = subprocess.run([podman(), *argv], env=podman_env(), capture_output=True, timeout=1800)
     finally:
         os.unlink(f.name)
+    if out.returncode != 0:
+        failure = parse_build_failure(out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace"))
+        log.warning("images.task_build_failed", task=task.id, step=failure.step, host=failure.host, cause=failure.cause)
+        raise ImageBuildError(task.id, failure)
     return tag
 
 
@@ -359,3 +387,20 @@ def _safe(s: str) -> str:
 def image_workdir(image: str) -> str:
     out = run_podman("image", "inspect", "--format", "{{.Config.WorkingDir}}", image)
     return out.stdout.decode().strip() or "/"
+
+
+def image_build_error(exc: BaseException) -> ImageBuildError | None:
+    """The ImageBuildError behind ``exc`` (itself, inside an exception group, or its cause), else None."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ImageBuildError):
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None

@@ -25,6 +25,7 @@ from sandbox_agent.actions import format_observation
 from sandbox_agent.agent import run_agent
 from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn
 from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
+from sandbox_agent.buildfail import BuildFailure
 from sandbox_agent.sandbox import ExecResult, Sandbox
 from sandbox_agent.tasks import Task, populate_workdir
 from sandbox_agent.verifier import VerifierConfig, VerifyResult, share_read_only, verify
@@ -203,11 +204,12 @@ class TaskCheck:
     task_id: str
     oracle: VerifyResult
     null: VerifyResult
+    unbuilt: BuildFailure | None = None  # the task's image did not build: neither ran (not a bad task)
 
     @property
     def ok(self) -> bool:
         o, n = self.oracle, self.null
-        return o.status == "ok" and o.resolved and n.status == "ok" and not n.resolved
+        return self.unbuilt is None and o.status == "ok" and o.resolved and n.status == "ok" and not n.resolved
 
 
 async def check_tasks(
@@ -223,9 +225,19 @@ async def check_tasks(
     limit = anyio.CapacityLimiter(concurrency)
 
     async def one(i: int, t: Task) -> None:
+        from sandbox_agent.images import image_build_error
+
         async with limit:
-            o = await run_policy(t, OracleAgent(), backend=backend, verifier=verifier)
-            n = await run_policy(t, NullAgent(), backend=backend, verifier=verifier)
+            try:
+                o = await run_policy(t, OracleAgent(), backend=backend, verifier=verifier)
+                n = await run_policy(t, NullAgent(), backend=backend, verifier=verifier)
+            except Exception as exc:  # an image that does not build is counted apart; anything else is raised
+                err = image_build_error(exc)
+                if err is None:
+                    raise
+                none = VerifyResult.failed("error", str(err))
+                out[i] = TaskCheck(t.id, none, none, BuildFailure(err.step, err.host, err.cause))
+                return
         out[i] = TaskCheck(t.id, o.verify, n.verify)
 
     async with anyio.create_task_group() as tg:

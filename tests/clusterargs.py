@@ -1,11 +1,57 @@
-"""What a ``cluster up`` command line hands the learner: its argv (``learner serve --config FILE.toml``), and
-that argv resolved by ``learner serve`` into its settings."""
+"""For tests of ``cluster up``: ``cluster_up`` starts it so that nothing outlives the test, and what its
+command line hands the learner: its argv (``learner serve --config FILE.toml``), and that argv resolved by
+``learner serve`` into its settings."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+@contextmanager
+def cluster_up(
+    run_dir: Path, args: Sequence[str], *, env: dict, stop_timeout_s: float = 60.0, **popen: Any
+) -> Iterator[subprocess.Popen]:
+    """``python -m t1async.cluster up --run-dir RUN_DIR ARGS`` in a session (process group) of its own; ``popen``
+    goes to Popen (stdout, stderr, text). However the block ends (an assertion, pytest-timeout's signal raising
+    in the test), ``stop_cluster`` runs."""
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *args]
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        stop_cluster(proc, run_dir, stop_timeout_s)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_cluster(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 60.0) -> None:
+    """Stop a ``cluster_up`` process: SIGTERM to its process group (the supervisor stops its components),
+    SIGKILL to the group after ``timeout_s``, then stop by PID whatever it recorded in cluster.json and left
+    (``reap_stale``; its components run in sessions of their own and die with it anyway, design §9)."""
+    from t1async.cluster.state import reap_stale
+
+    if proc.poll() is None:
+        _killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    _killpg(proc.pid, signal.SIGKILL)  # whatever is left in its group (a one-shot job before NATS)
+    reap_stale(run_dir, timeout=5.0)
 
 
 def learner_argv(run_dir: Path, *argv: str) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
 from t1async.transport import NatsTransport, traj_subject
+from tests.clusterargs import stop_cluster
 from tests.test_natsd import alive
 from tests.test_transport import end, start, turn
 
@@ -70,14 +71,8 @@ def _wait_running(run_dir, proc, timeout: float = 20.0) -> ClusterState:
     raise AssertionError(f"cluster in {run_dir} did not come up")
 
 
-def _stop(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _stop(proc, run_dir) -> None:
+    stop_cluster(proc, run_dir, 10)
 
 
 def test_up_status_down(tmp_path, repo_env, capsys):
@@ -88,6 +83,7 @@ def test_up_status_down(tmp_path, repo_env, capsys):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         state = _wait_running(run_dir, proc)
@@ -103,7 +99,7 @@ def test_up_status_down(tmp_path, repo_env, capsys):
         assert cli.main(["status", "--run-dir", str(run_dir)]) == cli.EXIT_NOT_RUNNING
         assert (run_dir / "logs" / "nats-server.log").exists() and (run_dir / "logs" / "supervisor.jsonl").exists()
     finally:
-        _stop(proc)
+        _stop(proc, run_dir)
 
 
 def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
@@ -177,7 +173,9 @@ def _small_cluster(run_dir, env) -> subprocess.Popen:
     """``cluster up`` with one actor on 5 small tasks for at most 120 s, its output piped."""
     argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120"]
     argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 @pytest.mark.slow
@@ -191,7 +189,7 @@ def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, r
         os.kill(learner, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
-        _stop(proc)
+        _stop(proc, run_dir)
     assert proc.returncode == 1
     assert out.splitlines()[-1].startswith(f"cluster stopped: learner (pid {learner}) exited with code -9; see ")
     raw = [x for x in (out + err).splitlines() if x.startswith("{") or "[error" in x or "component_exited" in x]
@@ -212,7 +210,7 @@ def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env)
         proc.send_signal(signal.SIGHUP)
         out, _ = proc.communicate(timeout=90)
     finally:
-        _stop(proc)
+        _stop(proc, run_dir)
         for info in started:  # never leave them behind, whatever happened
             if alive(info.pid):
                 os.kill(info.pid, signal.SIGKILL)

@@ -4,7 +4,6 @@ actors in bubblewrap, the learner) for a short bounded run, watched from the wir
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.transport import NatsTransport
+from tests.clusterargs import stop_cluster
 
 pytestmark = pytest.mark.slow
 ETA = 1
@@ -113,9 +113,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
                             pass  # the last version's update races the shutdown
         proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=30)
+        stop_cluster(proc, run_dir, 30)
         out.close()
     log = (tmp_path / "up.out").read_text()
     assert proc.returncode == 0, log[-3000:]

@@ -132,7 +132,7 @@ def build_graph(root: Path = ROOT, tops: tuple[str, ...] = TOPS) -> tuple[dict[s
 
 # --- the layers ------------------------------------------------------------------------------------------
 
-CORE = ("transport", "credits", "ingest", "learner", "sampler", "model", "curves", "config", "signals")
+CORE = ("transport", "credits", "ingest", "learner", "sampler", "model", "curves", "config", "signals", "procs")
 APPLICATIONS = ("t1async.cluster", "t1async.eval", "t1async.recipes", "actors", "bench")
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.clusterargs import stop_cluster
+
 
 def events(log: Path, name: str) -> list[dict]:
     if not log.is_file():
@@ -79,9 +81,7 @@ def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, 
         try:
             proc.wait(timeout=420)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
+            stop_cluster(proc, run, 60)
     text = (tmp_path / "up.out").read_text()
     assert proc.returncode == 0 and "cluster stopped: learner finished" in text, text[-3000:]
 

@@ -37,6 +37,7 @@ from sandbox_agent.synth import generate
 from t1async.cluster.state import ClusterState
 from t1async.learner.checkpoint import latest_checkpoint
 from t1async.recipes.warmstart import build, get_recipe
+from tests.clusterargs import stop_cluster
 
 # pyproject's global 300 s timeout does not fit a cold machine: building the micro warm start from nothing
 # takes 2-4 minutes on 2 cores, then the two cluster runs have 900 s deadlines each of their own.
@@ -118,14 +119,8 @@ def reward(m: dict) -> float:
     return m["reward_sum"] / m["turns"]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)  # the supervisor stops every component it started
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop(proc: subprocess.Popen, run: Path) -> None:
+    stop_cluster(proc, run, 60)  # SIGTERM to its process group (the supervisor stops every component), ...
 
 
 def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
@@ -134,7 +129,9 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     generate(tasks, 300, seed=0, families=["touch4"])
     run = tmp_path / "run"
     log = open(tmp_path / "up-1.log", "w")
-    proc = subprocess.Popen(up_argv(run, tasks, 10 * RESUME_TO), env=repo_env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        up_argv(run, tasks, 10 * RESUME_TO), env=repo_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + RUN_DEADLINE_S
         while True:
@@ -150,7 +147,7 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
         os.kill(learner, signal.SIGKILL)
         proc.wait(120)  # a dying component ends the cluster
     finally:
-        stop(proc)
+        stop(proc, run)
         log.close()
     first = steps_of(run)
     killed_at = max(first)
@@ -170,11 +167,13 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     # the learner was SIGKILLed: the same run dir, started again, resumes from its last checkpoint
     offset = (run / "metrics.jsonl").stat().st_size
     log = open(tmp_path / "up-2.log", "w")
-    proc = subprocess.Popen(up_argv(run, tasks, RESUME_TO), env=repo_env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        up_argv(run, tasks, RESUME_TO), env=repo_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         rc = proc.wait(RUN_DEADLINE_S)
     finally:
-        stop(proc)
+        stop(proc, run)
         log.close()
     assert rc == 0, (tmp_path / "up-2.log").read_text()[-3000:]
     second = steps_of(run, offset)

@@ -27,6 +27,7 @@ from t1async.protocol.errors import ConfigError, TransportError
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
+from tests.clusterargs import stop_cluster
 from tests.test_natsd import alive
 from tests.test_transport import turn
 
@@ -264,9 +265,7 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop_cluster(proc, run_dir, 60)
         out.close()
     log = (tmp_path / "up.out").read_text()
     assert proc.returncode == 0, log[-3000:]

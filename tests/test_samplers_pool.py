@@ -17,6 +17,7 @@ from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import SamplerProcess
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.transport.natsd import free_port
+from tests.clusterargs import stop_cluster
 
 
 def pool(n: int = 2, cap: int = 2) -> SamplerPool:
@@ -220,9 +221,7 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=90)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop_cluster(proc, run_dir, 60)
         out.close()
     log = (tmp_path / "up.out").read_text()
     assert proc.returncode == 0, log[-3000:]

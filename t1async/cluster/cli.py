@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,15 @@ from typing import Any
 import anyio
 import httpx
 
-from t1async.cluster.state import DEFAULT_RUN_DIR, ClusterState, ProcInfo, ProcStatus, RunStatus, is_ours
+from t1async.cluster.state import (
+    DEFAULT_RUN_DIR,
+    ClusterState,
+    ProcStatus,
+    RunStatus,
+    is_ours,
+    reap_stale,
+    stop_recorded,
+)
 from t1async.log import configure
 from t1async.protocol.errors import ConfigError, T1Error
 from t1async.signals import cancel_on_stop
@@ -106,37 +112,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- down
 
 
-def _wait_gone(info: ProcInfo, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not is_ours(info):
-            return True
-        time.sleep(0.05)
-    return not is_ours(info)
-
-
-def _stop(info: ProcInfo, timeout: float) -> str:
-    if not is_ours(info):
-        return f"{info.name}: not running"
-    try:
-        os.kill(info.pid, signal.SIGTERM)
-        if _wait_gone(info, timeout):
-            return f"{info.name}: stopped (pid {info.pid})"
-        os.kill(info.pid, signal.SIGKILL)
-        _wait_gone(info, 5)
-        return f"{info.name}: killed (pid {info.pid}, did not stop within {timeout}s of SIGTERM)"
-    except ProcessLookupError:
-        return f"{info.name}: stopped (pid {info.pid})"
-
-
 def cmd_down(args: argparse.Namespace) -> int:
     state = ClusterState.load(args.run_dir)
     lines = []
     if state.supervisor is not None:  # the supervisor stops its components itself, NATS last
-        lines.append(_stop(state.supervisor, args.timeout))
-    for info in reversed(list(state.components.values())):  # whatever outlived it (e.g. it was SIGKILLed)
-        if is_ours(info):
-            lines.append(_stop(info, args.timeout))
+        lines.append(stop_recorded(state.supervisor, args.timeout))
+    # whatever outlived it (it was SIGKILLed, or had to be): by PID, only if still the recorded process
+    lines += [f"{line} (reaped: its supervisor was gone)" for line in reap_stale(args.run_dir, args.timeout)]
     state = ClusterState.load(args.run_dir)
     if state.status != RunStatus.STOPPED:
         state.status, state.components = RunStatus.STOPPED, {}

@@ -5,19 +5,24 @@
      "updated_at": ...}
 
 ``down`` and ``status`` trust a PID only if ``/proc/<pid>`` still shows the recorded cmdline and start time,
-so a reused PID is never signalled. Written atomically (temp file + rename).
+so a reused PID is never signalled. Written atomically (temp file + rename). ``reap_stale`` stops what a
+dead supervisor left behind (``up`` and ``down`` call it first).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
+
+log = get_logger("cluster")
 
 STATE_FILE = "cluster.json"
 DEFAULT_RUN_DIR = Path("runs/latest")
@@ -117,3 +122,47 @@ def is_ours(info: ProcInfo) -> bool:
     a zombie, whose cmdline reads back empty, is not alive)."""
     got = _read_proc(info.pid)
     return got is not None and got[0] == info.cmdline and got[1] == info.start_ticks
+
+
+def _wait_gone(info: ProcInfo, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not is_ours(info):
+            return True
+        time.sleep(0.05)
+    return not is_ours(info)
+
+
+def stop_recorded(info: ProcInfo, timeout: float) -> str:
+    """SIGTERM a recorded process by PID (only if ``is_ours``), SIGKILL after ``timeout``; says what it did."""
+    if not is_ours(info):
+        return f"{info.name}: not running"
+    try:
+        os.kill(info.pid, signal.SIGTERM)
+        if _wait_gone(info, timeout):
+            return f"{info.name}: stopped (pid {info.pid})"
+        os.kill(info.pid, signal.SIGKILL)
+        _wait_gone(info, 5)
+        return f"{info.name}: killed (pid {info.pid}, did not stop within {timeout}s of SIGTERM)"
+    except ProcessLookupError:
+        return f"{info.name}: stopped (pid {info.pid})"
+
+
+def reap_stale(run_dir: str | Path, timeout: float = 10.0) -> list[str]:
+    """Stop what an earlier, dead supervisor of ``run_dir`` left running (it was SIGKILLed, or its machine
+    hung): each recorded component whose PID still shows the recorded cmdline and start time, newest first.
+    A recycled PID is never signalled. Marks the state stopped; returns one line per process reaped."""
+    try:
+        old = ClusterState.load(run_dir)
+    except ConfigError:
+        return []
+    if old.status == RunStatus.STOPPED or (old.supervisor is not None and is_ours(old.supervisor)):
+        return []
+    lines = []
+    for info in reversed(list(old.components.values())):
+        if is_ours(info):
+            lines.append(stop_recorded(info, timeout))
+            log.warning("cluster.reaped", name=info.name, pid=info.pid, run_dir=str(run_dir), result=lines[-1])
+    old.status, old.components = RunStatus.STOPPED, {}
+    old.save()
+    return lines

@@ -5,6 +5,8 @@ nats-server unless ``nats_url`` points at an external one); the others are start
 each in its own session with stdout/stderr in ``<run-dir>/logs/<name>.log``, and each knows the NATS URL
 through ``T1_NATS_URL``. Stopping is the reverse: every component gets SIGTERM, then SIGKILL after
 ``stop_timeout_s``; NATS stops last. If a component exits on its own the whole cluster stops (exit 1).
+Every child carries a parent-death signal (t1async/procs.py): a SIGKILLed supervisor takes them along, and
+the next ``up`` on the run dir reaps by PID whatever it recorded and still runs (design §9).
 
 To add components (sampler, actors, learner): build more ``ProcessSpec`` in ``component_specs``.
 """
@@ -22,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.abc
 from anyio.abc import TaskStatus
 
-from t1async.cluster.state import ClusterState, RunStatus, is_ours, proc_info
+from t1async.cluster.state import ClusterState, RunStatus, is_ours, proc_info, reap_stale
 from t1async.log import get_logger
+from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ConfigError, ServerStartError
 from t1async.signals import STOP, next_signal, receive, set_handlers
 from t1async.transport.natsd import NatsServer
@@ -80,6 +82,10 @@ class Supervisor:
         """Run the cluster in the foreground; returns the exit status (0 clean stop, 1 a component died)."""
         run_dir = Path(self.config.run_dir)
         self._refuse_if_running(run_dir)
+        # an earlier supervisor of this run dir that was SIGKILLed may have left components (and with them
+        # the NATS store's lock, the sampler's port): stop them by PID first (design §9)
+        for line in await anyio.to_thread.run_sync(reap_stale, run_dir, self.config.stop_timeout_s):
+            print(f"reaped what an earlier cluster left running: {line}", flush=True)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.state.supervisor = proc_info("supervisor", os.getpid())
         self.state.save()
@@ -200,7 +206,7 @@ class Supervisor:
     ) -> bool:
         """Run the process once; False when it exited and ``spec.restart`` asks for another run."""
         with open(path, "ab") as out:
-            proc = await anyio.open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
+            proc = await open_process(list(spec.argv), stdout=out, stderr=out, env=env, start_new_session=True)
         self.state.components[spec.name] = proc_info(spec.name, proc.pid, str(path), list(spec.argv))
         self.state.save()
         log.info("cluster.started", name=spec.name, pid=proc.pid, log=str(path))
@@ -227,7 +233,7 @@ class Supervisor:
                 await proc.aclose()
             log.info("cluster.stopped", name=spec.name, returncode=proc.returncode)
 
-    async def _terminate(self, proc: anyio.abc.Process) -> None:
+    async def _terminate(self, proc: ChildProcess) -> None:
         """SIGTERM, then SIGKILL after ``stop_timeout_s``; call under a shielded scope."""
         if proc.returncode is None:
             proc.terminate()
@@ -237,7 +243,7 @@ class Supervisor:
                 proc.kill()
                 await proc.wait()
 
-    async def _wait_ready(self, spec: ProcessSpec, proc: anyio.abc.Process, log_path: Path) -> None:
+    async def _wait_ready(self, spec: ProcessSpec, proc: ChildProcess, log_path: Path) -> None:
         assert spec.ready_file is not None
         with anyio.move_on_after(spec.ready_timeout_s) as scope:
             while not spec.ready_file.exists():
@@ -255,26 +261,26 @@ class Supervisor:
         path = Path(self.config.run_dir) / "logs" / f"{job.name}.log"
         print(f"{job.name}: running (log {path})", flush=True)
         with open(path, "ab") as out:
-            proc = await anyio.open_process(list(job.argv), stdout=out, stderr=out, env={**os.environ, **job.env})
-        async with proc:
+            proc = await open_process(list(job.argv), stdout=out, stderr=out, env={**os.environ, **job.env})
+        try:
             self.state.components[job.name] = proc_info(job.name, proc.pid, str(path), list(job.argv))
             self.state.save()
-            try:
-                if job.progress_event is None:
-                    await proc.wait()
-                else:
-                    from t1async.cluster.observe.progress import setup_bar, watch_log_steps
+            if job.progress_event is None:
+                await proc.wait()
+            else:
+                from t1async.cluster.observe.progress import setup_bar, watch_log_steps
 
-                    with setup_bar(f"{job.name}: steps", job.progress_total) as bar:
-                        async with anyio.create_task_group() as tg:
-                            tg.start_soon(watch_log_steps, path, job.progress_event, bar)
-                            await proc.wait()
-                            tg.cancel_scope.cancel()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._terminate(proc)
-                    self.state.components.pop(job.name, None)
-                    self.state.save()
+                with setup_bar(f"{job.name}: steps", job.progress_total) as bar:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(watch_log_steps, path, job.progress_event, bar)
+                        await proc.wait()
+                        tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._terminate(proc)
+                await proc.aclose()
+                self.state.components.pop(job.name, None)
+                self.state.save()
         if proc.returncode != 0:
             raise ServerStartError(f"{job.name} failed with exit code {proc.returncode}; see {path}")
         print(f"{job.name}: done", flush=True)

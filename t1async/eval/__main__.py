@@ -7,7 +7,8 @@
 SGLang-compatible samplers. Prints a progress bar (on a terminal), a per-task table, pass@1 (pass@k for
 K > 1) and mean tests passed with 95% bootstrap CIs, overall and per family; writes ``episodes.jsonl`` (every
 episode, as it finishes), ``summary.json`` and ``eval.png`` under ``--out``. With ``--json`` the summary is
-the last stdout line.
+the last stdout line. Tasks whose image did not build are no episode of the policy: they are left out of
+every figure and counted apart (``image_build_failed``, ``unbuilt_tasks``); exit 3 if no task built.
 """
 
 from __future__ import annotations
@@ -27,17 +28,19 @@ import anyio
 from actors.settings import EpisodeOptions
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
+from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.config import add_arguments, like, resolve, setting
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
-from t1async.eval.stats import by_family, summarise, task_scores
+from t1async.eval.stats import by_family, scored, summarise, task_scores
 from t1async.log import configure, get_logger
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
 from t1async.sampler.settings import Dtype, SamplerSettings
 
 log = get_logger("t1async.eval")
+EXIT_IMAGE_BUILD_FAILED = 3  # no task could build its image (sandbox_agent's run-task uses the same code)
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,14 @@ async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) 
     async with open_sampler(args) as sampler:
         rows = await run_eval(tasks, sampler, tok, cfg, backend=backend, jsonl=jsonl, progress=progress_stream())
     ks = list(range(1, args.samples + 1))
-    scores = task_scores(rows)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    counted, unbuilt = scored(rows)
+    apart = {IMAGE_BUILD_FAILED: len(unbuilt), "unbuilt_tasks": unbuilt}  # not the policy's failures
+    if not counted:
+        return {"tasks": 0, "episodes": 0, "reasons": reasons, **apart, "out": str(args.out)}
+    scores = task_scores(counted)
     overall = summarise(scores, k_values=ks, seed=args.seed)
     fams = by_family(scores, k_values=ks, seed=args.seed)
     print_report(scores, overall, fams, ks, sys.stdout)
@@ -169,9 +179,6 @@ async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) 
         args.out / "eval.png",
         f"{src}: {overall['tasks']} tasks x {args.samples} samples, split {args.split}, seed {args.seed}",
     )
-    reasons: dict[str, int] = {}
-    for r in rows:
-        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     return {
         "pass1": overall["pass@1"]["mean"],
         "pass1_ci95": overall["pass@1"]["ci95"],
@@ -188,6 +195,7 @@ async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) 
         "source": src,
         "backend": backend.name,
         "reasons": reasons,
+        **apart,
         "overall": overall,
         "families": fams,
         "minutes": (time.monotonic() - t0) / 60.0,
@@ -237,6 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     o = summary
+    if o[IMAGE_BUILD_FAILED]:
+        print(
+            f"warning: {o[IMAGE_BUILD_FAILED]} task(s) could not build their image, not counted: "
+            f"{', '.join(o['unbuilt_tasks'][:10])}; `python -m sandbox_agent run-task DIR --json` says why",
+            file=sys.stderr,
+        )
+    if not o["tasks"]:
+        print("python -m t1async.eval: error: no task could be run (none built its image)", file=sys.stderr)
+        if args.json:
+            print(json.dumps(summary), flush=True)
+        return EXIT_IMAGE_BUILD_FAILED
     print(
         f"\npass@1 {o['pass1']:.1%} [{o['pass1_ci95'][0]:.1%}, {o['pass1_ci95'][1]:.1%}]  tests passed "
         f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "

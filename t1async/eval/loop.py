@@ -83,7 +83,7 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
     """Score ``model`` on ``tasks``; the summary record's values."""
     from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, run_eval
-    from t1async.eval.stats import summarise, task_scores
+    from t1async.eval.stats import scored, summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
@@ -109,7 +109,10 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
         SGLangClient([url]) as c,
     ):
         rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{policy_version}.jsonl")
-    s = summarise(task_scores(rows), seed=cfg.seed)
+    counted, unbuilt = scored(rows)  # tasks whose image did not build are counted apart, not as fails
+    if not counted:
+        raise T1Error(f"no eval task built its image ({', '.join(unbuilt[:5])}...): nothing to score")
+    s = summarise(task_scores(counted), seed=cfg.seed)
     return {
         "pass1": s["pass@1"]["mean"],
         "pass1_lo": s["pass@1"]["ci95"][0],
@@ -120,6 +123,7 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
         "tests_frac": s["tests_frac"]["mean"],
         "tasks": s["tasks"],
         "episodes": s["episodes"],
+        "image_build_failed": len(unbuilt),
         "eval_minutes": (time.monotonic() - t0) / 60.0,
     }
 

@@ -25,6 +25,8 @@ import anyio
 
 from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend, SandboxBackend
+from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.images import image_build_error
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
 from t1async.log import get_logger
@@ -170,8 +172,9 @@ async def run_one(
         )
     except T1Error as exc:  # a broken task (setup failed, needs an image) or sandbox: a failed episode, said why
         log.warning("eval.episode_failed", task=task.id, sample=sample, error=str(exc))
+        # an image that did not build is no episode of the policy: the summaries count it apart (stats.scored)
         row.update(
-            reason="error",
+            reason=IMAGE_BUILD_FAILED if image_build_error(exc) is not None else "error",
             resolved=False,
             tests_passed=0,
             tests_total=0,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of ``k`` samples drawn without replacement from ``n`` (``c`` correct)
@@ -55,6 +57,18 @@ class TaskScore:
     tests_mean: float  # mean tests passed over the samples
     tests_total: int
     turns_mean: float
+
+
+def scored(episodes: Iterable[Mapping]) -> tuple[list[Mapping], list[str]]:
+    """The episodes that count for the policy, and the tasks (sorted) whose image did not build: those are
+    no episode of the policy (reason ``image_build_failed``), so they are reported apart, never as fails."""
+    keep, unbuilt = [], set()
+    for e in episodes:
+        if e.get("reason") == IMAGE_BUILD_FAILED:
+            unbuilt.add(str(e["task"]))
+        else:
+            keep.append(e)
+    return keep, sorted(unbuilt)
 
 
 def task_scores(episodes: Iterable[Mapping]) -> list[TaskScore]:

@@ -26,8 +26,6 @@ next step. A rank that dies is ``RankFailedError``: the learner exits (non-zero)
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -226,14 +224,6 @@ class DistributedTrainer(Trainer):
 
     def _on_device(self, t: Tensor) -> Tensor:
         return t.to(self.device) if dist.get_backend() == "nccl" else t
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its parent dies (a rank never outlives rank 0)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:

@@ -23,9 +23,10 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from t1async.learner.distributed import DistributedTrainer, RankFailedError, collective, die_with_parent, init_group
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, collective, init_group
 from t1async.learner.trainer import Trainer
 from t1async.log import get_logger
+from t1async.procs import popen
 from t1async.protocol.errors import ConfigError
 from t1async.signals import set_handlers
 from t1async.transport.natsd import free_port
@@ -81,7 +82,7 @@ class Ranks:
                 "--timeout",
                 str(c.group_timeout_s),
             ]
-            self.procs.append(subprocess.Popen(argv, preexec_fn=die_with_parent))
+            self.procs.append(popen(argv, pdeathsig=signal.SIGTERM))
         log.info("learner.ranks_starting", nproc=c.nproc, backend=backend, port=port, pids=[p.pid for p in self.procs])
         try:
             init_group(0, c.nproc, c.host, port, backend=backend, timeout_s=c.join_timeout_s)

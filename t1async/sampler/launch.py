@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import httpx
 
+from t1async.procs import ChildProcess, open_process, popen
 from t1async.protocol.errors import ServerStartError
 
 try:
@@ -107,9 +108,7 @@ async def launch_sampler(
         ready = Path(tmp) / "url"
         logp = Path(log_path) if log_path else Path(tmp) / "sampler.log"
         with open(logp, "ab") as logf:
-            proc = await anyio.open_process(
-                cfg.command(ready), stdin=None, stdout=logf, stderr=logf, env=_child_env(env)
-            )
+            proc = await open_process(cfg.command(ready), stdout=logf, stderr=logf, env=_child_env(env))
         log.info("sampler.launching", pid=proc.pid, port=cfg.port, log=str(logp))
         try:
             url = await _wait_ready(proc, ready, logp, cfg.start_timeout_s)
@@ -141,9 +140,7 @@ class SamplerProcess:
     def start(self) -> str:
         ready = self._tmp / "url"
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(
-                self.cfg.command(ready), stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=_child_env(self.env)
-            )
+            self.proc = popen(self.cfg.command(ready), stdout=logf, stderr=logf, env=_child_env(self.env))
         deadline = time.monotonic() + self.cfg.start_timeout_s
         started = False
         try:
@@ -189,7 +186,7 @@ class SamplerProcess:
         self.stop()
 
 
-async def _wait_ready(proc: anyio.abc.Process, ready: Path, logp: Path, timeout_s: float) -> str:
+async def _wait_ready(proc: ChildProcess, ready: Path, logp: Path, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     url = ""
     async with httpx.AsyncClient(timeout=5.0) as client:
@@ -213,7 +210,7 @@ async def _wait_ready(proc: anyio.abc.Process, ready: Path, logp: Path, timeout_
     )
 
 
-async def _stop(proc: anyio.abc.Process, timeout_s: float) -> None:
+async def _stop(proc: ChildProcess, timeout_s: float) -> None:
     """SIGTERM our child by its PID, wait for it, SIGKILL if it lingers."""
     if proc.returncode is None:
         try:

@@ -25,9 +25,9 @@ from typing import IO
 
 import anyio
 import httpx
-from anyio.abc import Process
 
 from t1async.log import get_logger
+from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ServerStartError
 
 log = get_logger("natsd")
@@ -88,7 +88,7 @@ class NatsServer:
         self.port = config.port or free_port(config.host)
         self.monitor_port = config.monitor_port or free_port(config.host)
         self.cluster_port = (config.cluster_port or free_port(config.host)) if config.cluster_name else 0
-        self._proc: Process | None = None
+        self._proc: ChildProcess | None = None
         self._log: IO[bytes] | None = None
 
     # ----------------------------------------------------------------------------- public surface
@@ -158,8 +158,8 @@ class NatsServer:
         self.config_path.write_text(self._render_config())
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         try:
-            self._proc = await anyio.open_process(
-                self.argv, stdin=None, stdout=self._log, stderr=self._log, start_new_session=True
+            self._proc = await open_process(  # dies with us, even SIGKILLed (design §9)
+                self.argv, stdout=self._log, stderr=self._log, start_new_session=True
             )
         except OSError as exc:
             raise ServerStartError(f"cannot execute {self.binary}: {exc}") from exc
