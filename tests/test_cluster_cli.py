@@ -169,29 +169,38 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
     assert "t1.traj.ep-t" in bad and "[msgpack]" in bad and "(5 bytes)" in bad
 
 
-def _small_cluster(run_dir, env) -> subprocess.Popen:
+def _small_cluster(run_dir, env, *extra: str) -> subprocess.Popen:
     """``cluster up`` with one actor on 5 small tasks for at most 120 s, its output piped."""
     argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120"]
-    argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1"]
+    argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1", *extra]
     return subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
 
 
 @pytest.mark.slow
-def test_a_dying_component_ends_the_run_with_one_line_and_no_raw_log(tmp_path, repo_env):
-    """The terminal shows the outcome in words; the supervisor's log lines stay in its file."""
+def test_a_dying_component_is_restarted_and_a_crash_loop_ends_the_run_with_one_line(tmp_path, repo_env):
+    """A SIGKILLed learner is restarted (a new PID in cluster.json); past --max-restarts the next death ends
+    the run, and the terminal shows that in words; the supervisor's log lines stay in its file."""
     run_dir = tmp_path / "run"
-    proc = _small_cluster(run_dir, repo_env)
+    proc = _small_cluster(run_dir, repo_env, "--max-restarts", "1")
     try:
         state = _wait_running(run_dir, proc, timeout=180)
-        learner = state.components["learner"].pid
+        first = state.components["learner"].pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (learner := ClusterState.load(run_dir).components["learner"].pid) == first:
+            assert proc.poll() is None, "one death within the budget must not stop the run"
+            assert time.monotonic() < deadline, "the learner was not restarted"
+            time.sleep(0.2)
         os.kill(learner, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
         _stop(proc, run_dir)
     assert proc.returncode == 1
-    assert out.splitlines()[-1].startswith(f"cluster stopped: learner (pid {learner}) exited with code -9; see ")
+    assert out.splitlines()[-1].startswith(
+        f"cluster stopped: learner (pid {learner}) exited with code -9 (restarted 1 times in 600 s already); see "
+    ), out
     raw = [x for x in (out + err).splitlines() if x.startswith("{") or "[error" in x or "component_exited" in x]
     assert not raw, raw
     assert "cluster.component_exited" in (run_dir / "logs" / "supervisor.jsonl").read_text()

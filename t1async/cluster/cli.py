@@ -102,6 +102,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_nodes=cfg.nats_nodes,
         stream_replicas=default_replicas(cfg.nats_nodes, cfg.stream_replicas, external=cfg.nats is not None),
         duration_s=cfg.duration,
+        max_restarts=cfg.max_restarts,
         build=lambda url: components.specs(cfg, url),
         before=before if warm else (),
         progress=progress,

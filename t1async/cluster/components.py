@@ -174,7 +174,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         },
     )
     learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
-    out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0))
+    out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0, restart=True))  # resumes its checkpoint
     prompt = None
     if model is not None and cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
         prompt = Path(model) / "system_prompt.txt"
@@ -194,7 +194,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         argv = python_module(
             "actors", "--config", str(actors_toml), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i)
         )
-        out.append(ProcessSpec(f"actor-{i}", argv))
+        out.append(ProcessSpec(f"actor-{i}", argv, restart=True))  # the learner abandons its open episodes (design §7)
     if cfg.eval_every > 0:
         out.append(eval_spec(cfg, nats_url, model))
     return out

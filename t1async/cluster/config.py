@@ -124,6 +124,14 @@ class UpConfig(LearnerOptions, EpisodeOptions):
     # lifetime
     duration: float | None = setting(None, "stop after this many seconds", metavar="SECONDS", gt=0, group=LIFETIME)
     seed: int = setting(0, "seed for the task corpus and actors", group=LIFETIME)
+    max_restarts: int = setting(
+        5,
+        "restarts of one component (the learner, an actor, one of N samplers) within 10 minutes; "
+        "one more death stops the run (0: any death stops it)",
+        metavar="N",
+        ge=0,
+        group=LIFETIME,
+    )
     extra_env: dict[str, str] = setting(factory=dict, help="environment for every child", cli=False)
 
     def check(self) -> UpConfig:

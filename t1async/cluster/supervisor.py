@@ -17,6 +17,8 @@ import math
 import os
 import signal
 import sys
+import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -46,7 +48,8 @@ class ProcessSpec:
     finishes: bool = False  # exiting with 0 is the cluster's normal end (the learner with --steps)
     progress_event: str | None = None  # a one-shot job: move a progress bar with this log event's ``step``
     progress_total: int | None = None
-    restart: bool = False  # exiting restarts it (same argv) instead of stopping the cluster (one of N samplers)
+    restart: bool = False  # dying restarts it (same argv), within ClusterConfig.max_restarts, instead of
+    # stopping the cluster (the learner resumes from its checkpoint, an actor's episodes end on its restart)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class ClusterConfig:
     max_payload: int = 8 << 20
     duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
     stop_timeout_s: float = 10.0
+    max_restarts: int = 5  # restarts of one component within restart_window_s; one more death stops the run
+    restart_window_s: float = 600.0
     components: tuple[ProcessSpec, ...] = ()
     build: Callable[[str], Sequence[ProcessSpec]] | None = None  # more components, given the NATS URL
     before: tuple[ProcessSpec, ...] = ()  # one-shot jobs run to completion before NATS (e.g. warm start)
@@ -77,6 +82,7 @@ class Supervisor:
         self.state = ClusterState(run_dir=str(config.run_dir))
         self.failed: str | None = None
         self.finished: str | None = None
+        self._restarts: defaultdict[str, list[float]] = defaultdict(list)  # name -> monotonic restart times
 
     async def run(self) -> int:
         """Run the cluster in the foreground; returns the exit status (0 clean stop, 1 a component died)."""
@@ -199,7 +205,18 @@ class Supervisor:
         first = True
         while not await self._run_once(spec, path, env, cluster, task_status if first else None):
             first = False
-            await anyio.sleep(1.0)
+            # back off 1, 2, 4 ... 30 s by the restarts in the window: a crash loop does not spin
+            await anyio.sleep(min(2.0 ** (len(self._restarts[spec.name]) - 1), 30.0))
+
+    def _may_restart(self, name: str) -> bool:
+        """Whether ``name`` may be restarted once more: fewer than ``max_restarts`` in the window."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts[name] if now - t < self.config.restart_window_s]
+        if len(recent) >= self.config.max_restarts:
+            self._restarts[name] = recent
+            return False
+        self._restarts[name] = [*recent, now]
+        return True
 
     async def _run_once(
         self, spec: ProcessSpec, path: Path, env: dict, cluster: anyio.CancelScope, task_status: TaskStatus[None] | None
@@ -216,14 +233,25 @@ class Supervisor:
                     await self._wait_ready(spec, proc, path)
                 task_status.started()
             await proc.wait()
-            if spec.restart:
-                log.warning("cluster.component_restarting", name=spec.name, returncode=proc.returncode, log=str(path))
-                return False
             if spec.finishes and proc.returncode == 0:
                 self.finished = f"{spec.name} finished"
                 log.info("cluster.component_finished", name=spec.name)
+            elif spec.restart and self._may_restart(spec.name):
+                log.warning(
+                    "cluster.component_restarting",
+                    name=spec.name,
+                    returncode=proc.returncode,
+                    restarts=len(self._restarts[spec.name]),
+                    log=str(path),
+                )
+                return False
             else:
-                self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}; see {path}"
+                loop = (
+                    f" (restarted {self.config.max_restarts} times in {self.config.restart_window_s:.0f} s already)"
+                    if spec.restart and self.config.max_restarts
+                    else ""
+                )
+                self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}{loop}; see {path}"
                 log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
             cluster.cancel()
             return True
