@@ -470,8 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep the run here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
+    from t1async.log import configure
     from t1async.testing.netns import unavailable
 
+    configure(stream=sys.stderr)  # stdout: the table and the JSON line
     why = unavailable()
     if why:
         print(f"bench.multihost: {why}", file=sys.stderr)
