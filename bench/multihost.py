@@ -483,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the namespaces and processes are removed on the way out
+
+    signal.signal(signal.SIGTERM, interrupted)
+
     with tempfile.TemporaryDirectory(prefix="t1-multihost-") as tmp:
         work = args.keep or Path(tmp)
         out = run(plan, work, say)

@@ -60,17 +60,30 @@ def test_namespaces_are_made_joined_and_removed_and_a_cut_cuts():
 
 
 @needs_root
+def test_an_error_inside_the_block_still_removes_everything():
+    before = namespaces()
+    with pytest.raises(RuntimeError, match="boom"), network(2) as net:
+        p = net.run_in(net.hosts[0], ["sleep", "600"])
+        raise RuntimeError("boom")
+    assert p.returncode is not None and namespaces() == before
+
+
+@needs_root
 def test_reap_deletes_what_a_dead_run_left_only():
     p = subprocess.Popen(["true"])
     p.wait()  # its PID no longer runs: what a killed run left
     stale, live = f"t1mh-{p.pid}-0-h0", f"t1mh-{os.getpid()}-99-h0"
     subprocess.run(["ip", "netns", "add", stale], check=True)
     subprocess.run(["ip", "netns", "add", live], check=True)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"], start_new_session=True)
     try:
         gone = reap()
         assert stale in gone and live not in gone
         assert live in namespaces() and stale not in namespaces()
+        assert left.wait(timeout=30) == -9, "the dead run's process inside was stopped"
     finally:
+        if left.poll() is None:
+            left.kill()
         for n in (stale, live):
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 

@@ -77,11 +77,17 @@ def _alive(pid: int) -> bool:
 
 
 def reap(prefix: str = PREFIX) -> list[str]:
-    """Delete the namespaces a dead run left (``<prefix>-<pid>-...`` with that PID gone); returns their names."""
+    """Delete the namespaces a dead run left (``<prefix>-<pid>-...`` with that PID gone), after SIGKILLing the
+    processes still inside them (by PID: only that run started processes there); returns their names."""
     gone = []
     for name in namespaces():
         m = re.match(rf"^{re.escape(prefix)}-(\d+)-", name)
         if m and not _alive(int(m.group(1))):
+            for pid in ip("netns", "pids", name, check=False).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             ip("netns", "del", name, check=False)
             gone.append(name)
     if gone:
