@@ -101,6 +101,29 @@ def test_a_nats_node_command_says_what_is_missing(repo_env):
     assert res.returncode == 2 and "--routes entry '198.18.0.2' is not HOST:PORT" in res.stderr
 
 
+def test_a_nats_node_command_runs_a_lone_node_until_sigterm(tmp_path, repo_env):
+    from t1async.transport.natsd import free_port
+
+    port, http = free_port(), free_port()
+    ready = tmp_path / "url"
+    argv = [sys.executable, "-m", "t1async.transport.natsd", "--port", str(port), "--http-port", str(http)]
+    argv += ["--store-dir", str(tmp_path / "nats"), "--ready-file", str(ready)]
+    p = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_end = time.monotonic() + 60
+        while not ready.exists() and p.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert ready.read_text().strip() == f"nats://127.0.0.1:{port}"
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        conf = (tmp_path / "nats" / "nats-server.conf").read_text()
+        assert f"listen: 127.0.0.1:{port}" in conf and "cluster" not in conf
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert "t1async nats-server ready at" in out
+
+
 @needs_root
 @pytest.mark.slow
 def test_three_hosts_train_through_a_20s_cut_of_the_actors_host(tmp_path):
