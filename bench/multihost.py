@@ -9,12 +9,13 @@ Every process is started with the documented multi-host command (README "Many ho
 ``t1async.testing.netns``, and told its own address: a listener left on 127.0.0.1 would be unreachable from
 the other hosts. Weights go by disk (``--weight-sync disk``): the run dir is on the one filesystem every
 namespace shares, so the sampler reads the checkpoint the learner names, and the weight push needs no extra
-listener. Training runs until version ``versions_before``; host C is unplugged for ``cut_s``; training goes on
+listener (``--weight-sync distributed`` runs the torch.distributed push across hosts A and B instead).
+Training runs until version ``versions_before``; host C is unplugged for ``cut_s``; training goes on
 (``versions_after`` more versions, or until ``--minutes`` are up); then the actors stop, the learner takes
 what is left, and the run is audited: T1_TRAJ and T1_DEAD read back with a plain nats-py client, the
 learner's journal and step log (``learner/steps.jsonl``), its last metrics (turns settled by reason).
 
-    python -m bench.multihost --minutes 3 [--json]
+    python -m bench.multihost --minutes 3 [--weight-sync distributed] [--json]
 
 Last JSON line: ``turns_trained``, ``turns_lost`` (in the stream, but neither journaled, trained nor
 dead-lettered), ``trained_twice``, ``recover_s`` (link up -> the first step training a turn the learner
@@ -60,6 +61,7 @@ class Plan:
     max_new_tokens: int = 24
     tasks: int = 12
     seed: int = 3
+    weight_sync: str = "disk"  # or "distributed": over a torch.distributed group the learner hosts on host A
     wait_s: float = 240.0  # the deadline of each wait
 
 
@@ -356,6 +358,11 @@ def _run(
             str(plan.batch_turns),
             "--max-staleness",
             "1",
+            *(
+                ["--weight-sync", "distributed", "--weight-sync-host", a.addr]
+                if plan.weight_sync == "distributed"
+                else []
+            ),
         ),
     )
     wait_until("the sampler", sampler_ready.exists, plan.wait_s, procs)
@@ -467,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cut", type=float, default=20.0, help="seconds host C is unplugged (default 20)")
     p.add_argument("--actors", type=int, default=1, help="actor processes on host C (default 1)")
     p.add_argument("--concurrency", type=int, default=2, help="episodes per actor (default 2)")
+    p.add_argument(
+        "--weight-sync", choices=["disk", "distributed"], default="disk", help="how weights reach the sampler"
+    )
     p.add_argument("--keep", type=Path, default=None, help="keep the run here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
@@ -478,7 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench.multihost: {why}", file=sys.stderr)
         return 2
-    plan = Plan(minutes=args.minutes, cut_s=args.cut, actors=args.actors, concurrency=args.concurrency)
+    plan = Plan(
+        minutes=args.minutes,
+        cut_s=args.cut,
+        actors=args.actors,
+        concurrency=args.concurrency,
+        weight_sync=args.weight_sync,
+    )
 
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)

@@ -172,3 +172,41 @@ def test_three_hosts_train_through_a_20s_cut_of_the_actors_host(tmp_path):
     assert settled["trained"] <= len(out.trained)
     assert out.exit_codes["learner"] == 0 and out.exit_codes["sampler"] == 0, out.exit_codes
     assert all(out.exit_codes[f"nats-{i}"] == 0 for i in range(3)), out.exit_codes
+
+
+@needs_root
+def test_a_weight_update_group_spans_two_hosts():
+    """The learner (rank 0, store on host A) and a sampler (rank 1, host B) join one gloo group and a tensor
+    crosses: gloo's sockets are on the address that reaches the store, not the loopback its hostname gives."""
+    import threading
+
+    import torch
+
+    from t1async.sampler.weightsync import broadcast, open_group, store_master
+    from t1async.transport.natsd import free_port
+
+    got: dict[str, object] = {}
+    with network(2) as net:
+        a, b = net.hosts
+        port = net.call_in(a, lambda: free_port(a.addr))
+
+        def rank(i: int) -> None:
+            def join() -> torch.Tensor:
+                store = store_master(a.addr, port, 2, 30) if i == 0 else None
+                pg = open_group(store, host=a.addr, port=port, rank=i, world_size=2, group_name="g", timeout_s=30)
+                t = torch.arange(4, dtype=torch.float32) if i == 0 else torch.zeros(4)
+                broadcast(pg, [t])
+                return t
+
+            try:
+                got[str(i)] = net.call_in(net.hosts[i], join)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                got[f"error{i}"] = exc
+
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert "error0" not in got and "error1" not in got, got
+    assert torch.equal(got["1"], torch.arange(4, dtype=torch.float32))  # type: ignore[arg-type]
