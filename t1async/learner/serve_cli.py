@@ -81,6 +81,14 @@ class ServeConfig(LearnerOptions):
         "127.0.0.1", "address the samplers reach this learner's weight-update group at", group="learner service"
     )
     durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
+    stream_replicas: int = setting(
+        0,
+        "create T1_TRAJ and T1_DEAD with R replicas, or scale them to R (a NATS cluster of >= R nodes; default "
+        "0: leave them as they are, a missing one is made with 1)",
+        ge=0,
+        le=5,
+        group="learner service",
+    )
     nproc: int = setting(
         1,
         "ranks of the data-parallel learner: this process is rank 0 (stream, credits, checkpoints, weight push) "
@@ -153,7 +161,7 @@ def serve(args: argparse.Namespace) -> int:
         async with AsyncExitStack() as stack:
             # the learner acks a batch as soon as its journal has it (milliseconds), so a short ack wait only
             # shortens how long a crashed learner's in-flight records wait before they are redelivered
-            nats = NatsConfig(url=nats_url, ack_wait_s=10.0)
+            nats = NatsConfig(url=nats_url, ack_wait_s=10.0, stream_replicas=c.stream_replicas or None)
             transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers = await stack.enter_async_context(SGLangClient(c.sampler_url)) if c.sampler_url else None
             learner = Learner(cfg, transport, samplers)

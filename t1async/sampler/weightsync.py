@@ -18,6 +18,8 @@ rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process gr
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +55,29 @@ def store_master(host: str, port: int, world_size: int, timeout_s: float) -> dis
     )
 
 
+def local_address(peer: str) -> str | None:
+    """This machine's address on the route to ``peer`` (a UDP connect sends nothing), or None if none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, peer: str) -> Any:
+    """A gloo group whose sockets are on the address that reaches ``peer`` (rank 0's store host). gloo's
+    default is the address this host's name resolves to, often 127.0.x.1: unreachable from the other hosts.
+    ``$GLOO_SOCKET_IFNAME``, when set, wins (torch reads it)."""
+    addr = None if os.environ.get("GLOO_SOCKET_IFNAME") else local_address(peer)
+    if addr is None:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub names only Options
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
 def open_group(
     store: dist.Store | None,
     *,
@@ -70,7 +95,7 @@ def open_group(
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return gloo_group(prefixed, rank, world_size, timeout, host)
     if backend == "nccl":  # a real SGLang on GPUs; the embedded sampler is CPU-only and takes gloo
         # torch's stub lists only the (store, rank, size, options) overload; pybind also has (..., timeout=default)
         return dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]

@@ -4,6 +4,11 @@
         ... srv.url ...                                  # nats://127.0.0.1:PORT
         await srv.kill(); await srv.restart()            # same port, same store dir (tests)
 
+One node of a cluster whose nodes run on different hosts (design §10), as a command, on each host:
+
+    python -m t1async.transport.natsd --host 198.18.0.1 --server-name t1-0 --store-dir runs/nats \
+        --routes 198.18.0.2:6222,198.18.0.3:6222     # client :4222, routes :6222, monitoring :8222
+
 The server is started in its own session (so a Ctrl-C in the terminal reaches only our supervisor, which
 then stops it in order), waits until ``/healthz`` on the monitoring port reports JetStream ready, and is
 stopped with SIGTERM, then SIGKILL after ``stop_timeout_s``, whatever ends the ``async with`` block
@@ -12,6 +17,7 @@ stopped with SIGTERM, then SIGKILL after ``stop_timeout_s``, whatever ends the `
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
@@ -26,9 +32,10 @@ from typing import IO
 import anyio
 import httpx
 
+from t1async.config import add_arguments, resolve, setting
 from t1async.log import get_logger
 from t1async.procs import ChildProcess, open_process
-from t1async.protocol.errors import ServerStartError
+from t1async.protocol.errors import ConfigError, ServerStartError
 
 log = get_logger("natsd")
 
@@ -413,3 +420,127 @@ class NatsCluster:
                             on_restart(i)
                     except ServerStartError as exc:  # tried again on the next round
                         log.error("natsd.node_restart_failed", node=node.config.server_name, error=str(exc))
+
+
+# ---------------------------------------------------------------------------------------------- one node, a command
+
+
+@dataclass(frozen=True)
+class NatsNodeSettings:
+    """``python -m t1async.transport.natsd``: one nats-server node with JetStream, alone or one of a cluster."""
+
+    host: str = setting("127.0.0.1", "address every listener binds (clients, routes, monitoring): this host's")
+    port: int = setting(4222, "client port", ge=1, le=65535)
+    cluster_port: int = setting(6222, "route port the other nodes connect to (with --routes)", ge=1, le=65535)
+    http_port: int = setting(8222, "monitoring port (/healthz, /routez)", ge=1, le=65535)
+    store_dir: Path | None = setting(None, "JetStream store, config and log (required)")
+    server_name: str = setting("", "this node's name, unique in the cluster (required with --routes)")
+    cluster_name: str = setting("t1", "the cluster's name, the same on every node")
+    routes: tuple[str, ...] = setting(
+        (), "the other nodes' route addresses, HOST:PORT or nats-route://HOST:PORT", sep=",", metavar="LIST"
+    )
+    max_payload: int = setting(DEFAULT_MAX_PAYLOAD, "largest message in bytes", ge=1024)
+    ready_file: Path | None = setting(None, "write the client URL here once JetStream is ready (cluster formed)")
+    log_level: str | None = setting(None, "debug, info (default), warning")
+
+
+def route_url(route: str) -> str:
+    """``HOST:PORT``, ``nats://HOST:PORT`` or ``nats-route://HOST:PORT`` as a routes entry."""
+    rest = route.split("://", 1)[1] if "://" in route else route
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--routes entry {route!r} is not HOST:PORT (e.g. 198.18.0.2:6222)")
+    return f"nats-route://{host}:{port}"
+
+
+def node_config(s: NatsNodeSettings) -> NatsServerConfig:
+    """The node ``s`` describes; a clear error for what is missing."""
+    if s.store_dir is None:
+        raise ConfigError("no store: pass --store-dir DIR (JetStream keeps the streams there)")
+    if s.routes and not s.server_name:
+        raise ConfigError("a cluster node needs a name: pass --server-name, unique in the cluster (e.g. t1-0)")
+    return NatsServerConfig(
+        Path(s.store_dir),
+        port=s.port,
+        host=s.host,
+        monitor_port=s.http_port,
+        max_payload=s.max_payload,
+        server_name=s.server_name,
+        cluster_name=s.cluster_name if s.routes else "",
+        cluster_port=s.cluster_port,
+        routes=tuple(route_url(r) for r in s.routes),
+        start_timeout_s=60.0,
+    )
+
+
+async def wait_clustered(srv: NatsServer, every_s: float = 0.2) -> None:
+    """Until the node's ``/healthz`` is 200: routed to a JetStream meta group with a leader (forever; the
+    other hosts may come later). Logs what it waits for every 10 s."""
+    last, said = "no answer yet", anyio.current_time()
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        while True:
+            try:
+                resp = await client.get(f"{srv.monitor_url}/healthz")
+                if resp.status_code == 200:
+                    return
+                last = resp.text.strip()[:200]
+            except httpx.TransportError as exc:
+                last = type(exc).__name__
+            if anyio.current_time() - said > 10:
+                log.info("natsd.waiting_for_cluster", url=srv.url, routes=list(srv.config.routes), last=last)
+                said = anyio.current_time()
+            await anyio.sleep(every_s)
+
+
+async def run_node(s: NatsNodeSettings) -> None:
+    """Start the node, wait until it is ready (and, in a cluster, clustered), say so, run until Ctrl-C/SIGTERM."""
+    from t1async.signals import cancel_on_stop
+
+    srv = NatsServer(node_config(s), find_binary())
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_on_stop, tg.cancel_scope)
+            await srv.launch()
+            if srv.config.cluster_name:
+                await wait_clustered(srv)
+            print(f"t1async nats-server ready at {srv.url}", flush=True)
+            if s.ready_file is not None:
+                tmp = Path(str(s.ready_file) + ".tmp")
+                tmp.write_text(srv.url + "\n")
+                os.replace(tmp, s.ready_file)
+            while srv.running:  # the node's own exit ends this command, with its code
+                await anyio.sleep(0.5)
+            tg.cancel_scope.cancel()
+            raise ServerStartError(f"nats-server (pid {srv.pid}) exited; its log says:\n{srv._log_tail()}")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await srv.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m t1async.transport.natsd",
+        description="Run one nats-server node with JetStream on this host: alone, or one node of a cluster "
+        "whose other nodes (--routes) run on other hosts (design §10). Stops it on Ctrl-C or SIGTERM.",
+    )
+    add_arguments(p, NatsNodeSettings)
+    try:
+        s: NatsNodeSettings = resolve(NatsNodeSettings, p.parse_args(argv))
+        node_config(s)
+    except ConfigError as exc:
+        p.error(str(exc))
+    from t1async.log import configure
+
+    configure(s.log_level)
+    failed: list[ServerStartError] = []
+    try:
+        anyio.run(run_node, s, backend=os.environ.get("T1_BACKEND", "trio"))
+    except* ServerStartError as group:
+        failed.extend(e for e in group.exceptions if isinstance(e, ServerStartError))
+    for err in failed:
+        print(f"natsd: error: {err}", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

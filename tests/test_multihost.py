@@ -1,0 +1,212 @@
+"""Three hosts for real on one machine (design §10): three network namespaces on a bridge, each running one
+node of one 3-node NATS JetStream cluster, with the learner on host A, the sampler on host B and the actors on
+host C, every process started with the README's multi-host commands and told its own address. Training goes
+on, host C's link is cut for 20 s, training goes on again, and the stream read back shows nothing lost and
+nothing trained twice. Needs root (network namespaces), as the sandbox tests do; CI runs as root."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.multihost import ACTOR, HTTP_PORT, NATS_PORT, ROUTE_PORT, SAMPLER_PORT, Plan, run
+from t1async.testing.netns import namespaces, network, reap, unavailable
+
+needs_root = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+
+@needs_root
+def test_namespaces_are_made_joined_and_removed_and_a_cut_cuts():
+    before = namespaces()
+    with network(3) as net:
+        a, b, c = net.hosts
+        assert [h.addr for h in net.hosts] == ["198.18.0.1", "198.18.0.2", "198.18.0.3"]
+        assert set(namespaces()) - set(before) == {net.bridge, a.name, b.name, c.name}
+        srv = net.run_in(
+            b,
+            [
+                sys.executable,
+                "-c",
+                "import socket,time;s=socket.socket();s.bind(('198.18.0.2',7000));s.listen(8);time.sleep(600)",
+            ],
+        )
+
+        def reach(host: str = "198.18.0.2") -> bool:
+            try:
+                socket.create_connection((host, 7000), timeout=1.5).close()
+                return True
+            except OSError:
+                return False
+
+        t_end = time.monotonic() + 30
+        while not net.listeners(b) and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert [(x.addr, x.port, x.pids) for x in net.listeners(b)] == [("198.18.0.2", 7000, (srv.pid,))]
+        assert net.call_in(a, reach), "host A reaches host B over the bridge"
+        net.set_link(b, False)
+        try:
+            assert not net.call_in(a, reach), "with B's cable out, A cannot reach it"
+        finally:
+            net.set_link(b, True)
+        assert net.call_in(c, reach), "and with it back, C can"
+        assert not net.call_in(a, lambda: reach("127.0.0.1")), "a host's loopback is its own"
+    assert srv.poll() is not None, "the process started in a host was stopped by PID"
+    assert namespaces() == before, "every namespace (and so every veth and the bridge) is gone"
+
+
+@needs_root
+def test_an_error_inside_the_block_still_removes_everything():
+    before = namespaces()
+    with pytest.raises(RuntimeError, match="boom"), network(2) as net:
+        p = net.run_in(net.hosts[0], ["sleep", "600"])
+        raise RuntimeError("boom")
+    assert p.returncode is not None and namespaces() == before
+
+
+@needs_root
+def test_reap_deletes_what_a_dead_run_left_only():
+    p = subprocess.Popen(["true"])
+    p.wait()  # its PID no longer runs: what a killed run left
+    stale, live = f"t1mh-{p.pid}-0-h0", f"t1mh-{os.getpid()}-99-h0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    subprocess.run(["ip", "netns", "add", live], check=True)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "600"], start_new_session=True)
+    try:
+        gone = reap()
+        assert stale in gone and live not in gone
+        assert live in namespaces() and stale not in namespaces()
+        assert left.wait(timeout=30) == -9, "the dead run's process inside was stopped"
+    finally:
+        if left.poll() is None:
+            left.kill()
+        for n in (stale, live):
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def test_a_nats_node_command_says_what_is_missing(repo_env):
+    def natsd(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "t1async.transport.natsd", *args]
+        return subprocess.run(argv, capture_output=True, text=True, env=repo_env, timeout=60)
+
+    res = natsd("--host", "198.18.0.1", "--routes", "198.18.0.2:6222")
+    assert res.returncode == 2 and "error: no store: pass --store-dir DIR" in res.stderr
+    res = natsd("--store-dir", "/tmp/x", "--routes", "198.18.0.2:6222")
+    assert res.returncode == 2 and "needs a name: pass --server-name" in res.stderr
+    res = natsd("--store-dir", "/tmp/x", "--server-name", "t1-0", "--routes", "198.18.0.2")
+    assert res.returncode == 2 and "--routes entry '198.18.0.2' is not HOST:PORT" in res.stderr
+
+
+def test_a_nats_node_command_runs_a_lone_node_until_sigterm(tmp_path, repo_env):
+    from t1async.transport.natsd import free_port
+
+    port, http = free_port(), free_port()
+    ready = tmp_path / "url"
+    argv = [sys.executable, "-m", "t1async.transport.natsd", "--port", str(port), "--http-port", str(http)]
+    argv += ["--store-dir", str(tmp_path / "nats"), "--ready-file", str(ready)]
+    p = subprocess.Popen(argv, env=repo_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_end = time.monotonic() + 60
+        while not ready.exists() and p.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert ready.read_text().strip() == f"nats://127.0.0.1:{port}"
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        conf = (tmp_path / "nats" / "nats-server.conf").read_text()
+        assert f"listen: 127.0.0.1:{port}" in conf and "cluster" not in conf
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert "t1async nats-server ready at" in out
+
+
+@needs_root
+@pytest.mark.slow
+def test_three_hosts_train_through_a_20s_cut_of_the_actors_host(tmp_path):
+    out = run(Plan(cut_s=20.0, versions_before=2, versions_after=2), tmp_path)
+    logs = tmp_path / "logs"
+
+    def tail(name: str) -> str:
+        return (logs / f"{name}.log").read_text(errors="replace")[-2000:]
+
+    assert out.namespaces_after == out.namespaces_before, "the run left no namespace behind"
+    # every process listens on its host's address, none on loopback (unreachable from the other hosts)
+    for role, addr in out.hosts.items():
+        got = {(x.addr, x.port) for x in out.listeners[role]}
+        want = {(addr, NATS_PORT), (addr, ROUTE_PORT), (addr, HTTP_PORT)} | (
+            {(addr, SAMPLER_PORT)} if role == "B" else set()
+        )
+        assert got == want, f"host {role} listens on {sorted(got)}, expected {sorted(want)}"
+    for name, argv in out.commands.items():
+        assert "127.0.0.1" not in " ".join(argv) and "localhost" not in " ".join(argv), name
+
+    # training went on before the cut, with turns from the actors' host
+    assert out.version_at_cut >= 2 and out.turns_before_cut
+    assert all(ep.startswith(f"{ACTOR}-") for ep, _ in out.turns_before_cut)
+    # the cut: the learner saw host C go silent, released its credits, ended its open episodes
+    assert out.cut_s >= 20.0
+    silent = [e for e in out.events if e.get("event") == "learner.actor_silent"]
+    assert [e["actor"] for e in silent] == [f"{ACTOR}-0"], tail("learner")
+    assert silent[0]["credits_released"] + silent[0]["episodes_aborted"] >= 1
+    # and after it: a turn the learner received only after the link came back was trained, 2 more versions
+    assert out.recover_s is not None, tail("actor-0")
+    assert out.version_at_end >= out.version_at_cut + 2
+    after = set(out.trained) - out.turns_before_cut
+    assert any(ep.startswith(f"{ACTOR}-") for ep, _ in after)
+
+    # nothing lost, nothing trained twice, nothing stored twice (in a stream the learner made with 3 replicas)
+    assert out.replicas == {"T1_TRAJ": 3, "T1_DEAD": 3}
+    assert out.undecodable == 0
+    assert len(out.stream_ids) == len(set(out.stream_ids)), "a turn message is stored once in T1_TRAJ"
+    assert out.stream_turns and not out.lost, f"lost: {sorted(out.lost)[:5]}"
+    assert not out.twice, f"trained twice: {out.twice[:5]}"
+    assert set(out.trained) <= set(out.stream_turns), "every trained turn came through the stream"
+    assert all(reason for reason, _ in out.dead), f"a dead letter without a reason: {out.dead}"
+    # the learner's own count: every turn it took is settled once (trained, abandoned, ...) or still open
+    settled, open_ = out.metrics["settled"], out.metrics["untrained_turns"]
+    assert sum(settled.values()) + open_ == len(set(out.stream_turns)), (settled, open_, len(set(out.stream_turns)))
+    assert settled["trained"] <= len(out.trained)
+    assert out.exit_codes["learner"] == 0 and out.exit_codes["sampler"] == 0, out.exit_codes
+    assert all(out.exit_codes[f"nats-{i}"] == 0 for i in range(3)), out.exit_codes
+
+
+@needs_root
+def test_a_weight_update_group_spans_two_hosts():
+    """The learner (rank 0, store on host A) and a sampler (rank 1, host B) join one gloo group and a tensor
+    crosses: gloo's sockets are on the address that reaches the store, not the loopback its hostname gives."""
+    import threading
+
+    import torch
+
+    from t1async.sampler.weightsync import broadcast, open_group, store_master
+    from t1async.transport.natsd import free_port
+
+    got: dict[str, object] = {}
+    with network(2) as net:
+        a, b = net.hosts
+        port = net.call_in(a, lambda: free_port(a.addr))
+
+        def rank(i: int) -> None:
+            def join() -> torch.Tensor:
+                store = store_master(a.addr, port, 2, 30) if i == 0 else None
+                pg = open_group(store, host=a.addr, port=port, rank=i, world_size=2, group_name="g", timeout_s=30)
+                t = torch.arange(4, dtype=torch.float32) if i == 0 else torch.zeros(4)
+                broadcast(pg, [t])
+                return t
+
+            try:
+                got[str(i)] = net.call_in(net.hosts[i], join)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                got[f"error{i}"] = exc
+
+        threads = [threading.Thread(target=rank, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert "error0" not in got and "error1" not in got, got
+    assert torch.equal(got["1"], torch.arange(4, dtype=torch.float32))  # type: ignore[arg-type]
