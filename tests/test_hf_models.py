@@ -315,3 +315,89 @@ def test_load_weights_into_checks_the_architecture(family, tmp_path):
     other = MoETransformer(dataclasses.replace(ours.cfg, n_experts=ours.cfg.n_experts + 1))
     with pytest.raises(ConfigError, match="does not match"):
         load_weights_into(other, d)
+
+
+async def test_the_engine_serves_a_transformers_checkpoint_with_its_logprobs(tmp_path):
+    """The embedded sampler on a directory transformers wrote: greedy tokens whose logprobs are transformers'
+    log-softmax on the same tokens, and the routing it records is transformers' top-k."""
+    import numpy as np
+    import trio
+
+    from t1async.model.engine import Engine
+    from t1async.model.records import EngineConfig, GenRequest
+
+    ref = reference(qwen3(vocab_size=4096), seed=2)  # the shipped tokenizer's vocabulary
+    ref.save_pretrained(tmp_path)
+    prompts = [[5, 17, 300, 9, 44], [1000, 2, 3]]
+    eng = Engine(tmp_path, EngineConfig(max_batch=4))
+    async with trio.open_nursery() as n:
+        await n.start(eng.run)
+        results = [
+            await eng.collect(
+                GenRequest(
+                    rid=f"r{i}",
+                    input_ids=tuple(p),
+                    max_new_tokens=6,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    return_routing=True,
+                )
+            )
+            for i, p in enumerate(prompts)
+        ]
+        n.cancel_scope.cancel()
+    for p, res in zip(prompts, results, strict=True):
+        seq = torch.tensor([p + res.output_ids])
+        logits, routing = ref_forward(ref, seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])
+        lp = torch.log_softmax(logits[0], -1)
+        want = [lp[len(p) - 1 + i, t].item() for i, t in enumerate(res.output_ids)]
+        assert len(res.output_ids) == 6
+        assert np.max(np.abs(np.array(want) - np.array(res.logprobs))) <= TOL
+        theirs = torch.stack(routing, dim=2)[0, : seq.shape[1] - 1].sort(-1).values.numpy()
+        assert np.array_equal(np.sort(res.routing, -1), theirs)
+
+
+def conformance_figures(tmp: str) -> dict[str, dict[str, float]]:
+    """Per family: max |Δlogit| vs transformers on the padded batch (their save -> our load), the share of
+    (token, layer) top-k sets that agree, max |Δlogit| replaying their routing, and through our save loaded
+    back by transformers."""
+    from pathlib import Path
+
+    x, mask, pos = batch()
+    out = {}
+    for name in sorted(FAMILIES):
+        ref = reference(FAMILIES[name]())
+        d = Path(tmp) / name
+        ref.save_pretrained(d)
+        ours = load_pretrained(d)
+        want, theirs = ref_forward(ref, x, mask, pos)
+        c = ours.cfg
+        replay = torch.full((*x.shape, c.n_layers, c.top_k), -1, dtype=torch.long)
+        agree = []
+        with torch.no_grad():
+            mine = ours(x, attention_mask=mask)
+            for layer, t in zip(c.moe_layers, theirs, strict=True):
+                replay[:, :, layer] = t
+                same = (mine.free_topk[:, :, layer].sort(-1).values == t.sort(-1).values).all(-1)
+                agree.append(same[mask.bool()].float().mean().item())
+            replayed = ours(x, attention_mask=mask, replay=replay)
+        back = AutoModelForCausalLM.from_pretrained(save_pretrained(ours, d / "ours"), dtype=torch.float32).eval()
+        out[name] = {
+            "max_abs_dlogit": max_diff(mine.logits, want, mask),
+            "routing_agreement": min(agree),
+            "max_abs_dlogit_replayed": max_diff(replayed.logits, want, mask),
+            "max_abs_dlogit_our_save_in_transformers": max_diff(ref_forward(back, x, mask, pos)[0], mine.logits, mask),
+        }
+    return out
+
+
+if __name__ == "__main__":  # the figures in docs/results.md: python tests/test_hf_models.py
+    import tempfile
+
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        figs = conformance_figures(tmp)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, fp32 CPU")
+    for name, f in figs.items():
+        print(f"{name:32s} " + "  ".join(f"{k} {v:.2e}" for k, v in f.items()))
