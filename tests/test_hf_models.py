@@ -11,9 +11,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from t1async.model.config import MIXTRAL, QWEN3_MOE, MoEConfig
+from t1async.model.config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoEConfig
 from t1async.model.hf import hf_slots, hf_state_shapes, to_hf_state
 from t1async.model.kvcache import KVCache
 from t1async.model.moe import MoETransformer
@@ -80,11 +80,31 @@ def mixtral(**kw) -> MixtralConfig:
     return MixtralConfig(**{**base, **kw})
 
 
+def qwen2(**kw) -> Qwen2MoeConfig:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=28,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=5,
+        num_experts_per_tok=2,
+        rope_theta=20000.0,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    return Qwen2MoeConfig(**{**base, **kw})
+
+
 FAMILIES = {
     "qwen3-moe": lambda: qwen3(),
     "qwen3-moe-unnormalised-gates": lambda: qwen3(norm_topk_prob=False),
     "qwen3-moe-dense-layers-tied": lambda: qwen3(mlp_only_layers=[0], decoder_sparse_step=2, tie_word_embeddings=True),
     "mixtral": lambda: mixtral(),
+    "qwen2-moe": lambda: qwen2(),
 }
 
 
@@ -94,7 +114,7 @@ def reference(hf_cfg, seed: int = 0):
     ref = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):  # (transformers starts them at 1 and 0)
                 p.add_(torch.randn_like(p) * 0.2)
     return ref
 
@@ -249,6 +269,10 @@ def test_config_maps_the_qwen3_layout():
     assert (cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.dense_d_ff) == (2, 12, 16, 40)
     assert cfg.qk_norm and cfg.norm_topk_prob and cfg.tie_embeddings and cfg.rope_theta == 5000.0
     assert MoEConfig.from_dict(cfg.to_hf_dict()) == cfg
+    q2 = MoEConfig.from_hf_dict(qwen2().to_dict())
+    assert q2.architecture == QWEN2_MOE and q2.qkv_bias and q2.shared_d_ff == 28 and not q2.qk_norm
+    assert not q2.norm_topk_prob and q2.head_dim == 8 and q2.dense_layers == ()
+    assert MoEConfig.from_dict(q2.to_hf_dict()) == q2
 
 
 def test_an_unsupported_architecture_is_a_one_line_error(tmp_path):
@@ -257,7 +281,7 @@ def test_an_unsupported_architecture_is_a_one_line_error(tmp_path):
         MoEConfig.load(tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and "LlamaForCausalLM" in msg
-    assert QWEN3_MOE in msg and MIXTRAL in msg
+    assert QWEN3_MOE in msg and MIXTRAL in msg and QWEN2_MOE in msg
     with pytest.raises(ConfigError, match="rope scaling"):
         MoEConfig.from_hf_dict({**mixtral().to_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 

@@ -75,7 +75,8 @@ def rotary_into(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Causal self-attention with rotary embeddings. ``qkv`` is one fused projection whose output rows are the
     query heads, then the key heads, then the value heads ([(H + 2 KV) hd, d]; KV < H is grouped-query
-    attention, query head j reading key/value head j // (H / KV), as Hugging Face's ``repeat_kv``). With
+    attention, query head j reading key/value head j // (H / KV), as Hugging Face's ``repeat_kv``), with
+    biases where ``cfg.qkv_bias`` (Qwen2). With
     ``cfg.qk_norm`` each query and key head is RMS-normalised (``q_norm``, ``k_norm``, weights [hd]) before
     the rotary embedding (Qwen3)."""
 
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, (h + 2 * kv) * hd, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
         self.out = nn.Linear(h * hd, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None

@@ -24,8 +24,10 @@ from t1async.protocol.errors import ConfigError
 MODEL_TYPE = "t1async_moe"
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+QWEN2_MOE = "Qwen2MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
-SUPPORTED_ARCHITECTURES: dict[str, str] = {QWEN3_MOE: "qwen3_moe", MIXTRAL: "mixtral"}  # architecture -> model_type
+# architecture -> model_type
+SUPPORTED_ARCHITECTURES: dict[str, str] = {QWEN3_MOE: "qwen3_moe", QWEN2_MOE: "qwen2_moe", MIXTRAL: "mixtral"}
 
 # the fields added for the Hugging Face architectures, with the values that make them a no-op (the in-house
 # model): ``to_dict`` leaves them out at these values, so configs (and the recipe digests hashing them) written
@@ -38,6 +40,8 @@ _EXTENDED_DEFAULTS: dict[str, Any] = {
     "dense_layers": (),
     "dense_d_ff": 0,
     "tie_embeddings": False,
+    "qkv_bias": False,
+    "shared_d_ff": 0,
     "architecture": "",
 }
 
@@ -64,6 +68,8 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense SwiGLU MLP instead of experts (Qwen3 mlp_only_layers)
     dense_d_ff: int = 0  # hidden width of a dense layer's MLP (HF intermediate_size); 0 = d_ff
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    shared_d_ff: int = 0  # hidden width of a shared expert every token uses, gated by a sigmoid (Qwen2); 0 = none
     architecture: str = ""  # "" = the in-house format; else a key of SUPPORTED_ARCHITECTURES (HF save format)
 
     def __post_init__(self) -> None:
@@ -71,7 +77,7 @@ class MoEConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"MoEConfig.{name} must be a positive int, got {v!r}")
-        for name in ("n_kv_heads", "head_dim", "dense_d_ff"):
+        for name in ("n_kv_heads", "head_dim", "dense_d_ff", "shared_d_ff"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"MoEConfig.{name} must be an int >= 0 (0 = the default), got {v!r}")
@@ -109,6 +115,10 @@ class MoEConfig:
                 "MoEConfig: MixtralForCausalLM has no q/k norm, no dense layers and renormalised top-k gates "
                 "(qk_norm=False, dense_layers=(), norm_topk_prob=True)"
             )
+        if self.architecture in (MIXTRAL, QWEN3_MOE) and (self.qkv_bias or self.shared_d_ff):
+            raise ConfigError(f"MoEConfig: {self.architecture} has no qkv bias and no shared expert")
+        if self.architecture == QWEN2_MOE and self.qk_norm:
+            raise ConfigError("MoEConfig: Qwen2MoeForCausalLM has no q/k norm (qk_norm=False)")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -194,17 +204,21 @@ class MoEConfig:
             "seed": get("t1async_seed", 0),
             "init_std": float(get("initializer_range", 0.02)),
         }
-        if arch == QWEN3_MOE:
+        if arch in (QWEN3_MOE, QWEN2_MOE):
             step = int(get("decoder_sparse_step", 1))
             only = set(get("mlp_only_layers", []))
             kw.update(
                 n_experts=get("num_experts", get("num_local_experts")),
                 d_ff=get("moe_intermediate_size"),
                 dense_d_ff=get("intermediate_size", 0),
-                qk_norm=True,
                 norm_topk_prob=bool(get("norm_topk_prob", False)),
                 dense_layers=tuple(i for i in range(n_layers) if i in only or (i + 1) % step != 0),
             )
+            if arch == QWEN3_MOE:
+                kw["qk_norm"] = True
+            else:
+                kw["qkv_bias"] = bool(get("qkv_bias", True))
+                kw["shared_d_ff"] = get("shared_expert_intermediate_size")
         else:
             kw.update(n_experts=get("num_local_experts"), d_ff=get("intermediate_size"))
         missing = [k for k, v in kw.items() if v is None]
@@ -236,7 +250,7 @@ class MoEConfig:
             "t1async_seed": self.seed,
             "torch_dtype": "float32",
         }
-        if self.architecture == QWEN3_MOE:
+        if self.architecture in (QWEN3_MOE, QWEN2_MOE):
             d.update(
                 num_experts=self.n_experts,
                 moe_intermediate_size=self.d_ff,
@@ -247,6 +261,9 @@ class MoEConfig:
                 attention_bias=False,
                 use_sliding_window=False,
             )
+            if self.architecture == QWEN2_MOE:
+                del d["attention_bias"]
+                d.update(qkv_bias=self.qkv_bias, shared_expert_intermediate_size=self.shared_d_ff)
         else:
             d.update(num_local_experts=self.n_experts, intermediate_size=self.d_ff, sliding_window=None)
         return d

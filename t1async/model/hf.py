@@ -8,15 +8,18 @@ layout that SGLang's loaders and ``transformers.from_pretrained`` both read::
     model.layers.N.input_layernorm.weight          blocks.N.attn_norm.weight
     model.layers.N.self_attn.{q,k,v}_proj.weight   rows of blocks.N.attn.qkv.weight (queries, keys, values)
     model.layers.N.self_attn.o_proj.weight         blocks.N.attn.out.weight
+    model.layers.N.self_attn.{q,k,v}_proj.bias     rows of blocks.N.attn.qkv.bias            (Qwen2)
     model.layers.N.self_attn.{q,k}_norm.weight     blocks.N.attn.{q,k}_norm.weight           (Qwen3)
     model.layers.N.post_attention_layernorm.weight blocks.N.moe_norm.weight
     model.layers.N.{M}.gate.weight                 blocks.N.moe.router.weight
     model.layers.N.{M}.experts.E.{G,U,D}.weight    blocks.N.moe.w_{gate,up,down}[E], transposed
+    model.layers.N.mlp.shared_expert.{G,U,D}.weight blocks.N.moe.shared.w_{gate,up,down}, transposed (Qwen2)
+    model.layers.N.mlp.shared_expert_gate.weight   blocks.N.moe.shared_gate.weight           (Qwen2)
     model.layers.N.mlp.{gate,up,down}_proj.weight  blocks.N.moe.w_{gate,up,down}, transposed (dense layers)
     model.norm.weight                              norm.weight
     lm_head.weight                                 lm_head.weight (left out when tied to the embedding)
 
-with {M} = ``mlp`` and {G,U,D} = ``gate_proj, up_proj, down_proj`` for Qwen3-MoE, ``block_sparse_moe`` and
+with {M} = ``mlp`` and {G,U,D} = ``gate_proj, up_proj, down_proj`` for Qwen3-MoE and Qwen2-MoE, ``block_sparse_moe`` and
 ``w1, w3, w2`` for Mixtral (and for the in-house config, which is a Mixtral). The value head is ours: it is
 never among these names (weights.py saves it in its own file).
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from t1async.model.config import QWEN3_MOE, MoEConfig
+from t1async.model.config import QWEN2_MOE, QWEN3_MOE, MoEConfig
 
 __all__ = ["Slot", "canonical_hf_state", "hf_slots", "hf_state_shapes", "is_hf_state", "slot_view", "to_hf_state"]
 
@@ -47,7 +50,7 @@ class Slot:
 
 
 def _moe_names(cfg: MoEConfig) -> tuple[str, tuple[str, str, str]]:
-    if cfg.architecture == QWEN3_MOE:
+    if cfg.architecture in (QWEN3_MOE, QWEN2_MOE):
         return "mlp", ("gate_proj", "up_proj", "down_proj")
     return "block_sparse_moe", ("w1", "w3", "w2")  # Mixtral, and the in-house model (a Mixtral)
 
@@ -68,6 +71,11 @@ def hf_slots(cfg: MoEConfig) -> dict[str, Slot]:
         out[p + "self_attn.k_proj.weight"] = Slot(qkv, rows=(h, h + kv))
         out[p + "self_attn.v_proj.weight"] = Slot(qkv, rows=(h + kv, h + 2 * kv))
         out[p + "self_attn.o_proj.weight"] = Slot(o + "attn.out.weight")
+        if cfg.qkv_bias:
+            for x in "qkv":
+                out[f"{p}self_attn.{x}_proj.bias"] = Slot(
+                    o + "attn.qkv.bias", rows=out[f"{p}self_attn.{x}_proj.weight"].rows
+                )
         if cfg.qk_norm:
             out[p + "self_attn.q_norm.weight"] = Slot(o + "attn.q_norm.weight")
             out[p + "self_attn.k_norm.weight"] = Slot(o + "attn.k_norm.weight")
@@ -76,6 +84,10 @@ def hf_slots(cfg: MoEConfig) -> dict[str, Slot]:
                 out[f"{p}mlp.{theirs}.weight"] = Slot(f"{o}moe.{ours}", transpose=True)
             continue
         out[f"{p}{moe}.gate.weight"] = Slot(o + "moe.router.weight")
+        if cfg.shared_d_ff:
+            out[f"{p}mlp.shared_expert_gate.weight"] = Slot(o + "moe.shared_gate.weight")
+            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+                out[f"{p}mlp.shared_expert.{theirs}.weight"] = Slot(f"{o}moe.shared.{ours}", transpose=True)
         for e in range(cfg.n_experts):
             for ours, theirs in (("w_gate", g), ("w_up", u), ("w_down", dn)):
                 out[f"{p}{moe}.experts.{e}.{theirs}.weight"] = Slot(f"{o}moe.{ours}", expert=e, transpose=True)

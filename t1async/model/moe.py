@@ -89,9 +89,24 @@ def _gates(logits: Tensor, chosen: Tensor, chosen_logits: Tensor, norm_topk_prob
     return torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
 
 
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP, d -> f -> d (weights as ``x @ w``)."""
+
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(d, f))
+        self.w_up = nn.Parameter(torch.empty(d, f))
+        self.w_down = nn.Parameter(torch.empty(f, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
+
+
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Gates: softmax over the chosen experts' router logits (``norm_topk_prob``,
-    the in-house model's rule), else the chosen experts' softmax-over-all probabilities."""
+    the in-house model's rule), else the chosen experts' softmax-over-all probabilities. With
+    ``cfg.shared_d_ff`` a shared expert (``shared``) adds ``sigmoid(shared_gate(x)) * shared(x)`` for every
+    token (Qwen2-MoE)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -101,6 +116,14 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(e, d, f))
         self.w_up = nn.Parameter(torch.empty(e, d, f))
         self.w_down = nn.Parameter(torch.empty(e, f, d))
+        self.shared = SwiGLU(d, cfg.shared_d_ff) if cfg.shared_d_ff else None
+        self.shared_gate = nn.Linear(d, 1, bias=False) if cfg.shared_d_ff else None
+
+    def _shared(self, x: Tensor, out: Tensor) -> Tensor:
+        """out + the shared expert's gated output for x (out unchanged without a shared expert)."""
+        if self.shared is None or self.shared_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
     def forward(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [N, d]; replay [N, K] or None. Returns (out [N, d], chosen [N, K], free [N, K], logits [N, E])."""
@@ -128,7 +151,7 @@ class MoE(nn.Module):
             ye = (he @ self.w_down[e]) * gate_sorted[lo : lo + c, None]
             out.index_add_(0, tok, ye)
             lo += c
-        return out, chosen, free, logits
+        return self._shared(x, out), chosen, free, logits
 
     def infer(self, x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Inference (no replay, no grad): x [N, d] -> (out [N, d], chosen [N, K]), as ``forward`` computes
@@ -157,7 +180,7 @@ class MoE(nn.Module):
         ys = _grouped_mm(hs, self.w_down, offs=ends).mul_(gates.reshape(-1)[order, None])
         out = torch.zeros_like(x)
         out.index_add_(0, tok, ys)
-        return out, chosen
+        return self._shared(x, out), chosen
 
 
 class DenseMLP(nn.Module):
