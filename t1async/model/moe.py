@@ -2,6 +2,10 @@
 
     model = MoETransformer(MoEConfig(...))            # weights initialised deterministically from cfg.seed
 
+One module for every supported architecture (design §2 "Models"): the in-house model, Qwen3-MoE, Qwen2-MoE
+and Mixtral are configs of it (grouped-query attention, q/k norm, qkv bias, dense layers, a shared expert,
+tied embeddings, the two gate rules; see config.py). A dense layer's rows in ``routing`` are zeros.
+
 1. Full-sequence forward (training, scoring)::
 
        out = model(input_ids, replay=None, attention_mask=None)   # input_ids: LongTensor [B, T]
@@ -184,8 +188,9 @@ class MoE(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """A dense SwiGLU MLP (Qwen3's ``mlp_only_layers``) with the MoE layer's interface: it routes nothing, so
-    its chosen and free experts are -1 (any replay is ignored) and its router logits zeros."""
+    """A dense SwiGLU MLP (Qwen3's ``mlp_only_layers``) with the MoE layer's interface. It routes nothing: its
+    chosen and free "experts" are zeros, the rows SGLang's capture leaves for a dense layer, which the learner
+    drops as an all-zero layer (design §6); a replay's rows for it are ignored; its router logits are zeros."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -199,7 +204,7 @@ class DenseMLP(nn.Module):
         return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
 
     def _none(self, x: Tensor) -> Tensor:
-        return torch.full((x.shape[0], self.cfg.top_k), -1, dtype=torch.long, device=x.device)
+        return torch.zeros(x.shape[0], self.cfg.top_k, dtype=torch.long, device=x.device)
 
     def forward(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         none = self._none(x)
@@ -233,7 +238,9 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, *, init: bool = True) -> None:
+        """``init=False`` leaves the parameters as allocated (for a load that overwrites them all: built on
+        the meta device, that allocates nothing until ``to_empty``, see ``weights.load_pretrained``)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -243,7 +250,17 @@ class MoETransformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.value_head = nn.Linear(cfg.d_model, 1)
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_value_head(self) -> None:
+        """A fresh value head for a checkpoint without one (a Hugging Face model): normal(0, init_std) weights
+        from ``cfg.seed``'s own stream, bias 0."""
+        rng = np.random.default_rng(self.cfg.seed)
+        w = self.value_head.weight
+        w.copy_(torch.from_numpy(rng.standard_normal(tuple(w.shape), dtype=np.float32) * np.float32(self.cfg.init_std)))
+        self.value_head.bias.zero_()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -215,10 +215,20 @@ def load_state_into(model: MoETransformer, state: dict[str, torch.Tensor], where
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
+    """The model of a directory, in ``dtype``. Built on the meta device and allocated once in ``dtype`` (no
+    random init, no fp32 copy of a bf16 model); a directory without a value head (a Hugging Face checkpoint)
+    gets a fresh one (``MoETransformer.reset_value_head``)."""
     d = Path(directory)
-    model = MoETransformer(MoEConfig.load(d))
+    cfg = MoEConfig.load(d)
+    with torch.device("meta"):
+        model = MoETransformer(cfg, init=False)
+    model = model.to(dtype).to_empty(device="cpu")
+    if cfg.tie_embeddings:  # to_empty gives each reference its own storage: tie again
+        model.lm_head.weight = model.embed.weight
+    if cfg.architecture and not (d / VALUE_HEAD_FILE).is_file():
+        model.reset_value_head()
     load_weights_into(model, d)
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def default_cache_root() -> Path:
