@@ -256,6 +256,17 @@ def test_our_save_loads_in_transformers_single_file_and_sharded(family, tmp_path
         assert torch.equal(again.logits, mine.logits) and torch.equal(again.values, mine.values)
 
 
+def test_a_sharded_transformers_checkpoint_loads(family, tmp_path):
+    name, ref, _, ours = family
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / INDEX_FILE).is_file() and not (tmp_path / WEIGHTS_FILE).exists()
+    x, mask, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(
+            load_pretrained(tmp_path)(x, attention_mask=mask).logits, ours(x, attention_mask=mask).logits
+        )
+
+
 def test_saved_names_are_the_hub_layout(family, tmp_path):
     """What transformers itself writes (per-expert tensors, SGLang's loader names) is what we write."""
     name, _, their_dir, ours = family
@@ -352,35 +363,39 @@ def test_load_weights_into_checks_the_architecture(family, tmp_path):
 
 
 async def test_the_engine_serves_a_transformers_checkpoint_with_its_logprobs(tmp_path):
-    """The embedded sampler on a directory transformers wrote: greedy tokens whose logprobs are transformers'
-    log-softmax on the same tokens, and the routing it records is transformers' top-k."""
+    """The embedded sampler on a directory transformers wrote, then updated from another: greedy tokens whose
+    logprobs are transformers' log-softmax on the same tokens, and the routing it records is transformers'
+    top-k (zero rows for the dense layer)."""
     import numpy as np
     import trio
 
     from t1async.model.engine import Engine
     from t1async.model.records import EngineConfig, GenRequest
 
-    ref = reference(qwen3(vocab_size=4096, mlp_only_layers=[1]), seed=2)  # the shipped tokenizer's vocabulary
-    ref.save_pretrained(tmp_path)
+    refs = [reference(qwen3(vocab_size=4096, mlp_only_layers=[1]), seed=s) for s in (2, 3)]  # our tokenizer's vocab
+    for i, r in enumerate(refs):
+        r.save_pretrained(tmp_path / f"v{i}")
     prompts = [[5, 17, 300, 9, 44], [1000, 2, 3]]
-    eng = Engine(tmp_path, EngineConfig(max_batch=4))
+    eng = Engine(tmp_path / "v0", EngineConfig(max_batch=4))
+    checks = []
     async with trio.open_nursery() as n:
         await n.start(eng.run)
-        results = [
-            await eng.collect(
-                GenRequest(
-                    rid=f"r{i}",
+        for version, ref in enumerate(refs):
+            if version:  # the learner's push from disk: another transformers-written directory
+                await eng.update_weights_from_disk(str(tmp_path / f"v{version}"), str(version))
+            for i, p in enumerate(prompts):
+                rq = GenRequest(
+                    rid=f"r{version}-{i}",
                     input_ids=tuple(p),
                     max_new_tokens=6,
                     temperature=0.0,
                     ignore_eos=True,
                     return_routing=True,
                 )
-            )
-            for i, p in enumerate(prompts)
-        ]
+                checks.append((ref, p, await eng.collect(rq)))
         n.cancel_scope.cancel()
-    for p, res in zip(prompts, results, strict=True):
+    assert checks[0][2].logprobs != checks[2][2].logprobs  # the update took
+    for ref, p, res in checks:
         seq = torch.tensor([p + res.output_ids])
         logits, routing = ref_forward(ref, seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])
         lp = torch.log_softmax(logits[0], -1)
