@@ -95,6 +95,8 @@ def save_pretrained(
         save_file({k: state[k] for k in _VALUE_HEAD}, str(d / VALUE_HEAD_FILE), metadata={"format": "pt"})
         _write_state(d, to_hf_state(cfg, state), {"format": "pt"}, max_shard_bytes)
     else:
+        if cfg.tie_embeddings:
+            del state["lm_head.weight"]  # the embedding (a file holds a tensor once)
         _write_state(d, state, {"format": "pt", "model_type": "t1async_moe"}, max_shard_bytes)
     cfg.save(d / "config.json")
     (tokenizer or ChatTokenizer.load()).save(d, model_max_length=cfg.max_seq_len)
@@ -184,6 +186,8 @@ def load_weights_into(model: MoETransformer, directory: str | Path) -> None:
             want.update(_VALUE_HEAD)
     else:
         want = set(model.state_dict())
+        if model.cfg.tie_embeddings and "lm_head.weight" not in state:
+            want.discard("lm_head.weight")
     missing, extra = sorted(want - set(state)), sorted(set(state) - want)
     if missing or extra:
         raise ConfigError(f"weights at {d} do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
