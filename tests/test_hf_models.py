@@ -11,9 +11,9 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from t1async.model.config import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoEConfig
+from t1async.model.config import MIXTRAL, OLMOE, QWEN2_MOE, QWEN3_MOE, MoEConfig
 from t1async.model.hf import hf_slots, hf_state_shapes, to_hf_state
 from t1async.model.kvcache import KVCache
 from t1async.model.moe import MoETransformer
@@ -99,12 +99,32 @@ def qwen2(**kw) -> Qwen2MoeConfig:
     return Qwen2MoeConfig(**{**base, **kw})
 
 
+def olmoe(**kw) -> OlmoeConfig:
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=6,
+        num_experts_per_tok=3,
+        clip_qkv=1.5,  # clamps some of the normalised projections
+        eos_token_id=2,  # (its default is outside this vocabulary)
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )
+    return OlmoeConfig(**{**base, **kw})
+
+
 FAMILIES = {
     "qwen3-moe": lambda: qwen3(),
     "qwen3-moe-unnormalised-gates": lambda: qwen3(norm_topk_prob=False),
     "qwen3-moe-dense-layers-tied": lambda: qwen3(mlp_only_layers=[0], decoder_sparse_step=2, tie_word_embeddings=True),
     "mixtral": lambda: mixtral(),
     "qwen2-moe": lambda: qwen2(),
+    "olmoe": lambda: olmoe(),
 }
 
 
@@ -294,6 +314,9 @@ def test_config_maps_the_qwen3_layout():
     assert q2.architecture == QWEN2_MOE and q2.qkv_bias and q2.shared_d_ff == 28 and not q2.qk_norm
     assert not q2.norm_topk_prob and q2.head_dim == 8 and q2.dense_layers == ()
     assert MoEConfig.from_dict(q2.to_hf_dict()) == q2
+    ol = MoEConfig.from_hf_dict(olmoe().to_dict())
+    assert ol.architecture == OLMOE and ol.qk_norm and ol.qk_norm_full and ol.clip_qkv == 1.5 and ol.d_ff == 16
+    assert MoEConfig.from_dict(ol.to_hf_dict()) == ol
 
 
 def test_an_unsupported_architecture_is_a_one_line_error(tmp_path):
@@ -302,7 +325,7 @@ def test_an_unsupported_architecture_is_a_one_line_error(tmp_path):
         MoEConfig.load(tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and "LlamaForCausalLM" in msg
-    assert QWEN3_MOE in msg and MIXTRAL in msg and QWEN2_MOE in msg
+    assert QWEN3_MOE in msg and MIXTRAL in msg and QWEN2_MOE in msg and OLMOE in msg
     with pytest.raises(ConfigError, match="rope scaling"):
         MoEConfig.from_hf_dict({**mixtral().to_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 

@@ -78,7 +78,8 @@ class Attention(nn.Module):
     attention, query head j reading key/value head j // (H / KV), as Hugging Face's ``repeat_kv``), with
     biases where ``cfg.qkv_bias`` (Qwen2). With
     ``cfg.qk_norm`` each query and key head is RMS-normalised (``q_norm``, ``k_norm``, weights [hd]) before
-    the rotary embedding (Qwen3)."""
+    the rotary embedding (Qwen3); with ``cfg.qk_norm_full`` one norm covers all query heads and one all key
+    heads (weights [H hd], [KV hd]), and ``cfg.clip_qkv`` clamps the projections (OLMoE)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -86,13 +87,25 @@ class Attention(nn.Module):
         h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (h + 2 * kv) * hd, bias=cfg.qkv_bias)
         self.out = nn.Linear(h * hd, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        qn, kn = (h * hd, kv * hd) if cfg.qk_norm_full else (hd, hd)
+        self.q_norm = RMSNorm(qn, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(kn, cfg.norm_eps) if cfg.qk_norm else None
         self.gqa = kv != h
+
+    def _project(self, x: Tensor) -> Tensor:
+        """The fused projection [B, n, (H + 2 KV) hd], with OLMoE's whole-projection q/k norms and clip."""
+        y = self.qkv(x)
+        c = self.cfg
+        if c.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
+            q, k, v = y.split([c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.head_dim], -1)
+            y = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if c.clip_qkv:
+            y = y.clamp(-c.clip_qkv, c.clip_qkv)
+        return y
 
     def _norm_qk(self, x: Tensor, dim: int) -> Tensor:
         """RMS-normalise the query and key heads of x (heads along ``dim``: H query heads, then KV key heads)."""
-        if self.q_norm is None or self.k_norm is None:
+        if self.q_norm is None or self.k_norm is None or self.cfg.qk_norm_full:
             return x
         q, k = x.split([self.cfg.n_heads, self.cfg.n_kv_heads], dim=dim)
         return torch.cat([self.q_norm(q), self.k_norm(k)], dim=dim)
@@ -100,11 +113,13 @@ class Attention(nn.Module):
     def _qkv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
         h, kv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        if not self.gqa and self.q_norm is None:  # the in-house layout: one [3, B, H, n, hd] view
+        if (
+            not self.gqa and self.q_norm is None and not self.cfg.clip_qkv
+        ):  # the in-house layout: one [3, B, H, n, hd] view
             qkv = self.qkv(x).view(b, n, 3, h, hd).permute(2, 0, 3, 1, 4)  # [3, B, H, n, hd]
             q, k = rotary(qkv[:2], *rope)  # q and k rotated in one go (elementwise: same numbers as one by one)
             return q, k, qkv[2]
-        heads = self.qkv(x).view(b, n, h + 2 * kv, hd).transpose(1, 2)  # [B, H + 2 KV, n, hd]
+        heads = self._project(x).view(b, n, h + 2 * kv, hd).transpose(1, 2)  # [B, H + 2 KV, n, hd]
         qk = rotary(self._norm_qk(heads[:, : h + kv], dim=1), *rope)
         return qk[:, :h], qk[:, h:], heads[:, h + kv :]
 
@@ -131,7 +146,7 @@ class Attention(nn.Module):
         Prefill (n > 1): the fused scaled_dot_product_attention (no [B, H, n, W] score tensor)."""
         b, n, _ = x.shape
         h, kv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        heads = self.qkv(x).view(b, n, h + 2 * kv, hd)
+        heads = self._project(x).view(b, n, h + 2 * kv, hd)
         qk = rotary_into(self._norm_qk(heads[:, :, : h + kv], dim=2), *rope)  # [B, n, H + KV, hd]
         q = qk[:, :, :h].transpose(1, 2)  # [B, H, n, hd] (a view)
         knew, vnew = qk[:, :, h:], heads[:, :, h + kv :]  # [B, n, KV, hd]

@@ -26,8 +26,14 @@ MODEL_TYPE = "t1async_moe"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
+OLMOE = "OlmoeForCausalLM"
 # architecture -> model_type
-SUPPORTED_ARCHITECTURES: dict[str, str] = {QWEN3_MOE: "qwen3_moe", QWEN2_MOE: "qwen2_moe", MIXTRAL: "mixtral"}
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    QWEN3_MOE: "qwen3_moe",
+    QWEN2_MOE: "qwen2_moe",
+    MIXTRAL: "mixtral",
+    OLMOE: "olmoe",
+}
 
 # the fields added for the Hugging Face architectures, with the values that make them a no-op (the in-house
 # model): ``to_dict`` leaves them out at these values, so configs (and the recipe digests hashing them) written
@@ -42,6 +48,8 @@ _EXTENDED_DEFAULTS: dict[str, Any] = {
     "tie_embeddings": False,
     "qkv_bias": False,
     "shared_d_ff": 0,
+    "qk_norm_full": False,
+    "clip_qkv": 0.0,
     "architecture": "",
 }
 
@@ -70,6 +78,8 @@ class MoEConfig:
     tie_embeddings: bool = False  # lm_head shares the embedding matrix
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     shared_d_ff: int = 0  # hidden width of a shared expert every token uses, gated by a sigmoid (Qwen2); 0 = none
+    qk_norm_full: bool = False  # with qk_norm: one RMSNorm over all query heads, one over all key heads (OLMoE)
+    clip_qkv: float = 0.0  # clamp q, k, v (after the q/k norm) to [-clip_qkv, clip_qkv] (OLMoE); 0 = off
     architecture: str = ""  # "" = the in-house format; else a key of SUPPORTED_ARCHITECTURES (HF save format)
 
     def __post_init__(self) -> None:
@@ -100,6 +110,10 @@ class MoEConfig:
             )
         if self.top_k > self.n_experts:
             raise ConfigError(f"MoEConfig.top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if not self.clip_qkv >= 0 or (self.qk_norm_full and not self.qk_norm):
+            raise ConfigError(
+                f"MoEConfig.clip_qkv must be >= 0 (0 = off), got {self.clip_qkv!r}; qk_norm_full needs qk_norm"
+            )
         if not self.rope_theta > 0 or not self.norm_eps > 0 or not self.init_std > 0:
             raise ConfigError(
                 f"MoEConfig.rope_theta, norm_eps and init_std must be > 0, got "
@@ -115,8 +129,12 @@ class MoEConfig:
                 "MoEConfig: MixtralForCausalLM has no q/k norm, no dense layers and renormalised top-k gates "
                 "(qk_norm=False, dense_layers=(), norm_topk_prob=True)"
             )
-        if self.architecture in (MIXTRAL, QWEN3_MOE) and (self.qkv_bias or self.shared_d_ff):
+        if self.architecture in (MIXTRAL, QWEN3_MOE, OLMOE) and (self.qkv_bias or self.shared_d_ff):
             raise ConfigError(f"MoEConfig: {self.architecture} has no qkv bias and no shared expert")
+        if self.architecture != OLMOE and self.architecture and (self.qk_norm_full or self.clip_qkv):
+            raise ConfigError(f"MoEConfig: {self.architecture} has no whole-projection q/k norm and no clip_qkv")
+        if self.architecture == OLMOE and (not self.qk_norm_full or self.dense_layers):
+            raise ConfigError("MoEConfig: OlmoeForCausalLM has q/k norms over whole projections and no dense layers")
         if self.architecture == QWEN2_MOE and self.qk_norm:
             raise ConfigError("MoEConfig: Qwen2MoeForCausalLM has no q/k norm (qk_norm=False)")
 
@@ -153,7 +171,7 @@ class MoEConfig:
             return cls.from_hf_dict(d)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        for k in ("rope_theta", "norm_eps", "init_std"):
+        for k in ("rope_theta", "norm_eps", "init_std", "clip_qkv"):
             if isinstance(kwargs.get(k), int):
                 kwargs[k] = float(kwargs[k])
         if isinstance(kwargs.get("dense_layers"), list):
@@ -204,7 +222,17 @@ class MoEConfig:
             "seed": get("t1async_seed", 0),
             "init_std": float(get("initializer_range", 0.02)),
         }
-        if arch in (QWEN3_MOE, QWEN2_MOE):
+        if arch == OLMOE:
+            kw.update(
+                n_experts=get("num_experts", get("num_local_experts")),
+                d_ff=get("intermediate_size"),
+                norm_topk_prob=bool(get("norm_topk_prob", False)),
+                qk_norm=True,
+                qk_norm_full=True,
+                clip_qkv=float(get("clip_qkv", 0.0)),
+                norm_eps=float(get("rms_norm_eps", 1e-5)),
+            )
+        elif arch in (QWEN3_MOE, QWEN2_MOE):
             step = int(get("decoder_sparse_step", 1))
             only = set(get("mlp_only_layers", []))
             kw.update(
@@ -250,7 +278,15 @@ class MoEConfig:
             "t1async_seed": self.seed,
             "torch_dtype": "float32",
         }
-        if self.architecture in (QWEN3_MOE, QWEN2_MOE):
+        if self.architecture == OLMOE:
+            d.update(
+                num_experts=self.n_experts,
+                intermediate_size=self.d_ff,
+                norm_topk_prob=self.norm_topk_prob,
+                clip_qkv=self.clip_qkv or None,
+                attention_bias=False,
+            )
+        elif self.architecture in (QWEN3_MOE, QWEN2_MOE):
             d.update(
                 num_experts=self.n_experts,
                 moe_intermediate_size=self.d_ff,

@@ -9,7 +9,7 @@ layout that SGLang's loaders and ``transformers.from_pretrained`` both read::
     model.layers.N.self_attn.{q,k,v}_proj.weight   rows of blocks.N.attn.qkv.weight (queries, keys, values)
     model.layers.N.self_attn.o_proj.weight         blocks.N.attn.out.weight
     model.layers.N.self_attn.{q,k,v}_proj.bias     rows of blocks.N.attn.qkv.bias            (Qwen2)
-    model.layers.N.self_attn.{q,k}_norm.weight     blocks.N.attn.{q,k}_norm.weight           (Qwen3)
+    model.layers.N.self_attn.{q,k}_norm.weight     blocks.N.attn.{q,k}_norm.weight           (Qwen3, OLMoE)
     model.layers.N.post_attention_layernorm.weight blocks.N.moe_norm.weight
     model.layers.N.{M}.gate.weight                 blocks.N.moe.router.weight
     model.layers.N.{M}.experts.E.{G,U,D}.weight    blocks.N.moe.w_{gate,up,down}[E], transposed
@@ -19,9 +19,9 @@ layout that SGLang's loaders and ``transformers.from_pretrained`` both read::
     model.norm.weight                              norm.weight
     lm_head.weight                                 lm_head.weight (left out when tied to the embedding)
 
-with {M} = ``mlp`` and {G,U,D} = ``gate_proj, up_proj, down_proj`` for Qwen3-MoE and Qwen2-MoE, ``block_sparse_moe`` and
-``w1, w3, w2`` for Mixtral (and for the in-house config, which is a Mixtral). The value head is ours: it is
-never among these names (weights.py saves it in its own file).
+with {M} = ``mlp`` and {G,U,D} = ``gate_proj, up_proj, down_proj`` for Qwen3-MoE, Qwen2-MoE and OLMoE,
+``block_sparse_moe`` and ``w1, w3, w2`` for Mixtral (and for the in-house config, which is a Mixtral). The
+value head is ours: it is never among these names (weights.py saves it in its own file).
 
 ``hf_slots(cfg)`` maps each Hugging Face name to a ``Slot`` (our name, expert index, row range, transposed);
 ``slot_view`` is that tensor as a view into ours, so a load or a weight update writes in place.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from t1async.model.config import QWEN2_MOE, QWEN3_MOE, MoEConfig
+from t1async.model.config import OLMOE, QWEN2_MOE, QWEN3_MOE, MoEConfig
 
 __all__ = ["Slot", "canonical_hf_state", "hf_slots", "hf_state_shapes", "is_hf_state", "slot_view", "to_hf_state"]
 
@@ -50,7 +50,7 @@ class Slot:
 
 
 def _moe_names(cfg: MoEConfig) -> tuple[str, tuple[str, str, str]]:
-    if cfg.architecture in (QWEN3_MOE, QWEN2_MOE):
+    if cfg.architecture in (QWEN3_MOE, QWEN2_MOE, OLMOE):
         return "mlp", ("gate_proj", "up_proj", "down_proj")
     return "block_sparse_moe", ("w1", "w3", "w2")  # Mixtral, and the in-house model (a Mixtral)
 
