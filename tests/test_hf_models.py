@@ -319,6 +319,19 @@ def test_config_maps_the_qwen3_layout():
     assert MoEConfig.from_dict(ol.to_hf_dict()) == ol
 
 
+def test_other_config_keys_survive_and_the_dtype_is_the_saved_one(tmp_path):
+    """Token ids and options we do not model pass through our load and save unchanged; ``torch_dtype`` names
+    the tensors we wrote (what SGLang's dtype "auto" reads)."""
+    reference(qwen3(bos_token_id=7, eos_token_id=8, router_aux_loss_coef=0.25)).save_pretrained(tmp_path / "t")
+    ours = load_pretrained(tmp_path / "t", dtype=torch.bfloat16)
+    written = json.loads((save_pretrained(ours, tmp_path / "o") / "config.json").read_text())
+    assert (written["bos_token_id"], written["eos_token_id"], written["router_aux_loss_coef"]) == (7, 8, 0.25)
+    assert written["torch_dtype"] == "bfloat16"
+    assert MoEConfig.load(tmp_path / "o") == ours.cfg
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    assert back.config.eos_token_id == 8 and next(back.parameters()).dtype == torch.bfloat16
+
+
 def test_an_unsupported_architecture_is_a_one_line_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(ConfigError) as e:

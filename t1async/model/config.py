@@ -35,6 +35,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     OLMOE: "olmoe",
 }
 
+# the Hugging Face config keys MoEConfig reads or writes; any other key of a loaded config.json (token ids,
+# training-time options) is kept verbatim in ``hf_extra`` and written back by ``to_hf_dict``
+_HF_KEYS = frozenset(
+    "architectures model_type vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "head_dim num_experts_per_tok max_position_embeddings rope_theta rope_scaling rope_parameters rms_norm_eps "
+    "tie_word_embeddings hidden_act initializer_range t1async_seed torch_dtype dtype transformers_version "
+    "num_experts num_local_experts moe_intermediate_size intermediate_size norm_topk_prob decoder_sparse_step "
+    "mlp_only_layers attention_bias mlp_bias use_sliding_window sliding_window qkv_bias "
+    "shared_expert_intermediate_size clip_qkv".split()
+)
+
 # the fields added for the Hugging Face architectures, with the values that make them a no-op (the in-house
 # model): ``to_dict`` leaves them out at these values, so configs (and the recipe digests hashing them) written
 # before stay byte-identical
@@ -51,6 +62,7 @@ _EXTENDED_DEFAULTS: dict[str, Any] = {
     "qk_norm_full": False,
     "clip_qkv": 0.0,
     "architecture": "",
+    "hf_extra": (),
 }
 
 
@@ -81,6 +93,7 @@ class MoEConfig:
     qk_norm_full: bool = False  # with qk_norm: one RMSNorm over all query heads, one over all key heads (OLMoE)
     clip_qkv: float = 0.0  # clamp q, k, v (after the q/k norm) to [-clip_qkv, clip_qkv] (OLMoE); 0 = off
     architecture: str = ""  # "" = the in-house format; else a key of SUPPORTED_ARCHITECTURES (HF save format)
+    hf_extra: tuple[tuple[str, str], ...] = ()  # other keys of a loaded HF config.json: (key, JSON value), sorted
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_experts", "top_k", "d_ff", "max_seq_len"):
@@ -176,6 +189,8 @@ class MoEConfig:
                 kwargs[k] = float(kwargs[k])
         if isinstance(kwargs.get("dense_layers"), list):
             kwargs["dense_layers"] = tuple(kwargs["dense_layers"])
+        if isinstance(kwargs.get("hf_extra"), list):
+            kwargs["hf_extra"] = tuple(tuple(kv) for kv in kwargs["hf_extra"])
         return cls(**kwargs)
 
     @classmethod
@@ -221,6 +236,7 @@ class MoEConfig:
             "tie_embeddings": bool(get("tie_word_embeddings", False)),
             "seed": get("t1async_seed", 0),
             "init_std": float(get("initializer_range", 0.02)),
+            "hf_extra": tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in d.items() if k not in _HF_KEYS)),
         }
         if arch == OLMOE:
             kw.update(
@@ -254,30 +270,34 @@ class MoEConfig:
             raise ConfigError(f"{arch} config lacks the fields behind {missing}: is it a complete config.json?")
         return cls(**kw)
 
-    def to_hf_dict(self) -> dict:
-        """This config as a Hugging Face ``config.json`` of ``architecture`` (transformers and SGLang read it)."""
+    def to_hf_dict(self, torch_dtype: str = "float32") -> dict:
+        """This config as a Hugging Face ``config.json`` of ``architecture`` (transformers and SGLang read it),
+        with the ``hf_extra`` keys of the config it was loaded from and the dtype of the saved tensors."""
         if not self.architecture:
             raise ConfigError("MoEConfig.architecture is '' (the in-house format): no Hugging Face config to write")
-        d: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": SUPPORTED_ARCHITECTURES[self.architecture],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.d_model,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "num_experts_per_tok": self.top_k,
-            "max_position_embeddings": self.max_seq_len,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "hidden_act": "silu",
-            "initializer_range": self.init_std,
-            "t1async_seed": self.seed,
-            "torch_dtype": "float32",
-        }
+        d: dict[str, Any] = {k: json.loads(v) for k, v in self.hf_extra}
+        d.update(
+            {
+                "architectures": [self.architecture],
+                "model_type": SUPPORTED_ARCHITECTURES[self.architecture],
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.d_model,
+                "num_hidden_layers": self.n_layers,
+                "num_attention_heads": self.n_heads,
+                "num_key_value_heads": self.n_kv_heads,
+                "head_dim": self.head_dim,
+                "num_experts_per_tok": self.top_k,
+                "max_position_embeddings": self.max_seq_len,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": None,
+                "rms_norm_eps": self.norm_eps,
+                "tie_word_embeddings": self.tie_embeddings,
+                "hidden_act": "silu",
+                "initializer_range": self.init_std,
+                "t1async_seed": self.seed,
+                "torch_dtype": torch_dtype,
+            }
+        )
         if self.architecture == OLMOE:
             d.update(
                 num_experts=self.n_experts,
@@ -304,9 +324,11 @@ class MoEConfig:
             d.update(num_local_experts=self.n_experts, intermediate_size=self.d_ff, sliding_window=None)
         return d
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, torch_dtype: str = "float32") -> None:
+        """Write ``config.json``: the Hugging Face one for an ``architecture`` (``torch_dtype`` names the
+        tensors' dtype there), else ours."""
         if self.architecture:
-            Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+            Path(path).write_text(json.dumps(self.to_hf_dict(torch_dtype), indent=2, sort_keys=True) + "\n")
         else:
             Path(path).write_text(self.to_json())
 

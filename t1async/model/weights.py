@@ -98,7 +98,7 @@ def save_pretrained(
         if cfg.tie_embeddings:
             del state["lm_head.weight"]  # the embedding (a file holds a tensor once)
         _write_state(d, state, {"format": "pt", "model_type": "t1async_moe"}, max_shard_bytes)
-    cfg.save(d / "config.json")
+    cfg.save(d / "config.json", torch_dtype=str(next(iter(state.values())).dtype).removeprefix("torch."))
     (tokenizer or ChatTokenizer.load()).save(d, model_max_length=cfg.max_seq_len)
     return d
 
@@ -132,7 +132,7 @@ def _read_state(directory: Path) -> dict[str, torch.Tensor]:
 def _same_arch(a: MoEConfig, b: MoEConfig) -> bool:
     # the architecture names the file format only: the in-house model and a Mixtral of its shape are one model
     def key(c: MoEConfig) -> MoEConfig:
-        return dataclasses.replace(c, seed=0, init_std=1.0, architecture="")
+        return dataclasses.replace(c, seed=0, init_std=1.0, architecture="", hf_extra=())
 
     return key(a) == key(b)
 
