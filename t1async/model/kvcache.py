@@ -33,7 +33,7 @@ class KVCache:
     def _alloc(self, slots: int, cap: int) -> Tensor:
         # zeroed, not empty: masked positions get weight 0 in attention, and 0 * NaN-garbage would be NaN
         c = self.cfg
-        return torch.zeros(c.n_layers, slots, c.n_heads, cap, c.head_dim, dtype=self.dtype)
+        return torch.zeros(c.n_layers, slots, c.n_kv_heads, cap, c.head_dim, dtype=self.dtype)
 
     @property
     def slots(self) -> int:

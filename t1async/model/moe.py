@@ -2,6 +2,10 @@
 
     model = MoETransformer(MoEConfig(...))            # weights initialised deterministically from cfg.seed
 
+One module for every supported architecture (design §2 "Models"): the in-house model, Qwen3-MoE, Qwen2-MoE
+and Mixtral are configs of it (grouped-query attention, q/k norm, qkv bias, dense layers, a shared expert,
+tied embeddings, the two gate rules; see config.py). A dense layer's rows in ``routing`` are zeros.
+
 1. Full-sequence forward (training, scoring)::
 
        out = model(input_ids, replay=None, attention_mask=None)   # input_ids: LongTensor [B, T]
@@ -81,8 +85,32 @@ class ModelOutput:
     hidden: Tensor | None = None  # [B, T, d] final-norm hidden states (the lm_head's input)
 
 
+def _gates(logits: Tensor, chosen: Tensor, chosen_logits: Tensor, norm_topk_prob: bool) -> Tensor:
+    """The chosen experts' weights, float32: the softmax over their logits (= softmax over all experts, top-k,
+    renormalised: Mixtral, Qwen3 with ``norm_topk_prob``), or their softmax-over-all-experts probabilities."""
+    if norm_topk_prob:
+        return torch.softmax(chosen_logits.float(), dim=-1)
+    return torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP, d -> f -> d (weights as ``x @ w``)."""
+
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(d, f))
+        self.w_up = nn.Parameter(torch.empty(d, f))
+        self.w_down = nn.Parameter(torch.empty(f, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
+
+
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts. Gates: softmax over the chosen experts' router logits."""
+    """Top-k routed SwiGLU experts. Gates: softmax over the chosen experts' router logits (``norm_topk_prob``,
+    the in-house model's rule), else the chosen experts' softmax-over-all probabilities. With
+    ``cfg.shared_d_ff`` a shared expert (``shared``) adds ``sigmoid(shared_gate(x)) * shared(x)`` for every
+    token (Qwen2-MoE)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -92,6 +120,14 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(e, d, f))
         self.w_up = nn.Parameter(torch.empty(e, d, f))
         self.w_down = nn.Parameter(torch.empty(e, f, d))
+        self.shared = SwiGLU(d, cfg.shared_d_ff) if cfg.shared_d_ff else None
+        self.shared_gate = nn.Linear(d, 1, bias=False) if cfg.shared_d_ff else None
+
+    def _shared(self, x: Tensor, out: Tensor) -> Tensor:
+        """out + the shared expert's gated output for x (out unchanged without a shared expert)."""
+        if self.shared is None or self.shared_gate is None:
+            return out
+        return out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
     def forward(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [N, d]; replay [N, K] or None. Returns (out [N, d], chosen [N, K], free [N, K], logits [N, E])."""
@@ -102,7 +138,7 @@ class MoE(nn.Module):
         else:
             missing = (replay < 0).any(dim=-1, keepdim=True)
             chosen = torch.where(missing, free, replay)
-        gates = torch.softmax(logits.gather(1, chosen).float(), dim=-1).to(x.dtype)
+        gates = _gates(logits, chosen, logits.gather(1, chosen), self.cfg.norm_topk_prob).to(x.dtype)
         out = torch.zeros_like(x)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -119,7 +155,7 @@ class MoE(nn.Module):
             ye = (he @ self.w_down[e]) * gate_sorted[lo : lo + c, None]
             out.index_add_(0, tok, ye)
             lo += c
-        return out, chosen, free, logits
+        return self._shared(x, out), chosen, free, logits
 
     def infer(self, x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Inference (no replay, no grad): x [N, d] -> (out [N, d], chosen [N, K]), as ``forward`` computes
@@ -130,9 +166,10 @@ class MoE(nn.Module):
             out, chosen = self.forward(x)[:2]
             return (out if keep is None else out[keep]), chosen
         k = self.cfg.top_k
-        top = torch.topk(self.router(x), k, dim=-1)
+        logits = self.router(x)
+        top = torch.topk(logits, k, dim=-1)
         chosen = top.indices
-        gates = torch.softmax(top.values.float(), dim=-1).to(x.dtype)
+        gates = _gates(logits, chosen, top.values, self.cfg.norm_topk_prob).to(x.dtype)
         if keep is not None:
             x, sel, gates = x[keep], chosen[keep], gates[keep]
         else:
@@ -147,16 +184,44 @@ class MoE(nn.Module):
         ys = _grouped_mm(hs, self.w_down, offs=ends).mul_(gates.reshape(-1)[order, None])
         out = torch.zeros_like(x)
         out.index_add_(0, tok, ys)
-        return out, chosen
+        return self._shared(x, out), chosen
+
+
+class DenseMLP(nn.Module):
+    """A dense SwiGLU MLP (Qwen3's ``mlp_only_layers``) with the MoE layer's interface. It routes nothing: its
+    chosen and free "experts" are zeros, the rows SGLang's capture leaves for a dense layer, which the learner
+    drops as an all-zero layer (design §6); a replay's rows for it are ignored; its router logits are zeros."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, f = cfg.d_model, cfg.dense_d_ff
+        self.w_gate = nn.Parameter(torch.empty(d, f))
+        self.w_up = nn.Parameter(torch.empty(d, f))
+        self.w_down = nn.Parameter(torch.empty(f, d))
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return (F.silu(x @ self.w_gate) * (x @ self.w_up)) @ self.w_down
+
+    def _none(self, x: Tensor) -> Tensor:
+        return torch.zeros(x.shape[0], self.cfg.top_k, dtype=torch.long, device=x.device)
+
+    def forward(self, x: Tensor, replay: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        none = self._none(x)
+        return self._mlp(x), none, none, x.new_zeros(x.shape[0], self.cfg.n_experts)
+
+    def infer(self, x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        none = self._none(x)
+        return self._mlp(x if keep is None else x[keep]), none
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, dense: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.moe = MoE(cfg)
+        self.moe: MoE | DenseMLP = DenseMLP(cfg) if dense else MoE(cfg)
 
     def forward(
         self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, replay: Tensor | None
@@ -173,21 +238,36 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, *, init: bool = True) -> None:
+        """``init=False`` leaves the parameters as allocated (for a load that overwrites them all: built on
+        the meta device, that allocates nothing until ``to_empty``, see ``weights.load_pretrained``)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i in cfg.dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.value_head = nn.Linear(cfg.d_model, 1)
-        self.reset_parameters()
+        if init:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_value_head(self) -> None:
+        """A fresh value head for a checkpoint without one (a Hugging Face model): normal(0, init_std) weights
+        from ``cfg.seed``'s own stream, bias 0."""
+        rng = np.random.default_rng(self.cfg.seed)
+        w = self.value_head.weight
+        w.copy_(torch.from_numpy(rng.standard_normal(tuple(w.shape), dtype=np.float32) * np.float32(self.cfg.init_std)))
+        self.value_head.bias.zero_()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init from ``cfg.seed`` with numpy's PCG64 (stable across torch versions and
         platforms): normal(0, init_std) for matrices, init_std / sqrt(2 L) for residual outputs, ones for
-        norms, zeros for the value head's bias. Parameters are filled in name order."""
+        norms, zeros for the value head's bias. Parameters are filled in name order (a tied lm_head is the
+        embedding, filled once)."""
         rng = np.random.default_rng(self.cfg.seed)
         resid_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in sorted(self.named_parameters()):
@@ -207,6 +287,8 @@ class MoETransformer(nn.Module):
             raise ValueError(f"replay has shape {tuple(replay.shape)}, expected [B, T, L, K] = {list(want)}")
         if replay.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise ValueError(f"replay must be an integer tensor of expert ids, got dtype {replay.dtype}")
+        if c.dense_layers:  # a dense layer routes nothing: its columns are not looked at
+            replay = replay[:, :, list(c.moe_layers)]
         if replay.numel() and (int(replay.max()) >= c.n_experts or int(replay.min()) < -1):
             raise ValueError(
                 f"replay holds expert ids outside [-1, {c.n_experts}): min {int(replay.min())}, max {int(replay.max())}"
