@@ -149,6 +149,8 @@ async def test_retract_keeps_every_request_and_recomputes_it_with_the_new_weight
             assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["success"] is True
             st = await stats(url)
             assert st["running"] == 0 and st["paused"] == "retract" and st["retracted"] == N_REQ
+            async with httpx.AsyncClient(timeout=60) as c:  # paused by its trainer is not unhealthy
+                assert (await c.get(url + "/health_generate")).status_code == 200
             r = await post(url, "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "1"})
             assert r.status_code == 200 and r.json()["success"], r.text
             seen.update(s.seen())  # every token streamed so far was sampled before the pause
@@ -291,3 +293,22 @@ async def test_the_learner_pushes_pause_with_retract(new_dir):
             finally:
                 await pusher.aclose()
             assert all(d["meta_info"]["finish_reason"]["type"] == "length" for d in final.values())
+
+
+def test_learner_serve_takes_pause_mode(tmp_path):
+    """``learner serve --pause-mode`` (default retract) is one of the three modes; anything else is refused."""
+    import argparse
+
+    from t1async.learner import serve_cli
+
+    def parse(*flags: str) -> ServeConfig:
+        p = argparse.ArgumentParser()
+        serve_cli.add_parser(p.add_subparsers())
+        args = ["serve", "--run-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1", *flags]
+        return serve_cli.config_from_args(p.parse_args(args))
+
+    assert parse().pause_mode == "retract" and parse("--pause-mode", "in_place").pause_mode == "in_place"
+    with pytest.raises(SystemExit):
+        parse("--pause-mode", "freeze")
+    with pytest.raises(ConfigError, match="retract, in_place, abort"):
+        DiskPushClient(["http://127.0.0.1:1"], pause_mode="freeze")
