@@ -353,8 +353,8 @@ async def test_weight_update_bumps_version_and_changes_outputs(engine, tmp_path)
     assert after.weight_version == "1" and after.output_ids != before.output_ids
     assert after.cached_tokens == 0  # the prefix cache was flushed with the old weights
     check_against_full_forward(load_pretrained(other), p, after)
-    # a request running across an update continues on the new weights; its KV (mixed) is not cached; each
-    # token carries the version that produced it
+    # a request running across an update is retracted around it and recomputed with the new weights (so its
+    # KV, all new, is cached when it ends); each token carries the version that produced it
     out, versions, per_token = [], [], []
     async with engine.submit(req("span", p, n=60, ignore_eos=True)) as events:
         async for ev in events:
@@ -368,7 +368,7 @@ async def test_weight_update_bumps_version_and_changes_outputs(engine, tmp_path)
     split = per_token.index("step-7")
     assert 0 < split < 60 and set(per_token[:split]) == {"1"} and set(per_token[split:]) == {"step-7"}
     follow = await engine.collect(req("follow", p + out + TOK.encode("ok"), n=2))
-    assert follow.cached_tokens == 0
+    assert follow.cached_tokens == len(p) + 60 - 1
     wrong = save_pretrained(MoETransformer(MoEConfig(**{**CFG.__dict__, "n_experts": 8})), tmp_path / "bad")
     with pytest.raises(ConfigError, match="does not match"):
         await engine.update_weights_from_disk(wrong)

@@ -15,6 +15,7 @@ from t1async.protocol.errors import ConfigError
 from t1async.signals import cancel_on_stop
 
 WeightSync = Literal["disk", "distributed"]
+PauseMode = Literal["retract", "in_place", "abort"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,13 @@ class ServeConfig(LearnerOptions):
     weight_sync_host: str = setting(
         "127.0.0.1", "address the samplers reach this learner's weight-update group at", group="learner service"
     )
+    pause_mode: PauseMode = setting(
+        "retract",
+        "what /pause_generation does to the samplers' running requests around each weight push (both "
+        "--weight-sync paths): retract (recomputed with the new weights, none aborted, no mixed policies), "
+        "in_place (frozen, then new weights over old KV) or abort",
+        group="learner service",
+    )
     durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
     stream_replicas: int = setting(
         0,
@@ -135,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
     from t1async.learner.distributed import RankFailedError
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.weightpush import DiskPushClient
     from t1async.sampler.client import SGLangClient
     from t1async.transport import NatsConfig, NatsTransport
 
@@ -163,7 +172,9 @@ def serve(args: argparse.Namespace) -> int:
             # shortens how long a crashed learner's in-flight records wait before they are redelivered
             nats = NatsConfig(url=nats_url, ack_wait_s=10.0, stream_replicas=c.stream_replicas or None)
             transport = await stack.enter_async_context(NatsTransport(config=nats))
-            samplers = await stack.enter_async_context(SGLangClient(c.sampler_url)) if c.sampler_url else None
+            samplers: SGLangClient | None = None
+            if c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation
+                samplers = await stack.enter_async_context(DiskPushClient(c.sampler_url, pause_mode=c.pause_mode))
             learner = Learner(cfg, transport, samplers)
             if c.weight_sync == "distributed":
                 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
@@ -171,7 +182,8 @@ def serve(args: argparse.Namespace) -> int:
                 if samplers is None:
                     raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
                 learner.weight_pusher = DistributedPusher(
-                    samplers, WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host)
+                    samplers,
+                    WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host, pause_mode=c.pause_mode),
                 )
                 stack.push_async_callback(learner.weight_pusher.aclose)
             ranks = None

@@ -10,6 +10,10 @@ Each bucket is one ``/update_weights_from_distributed`` per sampler plus one bro
 concurrently (the sampler receives while its HTTP call waits). ``/continue_generation`` is always sent, even
 when a bucket failed, so the samplers never stay paused; a failed push closes the group and is tried once
 more over a new one (how a restarted sampler rejoins), then raises SamplerError.
+
+Both paths pause with ``pause_mode`` (``--pause-mode``, default ``retract``: running requests are recomputed
+with the new weights, none aborted, none mixing policies). The disk path (``DiskPushClient``, an
+``SGLangClient``) does /pause_generation -> /update_weights_from_disk -> /continue_generation.
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ import torch
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError, SamplerError
 from t1async.sampler import weightsync as W
+from t1async.sampler.client import SGLangClient
 
 log = get_logger("learner.weightpush")
+PAUSE_MODES = ("retract", "in_place", "abort")  # --pause-mode; the sampler's reading: weightsync_server.py
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ConfigError(f"--pause-mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
 
 
 @dataclass(frozen=True)
@@ -37,8 +48,10 @@ class WeightPushConfig:
     group_name: str = W.DEFAULT_GROUP
     backend: str = "gloo"  # nccl for SGLang on GPUs
     timeout_s: float = 120.0
+    pause_mode: str = "retract"  # --pause-mode: what /pause_generation does to running requests
 
     def __post_init__(self) -> None:
+        _check_mode(self.pause_mode)
         if not self.bucket_mb > 0:
             raise ConfigError(f"--weight-bucket-mb must be > 0, got {self.bucket_mb}")
         if self.backend not in ("gloo", "nccl"):
@@ -143,7 +156,7 @@ class DistributedPusher:
         named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
         parts = buckets(named, self.cfg.bucket_mb)
         t0 = time.perf_counter()
-        await W.pause_generation(self.client, urls=self.members)
+        await W.pause_generation(self.client, mode=self.cfg.pause_mode, urls=self.members)
         try:
             for part in parts:
                 await self._bucket(part, policy_version)
@@ -225,3 +238,28 @@ class DistributedPusher:
                     await W.destroy_weights_update_group(self.client, u, self.cfg.group_name)
                 except SamplerError as exc:  # the sampler is gone: nothing to tear down there
                     log.warning("learner.weight_group_destroy_failed", url=u, error=str(exc))
+
+
+class DiskPushClient(SGLangClient):
+    """An ``SGLangClient`` whose ``update_weights_from_disk`` (the learner's ``--weight-sync disk`` push) runs
+    between ``/pause_generation`` in ``pause_mode`` and ``/continue_generation`` on the samplers that answer
+    ``/health``; continue is always sent, even when the update failed."""
+
+    def __init__(self, urls: Any, *, pause_mode: str = "retract", **kwargs: Any) -> None:
+        _check_mode(pause_mode)
+        super().__init__(urls, **kwargs)
+        self.pause_mode = pause_mode
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
+        urls = await W.reachable(self, self.urls)  # a dead one is skipped (as the update itself does)
+        try:
+            if urls:
+                await W.pause_generation(self, mode=self.pause_mode, urls=urls)
+            return await super().update_weights_from_disk(model_path, weight_version)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    if urls:
+                        await W.continue_generation(self, urls=urls)
+                except SamplerError as exc:  # its pause expires by itself (the sampler's --pause-timeout)
+                    log.warning("learner.continue_failed", error=str(exc), path="disk")

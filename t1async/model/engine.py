@@ -25,12 +25,16 @@ request extending an earlier request's prompt + output reuses its KV and routing
 ``len(earlier sequence) - 1`` tokens (the earlier last sampled token was never fed). The final event carries
 ``routing`` (int32 [seqlen - 1 - routing_start, L, K]) when ``return_routing``.
 
-Weight updates swap weights between steps; running requests continue on the new weights, the prefix
-cache is flushed (its KV belongs to the old weights), and ``weight_version`` becomes the given version or
-previous + 1. Each event reports the version current when it was produced, and ``new_versions`` the
-version that produced each of its tokens (an update landing mid-request splits its output between versions).
-A request whose prompt could not be taken whole from the prefix cache up to its ``routing_start`` (flushed by
-an update, or evicted) returns its routing from position 0: the routes it actually used (records.py).
+Weight updates swap weights between steps; the prefix cache is flushed (its KV belongs to the old weights),
+and ``weight_version`` becomes the given version or previous + 1. Out of a pause, running requests are
+retracted around the swap (scheduler.py): each is re-prefilled over its prompt and tokens so far with the
+new weights and decodes on, so no token mixes policies. ``pause(mode)`` / ``resume()`` are SGLang's
+``/pause_generation`` modes (``abort``, ``retract``, ``in_place``) and ``/continue_generation``. Each event
+reports the version current when it was produced, and ``new_versions`` the version that produced each of
+its tokens (an update landing mid-request splits its output between versions). A request whose prompt could
+not be taken whole from the prefix cache up to its ``routing_start`` (flushed by an update, or evicted), or
+that was retracted under new weights, returns its routing from position 0: the routes it last used
+(records.py).
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
 from t1async.protocol.errors import SamplerError, SamplerRequestError
 
-__all__ = ["Engine"]
+__all__ = ["PAUSE_MODES", "Engine"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 log = get_logger("model.engine")
 
@@ -89,6 +95,9 @@ class Engine:
         self._aborts: list[Handle] = []
         self._updates: list[tuple[WeightUpdate, anyio.Event]] = []
         self._flush = False
+        self._paused: str | None = None  # a pause mode (PAUSE_MODES) while paused
+        self._retract = False  # a pause in mode retract not yet carried out by the step loop
+        self._pause_acks: list[anyio.Event] = []  # set once the loop has carried out a pause
         self._wake = anyio.Event()
         self._state = "new"
         self._counter = 0
@@ -118,6 +127,7 @@ class Engine:
         return {
             **self._core.stats(),
             "waiting": len(self._waiting),
+            "paused": self._paused,
             "weight_version": self.weight_version,
             **self._clock.stats(),
         }
@@ -132,13 +142,15 @@ class Engine:
         self._clock.t_start = time.perf_counter()
         task_status.started()
         updates: list = []
+        acks: list[anyio.Event] = []
         try:
             while True:
-                if not (self._waiting or self._core.active or self._aborts or self._updates or self._flush):
+                if not self._has_work():
                     await self._wake.wait()
                     self._wake = anyio.Event()
                     continue
                 plan, updates = self._plan()
+                acks, self._pause_acks = self._pause_acks, []
                 decodes = 1 if plan.admit or plan.aborts else decodes_per_hop(len(self._core.active))
                 self._clock.step_started()
                 try:
@@ -154,6 +166,9 @@ class Engine:
                     done.set()
                 updates = []
                 self._deliver(changed)
+                for a in acks:
+                    a.set()
+                acks = []
         finally:
             self._state = "stopped"
             for h in list(self._handles.values()):
@@ -165,31 +180,47 @@ class Engine:
                     continue
                 u.error = SamplerError("engine stopped before the weight update was applied")
                 done.set()
+            for a in acks + self._pause_acks:
+                a.set()
             log.info("engine.stopped")
+
+    def _has_work(self) -> bool:
+        if self._aborts or self._updates or self._flush or self._pause_acks:
+            return True
+        return self._paused is None and bool(self._waiting or self._core.active)
 
     def _interrupted(self) -> bool:
         """Read from the engine's worker thread between the decodes of one hop: does the scheduler have work
         (a request that could be admitted, an abort, a weight update, a cache flush)?"""
         room = self._waiting and len(self._core.active) < self.config.max_batch
-        return bool(room or self._aborts or self._updates or self._flush)
+        return bool(room or self._aborts or self._updates or self._flush or self._pause_acks)
 
     def _plan(self) -> tuple[StepPlan, list]:
         # candidates up to the free room; the core admits those whose uncached prompts fit the prefill
         # budget and hands the rest back (see _requeue). While a step runs, candidates count as admitted.
+        # Paused: no candidates, and the core neither admits nor decodes.
         admit: list[Seq] = []
         room = self.config.max_batch - len(self._core.active)
-        while self._waiting and len(admit) < room:
+        while self._paused is None and self._waiting and len(admit) < room:
             h = self._waiting.popleft()
             h.admitted = True
             admit.append(h.seq)
         aborts = [h.seq for h in self._aborts]
         updates, self._updates = self._updates, []
-        plan = StepPlan(admit=admit, aborts=aborts, updates=[u for u, _ in updates], flush=self._flush)
-        self._aborts, self._flush = [], False
+        plan = StepPlan(
+            admit=admit,
+            aborts=aborts,
+            updates=[u for u, _ in updates],
+            flush=self._flush,
+            paused=self._paused is not None,
+            retract=self._retract,
+        )
+        self._aborts, self._flush, self._retract = [], False, False
         return plan, updates
 
     def _requeue(self, deferred: list[Seq]) -> None:
-        """Candidates the core did not admit go back to the head of the queue, in order (unless aborted)."""
+        """Candidates the core did not admit (retracted sequences first) go back to the head of the queue, in
+        order (unless aborted)."""
         aborted = {id(h) for h in self._aborts}
         for s in reversed(deferred):
             h = self._handles.get(s.req.rid)
@@ -301,6 +332,45 @@ class Engine:
             self._aborts.append(h)
             self._wake.set()
         return True
+
+    async def pause(self, mode: str) -> None:
+        """SGLang's ``/pause_generation`` modes; returns once the step loop has carried it out (the step
+        running now ends first). Paused, nothing is admitted or decoded; weight updates, aborts and cache
+        flushes still apply, between steps.
+
+        - ``abort``: every queued and running request ends with finish_reason abort;
+        - ``in_place``: running requests stay where they are, KV and all, and go on at ``resume``; an update
+          in between leaves them decoding new weights over old KV (SGLang's in_place: mixed policies);
+        - ``retract``: running requests give up their KV and go back to the head of the queue with their
+          sampled tokens; at ``resume`` each is re-prefilled (prompt + tokens so far) with the weights of
+          then, and decodes on. Nothing is aborted and nothing mixes."""
+        if mode not in PAUSE_MODES:
+            raise SamplerRequestError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        if self._state != "running":
+            raise SamplerError(f"engine is {self._state}; pausing needs a running engine")
+        if mode == "abort":
+            for rid in list(self._handles):
+                self.abort(rid)
+        self._paused = mode
+        self._retract = self._retract or mode == "retract"
+        done = anyio.Event()
+        self._pause_acks.append(done)
+        self._wake.set()
+        await done.wait()
+        log.info("engine.paused", mode=mode, running=len(self._core.active), waiting=len(self._waiting))
+
+    def resume(self) -> None:
+        """End a pause (``/continue_generation``); harmless when not paused."""
+        if self._paused is not None:
+            log.info("engine.resumed", mode=self._paused, waiting=len(self._waiting))
+        self._paused = None
+        self._retract = False
+        self._wake.set()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode while paused, else None."""
+        return self._paused
 
     def flush_cache(self) -> None:
         """Drop the prefix cache before the next step."""

@@ -13,6 +13,14 @@ tokens, so at least one token is fed) is copied into the slot with its routing r
 prompt admitted in the step is prefilled together, in padded chunks. A finished sequence's KV and routing
 go back into the prefix cache (unless a weight update happened while it ran). The slab is kept between
 steps and released by ``flush_cache`` when nothing runs.
+
+Retract (SGLang's word): a running sequence gives up its slot and KV and goes back to the queue with its
+sampled tokens; its readmission prefills prompt + those tokens (prefix cache first) and samples the next
+token from the last logits. A weight update out of a pause retracts every running sequence around the swap,
+so every token's logits come from one set of weights over KV of the same weights. The recompute forces the
+experts the sequence had used at each position (``forward_cached_replay``, R3's replay): its routing rows
+stay what they were, so one row per position replays every token exactly, whichever version sampled it,
+and the caller's rows stay valid (no route fork).
 """
 
 from __future__ import annotations
@@ -22,13 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
 from t1async.log import get_logger
+from t1async.model.attention import attention_bias, rotary_angles
 from t1async.model.kvcache import KVCache, PrefixCache, PrefixEntry
-from t1async.model.moe import MoETransformer
+from t1async.model.moe import Block, MoETransformer
 from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.sampling import StopStrings, sample
 from t1async.model.tokenizer import ChatTokenizer
@@ -58,6 +68,9 @@ class Seq:
     reported: int = 0  # how many out_ids the async side has taken
     prefix_kv: torch.Tensor | None = None  # the prefix-cache KV to copy in at admission
     epoch: int = 0  # the weights' epoch at admission; KV spanning a weight update is not cached
+    retractions: int = 0  # times its KV was dropped to be recomputed (a retract: pause or weight update)
+    kept: np.ndarray | None = None  # after a retract: the routes it had used, forced again when recomputed
+    fork: bool = False  # an admission recomputed a position before routing_start: routes are returned from 0
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +78,11 @@ class Seq:
 
     def all_ids(self) -> np.ndarray:
         return np.concatenate([self.ids, np.asarray(self.out_ids, dtype=np.int32)])
+
+    def context(self) -> np.ndarray:
+        """What an admission feeds: the prompt, or after a retract the prompt and every token sampled so far
+        (the prefill's last logits then sample the next token, as a decode step would)."""
+        return self.all_ids() if self.retractions else self.ids
 
     def routing_rows(self) -> np.ndarray:
         if len(self.routing) > 1:
@@ -86,6 +104,8 @@ class StepPlan:
     aborts: list[Seq]
     updates: list[WeightUpdate]
     flush: bool
+    paused: bool = False  # no admission, no decode: running sequences stay where they are
+    retract: bool = False  # retract every running sequence (their KV dropped, recomputed at readmission)
 
 
 class BusyClock:
@@ -130,6 +150,7 @@ class EngineCore:
         self.max_running = 0  # the largest batch one decode forward has served
         self.epoch = 0  # bumped by every weight update
         self.deferred = 0  # admission candidates sent back for lack of prefill budget
+        self.retracted = 0  # sequences retracted (a pause in mode retract, or a weight update out of a pause)
 
     # -- one scheduler step -----------------------------------------------------------------------------
 
@@ -143,7 +164,13 @@ class EngineCore:
         ``decodes`` > 1 runs up to that many decode forwards in this one call (one thread hop, one delivery
         for several tokens), stopping early when a sequence finishes, when ``interrupted()`` says the event
         loop has work for the scheduler (a request to admit, an abort, a weight update), or after
-        ``HOP_BUDGET_S``."""
+        ``HOP_BUDGET_S``.
+
+        A weight update out of a pause retracts every running sequence first and readmits it after the swap
+        (its prompt and sampled tokens recomputed under the new weights), so no token is ever computed over KV
+        of other weights. ``plan.paused`` admits and decodes nothing (updates then apply to frozen sequences
+        as they are: SGLang's in_place); ``plan.retract`` hands the retracted sequences back unadmitted.
+        Retracted sequences come first in the returned candidates."""
         t0 = time.perf_counter()
         changed: list[Seq] = []
         for s in plan.aborts:
@@ -151,16 +178,18 @@ class EngineCore:
                 s.finish = {"type": "abort", "message": "aborted by request"}
                 changed.append(s)
         self._retire_finished()
+        retracted = self._retract_all() if plan.retract or (plan.updates and not plan.paused) else []
         for u in plan.updates:
             self._apply_update(u)
         if plan.flush or plan.updates:
             self.prefix.clear()
         if plan.flush and not self.active:
             self.kv.release()  # the slab is kept between steps (re-allocating it per turn is costly)
-        admitted = self._admit(plan.admit) if plan.admit else []
+        candidates = retracted + plan.admit
+        admitted = self._admit(candidates) if candidates and not plan.paused else []
         changed.extend(admitted)
         self._retire_finished()
-        if self.active:
+        if self.active and not plan.paused:
             fresh = set(map(id, admitted))
             changed.extend(s for s in self.active if id(s) not in fresh)
             self._decode()
@@ -177,8 +206,24 @@ class EngineCore:
                 self._decode()
                 done = self._retire_finished()
         self.steps += 1
-        self.deferred += len(plan.admit) - len(admitted)
-        return changed, plan.admit[len(admitted) :]
+        self.deferred += len(candidates) - len(admitted)
+        return changed, candidates[len(admitted) :]
+
+    def _retract_all(self) -> list[Seq]:
+        """Drop every running sequence's slot and KV; each keeps its sampled tokens and logprobs and is
+        readmitted over ``context()``. Its KV goes to the prefix cache (same weights: a readmission before any
+        update recomputes one token; an update clears the cache, so everything is recomputed)."""
+        out = list(self.active)
+        for s in out:
+            if self.cfg.prefix_cache_tokens and s.n_fed and s.epoch == self.epoch:
+                kv = self.kv.read(s.slot, s.n_fed)
+                self.prefix.insert(PrefixEntry(ids=s.all_ids(), kv=kv, routing=s.routing_rows()))
+            s.kept = s.routing_rows()[: s.n_fed]
+            s.routing, s.slot, s.n_fed = [], -1, 0
+            s.retractions += 1
+        self.active = []
+        self.retracted += len(out)
+        return out
 
     def _apply_update(self, u: WeightUpdate) -> None:
         try:
@@ -211,52 +256,71 @@ class EngineCore:
         chunk = self.cfg.prefill_chunk
         budget = self.cfg.max_prefill_tokens
         taken: list[Seq] = []
+        ctx: dict[int, np.ndarray] = {}
         for s in seqs:
-            entry, hit = self.prefix.lookup(s.ids) if self.cfg.prefix_cache_tokens else (None, 0)
-            cached = min(hit, s.prompt_len - 1)
-            if taken and s.prompt_len - cached > budget:
+            c = s.context()
+            entry, hit = self.prefix.lookup(c) if self.cfg.prefix_cache_tokens else (None, 0)
+            cached = min(hit, len(c) - 1)
+            if taken and len(c) - cached > budget:
                 break  # FIFO: this one and the rest wait for the next step
-            budget -= s.prompt_len - cached
+            budget -= len(c) - cached
             taken.append(s)
+            ctx[id(s)] = c
             s.epoch = self.epoch
-            s.cached = s.n_fed = cached
+            s.n_fed = cached
+            if not s.retractions:
+                s.cached = cached  # reported cached_tokens: prompt positions reused at its first admission
+            if not s.retractions:  # a readmission recomputes with the routes it had used: they stay valid
+                # positions before routing_start are the caller's: recomputed ones mean it must take every row
+                s.fork = cached < min(s.req.routing_start, s.prompt_len - 1)
             if cached:
                 if entry is None:
                     raise RuntimeError("prefix cache reported a hit without an entry: a kvcache.lookup bug")
                 s.routing.append(entry.routing[:cached])
                 s.prefix_kv = entry.kv
         seqs = taken
-        order = sorted(seqs, key=lambda s: s.prompt_len - s.cached, reverse=True)
+        order = sorted(seqs, key=lambda s: len(ctx[id(s)]) - s.n_fed, reverse=True)
         slot0 = len(self.active)
         # a padded chunk writes junk up to max(m) - 1 past a row's position, and max(m) <= the longest remainder
-        pad = min(chunk, order[0].prompt_len - order[0].cached)
-        self.kv.reserve(slot0 + len(order), max(s.prompt_len for s in order) + pad)
+        pad = min(chunk, len(ctx[id(order[0])]) - order[0].n_fed)
+        self.kv.reserve(slot0 + len(order), max(len(ctx[id(s)]) for s in order) + pad)
         for s in order:
             s.slot = len(self.active)
             self.active.append(s)
-            if s.cached:
+            if s.n_fed:
                 if s.prefix_kv is None:
                     raise RuntimeError("an admitted sequence with a cached prefix has no prefix KV: a scheduler bug")
-                self.kv.write(s.slot, s.prefix_kv[:, :, :, : s.cached])
+                self.kv.write(s.slot, s.prefix_kv[:, :, :, : s.n_fed])
                 s.prefix_kv = None
-            self.prefill_tokens += s.prompt_len - s.cached
+            self.prefill_tokens += len(ctx[id(s)]) - s.n_fed
         last: dict[int, torch.Tensor] = {}
-        while rows := [s for s in order if s.n_fed < s.prompt_len]:
-            m = [min(chunk, s.prompt_len - s.n_fed) for s in rows]
+        while rows := [s for s in order if s.n_fed < len(ctx[id(s)])]:
+            m = [min(chunk, len(ctx[id(s)]) - s.n_fed) for s in rows]
             x = torch.full((len(rows), max(m)), self.tok.pad_id, dtype=torch.long)
             for i, s in enumerate(rows):
-                x[i, : m[i]] = torch.from_numpy(s.ids[s.n_fed : s.n_fed + m[i]].astype(np.int64))
+                x[i, : m[i]] = torch.from_numpy(ctx[id(s)][s.n_fed : s.n_fed + m[i]].astype(np.int64))
             start = torch.tensor([s.n_fed for s in rows])
-            logits, topk = self.model.forward_cached(x, self.kv, slot0, start, logits_at=torch.tensor(m) - 1)
+            at = torch.tensor(m) - 1
+            if any(s.kept is not None and s.n_fed < len(s.kept) for s in rows):
+                replay = torch.full((len(rows), max(m), self.mcfg.n_layers, self.mcfg.top_k), -1, dtype=torch.long)
+                for i, s in enumerate(rows):
+                    if s.kept is not None and s.n_fed < len(s.kept):
+                        kept = s.kept[s.n_fed : s.n_fed + m[i]]
+                        replay[i, : len(kept)] = torch.from_numpy(kept.astype(np.int64))
+                logits, topk = forward_cached_replay(self.model, x, self.kv, slot0, start, at, replay)
+            else:
+                logits, topk = self.model.forward_cached(x, self.kv, slot0, start, logits_at=at)
             routes = topk.numpy().astype(self.route_dtype)
             for i, s in enumerate(rows):
                 s.routing.append(routes[i, : m[i]])
                 s.n_fed += m[i]
-                if s.n_fed == s.prompt_len:
+                if s.n_fed == len(ctx[id(s)]):
                     last[id(s)] = logits[i, 0]
         for s in seqs:
             if s.req.max_new_tokens == 0:
                 s.finish = {"type": "length", "length": 0}
+        for s in seqs:
+            s.kept = None
         go = [s for s in seqs if s.finish is None]
         if go:
             self._sample(go, torch.stack([last[id(s)] for s in go]))
@@ -338,6 +402,7 @@ class EngineCore:
             "decode_forwards": self.decode_forwards,
             "max_running": self.max_running,
             "deferred": self.deferred,
+            "retracted": self.retracted,
             "prefill_tokens": self.prefill_tokens,
             "prefix_cache_entries": len(self.prefix),
             "prefix_cache_tokens": self.prefix.tokens,
@@ -345,6 +410,37 @@ class EngineCore:
             "kv_slab_slots": self.kv.slots,
             "kv_slab_cap": self.kv.cap,
         }
+
+
+def forward_cached_replay(
+    model: MoETransformer,
+    input_ids: torch.Tensor,
+    cache: KVCache,
+    slot0: int,
+    start: torch.Tensor,
+    logits_at: torch.Tensor,
+    replay: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoETransformer.forward_cached`` (a prefill: logits at ``logits_at``) with each MoE layer's experts
+    forced where ``replay`` [B, n, L, K] holds them (-1: the router's own top-k), gated as R3 replay gates them
+    (moe.py): how a retracted sequence's context is recomputed under new weights with the routes it had used,
+    so the learner's replay of every token, before and after the update, needs one routing row per position."""
+    b, n = input_ids.shape
+    cfg = model.cfg
+    pos = start[:, None] + torch.arange(n)[None, :]
+    rope = rotary_angles(pos, cfg.head_dim, cfg.rope_theta)
+    fresh = n > 1 and not bool(start.any())  # a prefill from position 0 in every row: causal attention
+    bias = None if fresh else attention_bias(pos, cfg.n_heads, model.embed.weight.dtype)
+    h = model.embed(input_ids)
+    topk = []
+    for i, blk in enumerate(cast("list[Block]", model.blocks)):
+        kc, vc = cache.layer(i, slot0, b)
+        h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
+        out, chosen = blk.moe(blk.moe_norm(h).reshape(b * n, -1), replay[:, :, i].reshape(b * n, -1))[:2]
+        h = h + out.view(h.shape)
+        topk.append(chosen.view(b, n, -1))
+    h = h[torch.arange(b), logits_at][:, None]
+    return model.lm_head(model.norm(h)), torch.stack(topk, dim=2)
 
 
 def decodes_per_hop(running: int) -> int:
@@ -357,11 +453,12 @@ def decodes_per_hop(running: int) -> int:
 def routing_start(s: Seq) -> int:
     """Where a finished sequence's returned rows start: the request's ``routing_start``, or 0 when this request
     recomputed a prompt position before it (its prefix was not all in the cache: flushed by a weight update,
-    or evicted). Those rows are then what the sampler actually used, not what the caller holds (design §6); the
-    reused cached prefix may come from another sequence, so every row is returned. The prompt's last position
-    is always computed by its own request, so it never counts."""
+    or evicted). Those rows are then what the sampler actually used, not what the caller holds (design §6);
+    the reused cached prefix may come from another sequence, so every row is returned. The prompt's last
+    position is always computed by its own request, so it never counts. A retract's recompute keeps the rows
+    (forced), so it never forks."""
     start = min(s.req.routing_start, s.prompt_len + len(s.out_ids) - 1)
-    return 0 if s.cached < min(start, s.prompt_len - 1) else start
+    return 0 if s.fork else start
 
 
 def routing_slice(s: Seq) -> np.ndarray:

@@ -312,6 +312,8 @@ class SamplerApp:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
+        if getattr(self.engine, "paused", None):  # held by its trainer's weight push, not sick: nothing decodes
+            return Response(status_code=200)
         gi = P.GenerateInput(
             input_ids=(0,),
             sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),

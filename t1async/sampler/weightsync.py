@@ -8,10 +8,12 @@ expect. The endpoints and body fields are SGLang's (``python/sglang/srt/managers
   ``group_name``, ``backend``}: join the group (returns once every rank has joined);
 - ``POST /update_weights_from_distributed`` {``names``, ``dtypes``, ``shapes``, ``group_name``,
   ``flush_cache``, ``weight_version``}: receive one broadcast per name, in order, from rank 0;
-- ``POST /pause_generation`` / ``POST /continue_generation``: hold new requests while an update is sent;
+- ``POST /pause_generation`` {``mode``: ``abort`` | ``retract`` | ``in_place``} / ``POST
+  /continue_generation``: hold new requests while an update is sent (the modes: weightsync_server.py);
 - ``POST /destroy_weights_update_group`` {``group_name``}.
 
-All return ``{"success": bool, "message": str}``. ``open_group`` is how either side joins: a TCPStore that
+All return ``{"success": bool, "message": str}`` (pause and continue: SGLang's ``{"message", "status"}``
+and ``success``). ``open_group`` is how either side joins: a TCPStore that
 rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process group on it.
 """
 
@@ -196,9 +198,10 @@ async def _every(client: Any, path: str, body: dict, urls: Sequence[str] | None 
         raise SamplerError(f"{path} failed on {len(errors)} of {len(urls)} samplers: {errors[0]}")
 
 
-async def pause_generation(client: Any, mode: str = "in_place", urls: Sequence[str] | None = None) -> None:
-    """``/pause_generation`` on every sampler (or ``urls``). ``in_place`` keeps running requests (SGLang's
-    default, ``abort``, aborts them)."""
+async def pause_generation(client: Any, mode: str = "retract", urls: Sequence[str] | None = None) -> None:
+    """``/pause_generation`` on every sampler (or ``urls``). ``retract`` (ours) keeps running requests alive
+    and recomputes them with the new weights at continue; ``in_place`` freezes them with their KV (new weights
+    over old KV after an update); ``abort`` (SGLang's default) aborts them."""
     await _every(client, "/pause_generation", {"mode": mode}, urls)
 
 

@@ -3,12 +3,19 @@
 Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``.
 
+- ``/pause_generation`` takes SGLang's ``mode`` (default ``abort``, as SGLang) and the engine carries it out
+  before the reply (``Engine.pause``): ``abort`` ends every in-flight request with finish_reason abort;
+  ``in_place`` freezes running requests where they are, KV kept (an update then lands under them: they go on
+  with new weights over old KV, as in SGLang, which mixes policies); ``retract`` drops their KV and requeues
+  them with their sampled tokens, to be re-prefilled under the weights of ``/continue_generation`` (nothing is
+  aborted, nothing mixes). Replies are SGLang's ``{"message": ..., "status": "ok"}`` (plus ``success``); a
+  bad mode is a 400 naming the modes.
 - While paused, new ``/generate`` requests wait (``gate``) and received buckets are staged; continue applies
   the staged tensors as ONE engine update (the same atomic swap between engine steps as a disk update: no
-  token is ever computed with half-old, half-new weights) and then lets the waiting requests in. Requests
-  already running keep decoding on the old weights until that swap (SGLang's ``in_place`` mode);
-  ``mode: "abort"`` (SGLang's default) aborts them instead.
-- Not paused, each bucket is applied as it arrives (as SGLang does).
+  token is ever computed with half-old, half-new weights), then resumes the engine and lets the waiting
+  requests in. ``/update_weights_from_disk`` inside a pause applies at once (SGLang does the same).
+- Not paused, each bucket is applied as it arrives (as SGLang does); the engine retracts running requests
+  around each swap, so none mixes policies.
 - A pause lasts at most ``pause_timeout_s`` (ServerConfig, default 300 s; a trainer that died mid-push must
   not stall every actor): then the staged tensors are dropped, generation goes on with the old weights, and
   that push's remaining buckets and its continue are refused (success false) until the next pause. A
@@ -31,17 +38,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from t1async.log import get_logger
+from t1async.model.engine import PAUSE_MODES
 from t1async.model.weights import check_state
 from t1async.protocol.errors import SamplerRequestError
 from t1async.sampler import weightsync as W
 
 log = get_logger("sampler.weightsync")
-_MODES = ("abort", "retract", "in_place")
 
 
 def _reply(success: bool, message: str, status: int | None = None) -> Response:
     body = json.dumps({"success": success, "message": message})
     return Response(body, status_code=status or (200 if success else 400), media_type="application/json")
+
+
+def _done(message: str) -> Response:
+    """SGLang's reply to /pause_generation and /continue_generation, with our ``success`` beside it."""
+    body = json.dumps({"message": message, "status": "ok", "success": True})
+    return Response(body, status_code=200, media_type="application/json")
 
 
 async def _body(request: Request) -> dict:
@@ -106,6 +119,8 @@ class WeightSync:
         )
         self.staged, self.staged_version = {}, None
         self.paused, self.expired = False, True
+        if hasattr(self.app.engine, "resume"):
+            self.app.engine.resume()
         self._resumed.set()
 
     # ------------------------------------------------------------------ endpoints
@@ -230,16 +245,22 @@ class WeightSync:
     async def pause(self, request: Request) -> Response:
         try:
             mode = _need(await _body(request), "mode", str, "abort")
-            if mode not in _MODES:
-                raise SamplerRequestError(f"mode must be one of {_MODES}, got {mode!r}")
+            if mode not in PAUSE_MODES:
+                raise SamplerRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
         except SamplerRequestError as exc:
             return _reply(False, str(exc))
         if not self.paused:
             self.paused, self._resumed, self._paused_at = True, anyio.Event(), time.monotonic()
         self.expired = False
-        aborted = [r for r in list(self.app.active) if self.app.engine.abort(r)] if mode == "abort" else []
-        log.info("sampler.paused", mode=mode, aborted=len(aborted))
-        return _reply(True, "Generation paused.")
+        running = len(self.app.active)
+        engine = self.app.engine
+        if hasattr(engine, "pause"):
+            await engine.pause(mode)  # carried out by the step loop before we answer
+        elif mode == "abort":
+            for r in list(self.app.active):
+                engine.abort(r)
+        log.info("sampler.paused", mode=mode, in_flight=running)
+        return _done("Generation paused successfully.")
 
     async def resume(self, request: Request) -> Response:
         if self.expired:
@@ -257,13 +278,15 @@ class WeightSync:
                     await self.app.engine.update_weights_from_tensors(staged, weight_version=weight_version)
                 except Exception as exc:
                     error = exc
+            if hasattr(self.app.engine, "resume"):
+                self.app.engine.resume()  # retracted requests are re-prefilled with the weights of now
             self.paused = False
             self._resumed.set()
         if error is not None:
             log.warning("sampler.weights_update_failed", error=repr(error))
             return _reply(False, f"Generation continued on the old weights; the staged update failed: {error}")
         log.info("sampler.continued", applied=len(staged), weight_version=str(self.app.engine.weight_version))
-        return _reply(True, "Generation continued.")
+        return _done("Generation continued successfully.")
 
     def routes(self) -> list[Route]:
         return [
