@@ -371,10 +371,19 @@ class MoETransformer(nn.Module):
         return lp, (torch.cat([pad, *ent_parts], dim=1) if with_entropy else None)
 
     def forward_cached(
-        self, input_ids: Tensor, cache, slot0: int, start: Tensor, logits_at: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        cache,
+        slot0: int,
+        start: Tensor,
+        logits_at: Tensor | None = None,
+        replay: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Incremental forward over cache slots [slot0, slot0 + B). Returns (logits [B, n, V], topk [B, n, L, K]);
-        with ``logits_at`` [B] (an index into n per row) logits are [B, 1, V] at those tokens only (prefill)."""
+        with ``logits_at`` [B] (an index into n per row) logits are [B, 1, V] at those tokens only (prefill).
+        ``replay`` [B, n, L, K] forces each MoE layer's experts where it holds them (-1: the router's own),
+        gated as R3 replay gates them: how a retracted sequence's context is recomputed under new weights with
+        the routes it had used (scheduler.py)."""
         b, n = input_ids.shape
         dev = input_ids.device
         pos = start[:, None] + torch.arange(n, device=dev)[None, :]  # [B, n]
@@ -387,7 +396,10 @@ class MoETransformer(nn.Module):
         for i, blk in enumerate(cast("list[Block]", self.blocks)):  # a ModuleList of Blocks (see __init__)
             kc, vc = cache.layer(i, slot0, b)
             h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
-            if i == last and logits_at is not None and n > 1:
+            if replay is not None:
+                out, c = blk.moe(blk.moe_norm(h).reshape(b * n, -1), replay[:, :, i].reshape(b * n, -1))[:2]
+                h = h + out.view(h.shape)
+            elif i == last and logits_at is not None and n > 1:
                 # only the logits_at tokens' last-layer outputs are used: route every token (the routing is
                 # recorded) but run the experts for those alone
                 keep = torch.arange(b, device=dev) * n + logits_at

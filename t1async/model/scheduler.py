@@ -18,8 +18,8 @@ Retract (SGLang's word): a running sequence gives up its slot and KV and goes ba
 sampled tokens; its readmission prefills prompt + those tokens (prefix cache first) and samples the next
 token from the last logits. A weight update out of a pause retracts every running sequence around the swap,
 so every token's logits come from one set of weights over KV of the same weights. The recompute forces the
-experts the sequence had used at each position (``forward_cached_replay``, R3's replay): its routing rows
-stay what they were, so one row per position replays every token exactly, whichever version sampled it,
+experts the sequence had used at each position (``MoETransformer.forward_cached(replay=)``, R3's replay):
+its routing rows stay what they were, so one row per position replays every token exactly, whichever version sampled it,
 and the caller's rows stay valid (no route fork).
 """
 
@@ -30,15 +30,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import torch
 
 from t1async.log import get_logger
-from t1async.model.attention import attention_bias, rotary_angles
 from t1async.model.kvcache import KVCache, PrefixCache, PrefixEntry
-from t1async.model.moe import Block, MoETransformer
+from t1async.model.moe import MoETransformer
 from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.sampling import StopStrings, sample
 from t1async.model.tokenizer import ChatTokenizer
@@ -307,7 +305,7 @@ class EngineCore:
                     if s.kept is not None and s.n_fed < len(s.kept):
                         kept = s.kept[s.n_fed : s.n_fed + m[i]]
                         replay[i, : len(kept)] = torch.from_numpy(kept.astype(np.int64))
-                logits, topk = forward_cached_replay(self.model, x, self.kv, slot0, start, at, replay)
+                logits, topk = self.model.forward_cached(x, self.kv, slot0, start, at, replay=replay)
             else:
                 logits, topk = self.model.forward_cached(x, self.kv, slot0, start, logits_at=at)
             routes = topk.numpy().astype(self.route_dtype)
@@ -410,37 +408,6 @@ class EngineCore:
             "kv_slab_slots": self.kv.slots,
             "kv_slab_cap": self.kv.cap,
         }
-
-
-def forward_cached_replay(
-    model: MoETransformer,
-    input_ids: torch.Tensor,
-    cache: KVCache,
-    slot0: int,
-    start: torch.Tensor,
-    logits_at: torch.Tensor,
-    replay: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``MoETransformer.forward_cached`` (a prefill: logits at ``logits_at``) with each MoE layer's experts
-    forced where ``replay`` [B, n, L, K] holds them (-1: the router's own top-k), gated as R3 replay gates them
-    (moe.py): how a retracted sequence's context is recomputed under new weights with the routes it had used,
-    so the learner's replay of every token, before and after the update, needs one routing row per position."""
-    b, n = input_ids.shape
-    cfg = model.cfg
-    pos = start[:, None] + torch.arange(n)[None, :]
-    rope = rotary_angles(pos, cfg.head_dim, cfg.rope_theta)
-    fresh = n > 1 and not bool(start.any())  # a prefill from position 0 in every row: causal attention
-    bias = None if fresh else attention_bias(pos, cfg.n_heads, model.embed.weight.dtype)
-    h = model.embed(input_ids)
-    topk = []
-    for i, blk in enumerate(cast("list[Block]", model.blocks)):
-        kc, vc = cache.layer(i, slot0, b)
-        h = h + blk.attn.forward_cached(blk.attn_norm(h), pos, rope, kc, vc, bias)
-        out, chosen = blk.moe(blk.moe_norm(h).reshape(b * n, -1), replay[:, :, i].reshape(b * n, -1))[:2]
-        h = h + out.view(h.shape)
-        topk.append(chosen.view(b, n, -1))
-    h = h[torch.arange(b), logits_at][:, None]
-    return model.lm_head(model.norm(h)), torch.stack(topk, dim=2)
 
 
 def decodes_per_hop(running: int) -> int:
