@@ -487,3 +487,64 @@ if __name__ == "__main__":  # the figures in docs/results.md: python tests/test_
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, fp32 CPU")
     for name, f in figs.items():
         print(f"{name:32s} " + "  ".join(f"{k} {v:.2e}" for k, v in f.items()))
+
+
+class _Named:
+    """What the learner's push reads (``state_dict()``), holding tensors under Hugging Face names."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+async def test_the_sampler_takes_a_push_by_hugging_face_names_and_rejects_a_bad_one(tmp_path):
+    """/update_weights_from_distributed with hub names (one projection or expert per tensor, as SGLang takes
+    them) lands the same weights as the disk path; a hub name with the wrong shape is a clear 400 and leaves
+    the weights whole (seen failing on the old code twice: every hub name was 'not in the model', and once
+    that was fixed, the buckets staged before the bad one were applied at continue: half a version)."""
+    import numpy as np
+
+    from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
+    from t1async.protocol.errors import SamplerError
+    from t1async.protocol.sampling import SamplingParams
+    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.launch import SamplerProcess
+
+    reference(qwen3(vocab_size=4096, mlp_only_layers=[1]), seed=2).save_pretrained(tmp_path / "v0")
+    new = load_pretrained(tmp_path / "v0")
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.05)
+    hub = to_hf_state(new.cfg, new.state_dict())
+    assert all(k.startswith(("model.", "lm_head.")) for k in hub)
+    proc = SamplerProcess(tmp_path / "v0", max_batch=4)
+    url = proc.start()
+    try:
+        async with SGLangClient([url]) as client:
+
+            async def logprobs() -> list[float]:
+                gen = await client.generate([5, 17, 300, 9], SamplingParams(max_new_tokens=5, temperature=0.0))
+                return list(gen.logprobs)
+
+            before = await logprobs()
+            pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.05))
+            try:
+                bad = dict(hub)
+                name = next(k for k in bad if k.endswith("q_proj.weight"))
+                bad[name] = bad[name][:-1]
+                with pytest.raises(SamplerError, match=f"{name} has shape"):
+                    await pusher.push(_Named(bad), policy_version=1)
+                # rejected whole: the model is unchanged (its earlier buckets were staged, then dropped)
+                np.testing.assert_allclose(await logprobs(), before, rtol=0, atol=1e-5)
+                await pusher.push(_Named(hub), policy_version=2)
+                pushed = await logprobs()
+            finally:
+                await pusher.aclose()
+            await client.update_weights_from_disk(str(save_pretrained(new, tmp_path / "v3")), 3)
+            from_disk = await logprobs()
+    finally:
+        proc.stop()
+    assert np.max(np.abs(np.array(pushed) - np.array(before))) > 1e-3
+    np.testing.assert_allclose(pushed, from_disk, rtol=0, atol=1e-6)

@@ -51,6 +51,7 @@ import anyio
 import torch
 
 from t1async.log import get_logger
+from t1async.model.hf import hf_state_shapes
 from t1async.model.records import EngineConfig, GenEvent, GenRequest, GenResult
 from t1async.model.sampling import StopStrings
 from t1async.model.scheduler import (
@@ -383,8 +384,12 @@ class Engine:
         await self._swap(WeightUpdate(Path(model_path), version))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The model's state_dict names and shapes (what a distributed update may name)."""
-        return {k: tuple(v.shape) for k, v in self._core.model.state_dict().items()}
+        """What a distributed update may name, with each tensor's shape: the model's state_dict names, and for
+        a Hugging Face architecture its hub names too (one projection or one expert each, as SGLang's
+        ``/update_weights_from_distributed`` takes them)."""
+        model = self._core.model
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        return {**own, **hf_state_shapes(model.cfg, own)} if model.cfg.architecture else own
 
     async def update_weights_from_tensors(
         self, tensors: dict[str, torch.Tensor], weight_version: str | None = None

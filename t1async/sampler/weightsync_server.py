@@ -88,6 +88,7 @@ class WeightSync:
         self.paused = False
         self._resumed = anyio.Event()
         self._resumed.set()
+        self.rejected = ""  # a bucket of the paused push did not fit: the rest of it is refused, nothing applied
         self.staged: dict[str, torch.Tensor] = {}
         self.staged_version: str | None = None
         self._lock = anyio.Lock()  # one update at a time (broadcasts must be received in order)
@@ -218,10 +219,15 @@ class WeightSync:
                     f"the pause ended after {self.pause_timeout_s:g} s before this push finished; "
                     "its buckets were dropped: /pause_generation and push again",
                 )
+            if self.paused and self.rejected:
+                return _reply(False, f"an earlier bucket of this push was rejected ({self.rejected}); push again")
             try:  # names and shapes checked now, the model untouched; applied now or at continue
                 if hasattr(self.app.engine, "state_shapes"):
                     check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
             except Exception as exc:
+                if self.paused:  # the version is all or nothing: what was staged of it goes too
+                    self.rejected = str(exc)
+                    self.staged, self.staged_version = {}, None
                 return _reply(False, f"Failed to update weights: {exc}")
             weight_version = None if weight_version is None else str(weight_version)
             if self.paused:
@@ -251,7 +257,7 @@ class WeightSync:
             return _reply(False, str(exc))
         if not self.paused:
             self.paused, self._resumed, self._paused_at = True, anyio.Event(), time.monotonic()
-        self.expired = False
+        self.expired, self.rejected = False, ""
         running = len(self.app.active)
         engine = self.app.engine
         if hasattr(engine, "pause"):
@@ -272,6 +278,9 @@ class WeightSync:
         async with self._lock:
             staged, weight_version = self.staged, self.staged_version
             self.staged, self.staged_version = {}, None
+            if self.rejected:
+                log.warning("sampler.push_dropped", why=self.rejected)
+                self.rejected = ""
             error = None
             if staged:
                 try:
