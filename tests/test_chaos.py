@@ -24,7 +24,9 @@ def test_four_faults_lose_nothing_and_leave_nothing(tmp_path, repo_env):
     argv += ["--kinds", "kill_learner,kill_nats,disk_full,poison", "--gap", "15,25", "--json"]
     argv += ["--run-dir", str(tmp_path / "run")]
     proc = subprocess.run(argv, env=repo_env, capture_output=True, text=True, timeout=TIMEOUT_S - 30)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("{"), f"no JSON line: {proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1])
     summary = {k: result.get(k) for k in ("faults", "recovered", "turns_acked", "turns_lost", "trained_twice", "leaks")}
     assert result["faults"] == 4 and sorted(f["kind"] for f in result["fault_log"]) == sorted(
         ["kill_learner", "kill_nats", "disk_full", "poison"]
