@@ -149,7 +149,7 @@ class Learner:
         await self._sync_samplers()
         async with anyio.create_task_group() as tg:
             await tg.start(self.credits.serve)
-            await tg.start(watch_actors, self.liveness, self.transport, self._release_actor)
+            await tg.start(watch_actors, self.liveness, self.transport, self._release_actor, self._release_orphans)
             await tg.start(self.ingest.run)
             tg.start_soon(self._metrics_loop)
             task_status.started()
@@ -281,14 +281,7 @@ class Learner:
         freed = self.gate.release_actor(actor)
         self.credits.forget(actor=actor)
         episodes = self.liveness.episodes_of(actor)
-        for ep in episodes:
-            a = self.ingest.assembler.open.get(ep)
-            if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
-                self.ingest.stop(ep, a.next_turn)  # there (a restart stops it again)
-                continue
-            why = f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s"
-            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
-            await self.transport.publish(traj_subject(ep), end)
+        await self._abort(episodes, f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s")
         if episodes or freed:
             self.liveness.timeouts += 1
             log.warning(
@@ -298,6 +291,25 @@ class Learner:
                 episodes_aborted=len(episodes),
                 timeout_s=self.liveness.timeout_s,
             )
+
+    async def _release_orphans(self, actor: str, episodes: list[str]) -> None:
+        """``actor`` restarted (a heartbeat from a newer process): the open episodes its earlier process left
+        are ended as ``aborted`` now and their credits freed, as for a silent actor but at once."""
+        freed = sum(self.gate.release_episode(ep) for ep in episodes)
+        self.credits.forget(episodes=set(episodes))
+        await self._abort(episodes, f"the learner ended it: actor {actor} restarted")
+        log.warning("learner.actor_restarted", actor=actor, credits_released=freed, episodes_aborted=len(episodes))
+
+    async def _abort(self, episodes: list[str], why: str) -> None:
+        """End each open episode as ``aborted`` through the stream (journaled and assembled in order, like an
+        actor's own end); one that ended but lacks a turn before its end is stopped there instead."""
+        for ep in episodes:
+            a = self.ingest.assembler.open.get(ep)
+            if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
+                self.ingest.stop(ep, a.next_turn)  # there (a restart stops it again)
+                continue
+            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
+            await self.transport.publish(traj_subject(ep), end)
 
     # ------------------------------------------------------------------------------------------ weights & metrics
 
