@@ -81,6 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             s.error("give one of --tasks DIR (a task directory) or --synth N (synthetic tasks)")
         if sft.out is None:
             s.error("the following arguments are required: --out")
+        if sft.model is not None:
+            from t1async.model.modeldir import check_model_dir
+
+            try:
+                check_model_dir(sft.model, "--model")
+            except ConfigError as exc:
+                s.error(str(exc))
         try:
             return _sft(sft)
         except T1Error as exc:
