@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
-    if args.model is not None:
+    if args.model is not None and Path(args.model).is_dir():  # what a model dir lacks, in one line
         from t1async.model.modeldir import check_model_dir
 
         try:
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(err, file=sys.stderr)
             return 2
+    if args.model is not None and not Path(args.model).is_dir():
+        print(f"--model {args.model}: no such directory (pass a model directory holding config.json)", file=sys.stderr)
+        return 2
 
     import trio
 
