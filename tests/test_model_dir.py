@@ -97,3 +97,11 @@ def test_cluster_up_refuses_a_bad_model_dir(tmp_path):
 
     with pytest.raises(ConfigError, match="lacks config.json"):
         UpConfig(run_dir=tmp_path, model=tmp_path).check()
+
+
+def test_bench_r3flush_refuses_a_bad_model_dir(tmp_path, capsys):
+    from bench.r3flush import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(tmp_path)])
+    assert info.value.code == 2 and "lacks config.json" in capsys.readouterr().err
