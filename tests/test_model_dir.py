@@ -3,7 +3,6 @@ lacks (``t1async.model.modeldir.check_model_dir``), before anything starts."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
@@ -49,16 +48,12 @@ def test_a_missing_dir_and_an_unsupported_architecture_are_one_line(model_copy, 
     assert "\n" not in str(info.value)
 
 
-def test_learner_serve_refuses_a_bad_model_dir(tmp_path):
-    from t1async.learner import serve_cli
+def test_learner_serve_refuses_a_bad_model_dir(tmp_path, capsys):
+    from t1async.learner.__main__ import main
 
-    p = argparse.ArgumentParser()
-    serve_cli.add_parser(p.add_subparsers())
-    args = p.parse_args(
-        ["serve", "--run-dir", str(tmp_path / "run"), "--nats", "nats://127.0.0.1:1", "--model", str(tmp_path)]
-    )
-    with pytest.raises(ConfigError, match="lacks config.json"):
-        serve_cli.serve(args)
+    argv = ["serve", "--run-dir", str(tmp_path / "run"), "--nats", "nats://127.0.0.1:1", "--model", str(tmp_path)]
+    assert main(argv) == 2
+    assert f"error: --model {tmp_path} is not a model dir: it lacks config.json" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was made
 
 

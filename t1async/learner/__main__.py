@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     configure()
     if args.cmd == "serve":
         try:
+            model = serve_cli.config_from_args(args).model
+            if model is not None:  # checked here, not while parsing: cluster up's warm start writes it later
+                from t1async.model.modeldir import check_model_dir
+
+                check_model_dir(model, "--model")
             return serve_cli.serve(args)
         except T1Error as exc:
             print(f"error: {exc}", file=sys.stderr)

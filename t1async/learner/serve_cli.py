@@ -136,10 +136,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def serve(args: argparse.Namespace) -> int:
     c = config_from_args(args)  # a wrong setting fails before the heavy imports
     assert c.run_dir is not None and c.nats is not None
-    if c.model is not None:
-        from t1async.model.modeldir import check_model_dir
-
-        check_model_dir(c.model, "--model")  # (here, not in config_from_args: a warm start writes it later)
     import anyio
     import torch
 
