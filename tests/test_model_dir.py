@@ -33,9 +33,15 @@ def test_each_missing_part_is_named(model_copy, gone):
     assert "\n" not in msg and msg.startswith(f"--model {model_copy}") and gone in msg
 
 
-def test_tokenizer_only_dirs_pass_without_weights(model_copy):
+def test_what_a_component_does_not_read_is_not_asked_for(model_copy):
     (model_copy / "model.safetensors").unlink()
-    assert check_model_dir(model_copy, weights=False) == model_copy
+    assert check_model_dir(model_copy, weights=False) == model_copy  # the actors read the tokenizer only
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="lacks tokenizer.json, model.safetensors"):
+        check_model_dir(model_copy)
+    shutil.copytree(default_model_dir(), model_copy, dirs_exist_ok=True)
+    (model_copy / "tokenizer.json").unlink()
+    assert check_model_dir(model_copy, tokenizer=False) == model_copy  # the sampler: token-in
 
 
 def test_a_missing_dir_and_an_unsupported_architecture_are_one_line(model_copy, tmp_path):
@@ -84,7 +90,7 @@ def test_sampler_serve_refuses_a_bad_model_dir(tmp_path, capsys):
     from t1async.sampler.__main__ import main
 
     assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
-    assert "lacks config.json, tokenizer.json" in capsys.readouterr().err
+    assert "lacks config.json, model.safetensors" in capsys.readouterr().err  # token-in: no tokenizer needed
 
 
 def test_cluster_up_refuses_a_bad_model_dir(tmp_path):

@@ -13,14 +13,15 @@ from t1async.model.tokenizer import TOKENIZER_FILES
 from t1async.protocol.errors import ConfigError
 
 
-def check_model_dir(path: Path, flag: str = "--model", *, weights: bool = True) -> Path:
+def check_model_dir(path: Path, flag: str = "--model", *, weights: bool = True, tokenizer: bool = True) -> Path:
     """``path`` if it is a supported model dir: a directory with a supported ``config.json`` (our in-house
-    format or a Hugging Face MoE architecture, design §2 "Models"), the tokenizer files and, with ``weights``,
-    ``*.safetensors`` weights; else ``ConfigError`` naming what is missing."""
+    format or a Hugging Face MoE architecture, design §2 "Models"), with ``tokenizer`` the tokenizer files and
+    with ``weights`` ``*.safetensors`` weights; else ``ConfigError`` naming what is missing. (The sampler asks
+    for no tokenizer: it is token-in, and its engine falls back to the shipped one.)"""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(f"{flag} {p}: no such directory; give a model dir (config.json, weights, tokenizer)")
-    missing = [n for n in ("config.json", *TOKENIZER_FILES) if not (p / n).is_file()]
+    missing = [n for n in ("config.json", *(TOKENIZER_FILES if tokenizer else ())) if not (p / n).is_file()]
     if weights and not any(p.glob("*.safetensors")):
         missing.append("model.safetensors (or shards)")
     if missing:

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from t1async.model.modeldir import check_model_dir
 
         try:
-            check_model_dir(Path(args.model), "--model")
+            check_model_dir(Path(args.model), "--model", tokenizer=False)
         except ConfigError as err:
             print(err, file=sys.stderr)
             return 2
