@@ -110,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = build_parser()
     args = settings(p.parse_args(argv), p)
+    if args.model is not None:  # (here, not in settings(): cluster up's warm start writes it later)
+        from t1async.model.modeldir import check_model_dir
+        from t1async.protocol.errors import ConfigError
+
+        try:
+            check_model_dir(args.model, "--model", weights=False)  # only its tokenizer and chat template are read
+        except ConfigError as exc:
+            p.error(str(exc))
     configure(args.log_level)
     try:
         return anyio.run(amain, args, backend=os.environ.get("T1_BACKEND", "trio"))

@@ -183,8 +183,10 @@ class UpConfig(LearnerOptions, EpisodeOptions):
             bad = [f for f in self.synth_families if f not in ALL_FAMILIES]
             if bad:
                 raise ConfigError(f"--synth-families {','.join(bad)}: unknown; known: {', '.join(ALL_FAMILIES)}")
-        if self.model is not None and not (Path(self.model) / "config.json").is_file():
-            raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
+        if self.model is not None:
+            from t1async.model.modeldir import check_model_dir
+
+            check_model_dir(Path(self.model), "--model")
         return self
 
 

@@ -35,6 +35,7 @@ from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, scored, summarise, task_scores
 from t1async.log import configure, get_logger
+from t1async.model.modeldir import check_model_dir
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
 from t1async.sampler.settings import Dtype, SamplerSettings
@@ -216,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no policy: pass --model DIR (starts the embedded sampler) or --sampler-url URL (a running one)")
     if args.model is not None and args.sampler_url:
         p.error("--model starts a sampler, --sampler-url uses running ones: give one of them")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        p.error(
-            f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
-            "of `python -m t1async.learner sft`"
-        )
+    if args.model is not None:
+        try:
+            check_model_dir(args.model, "--model")
+        except ConfigError as exc:
+            p.error(f"{exc} (e.g. a checkpoint dir or the out dir of `python -m t1async.learner sft`)")
     if args.system_prompt_file is not None and not args.system_prompt_file.is_file():
         p.error(f"--system-prompt-file {args.system_prompt_file}: no such file")
     if not args.tasks.is_dir():

@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.model is not None and Path(args.model).is_dir():  # what a model dir lacks, in one line
+        from t1async.model.modeldir import check_model_dir
+
+        try:
+            check_model_dir(Path(args.model), "--model", tokenizer=False)
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            return 2
     if args.model is not None and not Path(args.model).is_dir():
         print(f"--model {args.model}: no such directory (pass a model directory holding config.json)", file=sys.stderr)
         return 2
