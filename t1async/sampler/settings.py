@@ -33,24 +33,24 @@ class SamplerSettings:
         "require Authorization: Bearer KEY on every endpoint but /health* (as SGLang's --api-key; default: "
         "$T1_SAMPLER_API_KEY; a flag shows in ps, prefer --api-key-file or the variable)",
         metavar="KEY",
-        group="keys",
+        group="access",
     )
-    api_key_file: Path | None = setting(None, "read --api-key from this file's first line", group="keys")
+    api_key_file: Path | None = setting(None, "read --api-key from this file's first line", group="access")
     admin_api_key: str | None = setting(
         None,
         "require this key (instead of --api-key) on the admin endpoints: the weight updates, pause/continue, "
         "/flush_cache, /abort_request (as SGLang's --admin-api-key; default: $T1_SAMPLER_ADMIN_KEY)",
         metavar="KEY",
-        group="keys",
+        group="access",
     )
-    admin_api_key_file: Path | None = setting(None, "read --admin-api-key from this file's first line", group="keys")
+    admin_api_key_file: Path | None = setting(None, "read --admin-api-key from this file's first line", group="access")
     allowed_weight_roots: tuple[Path, ...] = setting(
         (),
         "/update_weights_from_disk loads only from under these directories, comma-separated (default: the "
         "model directory's parent)",
         metavar="DIR,...",
         sep=",",
-        group="keys",
+        group="access",
     )
 
 
