@@ -92,7 +92,10 @@ async def amain(args: ActorSettings) -> int:
         episodes=args.episodes,
         seed=args.seed,
     )
-    async with NatsTransport(args.nats) as transport, SGLangClient(args.sampler_url) as sampler:
+    async with (
+        NatsTransport(args.nats) as transport,
+        SGLangClient(args.sampler_url, api_key=args.sampler_api_key) as sampler,
+    ):
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
                 tg.start_soon(sampler.monitor)

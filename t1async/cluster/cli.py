@@ -90,7 +90,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     async def progress(nats_url: str, run_dir: Path) -> None:
         urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)
-        await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain)
+        key = components.sampler_keys(cfg)[0]
+        await show_progress(nats_url, run_dir, sampler_urls=urls, sampler_api_key=key, plain=args.plain)
 
     from t1async.transport.natscluster import default_replicas
 

@@ -38,7 +38,7 @@ from t1async.log import configure, get_logger
 from t1async.model.modeldir import check_model_dir
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
-from t1async.sampler.settings import Dtype, SamplerSettings
+from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
 
 log = get_logger("t1async.eval")
 EXIT_IMAGE_BUILD_FAILED = 3  # no task could build its image (sandbox_agent's run-task uses the same code)
@@ -52,6 +52,7 @@ class EvalSettings:
     sampler_url: tuple[str, ...] = setting(
         (), "a running SGLang-compatible sampler; repeat for several (or --model)", metavar="URL"
     )
+    sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key")
     tasks: Path | None = setting(None, "a directory of tasks (Terminal-Bench 1/2 format; required)", metavar="DIR")
     backend: Literal["auto", "bwrap", "container"] = setting(
         "auto",
@@ -134,7 +135,7 @@ async def open_sampler(args: EvalSettings) -> AsyncIterator[Sampler]:
         async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
             yield c
     else:
-        async with SGLangClient(list(args.sampler_url)) as c:
+        async with SGLangClient(list(args.sampler_url), api_key=args.sampler_api_key) as c:
             down = [u for u, ok in (await c.health()).items() if not ok]
             if down:
                 raise SamplerError(

@@ -9,9 +9,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from t1async.config import add_arguments, resolve, setting
+from t1async.config import add_arguments, like, resolve, setting
 from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
+from t1async.sampler.settings import SamplerKeys
 from t1async.signals import cancel_on_stop
 
 WeightSync = Literal["disk", "distributed"]
@@ -67,6 +68,8 @@ class ServeConfig(LearnerOptions):
         metavar="URL",
         group="learner service",
     )
+    sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key", group="learner service")
+    sampler_admin_key: str | None = like(SamplerKeys, "sampler_admin_key", group="learner service")
     run_dir: Path | None = setting(
         None, "where checkpoints, journal and state live (required)", group="learner service"
     )
@@ -174,7 +177,14 @@ def serve(args: argparse.Namespace) -> int:
             transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers: SGLangClient | None = None
             if c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation
-                samplers = await stack.enter_async_context(DiskPushClient(c.sampler_url, pause_mode=c.pause_mode))
+                samplers = await stack.enter_async_context(
+                    DiskPushClient(
+                        c.sampler_url,
+                        pause_mode=c.pause_mode,
+                        api_key=c.sampler_api_key,
+                        admin_key=c.sampler_admin_key,
+                    )
+                )
             learner = Learner(cfg, transport, samplers)
             if c.weight_sync == "distributed":
                 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
