@@ -21,6 +21,7 @@ import json
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from t1async.model.moe import MoETransformer
 
 log = get_logger("t1async.learner.checkpoint")
+
+# one rank (no process group) saves and loads as a single process: what DCP warns it assumes
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 STATE_TENSORS = "trainer_state.safetensors"
 STATE_JSON = "trainer_state.json"

@@ -493,7 +493,7 @@ def _local(t: Tensor) -> Tensor:
 
 def state_bytes(trainer: Trainer) -> dict[str, int]:
     """This rank's resident training state: parameter, gradient (at the last optimizer step) and AdamW bytes,
-    its shards under FSDP, and the process's peak RSS."""
+    its shards under FSDP, and the process's peak RSS (VmHWM, which ``echo 5 > /proc/self/clear_refs`` resets)."""
     import resource
 
     params = sum(_local(p).numel() * p.element_size() for p in trainer.model.parameters())
@@ -504,6 +504,11 @@ def state_bytes(trainer: Trainer) -> dict[str, int]:
         if isinstance(v, Tensor)
     )
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    try:
+        with open("/proc/self/status") as f:
+            rss_peak = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
     total = params + trainer.grad_bytes + optim
     return {
         "param_bytes": params,
