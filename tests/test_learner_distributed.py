@@ -223,3 +223,39 @@ def test_two_ranks_share_the_steps_turn_baseline(ranks2):
     for (lp1, r1), (lp2, r2) in zip(one.score(segs), two.score(segs)):
         np.testing.assert_allclose(lp1, lp2, atol=1e-4)
         assert (r1 == r2).mean() > 0.99
+
+
+def test_an_old_single_file_checkpoint_loads_on_one_rank_and_refuses_two_in_one_line(ranks2, tmp_path):
+    """The format before DCP (AdamW moments in trainer_state.safetensors) still resumes on one rank."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from t1async.learner.checkpoint import FORMAT_V1, STATE_JSON, STATE_TENSORS
+    from t1async.model.weights import save_pretrained
+    from t1async.protocol.errors import ConfigError
+
+    torch.manual_seed(3)
+    src = Trainer(tiny(), TCFG)
+    src.step(segments(src.model, n=3), 0)
+    d = tmp_path / "v000001"
+    save_pretrained(src.model, d)
+    names = {id(p): n for n, p in src.model.named_parameters()}
+    moments = {
+        f"{names[id(p)]}.{k}": v.detach().clone() for p, st in src.optimizer.state.items() for k, v in st.items()
+    }
+    save_file(moments, str(d / STATE_TENSORS))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in src.optimizer.param_groups]
+    meta = {"format": FORMAT_V1, "policy_version": 1, "step": 1, "param_groups": groups}
+    (d / STATE_JSON).write_text(json.dumps(meta, default=list))
+    one = Trainer(tiny(), TCFG)
+    assert one.load(d).step == 1
+    assert_same_weights(src.model, one.model)
+    segs = segments(src.model, seed=1, policy_version=1)
+    src.step(segs, 1)
+    one.step(segs, 1)
+    assert_same_weights(src.model, one.model)  # the moments came too
+    ranks, holder = ranks2
+    two = holder["trainer"] = ranks.start(tiny(), TCFG)
+    with pytest.raises(ConfigError, match=r"old single-file checkpoint: resume it once with --nproc 1"):
+        two.load(d)

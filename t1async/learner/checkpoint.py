@@ -184,24 +184,33 @@ def save_checkpoint(
     return CheckpointInfo(dest, policy_version, step)
 
 
+def check_loadable(path: str | Path, *, sharded: bool) -> dict:
+    """The checkpoint's trainer_state.json, or ConfigError (one line) if it cannot be loaded as asked."""
+    d = Path(path)
+    if not (d / STATE_JSON).is_file():
+        raise ConfigError(f"{d} is not a trainer checkpoint: it lacks {STATE_JSON} (a bare model dir has no state)")
+    meta = json.loads((d / STATE_JSON).read_text())
+    if meta.get("format") == FORMAT_V1 and sharded:
+        raise ConfigError(
+            f"{d} is an old single-file checkpoint: resume it once with --nproc 1 (which rewrites it in the "
+            "sharded format), then with more ranks"
+        )
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
+    return meta
+
+
 def load_checkpoint(
     path: str | Path, model: MoETransformer, optimizer: torch.optim.Optimizer | None = None
 ) -> CheckpointInfo:
     """Load weights (in place, keeping the model's dtype) and, if given, the optimizer state, whatever the
     number of ranks that wrote it. With an FSDP-sharded ``model`` every rank calls this together."""
     d = Path(path)
-    if not (d / STATE_JSON).is_file():
-        raise ConfigError(f"{d} is not a trainer checkpoint: it lacks {STATE_JSON} (a bare model dir has no state)")
-    meta = json.loads((d / STATE_JSON).read_text())
     sharded = _sharded(model)
+    meta = check_loadable(d, sharded=sharded)
     if meta.get("format") == FORMAT_V1:
-        if sharded:
-            raise ConfigError(
-                f"{d} is an old single-file checkpoint: resume it once with --nproc 1 (which rewrites it in the "
-                "sharded format), then with more ranks"
-            )
         _load_v1(d, meta, model, optimizer)
-    elif meta.get("format") == FORMAT:
+    else:
         state: dict = {"model": get_model_state_dict(model)}
         with_optim = optimizer is not None and bool(meta.get("optimizer"))
         if with_optim:
@@ -214,8 +223,6 @@ def load_checkpoint(
             set_optimizer_state_dict(model, optimizer, state["optim"])
         elif optimizer is not None:
             optimizer.state.clear()
-    else:
-        raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
     info = CheckpointInfo(d, int(meta["policy_version"]), int(meta["step"]))
     if not sharded or dist.get_rank() == 0:
         log.info("checkpoint.loaded", path=str(d), policy_version=info.policy_version, step=info.step)

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from t1async.learner import memory
 from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
-from t1async.learner.checkpoint import CheckpointInfo
+from t1async.learner.checkpoint import CheckpointInfo, check_loadable
 from t1async.learner.stepmetrics import StepMetrics
 from t1async.learner.trainer import Scored, Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
@@ -180,6 +180,8 @@ class DistributedTrainer(Trainer):
             return self._shell
 
     def load(self, path: str | Path) -> CheckpointInfo:
+        if self.rank == 0 and not self._inside:
+            check_loadable(path, sharded=True)  # before the command: a refused checkpoint stops no rank
         with self._together("load", str(path)):
             self._shell_ok = False
             return super().load(path)
