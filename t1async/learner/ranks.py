@@ -169,10 +169,12 @@ def launch(argv: list[str], config: RanksConfig) -> int:
 
 
 def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:
-    """Join as ``rank`` of ``world``: rank 0 hosts the store on ``host:port``, as env:// makes it (torchrun)."""
-    dist.init_process_group(
-        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
+    """Join as ``rank`` of ``world``: rank 0 hosts the store on ``host:port``, keyed as env:// keys it (torchrun).
+    The store waits for every rank first, so ranks that never come fail here, before the group exists."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore("default_pg", store)  # what init_process_group adds to an env:// store
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
 class Ranks:
