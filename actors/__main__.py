@@ -65,7 +65,7 @@ async def amain(args: ActorSettings) -> int:
     from t1async.protocol.errors import T1Error
     from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
-    from t1async.transport import NatsTransport
+    from t1async.transport import NatsConfig, NatsTransport
 
     log = get_logger("actors")
     assert args.nats and args.tasks is not None  # settings() made sure
@@ -92,7 +92,8 @@ async def amain(args: ActorSettings) -> int:
         episodes=args.episodes,
         seed=args.seed,
     )
-    async with NatsTransport(args.nats) as transport, SGLangClient(args.sampler_url) as sampler:
+    nats = NatsConfig(url=args.nats, creds=args.nats_creds)
+    async with NatsTransport(config=nats) as transport, SGLangClient(args.sampler_url) as sampler:
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
                 tg.start_soon(sampler.monitor)
