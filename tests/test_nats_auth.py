@@ -192,3 +192,49 @@ def test_credentials_files_and_urls(tmp_path):
     jwt.write_text("-----BEGIN NATS USER JWT-----\nx\n------END NATS USER JWT------\n")
     assert load_creds(jwt).connect_options()["user_credentials"] == str(jwt)
     assert redact("nats://u:secret@a:4222,nats://b:4222") == "nats://u:***@a:4222,nats://b:4222"
+
+
+async def test_cluster_tail_reads_with_the_runs_reader_file(tmp_path, repo_env):
+    """``cluster tail --run-dir`` with neither --nats nor --nats-creds: the URL from cluster.json, the reader's file."""
+    import signal
+    import sys
+
+    from t1async.cluster.state import ClusterState
+
+    async with AsyncExitStack() as stack:
+        url = await _up(stack, tmp_path)
+        ClusterState(run_dir=str(tmp_path), status="running", nats_url=url).save()
+        argv = [sys.executable, "-m", "t1async.cluster", "tail", "--run-dir", str(tmp_path), "--no-text", "--json"]
+        async with await anyio.open_process(argv, env=repo_env) as proc:
+            try:
+                err, out = bytearray(), bytearray()
+                with anyio.fail_after(90):
+                    while b"# tailing" not in err:
+                        err += await proc.stderr.receive()
+                actor = NatsConfig(url=url, creds=creds_path(tmp_path, Role.ACTOR))
+                async with NatsTransport(config=actor) as t:
+                    await t.publish("t1.traj.ep-t", wire.StartRecord("ep-t", "actor-0", "task", 3, 0.0))
+                with anyio.fail_after(60):
+                    while b"ep-t" not in out:
+                        out += await proc.stdout.receive()
+                proc.send_signal(signal.SIGINT)
+                with anyio.fail_after(10):
+                    await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+        assert b'"kind": "start"' in out or b'"kind":"start"' in out, out
+
+
+async def test_the_supervisor_starts_a_keyed_tls_nats_and_makes_the_streams_as_admin(tmp_path):
+    """``cluster up --nats-tls``: secrets and a CA in the run dir, a tls:// URL, the streams made before any
+    component (which may not make them) starts."""
+    from t1async.cluster.state import ClusterState
+    from t1async.cluster.supervisor import ClusterConfig, Supervisor
+
+    run = tmp_path / "run"
+    assert await Supervisor(ClusterConfig(run_dir=run, nats_auth=True, nats_tls=True, duration_s=0.5)).run() == 0
+    assert ClusterState.load(run).nats_url.startswith("tls://127.0.0.1:")
+    assert {p.name for p in (run / "secrets").iterdir()} >= {"ca.pem", "server.pem", "nats-actor.json"}
+    assert stat.S_IMODE((run / "secrets" / "server.key").stat().st_mode) == 0o600
+    assert list((run / "nats" / "jetstream").rglob("T1_TRAJ")), "the admin made the stream"
