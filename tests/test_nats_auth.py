@@ -238,3 +238,14 @@ async def test_the_supervisor_starts_a_keyed_tls_nats_and_makes_the_streams_as_a
     assert {p.name for p in (run / "secrets").iterdir()} >= {"ca.pem", "server.pem", "nats-actor.json"}
     assert stat.S_IMODE((run / "secrets" / "server.key").stat().st_mode) == 0o600
     assert list((run / "nats" / "jetstream").rglob("T1_TRAJ")), "the admin made the stream"
+
+
+def test_a_node_on_its_own_host_takes_the_users_of_its_secrets_dir(tmp_path):
+    """``python -m t1async.transport.natsd --secrets DIR``: the same users (and route password) on every host."""
+    from t1async.transport.natsd import NatsNodeSettings, node_config
+
+    first = node_config(NatsNodeSettings(store_dir=tmp_path / "a", secrets=tmp_path / "keys"))
+    second = node_config(NatsNodeSettings(store_dir=tmp_path / "b", secrets=tmp_path / "keys"))
+    assert first.auth is not None and first.auth == second.auth
+    assert load_creds(tmp_path / "keys" / "nats-actor.json").user == "actor"
+    assert node_config(NatsNodeSettings(store_dir=tmp_path / "c")).auth is None

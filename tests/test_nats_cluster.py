@@ -228,7 +228,7 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
         st = await wait_running(run_dir, proc)
         assert st.nats_url.count("nats://") == 3 and {f"nats-{i}" for i in range(3)} <= st.components.keys()
         async with (
-            NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.READER))) as t,
+            NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.ADMIN))) as t,
             t.subscribe("t1.policy") as policies,
         ):
             info = await stream_info(t)
