@@ -1,7 +1,7 @@
 """Keys for NATS: one user per role with its own permissions, written by ``cluster up``, required by its servers.
 
-    auth = make_server_auth(secrets_dir(run_dir), tls=True)  # nats-<role>.json (0600), the CA
-    NatsServer.start(store, auth=auth)                  # users, permissions, route credentials, tls {}
+    auth = make_server_auth(secrets_dir(run_dir), tls=True)   # nats-<role>.json (0600), the CA
+    NatsServer.start(store, auth=auth)                        # users, permissions, route user, tls {}
     NatsTransport(config=NatsConfig(url, creds=creds_path(run_dir, Role.ACTOR)))
 
 A credentials file (``--nats-creds FILE``) is either our JSON, ``{"user": ..., "password": ...,
