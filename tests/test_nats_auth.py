@@ -249,3 +249,21 @@ def test_a_node_on_its_own_host_takes_the_users_of_its_secrets_dir(tmp_path):
     assert first.auth is not None and first.auth == second.auth
     assert load_creds(tmp_path / "keys" / "nats-actor.json").user == "actor"
     assert node_config(NatsNodeSettings(store_dir=tmp_path / "c")).auth is None
+
+
+def test_cluster_up_hands_each_child_its_roles_file(tmp_path):
+    """The embedded NATS: each role's own file; an external one: --nats-creds for all; clear errors otherwise."""
+    from t1async.cluster.components import nats_creds
+    from t1async.cluster.config import UpConfig
+
+    embedded = UpConfig(run_dir=tmp_path)
+    assert nats_creds(embedded, Role.ACTOR) is None  # none made (yet): an open NATS
+    make_server_auth(secrets_dir(tmp_path))
+    assert nats_creds(embedded, Role.ACTOR) == creds_path(tmp_path, Role.ACTOR)
+    assert nats_creds(embedded, Role.LEARNER) == creds_path(tmp_path, Role.LEARNER)
+    external = UpConfig(run_dir=tmp_path, nats="nats://h:4222", nats_creds=tmp_path / "mine.json")
+    assert nats_creds(external, Role.ACTOR) == nats_creds(external, Role.LEARNER) == tmp_path / "mine.json"
+    with pytest.raises(ConfigError, match="--nats-tls"):
+        UpConfig(run_dir=tmp_path, nats="nats://h:4222", nats_tls=True).check()
+    with pytest.raises(ConfigError, match="--nats-creds is for an external --nats"):
+        UpConfig(run_dir=tmp_path, nats_creds=tmp_path / "mine.json").check()
