@@ -92,8 +92,10 @@ async def amain(args: ActorSettings) -> int:
         episodes=args.episodes,
         seed=args.seed,
     )
-    nats = NatsConfig(url=args.nats, creds=args.nats_creds)
-    async with NatsTransport(config=nats) as transport, SGLangClient(args.sampler_url) as sampler:
+    async with (
+        NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,
+        SGLangClient(args.sampler_url, api_key=args.sampler_api_key) as sampler,
+    ):
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
                 tg.start_soon(sampler.monitor)
@@ -111,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = build_parser()
     args = settings(p.parse_args(argv), p)
+    if args.model is not None:  # (here, not in settings(): cluster up's warm start writes it later)
+        from t1async.model.modeldir import check_model_dir
+        from t1async.protocol.errors import ConfigError
+
+        try:
+            check_model_dir(args.model, "--model", weights=False)  # only its tokenizer and chat template are read
+        except ConfigError as exc:
+            p.error(str(exc))
     configure(args.log_level)
     try:
         return anyio.run(amain, args, backend=os.environ.get("T1_BACKEND", "trio"))

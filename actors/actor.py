@@ -121,11 +121,15 @@ async def run_actor(
         }
         await transport.publish(f"t1.metrics.actor.{config.actor_id}", MetricsRecord("actor", 0, 0, values))
 
+    started_at = time.time()  # before any episode of this process is created: the learner's restart test
+
     async def heartbeat() -> None:
-        """A sign of life: the learner grants credits only to a live actor (design §7)."""
+        """A sign of life: the learner grants credits only to a live actor (design §7). ``started_at`` tells
+        it when this process began, so a restarted actor's orphaned episodes are closed at its first beat."""
         while True:
             try:
-                await transport.publish(f"t1.actor.{config.actor_id}", Heartbeat(config.actor_id, time.time()))
+                beat = Heartbeat(config.actor_id, time.time(), started_at)
+                await transport.publish(f"t1.actor.{config.actor_id}", beat)
             except Exception as exc:  # NATS reconnecting: the next beat retries; the learner's timeout is ~5 beats
                 log.warning("actor.heartbeat_failed", actor=config.actor_id, error=str(exc))
             await anyio.sleep(config.heartbeat_every_s)

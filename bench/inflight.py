@@ -119,7 +119,7 @@ async def run_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp:
     t0 = time.perf_counter()
     updates = 0
     async with anyio.create_task_group() as tg:
-        url = await tg.start(serve, ServerConfig(port=0, max_batch=args.requests))
+        url = await tg.start(serve, ServerConfig(port=0, max_batch=args.requests, allowed_weight_roots=(str(tmp),)))
         load = Load(url, args.new_tokens, vocab)
         async with anyio.create_task_group() as work:
             for w in range(args.requests):

@@ -1,23 +1,26 @@
-"""Step time of the distributed learner: 1 rank (the plain Trainer) vs N ranks (learner/distributed.py),
-side by side, on the same segments and starting weights.
+"""Step time and memory per rank of the learner: 1 rank (the plain Trainer) vs N ranks (the model sharded
+by FSDP2, learner/distributed.py), side by side, on the same segments and starting weights.
 
 Each configuration trains ``--steps`` PPO steps on ``--segments`` synthetic segments of ``--seq-len``
 tokens (random tokens, the loss on their second half, routing and log-probs recorded by a no-grad forward
-of the same model, as a sampler would) and reports the median step seconds, tokens per second, and the
-speed-up over 1 rank. Each rank gets ``--threads`` torch threads; N ranks need N cores to gain anything, so
-on a box with fewer free cores than ranks the ratio measures contention. Rank 0 is this process; ranks
-1..N-1 are ``python -m t1async.learner.ranks`` children over gloo on 127.0.0.1.
+of the same model, as a sampler would) and reports the median step seconds, tokens per second, the
+speed-up over 1 rank, and each rank's memory: the parameter, gradient and AdamW bytes it holds (its shards)
+and its peak RSS (which includes building the full model once before sharding it). ``--model 100m`` is a
+~100M-parameter MoE (the default ``tiny`` is the shipped model's architecture). Each rank gets ``--threads``
+torch threads; N ranks need N cores to gain speed, so on a box with fewer free cores than ranks the time
+ratio measures contention (the memory does not depend on it). Rank 0 is this process; ranks 1..N-1 are
+``python -m t1async.learner.ranks`` children over gloo on 127.0.0.1 (what torchrun starts for the service).
 
-Run: ``python -m bench.learner_ranks --ranks 1,2 [--json]``.
+Run: ``python -m bench.learner_ranks --ranks 1,2 [--model 100m] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,6 +72,21 @@ def _time_steps(trainer, segs: list, steps: int) -> list[float]:  # noqa: ANN001
     return times
 
 
+MODELS = {  # MoEConfig fields over the defaults; "100m" is bench.weights' ~100M-parameter model
+    "tiny": {},
+    "100m": dict(d_model=768, n_layers=6, n_heads=12, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096),
+}
+
+
+def _reset_peak_rss() -> None:
+    """Linux: restart this process's peak RSS (VmHWM) from its current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learner_ranks", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="1,2", help="rank counts to compare (default 1,2)")
@@ -76,18 +94,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512, help="max tokens per segment (default 512)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration, after one warm-up (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS), help="model size (default tiny)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = p.parse_args(argv)
+    import dataclasses
+    import gc
+
+    from t1async.learner import memory
     from t1async.learner.ranks import Ranks, RanksConfig
-    from t1async.learner.trainer import Trainer
+    from t1async.learner.trainer import Trainer, state_bytes
     from t1async.learner.trainer_config import TrainerConfig
+    from t1async.model.moe import MoETransformer
     from t1async.model.weights import default_model_dir, load_pretrained
 
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.ranks.split(",")]
-    base = load_pretrained(default_model_dir())
+    if args.model == "tiny":
+        base = load_pretrained(default_model_dir())
+    else:
+        base = MoETransformer(dataclasses.replace(load_pretrained(default_model_dir()).cfg, **MODELS[args.model]))
+    n_params = sum(p.numel() for p in base.parameters())
     segs = _segments(base, args.segments, args.seq_len, seed=0)
     tokens = sum(len(s.tokens) for s in segs)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    cfg = base.cfg
+    del base
+    gc.collect()
+
+    def fresh() -> MoETransformer:
+        m = MoETransformer(cfg)
+        m.load_state_dict(base_state)
+        return m
+
     tcfg = TrainerConfig(microbatch_tokens=4096)
     rows, result = (
         [],
@@ -97,22 +135,30 @@ def main(argv: list[str] | None = None) -> int:
             "threads_per_rank": args.threads,
             "cpus": os.cpu_count(),
             "load_avg_1m": os.getloadavg()[0],
+            "model": args.model,
+            "params": n_params,
             "configs": {},
+            "memory_per_rank": {},
         },
     )
     for n in counts:
-        trainer = Trainer(copy.deepcopy(base), tcfg)
+        memory.trim()
+        _reset_peak_rss()  # rank 0 is this process: its peak from here on is this configuration's
         ranks = Ranks(RanksConfig(nproc=n, threads=args.threads)) if n > 1 else None
+        trainer: Any = None
         try:
-            if ranks is not None:
-                trainer = ranks.start(trainer)
+            trainer = ranks.start(fresh(), tcfg) if ranks is not None else Trainer(fresh(), tcfg)
             _time_steps(trainer, segs, 1)  # warm-up
             times = _time_steps(trainer, segs, args.steps)
+            mem = trainer.rank_memory() if ranks is not None else [state_bytes(trainer)]
         finally:
             if ranks is not None:
                 ranks.close(trainer)
+        del trainer
+        gc.collect()
         med = statistics.median(times)
         result["configs"][str(n)] = {"step_s": med, "steps_s": times, "tokens_per_s": tokens / med}
+        result["memory_per_rank"][str(n)] = {str(r): m for r, m in enumerate(mem)}
     one = result["configs"].get("1", {}).get("step_s")
     for n in counts:
         c = result["configs"][str(n)]
@@ -121,8 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     print_grid(
         ["ranks", "step_s", "tok/s", "vs 1 rank"],
         rows,
-        title=f"learner step, {args.segments} segments / {tokens} tokens, {args.threads} thread(s) per rank, "
-        f"{os.cpu_count()} CPUs, load {result['load_avg_1m']:.1f}",
+        title=f"learner step, {args.model} model ({n_params / 1e6:.1f}M params), {args.segments} segments / "
+        f"{tokens} tokens, {args.threads} thread(s) per rank, {os.cpu_count()} CPUs, load {result['load_avg_1m']:.1f}",
+    )
+    mib = 2**20
+    print_grid(
+        ["ranks", "rank", "params MiB", "grads MiB", "AdamW MiB", "state MiB", "peak RSS MiB"],
+        [
+            (
+                n,
+                r,
+                m["param_bytes"] / mib,
+                m["grad_bytes"] / mib,
+                m["optim_bytes"] / mib,
+                m["state_bytes"] / mib,
+                m["rss_peak_bytes"] / mib,
+            )
+            for n in counts
+            for r, m in result["memory_per_rank"][str(n)].items()
+        ],
+        title="memory per rank: the training state each rank holds, and its peak RSS",
     )
     if args.json:
         emit_json(result)

@@ -1,6 +1,11 @@
 """Training-inference mismatch with and without TITO and R3 (the T1 paper's table), on the embedded model.
 
-    python -m bench.mismatch [--quick] [--json] [--out DIR]
+    python -m bench.mismatch [--quick] [--json] [--out DIR] [--model DIR|qwen3-moe-tiny] [--sampler-dtype D]
+
+``--model`` takes any supported model dir (the in-house format or a Hugging Face MoE, design §2 "Models"),
+served as it is, or ``qwen3-moe-tiny``: a seeded tiny ``Qwen3MoeForCausalLM`` (grouped-query attention, q/k
+norm, a dense ``mlp_only_layers`` layer; ``bench._mismatch_model``) built into ``--warm-cache`` without a
+download and warm-started like the default model.
 
 1. Launch the embedded sampler serving in **bf16 with batched decoding** (all episodes decode together), as
    a production sampler would, and sample real multi-turn episodes from it with a scripted token-in driver
@@ -19,8 +24,9 @@
    with the sampled logprob of a *different* token, so only the ID-matched figure measures mismatch),
    ``loss_id_mismatch_tokens`` (loss tokens whose ID differs from the sampled one), ``loss_drift_tokens``
    (loss tokens whose ID or context differs from what was sampled,
-   plus sampled tokens the retokenized turn dropped) and ``routing_drift`` (share of (token, layer) choices
-   where the learner's own top-k differs from the recorded experts, over aligned tokens).
+   plus sampled tokens the retokenized turn dropped) and ``routing_drift`` (share of (token, MoE layer)
+   choices where the learner's own top-k differs from the recorded experts, over aligned tokens; a dense
+   layer routes nothing and is left out).
 
 Prints a table, writes ``mismatch.json`` and ``mismatch.png`` to ``--out``; with ``--json`` the last stdout
 line is the JSON object (design §11). ``ratio`` is tito_r3 over the **ID-matched** baseline (``ratio_raw``
@@ -44,12 +50,15 @@ import numpy as np
 import torch
 
 from bench._mismatch_data import Retokenized, SampledEpisode, assemble, make_scripts, retokenize, sample_episodes
+from bench._mismatch_model import TINY_NAMES, tiny_model_dir
 from bench._mismatch_report import chart, print_result
 from t1async.ingest.tito import Segment
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
+from t1async.model.modeldir import check_model_dir
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
+from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import SamplingParams
 
 CONFIGS = ("baseline", "tito", "r3", "tito_r3")
@@ -81,7 +90,10 @@ def _seg(i: int, tokens: np.ndarray, loss: np.ndarray, lps: np.ndarray, routing:
     )
 
 
-def _routing_drift(free: np.ndarray, rec: np.ndarray) -> tuple[int, int]:
+def _routing_drift(free: np.ndarray, rec: np.ndarray, moe_layers: list[int]) -> tuple[int, int]:
+    """(token, MoE layer) choices whose free top-k differs from the recorded one, and how many were compared;
+    a dense layer (Qwen3 ``mlp_only_layers``) routes nothing (zero rows on both sides) and is left out."""
+    free, rec = free[:, moe_layers], rec[:, moe_layers]
     present = (rec >= 0).all(-1)
     differ = (np.sort(free, -1) != np.sort(rec, -1)).any(-1) & present
     return int(differ.sum()), int(present.sum())
@@ -112,6 +124,7 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
     retok: list[Retokenized] = [retokenize(e, tok) for e in eps]
     text = [_seg(i, r.tokens, r.loss_mask, r.logprobs, r.routing) for i, r in enumerate(retok)]
     out: dict[str, dict] = {}
+    moe_layers = list(trainer.model.cfg.moe_layers)
     for name in CONFIGS:
         retokenized, replay = name in ("baseline", "r3"), name in ("r3", "tito_r3")
         segs = text if retokenized else exact
@@ -135,7 +148,7 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
             dl.append(np.abs(logp[sel].astype(np.float64) - seg.logprobs[sel]))
             if not retokenized:
                 dl_match.append(dl[-1])
-            d, c = _routing_drift(free, seg.routing)
+            d, c = _routing_drift(free, seg.routing, moe_layers)
             differ, compared = differ + d, compared + c
         if not retokenized:  # sampled tokens that no TITO segment trains (REALIGN drops them, counted)
             drift_tokens += max(0, int(sum(int(e.loss_mask.sum()) for e in eps)) - loss_tokens)
@@ -193,16 +206,24 @@ def _default_cache() -> str:
     return str((Path(xdg) if xdg else Path.home() / ".cache") / "t1async")
 
 
+def _base_model(args: argparse.Namespace) -> Path:
+    """The model before any warm start: the shipped one, a built-in tiny one (``TINY_NAMES``), or a dir."""
+    if args.model is None:
+        return default_model_dir()
+    if args.model in TINY_NAMES:
+        return tiny_model_dir(args.model, Path(args.warm_cache))
+    return check_model_dir(Path(args.model), "--model")
+
+
 def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
-    """The model to serve: ``--model``, else the shipped model warm-started by SFT on oracle demonstrations
-    (so episodes look like an agent's, not like random tokens); cached in ``--warm-cache`` by its settings."""
-    if args.model:
-        return Path(args.model), None
-    if args.sft_steps <= 0:
-        return default_model_dir(), None
+    """The model to serve: a ``--model`` dir as it is; else the shipped model (or a built-in tiny one)
+    warm-started by SFT on oracle demonstrations (so episodes look like an agent's, not like random tokens);
+    cached in ``--warm-cache`` by its settings."""
+    base = _base_model(args)
+    if (args.model is not None and args.model not in TINY_NAMES) or args.sft_steps <= 0:
+        return base, None
     from t1async.recipes.sft import SFTConfig, run_sft
 
-    base = default_model_dir()
     cfg = SFTConfig(
         steps=args.sft_steps, lr=2e-3, warmup_steps=5, batch_tokens=args.sft_batch_tokens, max_len=2048, seed=args.seed
     )
@@ -281,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes on 2 cores")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last stdout line")
     p.add_argument("--out", default="runs/bench/mismatch", help="directory for mismatch.json and mismatch.png")
-    p.add_argument("--model", default=None, help="model directory (default: the shipped embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|" + "|".join(TINY_NAMES),
+        help="a model dir (in-house or a supported Hugging Face MoE, served as it is), or a built-in tiny model "
+        "built seeded into --warm-cache and warm-started like the default (default: the shipped embedded model)",
+    )
     p.add_argument("--episodes", type=int, default=None, help=_size_help("episodes", "episodes"))
     p.add_argument("--turns", type=int, default=None, help=_size_help("turns per episode", "turns"))
     p.add_argument("--max-new-tokens", type=int, default=None, help=_size_help("tokens per turn", "max_new_tokens"))
@@ -320,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, quick if args.quick else full)
     if args.episodes < 1 or args.turns < 1 or args.max_new_tokens < 1:
         p.error("--episodes, --turns and --max-new-tokens must be >= 1")
+    if args.model is not None and args.model not in TINY_NAMES:
+        try:
+            check_model_dir(Path(args.model), "--model")
+        except ConfigError as exc:
+            p.error(str(exc))
     result = run(args)
     out = Path(args.out)
     (out / "mismatch.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -338,6 +338,8 @@ def _run(
             str(SAMPLER_PORT),
             "--ready-file",
             str(sampler_ready),
+            "--allowed-weight-roots",
+            str(run_dir / "checkpoints"),  # the learner's pushes
         ),
     )
     start(

@@ -31,18 +31,20 @@ from bench._common import emit_json, print_grid
 from sandbox_agent.agent_types import TurnResult
 from t1async.ingest.assembly import Assembler
 from t1async.model.engine import Engine
+from t1async.model.modeldir import check_model_dir
 from t1async.model.records import EngineConfig, GenRequest
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 from t1async.protocol import wire
+from t1async.protocol.errors import ConfigError
 
 NEW_TOKENS = 24
 
 
-def versions_of_weights(n: int, noise: float, out: Path, tok: ChatTokenizer) -> list[Path]:
-    """``n`` policy versions: the shipped model, then each the previous one plus relative Gaussian noise."""
+def versions_of_weights(n: int, noise: float, out: Path, tok: ChatTokenizer, base: Path) -> list[Path]:
+    """``n`` policy versions: the ``base`` model, then each the previous one plus relative Gaussian noise."""
     g = torch.Generator().manual_seed(0)
-    m = load_pretrained(default_model_dir())
+    m = load_pretrained(base)
     dirs = []
     for v in range(n):
         if v:
@@ -138,11 +140,12 @@ def replay(records: list[wire.TurnRecord], models: list) -> tuple[np.ndarray, As
     return np.concatenate(diffs), asm, len(segs)
 
 
-def run(episodes: int, turns: int, noise: float) -> dict:
+def run(episodes: int, turns: int, noise: float, model: Path | None = None) -> dict:
     torch.set_num_threads(1)
-    tok = ChatTokenizer.load(default_model_dir())
+    base = model or default_model_dir()
+    tok = ChatTokenizer.load(base)
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = versions_of_weights(turns, noise, Path(tmp), tok)
+        dirs = versions_of_weights(turns, noise, Path(tmp), tok, base)
         models = [load_pretrained(d) for d in dirs]
         recs = trio.run(sample, dirs, episodes, tok)
     result: dict = {"episodes": episodes, "turns": turns, "noise": noise}
@@ -167,10 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=6, help="turns per episode; a weight update before each but the first")
     ap.add_argument("--noise", type=float, default=0.02, help="each update adds this fraction of a tensor's std")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    ap.add_argument("--model", type=Path, default=None, help="model dir (default: the shipped tiny model)")
     args = ap.parse_args(argv)
     if args.episodes < 1 or args.turns < 2:
         ap.error("--episodes must be >= 1 and --turns >= 2 (a weight update needs a turn after it)")
-    res = run(args.episodes, args.turns, args.noise)
+    if args.model is not None:
+        try:
+            check_model_dir(args.model, "--model")
+        except ConfigError as exc:
+            ap.error(str(exc))
+    res = run(args.episodes, args.turns, args.noise, args.model)
     rows = [
         (
             name,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ import numpy as np
 
 from bench._common import emit_json, print_grid, print_table
 from bench._load import random_ids, run_load, run_multi_turn, stream_generate
+from t1async.sampler.auth import API_KEY_ENV
 
 
 @asynccontextmanager
@@ -80,7 +82,11 @@ async def amain(args: argparse.Namespace) -> dict:
         return await run_samplers(args, [int(x) for x in args.samplers.split(",") if x.strip()])
     async with sampler_url(args) as url:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits) as client:
+        key = args.sampler_api_key or os.environ.get(API_KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}  # an embedded one inherits $T1_SAMPLER_API_KEY
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits, headers=headers
+        ) as client:
             vocab = args.vocab_size
             if vocab is None:
                 info = (await client.get(url + "/get_model_info")).json()
@@ -179,6 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
+    p.add_argument("--sampler-api-key", metavar="KEY", help=f"--url's API key (default: ${API_KEY_ENV})")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
     p.add_argument(
         "--num-prompts",

@@ -114,7 +114,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
                 raise SystemExit(f"bench.staleness: the cluster for eta={eta} did not start; see {log.name}")
             time.sleep(0.2)
         url = ready.read_text().strip()
-        with httpx.Client(trust_env=False, timeout=2.0) as c:
+        key = (run_dir / "secrets" / "sampler.key").read_text().strip()  # cluster up keys its sampler (design §4)
+        with httpx.Client(trust_env=False, timeout=2.0, headers={"Authorization": f"Bearer {key}"}) as c:
             while proc.poll() is None:
                 try:
                     st = c.get(f"{url}/get_server_info").json()["internal_states"][0]

@@ -4,6 +4,7 @@ actors in bubblewrap, the learner) for a short bounded run, watched from the wir
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,26 @@ async def wait_running(run_dir: Path, proc: subprocess.Popen, timeout: float = 1
             await anyio.sleep(0.2)
 
 
+def check_keys(run_dir: Path, started: list) -> str:
+    """With no flags, ``cluster up`` keys its sampler (design §4 "Keys"): random keys in 0600 files, on no
+    component's command line, and the sampler refuses a request without them. Returns the API key."""
+    keys = [run_dir / "secrets" / "sampler.key", run_dir / "secrets" / "sampler-admin.key"]
+    assert stat.S_IMODE((run_dir / "secrets").stat().st_mode) == 0o700
+    for f in keys:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, oct(f.stat().st_mode)
+    api, admin = (f.read_text().strip() for f in keys)
+    assert len(api) >= 32 and len(admin) >= 32 and api != admin
+    for info in started:
+        cmdline = Path(f"/proc/{info.pid}/cmdline").read_bytes()
+        assert api.encode() not in cmdline and admin.encode() not in cmdline, f"a key on {info.name}'s command line"
+    url = (run_dir / "sampler.url").read_text().strip()
+    assert httpx.get(f"{url}/get_model_info", timeout=10, trust_env=False).status_code == 401
+    assert (
+        httpx.get(f"{url}/get_model_info", timeout=10, trust_env=False, headers={"x-api-key": api}).status_code == 200
+    )
+    return api
+
+
 async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     run_dir = tmp_path / "run"
     argv = [
@@ -93,6 +114,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
         st = await wait_running(run_dir, proc)
         started = list(st.components.values())
         sampler_url = (run_dir / "sampler.url").read_text().strip()
+        key = check_keys(run_dir, started)
         async with (
             NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.READER))) as t,
             t.subscribe("t1.>") as msgs,
@@ -111,7 +133,9 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
                     records.append(m.record)
                     if isinstance(m.record, wire.PolicyRecord):
                         try:
-                            async with httpx.AsyncClient(trust_env=False) as c:
+                            async with httpx.AsyncClient(
+                                trust_env=False, headers={"Authorization": f"Bearer {key}"}
+                            ) as c:
                                 info = (await c.get(f"{sampler_url}/get_server_info", timeout=5)).json()
                             server_versions.append(int(info["weight_version"]))
                         except httpx.HTTPError:

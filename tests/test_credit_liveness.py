@@ -43,3 +43,45 @@ def test_episode_ids_name_their_actor_and_bad_settings_are_refused():
         ActorLiveness(0)
     hb = wire.Heartbeat("a1", 12.5)
     assert wire.records_equal(wire.decode(wire.encode(hb)), hb)
+
+
+def test_a_restarted_actors_earlier_episodes_are_orphans_reported_once():
+    lv = ActorLiveness(15.0, clock=lambda: 0.0)
+    lv.owns("a-old", "a", created_at=100.0)
+    lv.owns("a-new", "a", created_at=205.0)
+    lv.owns("a-unknown", "a")  # no start record seen: never taken for an orphan
+    lv.owns("b-old", "b", created_at=50.0)
+    assert lv.orphaned("a", 0.0) == []  # an actor that does not say when it started
+    assert lv.orphaned("a", 90.0) == []  # the process that created them is this one
+    assert lv.orphaned("a", 200.0) == ["a-old"]
+    assert lv.orphaned("a", 200.0) == []  # reported once
+    assert lv.episodes_of("b") == ["b-old"]  # another actor's episodes are not touched
+
+
+async def test_the_learner_ends_a_restarted_actors_orphans_without_waiting_for_silence(tmp_path):
+    """An actor restarted under the same id keeps heartbeating, so silence never frees its dead process's
+    episodes; before, they held the staleness bound until the silence timeout (150 s seen in bench.chaos).
+    Its first heartbeat (a newer ``started_at``) ends them at once (seen failing on the old code)."""
+    import anyio
+
+    from t1async.learner.service import Learner, LearnerConfig
+    from t1async.transport import MemoryBroker, MemoryTransport
+    from t1async.transport.base import traj_subject
+
+    cfg = LearnerConfig(run_dir=tmp_path / "run", batch_turns=64, actor_timeout_s=3600.0, metrics_every_s=60)
+    broker = MemoryBroker()
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
+        learner = Learner(cfg, lt, None)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(learner.run)
+            for ep, created in (("a0-old", 100.0), ("a0-new", 300.0)):
+                await pub.publish(traj_subject(ep), wire.StartRecord(ep, "a0", "task", 8, created))
+            with anyio.fail_after(60):
+                while {"a0-old", "a0-new"} - set(learner.liveness.owner):
+                    await anyio.sleep(0.05)
+                await pub.publish("t1.actor.a0", wire.Heartbeat("a0", 301.0, started_at=250.0))
+                while "a0-old" in learner.liveness.owner:  # its abort end came back through the stream
+                    await anyio.sleep(0.05)
+            assert "a0-new" in learner.liveness.owner  # the new process's episode runs on
+            tg.cancel_scope.cancel()
+    learner.journal.close()

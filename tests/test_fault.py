@@ -68,7 +68,7 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     url = nats_server.url
     procs: list[subprocess.Popen] = []
     steps: list[int] = []
-    async with launch_sampler(port=0, log_path=logs / "sampler.log") as sampler_url:
+    async with launch_sampler(port=0, log_path=logs / "sampler.log", allowed_weight_roots=(tmp_path,)) as sampler_url:
 
         def learner() -> subprocess.Popen:
             p = spawn(
@@ -208,7 +208,7 @@ async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(
     procs: list[subprocess.Popen] = []
     steps: list[tuple[float, int]] = []
     last: dict = {}
-    async with launch_sampler(port=0, log_path=logs / "sampler.log") as sampler_url:
+    async with launch_sampler(port=0, log_path=logs / "sampler.log", allowed_weight_roots=(tmp_path,)) as sampler_url:
 
         def actor(name: str, concurrency: int) -> subprocess.Popen:
             p = spawn(

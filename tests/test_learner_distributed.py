@@ -1,6 +1,7 @@
 """The N-rank learner (learner/distributed.py, learner/ranks.py) with real ranks: rank 0 is this test
-process, rank 1 a real ``python -m t1async.learner.ranks`` child, over a real gloo group. One step over 2
-ranks gives the weights one rank gives; checkpoints move between N=2 and N=1; a dead rank fails loudly."""
+process, rank 1 a real ``python -m t1async.learner.ranks`` child (what torchrun would start), over a real gloo
+group, the model sharded by FSDP2. Steps over 2 ranks give the weights one rank gives; each rank holds half
+the weights; checkpoints (DCP) move between N=2 and N=1; a failed step and a dead rank fail loudly."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import pytest
 import torch
 from test_trainer import sampled_segment, tiny
 
-from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
 from t1async.learner.ranks import Ranks, RanksConfig
-from t1async.learner.trainer import Trainer
+from t1async.learner.trainer import Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
 
 # several micro-batches per rank, and a different number on each rank
@@ -46,8 +46,17 @@ WEIGHT_ATOL = 1e-2 * TCFG.lr
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    """``b`` may be a DistributedTrainer's sharded model: its full weights are gathered first."""
+    full = b.export_model() if isinstance(b, DistributedTrainer) else b
+    for (name, pa), (_, pb) in zip(a.named_parameters(), full.named_parameters()):
+        torch.testing.assert_close(
+            pa.detach(), pb.detach(), rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def moved(base: torch.nn.Module, trainer: DistributedTrainer) -> float:
+    full = trainer.export_model()
+    return max(float((p - q).detach().abs().max()) for p, q in zip(base.parameters(), full.parameters()))
 
 
 @pytest.fixture
@@ -67,86 +76,80 @@ def test_balance_splits_by_tokens():
     assert balance([7], 3) == [[0], [], []]  # fewer segments than ranks: a rank may get none
 
 
-def test_two_ranks_step_like_one_rank(ranks2):
+def test_two_ranks_step_like_one_rank_and_hold_half_each(ranks2):
     ranks, holder = ranks2
     torch.manual_seed(0)
     base = tiny()
-    segs = segments(base)
     one = Trainer(copy.deepcopy(base), TCFG)
-    m1 = one.step(segs, 0)
-    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), TCFG)
     assert isinstance(two, DistributedTrainer) and two.world == 2
-    m2 = two.step(segs, 0)
-    changed = max(float((p - q).detach().abs().max()) for p, q in zip(base.parameters(), two.model.parameters()))
-    assert changed > 1e-3  # the step moved the weights, so the comparison below means something
-    assert_same_weights(one.model, two.model)
-    assert (m2.segments, m2.tokens, m2.loss_tokens, m2.turns) == (m1.segments, m1.tokens, m1.loss_tokens, m1.turns)
-    for k in ("loss", "policy_loss", "value_loss", "clip_frac", "grad_norm", "mean_abs_dlogp", "adv_mean", "adv_std"):
-        assert getattr(m2, k) == pytest.approx(getattr(m1, k), rel=1e-4, abs=1e-6), k
-    assert m2.routing_compared == m1.routing_compared and m2.staleness_hist == m1.staleness_hist
-    # a second step: rank 1's weights and optimizer state stayed the same as rank 0's
-    segs2 = segments(one.model, seed=1, policy_version=1)
-    one.step(segs2, 1)
-    two.step(segs2, 1)
-    assert_same_weights(one.model, two.model)
-    # one segment for two ranks: rank 1 trains nothing, yet takes the same optimizer step
-    seg3 = segments(one.model, n=1, seed=4, policy_version=2)
-    m1, m2 = one.step(seg3, 2), two.step(seg3, 2)
-    assert_same_weights(one.model, two.model)
+    for v in range(3):  # 3 steps, each with 2 PPO epochs; the ranks get different numbers of micro-batches
+        segs = segments(one.model, seed=v, policy_version=v)
+        m1, m2 = one.step(segs, v), two.step(segs, v)
+        assert (m2.segments, m2.tokens, m2.loss_tokens, m2.turns) == (m1.segments, m1.tokens, m1.loss_tokens, m1.turns)
+        for k in ("loss", "policy_loss", "value_loss", "clip_frac", "grad_norm", "mean_abs_dlogp", "adv_mean"):
+            assert getattr(m2, k) == pytest.approx(getattr(m1, k), rel=1e-3, abs=1e-5), (v, k)
+        assert m2.routing_compared == m1.routing_compared and m2.staleness_hist == m1.staleness_hist
+    assert moved(base, two) > 1e-3  # the steps moved the weights, so the comparison below means something
+    assert_same_weights(one.model, two)
+    # one segment for two ranks: rank 1 runs only zero-weight micro-batches, yet takes the same optimizer step
+    seg = segments(one.model, n=1, seed=4, policy_version=3)
+    m1, m2 = one.step(seg, 3), two.step(seg, 3)
+    assert_same_weights(one.model, two)
     assert m2.loss == pytest.approx(m1.loss, rel=1e-4, abs=1e-6)
+    # each rank holds half of the parameters, gradients and AdamW moments (FSDP2's shards)
+    whole = state_bytes(one)
+    for r, mem in enumerate(two.rank_memory()):
+        for k in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert mem[k] / whole[k] == pytest.approx(0.5, abs=0.03), (r, k, mem[k], whole[k])
 
 
-def test_checkpoints_move_between_two_ranks_and_one(ranks2, tmp_path):
+def test_checkpoints_resume_from_two_ranks_to_one_and_back(ranks2, tmp_path):
+    """torch.distributed.checkpoint reshards: written by 2 ranks, resumed by 1, written by 1, resumed by 2; the
+    weights, the AdamW moments and the version/step numbers carry over, and the model dir holds the full
+    weights for the samplers."""
+    from t1async.model.weights import load_pretrained
+
     ranks, holder = ranks2
     torch.manual_seed(1)
     base = tiny()
-    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), TCFG)
     two.step(segments(base), 0)
-    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, policy_version=1, step=two.steps)
+    ck = two.save(tmp_path / "ck", 1)
+    assert (ck.policy_version, ck.step) == (1, 1) and sorted(p.name for p in (ck.path / "dcp").iterdir())
+    assert_same_weights(load_pretrained(ck.path), two)  # the model dir: the full weights, gathered
     # N=2 -> N=1: a plain trainer resumes from it and steps like the 2-rank trainer goes on
     one = Trainer(tiny(), TCFG)
-    load_checkpoint(ck.path, one.model, one.optimizer)
-    one.steps = ck.step
-    assert_same_weights(one.model, two.model)
-    segs = segments(two.model, seed=2, policy_version=1)
+    assert one.load(ck.path).step == 1 and one.steps == 1
+    assert_same_weights(one.model, two)
+    assert state_bytes(one)["optim_bytes"] > 0  # the moments came with it
+    segs = segments(one.model, seed=2, policy_version=1)
     one.step(segs, 1)
     two.step(segs, 1)
-    assert_same_weights(one.model, two.model)
-    # N=1 -> N=2: the 2-rank trainer loads a 1-rank checkpoint; rank 0 sends it to rank 1 with the next step
-    ck1 = save_checkpoint(tmp_path / "ck1", one.model, one.optimizer, policy_version=2, step=one.steps)
-    two.load(latest_checkpoint(tmp_path / "ck1").path)
-    two._resync = True
-    segs = segments(one.model, seed=3, policy_version=2)
-    one.step(segs, 2)
-    two.step(segs, 2)
-    assert_same_weights(one.model, two.model)
-    assert two.steps == one.steps == ck1.step + 1
+    assert_same_weights(one.model, two)
+    # N=1 -> N=2: the 2-rank trainer loads a 1-rank checkpoint (its own weights are stale: step on one only)
+    one.step(segments(one.model, seed=5, policy_version=2), 2)
+    ck1 = one.save(tmp_path / "ck1", 3)
+    two.load(ck1.path)
+    assert two.steps == one.steps == 3
+    assert_same_weights(one.model, two)
+    segs = segments(one.model, seed=3, policy_version=3)
+    one.step(segs, 3)
+    two.step(segs, 3)
+    assert_same_weights(one.model, two)
+    assert two.save(tmp_path / "ck1", 4).step == one.steps == 4
 
 
-def test_a_dead_rank_fails_the_learner(ranks2):
-    import anyio
-
-    ranks, holder = ranks2
-    base = tiny()
-    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
-    two.step(segments(base, n=3), 0)
-    os.kill(ranks.procs[0].pid, signal.SIGKILL)
-    ranks.procs[0].wait(30)
-    with pytest.raises(RankFailedError, match="rank 1"):
-        anyio.run(ranks.watch)
-    with pytest.raises(RankFailedError):
-        two.step(segments(base, n=3), 1)
-
-
-def test_a_failed_step_fails_on_every_rank_and_the_next_resyncs(ranks2, tmp_path):
+def test_a_failed_step_fails_on_every_rank_and_restore_resets_both(ranks2, tmp_path):
     """Rank 0 raises in its second PPO epoch, after every rank took the first epoch's optimizer step. Rank 1
-    learns of it at the gradient meeting (no hang), rank 0 is restored from the checkpoint (as the service
-    does), and the next step re-sends rank 0's weights: rank 1's stepped ones must not leak into it."""
+    learns of it at the meeting before the optimizer step (no hang); ``restore`` (as the service does) puts
+    every rank's shards back, so the next step equals one rank's from the checkpoint."""
     ranks, holder = ranks2
     torch.manual_seed(2)
     base = tiny()
-    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), TCFG))
-    ck = save_checkpoint(tmp_path / "ck", two.model, two.optimizer, policy_version=0, step=0)
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), TCFG)
+    two.step(segments(base, seed=7), 0)
+    ck = two.save(tmp_path / "ck", 1)
     calls = {"n": 0}
     real = two._optimizer_step
 
@@ -157,16 +160,38 @@ def test_a_failed_step_fails_on_every_rank_and_the_next_resyncs(ranks2, tmp_path
         return real()
 
     two._optimizer_step = second_epoch_fails  # type: ignore[method-assign]
-    segs = segments(base)
+    segs = segments(base, policy_version=1)
     with pytest.raises(FloatingPointError, match="injected"):
-        two.step(segs, 0)
+        two.step(segs, 1)
     del two._optimizer_step
-    two.load(ck.path)
+    assert two.restore(tmp_path / "ck", 1, tmp_path / "unused") == str(ck.path)
     one = Trainer(tiny(), TCFG)
-    load_checkpoint(ck.path, one.model, one.optimizer)
-    one.step(segs, 0)
-    two.step(segs, 0)
-    assert_same_weights(one.model, two.model)
+    one.load(ck.path)
+    one.step(segs, 1)
+    two.step(segs, 1)
+    assert_same_weights(one.model, two)
+
+
+def test_a_rank_killed_mid_step_fails_the_step_loudly(ranks2):
+    ranks, holder = ranks2
+    base = tiny()
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), TCFG)
+    real = two._adv_moments
+
+    def kill_rank_1_then_meet(adv):  # noqa: ANN001, ANN202 - mid-step: scored, before the update
+        os.kill(ranks.procs[0].pid, signal.SIGKILL)
+        ranks.procs[0].wait(30)
+        return real(adv)
+
+    two._adv_moments = kill_rank_1_then_meet  # type: ignore[method-assign]
+    with pytest.raises(RankFailedError, match="a rank died"):
+        two.step(segments(base, n=3), 0)
+    import anyio
+
+    with pytest.raises(
+        RankFailedError, match=r"learner rank 1 \(pid \d+\) exited with code -9; .*resumes from its last"
+    ):
+        anyio.run(ranks.watch)
 
 
 def test_ranks_that_never_join_fail_in_one_line(monkeypatch):
@@ -174,7 +199,7 @@ def test_ranks_that_never_join_fail_in_one_line(monkeypatch):
     ranks = Ranks(RanksConfig(nproc=2, join_timeout_s=3))
     try:
         with pytest.raises(RankFailedError, match=r"did not join within 3 s \(exit code by pid.*: \{\d+: 1\}"):
-            ranks.start(Trainer(tiny(), TCFG))
+            ranks.start(tiny(), TCFG)
     finally:
         ranks.close(None)
     assert ranks.procs == [] and not ranks.joined
@@ -182,15 +207,55 @@ def test_ranks_that_never_join_fail_in_one_line(monkeypatch):
 
 def test_two_ranks_share_the_steps_turn_baseline(ranks2):
     """advantage="turn" centres each turn on the mean of the WHOLE step's turns with its number: rank 1 gets rank
-    0's baseline, so 2 ranks step like 1 (a per-rank mean would centre each rank's share on its own rewards)."""
+    0's baseline, so 2 ranks step like 1 (a per-rank mean would centre each rank's share on its own rewards).
+    With the detached critic (the value head run apart from the model's forward) and ``score`` too."""
     ranks, holder = ranks2
-    cfg = TrainerConfig(lr=1e-2, microbatch_tokens=64, advantage="turn")
+    cfg = TrainerConfig(lr=1e-2, microbatch_tokens=64, advantage="turn", critic="detached")
     torch.manual_seed(0)
     base = tiny()
     segs = segments(base)
     one = Trainer(copy.deepcopy(base), cfg)
     m1 = one.step(segs, 0)
-    two = holder["trainer"] = ranks.start(Trainer(copy.deepcopy(base), cfg))
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), cfg)
     m2 = two.step(segs, 0)
-    assert_same_weights(one.model, two.model)
+    assert_same_weights(one.model, two)
     assert m2.adv_mean == pytest.approx(m1.adv_mean, abs=1e-6) and m2.adv_std == pytest.approx(m1.adv_std, rel=1e-4)
+    for (lp1, r1), (lp2, r2) in zip(one.score(segs), two.score(segs)):
+        np.testing.assert_allclose(lp1, lp2, atol=1e-4)
+        assert (r1 == r2).mean() > 0.99
+
+
+def test_an_old_single_file_checkpoint_loads_on_one_rank_and_refuses_two_in_one_line(ranks2, tmp_path):
+    """The format before DCP (AdamW moments in trainer_state.safetensors) still resumes on one rank."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from t1async.learner.checkpoint import FORMAT_V1, STATE_JSON, STATE_TENSORS
+    from t1async.model.weights import save_pretrained
+    from t1async.protocol.errors import ConfigError
+
+    torch.manual_seed(3)
+    src = Trainer(tiny(), TCFG)
+    src.step(segments(src.model, n=3), 0)
+    d = tmp_path / "v000001"
+    save_pretrained(src.model, d)
+    names = {id(p): n for n, p in src.model.named_parameters()}
+    moments = {
+        f"{names[id(p)]}.{k}": v.detach().clone() for p, st in src.optimizer.state.items() for k, v in st.items()
+    }
+    save_file(moments, str(d / STATE_TENSORS))
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in src.optimizer.param_groups]
+    meta = {"format": FORMAT_V1, "policy_version": 1, "step": 1, "param_groups": groups}
+    (d / STATE_JSON).write_text(json.dumps(meta, default=list))
+    one = Trainer(tiny(), TCFG)
+    assert one.load(d).step == 1
+    assert_same_weights(src.model, one.model)
+    segs = segments(src.model, seed=1, policy_version=1)
+    src.step(segs, 1)
+    one.step(segs, 1)
+    assert_same_weights(src.model, one.model)  # the moments came too
+    ranks, holder = ranks2
+    two = holder["trainer"] = ranks.start(tiny(), TCFG)
+    with pytest.raises(ConfigError, match=r"old single-file checkpoint: resume it once with --nproc 1"):
+        two.load(d)

@@ -1,6 +1,7 @@
 """``learner serve --nproc 2`` and ``cluster up --learner-procs 2`` as real processes (nats-server, the
-embedded sampler, actors in bubblewrap, rank 0 and rank 1 over gloo): steps complete, weights are published,
-and no rank outlives the learner, whether it is stopped (SIGTERM/SIGINT) or one of its ranks dies."""
+embedded sampler, actors in bubblewrap, torchrun's launcher starting rank 0 and rank 1 over gloo): steps
+complete, weights are published, and no rank outlives the learner, whether it is stopped (SIGTERM/SIGINT)
+or one of its ranks dies; restarted, it resumes from its last checkpoint."""
 
 from __future__ import annotations
 
@@ -106,8 +107,8 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert [(e["path"], str(e["weight_version"])) for e in updated] == [("(tensors)", "1"), ("(tensors)", "2")], updated
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {m.get("learner_ranks") for m in metrics if m["component"] == "learner"} == {2}
-    pids = events(log, "learner.ranks_starting")[0]["pids"]
-    assert events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
+    pids = rank_pids(log)
+    assert len(pids) == 3 and events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
 
 
 @pytest.mark.slow
@@ -124,6 +125,16 @@ async def test_cluster_resumes_across_rank_counts(tmp_path, repo_env):
     assert [e["step"] for e in events(log, "learner.dist_step")] == [2, 3]  # the 2-rank run's steps
     updated = events(run / "logs" / "sampler.log", "sampler.weights_updated")
     assert [str(e["weight_version"]) for e in updated][-1] == "4"
+
+
+def rank_pids(log: Path) -> list[int]:
+    """The launcher's, rank 0's and rank 1's pids, as they logged them."""
+    launcher = [e["launcher_pid"] for e in events(log, "learner.ranks_starting")]
+    return (
+        launcher[-1:]
+        + [e["pid"] for e in events(log, "learner.ranks_joined")][-1:]
+        + [e["pid"] for e in events(log, "learner.rank_ready")][-1:]
+    )
 
 
 def serve(tmp_path: Path, url: str, env: dict) -> tuple[subprocess.Popen, Path]:
@@ -149,8 +160,8 @@ async def test_a_stopped_learner_stops_its_ranks(tmp_path, repo_env, nats_server
     proc, log = serve(tmp_path, nats_server.url, repo_env)
     try:
         await wait_for(lambda: events(log, "learner.ready"), 120, "the learner ready")
-        pids = events(log, "learner.ranks_starting")[0]["pids"]
-        assert all(alive(p) for p in pids)
+        pids = rank_pids(log)
+        assert len(pids) == 3 and all(alive(p) for p in pids)
         os.kill(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
@@ -162,16 +173,40 @@ async def test_a_stopped_learner_stops_its_ranks(tmp_path, repo_env, nats_server
     assert not any(alive(p) for p in pids)
 
 
-async def test_a_dead_rank_stops_the_learner(tmp_path, repo_env, nats_server):
+async def test_a_dead_rank_stops_the_learner_and_a_restart_resumes(tmp_path, repo_env, nats_server):
+    """Rank 1 SIGKILLed: one line naming it, exit 2, no rank left behind; run again, the learner resumes from
+    the last checkpoint (v1, written by one rank: checkpoints load at any number of ranks)."""
+    from t1async.learner.state import LearnerState
+    from t1async.learner.trainer import Trainer
+    from t1async.model.weights import default_model_dir, load_pretrained
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    Trainer(load_pretrained(default_model_dir())).save(ckpts, 1)
+    LearnerState(policy_version=1, step=1).save(ckpts)
     proc, log = serve(tmp_path, nats_server.url, repo_env)
     try:
         await wait_for(lambda: events(log, "learner.ready"), 120, "the learner ready")
-        (pid,) = events(log, "learner.ranks_starting")[0]["pids"]
-        os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        pids = rank_pids(log)
+        os.kill(pids[2], signal.SIGKILL)
+        proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     text = log.read_text()
-    assert proc.returncode == 2 and f"error: learner rank 1 (pid {pid}) exited with code -9" in text, text[-2000:]
+    line = f"error: learner rank 1 (pid {pids[2]}) exited with code -9; the learner stops (restart it: it resumes"
+    assert proc.returncode == 2 and line in text, text[-3000:]
+    assert [x for x in text.splitlines() if x.startswith("error:")] == [x for x in text.splitlines() if line in x]
+    assert not any(alive(p) for p in pids)
+    proc, log = serve(tmp_path, nats_server.url, repo_env)  # restarted (cluster up's supervisor does it too)
+    try:
+        ready = await wait_for(lambda: events(log, "learner.ready")[1:], 120, "the restarted learner ready")
+        assert ready[0]["policy_version"] == 1 and Path(ready[0]["resumed"]).name == "v000001"
+        pids = rank_pids(log)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not any(alive(p) for p in pids)

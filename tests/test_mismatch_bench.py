@@ -176,3 +176,58 @@ def test_help_states_the_sizes_the_code_runs(quick, monkeypatch, capsys):
         m = re.search(rf"--{flag} \S+ (?:(?!--).)*?\(default (\d+); quick (\d+)[;)]", helptext)
         assert m, flag
         assert seen[flag.replace("-", "_")] == int(m.group(2) if quick else m.group(1)), flag
+
+
+def test_tiny_qwen3_moe_is_built_seeded_in_the_hf_layout(tmp_path):
+    from bench._mismatch_model import tiny_model_dir
+    from t1async.model.config import QWEN3_MOE, MoEConfig
+    from t1async.model.weights import load_pretrained
+
+    d = tiny_model_dir("qwen3-moe-tiny", tmp_path)
+    hf = json.loads((d / "config.json").read_text())
+    assert hf["architectures"] == [QWEN3_MOE] and hf["mlp_only_layers"] == [0]
+    assert hf["num_key_value_heads"] < hf["num_attention_heads"] and hf["vocab_size"] == ChatTokenizer.load().vocab_size
+    cfg = MoEConfig.load(d)
+    assert cfg.qk_norm and cfg.dense_layers == (0,) and cfg.moe_layers == (1, 2, 3)
+    assert tiny_model_dir("qwen3-moe-tiny", tmp_path) == d  # cached: built once
+    a = load_pretrained(d).state_dict()
+    other = tiny_model_dir("qwen3-moe-tiny", tmp_path / "again")  # a fresh build: the same seeded weights
+    b = load_pretrained(other).state_dict()
+    assert all(bool((a[k] == b[k]).all()) for k in a)
+    with pytest.raises(ValueError, match="qwen3-moe-tiny"):
+        tiny_model_dir("llama-tiny", tmp_path)
+
+
+def test_routing_drift_leaves_dense_layers_out():
+    from bench.mismatch import _routing_drift
+
+    rec = np.array([[[0, 0], [1, 2], [3, 4]], [[0, 0], [1, 2], [3, 4]]])  # layer 0 dense: zero rows
+    free = rec.copy()
+    free[0, 1] = [1, 5]  # one of the 4 (token, MoE layer) choices differs
+    assert _routing_drift(free, rec, [1, 2]) == (1, 4)
+    assert _routing_drift(free, rec, [0, 1, 2]) == (1, 6)  # counting the dense layer would dilute it
+
+
+def test_a_model_that_is_not_a_model_dir_is_a_usage_error(tmp_path, capsys):
+    from bench.mismatch import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert info.value.code == 2 and "lacks config.json" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_run_on_a_tiny_qwen3_moe_writes_the_json_contract(tmp_path, capsys):
+    from bench.mismatch import CONFIG_KEYS, CONFIGS, main
+
+    argv = ["--model", "qwen3-moe-tiny", "--quick", "--episodes", "2", "--turns", "2", "--max-new-tokens", "12"]
+    argv += ["--sft-steps", "0", "--max-batch", "4", "--json", "--warm-cache", str(tmp_path), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "qwen3-moe-tiny" in res["model"] and res["sampler_dtype"] == "bfloat16" and res["learner_dtype"] == "float32"
+    assert set(res["configs"]) == set(CONFIGS) and all(set(res["configs"][c]) == set(CONFIG_KEYS) for c in CONFIGS)
+    assert {"ratio", "ratio_tito", "ratio_raw", "paper", "tito_boundaries"} <= set(res)
+    assert res["paper"] == {"baseline": 0.021, "tito_r3": 0.013, "ratio": 0.62}
+    cfg = res["configs"]
+    assert cfg["tito"]["mean_abs_dlogp"] > 0 and cfg["tito_r3"]["loss_drift_tokens"] == 0  # bf16 vs fp32: real
+    assert 0 <= cfg["tito"]["routing_drift"] <= 1 and res["sampled_tokens"] > 0

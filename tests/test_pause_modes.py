@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import httpx
@@ -44,9 +45,11 @@ def new_dir(tmp_path_factory):
 
 
 @asynccontextmanager
-async def sampler():
+async def sampler(weights: Path | None = None):
+    """An in-process sampler; it loads pushed weights from beside ``weights`` (design §4 "Keys")."""
+    roots = (str(weights.parent),) if weights is not None else ()
     async with anyio.create_task_group() as tg:
-        url = await tg.start(serve, ServerConfig(port=0, max_batch=8))
+        url = await tg.start(serve, ServerConfig(port=0, max_batch=8, allowed_weight_roots=roots))
         try:
             yield url
         finally:
@@ -142,7 +145,7 @@ async def run_with(url: str, between) -> tuple[dict, dict]:
 
 async def test_retract_keeps_every_request_and_recomputes_it_with_the_new_weights(old, new_dir):
     new = load_pretrained(new_dir)
-    async with sampler() as url:
+    async with sampler(new_dir) as url:
 
         async def between(seen: dict, s: Streams) -> None:
             r = await post(url, "/pause_generation", {"mode": "retract"})
@@ -184,7 +187,7 @@ async def test_in_place_freezes_requests_with_their_kv_and_mixes_after_an_update
     """SGLang's in_place: no decode step runs while paused and the KV stays; after an update the requests go
     on with the new weights over the old KV, so a fresh forward with the new weights does not reproduce them."""
     new = load_pretrained(new_dir)
-    async with sampler() as url:
+    async with sampler(new_dir) as url:
 
         async def between(seen: dict, s: Streams) -> None:
             assert (await post(url, "/pause_generation", {"mode": "in_place"})).status_code == 200
@@ -243,7 +246,7 @@ async def test_continue_without_a_pause_is_harmless_and_a_bad_mode_is_a_400():
 async def test_an_update_out_of_a_pause_retracts_the_running_requests(new_dir):
     """No pause: /update_weights_from_disk itself retracts the running requests around the swap."""
     new = load_pretrained(new_dir)
-    async with sampler() as url:
+    async with sampler(new_dir) as url:
 
         async def between(seen: dict, s: Streams) -> None:
             r = await post(url, "/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "1"})
@@ -270,7 +273,7 @@ async def test_the_learner_pushes_pause_with_retract(new_dir):
     with pytest.raises(ConfigError, match="retract, in_place, abort"):
         WeightPushConfig(pause_mode="freeze")
     new = load_pretrained(new_dir)
-    async with sampler() as url:
+    async with sampler(new_dir) as url:
         async with DiskPushClient([url]) as client:
 
             async def disk(seen: dict, s: Streams) -> None:

@@ -321,7 +321,7 @@ async def test_weight_update_changes_version_and_outputs(tmp_path, model):
         "return_logprob": True,
         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
     }
-    async with launch_sampler(max_batch=8) as url:
+    async with launch_sampler(max_batch=8, allowed_weight_roots=(tmp_path,)) as url:
         before = await gen(url, body)
         assert before["meta_info"]["weight_version"] == "0"
         async with httpx.AsyncClient(timeout=60) as c:
@@ -364,7 +364,7 @@ async def test_launch_sampler_stops_its_child_when_cancelled():
 async def test_launch_sampler_reports_a_failed_start(tmp_path):
     from t1async.protocol.errors import ServerStartError
 
-    want = r"(?s)exited with code 1 .*ConfigError: no model config at .*config\.json"
+    want = r"(?s)exited with code 2 .*is not a model dir: it lacks config\.json"  # the one-line check
     with pytest.raises(ServerStartError, match=want):
         async with launch_sampler(tmp_path, start_timeout_s=60):
             pass
@@ -458,7 +458,10 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
         "routed_experts_start_len": 0,
         "sampling_params": {"max_new_tokens": 600, "temperature": 1.0, "ignore_eos": True},
     }
-    async with launch_sampler(max_batch=4) as url, httpx.AsyncClient(timeout=120) as c:
+    async with (
+        launch_sampler(max_batch=4, allowed_weight_roots=(tmp_path,)) as url,
+        httpx.AsyncClient(timeout=120) as c,
+    ):
         chunks = []
         async with c.stream("POST", url + "/generate", json=body) as r:
             async for line in r.aiter_lines():

@@ -138,10 +138,11 @@ def test_learning_curve_and_paired_diff(tmp_path):
 
 def test_eval_cli_says_when_the_system_prompt_file_is_missing(tmp_path, capsys):
     from t1async.eval.__main__ import main
+    from t1async.model.weights import default_model_dir
 
-    (tmp_path / "config.json").write_text("{}")  # passes the model-dir check, which comes first
+    model = default_model_dir()  # passes the model-dir check, which comes first
     with pytest.raises(SystemExit):
-        main(["--model", str(tmp_path), "--tasks", str(tmp_path), "--system-prompt-file", str(tmp_path / "nope.txt")])
+        main(["--model", str(model), "--tasks", str(tmp_path), "--system-prompt-file", str(tmp_path / "nope.txt")])
     assert f"--system-prompt-file {tmp_path / 'nope.txt'}: no such file" in capsys.readouterr().err
 
 

@@ -20,11 +20,11 @@ PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]
 
 
 @pytest.fixture
-def own_sampler():
-    """A sampler process of our own (these tests change its weights)."""
+def own_sampler(tmp_path):
+    """A sampler process of our own (these tests change its weights; it loads from under tmp_path)."""
     from t1async.sampler.launch import SamplerProcess
 
-    proc = SamplerProcess(max_batch=8)
+    proc = SamplerProcess(max_batch=8, allowed_weight_roots=(tmp_path,))
     try:
         yield proc.start()
     finally:

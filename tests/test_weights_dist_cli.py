@@ -59,7 +59,11 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
     generate(tasks, 6, seed=3)
     logs.mkdir()
     url = nats_server.url
-    async with launch_sampler(port=0, log_path=logs / "sampler.log") as surl, SGLangClient([surl]) as client:
+    roots = (tmp_path, default_model_dir().parent)
+    async with (
+        launch_sampler(port=0, log_path=logs / "sampler.log", allowed_weight_roots=roots) as surl,
+        SGLangClient([surl]) as client,
+    ):
 
         async def sample() -> tuple[np.ndarray, np.ndarray, int]:
             g = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.0, seed=1))

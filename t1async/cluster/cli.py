@@ -90,8 +90,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     async def progress(nats_url: str, run_dir: Path) -> None:
         urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)
+        key = components.sampler_keys(cfg)[0]
         creds = components.nats_creds(cfg, Role.READER)
-        await show_progress(nats_url, run_dir, sampler_urls=urls, plain=args.plain, nats_creds=creds)
+        await show_progress(
+            nats_url, run_dir, sampler_urls=urls, sampler_api_key=key, plain=args.plain, nats_creds=creds
+        )
 
     from t1async.transport.auth import Role
     from t1async.transport.natscluster import default_replicas

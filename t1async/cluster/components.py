@@ -8,8 +8,9 @@ between copies of one child (a sampler's port, an actor's id and seed) is a flag
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,50 @@ def embedded_sampler_urls(cfg: UpConfig) -> list[str]:
     return [f.read_text().strip() for f in files if f.is_file()]
 
 
+def _key_file(path: Path, given: str | None) -> str:
+    """The key in ``path`` (mode 0600, in a 0700 directory): ``given``, else the one already there (a resumed
+    run), else a new random one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if given is None and path.is_file() and path.read_text().strip():
+        os.chmod(path, 0o600)
+        return path.read_text().strip()
+    key = given or secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(key + "\n")
+    return key
+
+
+def sampler_key_files(cfg: UpConfig) -> tuple[Path, Path]:
+    """Where the embedded samplers' keys live: ``<run-dir>/secrets/sampler.key``, ``sampler-admin.key``."""
+    d = Path(cfg.run_dir) / "secrets"
+    return d / "sampler.key", d / "sampler-admin.key"
+
+
+def sampler_keys(cfg: UpConfig) -> tuple[str | None, str | None]:
+    """(API key, admin key) the clients send (design §4 "Keys"): with ``--sampler-url``, the user's (flags,
+    else ``$T1_SAMPLER_API_KEY``/``$T1_SAMPLER_ADMIN_KEY``); else the embedded samplers', written to
+    ``sampler_key_files`` (the flags' keys if given, else random ones made once per run dir)."""
+    from t1async.sampler.auth import ADMIN_KEY_ENV, API_KEY_ENV
+
+    if cfg.sampler_url:
+        return (
+            cfg.sampler_api_key or os.environ.get(API_KEY_ENV) or None,
+            cfg.sampler_admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        )
+    api, admin = sampler_key_files(cfg)
+    return _key_file(api, cfg.sampler_api_key), _key_file(admin, cfg.sampler_admin_key)
+
+
+def _key_env(api_key: str | None, admin_key: str | None = None) -> dict[str, str]:
+    """Keys for a client child, in its environment (never argv: ``ps`` shows argv to every user)."""
+    from t1async.sampler.auth import ADMIN_KEY_ENV, API_KEY_ENV
+
+    return {k: v for k, v in ((API_KEY_ENV, api_key), (ADMIN_KEY_ENV, admin_key)) if v}
+
+
 def config_file(cfg: UpConfig, name: str, values: dict[str, Any]) -> Path:
     """``values`` as ``<run-dir>/config/<name>.toml``, the settings a child reads with ``--config``."""
     d = Path(cfg.run_dir) / "config"
@@ -140,7 +185,13 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     # --samplers N: one of N that dies is restarted on its port; the learner's next push re-syncs it, and the
     # actors' pool keeps it out until then (t1async/sampler/pool.py)
     embedded = []
-    if not urls:  # the embedded samplers, all from one settings file
+    api_key, admin_key = sampler_keys(cfg)
+    if not urls:  # the embedded samplers, all from one settings file; keys by file, pushes only from these roots
+        from t1async.model.weights import default_model_dir
+
+        api_file, admin_file = sampler_key_files(cfg)
+        roots = [Path(model if model is not None else default_model_dir()).parent, Path(cfg.run_dir) / "checkpoints"]
+        roots[1].mkdir(parents=True, exist_ok=True)
         sampler_toml = config_file(
             cfg,
             "sampler",
@@ -150,6 +201,9 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
                 "dtype": cfg.sampler_dtype,
                 "max_batch": cfg.sampler_max_batch,
                 "prefix_cache_tokens": cfg.prefix_cache_tokens,
+                "api_key_file": api_file,
+                "admin_api_key_file": admin_file,
+                "allowed_weight_roots": roots,
             },
         )
         for i in range(cfg.samplers):
@@ -185,7 +239,8 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         },
     )
     learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
-    out.append(ProcessSpec("learner", learner, finishes=cfg.steps > 0, restart=True))  # resumes its checkpoint
+    learner_env = _key_env(api_key, admin_key)  # the learner pushes weights: the admin key too
+    out.append(ProcessSpec("learner", learner, learner_env, finishes=cfg.steps > 0, restart=True))  # resumes
     prompt = None
     if model is not None and cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
         prompt = Path(model) / "system_prompt.txt"
@@ -206,9 +261,10 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         argv = python_module(
             "actors", "--config", str(actors_toml), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i)
         )
-        out.append(ProcessSpec(f"actor-{i}", argv, restart=True))  # the learner abandons its open episodes (design §7)
+        # the learner abandons a dead actor's open episodes (design §7); actors generate: the API key only
+        out.append(ProcessSpec(f"actor-{i}", argv, _key_env(api_key), restart=True))
     if cfg.eval_every > 0:
-        out.append(eval_spec(cfg, nats_url, model))
+        out.append(replace(eval_spec(cfg, nats_url, model), env=_key_env(api_key)))
     return out
 
 

@@ -27,7 +27,7 @@ from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.config import check_bounds, like, resolve, setting
 from t1async.learner.serve_cli import LearnerOptions
 from t1async.protocol.errors import ConfigError
-from t1async.sampler.settings import Dtype, SamplerSettings
+from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
 from t1async.transport.auth import NatsClientSettings
 
 # the flag groups of `cluster up --help`, in this order
@@ -86,6 +86,20 @@ class UpConfig(LearnerOptions, EpisodeOptions):
     sampler_dtype: Dtype = like(SamplerSettings, "dtype", group=SAMPLERS)
     sampler_max_batch: int = like(SamplerSettings, "max_batch", group=SAMPLERS)
     prefix_cache_tokens: int = like(SamplerSettings, "prefix_cache_tokens", 262_144, group=SAMPLERS)
+    sampler_api_key: str | None = like(
+        SamplerKeys,
+        "sampler_api_key",
+        group=SAMPLERS,
+        help="the --sampler-url servers' API key, sent as Authorization: Bearer (default: $T1_SAMPLER_API_KEY); "
+        "the embedded samplers get a random one per run, in <run-dir>/secrets/ (mode 0600)",
+    )
+    sampler_admin_key: str | None = like(
+        SamplerKeys,
+        "sampler_admin_key",
+        group=SAMPLERS,
+        help="the --sampler-url servers' admin key, for the learner's weight pushes (default: "
+        "$T1_SAMPLER_ADMIN_KEY); the embedded samplers get a random one per run",
+    )
     sampler_cpus: str = setting(
         "",
         "pin the embedded samplers to these CPUs (taskset list, e.g. 0; default: any)",
@@ -203,8 +217,10 @@ class UpConfig(LearnerOptions, EpisodeOptions):
             bad = [f for f in self.synth_families if f not in ALL_FAMILIES]
             if bad:
                 raise ConfigError(f"--synth-families {','.join(bad)}: unknown; known: {', '.join(ALL_FAMILIES)}")
-        if self.model is not None and not (Path(self.model) / "config.json").is_file():
-            raise ConfigError(f"--model {self.model}: not a model directory (no config.json)")
+        if self.model is not None:
+            from t1async.model.modeldir import check_model_dir
+
+            check_model_dir(Path(self.model), "--model")
         return self
 
 

@@ -6,6 +6,11 @@ a restarted learner knows it too) or, failing that, from its credit requests and
 (``<actor>-<hex>``). An actor silent for ``timeout_s`` is released: the learner frees its running credits at
 once and publishes an ``end`` (reason ``aborted``) for each of its open episodes, which ingest journals and
 assembles like any end, so what arrived is trained and compaction can drop the episode.
+
+A restarted actor (``cluster up`` restarts one that dies, under the same id) is not silent: its heartbeats go
+on. Each heartbeat says when its process started; an open episode of that actor created before then (its
+``start`` record's ``created_at``, the same host's clock) belongs to the dead process and is closed the same
+way at once, its credits freed, instead of holding the staleness bound until a timeout.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ActorLiveness:
         self.timeout_s, self.clock = float(timeout_s), clock
         self.last_seen: dict[str, float] = {}
         self.owner: dict[str, str] = {}  # open episode -> actor
+        self.created: dict[str, float] = {}  # open episode -> its start record's created_at (the actor's clock)
+        self.started: dict[str, float] = {}  # actor -> the newest process start its heartbeats told
         self.released: OrderedDict[str, float] = OrderedDict()  # actors declared silent -> when
         self.timeouts = 0  # actors released with work (open episodes) in hand
 
@@ -47,13 +54,28 @@ class ActorLiveness:
         self.last_seen[actor] = self.clock()
         self.released.pop(actor, None)
 
-    def owns(self, episode: str, actor: str) -> None:
-        """``episode`` is open and run by ``actor``; its silence clock starts now if it has none yet."""
+    def owns(self, episode: str, actor: str, created_at: float | None = None) -> None:
+        """``episode`` is open and run by ``actor``; its silence clock starts now if it has none yet.
+        ``created_at``: its start record's (None: not known, then it is never taken for an orphan)."""
         self.owner[episode] = actor
+        if created_at is not None:
+            self.created[episode] = created_at
         self.last_seen.setdefault(actor, self.clock())
 
     def closed(self, episode: str) -> None:
         self.owner.pop(episode, None)
+        self.created.pop(episode, None)
+
+    def orphaned(self, actor: str, started_at: float) -> list[str]:
+        """A heartbeat of ``actor`` from a process started at ``started_at``: its open episodes created
+        before that (an earlier process of this actor id, now gone). Each is reported once."""
+        if started_at <= 0:
+            return []
+        self.started[actor] = max(started_at, self.started.get(actor, 0.0))
+        out = sorted(ep for ep, a in self.owner.items() if a == actor and self.created.get(ep, started_at) < started_at)
+        for ep in out:
+            self.created.pop(ep, None)  # reported: not again
+        return out
 
     def episodes_of(self, actor: str) -> list[str]:
         return sorted(ep for ep, a in self.owner.items() if a == actor)
@@ -80,10 +102,12 @@ async def watch_actors(
     liveness: ActorLiveness,
     transport: Transport,
     on_silent: Callable[[str], Awaitable[None]],
+    on_orphans: Callable[[str, list[str]], Awaitable[None]] | None = None,
     *,
     task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Record heartbeats from ``t1.actor.>``, and call ``on_silent(actor)`` for each actor that goes silent."""
+    """Record heartbeats from ``t1.actor.>``, call ``on_silent(actor)`` for each actor that goes silent, and
+    ``on_orphans(actor, episodes)`` for the open episodes a restarted actor's earlier process left."""
     from t1async.protocol import wire
 
     async def reap() -> None:
@@ -109,3 +133,6 @@ async def watch_actors(
         async for m in msgs:
             if isinstance(m.record, wire.Heartbeat):
                 liveness.seen(m.record.actor)
+                orphans = liveness.orphaned(m.record.actor, m.record.started_at)
+                if orphans and on_orphans is not None:
+                    await on_orphans(m.record.actor, orphans)

@@ -35,9 +35,10 @@ from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
 from t1async.eval.stats import by_family, scored, summarise, task_scores
 from t1async.log import configure, get_logger
+from t1async.model.modeldir import check_model_dir
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
 from t1async.protocol.sampling import Sampler, SamplingParams
-from t1async.sampler.settings import Dtype, SamplerSettings
+from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
 
 log = get_logger("t1async.eval")
 EXIT_IMAGE_BUILD_FAILED = 3  # no task could build its image (sandbox_agent's run-task uses the same code)
@@ -51,6 +52,7 @@ class EvalSettings:
     sampler_url: tuple[str, ...] = setting(
         (), "a running SGLang-compatible sampler; repeat for several (or --model)", metavar="URL"
     )
+    sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key")
     tasks: Path | None = setting(None, "a directory of tasks (Terminal-Bench 1/2 format; required)", metavar="DIR")
     backend: Literal["auto", "bwrap", "container"] = setting(
         "auto",
@@ -133,7 +135,7 @@ async def open_sampler(args: EvalSettings) -> AsyncIterator[Sampler]:
         async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
             yield c
     else:
-        async with SGLangClient(list(args.sampler_url)) as c:
+        async with SGLangClient(list(args.sampler_url), api_key=args.sampler_api_key) as c:
             down = [u for u, ok in (await c.health()).items() if not ok]
             if down:
                 raise SamplerError(
@@ -216,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no policy: pass --model DIR (starts the embedded sampler) or --sampler-url URL (a running one)")
     if args.model is not None and args.sampler_url:
         p.error("--model starts a sampler, --sampler-url uses running ones: give one of them")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        p.error(
-            f"--model {args.model} is not a model dir (no config.json); e.g. a checkpoint dir or the out dir "
-            "of `python -m t1async.learner sft`"
-        )
+    if args.model is not None:
+        try:
+            check_model_dir(args.model, "--model")
+        except ConfigError as exc:
+            p.error(f"{exc} (e.g. a checkpoint dir or the out dir of `python -m t1async.learner sft`)")
     if args.system_prompt_file is not None and not args.system_prompt_file.is_file():
         p.error(f"--system-prompt-file {args.system_prompt_file}: no such file")
     if not args.tasks.is_dir():

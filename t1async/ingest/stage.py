@@ -178,7 +178,7 @@ class Ingest:
                 self.gate.on_delivered(*key)
         elif isinstance(rec, wire.StartRecord):
             if self.running(rec.episode):
-                self.liveness.owns(rec.episode, rec.actor)
+                self.liveness.owns(rec.episode, rec.actor, rec.created_at)
         elif isinstance(rec, wire.EndRecord):
             if live:
                 self.ended.append(rec)

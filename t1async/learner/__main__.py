@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     configure()
     if args.cmd == "serve":
         try:
+            model = serve_cli.config_from_args(args).model
+            if model is not None:  # checked here, not while parsing: cluster up's warm start writes it later
+                from t1async.model.modeldir import check_model_dir
+
+                check_model_dir(model, "--model")
             return serve_cli.serve(args)
         except T1Error as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -81,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             s.error("give one of --tasks DIR (a task directory) or --synth N (synthetic tasks)")
         if sft.out is None:
             s.error("the following arguments are required: --out")
+        if sft.model is not None:
+            from t1async.model.modeldir import check_model_dir
+
+            try:
+                check_model_dir(sft.model, "--model")
+            except ConfigError as exc:
+                s.error(str(exc))
         try:
             return _sft(sft)
         except T1Error as exc:

@@ -5,12 +5,14 @@
         model.safetensors          \\
         config.json                 } a model directory: POST /update_weights_from_disk {model_path: this dir}
         tokenizer.json, ...        /
-        trainer_state.safetensors  AdamW moments, keyed "<param name>.exp_avg" / ".exp_avg_sq" / ".step"
-        trainer_state.json         {policy_version, step, optimizer hyper-parameters, format}
+        dcp/                       torch.distributed.checkpoint: model + AdamW state, a shard file per rank
+        trainer_state.json         {policy_version, step, optimizer saved?, ranks, format}
 
-Everything is safetensors or JSON (no pickle). A checkpoint is written into a temporary directory in
-``root`` and renamed into place, so a sampler or a resuming learner never sees a half-written one.
-``keep`` bounds how many old checkpoints stay on disk.
+The model dir holds the full weights (gathered from the ranks, written by rank 0); ``dcp/`` holds the
+sharded model and optimizer state, which DCP reshards on load, so a checkpoint written by N ranks resumes
+on M. A checkpoint is written into a temporary directory in ``root`` and renamed into place, so a sampler or
+a resuming learner never sees a half-written one. ``keep`` bounds how many old checkpoints stay on disk.
+The older single-file format (``trainer_state.safetensors``, FORMAT_V1) still loads on one rank.
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ import json
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
@@ -36,9 +48,14 @@ if TYPE_CHECKING:
 
 log = get_logger("t1async.learner.checkpoint")
 
+# one rank (no process group) saves and loads as a single process: what DCP warns it assumes
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 STATE_TENSORS = "trainer_state.safetensors"
 STATE_JSON = "trainer_state.json"
-FORMAT = "t1async-trainer-state-v1"
+FORMAT = "t1async-trainer-state-v2"  # model + optimizer through torch.distributed.checkpoint
+FORMAT_V1 = "t1async-trainer-state-v1"  # optimizer moments in trainer_state.safetensors, one rank
+DCP_DIR = "dcp"
 _NAME = re.compile(r"^v(\d{6,})$")
 
 
@@ -72,20 +89,6 @@ def latest_checkpoint(root: str | Path) -> CheckpointInfo | None:
     return cps[-1] if cps else None
 
 
-def optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, torch.Tensor] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if not st:
-                continue
-            for k, v in st.items():
-                t = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
-                out[f"{names[id(p)]}.{k}"] = t.detach().contiguous().cpu()
-    return out
-
-
 def set_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -94,8 +97,8 @@ def set_optimizer_state(
     *,
     source: str,
 ) -> None:
-    """Put the state ``optimizer_tensors`` wrote (``"<param>.<field>"`` tensors) and the param groups'
-    hyper-parameters into ``optimizer``. Also how the distributed learner's rank 0 syncs the other ranks."""
+    """Put the state of a single-file checkpoint (``"<param>.<field>"`` tensors) and the param groups'
+    hyper-parameters into ``optimizer``."""
     params = dict(model.named_parameters())
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -112,6 +115,11 @@ def set_optimizer_state(
             g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Is ``model`` sharded over the ranks by FSDP2 (then every call below is a collective all ranks make)?"""
+    return isinstance(model, FSDPModule)
+
+
 def save_checkpoint(
     root: str | Path,
     model: MoETransformer,
@@ -121,43 +129,108 @@ def save_checkpoint(
     step: int,
     tokenizer: ChatTokenizer | None = None,
     keep: int = 3,
+    export: MoETransformer | None = None,
 ) -> CheckpointInfo:
-    """Write checkpoint ``v<version>`` atomically; drop all but the newest ``keep`` (0 = keep all)."""
+    """Write checkpoint ``v<version>`` atomically; drop all but the newest ``keep`` (0 = keep all).
+
+    The model and optimizer state go through ``torch.distributed.checkpoint`` (``dcp/``, one shard file per
+    rank, loadable at any number of ranks); the model dir the samplers read is written by rank 0 from
+    ``export`` (a model holding the full weights; default ``model`` itself, unsharded). With an FSDP-sharded
+    ``model`` every rank calls this together."""
     r = Path(root)
-    r.mkdir(parents=True, exist_ok=True)
+    sharded = _sharded(model)
+    rank = dist.get_rank() if sharded else 0
     dest = checkpoint_dir(r, policy_version)
-    if dest.exists():
-        raise ConfigError(
-            f"checkpoint {dest} already exists; versions are published once (pick version > {policy_version})"
-        )
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-v{policy_version:06d}-", dir=r))
+    box: list = [None]
+    if rank == 0:
+        r.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            box = [
+                ConfigError(
+                    f"checkpoint {dest} already exists; versions are published once (pick version > {policy_version})"
+                )
+            ]
+        else:
+            box = [Path(tempfile.mkdtemp(prefix=f".tmp-v{policy_version:06d}-", dir=r))]
+    if sharded:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    tmp: Path = box[0]
     try:
-        save_pretrained(model, tmp, tokenizer)
-        meta: dict = {"format": FORMAT, "policy_version": policy_version, "step": step, "param_groups": []}
-        if optimizer is not None:
-            save_file(optimizer_tensors(model, optimizer), str(tmp / STATE_TENSORS))
-            meta["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        (tmp / STATE_JSON).write_text(json.dumps(meta, indent=2, default=list) + "\n")
-        tmp.rename(dest)
+        state: dict = {"model": get_model_state_dict(model)}
+        if optimizer is not None and optimizer.state:  # an optimizer that never stepped has nothing to save
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not sharded)
+        if rank == 0:
+            save_pretrained(export if export is not None else model, tmp, tokenizer)
+            meta: dict = {
+                "format": FORMAT,
+                "policy_version": policy_version,
+                "step": step,
+                "optimizer": "optim" in state,
+                "ranks": dist.get_world_size() if sharded else 1,
+            }
+            (tmp / STATE_JSON).write_text(json.dumps(meta, indent=2, default=list) + "\n")
+            tmp.rename(dest)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if keep > 0:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0 and keep > 0:
         for old in list_checkpoints(r)[:-keep]:
             shutil.rmtree(old.path, ignore_errors=True)
-    log.info("checkpoint.saved", path=str(dest), policy_version=policy_version, step=step)
+    if rank == 0:
+        log.info("checkpoint.saved", path=str(dest), policy_version=policy_version, step=step)
     return CheckpointInfo(dest, policy_version, step)
+
+
+def check_loadable(path: str | Path, *, sharded: bool) -> dict:
+    """The checkpoint's trainer_state.json, or ConfigError (one line) if it cannot be loaded as asked."""
+    d = Path(path)
+    if not (d / STATE_JSON).is_file():
+        raise ConfigError(f"{d} is not a trainer checkpoint: it lacks {STATE_JSON} (a bare model dir has no state)")
+    meta = json.loads((d / STATE_JSON).read_text())
+    if meta.get("format") == FORMAT_V1 and sharded:
+        raise ConfigError(
+            f"{d} is an old single-file checkpoint: resume it once with --nproc 1 (which rewrites it in the "
+            "sharded format), then with more ranks"
+        )
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
+    return meta
 
 
 def load_checkpoint(
     path: str | Path, model: MoETransformer, optimizer: torch.optim.Optimizer | None = None
 ) -> CheckpointInfo:
-    """Load weights (in place, keeping the model's dtype) and, if given, the optimizer state."""
+    """Load weights (in place, keeping the model's dtype) and, if given, the optimizer state, whatever the
+    number of ranks that wrote it. With an FSDP-sharded ``model`` every rank calls this together."""
     d = Path(path)
-    if not (d / STATE_JSON).is_file():
-        raise ConfigError(f"{d} is not a trainer checkpoint: it lacks {STATE_JSON} (a bare model dir has no state)")
-    meta = json.loads((d / STATE_JSON).read_text())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{d / STATE_JSON}: format {meta.get('format')!r}, this loader reads {FORMAT!r}")
+    sharded = _sharded(model)
+    meta = check_loadable(d, sharded=sharded)
+    if meta.get("format") == FORMAT_V1:
+        _load_v1(d, meta, model, optimizer)
+    else:
+        state: dict = {"model": get_model_state_dict(model)}
+        with_optim = optimizer is not None and bool(meta.get("optimizer"))
+        if with_optim:
+            assert optimizer is not None
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        dcp.load(state, checkpoint_id=str(d / DCP_DIR), no_dist=not sharded)
+        set_model_state_dict(model, state["model"])
+        if with_optim:
+            assert optimizer is not None
+            set_optimizer_state_dict(model, optimizer, state["optim"])
+        elif optimizer is not None:
+            optimizer.state.clear()
+    info = CheckpointInfo(d, int(meta["policy_version"]), int(meta["step"]))
+    if not sharded or dist.get_rank() == 0:
+        log.info("checkpoint.loaded", path=str(d), policy_version=info.policy_version, step=info.step)
+    return info
+
+
+def _load_v1(d: Path, meta: dict, model: MoETransformer, optimizer: torch.optim.Optimizer | None) -> None:
+    """A checkpoint of the single-file format (``trainer_state.safetensors``), one rank."""
     load_weights_into(model, d)
     if optimizer is not None and (d / STATE_TENSORS).is_file():
         set_optimizer_state(
@@ -167,6 +240,3 @@ def load_checkpoint(
             meta.get("param_groups", []),
             source=str(d / STATE_TENSORS),
         )
-    info = CheckpointInfo(d, int(meta["policy_version"]), int(meta["step"]))
-    log.info("checkpoint.loaded", path=str(d), policy_version=info.policy_version, step=info.step)
-    return info

@@ -1,52 +1,64 @@
-"""The N-rank learner: data parallel over torch.distributed (gloo on CPU, NCCL on GPU), design §10.
+"""The N-rank learner: the model sharded over the ranks by FSDP2 (``fully_shard``), design §10.
 
-    learner serve --nproc 2 ...      rank 0 is the service process; it starts ranks 1..N-1 itself
+    learner serve --nproc 2 ...      torchrun starts the ranks; rank 0 is the service, ranks 1..N-1 follow it
 
-Rank 0 alone consumes the stream, journals, serves credits, assembles, checkpoints and pushes weights (the
-learner service, unchanged). Each step it splits the step's segments into N token-balanced parts
-(``balance``), scatters them (``scatter_object_list``), and every rank trains its part with the one
-``Trainer.step`` (rank 0) or its body ``Trainer._train`` (ranks 1..N-1): the scoring forward, its
-micro-batches' backward. ``DistributedTrainer`` only supplies the meetings, Trainer's hooks (no-ops on one
-rank). The ranks meet three times a step: the advantage moments (so advantages are whitened over the whole
-step's loss tokens), one gradient all-reduce per PPO epoch (sum: every rank's loss is already divided by the
-step's global loss-token count), and a gather of the metric tensors to rank 0. Every rank then clips the
-same summed gradient and takes the same AdamW step, so the weights stay identical everywhere (the DDP
-algorithm; replicated weights, so a checkpoint is rank 0's, loadable at any N).
+Every rank holds 1/N of the parameters, gradients and AdamW state (``fully_shard`` over each block, then the
+root: embedding, final norm, LM and value heads). FSDP gathers a block's weights for its forward and
+backward and reduce-scatters its gradients, so those collectives run inside every micro-batch: every rank
+runs the same number of micro-batch passes. Rank 0 splits the step's segments into N token-balanced parts
+(``balance``) and tells every rank how many micro-batches the busiest part needs; a rank with fewer pads with
+zero-weight micro-batches (a 2-token forward and backward whose loss is multiplied by 0), so any split works.
+Each rank's loss is divided by the step's global loss-token count, so the summed gradient is one rank's.
 
-Why not torch's DDP wrapper or FSDP2 ``fully_shard`` (which does run on CPU + gloo in torch 2.13): both
-issue collectives inside every forward/backward, so every rank must run the same number of micro-batch
-passes in the same order, and FSDP2 makes every weight read (checkpoint, weight push, ``Trainer.score``,
-restoring after a failed step) a collective the other ranks must join. Here ranks get different numbers of
-micro-batches (balanced by tokens, not count) and only the step touches the other ranks.
+Rank 0 alone consumes the stream, journals, serves credits and pushes weights (the learner service). Every
+read or write of the weights is a collective under FSDP, so rank 0 sends a command and every rank does it
+together (``_command``; ranks 1..N-1 wait for the next in ``serve_rank``): ``step`` (with the rank's segments),
+``save`` (a checkpoint: the sharded state through torch.distributed.checkpoint, the full weights gathered to
+rank 0 for the model dir), ``export_model`` (the full weights, for the weight push), ``load``,
+``load_weights``, ``restore`` (after a failed step), ``score`` and ``stop``. Besides FSDP's own collectives the
+ranks meet three times a step: the advantage moments (advantages whitened over the whole step), a failure
+flag before each optimizer step, and a gather of the metric tensors to rank 0.
 
-A rank's own error in a step reaches every rank at the next meeting (a flag in the collective), so the step
-fails everywhere (the service dead-letters it) and rank 0 re-sends its weights and optimizer state with the
-next step. A rank that dies is ``RankFailedError``: the learner exits (non-zero) and the other ranks with it.
+A rank's own error in a step reaches every rank at the next meeting (a flag), so the step fails everywhere
+(the service dead-letters it and restores the weights on every rank). An error inside one rank's FSDP
+forward/backward is not recoverable that way (the others wait in the collective): it ends that rank, and a
+rank that dies is ``RankFailedError``: the learner exits (non-zero) and torchrun stops the other ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from t1async.learner import memory
-from t1async.learner.batch import SegmentLike
-from t1async.learner.checkpoint import optimizer_tensors, set_optimizer_state
+from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
+from t1async.learner.checkpoint import CheckpointInfo, check_loadable
 from t1async.learner.stepmetrics import StepMetrics
-from t1async.learner.trainer import Scored, Trainer
+from t1async.learner.trainer import Scored, Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.model.weights import load_pretrained
 from t1async.protocol.errors import T1Error
 
 log = get_logger("t1async.learner.distributed")
+
+# a block returns its hidden state with views beside it; nothing here writes into them in place
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 class RankFailedError(T1Error):
@@ -77,18 +89,142 @@ def collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin
         raise RankFailedError(f"distributed learner: {what} failed ({exc}); a rank died or hung, see its log") from exc
 
 
+def shard(model: MoETransformer) -> None:
+    """``fully_shard`` each block, then the root (embedding, norm, heads), over all ranks of the default group.
+    Each block's weights are freed again after its forward (``reshard_after_forward``); the root's stay
+    gathered until its backward (or ``reshard()``): the LM head and value head run after the model's
+    forward (``MoETransformer.token_logprobs``, the detached critic), outside FSDP's hooks."""
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    units = [fully_shard(blk, mesh=mesh, reshard_after_forward=True) for blk in model.blocks]
+    units.append(fully_shard(model, mesh=mesh, reshard_after_forward=False))
+    for u in units:  # the gradients are summed, not averaged: each rank's loss has the global normaliser
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+def padding_batch(device: torch.device) -> Batch:
+    """A zero-weight micro-batch: two tokens, no loss token, no routing; ``index`` empty (no step rows)."""
+    return Batch(
+        tokens=torch.zeros(1, 2, dtype=torch.long, device=device),
+        lengths=torch.tensor([2], device=device),
+        loss_mask=torch.zeros(1, 2, dtype=torch.bool, device=device),
+        behav_logp=torch.zeros(1, 2, dtype=torch.float32, device=device),
+        versions=torch.full((1, 2), -1, dtype=torch.long, device=device),
+        recorded=None,
+        index=(),
+    )
+
+
 class DistributedTrainer(Trainer):
-    """A Trainer whose ranks meet over the default process group: ``Trainer.step`` (on rank 0) trains over
-    all of them, the other ranks run ``serve_rank``. Needs ``dist.init_process_group`` done on every rank.
-    Only the meetings are its own (``_scatter``, ``_adv_moments``, ``_reduce_grads``, ``_gather``)."""
+    """A Trainer whose model is sharded over the ranks of the default process group. Built on every rank
+    together (rank 0's weights are broadcast first); rank 0 then calls the Trainer API (each call a command
+    every rank joins), ranks 1..N-1 run ``serve_rank``."""
 
     def __init__(self, model: MoETransformer, config: TrainerConfig | None = None) -> None:
+        with torch.no_grad():  # every rank starts from rank 0's weights, then keeps its 1/N of them
+            for t in model.state_dict().values():
+                collective("syncing the initial weights", dist.broadcast, t, src=0)
+        shard(model)
         super().__init__(model, config or TrainerConfig())
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._resync = True  # send rank 0's weights and optimizer state with the next step
-        self._part_tokens: list[int] = []  # rank 0: each rank's tokens in the last step (balance)
+        self._part_tokens: list[int] = []
+        self._n_micro = 0  # micro-batches every rank runs this step
+        self._inside = False  # running a command every rank runs (no command to send)
+        self._shell: MoETransformer | None = None  # rank 0: the full weights, last gathered
+        self._shell_ok = False  # ... and they are the current weights
 
-    # ------------------------------------------------------------------------------------------- rank 0
+    # ------------------------------------------------------------------------------------- commands
+
+    def _command(self, kind: str, *args: Any, per_rank: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        """Rank 0: tell every rank to run ``kind(*args, **kwargs)`` now (``per_rank``: one argument each).
+        Returns rank 0's own arguments."""
+        msgs = [(kind, (a,) if per_rank is not None else args, kwargs) for a in (per_rank or [None] * self.world)]
+        mine: list[Any] = [None]
+        collective(f"sending {kind!r} to the ranks", dist.scatter_object_list, mine, msgs, src=0)
+        return mine[0][1]
+
+    @contextlib.contextmanager
+    def _together(self, kind: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """Run the body on every rank: rank 0 (not already in a command) sends the command first."""
+        outer = self._inside
+        if not outer and self.rank == 0:
+            self._command(kind, *args, **kwargs)
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = outer
+
+    def save(
+        self, root: str | Path, policy_version: int, *, keep: int = 3, tokenizer: ChatTokenizer | None = None
+    ) -> CheckpointInfo:
+        with self._together("save", str(root), policy_version, keep=keep):
+            return super().save(root, policy_version, keep=keep, tokenizer=tokenizer)
+
+    def export_model(self) -> MoETransformer:
+        """Rank 0: a model (on the meta device but for its weights) holding the full weights, gathered from
+        the ranks; the same object each call. Ranks 1..N-1 join the gather and get their own (sharded) model."""
+        if self.rank == 0 and self._shell_ok and not self._inside:
+            assert self._shell is not None
+            return self._shell
+        with self._together("export_model"):
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                return self.model
+            if self._shell is None:
+                with torch.device("meta"):
+                    self._shell = MoETransformer(self.mcfg)
+            self._shell.load_state_dict(full, assign=True)
+            self._shell_ok = True
+            return self._shell
+
+    def load(self, path: str | Path) -> CheckpointInfo:
+        if self.rank == 0 and not self._inside:
+            check_loadable(path, sharded=True)  # before the command: a refused checkpoint stops no rank
+        with self._together("load", str(path)):
+            self._shell_ok = False
+            return super().load(path)
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        """A model dir's full weights: rank 0 reads them, every rank takes its shards."""
+        with self._together("load_weights", str(model_dir)):
+            self._shell_ok = False
+            dtype = next(self.model.parameters()).dtype
+            full = load_pretrained(model_dir, dtype).state_dict() if self.rank == 0 else {}
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, full, options=opts)
+
+    def restore(self, checkpoints: Path, policy_version: int, initial: Path) -> str:
+        with self._together("restore", checkpoints, policy_version, initial):
+            return super().restore(checkpoints, policy_version, initial)
+
+    def score(
+        self, segments: Sequence[SegmentLike], *, replay: bool | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every rank scores every segment (the same forwards, so FSDP's gathers match); rank 0's result."""
+        with self._together("score", list(segments), replay=replay):
+            try:
+                return super().score(segments, replay=replay)
+            finally:
+                assert isinstance(self.model, FSDPModule)
+                self.model.reshard()
+
+    def rank_memory(self) -> list[dict[str, int]]:
+        """Every rank's ``trainer.state_bytes`` (rank 0 gets the list, in rank order; the others [])."""
+        with self._together("rank_memory"):
+            gathered: list[Any] = [None] * self.world
+            mine = state_bytes(self)
+            collective(
+                "gathering the ranks' memory", dist.gather_object, mine, gathered if self.rank == 0 else None, dst=0
+            )
+            return gathered if self.rank == 0 else []
+
+    def stop_ranks(self) -> None:
+        """Tell ranks 1..N-1 to leave ``serve_rank`` (rank 0, at shutdown)."""
+        self._command("stop")
+
+    # ------------------------------------------------------------------------------------- the step
 
     def step(
         self, segments: Sequence[SegmentLike], policy_version: int, *, drift: Mapping[str, int] | None = None
@@ -100,73 +236,56 @@ class DistributedTrainer(Trainer):
             ranks=self.world,
             t_step_s=round(metrics.t_step_s, 3),
             tokens=self._part_tokens,
+            microbatches=self._n_micro,
             busy_s=[round(b, 3) for b in self.rank_busy_s],
         )
         return metrics
 
     def _scatter(self, segments: Sequence[SegmentLike], policy_version: int) -> Sequence[SegmentLike]:
-        """Split the step's segments into token-balanced parts, one per rank, and send each rank its part
-        (with rank 0's weights and optimizer state when they need re-sending). Returns rank 0's part."""
+        """Split the step's segments into token-balanced parts and send each rank its part (the ``step``
+        command), with the micro-batch count every rank runs. Returns rank 0's part."""
+        self._shell_ok = False
         parts = balance([len(s.tokens) for s in segments], self.world)
+        mbt = self.config.microbatch_tokens
+        counts = [len(plan_microbatches([len(segments[i].tokens) for i in p], mbt)) if p else 0 for p in parts]
         self._part_tokens = [sum(len(segments[i].tokens) for i in p) for p in parts]
-        msgs = [("step", [segments[i] for i in p], policy_version, self._resync, self._baseline) for p in parts]
-        mine: list[Any] = [None]
-        collective("scattering the step's segments", dist.scatter_object_list, mine, msgs, src=0)
-        if self._resync:
-            self._sync_state()
-            self._resync = False
-        return mine[0][1]
+        msgs = [([segments[i] for i in p], policy_version, self._baseline, max(counts)) for p in parts]
+        local, _, _, self._n_micro = self._command("step", per_rank=msgs)[0]
+        return local
 
-    def _step_raised(self, exc: Exception) -> None:
-        if not isinstance(exc, RankFailedError):
-            self._resync = True  # the service restores rank 0's weights; the next step re-sends them
-
-    def stop_ranks(self) -> None:
-        """Tell ranks 1..N-1 to exit their loop (rank 0, at shutdown)."""
-        stop: list[Any] = [("stop", [], 0, False, {})] * self.world
-        collective("stopping the ranks", dist.scatter_object_list, [None], stop, src=0)
+    def _pad(self, batches: list[Batch]) -> list[Batch]:
+        return batches + [padding_batch(self.device)] * (self._n_micro - len(batches))
 
     # ------------------------------------------------------------------------------------- ranks 1..N-1
 
     def serve_rank(self) -> None:
-        """Train every step rank 0 scatters until it says stop (ranks 1..N-1)."""
+        """Run every command rank 0 sends until it says stop (ranks 1..N-1)."""
         while True:
             mine: list[Any] = [None]
-            collective("waiting for rank 0's next step", dist.scatter_object_list, mine, None, src=0)
-            kind, local, policy_version, resync, self._baseline = mine[0]
+            collective("waiting for rank 0's next command", dist.scatter_object_list, mine, None, src=0)
+            kind, args, kwargs = mine[0]
             if kind == "stop":
                 log.info("learner.rank_stopped", rank=self.rank, steps=self.steps)
                 return
-            if resync:
-                self._sync_state()
+            self._inside = True
             try:
-                self._train(local, policy_version, None, all_segments=local, t0=time.perf_counter())
+                if kind == "step":
+                    local, policy_version, self._baseline, self._n_micro = args[0]
+                    self._shell_ok = False
+                    self._train(local, policy_version, None, all_segments=local, t0=time.perf_counter())
+                else:
+                    getattr(self, kind)(*args)
             except RankFailedError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - rank 0 fails the step too; it re-sends its weights next
+            except Exception as exc:  # noqa: BLE001 - rank 0 fails it too, and restores every rank
                 log.warning(
-                    "learner.rank_step_failed",
-                    rank=self.rank,
-                    policy_version=policy_version,
-                    error=f"{type(exc).__name__}: {exc}",
+                    "learner.rank_command_failed", rank=self.rank, command=kind, error=f"{type(exc).__name__}: {exc}"
                 )
+            finally:
+                self._inside = False
             memory.trim()  # a flat RSS between steps, as on rank 0
 
-    # ------------------------------------------------------------------------------------- every rank
-
-    def _sync_state(self) -> None:
-        """Rank 0's weights, optimizer state and step count to every rank."""
-        with torch.no_grad():
-            for t in self.model.state_dict().values():
-                collective("syncing the weights", dist.broadcast, t, src=0)
-        box: list[Any] = [None]
-        if self.rank == 0:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            box = [(optimizer_tensors(self.model, self.optimizer), groups, self.steps)]
-        collective("syncing the optimizer", dist.broadcast_object_list, box, src=0)
-        if self.rank != 0:
-            tensors, groups, self.steps = box[0]
-            set_optimizer_state(self.model, self.optimizer, tensors, groups, source="rank 0")
+    # ------------------------------------------------------------------------------------- meetings
 
     def _gather(self, part: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
         gathered: list[Any] = [None] * self.world
@@ -181,7 +300,9 @@ class DistributedTrainer(Trainer):
         buf = torch.tensor(
             [a.numel(), float(a.sum()), float((a * a).sum()), float(self._failed is not None)], dtype=torch.float64
         )
-        collective("reducing the advantage moments", dist.all_reduce, self._on_device(buf))
+        buf = self._on_device(buf)
+        collective("reducing the advantage moments", dist.all_reduce, buf)
+        buf = buf.cpu()
         self._raise_if_failed(float(buf[3]))
         n = int(buf[0])
         if n == 0:
@@ -194,27 +315,22 @@ class DistributedTrainer(Trainer):
             return super()._update(scored, n_loss)
         except (RankFailedError, RankStepError):
             raise
+        except RuntimeError as exc:  # inside FSDP's collectives: a peer is gone
+            raise RankFailedError(
+                f"distributed learner: the step's update failed ({exc}); see every rank's log"
+            ) from exc
         except Exception as exc:
             self._failed = exc
             self._reduce_grads()  # the meeting the other ranks are in: it fails the step on all of them
             raise
 
     def _reduce_grads(self) -> None:
-        """Sum every parameter's gradient over the ranks in one all-reduce. A parameter no rank has a
-        gradient for (an expert no token was routed to) keeps None, as it would on one rank."""
-        params = list(self.model.parameters())
-        flags = torch.tensor([float(self._failed is not None)] + [float(p.grad is not None) for p in params])
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        buf = torch.cat([self._on_device(flags).to(grads[0].dtype), *grads])
+        """The failure flag, before each optimizer step (FSDP's reduce-scatter already summed the gradients)."""
+        flag = self._on_device(torch.tensor([float(self._failed is not None)]))
         t_wait = time.perf_counter()
-        collective("reducing the gradients", dist.all_reduce, buf)
+        collective("meeting before the optimizer step", dist.all_reduce, flag)
         self._t_wait += time.perf_counter() - t_wait
-        self._raise_if_failed(float(buf[0]))
-        off = len(params) + 1
-        for i, p in enumerate(params):
-            n = p.numel()
-            p.grad = buf[off : off + n].view_as(p).clone() if float(buf[1 + i]) > 0 else None
-            off += n
+        self._raise_if_failed(float(flag.cpu()[0]))
 
     def _raise_if_failed(self, failed: float) -> None:
         if self._failed is not None:
@@ -224,9 +340,3 @@ class DistributedTrainer(Trainer):
 
     def _on_device(self, t: Tensor) -> Tensor:
         return t.to(self.device) if dist.get_backend() == "nccl" else t
-
-
-def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:
-    """Join the learner's process group (rank 0 hosts the TCPStore on ``host:port``)."""
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

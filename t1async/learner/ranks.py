@@ -1,31 +1,43 @@
-"""Start, watch and stop the distributed learner's ranks 1..N-1 (rank 0 is ``learner serve`` itself).
+"""Start, join and stop the distributed learner's ranks (design §10).
 
-    ranks = Ranks(RanksConfig(nproc=2))
-    trainer = ranks.start(learner.trainer)    # blocks until every rank joined; returns a DistributedTrainer
-    ...  await ranks.watch()                  # raises RankFailedError when a rank exits
-    ranks.close(trainer)                      # stop message, then SIGTERM/SIGKILL by PID to what is left
+    learner serve --nproc N ...   ->  launch(argv, RanksConfig(nproc=N))
+        torch.distributed's elastic launcher (what torchrun runs) starts N copies of ``learner serve``, each
+        with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; in each, ``in_torchrun()`` is true:
+        rank 0: join(), then the learner service with ``make_trainer`` (the service, as with one rank)
+        ranks 1..N-1: join(), then ``follow()``: build the model, run every command rank 0 sends
 
-Each rank is ``python -m t1async.learner.ranks --rank i ...``, a child of rank 0 that gets SIGTERM if rank 0
-dies (PR_SET_PDEATHSIG) and ignores SIGINT (a Ctrl-C reaches rank 0, which stops them in order).
+    tests and benches: ranks = Ranks(RanksConfig(nproc=2)); trainer = ranks.start(model, config)
+        this process is rank 0; ranks 1..N-1 are ``python -m t1async.learner.ranks`` children given the same
+        environment torchrun gives, running the same ``follow()``; ranks.close(trainer) stops them.
+
+A rank that dies fails the others at their next collective (its sockets close); the launcher then stops
+every rank (SIGTERM, SIGKILL after ``stop_timeout_s``) and ``launch`` raises one line naming the rank that
+failed first. Ranks 1..N-1 ignore SIGINT and SIGTERM: rank 0 stops them in order (the ``stop`` command),
+and each gets SIGKILL if its parent dies (PR_SET_PDEATHSIG), so none outlives the learner.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import torch
 import torch.distributed as dist
 
-from t1async.learner.distributed import DistributedTrainer, RankFailedError, collective, init_group
-from t1async.learner.trainer import Trainer
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, collective
+from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
+from t1async.model.moe import MoETransformer
 from t1async.procs import popen
 from t1async.protocol.errors import ConfigError
 from t1async.signals import set_handlers
@@ -33,14 +45,17 @@ from t1async.transport.natsd import free_port
 
 log = get_logger("t1async.learner.ranks")
 
+PEER_FAILED = 3  # a rank's exit code when another rank failed first (so the launcher names the first)
+RESTART_HINT = "the learner stops (restart it: it resumes from its last checkpoint)"
+
 
 @dataclass(frozen=True)
 class RanksConfig:
     nproc: int
     threads: int = 1  # torch CPU threads per rank
-    host: str = "127.0.0.1"  # where rank 0 hosts the group's TCPStore
+    host: str = "127.0.0.1"  # where rank 0 hosts the group's store
     join_timeout_s: float = 300.0  # every rank must join within this
-    # a collective may wait this long: ranks 1..N-1 wait in one for rank 0's next step, however long the
+    # a collective may wait this long: ranks 1..N-1 wait in one for rank 0's next command, however long the
     # stream takes to fill a batch; a rank that dies closes its sockets, which fails the others at once
     group_timeout_s: float = 7 * 24 * 3600.0
     stop_timeout_s: float = 15.0
@@ -50,39 +65,139 @@ class RanksConfig:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
 
 
+def in_torchrun() -> bool:
+    """Is this process a rank started by torchrun (torch.distributed's elastic launcher)?"""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Linux: this process gets ``sig`` when its parent dies (a rank never outlives its launcher)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before the prctl
+        os.kill(os.getpid(), sig)
+
+
+def join(*, backend: str = "gloo", timeout_s: float = RanksConfig.group_timeout_s) -> tuple[int, int]:
+    """Join the learner's process group from torchrun's environment; returns (rank, world size)."""
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_trainer(model: MoETransformer, config: TrainerConfig) -> DistributedTrainer:
+    """Rank 0: send the model's architecture and the trainer config to ranks 1..N-1 (waiting in ``follow``),
+    then shard ``model`` over every rank together. Returns rank 0's DistributedTrainer."""
+    p = next(model.parameters())
+    collective(
+        "sending the model to the ranks", dist.broadcast_object_list, [(config, model.cfg, p.dtype, p.device.type)]
+    )
+    trainer = DistributedTrainer(model, config)
+    log.info("learner.ranks_joined", nproc=dist.get_world_size(), backend=dist.get_backend(), pid=os.getpid())
+    return trainer
+
+
+def follow() -> int:
+    """Ranks 1..N-1 (after ``join``): get the model from rank 0, run its commands until it says stop. Returns
+    the exit code."""
+    rank = dist.get_rank()
+    try:
+        box: list[Any] = [None]
+        collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
+        tcfg, mcfg, dtype, device = box[0]
+        model = MoETransformer(mcfg).to(dtype)
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            model = model.cuda()
+        log.info("learner.rank_ready", rank=rank, world=dist.get_world_size(), pid=os.getpid())
+        DistributedTrainer(model, tcfg).serve_rank()
+    except RankFailedError as exc:
+        log.error("learner.rank_failed", rank=rank, error=str(exc))
+        return PEER_FAILED
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def follower_setup(threads: int) -> None:
+    """What a rank 1..N-1 sets first: no SIGINT/SIGTERM (rank 0 stops it), SIGKILL with its parent, its
+    threads, and freed memory returned to the kernel."""
+    from t1async.learner import memory
+
+    set_handlers({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
+    die_with_parent(signal.SIGKILL)
+    torch.set_num_threads(max(1, threads))
+    memory.bound_malloc()
+
+
+def launch(argv: list[str], config: RanksConfig) -> int:
+    """``learner serve ARGV`` on ``config.nproc`` ranks under torch.distributed's elastic launcher (torchrun's
+    engine). Returns 0 when every rank finished or a signal stopped them in order; raises RankFailedError
+    (one line: the rank, its exit code) when one failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is our one line
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.nproc,
+        run_id=f"t1-learner-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{config.host}:{free_port(config.host)}",
+        rdzv_timeout=int(config.join_timeout_s),
+        max_restarts=0,
+        monitor_interval=0.5,
+        shutdown_timeout=int(config.stop_timeout_s),
+    )
+    log.info("learner.ranks_starting", nproc=config.nproc, launcher_pid=os.getpid())
+    try:
+        elastic_launch(lc, entrypoint=sys.executable)("-m", "t1async.learner", "serve", *argv)
+    except ChildFailedError as exc:
+        failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode == PEER_FAILED, kv[0]))
+        rank, f = failures[0]
+        raise RankFailedError(
+            f"learner rank {rank} (pid {f.pid}) exited with code {f.exitcode}; {RESTART_HINT}"
+        ) from None
+    except SignalException as exc:
+        log.info("learner.ranks_signalled", signal=exc.sigval.name)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- tests and benches
+
+
+def init_group(rank: int, world: int, host: str, port: int, *, backend: str, timeout_s: float) -> None:
+    """Join as ``rank`` of ``world``: rank 0 hosts the store on ``host:port``, keyed as env:// keys it (torchrun).
+    The store waits for every rank first, so ranks that never come fail here, before the group exists."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore("default_pg", store)  # what init_process_group adds to an env:// store
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+
+
 class Ranks:
+    """This process as rank 0 and ranks 1..N-1 as ``python -m t1async.learner.ranks`` children (tests,
+    benches): the ranks torchrun would start, with rank 0 in reach of the caller."""
+
     def __init__(self, config: RanksConfig) -> None:
         self.config = config
         self.procs: list[subprocess.Popen] = []
         self.joined = False
 
-    def start(self, trainer: Trainer) -> DistributedTrainer:
-        """Start ranks 1..N-1, join the group as rank 0, and hand them the model and trainer config.
-        Returns a DistributedTrainer that takes over ``trainer``'s model, optimizer and step count."""
+    def start(self, model: MoETransformer, config: TrainerConfig) -> DistributedTrainer:
+        """Start ranks 1..N-1, join the group as rank 0 and shard ``model`` over every rank (its weights are
+        the starting point; it becomes rank 0's shard). Returns rank 0's DistributedTrainer."""
         c = self.config
-        backend = "nccl" if trainer.device.type == "cuda" else "gloo"
+        backend = "nccl" if next(model.parameters()).device.type == "cuda" else "gloo"
         port = free_port(c.host)
+        env = {**os.environ, "MASTER_ADDR": c.host, "MASTER_PORT": str(port), "WORLD_SIZE": str(c.nproc)}
         for rank in range(1, c.nproc):
-            argv = [
-                sys.executable,
-                "-m",
-                "t1async.learner.ranks",
-                "--rank",
-                str(rank),
-                "--world",
-                str(c.nproc),
-                "--host",
-                c.host,
-                "--port",
-                str(port),
-                "--backend",
-                backend,
-                "--threads",
-                str(c.threads),
-                "--timeout",
-                str(c.group_timeout_s),
-            ]
-            self.procs.append(popen(argv, pdeathsig=signal.SIGTERM))
+            argv = [sys.executable, "-m", "t1async.learner.ranks", "--backend", backend, "--threads", str(c.threads)]
+            e = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            self.procs.append(popen(argv, env=e, pdeathsig=signal.SIGTERM))
         log.info("learner.ranks_starting", nproc=c.nproc, backend=backend, port=port, pids=[p.pid for p in self.procs])
         try:
             init_group(0, c.nproc, c.host, port, backend=backend, timeout_s=c.join_timeout_s)
@@ -93,13 +208,7 @@ class Ranks:
                 f"None = still running: {codes}); see the learner log: {exc}"
             ) from exc
         self.joined = True
-        model = trainer.model
-        dtype = next(model.parameters()).dtype
-        dist.broadcast_object_list([(trainer.config, model.cfg, dtype)], src=0)
-        dt = DistributedTrainer(model, trainer.config)
-        dt.optimizer, dt.steps = trainer.optimizer, trainer.steps
-        log.info("learner.ranks_joined", nproc=c.nproc, backend=backend)
-        return dt
+        return make_trainer(model, config)
 
     async def watch(self) -> None:
         """Return never; raise RankFailedError as soon as a rank has exited."""
@@ -107,14 +216,13 @@ class Ranks:
             for i, p in enumerate(self.procs):
                 if p.poll() is not None:
                     raise RankFailedError(
-                        f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; "
-                        "the learner stops (restart it: it resumes from its checkpoint)"
+                        f"learner rank {i + 1} (pid {p.pid}) exited with code {p.returncode}; {RESTART_HINT}"
                     )
             await anyio.sleep(0.5)
 
     def close(self, trainer: Any) -> None:
-        """Stop every rank this learner started: the stop message when all are alive, then SIGTERM and
-        SIGKILL by PID to any still running. Safe to call twice."""
+        """Stop every rank this started: the stop command when all are alive, then SIGKILL by PID to any
+        still running after ``stop_timeout_s``. Safe to call twice."""
         if self.joined and isinstance(trainer, DistributedTrainer) and all(p.poll() is None for p in self.procs):
             try:
                 trainer.stop_ranks()
@@ -124,12 +232,8 @@ class Ranks:
             try:
                 p.wait(self.config.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                p.terminate()
-                try:
-                    p.wait(self.config.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                p.kill()
+                p.wait()
         if self.joined:
             dist.destroy_process_group()
             self.joined = False
@@ -139,43 +243,18 @@ class Ranks:
 
 
 def rank_main(argv: list[str] | None = None) -> int:
-    """Ranks 1..N-1: join, get the model and config from rank 0, train its steps until told to stop."""
+    """A rank 1..N-1 from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     p = argparse.ArgumentParser(prog="python -m t1async.learner.ranks", description=__doc__.split("\n")[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=RanksConfig.group_timeout_s)
     args = p.parse_args(argv)
-    set_handlers({signal.SIGINT: signal.SIG_IGN})
     from t1async.log import configure
 
     configure()
-    torch.set_num_threads(max(1, args.threads))
-    from t1async.learner import memory
-    from t1async.model.moe import MoETransformer
-
-    memory.bound_malloc()  # as rank 0: freed tensors go back to the kernel (learner/memory.py)
-
-    init_group(args.rank, args.world, args.host, args.port, backend=args.backend, timeout_s=args.timeout)
-    try:
-        box: list[Any] = [None]
-        collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
-        tcfg, mcfg, dtype = box[0]
-        model = MoETransformer(mcfg).to(dtype)
-        if args.backend == "nccl":
-            torch.cuda.set_device(args.rank % torch.cuda.device_count())
-            model = model.cuda()
-        log.info("learner.rank_ready", rank=args.rank, world=args.world, pid=os.getpid())
-        DistributedTrainer(model, tcfg).serve_rank()
-    except RankFailedError as exc:
-        log.error("learner.rank_failed", rank=args.rank, error=str(exc))
-        return 1
-    finally:
-        dist.destroy_process_group()
-    return 0
+    follower_setup(args.threads)
+    join(backend=args.backend, timeout_s=args.timeout)
+    return follow()
 
 
 if __name__ == "__main__":

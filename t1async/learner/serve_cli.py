@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 from t1async.config import add_arguments, like, resolve, setting
+from t1async.learner.distributed import RankFailedError
 from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
+from t1async.sampler.settings import SamplerKeys
 from t1async.signals import cancel_on_stop
 from t1async.transport.auth import NatsClientSettings
 
@@ -69,6 +73,8 @@ class ServeConfig(LearnerOptions):
         metavar="URL",
         group="learner service",
     )
+    sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key", group="learner service")
+    sampler_admin_key: str | None = like(SamplerKeys, "sampler_admin_key", group="learner service")
     run_dir: Path | None = setting(
         None, "where checkpoints, journal and state live (required)", group="learner service"
     )
@@ -101,8 +107,9 @@ class ServeConfig(LearnerOptions):
     )
     nproc: int = setting(
         1,
-        "ranks of the data-parallel learner: this process is rank 0 (stream, credits, checkpoints, weight push) "
-        "and starts ranks 1..N-1 over torch.distributed, gloo on CPU, NCCL on GPU (learner/distributed.py)",
+        "ranks of the learner, the model sharded over them by FSDP2 (learner/distributed.py): with N > 1 this "
+        "process starts N ranks with torchrun's launcher; rank 0 is the service (stream, credits, checkpoints, "
+        "weight push), ranks 1..N-1 train with it over torch.distributed (gloo on CPU)",
         ge=1,
         group="learner service",
     )
@@ -138,11 +145,38 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def serve(args: argparse.Namespace) -> int:
     c = config_from_args(args)  # a wrong setting fails before the heavy imports
     assert c.run_dir is not None and c.nats is not None
+    if c.nproc > 1:
+        from t1async.learner import ranks
+
+        if not ranks.in_torchrun():  # the launcher: start the N ranks, each this command again
+            if "serve" not in sys.argv:
+                raise ConfigError("--nproc > 1 runs from the command line: python -m t1async.learner serve ...")
+            argv = sys.argv[sys.argv.index("serve") + 1 :]
+            return ranks.launch(argv, ranks.RanksConfig(nproc=c.nproc, threads=max(1, c.threads)))
+        if int(os.environ["RANK"]) > 0:  # ranks 1..N-1 follow rank 0's commands
+            ranks.follower_setup(c.threads)
+            ranks.join()
+            return ranks.follow()
+        ranks.die_with_parent(signal.SIGTERM)  # rank 0: stop in order if the launcher goes
+        ranks.join()
+        try:
+            return _serve(c)
+        except RankFailedError as exc:  # another rank went first: the launcher names it in one line
+            from t1async.log import get_logger
+
+            get_logger("t1async.learner").error("learner.rank_failed", rank=0, error=str(exc))
+            return ranks.PEER_FAILED
+    return _serve(c)
+
+
+def _serve(c: ServeConfig) -> int:
+    """The learner service (rank 0 of N when the process group is up)."""
+    assert c.run_dir is not None and c.nats is not None
     import anyio
     import torch
+    import torch.distributed as dist
 
     from t1async.learner import memory
-    from t1async.learner.distributed import RankFailedError
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer_config import TrainerConfig
     from t1async.learner.weightpush import DiskPushClient
@@ -165,7 +199,7 @@ def serve(args: argparse.Namespace) -> int:
             **{f.name: getattr(c, f.name) for f in fields(TrainerOptions)}, microbatch_tokens=c.microbatch_tokens
         ),
     )
-
+    distributed = dist.is_initialized()
     nats_url = c.nats
 
     async def main() -> None:
@@ -178,8 +212,18 @@ def serve(args: argparse.Namespace) -> int:
             transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers: SGLangClient | None = None
             if c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation
-                samplers = await stack.enter_async_context(DiskPushClient(c.sampler_url, pause_mode=c.pause_mode))
-            learner = Learner(cfg, transport, samplers)
+                samplers = await stack.enter_async_context(
+                    DiskPushClient(
+                        c.sampler_url,
+                        pause_mode=c.pause_mode,
+                        api_key=c.sampler_api_key,
+                        admin_key=c.sampler_admin_key,
+                    )
+                )
+            if distributed:  # the other ranks stop first at exit (the stack unwinds in reverse)
+                stack.push_async_callback(_stop_ranks, learner_box)
+            learner = Learner(cfg, transport, samplers, make_trainer=_make_trainer if distributed else None)
+            learner_box.append(learner)
             if c.weight_sync == "distributed":
                 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig
 
@@ -190,32 +234,40 @@ def serve(args: argparse.Namespace) -> int:
                     WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host, pause_mode=c.pause_mode),
                 )
                 stack.push_async_callback(learner.weight_pusher.aclose)
-            ranks = None
-            if c.nproc > 1:  # the ranks stop first at exit (the stack unwinds in reverse), by PID
-                from t1async.learner.ranks import Ranks, RanksConfig
-
-                ranks = Ranks(RanksConfig(nproc=c.nproc, threads=max(1, c.threads)))
-
-                async def close_ranks() -> None:
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(ranks.close, learner.trainer)
-
-                stack.push_async_callback(close_ranks)
-                learner.trainer = await anyio.to_thread.run_sync(ranks.start, learner.trainer)
             async with anyio.create_task_group() as tg:
-                if ranks is not None:
-                    tg.start_soon(ranks.watch)  # a rank that exits stops the learner (RankFailedError)
                 tg.start_soon(cancel_on_stop, tg.cancel_scope)
                 await learner.run()
                 tg.cancel_scope.cancel()
 
-    try:
-        anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
-    except BaseExceptionGroup as eg:  # a rank's failure reads as one line (RankFailedError is a T1Error)
-        failed: BaseException | None = eg.subgroup(RankFailedError)
-        while isinstance(failed, BaseExceptionGroup):
-            failed = failed.exceptions[0]
-        if failed is not None:
-            raise failed from eg
-        raise
+    learner_box: list = []
+    anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
     return 0
+
+
+def _make_trainer(model, config):  # noqa: ANN001, ANN202 - Learner's make_trainer, typed there
+    from t1async.learner.ranks import make_trainer
+
+    return make_trainer(model, config)
+
+
+async def _stop_ranks(learner_box: list) -> None:
+    """Rank 0 at exit: the ``stop`` command to ranks 1..N-1 (when the group still stands), then leave it."""
+    import anyio
+    import torch.distributed as dist
+
+    from t1async.learner.distributed import DistributedTrainer, RankFailedError
+
+    def stop() -> None:
+        trainer = learner_box[0].trainer if learner_box else None
+        try:
+            if isinstance(trainer, DistributedTrainer):
+                trainer.stop_ranks()
+        except RankFailedError as exc:
+            from t1async.log import get_logger
+
+            get_logger("t1async.learner").warning("learner.ranks_stop_failed", error=str(exc))
+        finally:
+            dist.destroy_process_group()
+
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(stop)

@@ -14,6 +14,7 @@ and skips the turns that checkpoint says were trained: no admitted turn is lost,
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,14 @@ from t1async.ingest.stage import Ingest
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
 from t1async.learner import memory
-from t1async.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from t1async.learner.checkpoint import latest_checkpoint
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
+from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.protocol import wire
@@ -76,7 +78,14 @@ class Learner:
     """Composes ingest (``Ingest``: journal, poison, assembly), the credits (gate, server, settler, actors'
     liveness) and the trainer; owns the policy version, the trained-turns state and the step loop."""
 
-    def __init__(self, config: LearnerConfig, transport: Transport, samplers: SGLangClient | None) -> None:
+    def __init__(
+        self,
+        config: LearnerConfig,
+        transport: Transport,
+        samplers: SGLangClient | None,
+        *,
+        make_trainer: Callable[[MoETransformer, TrainerConfig], Trainer] | None = None,
+    ) -> None:
         self.cfg, self.transport, self.samplers = config, transport, samplers
         ckpt = latest_checkpoint(config.checkpoints)
         # a state is only ever paired with the checkpoint of its version: a state saved just before a crash
@@ -84,12 +93,12 @@ class Learner:
         self.state = LearnerState()
         model_dir = config.model_dir or default_model_dir()
         self.model = load_pretrained(ckpt.path if ckpt else model_dir)
-        self.trainer = Trainer(self.model, config.trainer)
+        # learner.ranks.make_trainer: a DistributedTrainer, the model sharded over the ranks (design §10)
+        self.trainer = (make_trainer or Trainer)(self.model, config.trainer)
         self.tokenizer = ChatTokenizer.load(model_dir)
         self.resumed_from = None
         if ckpt is not None:
-            load_checkpoint(ckpt.path, self.model, self.trainer.optimizer)
-            self.trainer.steps = ckpt.step
+            self.trainer.load(ckpt.path)
             self.state = LearnerState.load(config.checkpoints, ckpt.policy_version)
             self.resumed_from = ckpt
         self.policy_version = self.state.policy_version
@@ -149,7 +158,7 @@ class Learner:
         await self._sync_samplers()
         async with anyio.create_task_group() as tg:
             await tg.start(self.credits.serve)
-            await tg.start(watch_actors, self.liveness, self.transport, self._release_actor)
+            await tg.start(watch_actors, self.liveness, self.transport, self._release_actor, self._release_orphans)
             await tg.start(self.ingest.run)
             tg.start_soon(self._metrics_loop)
             task_status.started()
@@ -208,14 +217,8 @@ class Learner:
             t_ckpt = time.monotonic()
             self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
             ckpt = await anyio.to_thread.run_sync(
-                lambda: save_checkpoint(
-                    self.cfg.checkpoints,
-                    self.model,
-                    self.trainer.optimizer,
-                    policy_version=self.policy_version,
-                    step=self.trainer.steps,
-                    tokenizer=self.tokenizer,
-                    keep=self.cfg.keep_checkpoints,
+                lambda: self.trainer.save(
+                    self.cfg.checkpoints, self.policy_version, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints
                 )
             )
             t_ckpt = time.monotonic() - t_ckpt
@@ -223,7 +226,7 @@ class Learner:
             self.inputs.forget_unreachable()
             if self.weight_pusher is not None:  # the same weights as the checkpoint, over the group
                 t_push = time.monotonic()
-                await self.weight_pusher.push(self.model, self.policy_version)
+                await self.weight_pusher.push(self.trainer.export_model(), self.policy_version)  # gathered by save
                 t_push = time.monotonic() - t_push
             elif self.samplers is not None:
                 t_push = time.monotonic()
@@ -281,14 +284,7 @@ class Learner:
         freed = self.gate.release_actor(actor)
         self.credits.forget(actor=actor)
         episodes = self.liveness.episodes_of(actor)
-        for ep in episodes:
-            a = self.ingest.assembler.open.get(ep)
-            if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
-                self.ingest.stop(ep, a.next_turn)  # there (a restart stops it again)
-                continue
-            why = f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s"
-            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
-            await self.transport.publish(traj_subject(ep), end)
+        await self._abort(episodes, f"the learner ended it: actor {actor} silent for {self.liveness.timeout_s:g} s")
         if episodes or freed:
             self.liveness.timeouts += 1
             log.warning(
@@ -299,12 +295,32 @@ class Learner:
                 timeout_s=self.liveness.timeout_s,
             )
 
+    async def _release_orphans(self, actor: str, episodes: list[str]) -> None:
+        """``actor`` restarted (a heartbeat from a newer process): the open episodes its earlier process left
+        are ended as ``aborted`` now and their credits freed, as for a silent actor but at once."""
+        freed = sum(self.gate.release_episode(ep) for ep in episodes)
+        self.credits.forget(episodes=set(episodes))
+        await self._abort(episodes, f"the learner ended it: actor {actor} restarted")
+        log.warning("learner.actor_restarted", actor=actor, credits_released=freed, episodes_aborted=len(episodes))
+
+    async def _abort(self, episodes: list[str], why: str) -> None:
+        """End each open episode as ``aborted`` through the stream (journaled and assembled in order, like an
+        actor's own end); one that ended but lacks a turn before its end is stopped there instead."""
+        for ep in episodes:
+            a = self.ingest.assembler.open.get(ep)
+            if a is not None and a.end_record is not None:  # ended, but a turn before its end never came: stop
+                self.ingest.stop(ep, a.next_turn)  # there (a restart stops it again)
+                continue
+            end = wire.EndRecord(ep, a.next_turn if a is not None else 0, wire.EndReason.ABORTED, 0, 0, False, why)
+            await self.transport.publish(traj_subject(ep), end)
+
     # ------------------------------------------------------------------------------------------ weights & metrics
 
     async def _sync_samplers(self) -> None:
         """After a resume, make every sampler serve the checkpoint this learner continues from."""
         if self.weight_pusher is not None and self.resumed_from is not None:
-            await self.weight_pusher.push(self.model, self.policy_version)
+            model = await anyio.to_thread.run_sync(self.trainer.export_model)  # the full weights, on every rank
+            await self.weight_pusher.push(model, self.policy_version)
             log.info("learner.samplers_synced", policy_version=self.policy_version, path="distributed")
         elif self.samplers is not None and self.resumed_from is not None:
             await self.samplers.update_weights_from_disk(str(self.resumed_from.path), self.policy_version)

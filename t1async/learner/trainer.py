@@ -14,9 +14,11 @@ the learner's own top-k with the recorded experts (routing drift) and its log-pr
 (mean |Δlogp|, k3 KL, ESS of the importance weights).
 
 The same ``step`` trains over any number of ranks. Where the ranks meet is a hook, a no-op here (one rank):
-``_scatter`` (this rank's part of the step's segments), ``_adv_moments`` (the advantage moments over every
-rank's loss tokens), ``_reduce_grads`` (before each optimizer step), ``_gather`` (the metric parts to rank 0)
-and ``_step_raised``. learner.distributed.DistributedTrainer meets over torch.distributed.
+``_scatter`` (this rank's part of the step's segments), ``_pad`` (zero-weight micro-batches, so every rank
+runs as many forward/backward passes), ``_adv_moments`` (the advantage moments over every rank's loss
+tokens), ``_reduce_grads`` (before each optimizer step; the gradients themselves are FSDP's reduce-scatter),
+``_gather`` (the metric parts to rank 0) and ``_step_raised``. learner.distributed.DistributedTrainer meets
+over torch.distributed, its model sharded by FSDP2.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
@@ -40,6 +43,7 @@ from t1async.learner.stepmetrics import StepMetrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into
 
 log = get_logger("t1async.learner.trainer")
@@ -76,6 +80,7 @@ class Trainer:
         self._failed: BaseException | None = None  # this rank's own error in the step now running
         self._t_wait = 0.0  # seconds of this step spent waiting for the other ranks (the gradient meeting)
         self.rank_busy_s: list[float] = []  # each rank's compute seconds in the last step (rank 0)
+        self.grad_bytes = 0  # this rank's gradient bytes at the last optimizer step (its shards under FSDP)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -182,7 +187,7 @@ class Trainer:
         scored: list[Scored] = []
         routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
         try:
-            batches = self._pack(local) if local else []
+            batches = self._pad(self._pack(local) if local else [])
             single = len(batches) == 1 and self.config.ppo_epochs == 1
             scored, routing, t_fwd_scoring = self._score(batches, local, single=single)  # 1. score
         except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
@@ -229,8 +234,12 @@ class Trainer:
         """The segments this rank trains: all of them on one rank."""
         return segments
 
+    def _pad(self, batches: list[Batch]) -> list[Batch]:
+        """This rank's micro-batches, plus zero-weight ones so that every rank runs as many: none on one rank."""
+        return batches
+
     def _reduce_grads(self) -> None:
-        """Sum the accumulated gradients over the ranks (before each optimizer step): nothing on one rank."""
+        """Before each optimizer step (the gradients are summed by FSDP's reduce-scatter): nothing on one rank."""
 
     def _gather(self, part: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
         """Every rank's metric part (loss-token tensors, loss sums, routing counts, busy seconds), on rank 0."""
@@ -257,9 +266,10 @@ class Trainer:
             sc = Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
-            d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
-            differ, compared, missing = differ + d, compared + c, missing + mi
-            used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
+            if b.index:  # not a zero-weight padding micro-batch (DistributedTrainer._pad)
+                d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
+                differ, compared, missing = differ + d, compared + c, missing + mi
+                used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
             scored.append(sc)
             del out
         return scored, (differ, compared, missing, used_differ), time.perf_counter() - t_fwd
@@ -321,7 +331,8 @@ class Trainer:
                     normaliser=n_loss,
                     entropy=ent,
                 )
-                terms.loss.backward()
+                # a padding micro-batch (no rows of the step) runs its forward and backward with weight 0
+                (terms.loss if sc.batch.index else terms.loss * 0.0).backward()
                 share = float(sc.batch.loss_mask.sum()) / n_loss
                 for k in ("loss", "policy_loss", "value_loss", "entropy"):
                     sums[k] += float(getattr(terms, k).detach()) / cfg.ppo_epochs
@@ -338,12 +349,12 @@ class Trainer:
         cfg = self.config
         clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
+        self.grad_bytes = sum(_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None)
         if cfg.critic == "detached":  # the head's gradient is clipped on its own, the policy's norm reported
             head = {id(p) for p in self.model.value_head.parameters()}
-            torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in head], clip)
+            _clip([p for p in params if id(p) in head], clip)
             params = [p for p in params if id(p) not in head]
-        gn = torch.nn.utils.clip_grad_norm_(params, clip)
-        grad_norm = float(gn)
+        grad_norm = _clip(params, clip)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("trainer.nonfinite_grad", step=self.steps, grad_norm=grad_norm)
@@ -386,17 +397,35 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save(self, root: str | Path, policy_version: int, *, keep: int = 3) -> CheckpointInfo:
-        """Write checkpoint ``root/v<version>`` (a model dir the samplers load, plus optimizer state)."""
+    def save(
+        self, root: str | Path, policy_version: int, *, keep: int = 3, tokenizer: ChatTokenizer | None = None
+    ) -> CheckpointInfo:
+        """Write checkpoint ``root/v<version>``: a model dir the samplers load, plus the sharded model and
+        optimizer state (learner.checkpoint)."""
         return save_checkpoint(
-            root, self.model, self.optimizer, policy_version=policy_version, step=self.steps, keep=keep
+            root,
+            self.model,
+            self.optimizer,
+            policy_version=policy_version,
+            step=self.steps,
+            tokenizer=tokenizer,
+            keep=keep,
+            export=self.export_model(),
         )
+
+    def export_model(self) -> MoETransformer:
+        """A model holding the full weights (what the samplers get): the model itself on one rank."""
+        return self.model
 
     def load(self, path: str | Path) -> CheckpointInfo:
         """Resume from a checkpoint directory: weights, optimizer state and the step count."""
         info = load_checkpoint(path, self.model, self.optimizer)
         self.steps = info.step
         return info
+
+    def load_weights(self, model_dir: str | Path) -> None:
+        """A model dir's weights (no optimizer state): the initial weights of a fresh run."""
+        load_weights_into(self.model, model_dir)
 
     def restore(self, checkpoints: Path, policy_version: int, initial: Path) -> str:
         """Put the weights and optimizer state back at ``policy_version`` (a step that raised may have stepped the
@@ -407,7 +436,7 @@ class Trainer:
             self.load(ckpt.path)
             return str(ckpt.path)
         if policy_version == 0:
-            load_weights_into(self.model, initial)
+            self.load_weights(initial)
             self.optimizer.state.clear()
             self.steps = 0
             return str(initial)
@@ -442,3 +471,49 @@ class Trainer:
         finally:
             self.model.train(was)
         return res  # type: ignore[return-value]
+
+
+def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients of ``params`` to a total norm of ``max_norm``; returns the norm before clipping. The
+    norm is over the whole gradient: a sharded one (FSDP's DTensors) is reduced over the ranks first."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def _local(t: Tensor) -> Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(trainer: Trainer) -> dict[str, int]:
+    """This rank's resident training state: parameter, gradient (at the last optimizer step) and AdamW bytes,
+    its shards under FSDP, and the process's peak RSS (VmHWM, which ``echo 5 > /proc/self/clear_refs`` resets)."""
+    import resource
+
+    params = sum(_local(p).numel() * p.element_size() for p in trainer.model.parameters())
+    optim = sum(
+        _local(v).numel() * v.element_size()
+        for st in trainer.optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, Tensor)
+    )
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    try:
+        with open("/proc/self/status") as f:
+            rss_peak = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
+    total = params + trainer.grad_bytes + optim
+    return {
+        "param_bytes": params,
+        "grad_bytes": trainer.grad_bytes,
+        "optim_bytes": optim,
+        "state_bytes": total,
+        "rss_peak_bytes": rss_peak,
+    }

@@ -159,6 +159,9 @@ class Heartbeat:
 
     actor: str
     sent_at: float  # the actor's wall clock (for humans; liveness uses the learner's receive time)
+    # when this actor process started, on the same clock as its episodes' ``StartRecord.created_at``: an open
+    # episode created before it belongs to an earlier process of this actor id, which is gone (0: not sent)
+    started_at: float = 0.0
     kind = "heartbeat"
 
 
@@ -344,7 +347,7 @@ def from_map(m: Any) -> Record:
     if kind == "policy":
         return PolicyRecord(f.int("policy_version"), f.int("step"), f.str("weights"))
     if kind == "heartbeat":
-        return Heartbeat(f.str("actor"), f.float("sent_at"))
+        return Heartbeat(f.str("actor"), f.float("sent_at"), f.float("started_at", default=0.0))
     if kind == "credit_request":
         return CreditRequest(
             f.str("actor"), f.str("episode"), f.int("n", lo=1, default=1), f.int("turn", lo=-1, default=-1)

@@ -41,8 +41,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if args.model is not None and Path(args.model).is_dir():  # what a model dir lacks, in one line
+        from t1async.model.modeldir import check_model_dir
+
+        try:
+            check_model_dir(Path(args.model), "--model", tokenizer=False)
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            return 2
     if args.model is not None and not Path(args.model).is_dir():
         print(f"--model {args.model}: no such directory (pass a model directory holding config.json)", file=sys.stderr)
+        return 2
+    from t1async.sampler.auth import ADMIN_KEY_ENV, API_KEY_ENV, read_key
+
+    try:
+        api_key = read_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
+        admin_key = read_key(args.admin_api_key, args.admin_api_key_file, ADMIN_KEY_ENV, "--admin-api-key")
+    except ConfigError as err:
+        print(err, file=sys.stderr)
         return 2
 
     import trio
@@ -64,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         prefix_cache_tokens=args.prefix_cache_tokens,
         served_model_name=args.served_model_name,
         pause_timeout_s=args.pause_timeout,
+        api_key=api_key,
+        admin_api_key=admin_key,
+        allowed_weight_roots=tuple(str(r) for r in args.allowed_weight_roots),
     )
 
     async def run() -> None:

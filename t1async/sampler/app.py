@@ -12,7 +12,8 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -42,6 +43,14 @@ class ServerConfig:
     served_model_name: str = "t1async-tiny-moe"
     health_timeout_s: float = 20.0
     pause_timeout_s: float = 300.0  # /pause_generation ends by itself after this long (weightsync_server.py)
+    # keys (auth.py); never shown: not in repr, not in /get_server_info
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    # /update_weights_from_disk loads only from under these; (): the model directory's parent
+    allowed_weight_roots: tuple[str, ...] = ()
+
+
+_SECRET = ("api_key", "admin_api_key")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -68,6 +77,8 @@ class SamplerApp:
         self.vocab_size = int(info.get("vocab_size") or tokenizer.vocab_size)
         self.max_seq_len = int(info.get("max_seq_len") or 1 << 30)
         self.active: set[str] = set()
+        roots = config.allowed_weight_roots or ((str(Path(model_path).parent),) if model_path else ())
+        self.weight_roots = tuple(Path(r).resolve() for r in roots)
         self.started = time.time()
         self.served = 0
 
@@ -231,6 +242,7 @@ class SamplerApp:
                 raise SamplerRequestError(
                     f"weight_version must be a string, got {weight_version!r}", param="weight_version"
                 )
+            self._check_root(path)
         except SamplerRequestError as exc:
             return _bad(str(exc), param=exc.param)
         weight_version = None if weight_version is None else str(weight_version)
@@ -253,6 +265,18 @@ class SamplerApp:
         if weight_version is not None:
             msg += f" Weight version updated to {weight_version}."
         return json_response({"success": True, "message": msg, "num_paused_requests": 0})
+
+    def _check_root(self, path: str) -> None:
+        """``path`` (symlinks and ``..`` resolved) must lie under an allowed weight root."""
+        real = Path(path).resolve()
+        if any(real.is_relative_to(root) for root in self.weight_roots):
+            return
+        roots = ", ".join(str(r) for r in self.weight_roots) or "(none)"
+        raise SamplerRequestError(
+            f"model_path {path} (resolved: {real}) is outside the allowed weight roots {roots}; start the "
+            "sampler with --allowed-weight-roots DIR,... to allow it",
+            param="model_path",
+        )
 
     async def flush_cache(self, request: Request) -> Response:
         self.engine.flush_cache()
@@ -294,7 +318,7 @@ class SamplerApp:
     async def get_server_info(self, request: Request) -> Response:
         return json_response(
             {
-                **asdict(self.config),
+                **{k: v for k, v in asdict(self.config).items() if k not in _SECRET},
                 "model_path": self.model_path,
                 "weight_version": str(self.engine.weight_version),
                 "internal_states": [

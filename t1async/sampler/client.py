@@ -17,11 +17,16 @@ Decoding the answers (pure functions) is response.py. Routing needs the model's 
 taken from ``routing_shape`` if given, else from each URL's ``/get_model_info`` (the embedded server adds
 ``num_hidden_layers``, ``num_experts_per_tok`` and ``num_experts``; a real SGLang server does not, so pass
 ``routing_shape`` for it).
+
+Keys (auth.py): ``api_key`` goes on every request as ``Authorization: Bearer``, ``admin_key`` (else
+``api_key``) on the admin endpoints; each defaults to ``$T1_SAMPLER_API_KEY`` / ``$T1_SAMPLER_ADMIN_KEY``
+(``""``: send none). A 401 raises SamplerError saying which key to give.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -32,6 +37,7 @@ import httpx
 
 from t1async.protocol.errors import SamplerError, SamplerRequestError, SamplerVersionError
 from t1async.protocol.sampling import Generation, SamplingParams
+from t1async.sampler.auth import ADMIN_KEY_ENV, ADMIN_PATHS, API_KEY_ENV
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.sampler.response import (
     error_message,
@@ -66,6 +72,23 @@ class SamplerUnreachableError(SamplerError):
     """Every attempt failed to reach the sampler (refused, reset, timed out): it is down, not wrong."""
 
 
+class _Keys(httpx.Auth):
+    """``Authorization: Bearer`` with the admin key on the admin endpoints, the API key elsewhere."""
+
+    def __init__(self, api_key: str | None, admin_key: str | None) -> None:
+        self.api_key, self.admin_key = api_key, admin_key
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        key = (self.admin_key or self.api_key) if request.url.path in ADMIN_PATHS else self.api_key
+        if key:
+            request.headers["Authorization"] = f"Bearer {key}"
+        yield request
+
+
+def _key(given: str | None, env: str) -> str | None:
+    return (os.environ.get(env) if given is None else given) or None
+
+
 class _State(enum.Enum):
     UNOPENED = 1
     OPENED = 2
@@ -86,6 +109,8 @@ class SGLangClient:
         routing_shape: tuple[int, int, int] | None = None,  # (layers, topk, experts)
         transport: httpx.AsyncBaseTransport | None = None,
         pool: PoolConfig | None = None,  # pinning, load cap, health (t1async/sampler/pool.py)
+        api_key: str | None = None,  # None: $T1_SAMPLER_API_KEY; "": none
+        admin_key: str | None = None,  # None: $T1_SAMPLER_ADMIN_KEY; "": none (the API key goes instead)
     ) -> None:
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
@@ -105,6 +130,7 @@ class SGLangClient:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             http2=http2,
             transport=transport,
+            auth=_Keys(_key(api_key, API_KEY_ENV), _key(admin_key, ADMIN_KEY_ENV)),
         )
 
     # ---------------------------------------------------------------- lifecycle
@@ -185,6 +211,12 @@ class SGLangClient:
                 if resp.status_code == 400:
                     raise SamplerRequestError(f"{target}{path} rejected the request: {error_message(resp)}")
                 cause = f"HTTP {resp.status_code}: {error_message(resp)}"
+                if resp.status_code == 401:
+                    which = "admin key" if path in ADMIN_PATHS else "API key"
+                    cause += (
+                        f" (the sampler wants its {which}: pass --sampler-api-key/--sampler-admin-key or set "
+                        f"{API_KEY_ENV}/{ADMIN_KEY_ENV})"
+                    )
                 if resp.status_code not in _RETRY_STATUS:
                     raise SamplerError(f"{target}{path} failed with {cause}")
             last = target

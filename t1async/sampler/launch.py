@@ -55,6 +55,7 @@ class LaunchConfig:
     seed: int = 0
     max_batch: int = 64
     prefix_cache_tokens: int | None = None
+    allowed_weight_roots: tuple[str | os.PathLike, ...] = ()  # (): the model directory's parent
     start_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
 
@@ -81,6 +82,8 @@ class LaunchConfig:
             cmd += ["--model", str(self.model_dir)]
         if self.prefix_cache_tokens is not None:
             cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
+        if self.allowed_weight_roots:
+            cmd += ["--allowed-weight-roots", ",".join(str(r) for r in self.allowed_weight_roots)]
         return cmd
 
 
@@ -101,7 +104,8 @@ async def launch_sampler(
     """Run the embedded sampler for the duration of the block; yields its URL (``http://127.0.0.1:PORT``).
 
     ``options`` are LaunchConfig fields: port, host, dtype, seed, max_batch, prefix_cache_tokens,
-    start_timeout_s, stop_timeout_s.
+    allowed_weight_roots, start_timeout_s, stop_timeout_s. Keys go through ``env`` (``T1_SAMPLER_API_KEY``,
+    ``T1_SAMPLER_ADMIN_KEY``), never argv; the readiness probe is ``/health``, which needs none.
     """
     cfg = LaunchConfig(model_dir=None if model_dir is None else str(model_dir), **options)
     with tempfile.TemporaryDirectory(prefix="t1-sampler-") as tmp:

@@ -55,7 +55,15 @@ def build_app(
         log.error("sampler.internal_error", path=request.url.path, error=repr(exc), exc_info=exc)
         return json_response(R.error_body(f"internal error: {exc!r}", status=500), 500)
 
-    app = Starlette(routes=routes, exception_handlers={Exception: internal_error})
+    cfg = a.config
+    middleware = []
+    if cfg.api_key or cfg.admin_api_key:  # design §4 "Keys"
+        from starlette.middleware import Middleware
+
+        from t1async.sampler.auth import KeyMiddleware
+
+        middleware.append(Middleware(KeyMiddleware, api_key=cfg.api_key, admin_key=cfg.admin_api_key))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: internal_error})
     app.state.sampler = a
     app.state.weightsync = ws
     return app
@@ -101,6 +109,15 @@ async def serve(
         await tg.start(engine.run)
         binds = await tg.start(http)
         url = binds[0]
-        log.info("sampler.ready", url=url, model_dir=str(model_dir), dtype=config.dtype, max_batch=config.max_batch)
+        log.info(
+            "sampler.ready",
+            url=url,
+            model_dir=str(model_dir),
+            dtype=config.dtype,
+            max_batch=config.max_batch,
+            api_key=config.api_key is not None,
+            admin_api_key=config.admin_api_key is not None,
+            weight_roots=[str(r) for r in app.state.sampler.weight_roots],
+        )
         task_status.started(url)
         # hypercorn's serve returns after a graceful shutdown; then stop the engine too

@@ -28,3 +28,45 @@ class SamplerSettings:
     )
     ready_file: Path | None = setting(None, "write the URL to this file once the server answers")
     log_level: str | None = setting(None, "debug|info|warning|error (default: T1_LOG_LEVEL or info)")
+    api_key: str | None = setting(
+        None,
+        "require Authorization: Bearer KEY on every endpoint but /health* (as SGLang's --api-key; default: "
+        "$T1_SAMPLER_API_KEY; a flag shows in ps, prefer --api-key-file or the variable)",
+        metavar="KEY",
+        group="access",
+    )
+    api_key_file: Path | None = setting(None, "read --api-key from this file's first line", group="access")
+    admin_api_key: str | None = setting(
+        None,
+        "require this key (instead of --api-key) on the admin endpoints: the weight updates, pause/continue, "
+        "/flush_cache, /abort_request (as SGLang's --admin-api-key; default: $T1_SAMPLER_ADMIN_KEY)",
+        metavar="KEY",
+        group="access",
+    )
+    admin_api_key_file: Path | None = setting(None, "read --admin-api-key from this file's first line", group="access")
+    allowed_weight_roots: tuple[Path, ...] = setting(
+        (),
+        "/update_weights_from_disk loads only from under these directories, comma-separated (default: the "
+        "model directory's parent)",
+        metavar="DIR,...",
+        sep=",",
+        group="access",
+    )
+
+
+@dataclass(frozen=True)
+class SamplerKeys:
+    """The keys a client of the samplers sends (``learner serve``, ``python -m actors``, eval, benches take
+    these via ``like``); a real SGLang started with ``--api-key``/``--admin-api-key`` takes them the same way."""
+
+    sampler_api_key: str | None = setting(
+        None,
+        "the samplers' API key, sent as Authorization: Bearer (default: $T1_SAMPLER_API_KEY)",
+        metavar="KEY",
+    )
+    sampler_admin_key: str | None = setting(
+        None,
+        "the key for the samplers' admin endpoints (weight updates, pause) (default: $T1_SAMPLER_ADMIN_KEY, "
+        "else the API key)",
+        metavar="KEY",
+    )

@@ -127,7 +127,8 @@ async def _post(client: Any, url: str, path: str, body: dict) -> dict:
     if not isinstance(out, dict):
         out = {"success": resp.status_code < 300, "message": str(out)}
     if resp.status_code >= 300 or out.get("success") is False:
-        msg = out.get("message") or (out.get("error") or {}).get("message") or resp.text
+        err = out.get("error")
+        msg = out.get("message") or (err.get("message") if isinstance(err, dict) else err) or resp.text
         raise SamplerError(f"{url}{path} failed (HTTP {resp.status_code}): {msg}")
     return out
 

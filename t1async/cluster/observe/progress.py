@@ -44,8 +44,9 @@ def sampler_state(resp: httpx.Response | None, error: str = "") -> tuple[str, in
     return "ok", int(running) if isinstance(running, (int, float)) else None
 
 
-async def _poll_samplers(view: RunView, every_s: float) -> None:
-    async with httpx.AsyncClient(trust_env=False, timeout=2.0) as client:
+async def _poll_samplers(view: RunView, every_s: float, api_key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(trust_env=False, timeout=2.0, headers=headers) as client:
         while True:
             for url, s in view.samplers.items():
                 try:
@@ -98,6 +99,7 @@ async def show_progress(
     run_dir: Path,
     *,
     sampler_urls: Sequence[str] = (),
+    sampler_api_key: str | None = None,
     out: IO[str] | None = None,
     plain: bool = False,
     every_s: float = 10.0,
@@ -115,7 +117,7 @@ async def show_progress(
             tg.start_soon(_watch_metrics, t, view, sink)
             tg.start_soon(_watch_traj, t, view)
             if view.samplers:
-                tg.start_soon(_poll_samplers, view, min(refresh_s * 2, 2.0))
+                tg.start_soon(_poll_samplers, view, min(refresh_s * 2, 2.0), sampler_api_key)
             monitor = _monitor_url(run_dir)
             if monitor:
                 tg.start_soon(_poll_nats_health, view, monitor, 5.0)
