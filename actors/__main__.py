@@ -65,7 +65,7 @@ async def amain(args: ActorSettings) -> int:
     from t1async.protocol.errors import T1Error
     from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
-    from t1async.transport import NatsTransport
+    from t1async.transport import NatsConfig, NatsTransport
 
     log = get_logger("actors")
     assert args.nats and args.tasks is not None  # settings() made sure
@@ -93,7 +93,7 @@ async def amain(args: ActorSettings) -> int:
         seed=args.seed,
     )
     async with (
-        NatsTransport(args.nats) as transport,
+        NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,
         SGLangClient(args.sampler_url, api_key=args.sampler_api_key) as sampler,
     ):
         async with anyio.create_task_group() as tg:

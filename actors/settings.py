@@ -9,6 +9,7 @@ from typing import Literal
 from sandbox_agent.context import POLICIES
 from t1async.config import like, setting
 from t1async.sampler.settings import SamplerKeys
+from t1async.transport.auth import NatsClientSettings
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class ActorSettings(EpisodeOptions):
     nats: str | None = setting(
         None, "NATS URL(s), comma-separated (default: $T1_NATS_URL)", metavar="URL", group="actor"
     )
+    nats_creds: Path | None = like(NatsClientSettings, "nats_creds", group="actor")
     sampler_url: tuple[str, ...] = setting(
         (),
         "a sampler (SGLang or `python -m t1async.sampler serve`); repeat for several",

@@ -53,6 +53,7 @@ from t1async.credits.settle import read_step_log
 from t1async.ingest.journal import read_journal
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
+from t1async.transport.auth import Role, creds_path, load_creds
 
 KINDS = ("kill_actor", "kill_learner", "kill_sampler", "kill_nats", "stop_sampler", "kill_shell", "disk_full", "poison")
 RECOVER_LIMIT_S = 240.0  # how long a fault's recovery is waited for before it counts as not recovered
@@ -148,26 +149,34 @@ def leaked(run_dir: Path, pids: set[int]) -> list[str]:
     return out
 
 
-async def _nats(url: str, fn: Callable[[Any], Any]) -> Any:
-    nc = await nats.connect(servers=url.split(","), connect_timeout=5, max_reconnect_attempts=3)
+async def _nats(url: str, fn: Callable[[Any], Any], creds: Path | None) -> Any:
+    """``fn(nc)`` on a plain nats-py connection, as the run's admin (the operator's key: it may do anything)."""
+    opts = load_creds(creds).connect_options() if creds is not None else {}
+    nc = await nats.connect(servers=url.split(","), connect_timeout=5, max_reconnect_attempts=3, **opts)
     try:
         return await fn(nc)
     finally:
         await nc.close()
 
 
-def stream_leader(url: str) -> str:
+def admin_creds(run_dir: Path) -> Path | None:
+    """The admin's credentials ``cluster up`` made in the run dir (none: an open NATS)."""
+    path = creds_path(run_dir, Role.ADMIN)
+    return path if path.is_file() else None
+
+
+def stream_leader(url: str, creds: Path | None = None) -> str:
     async def ask(nc: Any) -> str:
         info = await nc.jetstream().stream_info("T1_TRAJ")
         return info.cluster.leader if info.cluster else ""
 
     try:
-        return asyncio.run(_nats(url, ask))
+        return asyncio.run(_nats(url, ask, creds))
     except Exception:  # noqa: BLE001 - no leader right now: pick any node
         return ""
 
 
-def poison_burst(url: str, rng: random.Random) -> str:
+def poison_burst(url: str, rng: random.Random, creds: Path | None = None) -> str:
     async def burst(nc: Any) -> str:
         js = nc.jetstream()
         for i in range(20):
@@ -187,7 +196,7 @@ def poison_burst(url: str, rng: random.Random) -> str:
                 dup += 1
         return f"20 malformed, {dup} duplicate turns"
 
-    return asyncio.run(_nats(url, burst))
+    return asyncio.run(_nats(url, burst, creds))
 
 
 def _decode(data: bytes) -> wire.Record | None:
@@ -197,7 +206,7 @@ def _decode(data: bytes) -> wire.Record | None:
         return None
 
 
-def stream_turns(url: str) -> set[tuple[str, int]]:
+def stream_turns(url: str, creds: Path | None = None) -> set[tuple[str, int]]:
     """Every valid turn record in T1_TRAJ, read by an ephemeral consumer from the start."""
 
     async def read(nc: Any) -> set[tuple[str, int]]:
@@ -215,7 +224,7 @@ def stream_turns(url: str) -> set[tuple[str, int]]:
                     got.add((rec.episode, rec.turn))
                 await m.ack()
 
-    return asyncio.run(_nats(url, read))
+    return asyncio.run(_nats(url, read, creds))
 
 
 class Chaos:
@@ -235,7 +244,7 @@ class Chaos:
                 {"kill_actor": "actor-", "kill_learner": "learner", "kill_sampler": "sampler"}.get(kind, "nats-")
             )
             if kind == "kill_nats" and self.rng.random() < 0.5:
-                leader = stream_leader(ClusterState.load(self.run.run_dir).nats_url)
+                leader = stream_leader(ClusterState.load(self.run.run_dir).nats_url, admin_creds(self.run.run_dir))
                 if leader.startswith("t1-"):
                     names = [f"nats-{leader.removeprefix('t1-')}"]
                     f.note = "stream leader"
@@ -282,7 +291,7 @@ class Chaos:
                     filler.unlink(missing_ok=True)
         elif kind == "poison":
             f.target = "t1.traj.*"
-            f.note = poison_burst(ClusterState.load(self.run.run_dir).nats_url, self.rng)
+            f.note = poison_burst(ClusterState.load(self.run.run_dir).nats_url, self.rng, admin_creds(self.run.run_dir))
         f.ended_s = self._now()
         return f
 
@@ -428,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             rec = "NOT RECOVERED" if f.recover_s is None else f"recovered in {f.recover_s:.1f}s"
             print(f"fault {len(faults)}: {f.kind:<13} {f.target:<14} at {f.at_s:6.0f}s  {rec}  {f.note}", flush=True)
         url = ClusterState.load(run_dir).nats_url
-        acked = stream_turns(url)
+        acked = stream_turns(url, admin_creds(run_dir))
         wait_until = time.monotonic() + 180  # the running learner takes what is left on the stream
         while time.monotonic() < wait_until:
             h = history(run_dir, acked)

@@ -16,7 +16,8 @@ import pytest
 
 from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
-from t1async.transport import NatsTransport
+from t1async.transport import NatsConfig, NatsTransport
+from t1async.transport.auth import Role, creds_path
 from tests.clusterargs import stop_cluster
 
 pytestmark = pytest.mark.slow
@@ -114,7 +115,11 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
         started = list(st.components.values())
         sampler_url = (run_dir / "sampler.url").read_text().strip()
         key = check_keys(run_dir, started)
-        async with NatsTransport(st.nats_url) as t, t.subscribe("t1.>") as msgs, anyio.create_task_group() as tg:
+        async with (
+            NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.READER))) as t,
+            t.subscribe("t1.>") as msgs,
+            anyio.create_task_group() as tg,
+        ):
 
             async def until_exit() -> None:
                 while proc.poll() is None:

@@ -25,6 +25,7 @@ from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, TransportError
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
+from t1async.transport.auth import Role, creds_path
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
 from tests.clusterargs import stop_cluster
@@ -226,7 +227,10 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
     try:
         st = await wait_running(run_dir, proc)
         assert st.nats_url.count("nats://") == 3 and {f"nats-{i}" for i in range(3)} <= st.components.keys()
-        async with NatsTransport(st.nats_url) as t, t.subscribe("t1.policy") as policies:
+        async with (
+            NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.ADMIN))) as t,
+            t.subscribe("t1.policy") as policies,
+        ):
             info = await stream_info(t)
             assert info.config.num_replicas == 3
             with anyio.fail_after(240):

@@ -169,7 +169,8 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
 
     from t1async.cluster.state import ClusterState, is_ours
     from t1async.protocol import wire
-    from t1async.transport import NatsTransport
+    from t1async.transport import NatsConfig, NatsTransport
+    from t1async.transport.auth import Role, creds_path
     from tests.test_cluster_e2e import check_episode_turns, wait_running
 
     run_dir = tmp_path / "run"
@@ -203,7 +204,10 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
     try:
         st = await wait_running(run_dir, proc)
         assert {"sampler-0", "sampler-1"} <= st.components.keys()
-        async with NatsTransport(st.nats_url) as t, t.subscribe("t1.>") as msgs:
+        async with (
+            NatsTransport(config=NatsConfig(url=st.nats_url, creds=creds_path(run_dir, Role.READER))) as t,
+            t.subscribe("t1.>") as msgs,
+        ):
             turns: dict[str, dict[int, wire.TurnRecord]] = {}
             victim = None
             with anyio.fail_after(300):

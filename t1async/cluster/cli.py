@@ -91,8 +91,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     async def progress(nats_url: str, run_dir: Path) -> None:
         urls = list(cfg.sampler_url) or components.embedded_sampler_urls(cfg)
         key = components.sampler_keys(cfg)[0]
-        await show_progress(nats_url, run_dir, sampler_urls=urls, sampler_api_key=key, plain=args.plain)
+        creds = components.nats_creds(cfg, Role.READER)
+        await show_progress(
+            nats_url, run_dir, sampler_urls=urls, sampler_api_key=key, plain=args.plain, nats_creds=creds
+        )
 
+    from t1async.transport.auth import Role
     from t1async.transport.natscluster import default_replicas
 
     sup = ClusterConfig(
@@ -102,6 +106,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_payload=cfg.max_payload,
         nats_nodes=cfg.nats_nodes,
         stream_replicas=default_replicas(cfg.nats_nodes, cfg.stream_replicas, external=cfg.nats is not None),
+        nats_auth=cfg.nats is None,  # the embedded NATS takes only the users it makes (transport/auth.py)
+        nats_tls=cfg.nats_tls,
+        nats_creds=cfg.nats_creds,
         duration_s=cfg.duration,
         max_restarts=cfg.max_restarts,
         build=lambda url: components.specs(cfg, url),
@@ -175,7 +182,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    url = args.nats
+    from t1async.transport.auth import Role, creds_path
+
+    url, creds = args.nats, args.nats_creds
     if url is None:
         try:
             state = ClusterState.load(args.run_dir)
@@ -187,6 +196,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 f"`python -m t1async.cluster up --run-dir {args.run_dir}`, or pass --nats URL"
             )
         url = state.nats_url
+        if creds is None and creds_path(args.run_dir, Role.READER).is_file():  # the read-only user cluster up made
+            creds = creds_path(args.run_dir, Role.READER)
     # stdout carries records only; the tail's own logs go to stderr, and only warnings and worse
     configure(args.log_level, console_level=args.log_level or "warning")
     from t1async.cluster.glossary import TURN_FIELDS
@@ -206,6 +217,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         text=not args.no_text,
         fields=fields,
         max_text=args.max_text,
+        nats_creds=Path(creds) if creds else None,
     )
 
     async def main() -> None:
@@ -319,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tl.add_argument(
         "--nats", default=None, metavar="URL", help="NATS URL (default: the running cluster's, from --run-dir)"
+    )
+    tl.add_argument(
+        "--nats-creds",
+        default=None,
+        metavar="FILE",
+        help="NATS credentials file (default: the run's read-only one, <run-dir>/secrets/nats-reader.json)",
     )
     tl.add_argument("--json", action="store_true", help="one JSON object per record")
     tl.add_argument("--episode", default=None, metavar="ID", help="only this episode's records")

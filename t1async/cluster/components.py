@@ -20,6 +20,7 @@ from t1async.cluster.supervisor import ProcessSpec, python_module
 from t1async.config import to_toml
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
+from t1async.transport.auth import Role, creds_path
 from t1async.transport.natsd import free_port
 
 log = get_logger("cluster.components")
@@ -158,6 +159,15 @@ def config_file(cfg: UpConfig, name: str, values: dict[str, Any]) -> Path:
     return path
 
 
+def nats_creds(cfg: UpConfig, role: Role) -> Path | None:
+    """The credentials file a child of ``role`` connects with: --nats-creds with an external NATS, else the
+    one ``cluster up`` made for the role (none if it made none)."""
+    if cfg.nats is not None:
+        return cfg.nats_creds
+    path = creds_path(cfg.run_dir, role)
+    return path if path.is_file() else None
+
+
 def _part(cls: type, cfg: UpConfig) -> dict[str, Any]:
     """The fields ``cfg`` shares with a component's settings class (its base class)."""
     return {f.name: getattr(cfg, f.name) for f in fields(cls)}
@@ -221,6 +231,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         {
             **_part(LearnerOptions, cfg),
             "nats": nats_url,
+            "nats_creds": nats_creds(cfg, Role.LEARNER),
             "run_dir": cfg.run_dir,
             "model": model,
             "nproc": cfg.learner_procs,
@@ -239,6 +250,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         {
             **_part(EpisodeOptions, cfg),
             "nats": nats_url,
+            "nats_creds": nats_creds(cfg, Role.ACTOR),
             "tasks": tasks_dir(cfg),
             "model": model,
             "system_prompt_file": prompt,
@@ -265,6 +277,7 @@ def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:
     start = model if model is not None else default_model_dir()
     settings = LoopSettings(
         nats=nats_url,
+        nats_creds=nats_creds(cfg, Role.EVAL),
         tasks=tasks_dir(cfg),
         run_dir=Path(cfg.run_dir),
         every=cfg.eval_every,

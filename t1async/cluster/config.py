@@ -28,6 +28,7 @@ from t1async.config import check_bounds, like, resolve, setting
 from t1async.learner.serve_cli import LearnerOptions
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
+from t1async.transport.auth import NatsClientSettings
 
 # the flag groups of `cluster up --help`, in this order
 NATS, SAMPLERS, ACTORS, LEARNER = "NATS", "samplers", "actors", "learner"
@@ -40,6 +41,16 @@ class UpConfig(LearnerOptions, EpisodeOptions):
     # NATS
     nats: str | None = setting(
         None, "use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one", metavar="URL", group=NATS
+    )
+    nats_creds: Path | None = like(
+        NatsClientSettings,
+        "nats_creds",
+        help="with --nats: the credentials file every component connects with (default: the embedded NATS's "
+        "per-role ones in <run-dir>/secrets)",
+        group=NATS,
+    )
+    nats_tls: bool = setting(
+        False, "the embedded NATS over TLS, with a CA made in <run-dir>/secrets (ca.pem)", group=NATS
     )
     nats_port: int = setting(0, "port of the embedded nats-server (default: a free one)", ge=0, group=NATS)
     max_payload: int = setting(
@@ -164,6 +175,15 @@ class UpConfig(LearnerOptions, EpisodeOptions):
             raise ConfigError(
                 f"--nats-nodes {self.nats_nodes} starts an embedded cluster, --nats uses an external one: "
                 "give one of them"
+            )
+        if self.nats is not None and self.nats_tls:
+            raise ConfigError(
+                "--nats-tls makes TLS keys for the embedded NATS; an external one has its own: give tls:// in --nats "
+                "and its CA in the --nats-creds file (ca_file)"
+            )
+        if self.nats_creds is not None and self.nats is None:
+            raise ConfigError(
+                "--nats-creds is for an external --nats; the embedded NATS gets per-role credentials made for it"
             )
         if self.nats_port and self.nats_nodes > 1:
             raise ConfigError(

@@ -33,7 +33,6 @@ from t1async.log import get_logger
 from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ConfigError, ServerStartError
 from t1async.signals import STOP, next_signal, receive, set_handlers
-from t1async.transport.natsd import NatsServer
 
 log = get_logger("cluster")
 
@@ -59,6 +58,9 @@ class ClusterConfig:
     nats_port: int = 0  # 0: a free loopback port
     nats_nodes: int = 1  # >1: an embedded JetStream cluster of this many nodes (transport/natscluster.py)
     stream_replicas: int | None = None  # create/scale the T1 streams to this many replicas; None: as they are
+    nats_auth: bool = False  # the embedded NATS takes only the users in <run-dir>/secrets (transport/auth.py)
+    nats_tls: bool = False  # ... over TLS, with a CA and server certificate made in <run-dir>/secrets
+    nats_creds: Path | None = None  # an external NATS's credentials, for the stream setup
     max_payload: int = 8 << 20
     duration_s: float | None = None  # None: until Ctrl-C / SIGTERM / `down`
     stop_timeout_s: float = 10.0
@@ -102,7 +104,12 @@ class Supervisor:
             for job in self.config.before:
                 await self._run_oneshot(job)
             async with AsyncExitStack() as stack:
-                nats_url = self.config.nats_url
+                nats_url, auth, admin = self.config.nats_url, None, self.config.nats_creds
+                if nats_url is None and (self.config.nats_auth or self.config.nats_tls):
+                    from t1async.transport.auth import Role, creds_path, make_server_auth, secrets_dir
+
+                    auth = make_server_auth(secrets_dir(run_dir), tls=self.config.nats_tls)
+                    admin = creds_path(run_dir, Role.ADMIN)
                 if nats_url is None and self.config.nats_nodes > 1:
                     from t1async.transport.natscluster import start_embedded_cluster
 
@@ -111,26 +118,23 @@ class Supervisor:
                         self.state.save()
 
                     nats_cluster = await start_embedded_cluster(
-                        stack, run_dir, self.config.nats_nodes, self.config.max_payload, record
+                        stack, run_dir, self.config.nats_nodes, self.config.max_payload, record, auth
                     )
                     nats_url = nats_cluster.url
                     self.state.monitor_url = nats_cluster.nodes[0].monitor_url
                 elif nats_url is None:
-                    srv = await stack.enter_async_context(
-                        NatsServer.start(
-                            run_dir / "nats",
-                            port=self.config.nats_port,
-                            max_payload=self.config.max_payload,
-                            log_file=run_dir / "logs" / "nats-server.log",
-                        )
+                    from t1async.transport.natscluster import start_embedded_server
+
+                    srv = await start_embedded_server(
+                        stack, run_dir, self.config.nats_port, self.config.max_payload, auth
                     )
                     nats_url = srv.url
                     self.state.monitor_url = srv.monitor_url
                     self.state.components["nats"] = proc_info("nats", srv.pid or 0, str(srv.log_path))
-                if self.config.stream_replicas:
+                if self.config.stream_replicas or auth is not None:  # components may not create streams
                     from t1async.transport.natscluster import ensure_replicas
 
-                    await ensure_replicas(nats_url, self.config.stream_replicas)
+                    await ensure_replicas(nats_url, self.config.stream_replicas, admin)
                 self.state.nats_url = nats_url
                 self.state.save()
                 async with anyio.create_task_group() as tg:

@@ -29,11 +29,12 @@ from typing import TypedDict
 
 import anyio
 
-from t1async.config import add_arguments, resolve, setting
+from t1async.config import add_arguments, like, resolve, setting
 from t1async.log import configure, get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, T1Error
 from t1async.signals import cancel_on_stop
+from t1async.transport.auth import NatsClientSettings
 
 log = get_logger("t1async.eval.loop")
 
@@ -64,6 +65,7 @@ class LoopSettings(LoopConfig):
     flags (flags win)."""
 
     nats: str | None = setting(None, "NATS URL the learner publishes t1.policy on (required)", metavar="URL")
+    nats_creds: Path | None = like(NatsClientSettings, "nats_creds")
     log_level: str = setting("info", "log level")
 
     def loop_config(self) -> LoopConfig:
@@ -221,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
     async def amain() -> None:
         from t1async.transport.nats import NatsTransport
+        from t1async.transport.natsio import NatsConfig
 
-        async with NatsTransport(nats) as t, anyio.create_task_group() as tg:
+        async with (
+            NatsTransport(config=NatsConfig(url=nats, creds=settings.nats_creds)) as t,
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(cancel_on_stop, tg.cancel_scope)
             await run_loop(cfg, t)
             tg.cancel_scope.cancel()

@@ -17,6 +17,7 @@ from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import SamplerKeys
 from t1async.signals import cancel_on_stop
+from t1async.transport.auth import NatsClientSettings
 
 WeightSync = Literal["disk", "distributed"]
 PauseMode = Literal["retract", "in_place", "abort"]
@@ -65,6 +66,7 @@ class ServeConfig(LearnerOptions):
     """``learner serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
 
     nats: str | None = setting(None, "NATS URL (default: $T1_NATS_URL)", metavar="URL", group="learner service")
+    nats_creds: Path | None = like(NatsClientSettings, "nats_creds", group="learner service")
     sampler_url: tuple[str, ...] = setting(
         (),
         "a sampler to push weights to (repeatable; none: train without pushing)",
@@ -204,7 +206,9 @@ def _serve(c: ServeConfig) -> int:
         async with AsyncExitStack() as stack:
             # the learner acks a batch as soon as its journal has it (milliseconds), so a short ack wait only
             # shortens how long a crashed learner's in-flight records wait before they are redelivered
-            nats = NatsConfig(url=nats_url, ack_wait_s=10.0, stream_replicas=c.stream_replicas or None)
+            nats = NatsConfig(
+                url=nats_url, ack_wait_s=10.0, stream_replicas=c.stream_replicas or None, creds=c.nats_creds
+            )
             transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers: SGLangClient | None = None
             if c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation

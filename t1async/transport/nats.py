@@ -36,6 +36,7 @@ from t1async.protocol import wire
 from t1async.protocol.errors import TransportError, WireError
 from t1async.protocol.wire import Record
 from t1async.transport import chunking
+from t1async.transport.auth import redact
 from t1async.transport.base import (
     HDR_MSG_ID,
     TRAJ_STREAM,
@@ -108,7 +109,7 @@ class NatsTransport(Transport):
         self._state = _State.OPEN
         log.info(
             "transport.connected",
-            url=self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url,
+            url=redact(self._nc.connected_url.geturl() if self._nc.connected_url else self.config.url),
             max_payload=self.max_payload,
         )
         return self
@@ -220,7 +221,7 @@ class NatsTransport(Transport):
                     log.warning("transport.ensure_streams_failed", error=repr(exc))
 
     def _translate(self, exc: BaseException, doing: str) -> TransportError:
-        url = self.config.url
+        url = redact(self.config.url)
         if isinstance(exc, (asyncio.TimeoutError, nats.errors.TimeoutError)):
             what = f"no acknowledgement from NATS at {url} within {self.config.publish_deadline_s}s"
         elif isinstance(exc, nats.errors.MaxPayloadError):

@@ -7,6 +7,9 @@ the transport knows nothing of the cluster's state), and restarts a node that di
 rejoins). ``ensure_replicas`` creates T1_TRAJ (and T1_DEAD) with R replicas, or scales existing streams to R,
 before any component starts; the components then find the streams as they are.
 Every component gets all N URLs (``nats://a,nats://b,nats://c``): nats-py fails over between them.
+``start_embedded_server`` is the one-node case (``cluster up`` without ``--nats-nodes``). With ``auth``
+(transport/auth.py) the servers take only our users, each with its role's permissions, and with TLS when
+it has a certificate; the routes between nodes have their own user.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import anyio
 from t1async.log import get_logger
 from t1async.protocol.errors import TransportError
 from t1async.transport import NatsConfig, NatsTransport
+from t1async.transport.auth import ServerAuth, redact
 from t1async.transport.base import TRAJ_STREAM
-from t1async.transport.natsd import NatsCluster
+from t1async.transport.natsd import NatsCluster, NatsServer
 
 log = get_logger("cluster.nats")
 
@@ -42,11 +46,12 @@ async def start_embedded_cluster(
     nodes: int,
     max_payload: int,
     on_node: Callable[[str, int, str], None],
+    auth: ServerAuth | None = None,
 ) -> NatsCluster:
     """Start the cluster inside ``stack`` (stopped when it closes, after its watcher) and return it (``.url``
     lists every node). ``on_node(name, pid, log_path)`` is told each node as it starts and each restart."""
     cl = await stack.enter_async_context(
-        NatsCluster.start(run_dir / "nats", nodes, max_payload=max_payload, log_dir=run_dir / "logs")
+        NatsCluster.start(run_dir / "nats", nodes, max_payload=max_payload, log_dir=run_dir / "logs", auth=auth)
     )
 
     def record(i: int) -> None:
@@ -62,12 +67,30 @@ async def start_embedded_cluster(
     return cl
 
 
-async def ensure_replicas(url: str, replicas: int) -> None:
+async def start_embedded_server(
+    stack: AsyncExitStack, run_dir: Path, port: int, max_payload: int, auth: ServerAuth | None = None
+) -> NatsServer:
+    """The single embedded nats-server inside ``stack`` (store <run-dir>/nats, log <run-dir>/logs)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return await stack.enter_async_context(
+        NatsServer.start(
+            run_dir / "nats",
+            port=port,
+            max_payload=max_payload,
+            log_file=run_dir / "logs" / "nats-server.log",
+            auth=auth,
+        )
+    )
+
+
+async def ensure_replicas(url: str, replicas: int | None, creds: Path | None = None) -> None:
     """Create the T1 streams with ``replicas`` replicas, or scale existing ones to it (a clear error if the
-    NATS behind ``url`` has fewer JetStream servers)."""
-    async with NatsTransport(config=NatsConfig(url=url, stream_replicas=replicas)) as t:
-        await wait_replicated(t, replicas)
-    log.info("cluster.stream_replicas", replicas=replicas, url=url)
+    NATS behind ``url`` has fewer JetStream servers); None: create them if missing, as they are if not.
+    ``creds``: the admin's, where the components' own may not create streams."""
+    async with NatsTransport(config=NatsConfig(url=url, stream_replicas=replicas, creds=creds)) as t:
+        if replicas:
+            await wait_replicated(t, replicas)
+    log.info("cluster.stream_replicas", replicas=replicas, url=redact(url))
 
 
 async def wait_replicated(t: NatsTransport, replicas: int, timeout_s: float = 60.0, stream: str = TRAJ_STREAM) -> None:

@@ -8,6 +8,7 @@ One node of a cluster whose nodes run on different hosts (design §10), as a com
 
     python -m t1async.transport.natsd --host 198.18.0.1 --server-name t1-0 --store-dir runs/nats \
         --routes 198.18.0.2:6222,198.18.0.3:6222     # client :4222, routes :6222, monitoring :8222
+        [--secrets DIR]                              # only our users (transport/auth.py): the same DIR on each
 
 The server is started in its own session (so a Ctrl-C in the terminal reaches only our supervisor, which
 then stops it in order), waits until ``/healthz`` on the monitoring port reports JetStream ready, and is
@@ -36,6 +37,7 @@ from t1async.config import add_arguments, resolve, setting
 from t1async.log import get_logger
 from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ConfigError, ServerStartError
+from t1async.transport.auth import ServerAuth, make_server_auth, write_private
 
 log = get_logger("natsd")
 
@@ -85,6 +87,7 @@ class NatsServerConfig:
     cluster_name: str = ""
     cluster_port: int = 0  # 0: a free loopback port, chosen once and kept across restarts
     routes: tuple[str, ...] = ()  # nats-route://host:port of the other nodes
+    auth: ServerAuth | None = None  # users with permissions, route credentials, TLS (transport/auth.py)
 
 
 class NatsServer:
@@ -102,7 +105,8 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.config.host}:{self.port}"
+        scheme = "tls" if self.config.auth is not None and self.config.auth.tls else "nats"
+        return f"{scheme}://{self.config.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -143,10 +147,16 @@ class NatsServer:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         log_file: str | Path | None = None,
         binary: Path | None = None,
+        auth: ServerAuth | None = None,
     ) -> AsyncIterator[NatsServer]:
-        """Start nats-server with JetStream on ``store_dir``; stop it (by PID) when the block ends."""
+        """Start nats-server with JetStream on ``store_dir``; stop it (by PID) when the block ends. With
+        ``auth`` it takes only our users (transport/auth.py), each with its role's permissions."""
         cfg = NatsServerConfig(
-            Path(store_dir), port=port, max_payload=max_payload, log_file=Path(log_file) if log_file else None
+            Path(store_dir),
+            port=port,
+            max_payload=max_payload,
+            log_file=Path(log_file) if log_file else None,
+            auth=auth,
         )
         srv = cls(cfg, binary or find_binary())
         try:
@@ -162,7 +172,7 @@ class NatsServer:
             return
         store = Path(self.config.store_dir)
         store.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(self._render_config())
+        write_private(self.config_path, self._render_config())  # 0600: it holds the users' passwords
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         try:
             self._proc = await open_process(  # dies with us, even SIGKILLed (design §9)
@@ -221,11 +231,15 @@ class NatsServer:
         )
         if c.server_name:
             out += f'server_name: "{c.server_name}"\n'
+        if c.auth is not None:
+            out += c.auth.render()
         if c.cluster_name:
-            routes = "".join(f"    {r}\n" for r in c.routes)
+            userinfo = c.auth.route_userinfo() if c.auth is not None else ""
+            routes = "".join(f"    {r.replace('://', '://' + userinfo, 1)}\n" for r in c.routes)
             out += (
                 f'cluster {{\n  name: "{c.cluster_name}"\n  listen: {c.host}:{self.cluster_port}\n'
-                f"  routes: [\n{routes}  ]\n}}\n"
+                + (c.auth.cluster_block() if c.auth is not None else "")
+                + f"  routes: [\n{routes}  ]\n}}\n"
             )
         return out
 
@@ -271,6 +285,7 @@ class NatsClusterConfig:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     start_timeout_s: float = 30.0  # until every node reports a healthy JetStream meta group
     log_dir: Path | None = None  # default: each node's store dir
+    auth: ServerAuth | None = None  # every node takes only our users; routes have their own (transport/auth.py)
 
 
 class NatsCluster:
@@ -298,6 +313,7 @@ class NatsCluster:
                     cluster_name=config.name,
                     cluster_port=cport,
                     routes=tuple(r for j, r in enumerate(routes) if j != i),
+                    auth=config.auth,
                 ),
                 binary,
             )
@@ -323,10 +339,16 @@ class NatsCluster:
         log_dir: str | Path | None = None,
         binary: Path | None = None,
         name: str = "t1",
+        auth: ServerAuth | None = None,
     ) -> AsyncIterator[NatsCluster]:
         """Start every node, wait until the cluster is healthy; stop them all (by PID) when the block ends."""
         cfg = NatsClusterConfig(
-            Path(store_dir), nodes=nodes, name=name, max_payload=max_payload, log_dir=Path(log_dir) if log_dir else None
+            Path(store_dir),
+            nodes=nodes,
+            name=name,
+            max_payload=max_payload,
+            log_dir=Path(log_dir) if log_dir else None,
+            auth=auth,
         )
         cl = cls(cfg, binary or find_binary())
         try:
@@ -441,6 +463,12 @@ class NatsNodeSettings:
     )
     max_payload: int = setting(DEFAULT_MAX_PAYLOAD, "largest message in bytes", ge=1024)
     ready_file: Path | None = setting(None, "write the client URL here once JetStream is ready (cluster formed)")
+    secrets: Path | None = setting(
+        None,
+        "take only the per-role users whose files are in DIR (nats-<role>.json, made there if missing; copy DIR "
+        "to every node and hand each client its role's file with --nats-creds)",
+        metavar="DIR",
+    )
     log_level: str | None = setting(None, "debug, info (default), warning")
 
 
@@ -470,6 +498,7 @@ def node_config(s: NatsNodeSettings) -> NatsServerConfig:
         cluster_port=s.cluster_port,
         routes=tuple(route_url(r) for r in s.routes),
         start_timeout_s=60.0,
+        auth=make_server_auth(s.secrets, host=s.host) if s.secrets is not None else None,
     )
 
 

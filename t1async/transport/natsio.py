@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -23,6 +24,7 @@ from nats.js import api
 
 from t1async.log import get_logger
 from t1async.protocol.errors import TransportError
+from t1async.transport.auth import NatsCreds, load_creds, redact
 from t1async.transport.base import TRAJ_STREAM, TRAJ_SUBJECTS
 from t1async.transport.delivery import Fetched
 from t1async.transport.pipeline import Outgoing
@@ -54,6 +56,7 @@ class NatsConfig:
     # JetStream replicas of the T1 streams; None: create with 1 and leave an existing stream as it is (a
     # set count scales an existing stream to it: `cluster up --stream-replicas` on a 3-node cluster)
     stream_replicas: int | None = None
+    creds: Path | None = None  # --nats-creds: a credentials file (transport/auth.py); None: none, or the URL's
 
 
 class Bridge:
@@ -96,19 +99,25 @@ class AioNats:
         self._is_open = is_open  # the transport's state: a disconnect is only worth a warning while open
         self.nc: Any = None
         self.js: Any = None
+        self._creds = load_creds(config.creds) if config.creds is not None else NatsCreds()  # a bad file fails now
 
     async def connect(self) -> None:
         cfg, urls = self.config, [u.strip() for u in self.config.url.split(",") if u.strip()]
+        creds = self._creds
+        where = redact(cfg.url)
+
+        told: list[str] = []  # what the server said while connecting (a refusal comes only here with reconnects)
 
         async def on_error(exc: Exception) -> None:
+            told.append(repr(exc))
             log.warning("nats.error", error=repr(exc))
 
         async def on_disconnected() -> None:
             if self._is_open():
-                log.warning("nats.disconnected", url=cfg.url)
+                log.warning("nats.disconnected", url=where)
 
         async def on_reconnected() -> None:
-            log.info("nats.reconnected", url=cfg.url)
+            log.info("nats.reconnected", url=where)
 
         try:
             nc = await nats.connect(
@@ -122,14 +131,25 @@ class AioNats:
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
                 reconnected_cb=on_reconnected,
+                **creds.connect_options(),
             )
         except (TimeoutError, nats.errors.Error, OSError) as exc:
-            raise TransportError(
-                f"cannot reach NATS at {cfg.url}: is the server running? start one with "
-                f"`python -m t1async.cluster up` ({type(exc).__name__}: {exc})"
-            ) from exc
+            if "authorization violation" in f"{exc!r} {told}".lower():
+                given = f"--nats-creds {cfg.creds}" if cfg.creds else "no credentials"
+                raise TransportError(
+                    f"NATS at {where} refused us ({given}): pass the credentials of this role, e.g. "
+                    "--nats-creds <run-dir>/secrets/nats-<role>.json as `cluster up` writes them"
+                ) from exc
+            raise self._unreachable(where, exc) from exc
         nc.options["max_reconnect_attempts"] = -1  # once connected, ride out server restarts forever
         self.nc, self.js = nc, nc.jetstream(timeout=cfg.ack_timeout_s)
+
+    @staticmethod
+    def _unreachable(where: str, exc: BaseException) -> TransportError:
+        return TransportError(
+            f"cannot reach NATS at {where}: is the server running? start one with "
+            f"`python -m t1async.cluster up` ({type(exc).__name__}: {exc})"
+        )
 
     async def ensure_streams(self) -> None:
         cfg = self.config
@@ -163,7 +183,7 @@ class AioNats:
                 except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
                     if loop.time() >= deadline:
                         raise TransportError(
-                            f"JetStream at {cfg.url} did not answer for {cfg.jetstream_wait_s:.0f} s "
+                            f"JetStream at {redact(cfg.url)} did not answer for {cfg.jetstream_wait_s:.0f} s "
                             f"({type(exc).__name__}): a cluster that just restarted may still be electing, or too "
                             "few of its servers are up for a quorum; start them, or check their logs"
                         ) from exc
@@ -190,7 +210,7 @@ class AioNats:
         except nats.js.errors.APIError as exc:
             if cfg.stream_replicas and cfg.stream_replicas > 1 and exc.err_code in (10005, 10074, 10023):
                 raise TransportError(
-                    f"JetStream at {cfg.url} cannot keep stream {sc.name} with {cfg.stream_replicas} replicas "
+                    f"JetStream at {redact(cfg.url)} cannot keep stream {sc.name} with {cfg.stream_replicas} replicas "
                     f"({exc.description}): it needs that many JetStream servers in the cluster; pass "
                     f"--stream-replicas 1 for a single server, or start a cluster (`cluster up --nats-nodes 3`)"
                 ) from exc

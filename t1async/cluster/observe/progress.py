@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from t1async.cluster.observe.dashboard import RunView, plain_line, render
 from t1async.log import get_logger
 from t1async.protocol.wire import MetricsRecord
-from t1async.transport import NatsTransport
+from t1async.transport import NatsConfig, NatsTransport
 
 log = get_logger("cluster.progress")
 
@@ -104,13 +104,15 @@ async def show_progress(
     plain: bool = False,
     every_s: float = 10.0,
     refresh_s: float = 1.0,
+    nats_creds: Path | None = None,
 ) -> None:
-    """Runs until cancelled (the supervisor's task group owns it)."""
+    """Runs until cancelled (the supervisor's task group owns it). ``nats_creds``: the reader's."""
     out = out or sys.stdout
     view = RunView(str(run_dir), nats_url, sampler_urls)
     live_mode = out.isatty() and not plain
     with open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") as sink:
-        async with NatsTransport(nats_url) as t, anyio.create_task_group() as tg:
+        nats = NatsConfig(url=nats_url, creds=nats_creds)
+        async with NatsTransport(config=nats) as t, anyio.create_task_group() as tg:
             view.nats_state = "connected"
             tg.start_soon(_watch_metrics, t, view, sink)
             tg.start_soon(_watch_traj, t, view)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -25,7 +26,8 @@ from rich.text import Text
 from t1async.cluster.glossary import TURN_FIELDS
 from t1async.protocol import wire
 from t1async.protocol.fields import DTYPES
-from t1async.transport import Message, NatsTransport, traj_subject
+from t1async.transport import Message, NatsConfig, NatsTransport, traj_subject
+from t1async.transport.auth import redact
 from t1async.transport.base import HDR_DEAD_ERROR, HDR_DEAD_SUBJECT
 
 _CLIP = 160
@@ -41,6 +43,7 @@ class TailConfig:
     text: bool = True  # decode output ids when a tokenizer loads
     fields: tuple[str, ...] = ()  # () = all
     max_text: int = _CLIP  # 0 = no limit
+    nats_creds: Path | None = None  # the reader's credentials (read only: transport/auth.py)
 
 
 def escape(s: str) -> str:
@@ -223,8 +226,9 @@ async def tail(config: TailConfig, out: IO[str], err: IO[str]) -> None:
     fmt = Formatter(text=config.text and not config.json, fields=config.fields, max_text=config.max_text)
     # rich colours only a terminal (and honours NO_COLOR); markup and highlighting off: the text is data
     console = Console(file=out, highlight=False, markup=False, emoji=False, soft_wrap=True)
-    async with NatsTransport(config.nats_url) as t, t.subscribe(subject, include_malformed=True) as messages:
-        print(f"# tailing {subject} on {config.nats_url} (Ctrl-C to stop)", file=err, flush=True)
+    nats = NatsConfig(url=config.nats_url, creds=config.nats_creds)
+    async with NatsTransport(config=nats) as t, t.subscribe(subject, include_malformed=True) as messages:
+        print(f"# tailing {subject} on {redact(config.nats_url)} (Ctrl-C to stop)", file=err, flush=True)
         async for msg in messages:
             ep = getattr(msg.record, "episode", None)
             if config.episode and ep is not None and ep != config.episode:
