@@ -51,6 +51,7 @@ from bench._common import emit_json, print_grid
 from t1async.cluster.state import ClusterState, RunStatus
 from t1async.credits.settle import read_step_log
 from t1async.ingest.journal import read_journal
+from t1async.procs import popen
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 from t1async.transport.auth import Role, creds_path, load_creds
@@ -324,9 +325,16 @@ def _comm_parent_is_sandbox(pid: int) -> bool:
 
 
 def mount_journal_fs(run_dir: Path, size_mb: int) -> Path | None:
+    """A size-limited tmpfs for the learner's journal (root only). Named by this bench's PID: the mounts of
+    a bench that was SIGKILLed (its cleanup never ran) are unmounted here, by the next one."""
     if os.geteuid() != 0:
         return None
-    fs = Path(tempfile.mkdtemp(prefix="t1-chaos-journal-"))
+    for old in Path(tempfile.gettempdir()).glob("t1-chaos-journal-*-*"):
+        pid = old.name.split("-")[3]
+        if pid.isdigit() and not _alive(int(pid)):
+            subprocess.run(["umount", "-l", str(old)], check=False, capture_output=True)
+            old.rmdir()
+    fs = Path(tempfile.mkdtemp(prefix=f"t1-chaos-journal-{os.getpid()}-"))
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(fs)], check=True)
     (run_dir / "learner").mkdir(parents=True, exist_ok=True)
     (run_dir / "learner" / "journal").symlink_to(fs)
@@ -407,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-turns", "8", *args.up_args,
     ]  # fmt: skip
     log = open(run_dir / "chaos-cluster.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(argv_up, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # SIGTERM when this bench dies however it dies (a test's timeout kills it): cluster up stops its run
+    proc = popen(argv_up, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pdeathsig=signal.SIGTERM)
     run = Run(run_dir, proc, time.monotonic(), journal_fs)
     faults: list[Fault] = []
     acked: set[tuple[str, int]] = set()
