@@ -10,7 +10,9 @@ seeded order:
 - ``kill_shell``: SIGKILL of a sandboxed shell mid-command;
 - ``disk_full``: the learner's journal directory (a 256 MiB tmpfs the bench mounts) filled for 30 s (root);
 - ``poison``: a plain nats-py client publishes 20 malformed payloads and re-publishes 10 valid turn records
-  already in the stream, without their message ids (JetStream stores them twice).
+  already in the stream, without their message ids (JetStream stores them twice);
+- ``kill_supervisor``: SIGKILL of ``cluster up`` itself: no process of the run may be left 10 s later (those
+  left count as leaks), then ``cluster up`` is started again on the run dir and resumes.
 
 After each fault it waits for the learner's next step (a new line in ``learner/steps.jsonl`` for a newer
 version): that is the fault's recovery time. At the end it reads every turn record in ``T1_TRAJ`` with a
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -56,7 +59,17 @@ from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 from t1async.transport.auth import Role, creds_path, load_creds
 
-KINDS = ("kill_actor", "kill_learner", "kill_sampler", "kill_nats", "stop_sampler", "kill_shell", "disk_full", "poison")
+KINDS = (
+    "kill_actor",
+    "kill_learner",
+    "kill_sampler",
+    "kill_nats",
+    "stop_sampler",
+    "kill_shell",
+    "disk_full",
+    "poison",
+    "kill_supervisor",
+)
 RECOVER_LIMIT_S = 240.0  # how long a fault's recovery is waited for before it counts as not recovered
 
 
@@ -73,10 +86,20 @@ class Fault:
 @dataclass
 class Run:
     run_dir: Path
-    proc: subprocess.Popen
+    argv: list[str]  # cluster up's
+    log: Any  # its output file
     t0: float
     journal_fs: Path | None
     pids_seen: set[int] = field(default_factory=set)
+    proc: Any = None  # cluster up (subprocess.Popen), started by ``start``
+    orphans: list[str] = field(default_factory=list)  # what a SIGKILLed cluster up left alive after 10 s
+
+    def start(self) -> None:
+        """cluster up (again: a resume on the same run dir). A parent-death SIGTERM: it stops its run in order
+        when this bench dies however it dies (a test's timeout kills it)."""
+        self.proc = popen(
+            self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, pdeathsig=signal.SIGTERM
+        )
 
     def components(self) -> dict[str, int]:
         try:
@@ -240,7 +263,7 @@ class Chaos:
         f = Fault(kind, at_s=self._now())
         pids = self.run.components()
         pick = lambda prefix: sorted(n for n in pids if n.startswith(prefix))  # noqa: E731
-        if kind.startswith("kill_") and kind != "kill_shell":
+        if kind in ("kill_actor", "kill_learner", "kill_sampler", "kill_nats"):
             names = pick(
                 {"kill_actor": "actor-", "kill_learner": "learner", "kill_sampler": "sampler"}.get(kind, "nats-")
             )
@@ -290,6 +313,22 @@ class Chaos:
                     time.sleep(30)
                 finally:
                     filler.unlink(missing_ok=True)
+        elif kind == "kill_supervisor":  # cluster up itself: nothing of the run may survive it, then resume
+            f.target = "cluster up"
+            self.run.proc.kill()
+            self.run.proc.wait()
+            deadline = time.monotonic() + 10.0
+            while (left := leaked(self.run.run_dir, set(pids.values()))) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if left:
+                f.note = f"{len(left)} processes left after 10 s"
+                self.run.orphans += left
+                for line in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(line.split(":")[0]), signal.SIGKILL)
+            else:
+                f.note = "nothing left after 10 s; cluster up restarted"
+            self.run.start()
         elif kind == "poison":
             f.target = "t1.traj.*"
             f.note = poison_burst(ClusterState.load(self.run.run_dir).nats_url, self.rng, admin_creds(self.run.run_dir))
@@ -414,17 +453,16 @@ def main(argv: list[str] | None = None) -> int:
         "--synth-tasks", "60", "--max-turns", "8", "--max-new-tokens", "32", "--concurrency", "2",
         "--batch-turns", "8", *args.up_args,
     ]  # fmt: skip
-    log = open(run_dir / "chaos-cluster.log", "w")  # noqa: SIM115 - closed below
-    # SIGTERM when this bench dies however it dies (a test's timeout kills it): cluster up stops its run
-    proc = popen(argv_up, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pdeathsig=signal.SIGTERM)
-    run = Run(run_dir, proc, time.monotonic(), journal_fs)
+    log = open(run_dir / "chaos-cluster.log", "a")  # noqa: SIM115 - closed below
+    run = Run(run_dir, argv_up, log, time.monotonic(), journal_fs)
+    run.start()
     faults: list[Fault] = []
     acked: set[tuple[str, int]] = set()
     leaks: list[str] = []
     try:
         deadline = time.monotonic() + args.startup_timeout
         while run.version() < 0:
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if run.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"error: the cluster never trained a step; see {run_dir}/chaos-cluster.log and logs/")
             run.components()
             time.sleep(1)
@@ -434,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < end and (not args.faults or len(faults) < args.faults):
             gap = rng.uniform(lo, hi)
             time.sleep(min(gap, max(end - time.monotonic(), 0)))
-            if time.monotonic() >= end or proc.poll() is not None:
+            if time.monotonic() >= end or run.proc.poll() is not None:
                 break
             chaos = Chaos(run, rng, args.eta)
             before = run.version()
@@ -454,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(2)
     finally:
+        proc = run.proc
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -491,8 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         "recovered": len(rec),
         "recover_s_p50": sorted(rec)[len(rec) // 2] if rec else None,
         "recover_s_max": max(rec) if rec else None,
-        "leaks": len(leaks),
-        "leaked": leaks[:5],
+        "leaks": len(leaks) + len(run.orphans),  # at the end, and what a SIGKILLed cluster up left
+        "leaked": (run.orphans + leaks)[:5],
         "stopped_clean": stopped,
         "eta": args.eta,
         "run_dir": str(run_dir),
@@ -510,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets_met"] = ok
     print(
         f"turns acked {h.get('turns_acked')}, lost {h.get('turns_lost')}, trained twice {h.get('trained_twice')}, "
-        f"leaks {len(leaks)}, recovered {len(rec)}/{len(faults)}, targets {'met' if ok else 'MISSED'}",
+        f"leaks {result['leaks']}, recovered {len(rec)}/{len(faults)}, targets {'met' if ok else 'MISSED'}",
         flush=True,
     )
     if args.json:
