@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def nats_urls(hosts: list[Host]) -> str:
     return ",".join(f"nats://{h.addr}:{NATS_PORT}" for h in hosts)
 
 
-def nats_node_argv(i: int, hosts: list[Host], store: Path, ready: Path) -> list[str]:
+def nats_node_argv(i: int, hosts: list[Host], store: Path, ready: Path, keys: Path) -> list[str]:
     h = hosts[i]
     routes = ",".join(f"{o.addr}:{ROUTE_PORT}" for o in hosts if o is not h)
     return py(
@@ -143,7 +144,29 @@ def nats_node_argv(i: int, hosts: list[Host], store: Path, ready: Path) -> list[
         str(store),
         "--ready-file",
         str(ready),
+        "--secrets",  # only our per-role users: the first node makes the files, the others read them
+        str(keys),
     )
+
+
+def sampler_keys(keys: Path) -> dict[str, str]:
+    """The sampler's API and admin keys, made once into ``keys`` (0600) as an operator would; returned as the
+    environment the learner and the actors read them from (never argv)."""
+    from t1async.transport.auth import write_private
+
+    out = {}
+    for name, var in (("sampler.key", "T1_SAMPLER_API_KEY"), ("sampler-admin.key", "T1_SAMPLER_ADMIN_KEY")):
+        f = keys / name
+        if not f.is_file():
+            write_private(f, secrets.token_urlsafe(32) + "\n")
+        out[var] = f.read_text().strip()
+    return out
+
+
+def _connect_options(keys: Path, role: str) -> dict[str, Any]:
+    from t1async.transport.auth import load_creds
+
+    return load_creds(keys / f"nats-{role}.json").connect_options()
 
 
 # ---------------------------------------------------------------------------------------------- waits
@@ -211,15 +234,15 @@ def journal_keys(run: Path) -> set[Key]:
 # ---------------------------------------------------------------------------------------------- NATS, read back
 
 
-async def _read_streams(urls: list[str]) -> dict[str, Any]:
-    """T1_TRAJ and T1_DEAD, every stored message, by sequence (a plain nats-py client)."""
+async def _read_streams(urls: list[str], keys: Path) -> dict[str, Any]:
+    """T1_TRAJ and T1_DEAD, every stored message, by sequence (a plain nats-py client, as the admin)."""
     import nats
     import nats.js.errors
 
     from t1async.protocol import wire
     from t1async.transport.base import HDR_DEAD_REASON, HDR_DEAD_SUBJECT
 
-    nc = await nats.connect(servers=urls, connect_timeout=5)
+    nc = await nats.connect(servers=urls, connect_timeout=5, **_connect_options(keys, "admin"))
     out: dict[str, Any] = {"turns": [], "ids": [], "undecodable": 0, "dead": [], "dead_turns": [], "replicas": {}}
     try:
         js = nc.jetstream(timeout=10)
@@ -253,13 +276,13 @@ async def _read_streams(urls: list[str]) -> dict[str, Any]:
     return out
 
 
-async def _next_metrics(urls: list[str], timeout_s: float) -> dict[str, Any]:
+async def _next_metrics(urls: list[str], timeout_s: float, keys: Path) -> dict[str, Any]:
     """The learner's next metrics record (``t1.metrics.learner``), its values."""
     import nats
 
     from t1async.protocol import wire
 
-    nc = await nats.connect(servers=urls, connect_timeout=5)
+    nc = await nats.connect(servers=urls, connect_timeout=5, **_connect_options(keys, "reader"))
     try:
         sub = await nc.subscribe("t1.metrics.learner")
         msg = await sub.next_msg(timeout=timeout_s)
@@ -319,11 +342,16 @@ def _run(
         out.pids[name] = p.pid
         return p
 
-    # each host: its NATS node first, all three at once (a node waits for its peers to form the cluster)
+    # each host: its NATS node first (a node waits for its peers to form the cluster). The first one makes the
+    # per-role NATS users in keys/ (README: copy keys/ to the other hosts; here they share the disk)
+    keys = run_dir.parent / "keys"
     ready = [run_dir.parent / f"nats-{i}.url" for i in range(3)]
-    for i, h in enumerate(net.hosts):
-        start(f"nats-{i}", h, nats_node_argv(i, net.hosts, run_dir.parent / f"nats-{i}", ready[i]))
+    start("nats-0", a, nats_node_argv(0, net.hosts, run_dir.parent / "nats-0", ready[0], keys))
+    wait_until("the NATS keys", (keys / "nats-route.password").exists, plan.wait_s, procs)
+    for i in (1, 2):
+        start(f"nats-{i}", net.hosts[i], nats_node_argv(i, net.hosts, run_dir.parent / f"nats-{i}", ready[i], keys))
     wait_until("the 3-node NATS cluster", lambda: all(f.exists() for f in ready), plan.wait_s, procs)
+    env.update(sampler_keys(keys))  # the learner reads both from its environment, the actors the API key
     say(f"NATS cluster up: {urls}")
     sampler_ready = run_dir.parent / "sampler.url"
     start(
@@ -340,6 +368,10 @@ def _run(
             str(sampler_ready),
             "--allowed-weight-roots",
             str(run_dir / "checkpoints"),  # the learner's pushes
+            "--api-key-file",
+            str(keys / "sampler.key"),
+            "--admin-api-key-file",
+            str(keys / "sampler-admin.key"),
         ),
     )
     start(
@@ -354,6 +386,8 @@ def _run(
             sampler_url,
             "--run-dir",
             str(run_dir),
+            "--nats-creds",
+            str(keys / "nats-learner.json"),
             "--stream-replicas",
             "3",
             "--batch-turns",
@@ -383,6 +417,8 @@ def _run(
                 "actors",
                 "--nats",
                 urls,
+                "--nats-creds",
+                str(keys / "nats-actor.json"),
                 "--sampler-url",
                 sampler_url,
                 "--tasks",
@@ -434,7 +470,7 @@ def _run(
         out.exit_codes[f"actor-{i}"] = net.stop(procs.pop(f"actor-{i}"))
 
     def read_back() -> set[Key]:
-        streams = net.call_in(a, lambda: asyncio.run(_read_streams(url_list)))
+        streams = net.call_in(a, lambda: asyncio.run(_read_streams(url_list, keys)))
         out.stream_turns, out.stream_ids = streams["turns"], streams["ids"]
         out.undecodable, out.dead = streams["undecodable"], streams["dead"]
         out.dead_turns = set(streams["dead_turns"])
@@ -450,7 +486,7 @@ def _run(
     )
 
     def accounted() -> bool:  # every turn taken is settled once by some reason, or still open
-        out.metrics = net.call_in(a, lambda: asyncio.run(_next_metrics(url_list, 10)))
+        out.metrics = net.call_in(a, lambda: asyncio.run(_next_metrics(url_list, 10, keys)))
         return sum(out.metrics["settled"].values()) + out.metrics["untrained_turns"] >= len(stream_keys)
 
     try:
