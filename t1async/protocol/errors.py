@@ -16,15 +16,17 @@ raises them (module in brackets).
     ├── SandboxError                 a sandbox could not start or died
     │   ├── SandboxStartError        [sandbox_agent.sandbox.base] it could not start
     │   │   └── ImageError           [sandbox_agent.images] an image could not be built or resolved
+    │   │       └── ImageBuildError      [sandbox_agent.images] a task's image did not build (status image_build_failed)
     │   ├── SandboxClosedError       [sandbox_agent.sandbox.base] used after close: the caller's bug
     │   └── SandboxPathError         [sandbox_agent.sandbox.base] a file path outside the work dir
     ├── ConfigError                  a bad flag, file or setting: the user's fault
     │   └── TaskFormatError          [sandbox_agent.tasks] a task directory that does not load
     ├── ServerStartError             an embedded server (nats-server, sampler) failed to start
-    ├── AssemblyError                [tito] turns assembled against their contract: a programming error
-    ├── RoutingError                 [routing] a routing trace that cannot be decoded (bad base64, size, ids)
+    ├── AssemblyError                [ingest.tito] turns assembled against their contract: a programming error
+    ├── RoutingError                 [ingest.routing] a routing trace that cannot be decoded (bad base64, size, ids)
     ├── BatchError                   [learner.batch] a segment that cannot be trained as given
-    ├── JournalClosedError           [learner.journal] the journal used after close: the caller's bug
+    ├── JournalClosedError           [ingest.journal] the journal used after close: the caller's bug
+    ├── JournalWriteError            [ingest.journal] an append not written or fsynced (a full disk): retry it
     ├── RankFailedError              [learner.distributed] a rank of the distributed learner died
     ├── RankStepError                [learner.distributed] another rank's part of the step raised
     ├── TaskSetupError               [sandbox_agent.runner] a task's setup.sh failed: the task is broken
