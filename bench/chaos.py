@@ -552,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         f"leaks {result['leaks']}, recovered {len(rec)}/{len(faults)}, targets {'met' if ok else 'MISSED'}",
         flush=True,
     )
+    (run_dir / "chaos.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")  # for a post-mortem
     if args.json:
         emit_json(result)
     return 0 if ok else 1
