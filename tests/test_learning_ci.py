@@ -129,8 +129,13 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     generate(tasks, 300, seed=0, families=["touch4"])
     run = tmp_path / "run"
     log = open(tmp_path / "up-1.log", "w")
+    # --max-restarts 0: the learner's death ends this run (cluster up would restart it), the next `up` resumes
     proc = subprocess.Popen(
-        up_argv(run, tasks, 10 * RESUME_TO), env=repo_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        [*up_argv(run, tasks, 10 * RESUME_TO), "--max-restarts", "0"],
+        env=repo_env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + RUN_DEADLINE_S
