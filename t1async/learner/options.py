@@ -14,6 +14,11 @@ class Advantage(enum.StrEnum):
     TURN = "turn"  # each turn's reward minus the step's mean for its turn number (ppo.turn_baseline)
 
 
+class Prefix(enum.StrEnum):
+    EXACT = "exact"  # every cut re-forwards its episode's whole context (exact gradient; O(n) per step)
+    REUSE = "reuse"  # an open episode's kept keys/values stand in for its history (learner.prefixkv)
+
+
 class Critic(enum.StrEnum):
     SHARED = "shared"  # the value loss trains the trunk with the policy
     DETACHED = "detached"  # the value head reads detached hidden states: its loss trains the head only
@@ -21,6 +26,7 @@ class Critic(enum.StrEnum):
 
 ADVANTAGES = tuple(a.value for a in Advantage)
 CRITICS = tuple(c.value for c in Critic)
+PREFIXES = tuple(p.value for p in Prefix)
 
 
 @dataclass(frozen=True)
@@ -53,4 +59,18 @@ class TrainerOptions:
     )
     replay: bool = setting(
         True, "R3 routing replay: force the recorded experts in the training forward", group="learner"
+    )
+    prefix_kv: Prefix = setting(
+        Prefix.REUSE,
+        "reuse: a cut of an open episode forwards only its new positions, attending to the keys and values kept "
+        "from its earlier cuts (no gradient through them; at most --prefix-kv-max-age versions old), so the cost "
+        "per trained token stays flat as episodes grow; exact: re-forward the whole context at every cut",
+        group="learner",
+    )
+    prefix_kv_max_age: int = setting(
+        64,
+        "with --prefix-kv reuse: kept keys and values older than this many policy versions are recomputed (the "
+        "whole context re-forwarded once)",
+        ge=0,
+        group="learner",
     )

@@ -59,6 +59,16 @@ class StepMetrics:
     # where t_step_s went: forwards (scoring and PPO), backward passes with the optimizer step
     t_forward_s: float = 0.0
     t_backward_s: float = 0.0
+    # cost per trained token (learner.prefixkv): positions forwarded (every pass) and back-propagated, over the
+    # positions this step covers for the first time (an episode's new turns and the observations between them;
+    # 1.0 = each position forwarded once). prefix_reused: kept positions attended to instead of re-forwarded
+    forwarded_tokens: int = 0
+    backward_tokens: int = 0
+    new_tokens: int = 0
+    forwarded_per_trained: float = 0.0
+    backward_per_trained: float = 0.0
+    prefix_reused_tokens: int = 0
+    prefix_max_age: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -133,4 +143,11 @@ def step_metrics(
         policy_shift_by_staleness=split.policy_shift_by_staleness,
         t_forward_s=t_fwd,
         t_backward_s=t_backward,
+        forwarded_tokens=int(sums.get("fwd_tokens", 0)),
+        backward_tokens=int(sums.get("bwd_tokens", 0)),
+        new_tokens=int(sums.get("new_tokens", 0)),
+        forwarded_per_trained=sums.get("fwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
+        backward_per_trained=sums.get("bwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
+        prefix_reused_tokens=int(sums.get("prefix_reused", 0)),
+        prefix_max_age=int(sums.get("prefix_age", 0)),
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from t1async.config import check_bounds
 from t1async.learner import ppo
-from t1async.learner.options import Advantage, Critic, TrainerOptions
+from t1async.learner.options import Advantage, Critic, Prefix, TrainerOptions
 from t1async.protocol.errors import ConfigError
 
 
@@ -27,9 +27,10 @@ class TrainerConfig(TrainerOptions):
     # recompute each block in the backward pass instead of keeping its activations (~72 KB a token with the
     # shipped model; kept instead: each block's input, 0.5 KB a token a layer): one more forward per pass
     checkpoint_blocks: bool = True
+    prefix_kv_tokens: int = 1 << 18  # positions of kept keys/values over all open episodes (learner.prefixkv)
 
     def __post_init__(self) -> None:
-        for name, kind in (("critic", Critic), ("advantage", Advantage)):
+        for name, kind in (("critic", Critic), ("advantage", Advantage), ("prefix_kv", Prefix)):
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))
             except ValueError:

@@ -303,7 +303,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
                 f"policy v{v.get('policy_version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
                 f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
                 f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
-                f"busy {fmt(busy, '.0%')}",
+                f"forwarded/trained {fmt(v.get('forwarded_per_trained'), '.2f')} | busy {fmt(busy, '.0%')}",
             )
         )
         ended = int(v.get("episodes_ended", 0) or 0)
@@ -367,6 +367,7 @@ def plain_line(view: RunView) -> str:
         f"{fmt(view.actor_series.rate('turns'))} turns/s",
         f"sampler busy {fmt(view.sampler_busy(), '.0%')}",
         f"step {step}",
+        f"fwd/trained {fmt(v.get('forwarded_per_trained'), '.2f')}",
         f"reward {fmt(v.get('reward_mean') if ended else None)} "
         f"resolved {fmt(v.get('resolved_rate') if ended else None, '.0%')}",
         f"stale {fmt(_trained(v, 'max_staleness'), 'd')}/η {v.get('eta', DASH)}",
