@@ -91,6 +91,7 @@ async def amain(args: ActorSettings) -> int:
         split=args.split,
         episodes=args.episodes,
         seed=args.seed,
+        group_size=args.group_size,
     )
     async with (
         NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,

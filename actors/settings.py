@@ -30,6 +30,14 @@ class EpisodeOptions:
     )
     context_keep_turns: int = setting(8, "turns truncate-observations keeps whole", ge=0, metavar="K", group="actors")
     temperature: float = setting(1.0, "sampling temperature", ge=0, group="actors")
+    group_size: int = setting(
+        1,
+        "run each drawn task K times, at once, as one group (the learner's --advantage grpo/rloo centres each on "
+        "the others); 1: every episode draws its own task",
+        ge=1,
+        metavar="K",
+        group="actors",
+    )
     verify_every: int = setting(
         0,
         "run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",

@@ -39,8 +39,9 @@ from torch.distributed.tensor import DTensor
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
+from t1async.learner.critic import CriticWarmup
 from t1async.learner.prefixkv import KV, PrefixKV
-from t1async.learner.stepmetrics import StepMetrics, step_metrics
+from t1async.learner.stepmetrics import StepMetrics, step_algorithm_metrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
@@ -76,7 +77,8 @@ class Trainer:
         )
         self.steps = 0
         self.device = next(model.parameters()).device
-        self._baseline: dict[int, float] = {}  # advantage="turn": the step's mean reward per turn number
+        self._baseline: ppo.StepBaseline | None = None  # advantage turn/grpo/rloo: the step's baseline (ppo.py)
+        self._warmup = CriticWarmup(model) if config.critic_warmup else None  # value head fit (learner/critic.py)
         self.rank, self.world = 0, 1  # learner.distributed.DistributedTrainer: this rank of ``world``
         self._failed: BaseException | None = None  # this rank's own error in the step now running
         self._t_wait = 0.0  # seconds of this step spent waiting for the other ranks (the gradient meeting)
@@ -142,8 +144,8 @@ class Trainer:
                 lam=cfg.lam,
                 discount_per=cfg.discount_per,
             )
-            if cfg.advantage == "turn":
-                a = ppo.turn_advantages(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards, self._baseline)
+            if self._baseline is not None:
+                a = self._baseline.advantages(s)
             adv[row, :n], ret[row, :n] = a, r
         return torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
 
@@ -154,8 +156,10 @@ class Trainer:
     ) -> StepMetrics:
         t0 = time.perf_counter()
         self._check(segments)
-        # advantage="turn": one baseline from the whole step, so every rank centres its turns alike
-        self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
+        # advantage turn/grpo/rloo: one baseline from the whole step, so every rank centres its turns alike
+        cfg = self.config
+        self._baseline = None if cfg.advantage == "gae" else ppo.StepBaseline.of(cfg.advantage, segments, cfg.gamma)
+        warm_ev = self._warmup.step(segments, cfg) if self._warmup and self.steps < cfg.critic_warmup else None
         local = self._scatter(segments, policy_version)
         try:
             metrics = self._train(local, policy_version, drift, all_segments=segments, t0=t0)
@@ -163,6 +167,7 @@ class Trainer:
             self._step_raised(exc)
             raise
         assert metrics is not None  # rank 0's
+        metrics = step_algorithm_metrics(metrics, self._baseline, warm_ev)
         log.info(
             "trainer.step",
             step=metrics.step,
@@ -416,10 +421,7 @@ class Trainer:
                 # a padding micro-batch (no rows of the step) runs its forward and backward with weight 0
                 (terms.loss if sc.batch.index else terms.loss * 0.0).backward()
                 share = float(sc.batch.loss_mask.sum()) / n_loss
-                for k in ("loss", "policy_loss", "value_loss", "entropy"):
-                    sums[k] += float(getattr(terms, k).detach()) / cfg.ppo_epochs
-                for k in ("clip_frac", "is_trunc_frac"):
-                    sums[k] += float(getattr(terms, k).detach()) * share / cfg.ppo_epochs
+                ppo.accumulate(sums, terms, share=share, epoch=_epoch, epochs=cfg.ppo_epochs)
             grad_norm = self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -474,6 +476,7 @@ class Trainer:
             step=self.steps,
             replay=self.config.replay,
             with_entropy=self.config.loss.entropy_coef > 0,
+            loss_config=self.config.loss,
             **parts,
         )
 
