@@ -162,3 +162,19 @@ async def test_cdchores_chores_done_in_every_directory_fail(tmp_path):
     spray = f"for d in {' '.join(DIRS)}; do (cd $d && {chores.replace(chr(10), ' && ')}); done"
     turns, res = await _scripted(p, [spray], Reward.DENSE)
     assert res.tests_passed == 0 and res.tests_total == 4
+
+
+def test_reward_modes_bench_holds_out_by_content(tmp_path):
+    """bench.reward_modes: no held-out task shares its content with a demo or with a task left for RL."""
+    from bench.reward_modes import held_out_corpus, key_of
+    from sandbox_agent.synth import task_id
+    from sandbox_agent.tasks import split_for
+
+    generate(tmp_path, 300, seed=0, families=["cdchores"])
+    held = held_out_corpus(tmp_path, 1000, 200)
+    left = [load_task(d) for d in tmp_path.iterdir()]
+    demos = {key_of(t) for t in (task_id("cdchores", 1000, i) for i in range(200)) if split_for(t) == "train"}
+    held_keys = {key_of(t.id) for t in held}
+    assert held and all(t.split == "eval" for t in held)
+    assert not held_keys & demos and not held_keys & {key_of(t.id) for t in left if t.split == "train"}
+    assert len(left) < 300 and sum(t.split == "train" for t in left) > 150  # some removed, most kept
