@@ -158,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_grid(
         ["", "pass@1", "mean tests passed (of 4)"],
         grid,
-        title=f"\nheld out by content: {len(held)} tasks x {args.samples} seeded samples, {args.rl_steps} steps each",
+        title=f"\nheld out by content: {len(held)} tasks x {args.samples} seeded samples; learner steps reached: "
+        + ", ".join(f"{r} {len(c)}" for r, c in curves.items()),
     )
     for r, curve in curves.items():
         print(
