@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from sandbox_agent.agent_types import Reward
 from sandbox_agent.context import POLICIES
 from t1async.config import like, setting
 from t1async.sampler.settings import SamplerKeys
@@ -42,6 +43,13 @@ class EpisodeOptions:
         0,
         "run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
         ge=0,
+        group="actors",
+    )
+    reward: Reward = setting(
+        Reward.DENSE,
+        "dense: a verified turn earns the change in tests passing (a per-command process reward with "
+        "--verify-every 1; the rewards add up to the tests passed); binary: only the episode's last turn earns, "
+        "1 if all tests pass at the end, else 0 (an outcome reward)",
         group="actors",
     )
 
