@@ -59,7 +59,7 @@ class EvalSettings:
         "sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap when no "
         "selected task has an image of its own, else containers)",
     )
-    split: Literal["eval", "train", "all"] = setting("eval", "which tasks")
+    split: Literal["eval", "test", "train", "all"] = setting("eval", "which tasks")
     families: str = setting("", "comma-separated task families (default: all)")
     samples: int = setting(1, "episodes per task, K; pass@k for k <= K", ge=1)
     concurrency: int = like(EpisodeOptions, "concurrency", group="episodes", help="episodes at once")
