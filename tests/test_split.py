@@ -117,3 +117,30 @@ def test_split_json_of_another_version_is_refused(tmp_path):
     (tmp_path / SPLIT_FILE).write_text(json.dumps({"version": "id-hash", "tasks": {}}))
     with pytest.raises(ConfigError, match="regenerate the corpus"):
         read_split_json(tmp_path)
+
+
+def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
+    """`python -m t1async.learner sft --tasks DIR` took every task of DIR, eval and test ones too (seen failing
+    on the old code): now only the train split reaches collect_demos, and a dir without one is refused."""
+    from t1async.recipes import sft
+
+    paths = generate(tmp_path / "tasks", 40, seed=0, families=["chores"])
+    got: list = []
+
+    async def fake_collect(tasks, concurrency=2):
+        got.extend(tasks)
+        return []
+
+    monkeypatch.setattr(sft, "collect_demos", fake_collect)
+    with pytest.raises(ConfigError, match="gave a resolved oracle demonstration"):
+        sft.run_sft(out=tmp_path / "out", tasks_dir=tmp_path / "tasks", synth=0, cfg=sft.SFTConfig(steps=1))
+    splits = Counter(load_task(p).split for p in paths)
+    assert splits["eval"] + splits["test"] > 0 and len(got) == splits["train"]
+    assert {t.split for t in got} == {"train"}
+    held = tmp_path / "held"
+    held.mkdir()
+    for p in paths:
+        if load_task(p).split != "train":
+            p.rename(held / p.name)
+    with pytest.raises(ConfigError, match="held out of SFT"):
+        sft.run_sft(out=tmp_path / "out2", tasks_dir=held, synth=0, cfg=sft.SFTConfig(steps=1))
