@@ -117,6 +117,8 @@ def test_split_json_of_another_version_is_refused(tmp_path):
     (tmp_path / SPLIT_FILE).write_text(json.dumps({"version": "id-hash", "tasks": {}}))
     with pytest.raises(ConfigError, match="regenerate the corpus"):
         read_split_json(tmp_path)
+    generate(tmp_path, 2, seed=0, families=["chores"])  # regenerating replaces it
+    assert len(read_split_json(tmp_path)) == 2
 
 
 def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):

@@ -24,9 +24,13 @@ Entry = tuple[str, str, str]  # (split, content key, family)
 
 
 def write_split_json(root: Path, entries: Mapping[str, Entry]) -> Path:
-    """Write (or merge into) ``root/split.json``; the file's path."""
+    """Write (or merge into) ``root/split.json``; the file's path. A file of another split version is
+    replaced, not merged."""
     f = Path(root) / SPLIT_FILE
-    old = read_split_json(root) if f.is_file() else {}
+    try:
+        old = read_split_json(root) if f.is_file() else {}
+    except ConfigError:  # another split version's (or unreadable): its entries no longer hold
+        old = {}
     old.update({tid: {"split": s, "content_key": k, "family": fam} for tid, (s, k, fam) in entries.items()})
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": SPLIT_VERSION, "tasks": dict(sorted(old.items()))}, indent=1) + "\n")
