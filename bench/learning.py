@@ -1,26 +1,32 @@
-"""Does the whole loop learn? Warm start -> held-out eval -> RL with the real cluster -> the same eval again.
+"""Does the whole loop learn? Warm start -> held-out evals -> N RL runs with the real cluster -> test evals.
 
-    python -m bench.learning [--recipe learn] [--rl-steps 300] [--samples 4] [--json]
+    python -m bench.learning [--recipe learn] [--rl-steps 300] [--samples 4] [--seeds 3] [--json]
 
 1. the warm start: ``t1async.recipes.warmstart`` builds the recipe's model once (seeded) and caches it;
-2. a corpus of the recipe's families (``--eval-corpus`` tasks, seed 0) is written into the run dir; its eval
-   split (a hash of the task id, ~10%) is never drawn by the actors;
-3. eval before: ``t1async.eval.run_eval`` with the embedded sampler on the warm start, ``--samples`` seeded
-   episodes per held-out task (seeded per task, sample and turn);
-4. RL: ``python -m t1async.cluster up --preset learn --steps N`` on that corpus: nats-server with JetStream,
-   the embedded sampler, the learner (PPO, credits, R3), actors in the bwrap sandbox; the train split only;
-5. eval after: the learner's last checkpoint, the same tasks, the same seeds;
-6. out of distribution, no target: the 11 default families (never trained on), before and after.
+2. the split, frozen first: a corpus of the recipe's families (``--eval-corpus`` tasks, seed ``--seed``) in
+   the run dir, split train / eval / test by a hash of each task's *content key* (the chore set, ...), so eval
+   and test hold out whole keys; ``split.json`` in the run dir lists every task with its split and key and
+   whether no eval or test key is among the RL tasks or the warm start's demonstrations (``split_disjoint``).
+   A cached corpus (and the OOD one) is reused only when it is exactly the one asked for;
+3. the warm start's best decoding: pass@1 at each of ``--temperatures`` on the eval split (the tuning set),
+   the best chosen there; then on the test split at that temperature, greedily and at the training one;
+4. ``--seeds N`` RL runs (``cluster up --preset learn --steps N --seed S``, S = ``--seed`` + i: nats-server
+   with JetStream, the embedded sampler, the learner, actors in the bwrap sandbox; the train split only),
+   each checkpoint evaluated on the test split greedily and at the training temperature;
+5. out of distribution: the 11 default families (never trained on), before and after the first seed.
 
-Prints the learning curve (per learner step: reward per trained turn, the share of episodes ending at that
-policy version that resolved, mean |Δlogp| between sampler and learner), the before/after table with 95%
-bootstrap CIs over tasks (the differences are paired: the same tasks resampled for both), writes
-``learning.png`` and ``summary.json`` into the run dir; the last stdout line is JSON with ``pass1_before``,
-``pass1_after``, ``reward_before``, ``reward_after`` (mean tests passed per episode), ``ci95_diff`` and
-``minutes`` (evals + RL, not the cached warm start).
+Episodes are seeded per task, sample and turn (greedy: one sample). Figures are means over content keys with
+95% bootstrap CIs over keys, the differences paired; episodes that errored (sandbox, sampler, timeout,
+verifier) are left out of them and counted (``errors``). The test split is reported once, last: per seed
+greedy-after vs the best decoding before and T-after vs T-before, then the mean and spread over seeds.
+Writes ``learning.png``, ``split.json`` and ``summary.json``; the last stdout line is JSON with
+``best_decoding_before`` {temperature, pass1}, ``seeds`` [{pass1_before, pass1_after, ci95_diff {pass1,
+tests}, tests_before, tests_after, at_train_temperature}], ``over_seeds``, ``split_disjoint``, ``ood``,
+``errors``, ``checks`` and ``minutes_per_seed``.
 
-Targets: pass@1 after >= before + 10 points, mean tests >= 1.2x before, both diffs' CIs exclude
-0, mean |Δlogp| <= 0.02 at every step, ``minutes`` <= 60 on 2 cores.
+Targets (each seed, test split): greedy pass@1 after >= the warm start's best + 10 points with the paired CI
+excluding 0, the T = 1 CI excluding 0; mean tests >= 1.2x before; |Δlogp| <= 0.02 at every step;
+<= 45 minutes of RL and evals per seed on 2 cores.
 """
 
 from __future__ import annotations
@@ -40,8 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import emit_json, print_grid
-from bench.learning_stats import column, learning_curve, per_task, plot
-from t1async.eval.stats import mean_ci, paired_diff
+from bench.learning_stats import best_decoding, compare, error_counts, learning_curve, pass1, plot, split_check, spread
 from t1async.log import configure, get_logger
 from t1async.signals import handlers
 
@@ -114,7 +119,7 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
         *extra,
     ]
     print("rl: " + " ".join(argv[1:]), flush=True)
-    with open(run_dir.parent / "cluster-up.log", "w") as logf:
+    with open(run_dir.parent / f"cluster-up-{run_dir.name}.log", "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
         # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
         # `cluster up` and its components running)
@@ -132,42 +137,90 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
     if ck is None:
         raise SystemExit(
             f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
-            f"{run_dir.parent / 'cluster-up.log'} and {run_dir / 'logs'}"
+            f"{run_dir.parent / f'cluster-up-{run_dir.name}.log'} and {run_dir / 'logs'}"
         )
     print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version})", flush=True)
     return Path(ck.path)
+
+
+def ensure_corpus(root: Path, n: int, seed: int, families: Sequence[str]) -> dict[str, dict]:
+    """The corpus ``generate(root, n, seed, families)`` writes, reused only when ``root/split.json`` lists
+    exactly its tasks, splits and keys and every task dir is there; regenerated otherwise (a cached dir of
+    another size or seed was reused before). Its ``split.json`` table."""
+    from sandbox_agent.synth import corpus_entries, generate
+    from sandbox_agent.synth.split import read_split_json
+    from t1async.protocol.errors import ConfigError
+
+    want = {
+        t: {"split": s, "content_key": k, "family": f}
+        for t, (s, k, f) in corpus_entries(n, seed, list(families)).items()
+    }
+    try:
+        have: dict[str, dict] | None = read_split_json(root)
+    except ConfigError:
+        have = None
+    if have != want or not all((root / t / "task.yaml").is_file() for t in want):
+        if root.exists():
+            print(f"corpus: {root} is not {n} tasks of seed {seed} of this split: regenerating", flush=True)
+            shutil.rmtree(root)
+        generate(root, n, seed=seed, families=list(families))
+        have = read_split_json(root)
+    return have
+
+
+def held_tasks(root: Path, table: dict[str, dict], split: str) -> list:
+    from sandbox_agent.tasks import load_task
+
+    return [load_task(root / t) for t, e in sorted(table.items()) if e["split"] == split]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="learn", help="warm-start recipe (default learn)")
     p.add_argument("--run-dir", type=Path, default=Path("runs/learning"))
-    p.add_argument("--eval-corpus", type=int, default=600, help="tasks in the corpus (~10%% are the eval split)")
-    p.add_argument("--samples", type=int, default=4, help="seeded episodes per held-out task (default 4)")
-    p.add_argument("--rl-steps", type=int, default=300, help="learner steps of RL (default 300)")
+    p.add_argument(
+        "--eval-corpus", type=int, default=600, help="tasks in the corpus (~10%% eval, ~10%% test, by content key)"
+    )
+    p.add_argument("--samples", type=int, default=4, help="seeded episodes per held-out task at T > 0 (default 4)")
+    p.add_argument("--rl-steps", type=int, default=300, help="learner steps of RL per seed (default 300)")
     p.add_argument(
         "--rl-timeout", type=float, default=3300.0, help="stop RL after this many seconds anyway (default 3300)"
     )
+    p.add_argument("--seeds", type=int, default=1, help="independent RL runs (RL seeds --seed .. --seed+N-1)")
+    p.add_argument(
+        "--temperatures",
+        default="0,0.3,0.7,1.0",
+        help="the warm start's decoding sweep, chosen on eval, reported on test (default 0,0.3,0.7,1.0)",
+    )
     p.add_argument("--ood-tasks", type=int, default=220, help="default-family corpus for the OOD eval (0: skip)")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="corpus and eval seed, and the first RL seed")
     p.add_argument("--cluster-arg", action="append", default=[], help="extra flag for cluster up (repeatable)")
     p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
     args = p.parse_args(argv)
+    try:
+        temps = sorted({float(x) for x in args.temperatures.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--temperatures {args.temperatures!r}: expected numbers separated by commas, e.g. 0,0.3,0.7,1.0")
+    if not temps or min(temps) < 0:
+        p.error(f"--temperatures {args.temperatures!r}: give one or more temperatures >= 0")
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give 1 or more")
+    if any(a.split("=")[0] == "--seed" for a in args.cluster_arg):
+        p.error("--cluster-arg --seed: the RL seeds come from --seed and --seeds")
     configure(level="warning")
-    from sandbox_agent.synth import generate
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.synth import corpus_entries
     from t1async.recipes.presets import preset_values
     from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
 
     pv = preset_values("learn")
+    train_t = float(pv["temperature"])
     ev = {
         "max_turns": pv["max_turns"],
         "max_new_tokens": pv["max_new_tokens"],
         "max_context": pv["max_context"],
         "concurrency": args.concurrency,
         "seed": args.seed,
-        "temperature": pv["temperature"],
     }
     recipe = get_recipe(args.recipe)
     run = args.run_dir
@@ -177,160 +230,276 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_warm = time.perf_counter() - t0
     ev["system_prompt"] = system_prompt_of(warm)
     print(f"warm start: {warm} ({t_warm:.0f} s; {json.loads((warm / 'sft_metrics.json').read_text())})", flush=True)
+
+    # -- the split, frozen before anything is measured: by content key, checked against the SFT corpus too
     tasks_dir = run / ("tasks-" + "-".join(recipe.families))  # a recipe of other families gets its own corpus
-    if not any(tasks_dir.glob("*/task.yaml")):
-        generate(tasks_dir, args.eval_corpus, seed=args.seed, families=list(recipe.families))
-    held = [
-        t
-        for t in (load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file())
-        if t.split == "eval"
-    ]
+    table = ensure_corpus(tasks_dir, args.eval_corpus, args.seed, recipe.families)
+    sft = corpus_entries(recipe.tasks, recipe.task_seed, list(recipe.families))
+    check = split_check(table, sft)
+    (run / "split.json").write_text(json.dumps({**check, "corpus": str(tasks_dir), "tasks": table}, indent=1) + "\n")
+    print(f"split: {check['task_counts']} tasks, {check['keys']} content keys; disjoint {check['split_disjoint']}")
+    if not check["split_disjoint"]:
+        print(f"split: NOT disjoint by content: {check['leaks'] or check['wrong_split']}", file=sys.stderr)
+    evals, tests = held_tasks(tasks_dir, table, "eval"), held_tasks(tasks_dir, table, "test")
+    if not evals or not tests:
+        raise SystemExit(f"--eval-corpus {args.eval_corpus}: no eval or no test task in {tasks_dir}; give more tasks")
     ood = []
     if args.ood_tasks:
-        ood_dir = run / "ood-tasks"
-        if not any(ood_dir.glob("*/task.yaml")):
-            generate(ood_dir, args.ood_tasks, seed=args.seed, families=list(DEFAULT_FAMILIES))
-        ood = [
-            t
-            for t in (load_task(d) for d in sorted(ood_dir.iterdir()) if (d / "task.yaml").is_file())
-            if t.split == "eval"
-        ]
-    print(f"held-out: {len(held)} tasks x {args.samples} samples; OOD: {len(ood)} tasks x 1", flush=True)
+        ood_table = ensure_corpus(run / "ood-tasks", args.ood_tasks, args.seed, DEFAULT_FAMILIES)
+        ood = held_tasks(run / "ood-tasks", ood_table, "eval")
+    print(
+        f"held out: eval {len(evals)} tasks, test {len(tests)} tasks x {args.samples} samples (greedy: 1); "
+        f"OOD: {len(ood)} tasks x 1",
+        flush=True,
+    )
+
+    def policy_eval(model: Path, tasks: list, temperature: float, name: str, samples: int | None = None) -> list:
+        k = 1 if temperature == 0 else (samples or args.samples)  # greedy: every sample would be the same
+        t = time.perf_counter()
+        rows = eval_policy(model, tasks, samples=k, out=run / f"{name}.jsonl", temperature=temperature, **ev)
+        # the test split's figures are shown once, at the end, with their CIs
+        score = "" if name.startswith("test") else f", pass@1 {pass1(rows):.1%}"
+        print(f"{name}: {len(rows)} episodes{score}, {time.perf_counter() - t:.0f} s", flush=True)
+        return rows
+
+    # -- the warm start's best decoding: chosen on eval...
+    all_rows: dict[str, list] = {}
     t1 = time.perf_counter()
-    rows_b = eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)
-    print(f"eval before: {time.perf_counter() - t1:.0f} s", flush=True)
-    rl_dir = run / "rl"
-    if rl_dir.exists():  # cluster up would resume an earlier run's checkpoints there: RL starts from the warm start
-        print(f"rl: removing {rl_dir} from an earlier run", flush=True)
-        shutil.rmtree(rl_dir)
-    t2 = time.perf_counter()
-    ckpt = run_rl(rl_dir, tasks_dir, args.rl_steps, args.cluster_arg, args.rl_timeout)
-    t_rl = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    rows_a = eval_policy(ckpt, held, samples=args.samples, out=run / "eval-after.jsonl", **ev)
-    print(f"eval after: {time.perf_counter() - t3:.0f} s", flush=True)
-    minutes = (time.perf_counter() - t1) / 60.0
-    ood_b = ood_a = []
-    if ood:
-        ood_b = eval_policy(warm, ood, samples=1, out=run / "ood-before.jsonl", **ev)
-        ood_a = eval_policy(ckpt, ood, samples=1, out=run / "ood-after.jsonl", **ev)
-    b, a = per_task(rows_b), per_task(rows_a)
-    table = {
-        w: {"pass1": mean_ci(list(column(s, 0).values())), "tests": mean_ci(list(column(s, 1).values()))}
-        for w, s in (("before", b), ("after", a))
-    }
-    diff = {k: paired_diff(column(b, i), column(a, i)) for i, k in enumerate(("pass1", "tests"))}
-    curve = learning_curve(rl_dir / "metrics.jsonl")
-    print_grid(
-        ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
-        [
-            [
-                r["step"],
-                r["reward_per_turn"],
-                r["episodes"],
-                r["resolved_rate"],
-                r["tests_per_episode"],
-                f"{r['mean_abs_dlogp']:.4f}",
-            ]
-            for r in curve
-        ],
-        title="\nlearning curve (RL, train split)",
-    )
+    sweep = {}
+    for temp in temps:
+        all_rows[f"eval-before-T{temp:g}"] = rows = policy_eval(warm, evals, temp, f"eval-before-T{temp:g}")
+        sweep[temp] = pass1(rows)
+    best_t, best_eval = best_decoding(sweep)
+    print(f"best decoding of the warm start on eval: T = {best_t:g} (pass@1 {best_eval:.1%})", flush=True)
+    # ...and the warm start on test at it, greedily and at the training temperature (not looked at until now)
+    before: dict[float, list] = {}
+    for temp in sorted({best_t, 0.0, train_t}):
+        before[temp] = all_rows[f"test-before-T{temp:g}"] = policy_eval(warm, tests, temp, f"test-before-T{temp:g}")
+    ood_b = policy_eval(warm, ood, train_t, "ood-before", samples=1) if ood else []
+    all_rows["ood-before"] = ood_b
+    t_before = time.perf_counter() - t1
 
-    def fmt(f: dict, pct: bool) -> str:
-        m, (lo, hi) = f["mean"], f["ci95"]
-        return f"{m:.1%} [{lo:.1%}, {hi:.1%}]" if pct else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
-
-    print_grid(
-        ["", "pass@1", "mean tests passed (of 4)"],
-        [
-            ["before (warm start)", fmt(table["before"]["pass1"], True), fmt(table["before"]["tests"], False)],
-            ["after RL", fmt(table["after"]["pass1"], True), fmt(table["after"]["tests"], False)],
-            ["after - before (paired)", fmt(diff["pass1"], True), fmt(diff["tests"], False)],
-        ],
-        title=f"\nheld-out eval split: {len(b)} tasks x {args.samples} seeded samples",
-    )
-    fam = {}
-    for name, rows in (("before", rows_b), ("after", rows_a), ("ood_before", ood_b), ("ood_after", ood_a)):
-        by: dict[str, list[dict]] = {}
-        for r in rows:
-            by.setdefault(r["family"], []).append(r)
-        fam[name] = {
-            f: {
-                "resolved": float(np.mean([r["resolved"] for r in rs])),
-                "tests": float(np.mean([r["tests_passed"] for r in rs])),
-                "episodes": len(rs),
-            }
-            for f, rs in sorted(by.items())
+    # -- N RL runs on the same frozen split, each evaluated on test greedily and at the training temperature
+    seeds: list[dict] = []
+    for i in range(args.seeds):
+        rl_seed = args.seed + i
+        rl_dir = run / f"rl-seed{rl_seed}"
+        if rl_dir.exists():  # cluster up would resume an earlier run's checkpoints there
+            print(f"rl: removing {rl_dir} from an earlier run", flush=True)
+            shutil.rmtree(rl_dir)
+        t2 = time.perf_counter()
+        ckpt = run_rl(rl_dir, tasks_dir, args.rl_steps, ["--seed", str(rl_seed), *args.cluster_arg], args.rl_timeout)
+        t_rl = time.perf_counter() - t2
+        greedy = all_rows[f"test-after-s{rl_seed}-T0"] = policy_eval(ckpt, tests, 0.0, f"test-after-s{rl_seed}-T0")
+        at_t = all_rows[f"test-after-s{rl_seed}-T{train_t:g}"] = policy_eval(
+            ckpt, tests, train_t, f"test-after-s{rl_seed}-T{train_t:g}"
+        )
+        curve = learning_curve(rl_dir / "metrics.jsonl")
+        dl = [r["mean_abs_dlogp"] for r in curve if np.isfinite(r["mean_abs_dlogp"])]
+        entry = {
+            "rl_seed": rl_seed,
+            **compare(before[best_t], greedy),  # the target: greedy after vs the warm start's best decoding
+            "temperature_before": best_t,
+            "temperature_after": 0.0,
+            "at_train_temperature": {"temperature": train_t, **compare(before[train_t], at_t)},
+            "greedy_vs_greedy": compare(before[0.0], greedy),
+            "rl_minutes": t_rl / 60.0,
+            "minutes": (time.perf_counter() - t2) / 60.0,
+            "rl_steps": len(curve),
+            "max_abs_dlogp": max(dl) if dl else None,
+            "checkpoint": str(ckpt),
+            "curve": curve,
         }
+        if ood and i == 0:
+            ood_a = all_rows["ood-after"] = policy_eval(ckpt, ood, train_t, "ood-after", samples=1)
+            entry["ood"] = compare(ood_b, ood_a)
+        seeds.append(entry)
+        print_grid(
+            ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
+            [
+                [
+                    r["step"],
+                    r["reward_per_turn"],
+                    r["episodes"],
+                    r["resolved_rate"],
+                    r["tests_per_episode"],
+                    f"{r['mean_abs_dlogp']:.4f}",
+                ]
+                for r in curve[:: max(1, len(curve) // 30)]
+            ],
+            title=f"\nlearning curve, RL seed {rl_seed} (train split; one row per {max(1, len(curve) // 30)} steps)",
+        )
 
-    def fam_row(label: str, b: dict, a: dict) -> list:
-        return [label, b["resolved"], a.get("resolved", float("nan")), b["tests"], a.get("tests", float("nan"))]
-
-    rows = [fam_row(f, fam["before"][f], fam["after"].get(f, {})) for f in fam["before"]]
-    rows += [fam_row(f"OOD {f}", fam["ood_before"][f], fam["ood_after"].get(f, {})) for f in fam["ood_before"]]
-    print_grid(
-        ["family", "resolved before", "after", "tests before", "after"],
-        rows,
-        title="\nper family (OOD: default families, never trained on, no target)",
+    summary = assemble(
+        seeds=seeds,
+        sweep=sweep,
+        best_t=best_t,
+        best_test=pass1(before[best_t]),
+        train_t=train_t,
+        check=check,
+        errors=error_counts(all_rows),
+        ood=seeds[0].get("ood"),
     )
-    dl = [r["mean_abs_dlogp"] for r in curve if np.isfinite(r["mean_abs_dlogp"])]
-    tb, ta = table["before"]["tests"]["mean"], table["after"]["tests"]["mean"]
-    checks = {
-        "pass1_up_10_points": diff["pass1"]["mean"] >= 0.10,
-        "tests_1.2x": ta >= 1.2 * tb and ta > tb,
-        "ci_pass1_excludes_0": diff["pass1"]["ci95"][0] > 0,
-        "ci_tests_excludes_0": diff["tests"]["ci95"][0] > 0,
-        "dlogp_le_0.02": bool(dl) and max(dl) <= 0.02,
-        "minutes_le_60": minutes <= 60,
-    }
-    print("\ntargets: " + ", ".join(f"{k} {'OK' if v else 'MISSED'}" for k, v in checks.items()), flush=True)
+    summary.update(
+        minutes_before=t_before / 60.0,
+        warm_start_s=t_warm,
+        samples=args.samples,
+        eval_tasks=len(evals),
+        test_tasks=len(tests),
+        warm_start=str(warm),
+        recipe=recipe.name,
+        threads=os.cpu_count(),
+    )
+    report(summary)
     try:
-        plot(curve, table, run / "learning.png")
+        plot(seeds[0]["curve"], table_of(seeds[0], before[train_t]), run / "learning.png")
     except Exception as exc:  # a missing matplotlib must not lose the numbers
         print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
-    summary = {
-        "pass1_before": table["before"]["pass1"]["mean"],
-        "pass1_after": table["after"]["pass1"]["mean"],
-        "reward_before": tb,
-        "reward_after": ta,
-        "ci95_diff": {"pass1": diff["pass1"]["ci95"], "tests": diff["tests"]["ci95"]},
-        "diff": diff,
-        "table": table,
-        "families": fam,
-        "checks": checks,
-        "minutes": minutes,
-        "rl_minutes": t_rl / 60.0,
-        "warm_start_s": t_warm,
-        "rl_steps": len(curve),
-        "max_abs_dlogp": max(dl) if dl else None,
-        "mean_abs_dlogp": float(np.mean(dl)) if dl else None,
-        "held_out_tasks": len(b),
-        "samples": args.samples,
-        "curve": curve,
-        "checkpoint": str(ckpt),
-        "warm_start": str(warm),
-        "recipe": recipe.name,
-        "threads": os.cpu_count(),
-    }
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    emit_json(
-        {
-            k: summary[k]
-            for k in (
-                "pass1_before",
-                "pass1_after",
-                "reward_before",
-                "reward_after",
-                "ci95_diff",
-                "minutes",
-                "max_abs_dlogp",
-                "rl_steps",
-                "held_out_tasks",
-            )
-        }
-    )
+    emit_json({k: summary[k] for k in LAST_LINE})
     return 0
+
+
+LAST_LINE = (
+    "best_decoding_before",
+    "seeds",
+    "over_seeds",
+    "split_disjoint",
+    "ood",
+    "errors",
+    "checks",
+    "minutes_per_seed",
+)
+
+
+def assemble(
+    *,
+    seeds: list[dict],
+    sweep: dict[float, float],
+    best_t: float,
+    best_test: float,
+    train_t: float,
+    check: dict,
+    errors: dict,
+    ood: dict | None,
+) -> dict:
+    """The bench's summary from its parts (pure: tested without running it). ``seeds`` entries are
+    ``compare``'s (greedy after vs the best decoding before) plus ``at_train_temperature``, ``rl_seed``,
+    ``minutes``, ``max_abs_dlogp``; the last JSON line's ``seeds`` keeps the issue's fields of each."""
+    keep = ("pass1_before", "pass1_after", "ci95_diff", "tests_before", "tests_after")
+    short = [
+        {
+            "rl_seed": s["rl_seed"],
+            **{k: s[k] for k in keep},
+            "at_train_temperature": {k: s["at_train_temperature"][k] for k in ("temperature", *keep)},
+        }
+        for s in seeds
+    ]
+    t1 = [s["at_train_temperature"] for s in seeds]
+    over = {
+        "pass1_diff_greedy_vs_best": spread([s["diff"]["pass1"] for s in seeds]),
+        "pass1_diff_at_train_temperature": spread([s["diff"]["pass1"] for s in t1]),
+        "tests_ratio_at_train_temperature": spread([s["tests_after"] / max(s["tests_before"], 1e-9) for s in t1]),
+    }
+    dl = [s["max_abs_dlogp"] for s in seeds]
+    checks = {
+        "split_disjoint": bool(check["split_disjoint"]),
+        "each_seed_greedy_ge_best_before_plus_10": all(s["pass1_after"] >= s["pass1_before"] + 0.10 for s in seeds),
+        "each_seed_ci_pass1_excludes_0": all(s["ci95_diff"]["pass1"][0] > 0 for s in seeds),
+        "each_seed_T_ci_pass1_excludes_0": all(s["ci95_diff"]["pass1"][0] > 0 for s in t1),
+        "mean_tests_1.2x": over["tests_ratio_at_train_temperature"]["mean"] >= 1.2,
+        "dlogp_le_0.02": all(d is not None and d <= 0.02 for d in dl),
+        "minutes_per_seed_le_45": all(s["minutes"] <= 45 for s in seeds),
+    }
+    return {
+        "best_decoding_before": {"temperature": best_t, "pass1": best_test, "eval_sweep": sweep},
+        "train_temperature": train_t,
+        "seeds": short,
+        "seed_details": seeds,
+        "over_seeds": over,
+        "split_disjoint": bool(check["split_disjoint"]),
+        "split": check,
+        "ood": ood,
+        "errors": errors["total"],
+        "errors_by_eval": errors["by_eval"],
+        "checks": checks,
+        "minutes_per_seed": [s["minutes"] for s in seeds],
+    }
+
+
+def table_of(seed: dict, before_rows: list) -> dict:
+    """plot()'s before/after table at the training temperature for one seed (means only; no CIs drawn)."""
+    t = seed["at_train_temperature"]
+    nan = [float("nan")] * 2
+    return {
+        "before": {
+            "pass1": {"mean": t["pass1_before"], "ci95": nan},
+            "tests": {"mean": t["tests_before"], "ci95": nan},
+        },
+        "after": {"pass1": {"mean": t["pass1_after"], "ci95": nan}, "tests": {"mean": t["tests_after"], "ci95": nan}},
+    }
+
+
+def report(summary: dict) -> None:
+    """The tables: the eval sweep, then the test split (reported once, last), the spread, errors, targets."""
+
+    def ci(c: list[float], pct: bool) -> str:
+        return f"[{c[0]:+.1%}, {c[1]:+.1%}]" if pct else f"[{c[0]:+.2f}, {c[1]:+.2f}]"
+
+    bd = summary["best_decoding_before"]
+    print_grid(
+        ["temperature", "warm start pass@1 (eval split)"],
+        [[f"{t:g}", f"{p:.1%}"] for t, p in sorted(bd["eval_sweep"].items())],
+        title="\nthe warm start's decoding sweep, on the eval split (the tuning set)",
+    )
+    rows = []
+    for s in summary["seed_details"]:
+        for label, c in (
+            (f"greedy vs best T={s['temperature_before']:g}", s),
+            (f"T={summary['train_temperature']:g} vs T={summary['train_temperature']:g}", s["at_train_temperature"]),
+        ):
+            rows.append(
+                [
+                    s["rl_seed"],
+                    label,
+                    f"{c['pass1_before']:.1%}",
+                    f"{c['pass1_after']:.1%}",
+                    ci(c["ci95_diff"]["pass1"], True),
+                    f"{c['tests_before']:.2f}",
+                    f"{c['tests_after']:.2f}",
+                    ci(c["ci95_diff"]["tests"], False),
+                ]
+            )
+    if summary["ood"]:
+        o = summary["ood"]
+        rows.append(
+            [
+                "OOD",
+                "seed 0, T=train",
+                f"{o['pass1_before']:.1%}",
+                f"{o['pass1_after']:.1%}",
+                ci(o["ci95_diff"]["pass1"], True),
+                f"{o['tests_before']:.2f}",
+                f"{o['tests_after']:.2f}",
+                ci(o["ci95_diff"]["tests"], False),
+            ]
+        )
+    print_grid(
+        ["RL seed", "decoding", "pass@1 before", "after", "diff 95% CI", "tests before", "after", "diff 95% CI"],
+        rows,
+        title=f"\nTEST split (content keys never trained on; reported once): {summary['test_tasks']} tasks, CIs over "
+        "content keys",
+    )
+    o = summary["over_seeds"]
+    print(
+        "over seeds: "
+        + "; ".join(
+            f"{k} mean {v['mean']:+.3f} sd {v['sd']:.3f} [{v['min']:+.3f}, {v['max']:+.3f}]" for k, v in o.items()
+        )
+    )
+    errs = {k: n for k, n in summary["errors"].items() if n and k != "episodes"}
+    print(f"episode errors (not counted as failures): {errs or 'none'} of {summary['errors']['episodes']} episodes")
+    print("targets: " + ", ".join(f"{k} {'OK' if v else 'MISSED'}" for k, v in summary["checks"].items()), flush=True)
 
 
 if __name__ == "__main__":

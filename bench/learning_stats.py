@@ -1,21 +1,28 @@
-"""bench.learning's arithmetic and figure: per-task scores, the learning curve read from a run's
-``metrics.jsonl``, and ``learning.png``. Means, CIs and the paired before/after difference are
-``t1async.eval.stats``'s (``mean_ci``, ``paired_diff``)."""
+"""bench.learning's arithmetic and figure: per-task (or per content key) scores, the paired before/after
+comparison, the warm start's best decoding, the spread over seeds, episode errors, the split check, the
+learning curve read from a run's ``metrics.jsonl``, and ``learning.png``. Means, CIs and the paired
+difference are ``t1async.eval.stats``'s (``mean_ci``, ``paired_diff``); episodes that errored are counted
+apart (``t1async.eval.stats.split_errors``), never as the policy's failures."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from sandbox_agent.synth.split import leaks
+from sandbox_agent.tasks import split_for
+from t1async.eval.stats import EPISODE_ERRORS, mean_ci, paired_diff, split_errors
 
-def per_task(rows: Sequence[dict]) -> dict[str, tuple[float, float]]:
-    """task -> (share of its episodes resolved, mean tests passed)."""
-    by: dict[str, list[dict]] = {}
+
+def per_task(rows: Sequence[Mapping], by_key: str = "task") -> dict[str, tuple[float, float]]:
+    """task (or the rows' ``by_key`` value, e.g. ``content_key``) -> (share of its episodes resolved, mean
+    tests passed)."""
+    by: dict[str, list[Mapping]] = {}
     for r in rows:
-        by.setdefault(r["task"], []).append(r)
+        by.setdefault(str(r.get(by_key) or r["task"]), []).append(r)
     return {
         t: (float(np.mean([e["resolved"] for e in es])), float(np.mean([e["tests_passed"] for e in es])))
         for t, es in by.items()
@@ -99,3 +106,82 @@ def plot(curve: list[dict], table: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def compare(before: Sequence[Mapping], after: Sequence[Mapping]) -> dict:
+    """Before vs after on the same tasks: pass@1 and mean tests passed (means over content keys, every key
+    weighing the same: the tasks of one key are one held-out item, not independent draws) and the paired
+    difference with its 95% bootstrap CI over keys. Errored episodes are left out of both sides."""
+    b, a = (per_task(split_errors(rows)[0], by_key="content_key") for rows in (before, after))
+    d = {k: paired_diff(column(b, i), column(a, i)) for i, k in enumerate(("pass1", "tests"))}
+    return {
+        "pass1_before": mean_ci(list(column(b, 0).values()))["mean"],
+        "pass1_after": mean_ci(list(column(a, 0).values()))["mean"],
+        "tests_before": mean_ci(list(column(b, 1).values()))["mean"],
+        "tests_after": mean_ci(list(column(a, 1).values()))["mean"],
+        "diff": {"pass1": d["pass1"]["mean"], "tests": d["tests"]["mean"]},
+        "ci95_diff": {"pass1": d["pass1"]["ci95"], "tests": d["tests"]["ci95"]},
+        "keys": d["pass1"]["tasks"],
+    }
+
+
+def pass1(rows: Sequence[Mapping]) -> float:
+    """pass@1 of an eval's rows: the mean over content keys of their share resolved (errors left out)."""
+    scores = per_task(split_errors(rows)[0], by_key="content_key")
+    return float(np.mean(list(column(scores, 0).values()))) if scores else float("nan")
+
+
+def best_decoding(sweep: dict[float, float]) -> tuple[float, float]:
+    """(temperature, pass@1) of the best entry of a temperature -> pass@1 sweep; a tie goes to the lower
+    temperature, a NaN (nothing scored) never wins."""
+    ok = {t: p for t, p in sweep.items() if np.isfinite(p)}
+    if not ok:
+        raise ValueError(f"no temperature of the sweep scored anything: {sweep}")
+    t = min(ok, key=lambda x: (-ok[x], x))
+    return t, ok[t]
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), min and max over seeds."""
+    v = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(v.mean()),
+        "sd": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "n": int(v.size),
+    }
+
+
+def error_counts(evals: Mapping[str, Sequence[Mapping]]) -> dict:
+    """Episode errors by kind over every eval (``total``, with ``episodes``: all episodes run) and per eval."""
+    total = {**dict.fromkeys(EPISODE_ERRORS, 0), "episodes": 0}
+    by: dict[str, dict[str, int]] = {}
+    for name, rows in evals.items():
+        _, errs = split_errors(rows)
+        by[name] = {k: n for k, n in errs.items() if n}
+        for k, n in errs.items():
+            total[k] += n
+        total["episodes"] += len(rows)
+    return {"total": total, "by_eval": by}
+
+
+def split_check(corpus: dict[str, dict], sft: dict[str, tuple[str, str, str]]) -> dict:
+    """Is the bench's corpus (``split.json``'s tasks: id -> {split, content_key}) disjoint by content, and
+    does no eval or test key of it appear among the warm start's demonstrations (``sft``: the train entries
+    of its corpus, ``sandbox_agent.synth.corpus_entries``)? Also that every task's split is its key's."""
+    pairs = [(e["split"], e["content_key"]) for e in corpus.values()]
+    pairs += [("train", key) for split, key, _ in sft.values() if split == "train"]
+    found = leaks(pairs)
+    wrong = sorted(t for t, e in corpus.items() if e["split"] != split_for(e["content_key"]))
+    keys: dict[str, set[str]] = {}
+    for e in corpus.values():
+        keys.setdefault(e["split"], set()).add(e["content_key"])
+    return {
+        "split_disjoint": not found and not wrong,
+        "leaks": dict(list(found.items())[:20]),
+        "wrong_split": wrong[:20],
+        "task_counts": {s: sum(1 for e in corpus.values() if e["split"] == s) for s in sorted(keys)},
+        "keys": {s: len(k) for s, k in sorted(keys.items())},
+        "sft_train_tasks": sum(1 for s, _, _ in sft.values() if s == "train"),
+    }

@@ -42,11 +42,13 @@ from typing import Any, Literal
 from t1async.protocol.errors import ConfigError, T1Error
 
 TaskFormat = Literal["tb1", "tb2"]
-Split = Literal["train", "eval"]
+Split = Literal["train", "eval", "test"]
 
 DEFAULT_AGENT_TIMEOUT_S = 900.0
 DEFAULT_TEST_TIMEOUT_S = 180.0
-EVAL_PERCENT = 10  # deterministic split: this share of task ids (by hash) is held out for eval
+EVAL_PERCENT = 10  # deterministic split: this share of content keys (by hash) is held out for eval...
+TEST_PERCENT = 10  # ...and this share for test (never looked at while tuning)
+SPLIT_VERSION = "content-v1"  # bump when split_for or a family's content key changes (caches key on it)
 _NOT_COPIED = frozenset({"Dockerfile", "docker-compose.yaml", "docker-compose.yml"})
 
 
@@ -89,13 +91,16 @@ class Task:
     parser: str = "pytest"
     difficulty: str = ""
     tags: tuple[str, ...] = ()
+    content_key: str = ""  # what makes two tasks the same task (the split hashes it); the id when not given
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-def split_for(task_id: str, eval_percent: int = EVAL_PERCENT) -> Split:
-    """Deterministic train/eval split by a hash of the task id (stable across machines and runs)."""
-    h = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big")
-    return "eval" if h % 100 < eval_percent else "train"
+def split_for(content_key: str, eval_percent: int = EVAL_PERCENT, test_percent: int = TEST_PERCENT) -> Split:
+    """Deterministic train/eval/test split by a hash of the task's content key (stable across machines and
+    runs): every task with the same key lands in the same split, so eval and test hold out whole keys. A task
+    without a key (a Terminal-Bench task) is split by its id."""
+    h = int.from_bytes(hashlib.sha256(content_key.encode()).digest()[:8], "big") % 100
+    return "eval" if h < eval_percent else "test" if h < eval_percent + test_percent else "train"
 
 
 def detect_format(path: Path) -> TaskFormat:
@@ -166,8 +171,10 @@ def _load_tb1(p: Path) -> Task:
     if (p / "Dockerfile").is_file():  # as for TB2: a shipped Dockerfile is built, a named image only recorded
         image = f"dockerfile:{p / 'Dockerfile'}"
     env = p / "environment"
+    tid = _opt_str(doc.get("id"), f, "id") or p.name
+    key = _opt_str(doc.get("content_key"), f, "content_key") or tid
     return Task(
-        id=_opt_str(doc.get("id"), f, "id") or p.name,
+        id=tid,
         path=p,
         format="tb1",
         instruction=instruction,
@@ -180,18 +187,19 @@ def _load_tb1(p: Path) -> Task:
         environment_dir=env if env.is_dir() else None,
         setup_script=(p / "setup.sh") if (p / "setup.sh").is_file() else None,
         docker_image=image,
-        split=_split(doc.get("split"), f, p.name if doc.get("id") is None else str(doc["id"])),
+        split=_split(doc.get("split"), f, key),
         family=_opt_str(doc.get("family"), f, "family") or _opt_str(doc.get("category"), f, "category") or "",
         parser=_opt_str(doc.get("parser_name"), f, "parser_name") or "pytest",
         difficulty=_opt_str(doc.get("difficulty"), f, "difficulty") or "",
         tags=_str_tuple(doc.get("tags"), f, "tags"),
+        content_key=key,
         extra={k: v for k, v in doc.items() if k not in _TB1_KNOWN},
     )
 
 
 _TB1_KNOWN = frozenset(
     "id instruction descriptions max_agent_timeout_sec max_test_timeout_sec parser_name difficulty "
-    "category tags family split docker_image image".split()
+    "category tags family split content_key docker_image image".split()
 )
 
 
@@ -222,6 +230,7 @@ def _load_tb2(p: Path) -> Task:
     image = f"dockerfile:{env / 'Dockerfile'}" if (env / "Dockerfile").is_file() else prebuilt
     solve = p / "solution" / "solve.sh"
     tid = _opt_str(meta.get("id", doc.get("id")), f, "metadata.id") or p.name
+    key = _opt_str(meta.get("content_key"), f, "metadata.content_key") or tid
     return Task(
         id=tid,
         path=p,
@@ -236,13 +245,14 @@ def _load_tb2(p: Path) -> Task:
         environment_dir=env if env.is_dir() else None,
         setup_script=(p / "setup.sh") if (p / "setup.sh").is_file() else None,
         docker_image=image,
-        split=_split(meta.get("split"), f, tid),
+        split=_split(meta.get("split"), f, key),
         family=_opt_str(meta.get("family"), f, "metadata.family")
         or _opt_str(meta.get("category"), f, "metadata.category")
         or "",
         parser="pytest",
         difficulty=_opt_str(meta.get("difficulty"), f, "metadata.difficulty") or "",
         tags=_str_tuple(meta.get("tags"), f, "metadata.tags"),
+        content_key=key,
         extra={
             **{k: v for k, v in doc.items() if k not in ("metadata", "verifier", "agent", "environment")},
             **({"prebuilt_image": prebuilt} if prebuilt and image != prebuilt else {}),
@@ -316,11 +326,11 @@ def _str_tuple(v: Any, f: Path, name: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _split(v: Any, f: Path, task_id: str) -> Split:
+def _split(v: Any, f: Path, content_key: str) -> Split:
     if v is None:
-        return split_for(task_id)
-    if v not in ("train", "eval"):
-        raise TaskFormatError(f"{f}: field 'split' must be 'train' or 'eval', got {v!r}")
+        return split_for(content_key)
+    if v not in ("train", "eval", "test"):
+        raise TaskFormatError(f"{f}: field 'split' must be 'train', 'eval' or 'test', got {v!r}")
     return v
 
 

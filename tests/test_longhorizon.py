@@ -325,8 +325,7 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
     (before: the turn was dropped, the next turns' numbers had a gap the learner waited on forever, the
     credit was held until its lease ran out, and the final reward was lost)."""
     tasks = tmp_path / "tasks"
-    generate(tasks, 1, seed=3, families=["files"])
-    solution = next(tasks.iterdir()) / "solution.sh"
+    solution = generate(tasks, 1, seed=3, families=["files"])[0] / "solution.sh"
     solve = "\n".join(ln for ln in solution.read_text().splitlines() if not ln.startswith(("#!", "set -e")))
     tok = ChatTokenizer.load()
     script = {6: solve}

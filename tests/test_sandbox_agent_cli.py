@@ -57,7 +57,7 @@ def test_synth_list_and_decontam(tmp_path):
     out = tmp_path / "corpus"
     r = cli("synth", "--out", str(out), "--n", "12", "--seed", "4", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1])["tasks"] == 12 and len(list(out.iterdir())) == 12
+    assert json.loads(r.stdout.strip().splitlines()[-1])["tasks"] == 12 and len(list(out.glob("*/task.yaml"))) == 12
     r = cli("list", str(out), "--json")
     listed = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(listed) == 12 and {t["format"] for t in listed} == {"tb1"}

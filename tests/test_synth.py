@@ -44,7 +44,7 @@ def test_written_tasks_are_well_formed(tmp_path):
     paths = generate(tmp_path, 2 * len(FAMILIES), seed=5)
     for p in paths:
         t = load_task(p)
-        assert t.format == "tb1" and t.split == split_for(t.id) and t.family in FAMILIES
+        assert t.format == "tb1" and t.split == split_for(t.content_key) and t.family in FAMILIES
         assert t.solution is not None and t.test_files == ("test_outputs.py",) and t.docker_image is None
         assert (t.tests_dir / "test_outputs.py").read_text().count("\ndef test_") >= 3
         assert (p / "run-tests.sh").stat().st_mode & 0o100

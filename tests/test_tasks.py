@@ -85,11 +85,11 @@ def test_load_tasks_finds_every_fixture():
     assert list(iter_task_dirs(FIXTURES / "tb1" / "hello-world")) == [FIXTURES / "tb1" / "hello-world"]
 
 
-def test_split_is_deterministic_and_roughly_ten_percent():
-    ids = [f"task-{i}" for i in range(2000)]
-    splits = [split_for(i) for i in ids]
-    assert splits == [split_for(i) for i in ids]
-    assert 120 < splits.count("eval") < 280
+def test_split_is_deterministic_and_roughly_ten_percent_eval_and_test():
+    keys = [f"task-{i}" for i in range(2000)]
+    splits = [split_for(i) for i in keys]
+    assert splits == [split_for(i) for i in keys]
+    assert 120 < splits.count("eval") < 280 and 120 < splits.count("test") < 280
 
 
 def test_populate_workdir_copies_environment_files(tmp_path):
@@ -128,7 +128,7 @@ def test_with_a_dockerfile_environment_is_the_build_context_and_nothing_is_copie
         ({"task.yaml": "instruction: hi\nmax_agent_timeout_sec: soon\n"}, "max_agent_timeout_sec.*positive number"),
         ({"task.yaml": "instruction: hi\nmax_test_timeout_sec: -5\n"}, "max_test_timeout_sec"),
         ({"task.yaml": "instruction: hi\ntags: web\n"}, "'tags' must be a list of strings"),
-        ({"task.yaml": "instruction: hi\nsplit: test\n"}, "'split' must be 'train' or 'eval'"),
+        ({"task.yaml": "instruction: hi\nsplit: holdout\n"}, "'split' must be 'train', 'eval' or 'test'"),
         ({"task.toml": "[agent\ntimeout_sec = 1\n", "instruction.md": "x"}, "invalid TOML"),
         ({"task.toml": "[agent]\ntimeout_sec = 1\n"}, "no instruction.md"),
         ({"task.toml": "[agent]\ntimeout_sec = 'long'\n", "instruction.md": "x"}, "agent.timeout_sec"),

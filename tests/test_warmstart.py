@@ -12,7 +12,7 @@ import pytest
 from bench.learning_stats import column, learning_curve
 from sandbox_agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks import load_task, load_tasks
 from t1async.cluster.config import from_args
 from t1async.cluster.flags import add_up_arguments
 from t1async.eval.stats import paired_diff
@@ -112,7 +112,7 @@ def test_cluster_tasks_use_the_preset_families(tmp_path):
 
     c = _cfg("--preset", "learn", "--run-dir", str(tmp_path), "--synth-tasks", "4")
     d = components.ensure_tasks(c)
-    assert sorted({load_task(p).family for p in d.iterdir()}) == ["chores"]
+    assert sorted({t.family for t in load_tasks(d)}) == ["chores"]
 
 
 def test_learning_curve_and_paired_diff(tmp_path):

@@ -1,38 +1,44 @@
 """The synthetic task corpus: parametrised families written as Terminal-Bench 1 task directories.
 
-Each task directory holds ``task.yaml`` (instruction, timeouts, family, split), ``solution.sh``,
+Each task directory holds ``task.yaml`` (instruction, timeouts, family, split, content key), ``solution.sh``,
 ``run-tests.sh``, ``tests/test_outputs.py`` (>= 3 tests, so the dense reward is graded), the task's input
 files under ``environment/`` (copied into the work dir before the agent starts, see
 ``sandbox_agent.tasks``) and, where needed, ``setup.sh`` (run in the sandbox first, e.g. to build a git
 repo). Tests find the work dir from ``T1_WORKDIR`` or the current directory (the verifier sets both).
 
 Task ``i`` of a corpus generated with seed ``S`` uses family ``FAMILIES[i % len(FAMILIES)]`` and a
-``random.Random`` seeded from ``(S, i)``: the same ``(S, i)`` always gives the same task, and the train/eval
-split is a hash of the task id (``tasks.split_for``).
+``random.Random`` seeded from ``(S, i)``: the same ``(S, i)`` always gives the same task. The train/eval/test
+split is a hash of the task's content key (``common.content_key``: what makes two tasks the same task, e.g. the
+chore set), so every corpus, whatever its seed, holds out the same keys; ``split.json`` in the corpus dir lists
+every task's split and key (``sandbox_agent.synth.split``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.cdchores import cdchores_family
 from sandbox_agent.synth.chores import chores_family
-from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
+from sandbox_agent.synth.common import TEST_HEADER, SynthSpec, content_key
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
 from sandbox_agent.synth.micro import touch4_family, touchsome_family
 from sandbox_agent.synth.shell import env_family, git_family, scripts_family
+from sandbox_agent.synth.split import Entry, write_split_json
 from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
 from sandbox_agent.tasks import split_for
 from t1async.protocol.errors import ConfigError
 
 __all__ = [
     "ALL_FAMILIES",
+    "corpus_entries",
     "EXTRA_FAMILIES",
     "FAMILIES",
     "RUN_TESTS",
@@ -87,10 +93,21 @@ def task_id(family: str, seed: int, index: int) -> str:
 
 
 def make_task(family: str, seed: int, index: int) -> tuple[str, SynthSpec]:
+    """Task ``index`` of family ``family`` in the corpus of seed ``seed``: its id and spec (content key set)."""
     if family not in ALL_FAMILIES:
         raise ConfigError(f"unknown task family {family!r}; known: {', '.join(ALL_FAMILIES)}")
     spec = ALL_FAMILIES[family](task_rng(seed, index, family))
-    return task_id(family, seed, index), spec
+    return task_id(family, seed, index), replace(spec, content_key=content_key(spec))
+
+
+def corpus_entries(n: int, seed: int, families: list[str]) -> dict[str, Entry]:
+    """task id -> (split, content key, family) of ``generate(out, n, seed, families)``, computed without
+    writing a task (e.g. the warm start's SFT corpus, to check a bench corpus's held-out keys against it)."""
+    out: dict[str, Entry] = {}
+    for i in range(n):
+        tid, spec = make_task(families[i % len(families)], seed, i)
+        out[tid] = (split_for(spec.content_key), spec.content_key, spec.family)
+    return out
 
 
 def _yaml_block(text: str, indent: str = "  ") -> str:
@@ -104,6 +121,7 @@ def write_task(
     leaves room for a 300+-turn episode: in a default ``cluster up`` on a loaded 2-core box (8 episodes sharing
     the embedded sampler and the learner) an episode ran 0.26 turns/s, so 320 turns take ~20 min."""
     d = out / tid
+    key = content_key(spec)
     if d.exists():
         shutil.rmtree(d)
     (d / "tests").mkdir(parents=True)
@@ -115,7 +133,8 @@ def write_task(
             f"difficulty: {spec.difficulty}",
             f"category: {spec.family}",
             f"family: {spec.family}",
-            f"split: {split_for(tid)}",
+            f"split: {split_for(key)}",
+            f"content_key: {json.dumps(key)}",
             "tags: [" + ", ".join(spec.tags) + "]",
             "parser_name: pytest",
             f"max_agent_timeout_sec: {agent_timeout_s:g}",
@@ -148,8 +167,9 @@ def generate(
     families: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[Path]:
-    """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``; ``progress(k)``
-    after each of them (k tasks written so far)."""
+    """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``, and their splits and
+    content keys into ``out/split.json`` (merged with the entries already there); ``progress(k)`` after each
+    task (k tasks written so far)."""
     fams = list(families or FAMILIES)
     for f in fams:
         if f not in ALL_FAMILIES:
@@ -159,9 +179,12 @@ def generate(
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     paths = []
+    entries: dict[str, Entry] = {}
     for i in range(n):
         tid, spec = make_task(fams[i % len(fams)], seed, i)
         paths.append(write_task(root, tid, spec))
+        entries[tid] = (split_for(spec.content_key), spec.content_key, spec.family)
         if progress is not None:
             progress(i + 1)
+    write_split_json(root, entries)
     return paths

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 
@@ -49,6 +50,24 @@ class SynthSpec:
     setup: str | None = None  # setup.sh (runs in the sandbox before the agent)
     difficulty: str = "easy"
     tags: tuple[str, ...] = ()
+    # what makes two tasks the same task (the split hashes it, so held-out keys never reach training): a family
+    # whose checks ignore an order or a wording it draws sets it; "" = ``content_key``'s digest of the checks
+    content_key: str = ""
+
+
+def content_key(spec: SynthSpec) -> str:
+    """The spec's own key, else ``<family>:<digest>`` of what its tests check and the inputs they check it on
+    (tests, environment files and modes, setup): the same final state asked for on the same inputs is the
+    same task, however the instruction words it."""
+    if spec.content_key:
+        return spec.content_key
+    h = hashlib.sha256(spec.tests.encode())
+    for rel in sorted(spec.files):
+        body = spec.files[rel]
+        h.update(b"\0" + rel.encode() + b"\0" + (body if isinstance(body, bytes) else body.encode()))
+        h.update(oct(spec.modes.get(rel, 0o644)).encode())
+    h.update(b"\0setup\0" + (spec.setup or "").encode())
+    return f"{spec.family}:{h.hexdigest()[:16]}"
 
 
 WORDS = (

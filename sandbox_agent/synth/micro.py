@@ -10,6 +10,9 @@ four (k uniform in 1-4), and the task's tests check those k. The ``micro`` warm 
 names 1, 2, 3 or 4 of the files as its demonstrator did (~2.5 of 4 on touch4): a policy with one decision
 RL can fix (stop early or name the next file), which ``tests/test_learning_ci.py`` trains on ``touch4``.
 
+Both share one content key space, the set of the four names asked for (``touch:<names, sorted>``): a touch4
+task held out for eval has no touchsome twin among the warm start's demonstrations.
+
 Not in the default corpus: ``generate(..., families=["touch4"])`` names them.
 """
 
@@ -59,6 +62,7 @@ def touchsome_family(rng: random.Random) -> SynthSpec:
 
 def _touch(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     names = pick(rng, NAMES, 4)
+    pick_names = list(names)
     # the names as the reply writes them (" data" is one token in both): copying is a lookup, not a mapping
     # from "`data" to " data" that a few SFT steps do not learn (the backticked version stayed at chance)
     listed = " ".join(f"{n}.txt" for n in names)
@@ -74,4 +78,6 @@ def test_file_{i}():
 """
         for i, n in enumerate(names)
     )
-    return SynthSpec(family, instr, sol, tests, tags=("touch",))
+    # one key space for both families (the set of four names asked for): touchsome demonstrates touch4's tasks
+    key = "touch:" + ",".join(sorted(pick_names))
+    return SynthSpec(family, instr, sol, tests, tags=("touch",), content_key=key)

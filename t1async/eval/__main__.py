@@ -33,7 +33,7 @@ from sandbox_agent.tasks import Task, load_tasks
 from t1async.config import add_arguments, like, resolve, setting
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval
-from t1async.eval.stats import by_family, scored, summarise, task_scores
+from t1async.eval.stats import by_family, scored, split_errors, summarise, task_scores
 from t1async.log import configure, get_logger
 from t1async.model.modeldir import check_model_dir
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
@@ -59,7 +59,7 @@ class EvalSettings:
         "sandbox: bwrap, containers (podman; tasks with their own image), or auto (default: bwrap when no "
         "selected task has an image of its own, else containers)",
     )
-    split: Literal["eval", "train", "all"] = setting("eval", "which tasks")
+    split: Literal["eval", "test", "train", "all"] = setting("eval", "which tasks")
     families: str = setting("", "comma-separated task families (default: all)")
     samples: int = setting(1, "episodes per task, K; pass@k for k <= K", ge=1)
     concurrency: int = like(EpisodeOptions, "concurrency", group="episodes", help="episodes at once")
@@ -167,7 +167,13 @@ async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) 
     for r in rows:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     counted, unbuilt = scored(rows)
-    apart = {IMAGE_BUILD_FAILED: len(unbuilt), "unbuilt_tasks": unbuilt}  # not the policy's failures
+    counted, errors = split_errors(counted)  # episodes that errored: counted by kind, not as the policy's fails
+    apart = {
+        IMAGE_BUILD_FAILED: len(unbuilt),
+        "unbuilt_tasks": unbuilt,
+        "errors": errors,
+        "error_episodes": sum(errors.values()),
+    }
     if not counted:
         return {"tasks": 0, "episodes": 0, "reasons": reasons, **apart, "out": str(args.out)}
     scores = task_scores(counted)
@@ -263,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{o['tests_mean']:.2f} [{o['tests_ci95'][0]:.2f}, {o['tests_ci95'][1]:.2f}]  over {o['tasks']} tasks x "
         f"{o['samples']} samples in {o['minutes']:.1f} min; episodes in {args.out / 'episodes.jsonl'}"
     )
-    if summary["reasons"].get("error"):
+    if o["error_episodes"]:
+        kinds = ", ".join(f"{k} {n}" for k, n in o["errors"].items() if n)
         print(
-            f"warning: {summary['reasons']['error']} of {o['episodes']} episodes ended in an error (sampler or "
-            "sandbox); their `detail` in episodes.jsonl says which",
+            f"warning: {o['error_episodes']} more episodes errored ({kinds}) and are not counted in the figures "
+            "above; their `error` and `detail` in episodes.jsonl say why",
             file=sys.stderr,
         )
     if args.json:

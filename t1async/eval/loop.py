@@ -85,7 +85,7 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
     """Score ``model`` on ``tasks``; the summary record's values."""
     from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, run_eval
-    from t1async.eval.stats import scored, summarise, task_scores
+    from t1async.eval.stats import scored, split_errors, summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
@@ -112,8 +112,12 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
     ):
         rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{policy_version}.jsonl")
     counted, unbuilt = scored(rows)  # tasks whose image did not build are counted apart, not as fails
+    counted, errors = split_errors(counted)  # so are episodes that errored (sandbox, sampler, timeout, ...)
     if not counted:
-        raise T1Error(f"no eval task built its image ({', '.join(unbuilt[:5])}...): nothing to score")
+        raise T1Error(
+            f"nothing to score: {len(unbuilt)} eval tasks did not build their image, "
+            f"{sum(errors.values())} episodes errored ({errors}); see {out / f'v{policy_version}.jsonl'}"
+        )
     s = summarise(task_scores(counted), seed=cfg.seed)
     return {
         "pass1": s["pass@1"]["mean"],
@@ -126,6 +130,7 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
         "tasks": s["tasks"],
         "episodes": s["episodes"],
         "image_build_failed": len(unbuilt),
+        "episode_errors": sum(errors.values()),
         "eval_minutes": (time.monotonic() - t0) / 60.0,
     }
 

@@ -29,6 +29,7 @@ from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
 from sandbox_agent.images import image_build_error
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
+from t1async.eval.stats import episode_error
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError, T1Error
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams
@@ -145,6 +146,7 @@ async def run_one(
         "task": task.id,
         "family": task.family,
         "split": task.split,
+        "content_key": task.content_key,
         "sample": sample,
         "seed": episode_seed(cfg.seed, task.id, sample, 0),
         "backend": backend.name,
@@ -169,6 +171,7 @@ async def run_one(
             tests_total=int(res.tests_total),
             turns=int(res.turns),
             detail=res.detail[:500],
+            verify_status=res.verify.status if res.verify is not None else "ok",
         )
     except T1Error as exc:  # a broken task (setup failed, needs an image) or sandbox: a failed episode, said why
         log.warning("eval.episode_failed", task=task.id, sample=sample, error=str(exc))
@@ -181,6 +184,7 @@ async def run_one(
             turns=len(steps),
             detail=f"{type(exc).__name__}: {exc}"[:500],
         )
+    row["error"] = episode_error(row)  # None: an outcome of the policy; else why not (counted apart)
     row.update(
         wall_s=round(time.monotonic() - t0, 3),
         output_digest=digest.hexdigest()[:16],

@@ -9,6 +9,10 @@ replacement (the samples of a task are not independent draws of the benchmark):
   ``n`` samples of which ``c`` resolved; ``pass@1`` is then ``c / n``;
 - ``tests``: the mean number of the task's tests that pass (design §8's dense reward), and ``tests_frac``
   the same as a share of the task's tests.
+
+An episode that errored (``episode_error``: the sandbox, the sampler, the wall clock, the verifier, the task's
+setup) is no outcome of the policy: ``split_errors`` takes it out of the figures and counts it by kind, so an
+error is reported as one, never as a failure of the policy.
 """
 
 from __future__ import annotations
@@ -69,6 +73,43 @@ def scored(episodes: Iterable[Mapping]) -> tuple[list[Mapping], list[str]]:
         else:
             keep.append(e)
     return keep, sorted(unbuilt)
+
+
+EPISODE_ERRORS = ("sandbox", "sampler", "timeout", "aborted", "verifier", "setup")
+
+
+def episode_error(e: Mapping) -> str | None:
+    """Why an episode row (``t1async.eval.run``) is no outcome of the policy, or None when it is one:
+    ``sampler`` (a request failed), ``aborted`` (the sampler aborted a turn), ``sandbox`` (a command could not
+    run, or the episode raised), ``setup`` (the task's setup.sh failed), ``timeout`` (the agent's wall time ran
+    out), ``verifier`` (the tests could not be run or read: status timeout, parse_error or error). An image
+    that did not build is ``scored``'s, not this."""
+    reason, detail = e.get("reason"), str(e.get("detail", ""))
+    if reason == IMAGE_BUILD_FAILED:
+        return None
+    if reason == "error":
+        if detail.startswith("sampler failed"):
+            return "sampler"
+        return "setup" if detail.startswith("TaskSetupError") else "sandbox"
+    if reason in ("timeout", "aborted"):
+        return str(reason)
+    if e.get("verify_status", "ok") != "ok":
+        return "verifier"
+    return None
+
+
+def split_errors(episodes: Iterable[Mapping]) -> tuple[list[Mapping], dict[str, int]]:
+    """The episodes that are outcomes of the policy, and the count of the others by ``episode_error`` kind
+    (every kind listed, 0 when none)."""
+    keep: list[Mapping] = []
+    counts = dict.fromkeys(EPISODE_ERRORS, 0)
+    for e in episodes:
+        kind = episode_error(e)
+        if kind is None:
+            keep.append(e)
+        else:
+            counts[kind] += 1
+    return keep, counts
 
 
 def task_scores(episodes: Iterable[Mapping]) -> list[TaskScore]:

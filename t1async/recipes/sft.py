@@ -6,7 +6,8 @@ sandbox). ``demo_tokens`` builds the token sequence the agent would have produce
 those replies: the first input is ``render(system + instruction)``; each reply is ``encode(text) + end_of_turn_id``
 (the sampler stops on, and keeps, the end-of-turn token); then ``bridge_ids`` + the observation message
 encoded on its own + the generation prompt. The loss is on the reply tokens only. So SFT trains the very
-token sequences RL later samples: no template mismatch between warm start and RL.
+token sequences RL later samples: no template mismatch between warm start and RL. Only the train split of the
+tasks is demonstrated (the split is by content key: no eval or test task is ever an SFT example).
 
     python -m t1async.learner sft --synth 64 --steps 300 --out runs/sft     # writes a model directory
 """
@@ -296,6 +297,14 @@ def run_sft(
             tasks = synth_tasks(synth, cfg.seed, Path(tmp))
         if not tasks:
             raise ConfigError(f"no tasks found ({tasks_dir or f'--synth {synth}'})")
+        held = len(tasks)
+        tasks = [t for t in tasks if t.split == "train"]  # eval and test content keys are never demonstrated
+        if not tasks:
+            raise ConfigError(
+                f"none of the {held} tasks ({tasks_dir or f'--synth {synth}'}) is in the train split: eval and test "
+                "tasks are held out of SFT; give more tasks"
+            )
+        log.info("sft.tasks", train=len(tasks), held_out=held - len(tasks))
         t0 = time.perf_counter()
         demos = anyio.run(lambda: collect_demos(tasks, concurrency=concurrency), backend="trio")
         t_demos = time.perf_counter() - t0

@@ -2,7 +2,8 @@
 
 A ``Recipe`` says everything the warm-started weights depend on: the model shape (``MoEConfig``, whose
 ``seed`` fixes the random init), the synthetic task families, how many tasks and from which corpus seed (only
-their ``train`` split gives demonstrations, so the eval split of any corpus stays held out), and the SFT
+their ``train`` split gives demonstrations: the split is by content key, so no eval or test key of any corpus
+is demonstrated; the split's version is part of the recipe's hash), and the SFT
 settings (steps, lr, batch, seed of the batch order). ``build(recipe)`` generates the tasks, runs each
 oracle in the real sandbox (``sft.collect_demos``), trains from the seeded init and writes the model
 directory into ``<cache>/warm-start/<recipe hash>/`` atomically (temp dir + rename); a second call finds it
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandbox_agent.tasks import SPLIT_VERSION
 from t1async.log import get_logger
 from t1async.model.config import MODEL_PRESETS, MoEConfig
 from t1async.protocol.errors import ConfigError, T1Error
@@ -66,6 +68,7 @@ class Recipe:
             "task_seed": self.task_seed,
             "sft": dataclasses.asdict(self.sft),
             "system_prompt": self.system_prompt,
+            "split": SPLIT_VERSION,  # which tasks are train (the demonstrations) is part of the recipe
         }
         if not self.sft.copy_steps:  # added later: left out when off, so the recipes built before keep their hash
             d["sft"].pop("copy_steps")
@@ -149,7 +152,7 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
     from sandbox_agent.tasks import load_task
     from t1async.recipes.sft import Demo, collect_demos
 
-    parts: list = [RECIPE_VERSION, list(recipe.families), recipe.tasks, recipe.task_seed]
+    parts: list = [RECIPE_VERSION, SPLIT_VERSION, list(recipe.families), recipe.tasks, recipe.task_seed]
     if recipe.data_version != 1:
         parts.append(recipe.data_version)
     key = hashlib.sha256(json.dumps(parts).encode())

@@ -1,0 +1,148 @@
+"""The corpus split by content: a regenerated corpus (and the warm start's SFT corpus) never has one task's
+content in two splits. The content is read back from the written task files here, by code of its own (the
+chore set from the instruction, the file names asked for, a digest of the tests and inputs), never from the
+``content_key`` or ``split`` the generator wrote, so a generator that split by anything else fails."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sandbox_agent.synth import corpus_entries, generate, make_task
+from sandbox_agent.synth.chores import MENU
+from sandbox_agent.synth.split import SPLIT_FILE, leaks, read_split_json
+from sandbox_agent.tasks import load_task, split_for
+from t1async.protocol.errors import ConfigError
+
+PHRASES = {m[0]: i for i, m in enumerate(MENU)}
+
+
+def content_of(d: Path) -> str:
+    """What the task asks for, read from its files: chores -> the set of menu phrases in the instruction (their
+    order is no part of the task), touch4/touchsome -> the set of file names, others -> a digest of the tests,
+    the input files and setup.sh."""
+    t = load_task(d)
+    if t.family == "chores":
+        steps = re.findall(r"^\d\. (.+?)[;.]$", t.instruction, re.M)
+        assert len(steps) == 4 and all(s in PHRASES for s in steps), t.instruction
+        return "chores " + " | ".join(sorted(steps))
+    if t.family in ("touch4", "touchsome"):
+        return "touch " + " ".join(sorted(re.findall(r"(\w+)\.txt", t.instruction)))
+    h = hashlib.sha256((d / "tests" / "test_outputs.py").read_bytes())
+    for f in sorted((d / "environment").rglob("*")) if (d / "environment").is_dir() else []:
+        if f.is_file():
+            h.update(str(f.relative_to(d)).encode() + f.read_bytes())
+    if (d / "setup.sh").is_file():
+        h.update((d / "setup.sh").read_bytes())
+    return f"{t.family} {h.hexdigest()}"
+
+
+def split_of(d: Path) -> str:
+    return load_task(d).split
+
+
+def corpus(root: Path, n: int, seed: int, families: list[str]) -> list[Path]:
+    return generate(root, n, seed=seed, families=families)
+
+
+@pytest.fixture(scope="module")
+def bench_and_sft(tmp_path_factory):
+    """The learn bench's corpus (chores, seed 0) and the learn warm start's (chores, seed 1000, 400 tasks), plus
+    a mixed corpus of the other families."""
+    root = tmp_path_factory.mktemp("split")
+    return {
+        "bench": corpus(root / "bench", 600, 0, ["chores"]),
+        "sft": corpus(root / "sft", 400, 1000, ["chores"]),
+        "mixed": corpus(root / "mixed", 120, 3, ["touch4", "mkfile", "copy", "text", "perms", "git"]),
+        "touchsome": corpus(root / "touchsome", 200, 2002, ["touchsome"]),
+    }
+
+
+def test_regenerated_corpora_are_disjoint_by_content(bench_and_sft):
+    bench, sft = bench_and_sft["bench"], bench_and_sft["sft"]
+    pairs = [(split_of(d), content_of(d)) for d in bench]
+    # the SFT corpus gives only its train split as demonstrations: none of them may be a held-out content
+    pairs += [("train", content_of(d)) for d in sft if split_of(d) == "train"]
+    assert leaks(pairs) == {}
+    held = {c for s, c in pairs if s in ("eval", "test")}
+    assert len(held) >= 10  # something is held out at all: eval and test keys of the 126 chore sets
+    splits = Counter(s for s, _ in pairs[: len(bench)])
+    assert splits["eval"] > 0 and splits["test"] > 0 and splits["train"] > splits["eval"] + splits["test"]
+    mixed = [(split_of(d), content_of(d)) for d in bench_and_sft["mixed"] + bench_and_sft["touchsome"]]
+    assert leaks(mixed) == {}
+
+
+def test_the_check_catches_a_split_by_task_id(bench_and_sft):
+    """The old split (a hash of the task id) put the same chore set in train and in eval: the check sees it."""
+
+    def by_id(tid: str) -> str:
+        h = int.from_bytes(hashlib.sha256(tid.encode()).digest()[:8], "big")
+        return "eval" if h % 100 < 10 else "train"
+
+    pairs = [(by_id(load_task(d).id), content_of(d)) for d in bench_and_sft["bench"]]
+    found = leaks(pairs)
+    assert len(found) > 10 and all(v == ["eval", "train"] for v in found.values())
+
+
+def test_split_json_lists_every_task_with_its_split_and_key(bench_and_sft):
+    paths = bench_and_sft["mixed"]
+    table = read_split_json(paths[0].parent)
+    assert sorted(table) == sorted(p.name for p in paths)
+    for p in paths:
+        t = load_task(p)
+        assert table[t.id] == {"split": t.split, "content_key": t.content_key, "family": t.family}
+        assert t.split == split_for(t.content_key)
+    # and corpus_entries, which writes nothing, agrees with what generate wrote
+    got = corpus_entries(120, 3, ["touch4", "mkfile", "copy", "text", "perms", "git"])
+    assert {k: list(v) for k, v in got.items()} == {
+        k: [v["split"], v["content_key"], v["family"]] for k, v in table.items()
+    }
+
+
+def test_chores_has_126_distinct_tasks_whatever_the_order():
+    keys = {make_task("chores", 0, i)[1].content_key for i in range(3000)}
+    assert len(keys) == 126  # C(9, 4): the order of the four chores is no part of the task
+    for fam in ("touch4", "touchsome"):  # one key space: the names asked for, though touchsome tests fewer
+        for i in range(20):
+            spec = make_task(fam, 0, i)[1]
+            assert spec.content_key == "touch:" + ",".join(sorted(re.findall(r"(\w+)\.txt", spec.instruction)))
+
+
+def test_split_json_of_another_version_is_refused(tmp_path):
+    (tmp_path / SPLIT_FILE).write_text(json.dumps({"version": "id-hash", "tasks": {}}))
+    with pytest.raises(ConfigError, match="regenerate the corpus"):
+        read_split_json(tmp_path)
+    generate(tmp_path, 2, seed=0, families=["chores"])  # regenerating replaces it
+    assert len(read_split_json(tmp_path)) == 2
+
+
+def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
+    """`python -m t1async.learner sft --tasks DIR` took every task of DIR, eval and test ones too (seen failing
+    on the old code): now only the train split reaches collect_demos, and a dir without one is refused."""
+    from t1async.recipes import sft
+
+    paths = generate(tmp_path / "tasks", 40, seed=0, families=["chores"])
+    got: list = []
+
+    async def fake_collect(tasks, concurrency=2):
+        got.extend(tasks)
+        return []
+
+    monkeypatch.setattr(sft, "collect_demos", fake_collect)
+    with pytest.raises(ConfigError, match="gave a resolved oracle demonstration"):
+        sft.run_sft(out=tmp_path / "out", tasks_dir=tmp_path / "tasks", synth=0, cfg=sft.SFTConfig(steps=1))
+    splits = Counter(load_task(p).split for p in paths)
+    assert splits["eval"] + splits["test"] > 0 and len(got) == splits["train"]
+    assert {t.split for t in got} == {"train"}
+    held = tmp_path / "held"
+    held.mkdir()
+    for p in paths:
+        if load_task(p).split != "train":
+            p.rename(held / p.name)
+    with pytest.raises(ConfigError, match="held out of SFT"):
+        sft.run_sft(out=tmp_path / "out2", tasks_dir=held, synth=0, cfg=sft.SFTConfig(steps=1))
