@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass, field
+
+import torch
 
 from t1async.config import check_bounds
 from t1async.learner import ppo
-from t1async.learner.options import Advantage, Critic, TrainerOptions
+from t1async.learner.options import Advantage, Critic, Device, TrainDtype, TrainerOptions
 from t1async.protocol.errors import ConfigError
 
 
@@ -29,7 +33,13 @@ class TrainerConfig(TrainerOptions):
     checkpoint_blocks: bool = True
 
     def __post_init__(self) -> None:
-        for name, kind in (("critic", Critic), ("advantage", Advantage)):
+        kinds: tuple[tuple[str, type[enum.StrEnum]], ...] = (
+            ("critic", Critic),
+            ("advantage", Advantage),
+            ("train_dtype", TrainDtype),
+            ("device", Device),
+        )
+        for name, kind in kinds:
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))
             except ValueError:
@@ -49,3 +59,16 @@ class TrainerConfig(TrainerOptions):
             )
         if self.loss.is_cap <= 0 or self.loss.clip_eps <= 0:
             raise ConfigError(f"LossConfig needs is_cap > 0 and clip_eps > 0, got {self.loss}")
+
+
+def torch_device(device: Device | str) -> torch.device:
+    """The torch device the learner trains on (``--device``): the CPU, or this process's GPU (``LOCAL_RANK``'s
+    under torchrun); ConfigError when torch sees no GPU."""
+    if Device(device) == Device.CPU:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+            "use --device cpu or a CUDA build of torch on a GPU host"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

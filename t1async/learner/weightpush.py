@@ -210,7 +210,9 @@ class DistributedPusher:
         names = [n for n, _ in part]
         dtypes = [W.dtype_name(t.dtype) for _, t in part]
         shapes = [list(t.shape) for _, t in part]
-        tensors = [t.contiguous() for _, t in part]  # a hub name's view (a transposed expert) copied here
+        # a hub name's view (a transposed expert) made whole here; gloo sends from host memory (a learner on a GPU)
+        cpu = self.cfg.backend == "gloo"
+        tensors = [(t.cpu() if cpu else t).contiguous() for _, t in part]
         errors: list[str] = []
         async with anyio.create_task_group() as tg:
 
