@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 
 from actors.settings import ActorSettings
+from sandbox_agent.agent_types import AgentConfig
 from t1async.config import add_arguments, resolve
 
 
@@ -54,36 +55,43 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> ActorSetti
     return cfg
 
 
-async def amain(args: ActorSettings) -> int:
-    import anyio
-
-    from actors.actor import ActorConfig, run_actor
-    from sandbox_agent.agent_types import AgentConfig
+def agent_config(args: ActorSettings, stop_token_ids: tuple[int, ...]) -> AgentConfig:
+    """How each of this actor's episodes runs (its ``EpisodeOptions``, the system prompt file read)."""
     from sandbox_agent.context import ContextConfig
-    from t1async.log import get_logger
-    from t1async.model.tokenizer import ChatTokenizer
     from t1async.protocol.errors import T1Error
     from t1async.protocol.sampling import SamplingParams
-    from t1async.sampler.client import SGLangClient
-    from t1async.transport import NatsConfig, NatsTransport
 
-    log = get_logger("actors")
-    assert args.nats and args.tasks is not None  # settings() made sure
-    tokenizer = ChatTokenizer.load(args.model)
     agent = AgentConfig(
         max_turns=args.max_turns,
         max_context_tokens=args.max_context,
         verify_every=args.verify_every,
+        reward=args.reward,
         command_timeout_s=args.command_timeout,
         context=ContextConfig(policy=args.context_policy, keep_last=args.context_keep_turns),
         sampling=SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=tuple(tokenizer.eos_ids)
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop_token_ids
         ),
     )
     if args.system_prompt_file is not None:
         if not args.system_prompt_file.is_file():
             raise T1Error(f"--system-prompt-file {args.system_prompt_file}: no such file")
         agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
+    return agent
+
+
+async def amain(args: ActorSettings) -> int:
+    import anyio
+
+    from actors.actor import ActorConfig, run_actor
+    from t1async.log import get_logger
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.sampler.client import SGLangClient
+    from t1async.transport import NatsConfig, NatsTransport
+
+    log = get_logger("actors")
+    assert args.nats and args.tasks is not None  # settings() made sure
+    tokenizer = ChatTokenizer.load(args.model)
+    agent = agent_config(args, tuple(tokenizer.eos_ids))
     config = ActorConfig(
         actor_id=args.actor_id,
         tasks_dir=args.tasks,
@@ -91,6 +99,7 @@ async def amain(args: ActorSettings) -> int:
         split=args.split,
         episodes=args.episodes,
         seed=args.seed,
+        group_size=args.group_size,
     )
     async with (
         NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,

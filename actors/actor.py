@@ -12,17 +12,19 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
-from actors.episode import EpisodeContext, EpisodeStats, run_one
+from actors.episode import EpisodeContext, EpisodeStats, new_episode_id, run_one
 from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike
 from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
 from t1async.credits.client import CreditClient
+from t1async.learner.groups import grouped_episode_id
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import Sampler
@@ -39,6 +41,7 @@ class ActorConfig:
     concurrency: int = 4
     split: str = "train"  # "train" | "eval" | "all"
     episodes: int = 0  # stop after this many episodes in total (0: run until cancelled)
+    group_size: int = 1  # each drawn task runs this many times, ids <group>~g<k> (learner/groups.py)
     seed: int = 0
     metrics_every_s: float = 2.0
     heartbeat_every_s: float = 3.0  # t1.actor.<id>: the learner releases an actor silent for --actor-timeout
@@ -88,11 +91,27 @@ async def run_actor(
         concurrency=config.concurrency,
         split=config.split,
         episodes=config.episodes or "unbounded",
+        group_size=config.group_size,
     )
+
+    def draws() -> Iterator[tuple[Task, str]]:
+        """(task, episode id) in the order the workers take them: a group's K members are consecutive, so with
+        --concurrency >= K they run at once and reach the learner in the same steps."""
+        while True:
+            task = rng.choice(tasks)
+            if config.group_size == 1:
+                yield task, new_episode_id(config.actor_id)
+                continue
+            group = new_episode_id(config.actor_id)
+            for k in range(config.group_size):
+                yield task, grouped_episode_id(group, k)
+
+    drawn = draws()
 
     async def worker() -> None:
         while config.episodes == 0 or next(order) < config.episodes:
-            await run_one(rng.choice(tasks), ctx, stats)
+            task, episode = next(drawn)
+            await run_one(task, ctx, stats, episode=episode)
 
     async def metrics() -> None:
         while True:

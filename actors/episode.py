@@ -58,9 +58,10 @@ def new_episode_id(actor: str) -> str:
     return f"{actor}-{uuid.uuid4().hex[:12]}"
 
 
-async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats) -> EndRecord:
-    """Run ``task`` once, streaming its records. Whatever happens, an ``end`` record is published."""
-    episode = new_episode_id(ctx.actor)
+async def run_one(task: Task, ctx: EpisodeContext, stats: EpisodeStats, *, episode: str | None = None) -> EndRecord:
+    """Run ``task`` once as ``episode`` (default: a fresh id), streaming its records. Whatever happens, an
+    ``end`` record is published."""
+    episode = episode or new_episode_id(ctx.actor)
     subject = traj_subject(episode)
     encoder = TurnEncoder(episode)
     sampler = CreditedSampler(ctx.sampler, ctx.credits, episode)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from sandbox_agent.agent_types import Reward
 from sandbox_agent.context import POLICIES
 from t1async.config import like, setting
 from t1async.sampler.settings import SamplerKeys
@@ -30,10 +31,25 @@ class EpisodeOptions:
     )
     context_keep_turns: int = setting(8, "turns truncate-observations keeps whole", ge=0, metavar="K", group="actors")
     temperature: float = setting(1.0, "sampling temperature", ge=0, group="actors")
+    group_size: int = setting(
+        1,
+        "run each drawn task K times, at once, as one group (the learner's --advantage grpo/rloo centres each on "
+        "the others); 1: every episode draws its own task",
+        ge=1,
+        metavar="K",
+        group="actors",
+    )
     verify_every: int = setting(
         0,
         "run the verifier every N turns for a dense per-turn reward (default 0: only at the end)",
         ge=0,
+        group="actors",
+    )
+    reward: Reward = setting(
+        Reward.DENSE,
+        "dense: a verified turn earns the change in tests passing (a per-command process reward with "
+        "--verify-every 1; the rewards add up to the tests passed); binary: only the episode's last turn earns, "
+        "1 if all tests pass at the end, else 0 (an outcome reward)",
         group="actors",
     )
 

@@ -15,10 +15,17 @@ minimum), which takes the noise of a shared machine out of the ratio. Then, sepa
 - ``train_peak_rss_gb_32k``: one PPO step of the shipped model on a single 32k-token segment, in a child
   process so that its ``ru_maxrss`` is its own peak.
 
-Targets: ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 10-30)
-<= 1.5, ``exec_p50_ms`` <= 10, ``train_peak_rss_gb_32k`` < 4.
+- live training: the received records replayed into an assembler and the real ``Trainer.step`` of the shipped
+  model, the open episode cut every ``--cut-every`` turns as the learner cuts a due episode: per turn index,
+  positions forwarded and back-propagated per trained (new) position, and step time per trained position;
+  with ``--prefix-kv reuse`` (the default, learner.prefixkv) over all turns, and ``exact`` over the first
+  ``--exact-turns``; every ``--cos-every`` steps the reuse gradient's cosine to the exact one on the same cut.
 
-    python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train]
+Targets: ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 10-30)
+<= 1.5, ``exec_p50_ms`` <= 10, ``train_peak_rss_gb_32k`` < 4, ``forwarded_per_trained_token`` <= 3,
+``step_time_ratio_late_early`` <= 1.5.
+
+    python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train] [--no-live]
 """
 
 from __future__ import annotations
@@ -290,6 +297,93 @@ def train_peak(tokens: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+# ------------------------------------------------------------------------------ live training
+
+
+@dataclass
+class LiveRun:
+    """The episode trained as the learner trains it live: cut every ``cut_every`` turns, one step a cut."""
+
+    prefix: str
+    per_turn: dict[int, dict[str, float]] = field(default_factory=dict)  # turn -> the step that trained it
+    steps: int = 0
+    forwarded: int = 0
+    backward: int = 0
+    new: int = 0
+    cosines: list[tuple[int, int, float]] = field(default_factory=list)  # (turn, age, cosine to exact)
+    seconds: float = 0.0
+
+
+def train_live(payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int) -> LiveRun:
+    """Replay the received records into an assembler and the real ``Trainer.step`` of the shipped model (random
+    init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
+    episode whose turns are due. Every ``cos_every`` steps (reuse only) the same cut is also trained exactly
+    from a copy of the weights and the two gradients compared."""
+    import copy
+
+    import torch
+
+    from t1async.learner.trainer import Trainer
+    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.model.config import MoEConfig
+    from t1async.model.moe import MoETransformer
+
+    class Capture(Trainer):
+        grad: torch.Tensor | None = None
+
+        def _optimizer_step(self) -> float:
+            self.grad = torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None]).clone()
+            return super()._optimizer_step()
+
+    torch.manual_seed(0)
+    model = MoETransformer(MoEConfig())
+    trainer = Capture(model, TrainerConfig(prefix_kv=prefix))
+    asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+    live = LiveRun(prefix)
+    pending: list[int] = []
+    t_all = time.perf_counter()
+    for data in payloads:
+        rec = wire.decode(data)
+        if isinstance(rec, wire.TurnRecord) and rec.turn >= upto:
+            break
+        segs = asm.feed(rec)
+        if isinstance(rec, wire.TurnRecord):
+            pending.append(rec.turn)
+            if len(pending) >= cut_every:
+                segs = segs + asm.cut(rec.episode)
+        if not segs:
+            continue
+        twin = None
+        if cos_every and prefix == "reuse" and live.steps % cos_every == cos_every - 1:
+            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv="exact"))
+            twin.step(segs, live.steps)
+        t0 = time.perf_counter()
+        m = trainer.step(segs, live.steps)
+        dt = time.perf_counter() - t0
+        live.steps += 1
+        live.forwarded += m.forwarded_tokens
+        live.backward += m.backward_tokens
+        live.new += m.new_tokens
+        for t in pending:
+            live.per_turn[t] = {
+                "fwd_per_new": m.forwarded_per_trained,
+                "bwd_per_new": m.backward_per_trained,
+                "step_us_per_new": dt / max(m.new_tokens, 1) * 1e6,
+                "step_s": dt,
+            }
+        if twin is not None and twin.grad is not None and trainer.grad is not None:
+            cos = float(torch.nn.functional.cosine_similarity(trainer.grad, twin.grad, dim=0))
+            live.cosines.append((pending[-1], m.prefix_max_age, cos))
+        pending = []
+    live.seconds = time.perf_counter() - t_all
+    return live
+
+
+def _median_turns(live: LiveRun, lo: int, hi: int, key: str) -> float:
+    vals = [live.per_turn[t][key] for t in range(lo, hi) if t in live.per_turn]
+    return float(np.median(vals)) if vals else float("nan")
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -306,6 +400,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--train-tokens", type=int, default=32768, help="segment length of the training step")
     ap.add_argument("--no-train", action="store_true", help="skip the training-step peak RSS")
     ap.add_argument("--every", type=int, default=20, help="print every Nth turn in the table (default 20)")
+    ap.add_argument(
+        "--cut-every",
+        type=int,
+        default=2,
+        help="live training: turns between cuts of the open episode (default 2: a default cluster's 16-turn "
+        "batch over 8 actors)",
+    )
+    ap.add_argument(
+        "--exact-turns",
+        type=int,
+        default=80,
+        help="live training: also train the first N turns with --prefix-kv exact, for comparison (0: skip)",
+    )
+    ap.add_argument("--cos-every", type=int, default=20, help="steps between gradient checks against exact")
+    ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -322,6 +431,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         replay_ingest(run, a.replays)
         exec_ms = anyio.run(exec_true_ms, a.exec_n, Path(tmp), backend="trio")
     train = None if a.no_train else train_peak(a.train_tokens)
+    lives: list[LiveRun] = []
+    if not a.no_live:
+        lives.append(
+            train_live(run.payloads, prefix_kv="reuse", cut_every=a.cut_every, upto=a.turns, cos_every=a.cos_every)
+        )
+        if a.exact_turns:
+            lives.append(
+                train_live(run.payloads, prefix_kv="exact", cut_every=a.cut_every, upto=a.exact_turns, cos_every=0)
+            )
 
     rows = run.rows
     max_turn = max(rows) + 1 if rows else 0
@@ -367,6 +485,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     if train is not None:
         table.append((f"train step peak RSS GB, {a.train_tokens} tokens (target < 4)", train["peak_gb"]))
         table.append(("train step s", train["step_s"]))
+    for lv in lives:
+        last = max(lv.per_turn) + 1 if lv.per_turn else 0
+        lo, hi = (max(last - 20, 0), last)
+        early_us, late_us = _median_turns(lv, *EARLY, "step_us_per_new"), _median_turns(lv, lo, hi, "step_us_per_new")
+        key = "" if lv.prefix == "reuse" else "_exact"
+        res[f"forwarded_per_trained_token{key}"] = lv.forwarded / max(lv.new, 1)
+        res[f"backward_per_trained_token{key}"] = lv.backward / max(lv.new, 1)
+        res[f"step_time_ratio_late_early{key}"] = late_us / early_us
+        res[f"live_turns{key}"] = last
+        res[f"live_steps{key}"] = lv.steps
+        res[f"live_seconds{key}"] = lv.seconds
+        res[f"step_us_per_trained_early{key}"] = early_us
+        res[f"step_us_per_trained_late{key}"] = late_us
+        if lv.prefix == "reuse":
+            res["grad_cosine_to_exact"] = [{"turn": t, "age": age, "cosine": c} for t, age, c in lv.cosines]
+            res["grad_cosine_min"] = min((c for *_, c in lv.cosines), default=None)
+        label = f"--prefix-kv {lv.prefix}, turns 0-{last} cut every {a.cut_every}"
+        table.append((f"{label}: forwarded / trained token (target <= 3)", res[f"forwarded_per_trained_token{key}"]))
+        table.append((f"{label}: backward / trained token", res[f"backward_per_trained_token{key}"]))
+        table.append(
+            (
+                f"{label}: step us / trained token, turns {EARLY[0]}-{EARLY[1]} -> {lo}-{hi} (ratio target <= 1.5)",
+                f"{early_us:.1f} -> {late_us:.1f} (x{late_us / early_us:.2f})",
+            )
+        )
+        if lv.cosines:
+            table.append(
+                (
+                    f"{label}: gradient cosine to exact (turn/age/cos)",
+                    " ".join(f"{t}/{age}/{c:.3f}" for t, age, c in lv.cosines),
+                )
+            )
+        grid = [
+            (
+                t,
+                f"{r['fwd_per_new']:.2f}",
+                f"{r['bwd_per_new']:.2f}",
+                f"{r['step_us_per_new']:.1f}",
+                f"{r['step_s']:.2f}",
+            )
+            for t, r in sorted(lv.per_turn.items())
+            if t % a.every == 0
+        ]
+        print_grid(("turn", "fwd/new", "bwd/new", "step us/new", "step s"), grid, title=f"live training, {label}")
     print_table("bench.longhorizon", table)
     if a.json:
         emit_json(res)

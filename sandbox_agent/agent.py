@@ -16,11 +16,13 @@ Its config and records (``AgentConfig``, ``TurnResult``, ``EpisodeResult``) are 
 reads as its seams: ``_sample``, ``_respond`` (parse, ``_act``), ``_next_input`` (with the context
 policy), ``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
 
-Rewards (design §8): when a turn is verified (every ``verify_every`` turns, and always on the turn that
-ends the episode) its ``reward`` is the change in the number of passing tests; otherwise 0. If the episode
-stops before a turn could carry the final verification (wall time ran out while sampling, a sampler
-error), that change is ``EpisodeResult.unstreamed_reward``, so the streamed rewards plus it always add up to
-``EpisodeResult.tests_passed``.
+Rewards (design §8, ``AgentConfig.reward``): dense (the default), when a turn is verified (every
+``verify_every`` turns, and always on the turn that ends the episode) its ``reward`` is the change in the
+number of passing tests; otherwise 0. If the episode stops before a turn could carry the final verification
+(wall time ran out while sampling, a sampler error), that change is ``EpisodeResult.unstreamed_reward``, so
+the streamed rewards plus it always add up to ``EpisodeResult.tests_passed``. Binary: every turn earns 0 but
+the final verification, which earns 1 if the task is resolved (on the last turn, else as the unstreamed
+reward), so the rewards add up to ``EpisodeResult.resolved``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sandbox_agent.agent_types import (
     ChatTokenizerLike,
     EpisodeResult,
     OnTurn,
+    Reward,
     TurnGate,
     TurnResult,
     VerifyFn,
@@ -231,9 +234,12 @@ async def _verify_turn(
     st.last_verify = await verify()
     reward = float(st.last_verify.passed - st.last_passed)
     st.last_passed = st.last_verify.passed
+    detail = ""
     if stop is None and cfg.stop_when_resolved and st.last_verify.resolved:
-        return st.last_verify.passed, reward, EndReason.SOLVED, f"tests resolved at turn {k}"
-    return st.last_verify.passed, reward, stop, ""
+        stop, detail = EndReason.SOLVED, f"tests resolved at turn {k}"
+    if cfg.reward == Reward.BINARY:  # only the episode's final verification pays, 1 if resolved
+        reward = float(st.last_verify.resolved) if stop is not None else 0.0
+    return st.last_verify.passed, reward, stop, detail
 
 
 async def run_agent(
@@ -332,11 +338,11 @@ async def run_agent(
             break
         assert next_ids is not None
         st.input_ids = next_ids
-    return await _finish(st, verify, rid, turns, reason, detail, t_start)
+    return await _finish(st, verify, cfg, rid, turns, reason, detail, t_start)
 
 
 async def _finish(
-    st: _Loop, verify: VerifyFn, rid: str, turns: int, reason: EndReason, detail: str, t_start: float
+    st: _Loop, verify: VerifyFn, cfg: AgentConfig, rid: str, turns: int, reason: EndReason, detail: str, t_start: float
 ) -> EpisodeResult:
     """The episode's result; verifies once more if the last turn could not carry the final verification."""
     unstreamed = 0.0
@@ -344,6 +350,8 @@ async def _finish(
     if not st.verified_last_turn or last_verify is None:
         last_verify = await verify()
         unstreamed = float(last_verify.passed - st.last_passed)
+        if cfg.reward == Reward.BINARY:  # no streamed turn carried the final verification: its 1 or 0 goes here
+            unstreamed = float(last_verify.resolved)
     result = EpisodeResult(
         turns=turns,
         reason=reason,

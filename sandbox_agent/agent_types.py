@@ -5,6 +5,7 @@ an optional turn gate, the verifier and the ``on_turn`` hook). All import from `
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -33,12 +34,23 @@ class ChatTokenizerLike(Protocol):
     def eos_ids(self) -> Sequence[int]: ...
 
 
+class Reward(enum.StrEnum):
+    """What a turn earns (design §8). ``DENSE``: a verified turn's reward is the change in the number of passing
+    tests, so an episode's rewards add up to the tests passed at its end (with ``verify_every=1``, a
+    per-command process reward). ``BINARY``: every turn earns 0 but the episode's last, which earns 1 if all
+    tests pass at the end, else 0 (an outcome reward, whatever ``verify_every`` says)."""
+
+    DENSE = "dense"
+    BINARY = "binary"
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     max_turns: int = 300
     max_context_tokens: int = 32768
     wall_time_s: float | None = None  # None: the task's agent timeout (time held back by credits is not counted)
     verify_every: int = 0  # 0: verify only when the episode ends
+    reward: Reward = Reward.DENSE
     sampling: SamplingParams = field(
         default_factory=lambda: SamplingParams(max_new_tokens=1024)
     )  # no stop ids: the tokenizer's end-of-turn and eos
@@ -69,7 +81,7 @@ class TurnResult:
     timed_out: bool
     truncated: bool
     tests_passed: int | None  # None: not verified this turn
-    reward: float  # change in tests passed since the last verification (0 if not verified)
+    reward: float  # dense: change in tests passed since the last verification (0 if not verified); see Reward
     t_sample_s: float
     t_exec_s: float
     last: bool = False

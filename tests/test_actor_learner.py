@@ -14,32 +14,17 @@ from sandbox_agent.synth import generate
 from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.model.config import MoEConfig
-from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import save_pretrained
 from t1async.protocol import wire
 from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.memory import MemorySampler
+from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(
-        vocab_size=ChatTokenizer.load().vocab_size,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        n_experts=4,
-        top_k=2,
-        d_ff=32,
-        max_seq_len=8192,
-        seed=0,
-    )
-    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
-    return d
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
 class VersionedMemorySampler(MemorySampler):

@@ -18,12 +18,9 @@ import pytest
 from t1async.ingest.journal import Journal, JournalWriteError, read_journal
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.model.config import MoEConfig
-from t1async.model.moe import MoETransformer
-from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import save_pretrained
 from t1async.protocol import wire
 from t1async.testing.episodes import Sizes, make_episode
+from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 
@@ -100,20 +97,7 @@ def test_a_failed_append_leaves_nothing_and_the_retry_lands_once(small_fs: Path)
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(
-        vocab_size=ChatTokenizer.load().vocab_size,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        n_experts=4,
-        top_k=2,
-        d_ff=32,
-        max_seq_len=8192,
-        seed=0,
-    )
-    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
-    return d
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
 
 
 async def until(cond, what: str, timeout: float = 120.0) -> None:  # noqa: ANN001 - a predicate

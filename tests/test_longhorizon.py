@@ -24,13 +24,11 @@ from sandbox_agent.synth import generate
 from sandbox_agent.verifier import VerifyResult
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.model.config import MoEConfig
-from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import save_pretrained
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import Generation, SamplingParams, common_prefix_len
+from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 
 LAYERS, TOPK, EXPERTS = 2, 2, 4
@@ -197,20 +195,9 @@ def test_history_drops_oldest_turns_when_shortening_is_not_enough():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(
-        vocab_size=ChatTokenizer.load().vocab_size,
-        d_model=32,
-        n_layers=LAYERS,
-        n_heads=2,
-        n_experts=EXPERTS,
-        top_k=TOPK,
-        d_ff=32,
-        max_seq_len=4096,
-        seed=0,
+    return tiny_model_dir(
+        tmp_path_factory.mktemp("model"), n_layers=LAYERS, n_experts=EXPERTS, top_k=TOPK, max_seq_len=4096
     )
-    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
-    return d
 
 
 def lh_script(k: int) -> str:

@@ -16,12 +16,10 @@ from t1async.ingest.validate import ModelLimits, check_turn
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
-from t1async.model.moe import MoETransformer
-from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import save_pretrained
 from t1async.protocol import wire
 from t1async.protocol.errors import WireError
 from t1async.testing.episodes import Sizes, make_episode
+from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import HDR_DEAD_ERROR, HDR_DEAD_REASON, traj_subject
 
@@ -30,20 +28,7 @@ LAYERS, TOPK, EXPERTS = 2, 2, 4
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("model")
-    cfg = MoEConfig(
-        vocab_size=ChatTokenizer.load().vocab_size,
-        d_model=32,
-        n_layers=LAYERS,
-        n_heads=2,
-        n_experts=EXPERTS,
-        top_k=TOPK,
-        d_ff=32,
-        max_seq_len=8192,
-        seed=0,
-    )
-    save_pretrained(MoETransformer(cfg), d, ChatTokenizer.load())
-    return d
+    return tiny_model_dir(tmp_path_factory.mktemp("model"), n_layers=LAYERS, n_experts=EXPERTS, top_k=TOPK)
 
 
 def episode(name: str, seed: int, turns: int = 4, policy_version: int = 0) -> list:

@@ -77,8 +77,8 @@ def test_the_trainer_feeds_the_centred_turn_rewards_to_the_loss(monkeypatch):
     adv, calls = _advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, segs)
     assert calls == 2  # one micro-batch each: the baseline is the step's, not the micro-batch's
     assert sorted(np.round(adv, 4).tolist()) == [-1.0] * 10 + [1.0] * 10
-    with pytest.raises(ConfigError, match="advantage must be 'gae' or 'turn'"):
-        TrainerConfig(advantage="grpo")
+    with pytest.raises(ConfigError, match="advantage must be 'gae' or 'turn' or 'grpo' or 'rloo'"):
+        TrainerConfig(advantage="ppo")
 
 
 def test_turn_advantages_raise_a_better_first_turn_whatever_the_second_did():
@@ -111,5 +111,5 @@ def test_cluster_up_advantage_reaches_the_learner(tmp_path):
     assert learner_toml(argv)["advantage"] == "turn" and "--advantage" not in argv
     assert serve_args(argv).advantage == "turn"
     assert serve_args(learner_argv(tmp_path / "b")).advantage == "gae"  # the default
-    with pytest.raises(ConfigError, match="--advantage must be gae or turn"):
-        from_args(argparse.Namespace(run_dir=tmp_path, advantage="grpo"))
+    with pytest.raises(ConfigError, match="--advantage must be one of gae, turn, grpo, rloo"):
+        from_args(argparse.Namespace(run_dir=tmp_path, advantage="ppo"))

@@ -62,6 +62,7 @@ class Batch:
     versions: Tensor  # long [B, T], -1 off the loss mask
     recorded: Tensor | None  # long [B, T, L, K] recorded experts, -1 missing / padding; None: no routing
     index: tuple[int, ...]  # position of each row in the step's segment list
+    past: list[tuple[Tensor, Tensor]] | None = None  # B = 1: kept keys/values before tokens (learner.prefixkv)
 
     @property
     def shape(self) -> tuple[int, int]:

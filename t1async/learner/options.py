@@ -12,6 +12,18 @@ from t1async.config import setting
 class Advantage(enum.StrEnum):
     GAE = "gae"  # critic-based GAE over the episode (ppo.segment_advantages)
     TURN = "turn"  # each turn's reward minus the step's mean for its turn number (ppo.turn_baseline)
+    GRPO = "grpo"  # each turn's return-to-go minus its task group's mean at that turn number (ppo.StepBaseline)
+    RLOO = "rloo"  # the same, leave-one-out: minus the mean of the group's other episodes
+
+
+class IsCorrection(enum.StrEnum):
+    TIS = "tis"  # truncated importance sampling: w = pi_prox / pi_behav capped at --is-cap
+    MIS = "mis"  # masked importance sampling: tokens whose w leaves [--is-low, --is-high] are dropped
+
+
+class Prefix(enum.StrEnum):
+    EXACT = "exact"  # every cut re-forwards its episode's whole context (exact gradient; O(n) per step)
+    REUSE = "reuse"  # an open episode's kept keys/values stand in for its history (learner.prefixkv)
 
 
 class Critic(enum.StrEnum):
@@ -30,7 +42,9 @@ class Device(enum.StrEnum):
 
 
 ADVANTAGES = tuple(a.value for a in Advantage)
+IS_CORRECTIONS = tuple(c.value for c in IsCorrection)
 CRITICS = tuple(c.value for c in Critic)
+PREFIXES = tuple(p.value for p in Prefix)
 
 
 @dataclass(frozen=True)
@@ -41,7 +55,36 @@ class TrainerOptions:
     advantage: Advantage = setting(
         Advantage.GAE,
         "gae: critic-based GAE over the episode; turn: each turn's own reward minus the step's mean reward of "
-        "turns with the same number, no critic",
+        "turns with the same number, no critic; grpo / rloo: each turn's return-to-go (--gamma across turns) minus "
+        "the mean of the other episodes of its task group (actors --group-size K) at that turn number (rloo: "
+        "leave-one-out), no critic",
+        group="learner",
+    )
+    gamma: float = setting(1.0, "discount across turns (gae, grpo, rloo)", ge=0, le=1, group="learner")
+    lam: float = setting(0.95, "GAE lambda across turns", ge=0, le=1, group="learner")
+    ppo_epochs: int = setting(
+        1,
+        "optimizer steps per batch; from the second the PPO ratio differs from 1 and its clip binds",
+        ge=1,
+        group="learner",
+    )
+    is_correction: IsCorrection = setting(
+        IsCorrection.TIS,
+        "off-policy correction of the weight w = pi_learner / pi_sampler: tis truncates w at --is-cap; mis drops "
+        "the tokens whose w leaves [--is-low, --is-high]",
+        group="learner",
+    )
+    is_cap: float = setting(2.0, "tis: the cap of the importance weight", gt=0, group="learner")
+    is_low: float = setting(0.5, "mis: the lowest importance weight kept", ge=0, group="learner")
+    is_high: float = setting(2.0, "mis: the highest importance weight kept", gt=0, group="learner")
+    # T1's "aggressive warm start" of the critic: a fresh head predicts ~0 while returns average >1, so GAE's
+    # first advantages are returns against one global baseline; a least-squares fit on the first steps' rollouts
+    # gives it the returns' structure before the policy moves (learner/critic.py)
+    critic_warmup: int = setting(
+        0,
+        "refit the value head by least squares on the returns of the first N steps' rollouts (all of them so "
+        "far), before each of those steps computes its advantages; 0: off",
+        ge=0,
         group="learner",
     )
     # a fresh head at the policy's RL lr barely moves: on the chores warm start at lr 3e-5 its mean stayed ~0.05
@@ -74,5 +117,19 @@ class TrainerOptions:
         Device.CPU,
         "where the learner trains: cpu, or cuda (the GPU of this process, LOCAL_RANK's with --nproc > 1; "
         "untested, no GPU ran in our tests)",
+        group="learner",
+    )
+    prefix_kv: Prefix = setting(
+        Prefix.REUSE,
+        "reuse: a cut of an open episode forwards only its new positions, attending to the keys and values kept "
+        "from its earlier cuts (no gradient through them; at most --prefix-kv-max-age versions old), so the cost "
+        "per trained token stays flat as episodes grow; exact: re-forward the whole context at every cut",
+        group="learner",
+    )
+    prefix_kv_max_age: int = setting(
+        64,
+        "with --prefix-kv reuse: kept keys and values older than this many policy versions are recomputed (the "
+        "whole context re-forwarded once)",
+        ge=0,
         group="learner",
     )

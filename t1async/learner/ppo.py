@@ -19,17 +19,29 @@ Conventions (one segment = one token sequence ``tokens[0..T)``):
 
 The policy loss is decoupled PPO (Hilton et al. 2022; AReaL): behaviour policy = the sampler's logprobs,
 proximal policy = the learner's logprobs at the start of the step (detached). The PPO ratio and its clip are
-taken against the proximal policy; the importance weight ``pi_prox / pi_behav`` corrects for staleness and
-sampler/learner mismatch, truncated at ``is_cap`` and detached.
+taken against the proximal policy; the importance weight ``w = pi_prox / pi_behav`` corrects for staleness and
+sampler/learner mismatch, detached: ``is_correction="tis"`` truncates it at ``is_cap`` (truncated IS),
+``"mis"`` zeroes the tokens whose ``w`` leaves ``[is_low, is_high]`` (masked IS) and keeps ``w`` elsewhere.
+With ``ppo_epochs > 1`` every epoch re-runs the forward, so from the second epoch on the ratio differs from 1
+and the clip binds; ``clip_frac_by_epoch`` shows it.
+
+Baselines without a critic (``StepBaseline``): ``turn`` centres each turn's own reward on the step's mean for
+its turn number; ``grpo`` / ``rloo`` centre each turn's return-to-go (``gamma`` across the turns of the
+segment) on the mean return-to-go at the same turn number of the other episodes of the same task group
+(``grpo``: the group's mean including itself; ``rloo``: leave-one-out). A turn whose group has no other
+episode with that turn number in the step falls back to the step's mean for the turn number.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from t1async.learner.groups import episode_group
 
 
 def gae(
@@ -167,11 +179,92 @@ def turn_advantages(
     return adv
 
 
+def turn_returns(turn_rewards: dict[int, float], gamma: float) -> dict[int, float]:
+    """Return-to-go of each turn over the turns given (turn number -> reward): ``G_t = r_t + gamma * G_next``,
+    the next being the following turn number present."""
+    out: dict[int, float] = {}
+    acc = 0.0
+    for t in sorted(turn_rewards, reverse=True):
+        acc = turn_rewards[t] + gamma * acc
+        out[t] = acc
+    return out
+
+
+@dataclass(frozen=True)
+class StepBaseline:
+    """The critic-free baseline of one step (``TrainerConfig.advantage`` ``turn``, ``grpo`` or ``rloo``).
+
+    ``per_turn``: turn number -> the step's mean of the per-turn value (``turn``: the turn's reward; group modes:
+    its return-to-go); ``groups``: (task group, turn number) -> [sum of the episodes' values, episodes]; ``own``:
+    (episode, turn number) -> that episode's value, summed over its segments in the step.
+    """
+
+    mode: str
+    gamma: float = 1.0
+    per_turn: dict[int, float] = field(default_factory=dict)
+    groups: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    own: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, mode: str, segments: Iterable, gamma: float = 1.0) -> StepBaseline:
+        if mode not in ("turn", "grpo", "rloo"):
+            raise ValueError(f"StepBaseline mode must be turn, grpo or rloo, got {mode!r}")
+        segments = list(segments)
+        if mode == "turn":
+            return cls(mode, gamma, turn_baseline(segments))
+        own: dict[tuple[str, int], float] = {}
+        for s in segments:
+            rw = _turn_rewards(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards)
+            for t, g in turn_returns(rw, gamma).items():
+                own[(s.episode, t)] = own.get((s.episode, t), 0.0) + g
+        groups: dict[tuple[str, int], list[float]] = {}
+        sums: dict[int, list[float]] = {}
+        for (ep, t), g in own.items():
+            acc = groups.setdefault((episode_group(ep), t), [0.0, 0.0])
+            acc[0] += g
+            acc[1] += 1.0
+            tot = sums.setdefault(t, [0.0, 0.0])
+            tot[0] += g
+            tot[1] += 1.0
+        return cls(mode, gamma, {t: a / n for t, (a, n) in sums.items()}, groups, own)
+
+    def baseline(self, episode: str, turn: int, value: float) -> float:
+        """The baseline of ``episode``'s turn ``turn`` whose value (reward or return-to-go) is ``value``."""
+        if self.mode == "turn":
+            return self.per_turn.get(turn, value)
+        total, n = self.groups.get((episode_group(episode), turn), (0.0, 0.0))
+        if n >= 2:
+            if self.mode == "rloo":
+                return (total - self.own.get((episode, turn), value)) / (n - 1)
+            return total / n
+        return self.per_turn.get(turn, value)
+
+    def advantages(self, seg) -> np.ndarray:
+        """Per-token advantages of one segment (zeros off the loss mask)."""
+        lm, tid = np.asarray(seg.loss_mask, dtype=bool), np.asarray(seg.turn_ids)
+        adv = np.zeros(len(lm), dtype=np.float64)
+        rw = _turn_rewards(lm, tid, seg.turn_ends, seg.turn_rewards)
+        vals = rw if self.mode == "turn" else turn_returns(rw, self.gamma)
+        for t, v in vals.items():
+            adv[lm & (tid == t)] = v - self.baseline(seg.episode, t, v)
+        return adv
+
+    def grouped_share(self) -> float:
+        """The share of the step's (episode, turn) entries centred on their own group (group modes; 0 else)."""
+        if not self.own:
+            return 0.0
+        hit = sum(1 for ep, t in self.own if self.groups.get((episode_group(ep), t), (0, 0))[1] >= 2)
+        return hit / len(self.own)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     clip_eps: float = 0.2  # PPO ratio clip against the proximal policy
     clip_eps_high: float | None = None  # asymmetric upper clip (DAPO "clip higher"); None = clip_eps
-    is_cap: float = 2.0  # truncation of the behaviour importance weight pi_prox / pi_behav
+    is_correction: str = "tis"  # "tis": w truncated at is_cap; "mis": tokens with w outside [is_low, is_high] dropped
+    is_cap: float = 2.0  # truncation of the behaviour importance weight w = pi_prox / pi_behav (tis)
+    is_low: float = 0.5  # masked IS: the bounds of the kept tokens' w (mis)
+    is_high: float = 2.0
     value_coef: float = 0.5
     value_clip: float | None = 0.2  # PPO value clipping around the step's starting values; None = off
     entropy_coef: float = 0.0
@@ -184,7 +277,36 @@ class LossTerms:
     value_loss: Tensor
     entropy: Tensor
     clip_frac: Tensor  # share of loss tokens whose ratio was clipped
-    is_trunc_frac: Tensor  # share of loss tokens whose importance weight hit the cap
+    is_trunc_frac: Tensor  # share of loss tokens whose importance weight hit the cap (tis)
+    is_masked_frac: Tensor = field(default_factory=lambda: torch.zeros(()))  # share dropped by masked IS (mis)
+
+    def shares(self) -> dict[str, Tensor]:
+        """The per-token shares, to be averaged over micro-batches weighted by their loss tokens."""
+        return {"clip_frac": self.clip_frac, "is_trunc_frac": self.is_trunc_frac, "is_masked_frac": self.is_masked_frac}
+
+
+def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """The corrected importance weights of ``w = pi_prox / pi_behav`` under ``cfg.is_correction`` and the
+    (truncated, masked) boolean tensors saying where the correction acted."""
+    raw = torch.exp((prox_logp.detach() - behav_logp.detach()).clamp(-20.0, 20.0))
+    if cfg.is_correction == "mis":
+        masked = (raw < cfg.is_low) | (raw > cfg.is_high)
+        return torch.where(masked, torch.zeros_like(raw), raw), torch.zeros_like(masked), masked
+    if cfg.is_correction != "tis":
+        raise ValueError(f"LossConfig.is_correction must be 'tis' or 'mis', got {cfg.is_correction!r}")
+    trunc = raw > cfg.is_cap
+    return raw.clamp(max=cfg.is_cap), trunc, torch.zeros_like(trunc)
+
+
+def accumulate(sums: dict[str, float], terms: LossTerms, *, share: float, epoch: int, epochs: int) -> None:
+    """Add one micro-batch's ``terms`` to the step's ``sums``: the losses averaged over the epochs, the token
+    shares weighted by the micro-batch's ``share`` of the step's loss tokens, and the clipped share per epoch
+    (``clip_frac_e<k>``: with one epoch the ratio is 1 and nothing clips)."""
+    for k in ("loss", "policy_loss", "value_loss", "entropy"):
+        sums[k] += float(getattr(terms, k).detach()) / epochs
+    for k, v in terms.shares().items():
+        sums[k] += float(v.detach()) * share / epochs
+    sums[f"clip_frac_e{epoch}"] += float(terms.clip_frac.detach()) * share
 
 
 def ppo_loss(
@@ -215,8 +337,7 @@ def ppo_loss(
     ratio = torch.exp((logp - prox).clamp(-20.0, 20.0))
     hi = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + hi)
-    raw_w = torch.exp((prox - behav).clamp(-20.0, 20.0))
-    w = raw_w.clamp(max=cfg.is_cap)
+    w, trunc_at, masked_at = is_weights(prox, behav, cfg)
     surr = torch.minimum(ratio * adv, clipped * adv)
     pg = -(w * surr * m).sum() / n
     if cfg.value_clip is None:
@@ -231,8 +352,9 @@ def ppo_loss(
         cnt = m.sum().clamp(min=1.0)
         was_clipped = ((ratio * adv) != surr) & mask.bool()
         clip_frac = was_clipped.to(m.dtype).sum() / cnt
-        trunc = ((raw_w > cfg.is_cap) & mask.bool()).to(m.dtype).sum() / cnt
-    return LossTerms(loss, pg, vloss, ent, clip_frac, trunc)
+        trunc = (trunc_at & mask.bool()).to(m.dtype).sum() / cnt
+        masked = (masked_at & mask.bool()).to(m.dtype).sum() / cnt
+    return LossTerms(loss, pg, vloss, ent, clip_frac, trunc, masked)
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> float:
@@ -253,6 +375,18 @@ def ess(log_weights: Tensor, mask: Tensor) -> float:
     lw = lw - lw.max()
     w = torch.exp(lw)
     return float(w.sum() ** 2 / (lw.numel() * (w * w).sum()))
+
+
+def explained_variance(values: Tensor, returns: Tensor) -> float:
+    """``1 - Var(returns - values) / Var(returns)`` over 1-d tensors: 1 = the critic predicts the returns,
+    0 = no better than their mean, < 0 worse. NaN-free: 0.0 when the returns do not vary."""
+    v, r = values.double().flatten(), returns.double().flatten()
+    if r.numel() < 2:
+        return 0.0
+    var = float(r.var(unbiased=False))
+    if var <= 1e-12:
+        return 0.0
+    return 1.0 - float((r - v).var(unbiased=False)) / var
 
 
 @dataclass(frozen=True)

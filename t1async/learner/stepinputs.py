@@ -29,7 +29,8 @@ class StepInputs:
     def take(self, policy_version: int, trained: Mapping[str, Collection[int]]) -> list[Segment]:
         """Closed segments, plus a cut of each open episode that holds a turn this step must train: one the
         credit order makes due, or one that would be too stale for the next step. Other open episodes keep
-        growing: a cut re-forwards the episode's whole context, so cutting less often is what η buys.
+        growing (under ``--prefix-kv exact`` a cut re-forwards the episode's whole context, so cutting less often
+        is what η buys; under ``reuse`` a cut forwards only its new positions, learner.prefixkv).
         ``trained``: episode -> turns trained before (the learner's state)."""
         v, eta = policy_version, self.max_staleness
         must = {ep for ep, _ in self.gate.ledger.due(v)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -59,11 +59,31 @@ class StepMetrics:
     # where t_step_s went: forwards (scoring and PPO), backward passes with the optimizer step
     t_forward_s: float = 0.0
     t_backward_s: float = 0.0
+    # cost per trained token (learner.prefixkv): positions forwarded (every pass) and back-propagated, over the
+    # positions this step covers for the first time (an episode's new turns and the observations between them;
+    # 1.0 = each position forwarded once). prefix_reused: kept positions attended to instead of re-forwarded
+    forwarded_tokens: int = 0
+    backward_tokens: int = 0
+    new_tokens: int = 0
+    forwarded_per_trained: float = 0.0
+    backward_per_trained: float = 0.0
+    prefix_reused_tokens: int = 0
+    prefix_max_age: int = 0
+    # the algorithm's own health (design §8): PPO clipping per epoch (the ratio is 1 in the first, so a clip
+    # that binds shows from the second), the off-policy correction, the critic, the group baselines
+    clip_frac_by_epoch: dict[int, float] = field(default_factory=dict)
+    clip_frac_last: float = 0.0  # clip_frac_by_epoch's last epoch
+    is_masked_frac: float = 0.0  # share of loss tokens dropped by masked IS (is_correction "mis")
+    ess_corrected: float = 1.0  # normalised ESS of the importance weights after truncation or masking
+    explained_variance: float = 0.0  # of the returns by the critic's values at the start of the step
+    critic_warmup_ev: float | None = None  # in-sample EV of the critic's least-squares warm-up fit, that step
+    adv_grouped_share: float = 0.0  # grpo/rloo: share of (episode, turn)s centred on their own task group
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
         d["policy_shift_by_staleness"] = {str(k): v for k, v in self.policy_shift_by_staleness.items()}
+        d["clip_frac_by_epoch"] = {str(k): v for k, v in self.clip_frac_by_epoch.items()}
         return d
 
 
@@ -85,6 +105,7 @@ def step_metrics(
     t0: float,
     t_fwd: float,
     t_backward: float,
+    loss_config: ppo.LossConfig | None = None,
 ) -> StepMetrics:
     """StepMetrics over the step's loss tokens: ``toks`` holds 1-D per-loss-token tensors ``prox``,
     ``behav``, ``versions``, ``old_values``, ``returns``; ``segments`` all the step's segments; ``routing``
@@ -95,6 +116,8 @@ def step_metrics(
     stale = (policy_version - vers).cpu().numpy()
     hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
     split = ppo.dlogp_split(prox, behav, policy_version - vers)
+    w, _, _ = ppo.is_weights(prox, behav, loss_config or ppo.LossConfig())
+    by_epoch = {int(k.removeprefix("clip_frac_e")): v for k, v in sums.items() if k.startswith("clip_frac_e")}
     return StepMetrics(
         step=step,
         policy_version=policy_version,
@@ -133,4 +156,32 @@ def step_metrics(
         policy_shift_by_staleness=split.policy_shift_by_staleness,
         t_forward_s=t_fwd,
         t_backward_s=t_backward,
+        forwarded_tokens=int(sums.get("fwd_tokens", 0)),
+        backward_tokens=int(sums.get("bwd_tokens", 0)),
+        new_tokens=int(sums.get("new_tokens", 0)),
+        forwarded_per_trained=sums.get("fwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
+        backward_per_trained=sums.get("bwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
+        prefix_reused_tokens=int(sums.get("prefix_reused", 0)),
+        prefix_max_age=int(sums.get("prefix_age", 0)),
+        clip_frac_by_epoch=by_epoch,
+        clip_frac_last=by_epoch[max(by_epoch)] if by_epoch else 0.0,
+        is_masked_frac=sums.get("is_masked_frac", 0.0),
+        ess_corrected=_ess_of(w),
+        explained_variance=ppo.explained_variance(old_v, ret),
     )
+
+
+def _ess_of(w: Tensor) -> float:
+    """Normalised ESS ``(sum w)^2 / (N sum w^2)`` of weights (zeros count: masking lowers it); 0 if all are 0."""
+    w = w.double().flatten()
+    sq = float((w * w).sum())
+    return float(w.sum() ** 2 / (w.numel() * sq)) if w.numel() and sq > 0 else 0.0
+
+
+def step_algorithm_metrics(
+    m: StepMetrics, baseline: ppo.StepBaseline | None, critic_warmup_ev: float | None
+) -> StepMetrics:
+    """``m`` with what the trainer knows outside the step's tensors: the group baselines' coverage and the
+    critic warm-up fit."""
+    share = baseline.grouped_share() if baseline is not None else 0.0
+    return replace(m, adv_grouped_share=share, critic_warmup_ev=critic_warmup_ev)

@@ -27,7 +27,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,10 @@ from torch.distributed.tensor import DTensor
 from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
+from t1async.learner.critic import CriticWarmup
 from t1async.learner.options import TrainDtype
-from t1async.learner.stepmetrics import StepMetrics, step_metrics
+from t1async.learner.prefixkv import KV, PrefixKV
+from t1async.learner.stepmetrics import StepMetrics, step_algorithm_metrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
@@ -76,12 +78,19 @@ class Trainer:
         )
         self.steps = 0
         self.device = next(model.parameters()).device
-        self._baseline: dict[int, float] = {}  # advantage="turn": the step's mean reward per turn number
+        self._baseline: ppo.StepBaseline | None = None  # advantage turn/grpo/rloo: the step's baseline (ppo.py)
+        self._warmup = CriticWarmup(model) if config.critic_warmup else None  # value head fit (learner/critic.py)
         self.rank, self.world = 0, 1  # learner.distributed.DistributedTrainer: this rank of ``world``
         self._failed: BaseException | None = None  # this rank's own error in the step now running
         self._t_wait = 0.0  # seconds of this step spent waiting for the other ranks (the gradient meeting)
         self.rank_busy_s: list[float] = []  # each rank's compute seconds in the last step (rank 0)
         self.grad_bytes = 0  # this rank's gradient bytes at the last optimizer step (its shards under FSDP)
+        self.prefix = (  # an open episode's kept keys/values (learner.prefixkv); None: re-forward everything
+            PrefixKV(max_age=config.prefix_kv_max_age, budget_tokens=config.prefix_kv_tokens)
+            if config.prefix_kv == "reuse"
+            else None
+        )
+        self._covered: dict[str, int] = {}  # open episode -> positions forwarded by an earlier step (metrics)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -96,13 +105,20 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- forward
 
-    def _forward(self, b: Batch, *, replay: bool, with_entropy: bool):
+    def _forward(self, b: Batch, *, replay: bool, with_entropy: bool, want_kv: bool = False):
         rp = b.recorded if (replay and b.recorded is not None) else None
         # --train-dtype bfloat16: bf16 autocast over the fp32 weights (the master copy AdamW updates)
         bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
-            out = self.model(b.tokens, replay=rp, logits=False, checkpoint_blocks=self.config.checkpoint_blocks)
+            out = self.model(
+                b.tokens,
+                replay=rp,
+                logits=False,
+                checkpoint_blocks=self.config.checkpoint_blocks,
+                past=b.past,
+                want_kv=want_kv,
+            )
             logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
             v = out.values.float()
             if self.config.critic == "detached":  # same values; the value loss reaches the head only
@@ -132,8 +148,8 @@ class Trainer:
                 lam=cfg.lam,
                 discount_per=cfg.discount_per,
             )
-            if cfg.advantage == "turn":
-                a = ppo.turn_advantages(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards, self._baseline)
+            if self._baseline is not None:
+                a = self._baseline.advantages(s)
             adv[row, :n], ret[row, :n] = a, r
         return torch.from_numpy(adv).to(self.device), torch.from_numpy(ret).to(self.device)
 
@@ -144,8 +160,10 @@ class Trainer:
     ) -> StepMetrics:
         t0 = time.perf_counter()
         self._check(segments)
-        # advantage="turn": one baseline from the whole step, so every rank centres its turns alike
-        self._baseline = ppo.turn_baseline(segments) if self.config.advantage == "turn" else {}
+        # advantage turn/grpo/rloo: one baseline from the whole step, so every rank centres its turns alike
+        cfg = self.config
+        self._baseline = None if cfg.advantage == "gae" else ppo.StepBaseline.of(cfg.advantage, segments, cfg.gamma)
+        warm_ev = self._warmup.step(segments, cfg) if self._warmup and self.steps < cfg.critic_warmup else None
         local = self._scatter(segments, policy_version)
         try:
             metrics = self._train(local, policy_version, drift, all_segments=segments, t0=t0)
@@ -153,6 +171,7 @@ class Trainer:
             self._step_raised(exc)
             raise
         assert metrics is not None  # rank 0's
+        metrics = step_algorithm_metrics(metrics, self._baseline, warm_ev)
         log.info(
             "trainer.step",
             step=metrics.step,
@@ -190,14 +209,24 @@ class Trainer:
         self._failed, self._t_wait = None, 0.0
         scored: list[Scored] = []
         routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
+        cost: dict[str, float] = {}
         try:
-            batches = self._pad(self._pack(local) if local else [])
+            fwd, pasts, cost = self._take_prefixes(local, policy_version)
+            batches = self._pad(self._pack(fwd, pasts) if fwd else [])
             single = len(batches) == 1 and self.config.ppo_epochs == 1
-            scored, routing, t_fwd_scoring = self._score(batches, local, single=single)  # 1. score
+            scored, routing, t_fwd_scoring = self._score(batches, fwd, single=single, policy_version=policy_version)
         except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
             self._failed, scored = exc, []
+            if self.prefix is not None:
+                self.prefix.forget([s.episode for s in local])
         n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
+        for k, v in cost.items():
+            sums[k] += v
+        for sc in scored:  # the scoring forward's positions (the PPO epochs' own were counted by _update)
+            n = float(sc.batch.lengths.sum()) if sc.batch.index else 0.0
+            sums["fwd_tokens"] += n
+            sums["bwd_tokens"] += n if single else 0.0
         toks = self._loss_token_tensors(scored) if scored else {}
         gathered = self._gather((toks, dict(sums), routing, t_fwd_scoring + t_update - self._t_wait))
         if gathered is None:
@@ -226,11 +255,59 @@ class Trainer:
             t_backward=max(t_update - t_fwd_ppo, 0.0),
         )
 
-    def _pack(self, segments: Sequence[SegmentLike]) -> list[Batch]:
-        """Pack checked segments into micro-batches of at most ``microbatch_tokens``."""
+    def _pack(self, segments: Sequence[SegmentLike], pasts: Sequence[KV | None] = ()) -> list[Batch]:
+        """Pack checked segments into micro-batches of at most ``microbatch_tokens``; a segment forwarded after
+        kept keys/values (``pasts[i]``) is a micro-batch of its own."""
         m = self.mcfg
-        groups = plan_microbatches([len(s.tokens) for s in segments], self.config.microbatch_tokens)
-        return [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
+        pasts = list(pasts) or [None] * len(segments)
+        plain = [i for i, p in enumerate(pasts) if p is None]
+        groups = [
+            [plain[j] for j in g]
+            for g in plan_microbatches([len(segments[i].tokens) for i in plain], self.config.microbatch_tokens)
+        ]
+        out = [pack(segments, g, n_layers=m.n_layers, top_k=m.top_k, device=self.device) for g in groups]
+        for i, p in enumerate(pasts):
+            if p is not None:
+                b = pack(segments, [i], n_layers=m.n_layers, top_k=m.top_k, device=self.device)
+                out.append(replace(b, past=p))
+        return out
+
+    def _take_prefixes(
+        self, segments: Sequence[SegmentLike], policy_version: int
+    ) -> tuple[list[SegmentLike], list[KV | None], dict[str, float]]:
+        """What to forward for each segment (all of it, or its Suffix after kept keys/values) and the step's
+        cost counters: ``new_tokens`` (positions no earlier step forwarded), ``prefix_reused``, ``prefix_age``."""
+        cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0}
+        for s in segments:
+            cost["new_tokens"] += max(len(s.tokens) - self._covered.get(s.episode, 0), 0)
+        for s in segments:
+            if s.done:
+                self._covered.pop(s.episode, None)
+            else:
+                self._covered[s.episode] = max(self._covered.get(s.episode, 0), len(s.tokens))
+        if len(self._covered) > 100_000:  # episodes abandoned without an end: forget the oldest
+            for ep in list(self._covered)[:50_000]:
+                del self._covered[ep]
+        if self.prefix is None:
+            return list(segments), [None] * len(segments), cost
+        counts: dict[str, int] = defaultdict(int)
+        for s in segments:
+            counts[s.episode] += 1
+        fwd: list[SegmentLike] = []
+        pasts: list[KV | None] = []
+        for s in segments:
+            if counts[s.episode] > 1:  # two parts of one episode in a step: no order to chain them, exact
+                self.prefix.forget([s.episode])
+                fwd.append(s)
+                pasts.append(None)
+                continue
+            found = self.prefix.take(s, policy_version)
+            fwd.append(found.segment)
+            pasts.append(found.past)
+            if found.past is not None:
+                cost["prefix_reused"] += found.past[0][0].shape[2]
+                cost["prefix_age"] = max(cost["prefix_age"], found.age)
+        return fwd, pasts, cost
 
     # ------------------------------------------------------------------- where the ranks meet (no-ops at 1)
 
@@ -253,7 +330,7 @@ class Trainer:
         """A step raised on this rank (after ``_scatter``): nothing to do on one rank."""
 
     def _score(
-        self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool
+        self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool, policy_version: int = 0
     ) -> tuple[list[Scored], tuple[int, int, int, int], float]:
         """1. Score with the current weights: proximal log-probs, values, advantages, routing drift.
         Returns (scored, (differ, compared, missing, used_differ), seconds). With ``single`` the forward
@@ -266,7 +343,14 @@ class Trainer:
         t_fwd = time.perf_counter()
         for b in batches:
             with torch.set_grad_enabled(single):
-                out, logp, vals, ent = self._forward(b, replay=cfg.replay, with_entropy=want_ent)
+                out, logp, vals, ent = self._forward(
+                    b, replay=cfg.replay, with_entropy=want_ent, want_kv=self.prefix is not None
+                )
+            if self.prefix is not None and out.kv is not None:  # kept for the episodes' next cuts
+                for row, i in enumerate(b.index):
+                    self.prefix.keep(
+                        segments[i], b.past, [(k[row : row + 1], v[row : row + 1]) for k, v in out.kv], policy_version
+                    )
             sc = Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
@@ -322,6 +406,9 @@ class Trainer:
                     t_f = time.perf_counter()
                     _, logp, vals, ent = self._forward(sc.batch, replay=cfg.replay, with_entropy=want_ent)
                     t_fwd += time.perf_counter() - t_f
+                    if sc.batch.index:
+                        sums["fwd_tokens"] += float(sc.batch.lengths.sum())
+                        sums["bwd_tokens"] += float(sc.batch.lengths.sum())
                 terms = ppo.ppo_loss(
                     logp,
                     sc.prox_logp,
@@ -338,10 +425,7 @@ class Trainer:
                 # a padding micro-batch (no rows of the step) runs its forward and backward with weight 0
                 (terms.loss if sc.batch.index else terms.loss * 0.0).backward()
                 share = float(sc.batch.loss_mask.sum()) / n_loss
-                for k in ("loss", "policy_loss", "value_loss", "entropy"):
-                    sums[k] += float(getattr(terms, k).detach()) / cfg.ppo_epochs
-                for k in ("clip_frac", "is_trunc_frac"):
-                    sums[k] += float(getattr(terms, k).detach()) * share / cfg.ppo_epochs
+                ppo.accumulate(sums, terms, share=share, epoch=_epoch, epochs=cfg.ppo_epochs)
             grad_norm = self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -396,6 +480,7 @@ class Trainer:
             step=self.steps,
             replay=self.config.replay,
             with_entropy=self.config.loss.entropy_coef > 0,
+            loss_config=self.config.loss,
             **parts,
         )
 
@@ -425,11 +510,19 @@ class Trainer:
         """Resume from a checkpoint directory: weights, optimizer state and the step count."""
         info = load_checkpoint(path, self.model, self.optimizer)
         self.steps = info.step
+        self._forget_prefixes()
         return info
 
     def load_weights(self, model_dir: str | Path) -> None:
         """A model dir's weights (no optimizer state): the initial weights of a fresh run."""
         load_weights_into(self.model, model_dir)
+        self._forget_prefixes()
+
+    def _forget_prefixes(self) -> None:
+        """New weights from outside a step: kept keys/values and the positions covered no longer apply."""
+        if self.prefix is not None:
+            self.prefix.clear()
+        self._covered.clear()
 
     def restore(self, checkpoints: Path, policy_version: int, initial: Path) -> str:
         """Put the weights and optimizer state back at ``policy_version`` (a step that raised may have stepped the

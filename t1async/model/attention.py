@@ -136,6 +136,23 @@ class Attention(nn.Module):
             o = self._sdpa(q, k, v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(*x.shape[:2], -1))
 
+    def forward_past(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], past_k: Tensor | None, past_v: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The training-path attention of tokens that follow ``P`` earlier ones whose keys and values are given
+        (``past_k``/``past_v`` [B, KV, P, hd], held constant: no gradient reaches them; None: P = 0). ``rope``
+        must be for the new tokens' absolute positions P.. P + n - 1. Returns (output [B, n, d], the new tokens'
+        keys and values [B, KV, n, hd]), the latter to extend a prefix cache."""
+        q, k, v = self._qkv(x, rope)
+        if past_k is None or past_v is None or past_k.shape[2] == 0:
+            o = self._sdpa(q, k, v, is_causal=True)
+        else:
+            p, n = past_k.shape[2], x.shape[1]
+            kf, vf = torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+            allowed = torch.arange(p + n, device=x.device)[None, :] <= (p + torch.arange(n, device=x.device))[:, None]
+            o = self._sdpa(q, kf, vf, attn_mask=allowed)  # [n, P + n]: every past key, new ones causally
+        return self.out(o.transpose(1, 2).reshape(*x.shape[:2], -1)), k, v
+
     def forward_cached(
         self, x: Tensor, pos: Tensor, rope: tuple[Tensor, Tensor], kc: Tensor, vc: Tensor, bias: Tensor | None
     ) -> Tensor:

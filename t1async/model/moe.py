@@ -48,6 +48,7 @@ rotary embeddings, ``Attention``, ``attention_bias``) is attention.py; the MoE l
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -83,6 +84,7 @@ class ModelOutput:
     free_topk: Tensor
     router_logits: Tensor
     hidden: Tensor | None = None  # [B, T, d] final-norm hidden states (the lm_head's input)
+    kv: list[tuple[Tensor, Tensor]] | None = None  # with past/want_kv: each layer's new keys, values [B, KV, T, hd]
 
 
 def _gates(logits: Tensor, chosen: Tensor, chosen_logits: Tensor, norm_topk_prob: bool) -> Tensor:
@@ -224,11 +226,21 @@ class Block(nn.Module):
         self.moe: MoE | DenseMLP = DenseMLP(cfg) if dense else MoE(cfg)
 
     def forward(
-        self, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, replay: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One training-path block: (h out, chosen [B, T, K], free [B, T, K], router logits [B, T, E])."""
-        h = h + self.attn(self.attn_norm(h), rope, mask)
-        return self._moe(h, replay)
+        self,
+        h: Tensor,
+        rope: tuple[Tensor, Tensor],
+        mask: Tensor | None,
+        replay: Tensor | None,
+        past: tuple[Tensor, Tensor] | None = None,
+        want_kv: bool = False,
+    ) -> tuple[Tensor, ...]:
+        """One training-path block: (h out, chosen [B, T, K], free [B, T, K], router logits [B, T, E]). With
+        ``want_kv`` the tokens follow ``past``'s constant keys and values (``Attention.forward_past``) and their
+        own keys and values are appended to the tuple. (Always through ``__call__``: FSDP hooks it.)"""
+        if not want_kv:
+            return self._moe(h + self.attn(self.attn_norm(h), rope, mask), replay)
+        a, k, v = self.attn.forward_past(self.attn_norm(h), rope, *(past or (None, None)))
+        return (*self._moe(h + a, replay), k, v)
 
     def _moe(self, h: Tensor, replay: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         b, n, d = h.shape
@@ -310,6 +322,8 @@ class MoETransformer(nn.Module):
         attention_mask: Tensor | None = None,
         logits: bool = True,
         checkpoint_blocks: bool = False,
+        past: Sequence[tuple[Tensor, Tensor]] | None = None,
+        want_kv: bool = False,
     ) -> ModelOutput:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -317,6 +331,10 @@ class MoETransformer(nn.Module):
         if replay is not None:
             self._check_replay(replay, b, t)
             replay = replay.long()
+        if past is not None or want_kv:
+            if attention_mask is not None:
+                raise ValueError("past/want_kv take right-padded rows: no attention_mask")
+            return self._forward_past(input_ids, replay, logits, checkpoint_blocks, past)
         if attention_mask is None:
             pos = torch.arange(t, device=input_ids.device)[None, :].expand(b, t)
             mask = None
@@ -347,6 +365,48 @@ class MoETransformer(nn.Module):
             free_topk=torch.stack(free, dim=2),
             router_logits=torch.stack(rlog, dim=2),
             hidden=h,
+        )
+
+    def _forward_past(
+        self,
+        input_ids: Tensor,
+        replay: Tensor | None,
+        logits: bool,
+        checkpoint_blocks: bool,
+        past: Sequence[tuple[Tensor, Tensor]] | None,
+    ) -> ModelOutput:
+        """Path 1 after a prefix whose keys and values ``past`` holds (one (K, V) [B, KV, P, hd] per layer,
+        constant: no gradient reaches them). The tokens sit at positions P.. P + T - 1; ``kv`` of the output
+        holds their own keys and values per layer (detached)."""
+        b, t = input_ids.shape
+        if past is not None and len(past) != len(self.blocks):
+            raise ValueError(f"past holds {len(past)} layers of keys and values; the model has {len(self.blocks)}")
+        p0 = 0 if past is None else int(past[0][0].shape[2])
+        pos = p0 + torch.arange(t, device=input_ids.device)[None, :].expand(b, t)
+        rope = rotary_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        h = self.embed(input_ids)
+        chosen, free, rlog, kv = [], [], [], []
+        ckpt = checkpoint_blocks and torch.is_grad_enabled()
+        for i, blk in enumerate(cast("list[Block]", self.blocks)):
+            rp = None if replay is None else replay[:, :, i]
+            pkv = None if past is None else past[i]
+            if ckpt:
+                h, c, f, lg, k, v = checkpoint(blk, h, rope, None, rp, pkv, True, use_reentrant=False)
+            else:
+                h, c, f, lg, k, v = blk(h, rope, None, rp, pkv, True)
+            chosen.append(c)
+            free.append(f)
+            rlog.append(lg.float())
+            kv.append((k.detach(), v.detach()))
+        h = self.norm(h)
+        return ModelOutput(
+            logits=self.lm_head(h) if logits else None,
+            values=self.value_head(h).squeeze(-1).float(),
+            routing=torch.stack(chosen, dim=2),
+            free_topk=torch.stack(free, dim=2),
+            router_logits=torch.stack(rlog, dim=2),
+            hidden=h,
+            kv=kv,
         )
 
     def token_logprobs(

@@ -90,6 +90,16 @@ RECIPES: dict[str, Recipe] = {
         task_seed=1000,
         sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
+    # ``learn`` on the cdchores family (a `cd` that earns nothing, then the chores; sandbox_agent/synth/cdchores.py):
+    # the policy bench.reward_modes trains with a dense and with a binary reward
+    "credit": Recipe(
+        name="credit",
+        model=MODEL_PRESETS["learn"],
+        families=("cdchores",),
+        tasks=400,
+        task_seed=1000,
+        sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+    ),
     # the CI learning test's policy (tests/test_learning_ci.py): it imitates ``touchsome``, a demonstrator that
     # names only the first k of touch4's four files (k uniform 1-4), so on touch4 it names 1-4 of them, every
     # name right (2.51 of 4, pass@1 26%, 300 tasks x 4 samples) and RL has one decision per file to fix. 1200

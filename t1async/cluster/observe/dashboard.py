@@ -249,6 +249,21 @@ def _mismatch(v: dict[str, Any]) -> str:
     return f"mismatch {fmt(mm, '.4f')} shift {fmt(ps, '.4f')}"
 
 
+def _algorithm(v: dict[str, Any]) -> str:
+    """The last step's PPO clip, off-policy correction and critic (design §8); dashes before a step trained."""
+    clip, last = _over(v, "clip_frac", "loss_tokens"), _over(v, "clip_frac_last", "loss_tokens")
+    trunc, masked = _over(v, "is_trunc_frac", "loss_tokens"), _over(v, "is_masked_frac", "loss_tokens")
+    ess, ev = _over(v, "ess_corrected", "loss_tokens"), _over(v, "explained_variance", "loss_tokens")
+    text = (
+        f"ppo clip {fmt(clip, '.1%')} (last epoch {fmt(last, '.1%')}) | IS trunc {fmt(trunc, '.1%')} "
+        f"masked {fmt(masked, '.1%')} ESS {fmt(ess, '.3f')} | critic EV {fmt(ev, '.2f')}"
+    )
+    grouped = _over(v, "adv_grouped_share", "loss_tokens")
+    if isinstance(grouped, (int, float)) and grouped > 0:  # --advantage grpo/rloo
+        text += f" | grouped {grouped:.0%}"
+    return text
+
+
 def _settled(v: dict[str, Any]) -> str:
     s = v.get("settled")
     if isinstance(s, dict) and s:
@@ -303,7 +318,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
                 f"policy v{v.get('policy_version', 0)} step {v.get('step', 0)}{on} {_learner_state(v)} | "
                 f"{fmt(view.learner_series.rate('turns_trained'))} turns/s trained "
                 f"({v.get('turns_trained', 0)} total) | step {fmt(step_s, '.1f', suffix='s')}: {where} | "
-                f"busy {fmt(busy, '.0%')}",
+                f"forwarded/trained {fmt(v.get('forwarded_per_trained'), '.2f')} | busy {fmt(busy, '.0%')}",
             )
         )
         ended = int(v.get("episodes_ended", 0) or 0)
@@ -319,6 +334,7 @@ def lines(view: RunView) -> list[tuple[str, str]]:
                 f"drift c/r/f {drift_s} | {_mismatch(v)} | {_settled(v)}",
             )
         )
+        out.append(("", _algorithm(v)))
     # NATS
     rate, bps = view.traj.rate("msgs"), view.traj.rate("bytes")
     out.append(
@@ -367,6 +383,7 @@ def plain_line(view: RunView) -> str:
         f"{fmt(view.actor_series.rate('turns'))} turns/s",
         f"sampler busy {fmt(view.sampler_busy(), '.0%')}",
         f"step {step}",
+        f"fwd/trained {fmt(v.get('forwarded_per_trained'), '.2f')}",
         f"reward {fmt(v.get('reward_mean') if ended else None)} "
         f"resolved {fmt(v.get('resolved_rate') if ended else None, '.0%')}",
         f"stale {fmt(_trained(v, 'max_staleness'), 'd')}/η {v.get('eta', DASH)}",

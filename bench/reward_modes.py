@@ -1,0 +1,194 @@
+"""Dense process reward against a binary end-of-episode reward, on the same policy, tasks and budget.
+
+    python -m bench.reward_modes [--rl-steps 40] [--samples 2] [--json]
+
+1. the ``credit`` warm start (``t1async.recipes.warmstart``: the ``learn`` recipe on ``cdchores``, where the
+   first command, a ``cd``, makes no test pass by itself; cached);
+2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0). The held-out tasks are its eval split less any
+   whose content (``cdchores.content_key``: directory and chore set) is in the warm start's demonstrations;
+   every train task sharing a held-out key is removed from the corpus, so RL never sees a held-out task;
+3. eval before (``bench.learning.eval_policy``, ``--samples`` seeded episodes per task);
+4. for each of ``--rewards`` (default dense, binary): ``cluster up --preset learn --warm-start credit
+   --reward R`` for ``--rl-steps`` learner steps (the same turns per step, so the same budget), then the same
+   eval on its last checkpoint.
+
+Prints the table (pass@1 and mean tests passed, 95% bootstrap CIs over tasks; each run's paired difference
+from before, and dense - binary paired) and the learning curves; the last stdout line is JSON with
+``before``, ``after`` (reward -> pass1/tests), ``diff`` (reward -> paired diff from before), ``dense_minus_binary``,
+``held_out_tasks``, ``rl_steps`` and ``minutes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench._common import emit_json, print_grid
+from bench.learning import eval_policy, run_rl
+from bench.learning_stats import column, learning_curve, per_task
+from t1async.eval.stats import mean_ci, paired_diff
+from t1async.log import configure
+
+RECIPE = "credit"
+FAMILY = "cdchores"
+
+
+def _index(task_id: str) -> tuple[int, int]:
+    """(corpus seed, index) of a synthetic task id ``synth-<family>-s<seed>-<index>``."""
+    m = re.fullmatch(r"synth-[a-z0-9]+-s(\d+)-(\d+)", task_id)
+    if m is None:
+        raise SystemExit(f"not a synthetic task id: {task_id!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def key_of(task_id: str) -> str:
+    from sandbox_agent.synth import task_rng
+    from sandbox_agent.synth.cdchores import content_key
+
+    seed, i = _index(task_id)
+    return content_key(task_rng(seed, i, FAMILY))
+
+
+def held_out_corpus(tasks_dir: Path, sft_seed: int, sft_tasks: int) -> list:
+    """The eval-split tasks whose content no SFT demo has; removes the train tasks that share their content."""
+    from sandbox_agent.synth import task_id
+    from sandbox_agent.tasks import load_task, split_for
+
+    sft_keys = {
+        key_of(tid) for tid in (task_id(FAMILY, sft_seed, i) for i in range(sft_tasks)) if split_for(tid) == "train"
+    }
+    tasks = [load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file()]
+    held = [t for t in tasks if t.split == "eval" and key_of(t.id) not in sft_keys]
+    held_keys = {key_of(t.id) for t in held}
+    for t in tasks:
+        if t.split == "train" and key_of(t.id) in held_keys:
+            shutil.rmtree(tasks_dir / t.id)
+    return held
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.reward_modes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", type=Path, default=Path("runs/reward-modes"))
+    p.add_argument("--eval-corpus", type=int, default=600, help="cdchores tasks in the corpus (default 600)")
+    p.add_argument("--samples", type=int, default=2, help="seeded episodes per held-out task (default 2)")
+    p.add_argument("--rl-steps", type=int, default=40, help="learner steps of RL per reward (default 40)")
+    p.add_argument("--rl-timeout", type=float, default=1800.0, help="stop each RL run after this many seconds")
+    p.add_argument("--rewards", default="dense,binary", help="comma-separated --reward values (default both)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cluster-arg", action="append", default=[], help="extra flag for cluster up (repeatable)")
+    p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
+    args = p.parse_args(argv)
+    rewards = [r for r in args.rewards.split(",") if r]
+    from sandbox_agent.agent_types import Reward
+
+    bad = [r for r in rewards if r not in {x.value for x in Reward}]
+    if bad or not rewards:
+        p.error(f"--rewards {args.rewards!r}: name some of {', '.join(x.value for x in Reward)}")
+    configure(level="warning")
+    from sandbox_agent.synth import generate
+    from t1async.recipes.presets import preset_values
+    from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
+
+    pv = preset_values("learn")
+    ev = {
+        "max_turns": pv["max_turns"],
+        "max_new_tokens": pv["max_new_tokens"],
+        "max_context": pv["max_context"],
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "temperature": pv["temperature"],
+    }
+    recipe = get_recipe(RECIPE)
+    run = args.run_dir
+    run.mkdir(parents=True, exist_ok=True)
+    warm = build(recipe)
+    ev["system_prompt"] = system_prompt_of(warm)
+    tasks_dir = run / "tasks"
+    if tasks_dir.exists():
+        shutil.rmtree(tasks_dir)
+    generate(tasks_dir, args.eval_corpus, seed=args.seed, families=[FAMILY])
+    held = held_out_corpus(tasks_dir, recipe.task_seed, recipe.tasks)
+    print(f"held-out by content: {len(held)} tasks x {args.samples} samples", flush=True)
+    t0 = time.perf_counter()
+    rows = {"before": eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)}
+    curves = {}
+    for r in rewards:
+        rl_dir = run / r / "rl"
+        if rl_dir.exists():
+            shutil.rmtree(rl_dir)
+        rl_dir.parent.mkdir(parents=True, exist_ok=True)
+        extra = ["--warm-start", RECIPE, "--reward", r, "--seed", str(args.seed), *args.cluster_arg]
+        ckpt = run_rl(rl_dir, tasks_dir, args.rl_steps, extra, args.rl_timeout)
+        rows[r] = eval_policy(ckpt, held, samples=args.samples, out=run / r / "eval-after.jsonl", **ev)
+        curves[r] = learning_curve(rl_dir / "metrics.jsonl")
+    minutes = (time.perf_counter() - t0) / 60.0
+    scores = {k: per_task(v) for k, v in rows.items()}
+    table = {
+        k: {"pass1": mean_ci(list(column(s, 0).values())), "tests": mean_ci(list(column(s, 1).values()))}
+        for k, s in scores.items()
+    }
+    diff = {
+        r: {m: paired_diff(column(scores["before"], i), column(scores[r], i)) for i, m in enumerate(("pass1", "tests"))}
+        for r in rewards
+    }
+    dmb = None
+    if {"dense", "binary"} <= set(rewards):
+        dmb = {
+            m: paired_diff(column(scores["binary"], i), column(scores["dense"], i))
+            for i, m in enumerate(("pass1", "tests"))
+        }
+
+    def fmt(f: dict, pct: bool) -> str:
+        m, (lo, hi) = f["mean"], f["ci95"]
+        return f"{m:.1%} [{lo:.1%}, {hi:.1%}]" if pct else f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+
+    grid = [["before (warm start)", fmt(table["before"]["pass1"], True), fmt(table["before"]["tests"], False)]]
+    for r in rewards:
+        grid.append([f"after RL, --reward {r}", fmt(table[r]["pass1"], True), fmt(table[r]["tests"], False)])
+        grid.append([f"  {r} - before (paired)", fmt(diff[r]["pass1"], True), fmt(diff[r]["tests"], False)])
+    if dmb is not None:
+        grid.append(["dense - binary (paired)", fmt(dmb["pass1"], True), fmt(dmb["tests"], False)])
+    print_grid(
+        ["", "pass@1", "mean tests passed (of 4)"],
+        grid,
+        title=f"\nheld out by content: {len(held)} tasks x {args.samples} seeded samples; learner steps reached: "
+        + ", ".join(f"{r} {len(c)}" for r, c in curves.items()),
+    )
+    for r, curve in curves.items():
+        print(
+            f"{r}: reward/turn per step "
+            + " ".join(f"{c['reward_per_turn']:.2f}" for c in curve)
+            + "; resolved "
+            + " ".join(f"{c['resolved_rate']:.2f}" for c in curve),
+            flush=True,
+        )
+    summary = {
+        "before": table["before"],
+        "after": {r: table[r] for r in rewards},
+        "diff": diff,
+        "dense_minus_binary": dmb,
+        "held_out_tasks": len(held),
+        "samples": args.samples,
+        "rl_steps": {r: len(c) for r, c in curves.items()},
+        "curves": curves,
+        "minutes": minutes,
+    }
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    emit_json(
+        {
+            k: summary[k]
+            for k in ("before", "after", "diff", "dense_minus_binary", "held_out_tasks", "rl_steps", "minutes")
+        }
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
