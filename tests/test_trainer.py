@@ -408,3 +408,57 @@ def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     assert serve_args(learner_argv(tmp_path / "b")).critic == "shared"  # the default
     with pytest.raises(ConfigError, match="--critic must be shared or detached"):
         from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))
+
+
+def test_bf16_training_autocasts_over_fp32_master_weights():
+    """--train-dtype bfloat16: the forward runs in bf16 (its log-probs move by bf16 rounding), the weights
+    and AdamW state stay fp32, and the steps still learn the right way."""
+    torch.manual_seed(0)
+    model = tiny()
+    fp32 = Trainer(copy.deepcopy(model), TrainerConfig(lr=3e-3))
+    bf16 = Trainer(copy.deepcopy(model), TrainerConfig(lr=3e-3, train_dtype="bfloat16"))
+    good, bad = [5, 6, 7, 100, 101], [5, 6, 7, 200, 201]
+    segs = [sampled_segment(model, good, [3, 4], reward=1.0), sampled_segment(model, bad, [3, 4], reward=-1.0)]
+    gap = max(float(np.abs(a[0] - b[0]).max()) for a, b in zip(fp32.score(segs), bf16.score(segs)))
+    assert 1e-4 < gap < 0.1  # bf16 rounding, not another model
+    before = logp_of(bf16.model, good, 3), logp_of(bf16.model, bad, 3)
+    for _ in range(8):
+        segs = [
+            sampled_segment(bf16.model, good, [3, 4], reward=1.0),
+            sampled_segment(bf16.model, bad, [3, 4], reward=-1.0),
+        ]
+        m = bf16.step(segs, policy_version=0)
+        assert math.isfinite(m.loss)
+    after = logp_of(bf16.model, good, 3), logp_of(bf16.model, bad, 3)
+    assert after[0] > before[0] + 0.1 and after[1] < before[1] - 0.1
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    moments = [t for st in bf16.optimizer.state.values() for k, t in st.items() if k != "step"]
+    assert moments and {t.dtype for t in moments} == {torch.float32}
+
+
+def test_train_dtype_and_device_reach_the_learner_and_bad_ones_are_clear(tmp_path):
+    import argparse
+
+    from clusterargs import learner_argv, learner_toml, serve_args
+
+    from t1async.cluster.config import from_args
+    from t1async.learner.trainer_config import torch_device
+    from t1async.protocol.errors import ConfigError
+
+    argv = learner_argv(tmp_path / "a", "--train-dtype", "bfloat16", "--device", "cuda")
+    toml = learner_toml(argv)
+    assert (toml["train_dtype"], toml["device"]) == ("bfloat16", "cuda")
+    args = serve_args(argv)
+    assert (args.train_dtype, args.device) == ("bfloat16", "cuda")
+    defaults = serve_args(learner_argv(tmp_path / "b"))
+    assert (defaults.train_dtype, defaults.device) == ("float32", "cpu")
+    with pytest.raises(ConfigError, match="--train-dtype must be float32 or bfloat16"):
+        from_args(argparse.Namespace(run_dir=tmp_path, train_dtype="float16"))
+    with pytest.raises(ConfigError, match="train_dtype must be 'float32' or 'bfloat16'"):
+        TrainerConfig(train_dtype="fp8")
+    assert torch_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert torch_device("cuda").type == "cuda"
+    else:
+        with pytest.raises(ConfigError, match="--device cuda: torch sees no CUDA GPU"):
+            torch_device("cuda")

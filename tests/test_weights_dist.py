@@ -344,3 +344,68 @@ async def test_a_dead_sampler_is_left_out_and_taken_in_when_it_is_back():
     finally:
         for p in procs:
             p.stop()
+
+
+async def test_a_learner_on_a_hugging_face_checkpoint_pushes_hub_names(tmp_path):
+    """A learner holding a transformers-built Qwen3-MoE (a dense layer among the MoE ones) pushes under the
+    hub names SGLang loads (no ``blocks.*``, no value head), and the sampler's weights become the learner's
+    exactly (seen failing on the old code: it sent our fused ``blocks.N.attn.qkv.weight`` names)."""
+    import httpx
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from t1async.learner.trainer import Trainer
+    from t1async.model.engine import Engine
+    from t1async.model.hf import hf_slots
+    from t1async.model.records import EngineConfig
+    from t1async.sampler.server import build_app
+
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=4096,
+        hidden_size=32,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).save_pretrained(tmp_path / "v0")
+    trainer = Trainer(load_pretrained(tmp_path / "v0"))  # the learner's model and optimizer
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # stands for a training step: every weight moves
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+    engine = Engine(tmp_path / "v0", EngineConfig(max_batch=2))
+    received: list[str] = []
+    apply = engine.update_weights_from_tensors
+
+    async def spy(tensors: dict[str, torch.Tensor], weight_version: str | None = None) -> None:
+        received.extend(tensors)
+        await apply(tensors, weight_version=weight_version)
+
+    engine.update_weights_from_tensors = spy  # type: ignore[method-assign]
+    app = build_app(engine, engine.tokenizer)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        client = SGLangClient(["http://sampler"], transport=httpx.ASGITransport(app=app))
+        async with client:
+            pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=0.05))
+            try:
+                out = await pusher.push(trainer.export_model(), policy_version=1)
+            finally:
+                await pusher.aclose()
+        tg.cancel_scope.cancel()
+    assert out["buckets"] > 1
+    assert sorted(received) == sorted(hf_slots(trainer.model.cfg))  # every hub name once, nothing else
+    assert "model.layers.1.mlp.gate_proj.weight" in received  # the dense layer under its own names
+    served = engine._core.model.state_dict()
+    learner = trainer.model.state_dict()
+    for k, v in learner.items():
+        if not k.startswith("value_head."):
+            assert torch.equal(served[k], v), k

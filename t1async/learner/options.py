@@ -31,6 +31,16 @@ class Critic(enum.StrEnum):
     DETACHED = "detached"  # the value head reads detached hidden states: its loss trains the head only
 
 
+class TrainDtype(enum.StrEnum):
+    FLOAT32 = "float32"  # everything in fp32
+    BFLOAT16 = "bfloat16"  # forward and backward under bf16 autocast; weights, gradients and AdamW state in fp32
+
+
+class Device(enum.StrEnum):
+    CPU = "cpu"
+    CUDA = "cuda"  # this process's GPU (LOCAL_RANK's with --nproc > 1); untested: no GPU ran here
+
+
 ADVANTAGES = tuple(a.value for a in Advantage)
 IS_CORRECTIONS = tuple(c.value for c in IsCorrection)
 CRITICS = tuple(c.value for c in Critic)
@@ -96,6 +106,18 @@ class TrainerOptions:
     )
     replay: bool = setting(
         True, "R3 routing replay: force the recorded experts in the training forward", group="learner"
+    )
+    train_dtype: TrainDtype = setting(
+        TrainDtype.FLOAT32,
+        "float32, or bfloat16: the training forward and backward under bf16 autocast, with fp32 master weights "
+        "(the weights, gradients and AdamW state stay fp32; checkpoints and pushes are fp32)",
+        group="learner",
+    )
+    device: Device = setting(
+        Device.CPU,
+        "where the learner trains: cpu, or cuda (the GPU of this process, LOCAL_RANK's with --nproc > 1; "
+        "untested, no GPU ran in our tests)",
+        group="learner",
     )
     prefix_kv: Prefix = setting(
         Prefix.REUSE,

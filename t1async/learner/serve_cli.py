@@ -153,12 +153,13 @@ def serve(args: argparse.Namespace) -> int:
                 raise ConfigError("--nproc > 1 runs from the command line: python -m t1async.learner serve ...")
             argv = sys.argv[sys.argv.index("serve") + 1 :]
             return ranks.launch(argv, ranks.RanksConfig(nproc=c.nproc, threads=max(1, c.threads)))
+        backend = "nccl" if c.device == "cuda" else "gloo"  # FSDP2's collectives on GPUs (untested: no GPU here)
         if int(os.environ["RANK"]) > 0:  # ranks 1..N-1 follow rank 0's commands
             ranks.follower_setup(c.threads)
-            ranks.join()
+            ranks.join(backend=backend)
             return ranks.follow()
         ranks.die_with_parent(signal.SIGTERM)  # rank 0: stop in order if the launcher goes
-        ranks.join()
+        ranks.join(backend=backend)
         try:
             return _serve(c)
         except RankFailedError as exc:  # another rank went first: the launcher names it in one line

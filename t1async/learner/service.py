@@ -40,7 +40,7 @@ from t1async.learner.distributed import RankFailedError
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.trainer_config import TrainerConfig, torch_device
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
@@ -92,7 +92,8 @@ class Learner:
         # that lost its checkpoint names turns whose training never reached the weights
         self.state = LearnerState()
         model_dir = config.model_dir or default_model_dir()
-        self.model = load_pretrained(ckpt.path if ckpt else model_dir)
+        # fp32 weights (--train-dtype bfloat16 autocasts the forward) on --device
+        self.model = load_pretrained(ckpt.path if ckpt else model_dir).to(torch_device(config.trainer.device))
         # learner.ranks.make_trainer: a DistributedTrainer, the model sharded over the ranks (design §10)
         self.trainer = (make_trainer or Trainer)(self.model, config.trainer)
         self.tokenizer = ChatTokenizer.load(model_dir)

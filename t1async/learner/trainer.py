@@ -40,6 +40,7 @@ from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.critic import CriticWarmup
+from t1async.learner.options import TrainDtype
 from t1async.learner.prefixkv import KV, PrefixKV
 from t1async.learner.stepmetrics import StepMetrics, step_algorithm_metrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
@@ -106,19 +107,22 @@ class Trainer:
 
     def _forward(self, b: Batch, *, replay: bool, with_entropy: bool, want_kv: bool = False):
         rp = b.recorded if (replay and b.recorded is not None) else None
-        # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
-        out = self.model(
-            b.tokens,
-            replay=rp,
-            logits=False,
-            checkpoint_blocks=self.config.checkpoint_blocks,
-            past=b.past,
-            want_kv=want_kv,
-        )
-        logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
-        v = out.values
-        if self.config.critic == "detached":  # same values; the value loss reaches the head only
-            v = self.model.value_head(out.hidden.detach()).squeeze(-1).float()
+        # --train-dtype bfloat16: bf16 autocast over the fp32 weights (the master copy AdamW updates)
+        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
+            out = self.model(
+                b.tokens,
+                replay=rp,
+                logits=False,
+                checkpoint_blocks=self.config.checkpoint_blocks,
+                past=b.past,
+                want_kv=want_kv,
+            )
+            logp, ent = self.model.token_logprobs(out.hidden, b.tokens, with_entropy=with_entropy)
+            v = out.values.float()
+            if self.config.critic == "detached":  # same values; the value loss reaches the head only
+                v = self.model.value_head(out.hidden.detach()).squeeze(-1).float()
         # value of the state token p was chosen in = value head at p - 1
         vals = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         return out, logp, vals, ent

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from t1async.config import check_bounds
 from t1async.learner import ppo
-from t1async.learner.options import Advantage, Critic, IsCorrection, Prefix, TrainerOptions
+from t1async.learner.options import Advantage, Critic, Device, IsCorrection, Prefix, TrainDtype, TrainerOptions
 from t1async.protocol.errors import ConfigError
 
 
@@ -33,6 +36,8 @@ class TrainerConfig(TrainerOptions):
             ("advantage", Advantage),
             ("is_correction", IsCorrection),
             ("prefix_kv", Prefix),
+            ("train_dtype", TrainDtype),
+            ("device", Device),
         ):
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))
@@ -75,3 +80,16 @@ class TrainerConfig(TrainerOptions):
         object.__setattr__(self, "loss", replace(self.loss, **merged))
         for name, value in merged.items():
             object.__setattr__(self, name, IsCorrection(value) if name == "is_correction" else value)
+
+
+def torch_device(device: Device | str) -> torch.device:
+    """The torch device the learner trains on (``--device``): the CPU, or this process's GPU (``LOCAL_RANK``'s
+    under torchrun); ConfigError when torch sees no GPU."""
+    if Device(device) == Device.CPU:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+            "use --device cpu or a CUDA build of torch on a GPU host"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

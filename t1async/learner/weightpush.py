@@ -11,6 +11,11 @@ concurrently (the sampler receives while its HTTP call waits). ``/continue_gener
 when a bucket failed, so the samplers never stay paused; a failed push closes the group and is tried once
 more over a new one (how a restarted sampler rejoins), then raises SamplerError.
 
+Names are the served model's, as SGLang loads them (``push_tensors``): for a Hugging Face architecture the hub
+names (``model.layers.0.self_attn.q_proj.weight``, one expert each: model/hf.py), our value head left out (it
+is not part of the architecture and no sampler uses it); for the in-house model our ``state_dict`` names. The
+embedded sampler takes either.
+
 Both paths pause with ``pause_mode`` (``--pause-mode``, default ``retract``: running requests are recomputed
 with the new weights, none aborted, none mixing policies). The disk path (``DiskPushClient``, an
 ``SGLangClient``) does /pause_generation -> /update_weights_from_disk -> /continue_generation.
@@ -27,6 +32,8 @@ import anyio
 import torch
 
 from t1async.log import get_logger
+from t1async.model.hf import hf_slots, slot_view
+from t1async.model.moe import MoETransformer
 from t1async.protocol.errors import ConfigError, SamplerError
 from t1async.sampler import weightsync as W
 from t1async.sampler.client import SGLangClient
@@ -56,6 +63,16 @@ class WeightPushConfig:
             raise ConfigError(f"--weight-bucket-mb must be > 0, got {self.bucket_mb}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"weight-sync backend must be gloo or nccl, got {self.backend!r}")
+
+
+def push_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a push sends, under the names the sampler serves: a Hugging Face architecture's hub names (views
+    into ours, made contiguous one bucket at a time), no value head; else the ``state_dict`` names as they are
+    (the in-house model, or any module whose ``state_dict`` is already named for the sampler)."""
+    state = model.state_dict()
+    if isinstance(model, MoETransformer) and model.cfg.architecture:
+        return [(name, slot_view(state[s.name], s).detach()) for name, s in hf_slots(model.cfg).items()]
+    return [(k, v.detach()) for k, v in state.items()]
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> list[list[tuple[str, torch.Tensor]]]:
@@ -153,7 +170,7 @@ class DistributedPusher:
             await self.aclose()  # a sampler is back: a new group takes it in
         if self.pg is None:
             await self.connect()
-        named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
+        named = push_tensors(model)
         parts = buckets(named, self.cfg.bucket_mb)
         t0 = time.perf_counter()
         await W.pause_generation(self.client, mode=self.cfg.pause_mode, urls=self.members)
@@ -182,6 +199,7 @@ class DistributedPusher:
             "learner.weights_pushed",
             path="distributed",
             policy_version=policy_version,
+            hub_names=isinstance(model, MoETransformer) and bool(model.cfg.architecture),
             buckets=len(parts),
             mb=round(mb, 2),
             seconds=round(self.last["seconds"], 3),
@@ -192,7 +210,9 @@ class DistributedPusher:
         names = [n for n, _ in part]
         dtypes = [W.dtype_name(t.dtype) for _, t in part]
         shapes = [list(t.shape) for _, t in part]
-        tensors = [t for _, t in part]
+        # a hub name's view (a transposed expert) made whole here; gloo sends from host memory (a learner on a GPU)
+        cpu = self.cfg.backend == "gloo"
+        tensors = [(t.cpu() if cpu else t).contiguous() for _, t in part]
         errors: list[str] = []
         async with anyio.create_task_group() as tg:
 
