@@ -462,3 +462,19 @@ def test_train_dtype_and_device_reach_the_learner_and_bad_ones_are_clear(tmp_pat
     else:
         with pytest.raises(ConfigError, match="--device cuda: torch sees no CUDA GPU"):
             torch_device("cuda")
+
+
+def test_a_dense_layers_rows_are_not_counted_as_missing_routes():
+    """Qwen3-MoE's mlp_only_layers route nothing: their recorded rows (zeros from the sampler, -1 once ingest
+    has checked them) are neither compared nor missing. Seen failing on the old code (missing = the dense
+    layer's rows)."""
+    from dataclasses import replace
+
+    model = MoETransformer(replace(CFG, n_layers=3, dense_layers=(1,)))
+    seg = sampled_segment(model, [1, 2, 3, 4, 5, 6], [4, 5], reward=1.0)
+    assert seg.routing is not None
+    routing = seg.routing.copy()
+    routing[:, 1] = -1  # the dense layer, as ingest leaves it
+    m = Trainer(model).step([replace(seg, routing=routing)], policy_version=0)
+    assert m.routing_missing == 0
+    assert m.routing_compared == 2 * (6 - 1)  # the two MoE layers, every routed position

@@ -355,9 +355,12 @@ class Trainer:
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
             if b.index:  # not a zero-weight padding micro-batch (DistributedTrainer._pad)
-                d, c, mi = routing_drift(out.free_topk.detach(), b.recorded, b.lengths)
+                # a dense layer routes nothing (its rows are zeros, or -1 after ingest): compared on MoE layers only
+                ml = list(self.mcfg.moe_layers)
+                rec = None if b.recorded is None else b.recorded[:, :, ml]
+                d, c, mi = routing_drift(out.free_topk.detach()[:, :, ml], rec, b.lengths)
                 differ, compared, missing = differ + d, compared + c, missing + mi
-                used_differ += routing_drift(out.routing.detach(), b.recorded, b.lengths)[0]
+                used_differ += routing_drift(out.routing.detach()[:, :, ml], rec, b.lengths)[0]
             scored.append(sc)
             del out
         return scored, (differ, compared, missing, used_differ), time.perf_counter() - t_fwd
