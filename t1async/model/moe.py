@@ -357,15 +357,7 @@ class MoETransformer(nn.Module):
             chosen.append(c)
             free.append(f)
             rlog.append(lg.float())
-        h = self.norm(h)
-        return ModelOutput(
-            logits=self.lm_head(h) if logits else None,
-            values=self.value_head(h).squeeze(-1).float(),
-            routing=torch.stack(chosen, dim=2),
-            free_topk=torch.stack(free, dim=2),
-            router_logits=torch.stack(rlog, dim=2),
-            hidden=h,
-        )
+        return self._output(h, chosen, free, rlog, logits)
 
     def _forward_past(
         self,
@@ -398,6 +390,18 @@ class MoETransformer(nn.Module):
             free.append(f)
             rlog.append(lg.float())
             kv.append((k.detach(), v.detach()))
+        return self._output(h, chosen, free, rlog, logits, kv)
+
+    def _output(
+        self,
+        h: Tensor,
+        chosen: list[Tensor],
+        free: list[Tensor],
+        rlog: list[Tensor],
+        logits: bool,
+        kv: list[tuple[Tensor, Tensor]] | None = None,
+    ) -> ModelOutput:
+        """The training path's output from the last block's hidden states and each layer's routing."""
         h = self.norm(h)
         return ModelOutput(
             logits=self.lm_head(h) if logits else None,
