@@ -314,7 +314,9 @@ class LiveRun:
     seconds: float = 0.0
 
 
-def train_live(payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int) -> LiveRun:
+def train_live(
+    payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int, critic: str = "shared"
+) -> LiveRun:
     """Replay the received records into an assembler and the real ``Trainer.step`` of the shipped model (random
     init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
     episode whose turns are due. Every ``cos_every`` steps (reuse only) the same cut is also trained exactly
@@ -337,7 +339,7 @@ def train_live(payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: 
 
     torch.manual_seed(0)
     model = MoETransformer(MoEConfig())
-    trainer = Capture(model, TrainerConfig(prefix_kv=prefix))
+    trainer = Capture(model, TrainerConfig(prefix_kv=prefix, critic=critic))
     asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
     live = LiveRun(prefix)
     pending: list[int] = []
@@ -355,7 +357,7 @@ def train_live(payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: 
             continue
         twin = None
         if cos_every and prefix == "reuse" and live.steps % cos_every == cos_every - 1:
-            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv="exact"))
+            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv="exact", critic=critic))
             twin.step(segs, live.steps)
         t0 = time.perf_counter()
         m = trainer.step(segs, live.steps)
@@ -414,6 +416,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="live training: also train the first N turns with --prefix-kv exact, for comparison (0: skip)",
     )
     ap.add_argument("--cos-every", type=int, default=20, help="steps between gradient checks against exact")
+    ap.add_argument(
+        "--critic",
+        choices=("shared", "detached"),
+        default="shared",
+        help="live training's --critic (shared: the value loss also trains the trunk, through the kept keys' "
+        "missing path too)",
+    )
     ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
@@ -434,11 +443,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     lives: list[LiveRun] = []
     if not a.no_live:
         lives.append(
-            train_live(run.payloads, prefix_kv="reuse", cut_every=a.cut_every, upto=a.turns, cos_every=a.cos_every)
+            train_live(
+                run.payloads,
+                prefix="reuse",
+                cut_every=a.cut_every,
+                upto=a.turns,
+                cos_every=a.cos_every,
+                critic=a.critic,
+            )
         )
         if a.exact_turns:
             lives.append(
-                train_live(run.payloads, prefix_kv="exact", cut_every=a.cut_every, upto=a.exact_turns, cos_every=0)
+                train_live(
+                    run.payloads,
+                    prefix="exact",
+                    cut_every=a.cut_every,
+                    upto=a.exact_turns,
+                    cos_every=0,
+                    critic=a.critic,
+                )
             )
 
     rows = run.rows

@@ -402,10 +402,10 @@ def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     from t1async.cluster.config import from_args
     from t1async.protocol.errors import ConfigError
 
-    argv = learner_argv(tmp_path / "a", "--critic", "detached")
-    assert learner_toml(argv)["critic"] == "detached" and "--critic" not in argv
-    assert serve_args(argv).critic == "detached"
-    assert serve_args(learner_argv(tmp_path / "b")).critic == "shared"  # the default
+    argv = learner_argv(tmp_path / "a", "--critic", "shared")
+    assert learner_toml(argv)["critic"] == "shared" and "--critic" not in argv
+    assert serve_args(argv).critic == "shared"
+    assert serve_args(learner_argv(tmp_path / "b")).critic == "detached"  # the default
     with pytest.raises(ConfigError, match="--critic must be shared or detached"):
         from_args(argparse.Namespace(run_dir=tmp_path, critic="frozen"))
 

@@ -98,8 +98,11 @@ class TrainerOptions:
     # "detached": the critic neither moves the policy's weights nor shrinks its step. On the touch4 warm start at
     # lr 2e-4 the shared critic's gradient (returns 0-4, values ~0) set the trunk's update and the policy
     # collapsed to invalid replies in 9 steps; detached it did not (docs/results.md, "Learning in CI")
+    # detached by default: the learn preset's (a shared critic collapsed the policy, above), and with
+    # --prefix-kv reuse a shared critic's value loss would lose its path through the kept keys and values (on
+    # the shipped model the step's gradient fell to cosine 0.3-0.86 of the exact one; detached 0.93-0.98)
     critic: Critic = setting(
-        Critic.SHARED,
+        Critic.DETACHED,
         "shared: the value loss trains the trunk with the policy; detached: it trains the value head only, whose "
         "gradient is clipped on its own",
         group="learner",
