@@ -315,7 +315,7 @@ class LiveRun:
 
 
 def train_live(
-    payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int, critic: str = "shared"
+    payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int, critic: str = "detached"
 ) -> LiveRun:
     """Replay the received records into an assembler and the real ``Trainer.step`` of the shipped model (random
     init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
@@ -419,9 +419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--critic",
         choices=("shared", "detached"),
-        default="shared",
-        help="live training's --critic (shared: the value loss also trains the trunk, through the kept keys' "
-        "missing path too)",
+        default="detached",
+        help="live training's --critic (default detached, the learner's; shared: the value loss also trains the "
+        "trunk, and needs the gradient path through the kept keys that reuse omits)",
     )
     ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
