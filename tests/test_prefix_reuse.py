@@ -197,3 +197,40 @@ def test_a_40_turn_episode_trained_live_forwards_each_position_about_once(tmp_pa
     assert ratio["reuse"] <= 3, ratio
     assert ratio["exact"] > 3, ratio  # re-forwarding the history at every cut: what the reuse removes
     assert reuse[-1]["forwarded_per_trained"] <= 3
+
+
+def test_a_fork_re_forwards_its_new_context_and_counts_it_as_new() -> None:
+    """A fork (a re-rendered prefix, a context compaction) cannot reuse the kept keys: its segment is forwarded
+    whole, and its positions from the first difference count as new (the metric once said 0 new and a ratio of
+    thousands, seen in a 15-minute cluster run after compactions)."""
+    case = make_episode(
+        np.random.default_rng(1),
+        ["clean", "clean", "clean", "fork", "clean", "clean"],
+        episode="e0",
+        with_end=True,
+        sizes=SIZES,
+        layers=2,
+        topk=2,
+        num_experts=4,
+    )
+    trainer = Trainer(MoETransformer(CFG), TrainerConfig(prefix_kv="reuse"))
+    asm, k, v, prev = Assembler(), 0, 0, np.zeros(0, np.int32)
+    forks = 0
+    for r in case.records:
+        segs = asm.feed(r)
+        if isinstance(r, wire.TurnRecord):
+            k += 1
+            if k % 2 == 0:
+                segs = segs + asm.cut(r.episode)
+        for s in segs:  # one at a time, so each step's counts are one segment's
+            m = trainer.step([s], v)
+            v += 1
+            n = min(len(prev), len(s.tokens))
+            diff = np.flatnonzero(prev[:n] != s.tokens[:n])
+            lcp = int(diff[0]) if len(diff) else n
+            assert m.new_tokens == len(s.tokens) - lcp > 0
+            if lcp < len(prev):  # a fork: nothing kept applies, the whole segment is forwarded
+                forks += 1
+                assert m.prefix_reused_tokens == 0 and m.forwarded_tokens == len(s.tokens) > m.new_tokens
+            prev = np.asarray(s.tokens)
+    assert forks >= 1

@@ -90,7 +90,7 @@ class Trainer:
             if config.prefix_kv == "reuse"
             else None
         )
-        self._covered: dict[str, int] = {}  # open episode -> positions forwarded by an earlier step (metrics)
+        self._covered: dict[str, np.ndarray] = {}  # open episode -> the tokens an earlier step forwarded (metrics)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -278,13 +278,13 @@ class Trainer:
         """What to forward for each segment (all of it, or its Suffix after kept keys/values) and the step's
         cost counters: ``new_tokens`` (positions no earlier step forwarded), ``prefix_reused``, ``prefix_age``."""
         cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0}
-        for s in segments:
-            cost["new_tokens"] += max(len(s.tokens) - self._covered.get(s.episode, 0), 0)
+        for s in segments:  # positions past what an earlier step forwarded in this context (a fork's are new)
+            cost["new_tokens"] += len(s.tokens) - _common_prefix(self._covered.get(s.episode), s.tokens)
         for s in segments:
             if s.done:
                 self._covered.pop(s.episode, None)
-            else:
-                self._covered[s.episode] = max(self._covered.get(s.episode, 0), len(s.tokens))
+            elif len(s.tokens) >= len(self._covered.get(s.episode, ())):
+                self._covered[s.episode] = np.asarray(s.tokens)
         if len(self._covered) > 100_000:  # episodes abandoned without an end: forget the oldest
             for ep in list(self._covered)[:50_000]:
                 del self._covered[ep]
@@ -571,6 +571,15 @@ class Trainer:
         finally:
             self.model.train(was)
         return res  # type: ignore[return-value]
+
+
+def _common_prefix(a: np.ndarray | None, b: np.ndarray) -> int:
+    """How many leading tokens ``a`` and ``b`` share (0 for ``a`` None)."""
+    if a is None:
+        return 0
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
