@@ -3,9 +3,9 @@
 Runs ``python -m t1async.cluster up --duration S`` with the quick start's defaults (plus any ``--cluster-arg``)
 on a fresh run dir, then reads its ``metrics.jsonl``:
 
-- per learner step (each step once): its wall time, the positions it trained for the first time
-  (``new_tokens``), ``forwarded_per_trained``, and the step time per trained position;
-- ``slope_us_per_token_per_min``: the least-squares slope of step time per trained position over the run's
+- per learner step (each step once): its wall time, its loss tokens (the tokens it trained),
+  ``forwarded_per_trained``, and the step time per trained (loss) token;
+- ``slope_us_per_token_per_min``: the least-squares slope of step time per trained token over the run's
   minutes, with a 95% interval from a bootstrap over steps. Flat means the interval holds 0 (or the slope is
   small next to the mean: ``slope_share_per_10min``);
 - ``turns_per_s_at``: sampled turns per second (the actors' ``turns``) over the minute ending at minutes 1, 5
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t0 = min([float(s["t"]) for s in steps] + [t for t, _ in sampled])
     mins = np.array([(float(s["t"]) - t0) / 60 for s in steps])
-    us = np.array([float(s["t_step_wall_s"]) / max(float(s["new_tokens"]), 1.0) * 1e6 for s in steps])
+    us = np.array([float(s["t_step_wall_s"]) / max(float(s["loss_tokens"]), 1.0) * 1e6 for s in steps])
     sl, lo, hi = slope(mins, us, np.random.default_rng(0))
     last_min = max(1, int((max(t for t, _ in sampled) - t0) // 60)) if sampled else 0
     marks = sorted({1, 5, last_min} & set(range(1, last_min + 1)))
@@ -132,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [
         ("learner steps", res["steps"]),
         ("step s, first -> last", f"{res['step_s_first_last'][0]:.1f} -> {res['step_s_first_last'][1]:.1f}"),
-        ("step us per trained position, mean", res["step_us_per_trained_mean"]),
-        ("slope, us per position per minute [95% CI]", f"{sl:.2f} [{lo:.2f}, {hi:.2f}]"),
+        ("step us per trained (loss) token, mean", res["step_us_per_trained_mean"]),
+        ("slope, us per token per minute [95% CI]", f"{sl:.2f} [{lo:.2f}, {hi:.2f}]"),
         ("slope over 10 minutes / mean", res["slope_share_per_10min"]),
         ("forwarded per trained position", res["forwarded_per_trained_mean"]),
         ("sampled turns/s at minutes " + ", ".join(res["turns_per_s_at"]), str(res["turns_per_s_at"])),
