@@ -43,7 +43,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[tuple[float, float]]]:
         if subject.endswith(".learner") and "t_step_wall_s" in d and "new_tokens" in d:
             steps.setdefault(int(d["step"]), d)
         elif ".actor" in subject and "turns" in d:
-            actors[str(d.get("component"))] = int(d["turns"])
+            actors[subject] = int(d["turns"])  # each actor's own subject (their component is "actor")
             sampled.append((float(d["t"]), float(sum(actors.values()))))
     return [steps[k] for k in sorted(steps)], sampled
 
