@@ -234,3 +234,36 @@ def test_a_fork_re_forwards_its_new_context_and_counts_it_as_new() -> None:
                 assert m.prefix_reused_tokens == 0 and m.forwarded_tokens == len(s.tokens) > m.new_tokens
             prev = np.asarray(s.tokens)
     assert forks >= 1
+
+
+def test_an_entry_evicted_within_a_step_is_dropped_not_a_crash() -> None:
+    """Two open episodes whose kept positions exceed the budget: keeping the first evicts the second, taken
+    earlier in the same step; the second is then not kept (its next cut re-forwards), and nothing raises."""
+    from t1async.learner.prefixkv import PrefixKV
+
+    asm = Assembler()
+    for r in episode(6, name="a") + episode(6, name="b"):
+        if isinstance(r, wire.TurnRecord) and r.turn < 4:
+            asm.feed(r)
+    first = {s.episode: s for s in asm.cut()}
+    for r in episode(6, name="a") + episode(6, name="b"):
+        if isinstance(r, wire.TurnRecord) and 4 <= r.turn < 6:
+            asm.feed(r)
+    second = {s.episode: s for s in asm.cut()}
+    model = MoETransformer(CFG)
+    kv = PrefixKV(max_age=10, budget_tokens=len(first["a"].tokens) + len(first["b"].tokens))
+
+    def run(s, past):  # noqa: ANN001, ANN202
+        x = torch.from_numpy(np.asarray(s.tokens, dtype=np.int64)[None])
+        with torch.no_grad():
+            return model(x, past=past, want_kv=True, logits=False).kv
+
+    for ep in ("a", "b"):
+        kv.keep(first[ep], None, run(first[ep], None), 0)
+    assert len(kv) == 2
+    took = {ep: kv.take(second[ep], 1) for ep in ("a", "b")}
+    assert all(t.past is not None for t in took.values())
+    kv.keep(took["b"].segment, took["b"].past, run(took["b"].segment, took["b"].past), 1)  # over budget: a goes
+    assert len(kv) == 1
+    kv.keep(took["a"].segment, took["a"].past, run(took["a"].segment, took["a"].past), 1)  # raised before
+    assert len(kv) == 1 and kv.take(second["b"], 2).past is not None

@@ -155,7 +155,8 @@ class PrefixKV:
             tokens = np.array(s.tokens, dtype=np.int32)
             oldest = policy_version
         else:
-            assert old is not None
+            if old is None:  # evicted by another episode's keep in this step: its next cut re-forwards
+                return
             kv = [
                 (torch.cat([pk, k[:, :, :n].detach()], dim=2), torch.cat([pv, v[:, :, :n].detach()], dim=2))
                 for (pk, pv), (k, v) in zip(past, new, strict=True)
