@@ -133,6 +133,12 @@ class DistributedTrainer(Trainer):
         self._inside = False  # running a command every rank runs (no command to send)
         self._shell: MoETransformer | None = None  # rank 0: the full weights, last gathered
         self._shell_ok = False  # ... and they are the current weights
+        # every rank must run the micro-batch count rank 0 plans from the segments alone, and a segment forwarded
+        # after kept keys is a micro-batch of its own, known only to the rank holding them: N ranks re-forward
+        # (--prefix-kv exact) until the count is agreed per step
+        if self.prefix is not None:
+            log.info("learner.prefix_kv_exact_on_ranks", world=self.world, asked=str(self.config.prefix_kv))
+        self.prefix = None
 
     # ------------------------------------------------------------------------------------- commands
 
