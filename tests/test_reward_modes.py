@@ -172,7 +172,7 @@ def test_reward_modes_bench_holds_out_by_content(tmp_path):
 
     generate(tmp_path, 300, seed=0, families=["cdchores"])
     held = held_out_corpus(tmp_path, 1000, 200)
-    left = [load_task(d) for d in tmp_path.iterdir()]
+    left = [load_task(d) for d in tmp_path.iterdir() if d.is_dir()]  # not split.json
     demos = {key_of(t) for t in (task_id("cdchores", 1000, i) for i in range(200)) if split_for(t) == "train"}
     held_keys = {key_of(t.id) for t in held}
     assert held and all(t.split == "eval" for t in held)
