@@ -48,6 +48,7 @@ from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into
+from t1async.protocol.sampling import common_prefix_len
 
 log = get_logger("t1async.learner.trainer")
 
@@ -279,7 +280,8 @@ class Trainer:
         cost counters: ``new_tokens`` (positions no earlier step forwarded), ``prefix_reused``, ``prefix_age``."""
         cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0}
         for s in segments:  # positions past what an earlier step forwarded in this context (a fork's are new)
-            cost["new_tokens"] += len(s.tokens) - _common_prefix(self._covered.get(s.episode), s.tokens)
+            seen = self._covered.get(s.episode)
+            cost["new_tokens"] += len(s.tokens) - (0 if seen is None else common_prefix_len(seen, s.tokens))
         for s in segments:
             if s.done:
                 self._covered.pop(s.episode, None)
@@ -571,15 +573,6 @@ class Trainer:
         finally:
             self.model.train(was)
         return res  # type: ignore[return-value]
-
-
-def _common_prefix(a: np.ndarray | None, b: np.ndarray) -> int:
-    """How many leading tokens ``a`` and ``b`` share (0 for ``a`` None)."""
-    if a is None:
-        return 0
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
