@@ -117,7 +117,7 @@ async def test_the_learner_holds_its_batch_while_the_disk_is_full_and_resumes(
         run_dir=run, model_dir=tiny_model, batch_turns=6, steps=0, metrics_every_s=60, trainer=TrainerConfig(lr=1e-4)
     )
     broker = MemoryBroker()
-    wave1, wave2 = records(0, 2), records(10, 2, policy_version=1)
+    wave1, wave2, wave3 = records(0, 2), records(10, 2, policy_version=1), records(20, 2, policy_version=1)
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
         learner = Learner(cfg, lt, None)
         async with anyio.create_task_group() as tg:
@@ -142,6 +142,10 @@ async def test_the_learner_holds_its_batch_while_the_disk_is_full_and_resumes(
                 learner.state.was_trained(r.episode, r.turn) for r in turns2 if (r.episode, r.turn) not in on_disk
             )
             filler.unlink()
+            # a step needs batch_turns untrained turns: if the slack made a step above, what is left of wave 2 is
+            # fewer than that, and (as in a run whose actors stopped) waits for more: wave 3 brings it
+            for r in wave3:
+                await pub.publish(traj_subject(r.episode), r)
             await until(
                 lambda: all(learner.state.was_trained(r.episode, r.turn) for r in turns2),
                 "wave 2 trains once the disk takes writes",
@@ -151,5 +155,5 @@ async def test_the_learner_holds_its_batch_while_the_disk_is_full_and_resumes(
     learner.journal.close()
     back = [r for r in read_journal(small_fs) if isinstance(r, wire.TurnRecord)]
     keys = [(r.episode, r.turn) for r in back]
-    assert len(keys) == len(set(keys)) == sum(isinstance(r, wire.TurnRecord) for r in wave1 + wave2)
+    assert len(keys) == len(set(keys)) == sum(isinstance(r, wire.TurnRecord) for r in wave1 + wave2 + wave3)
     assert all(learner.state.was_trained(r.episode, r.turn) for r in wave2 if isinstance(r, wire.TurnRecord))
