@@ -74,7 +74,9 @@ def _time_steps(trainer, segs: list, steps: int) -> list[float]:  # noqa: ANN001
 
 MODELS = {  # MoEConfig fields over the defaults; "100m" is bench.weights' ~100M-parameter model
     "tiny": {},
-    "100m": dict(d_model=768, n_layers=6, n_heads=12, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096),
+    "100m": dict(
+        d_model=768, n_layers=6, n_heads=12, n_kv_heads=4, head_dim=64, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096
+    ),
 }
 
 

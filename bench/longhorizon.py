@@ -243,10 +243,10 @@ def train_step_child(tokens: int) -> None:
     from t1async.ingest.tito import Segment
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import TrainerConfig
-    from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
+    from t1async.model.weights import default_config
 
-    cfg = MoEConfig()
+    cfg = default_config()
     model = MoETransformer(cfg)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.vocab_size, tokens).astype(np.int32)
@@ -327,8 +327,8 @@ def train_live(
 
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import TrainerConfig
-    from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
+    from t1async.model.weights import default_config
 
     class Capture(Trainer):
         grad: torch.Tensor | None = None
@@ -338,7 +338,7 @@ def train_live(
             return super()._optimizer_step()
 
     torch.manual_seed(0)
-    model = MoETransformer(MoEConfig())
+    model = MoETransformer(default_config())
     trainer = Capture(model, TrainerConfig(prefix_kv=prefix, critic=critic))
     asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
     live = LiveRun(prefix)

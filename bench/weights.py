@@ -17,6 +17,7 @@ checkpoint each step for resume, but off the sampler's path. Run: ``python -m be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -29,20 +30,22 @@ from bench._common import emit_json, print_grid
 
 CONFIGS = {
     "tiny": None,  # the shipped model
-    "100m": dict(d_model=768, n_layers=6, n_heads=12, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096),
+    "100m": dict(
+        d_model=768, n_layers=6, n_heads=12, n_kv_heads=4, head_dim=64, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096
+    ),
 }
 
 
 def _model(name: str, work: Path) -> tuple[torch.nn.Module, Path]:
-    from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+    from t1async.model.weights import default_config, default_model_dir, load_pretrained, save_pretrained
 
     if CONFIGS[name] is None:
         return load_pretrained(default_model_dir()), Path(default_model_dir())
     tok = ChatTokenizer.load()
-    model = MoETransformer(MoEConfig(vocab_size=tok.vocab_size, **CONFIGS[name]))
+    # the shipped default's architecture (Qwen3-MoE) at this size
+    model = MoETransformer(dataclasses.replace(default_config(), dense_d_ff=0, **CONFIGS[name]))
     d = save_pretrained(model, work / f"{name}-init", tok)
     return model, d
 

@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from t1async.model.attention import rotary_angles
-from t1async.model.config import MoEConfig
+from t1async.model.config import QWEN3_MOE, MoEConfig
 from t1async.model.kvcache import KVCache
 from t1async.model.moe import MoETransformer
+from t1async.model.tokenizer import assets_dir
 from t1async.model.weights import default_model_dir, load_pretrained, load_weights_into, save_pretrained
 from t1async.protocol.errors import ConfigError
 
@@ -191,7 +192,22 @@ def test_default_model_is_deterministic(tmp_path, monkeypatch):
     wa, wb = load_file(str(da / "model.safetensors")), load_file(str(db / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     m = load_pretrained(da)
-    assert m.cfg == MoEConfig()  # the shipped config is the defaults
+    assert m.cfg == MoEConfig.load(assets_dir() / "config.json") and m.cfg.architecture == QWEN3_MOE
+    assert m.cfg.qk_norm and m.cfg.n_kv_heads < m.cfg.n_heads  # Qwen3's q/k norm and grouped-query attention
+
+
+def test_the_shipped_default_is_a_qwen3_moe_that_transformers_runs_with_our_logits(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("T1ASYNC_CACHE", str(tmp_path))
+    d = default_model_dir()
+    ours = load_pretrained(d)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Qwen3MoeForCausalLM"
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, mine = ref(input_ids=x).logits, ours(x).logits
+    assert (theirs - mine).abs().max().item() <= 1e-4
 
 
 def test_chunked_token_logprobs_match_the_full_logits_values_and_gradients():

@@ -4,8 +4,9 @@
 ``save`` / ``load``). Unknown keys in a file are ignored (so a config written by a newer version still
 loads); missing keys take the defaults below; bad values raise ``ConfigError`` naming the field.
 
-The defaults are the shipped tiny model (``t1async/model/assets/config.json``): ~4.5 M parameters, sized to
-sample at a useful speed on two CPU cores. The same dataclass describes the Hugging Face MoE architectures the
+The defaults are the in-house tiny model (a Mixtral of one key head per query head, ~4.5 M parameters, sized
+to sample at a useful speed on two CPU cores); the shipped default (``t1async/model/assets/config.json``) is
+a Qwen3-MoE of the same widths. The same dataclass describes the Hugging Face MoE architectures the
 model runs natively (``SUPPORTED_ARCHITECTURES``; design §2 "Models"): ``load`` reads either our own
 ``config.json`` (``model_type`` ``t1async_moe``) or a Hugging Face one (``architectures``), and
 ``to_hf_dict`` writes the latter for a config with an ``architecture``.

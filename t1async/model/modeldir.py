@@ -22,7 +22,7 @@ def check_model_dir(path: Path, flag: str = "--model", *, weights: bool = True, 
     if not p.is_dir():
         raise ConfigError(f"{flag} {p}: no such directory; give a model dir (config.json, weights, tokenizer)")
     missing = [n for n in ("config.json", *(TOKENIZER_FILES if tokenizer else ())) if not (p / n).is_file()]
-    if weights and not any(p.glob("*.safetensors")):
+    if weights and not any(f.name != "value_head.safetensors" for f in p.glob("*.safetensors")):  # ours, not HF's
         missing.append("model.safetensors (or shards)")
     if missing:
         raise ConfigError(f"{flag} {p} is not a model dir: it lacks {', '.join(missing)}")

@@ -243,6 +243,11 @@ def default_cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "t1async"
 
 
+def default_config() -> MoEConfig:
+    """The shipped default model's config (a tiny Qwen3-MoE, ``t1async/model/assets/config.json``)."""
+    return MoEConfig.load(assets_dir() / "config.json")
+
+
 def default_model_dir() -> Path:
     """The shipped tiny model as a model directory (weights created from the config's seed on first use)."""
     src = assets_dir()
@@ -255,7 +260,7 @@ def default_model_dir() -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
     try:
-        model = MoETransformer(MoEConfig.load(src / "config.json"))
+        model = MoETransformer(default_config())
         save_pretrained(model, tmp)
         for name in TOKENIZER_FILES:  # the shipped files verbatim
             shutil.copyfile(src / name, tmp / name)
