@@ -229,9 +229,11 @@ def test_a_fork_re_forwards_its_new_context_and_counts_it_as_new() -> None:
             diff = np.flatnonzero(prev[:n] != s.tokens[:n])
             lcp = int(diff[0]) if len(diff) else n
             assert m.new_tokens == len(s.tokens) - lcp > 0
-            if lcp < len(prev):  # a fork: nothing kept applies, the whole segment is forwarded
+            if lcp < len(prev):  # a fork: nothing kept applies, the whole segment is forwarded (its context primed)
                 forks += 1
-                assert m.prefix_reused_tokens == 0 and m.forwarded_tokens == len(s.tokens) > m.new_tokens
+                assert m.prefix_reused_tokens == m.prefix_primed_tokens > 0  # only what this step primed
+                assert m.forwarded_tokens == len(s.tokens) > m.new_tokens
+                assert m.backward_tokens == len(s.tokens) - m.prefix_primed_tokens
             prev = np.asarray(s.tokens)
     assert forks >= 1
 
@@ -267,3 +269,35 @@ def test_an_entry_evicted_within_a_step_is_dropped_not_a_crash() -> None:
     assert len(kv) == 1
     kv.keep(took["a"].segment, took["a"].past, run(took["a"].segment, took["a"].past), 1)  # raised before
     assert len(kv) == 1 and kv.take(second["b"], 2).past is not None
+
+
+def test_a_cut_with_a_long_unkept_prefix_is_primed_without_gradient() -> None:
+    """A cut with nothing kept (here an episode's first, as after a FORK or a refresh) and a long context
+    before its first trained position: that context is forwarded once without gradient and only the rest
+    back-propagates. Its log-probs are the exact ones (the primed keys come from the current weights); its
+    gradient omits the path through the primed keys, as reuse's does; max age 0 primes nothing."""
+    records = [r for r in episode(12) if not isinstance(r, wire.EndRecord)]
+    turns = [i for i, r in enumerate(records) if isinstance(r, wire.TurnRecord)]
+    asm = Assembler()
+    for r in records[: turns[-2]]:
+        asm.feed(r)
+    asm.cut(records[0].episode)  # trained elsewhere: the next cut's loss and turn ends are after it
+    for r in records[turns[-2] :]:
+        asm.feed(r)
+    (seg,) = asm.cut(records[0].episode)
+    prefix_len = int(np.argmax(seg.loss_mask)) - 1
+    assert prefix_len > 256
+    base = MoETransformer(CFG)
+    exact = Capture(copy.deepcopy(base), TrainerConfig(lr=1e-4, prefix_kv="exact"))
+    primed = Capture(copy.deepcopy(base), TrainerConfig(lr=1e-4, prefix_kv="reuse", prefix_kv_prime_tokens=256))
+    unprimed = Capture(copy.deepcopy(base), TrainerConfig(lr=1e-4, prefix_kv="reuse", prefix_kv_max_age=0))
+    me, mp, mu = exact.step([seg], 0), primed.step([seg], 0), unprimed.step([seg], 0)
+    assert mp.prefix_primed_tokens == prefix_len and mu.prefix_primed_tokens == me.prefix_primed_tokens == 0
+    n = len(seg.tokens)
+    assert me.backward_tokens == mu.backward_tokens == n and mp.backward_tokens == n - prefix_len
+    assert mp.forwarded_tokens == n  # the primed part once, without gradient; the rest once, with it
+    assert mp.mismatch == pytest.approx(me.mismatch, abs=1e-5)  # the same log-probs: primed at the same weights
+    torch.testing.assert_close(unprimed.grads[0], exact.grads[0])
+    cos = float(torch.nn.functional.cosine_similarity(primed.grads[0], exact.grads[0], dim=0))
+    rel = float((primed.grads[0] - exact.grads[0]).norm() / exact.grads[0].norm())
+    assert cos > 0.99 and rel > 1e-4, (cos, rel)  # close, and really without the path through the primed keys

@@ -125,14 +125,15 @@ class TrainerOptions:
     prefix_kv: Prefix = setting(
         Prefix.REUSE,
         "reuse: a cut of an open episode forwards only its new positions, attending to the keys and values kept "
-        "from its earlier cuts (no gradient through them; at most --prefix-kv-max-age versions old), so the cost "
-        "per trained token stays flat as episodes grow; exact: re-forward the whole context at every cut",
+        "from its earlier cuts (no gradient through them; at most --prefix-kv-max-age versions old; a cut with "
+        "none kept forwards its long context once without gradient first), so the cost per trained token stays "
+        "flat as episodes grow; exact: re-forward the whole context at every cut, with the full gradient",
         group="learner",
     )
     prefix_kv_max_age: int = setting(
         64,
         "with --prefix-kv reuse: kept keys and values older than this many policy versions are recomputed (the "
-        "whole context re-forwarded once)",
+        "context forwarded once more, without gradient); 0: nothing kept, the exact step",
         ge=0,
         group="learner",
     )

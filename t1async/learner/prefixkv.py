@@ -5,15 +5,19 @@ sampler saw, and only its new turns are in the loss. Forwarding that context at 
 step and O(n²) per episode. With ``prefix_kv="reuse"`` the trainer keeps, per open episode, the keys and values
 of every position it has forwarded (``PrefixKV``); the next cut forwards only the positions after them,
 attending to the kept ones as constants. Each position is then forwarded once per refresh, so the cost per
-trained token stays flat as the episode grows.
+trained token stays flat as the episode grows. A cut with nothing kept (an episode's first, a FORK's
+re-contextualised prefix, a refresh) whose positions before its first trained one number at least
+``prefix_kv_prime_tokens`` is *primed*: those positions are forwarded once without gradient, at the current
+weights, and kept, and the cut forwards with gradient only after them (``Trainer._prime``).
 
 What this computes, exactly (``prefix_kv="exact"`` re-forwards everything and is the reference):
 
 - the new positions' forward is exact given the kept keys and values, which were computed by the weights of
   the step that first forwarded them, at most ``prefix_kv_max_age`` versions before (older: the entry is dropped
   and the whole context is re-forwarded, exact, and kept again);
-- the gradient is the exact gradient of the loss *with the kept keys and values held constant*: it omits the
-  path from the loss through the prefix's keys and values back into the weights.
+- the gradient is the exact gradient of the loss *with the kept (or primed) keys and values held constant*:
+  it omits the path from the loss through the prefix's keys and values back into the weights. With
+  ``prefix_kv_max_age`` 0 nothing is kept or primed, and the step is the exact one.
 
 Both differences are measured, not assumed: ``bench.longhorizon`` reports the gradient's cosine against the
 exact one on the same batch, and the step metrics' mismatch (learner vs sampler log-probs) includes them.
@@ -84,6 +88,37 @@ def suffix(s: SegmentLike, start: int) -> Suffix:
     )
 
 
+def head(s: SegmentLike, n: int) -> Suffix:
+    """``s``'s first ``n`` positions as a segment with no loss and no turn end: what ``Trainer`` primes."""
+    return Suffix(
+        episode=s.episode,
+        index=s.index,
+        tokens=s.tokens[:n],
+        loss_mask=np.zeros(n, dtype=bool),
+        logprobs=np.zeros(n, dtype=np.float32),
+        versions=np.full(n, -1, dtype=np.int32),
+        turn_ids=s.turn_ids[:n],
+        routing=None if s.routing is None else s.routing[:n],
+        turn_ends=np.zeros(0, dtype=np.int64),
+        turn_rewards=np.zeros(0, dtype=np.float32),
+        done=False,
+        turn_numbers=None,
+        turn_starts=None,
+        forked=False,
+        start=0,
+    )
+
+
+def cut_point(s: SegmentLike) -> int:
+    """The last position of ``s`` that may come from kept keys and values, plus one: every position from the
+    one before the first loss token (it predicts that token) and before the first turn end is forwarded."""
+    lm = np.asarray(s.loss_mask, dtype=bool)
+    first_loss = int(np.argmax(lm)) if lm.any() else len(s.tokens)
+    ends = np.asarray(s.turn_ends)
+    first_end = int(ends.min()) if len(ends) else len(s.tokens)
+    return min(first_loss - 1, first_end - 1, len(s.tokens) - 2)
+
+
 @dataclass
 class _Entry:
     tokens: np.ndarray  # int32 [P]: the positions whose keys and values are kept
@@ -129,12 +164,7 @@ class PrefixKV:
             del self._entries[s.episode]
             self.refreshed += 1
             return Lookup(s, None, 0)
-        lm = np.asarray(s.loss_mask, dtype=bool)
-        first_loss = int(np.argmax(lm)) if lm.any() else len(s.tokens)
-        ends = np.asarray(s.turn_ends)
-        first_end = int(ends.min()) if len(ends) else len(s.tokens)
-        # the first loss token is predicted from the position before it, which must be forwarded here
-        start = min(len(e.tokens), first_loss - 1, first_end - 1, len(s.tokens) - 2)
+        start = min(len(e.tokens), cut_point(s))
         if start < 1 or not np.array_equal(s.tokens[:start], e.tokens[:start]):
             del self._entries[s.episode]
             return Lookup(s, None, 0)

@@ -68,6 +68,7 @@ class StepMetrics:
     forwarded_per_trained: float = 0.0
     backward_per_trained: float = 0.0
     prefix_reused_tokens: int = 0
+    prefix_primed_tokens: int = 0  # of those, forwarded without gradient this step for a cut with nothing kept
     prefix_max_age: int = 0
     # the algorithm's own health (design §8): PPO clipping per epoch (the ratio is 1 in the first, so a clip
     # that binds shows from the second), the off-policy correction, the critic, the group baselines
@@ -162,6 +163,7 @@ def step_metrics(
         forwarded_per_trained=sums.get("fwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
         backward_per_trained=sums.get("bwd_tokens", 0) / max(sums.get("new_tokens", 0), 1),
         prefix_reused_tokens=int(sums.get("prefix_reused", 0)),
+        prefix_primed_tokens=int(sums.get("prefix_primed", 0)),
         prefix_max_age=int(sums.get("prefix_age", 0)),
         clip_frac_by_epoch=by_epoch,
         clip_frac_last=by_epoch[max(by_epoch)] if by_epoch else 0.0,

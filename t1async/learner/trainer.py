@@ -41,7 +41,7 @@ from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment,
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.critic import CriticWarmup
 from t1async.learner.options import TrainDtype
-from t1async.learner.prefixkv import KV, PrefixKV
+from t1async.learner.prefixkv import KV, PrefixKV, cut_point, head
 from t1async.learner.stepmetrics import StepMetrics, step_algorithm_metrics, step_metrics
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
@@ -278,7 +278,7 @@ class Trainer:
     ) -> tuple[list[SegmentLike], list[KV | None], dict[str, float]]:
         """What to forward for each segment (all of it, or its Suffix after kept keys/values) and the step's
         cost counters: ``new_tokens`` (positions no earlier step forwarded), ``prefix_reused``, ``prefix_age``."""
-        cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0}
+        cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0, "prefix_primed": 0.0, "fwd_tokens": 0.0}
         for s in segments:  # positions past what an earlier step forwarded in this context (a fork's are new)
             seen = self._covered.get(s.episode)
             cost["new_tokens"] += len(s.tokens) - (0 if seen is None else common_prefix_len(seen, s.tokens))
@@ -304,12 +304,41 @@ class Trainer:
                 pasts.append(None)
                 continue
             found = self.prefix.take(s, policy_version)
+            if found.past is None and (primed := self._prime(s, policy_version)):
+                cost["prefix_primed"] += primed
+                cost["fwd_tokens"] += primed
+                found = self.prefix.take(s, policy_version)
             fwd.append(found.segment)
             pasts.append(found.past)
             if found.past is not None:
                 cost["prefix_reused"] += found.past[0][0].shape[2]
                 cost["prefix_age"] = max(cost["prefix_age"], found.age)
         return fwd, pasts, cost
+
+    def _prime(self, s: SegmentLike, policy_version: int) -> int:
+        """A cut with nothing kept (learner.prefixkv "primed"): forward its positions before the first trained
+        one without gradient, at the current weights and with the recorded routing replayed as the step's own
+        forward would, and keep their keys and values. Returns how many (0: none, the prefix is shorter than
+        ``prefix_kv_prime_tokens`` or max age 0 asks for the exact step)."""
+        cfg, prefix = self.config, self.prefix
+        n = cut_point(s)
+        if (
+            prefix is None
+            or cfg.prefix_kv_max_age == 0
+            or not cfg.prefix_kv_prime_tokens
+            or n < max(cfg.prefix_kv_prime_tokens, 1)
+        ):
+            return 0
+        h = head(s, n)
+        b = pack([h], [0], n_layers=self.mcfg.n_layers, top_k=self.mcfg.top_k, device=self.device)
+        bf16 = cfg.train_dtype == TrainDtype.BFLOAT16
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = self.model(
+                b.tokens, replay=b.recorded if cfg.replay else None, logits=False, checkpoint_blocks=False, want_kv=True
+            )
+        assert out.kv is not None
+        prefix.keep(h, None, out.kv, policy_version)
+        return n
 
     # ------------------------------------------------------------------- where the ranks meet (no-ops at 1)
 

@@ -29,6 +29,9 @@ class TrainerConfig(TrainerOptions):
     # shipped model; kept instead: each block's input, 0.5 KB a token a layer): one more forward per pass
     checkpoint_blocks: bool = True
     prefix_kv_tokens: int = 1 << 18  # positions of kept keys/values over all open episodes (learner.prefixkv)
+    # with reuse (max age > 0): a cut with nothing kept and at least this many positions before its first trained
+    # one forwards them once without gradient first (learner.prefixkv "primed"); 0 = never
+    prefix_kv_prime_tokens: int = 256
 
     def __post_init__(self) -> None:
         for name, kind in (
