@@ -17,6 +17,7 @@ from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import Generation, SamplingParams
 from t1async.recipes.sft import Demo, SFTConfig, collect_demos, demo_loss, demo_tokens, sft_train, synth_tasks
+from t1async.testing.models import TINY
 
 REPLIES = ["```bash\nls -la  data/\n```", "Let me look:\n```bash\ncat data/a.txt | sort -u\n```", "DONE"]
 
@@ -89,14 +90,24 @@ async def test_sft_on_real_oracle_demonstrations_reduces_their_loss(tmp_path):
     assert all("[exit code:" in d.turns[0][1] for d in demos)  # real observations from the sandbox
     tok = ChatTokenizer.load()
     examples = [demo_tokens(d, tok) for d in demos]
-    torch.manual_seed(0)
-    model = MoETransformer(
-        MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=4096)
-    )
-    before = demo_loss(model, examples, pad_id=tok.pad_id)
-    losses = sft_train(
-        model, examples, SFTConfig(steps=12, lr=3e-3, warmup_steps=2, batch_tokens=4096), pad_id=tok.pad_id
-    )
-    after = demo_loss(model, examples, pad_id=tok.pad_id)
-    assert len(losses) == 12
-    assert after < before - 0.5, (before, after)
+    for dtype in ("float32", "bfloat16"):  # --train-dtype bfloat16: bf16 autocast, the weights stay fp32
+        torch.manual_seed(0)
+        model = MoETransformer(MoEConfig(**{**TINY, "vocab_size": tok.vocab_size, "max_seq_len": 4096}))
+        before = demo_loss(model, examples, pad_id=tok.pad_id)
+        cfg = SFTConfig(steps=12, lr=3e-3, warmup_steps=2, batch_tokens=4096, train_dtype=dtype)
+        losses = sft_train(model, examples, cfg, pad_id=tok.pad_id)
+        after = demo_loss(model, examples, pad_id=tok.pad_id)
+        assert len(losses) == 12 and all(p.dtype == torch.float32 for p in model.parameters())
+        assert after < before - 0.5, (dtype, before, after)
+
+
+def test_sft_refuses_a_bad_device_or_dtype_in_one_line(tmp_path, capsys):
+    from t1async.learner.__main__ import main
+
+    with pytest.raises(ConfigError, match="train_dtype"):
+        SFTConfig(train_dtype="float16")
+    if not torch.cuda.is_available():
+        argv = ["sft", "--synth", "2", "--steps", "1", "--out", str(tmp_path / "out"), "--device", "cuda"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--device cuda" in err[0] and "no CUDA GPU" in err[0], err

@@ -24,11 +24,20 @@ examples:
 def _sft(args: SftSettings) -> int:
     import torch
 
+    from t1async.learner.options import Device, TrainDtype
     from t1async.recipes.sft import SFTConfig, run_sft
 
     assert args.out is not None
     torch.set_num_threads(max(1, args.threads))
-    cfg = SFTConfig(steps=args.steps, lr=args.lr, batch_tokens=args.batch_tokens, max_len=args.max_len, seed=args.seed)
+    cfg = SFTConfig(
+        steps=args.steps,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        max_len=args.max_len,
+        seed=args.seed,
+        device=Device(args.device).value,
+        train_dtype=TrainDtype(args.train_dtype).value,
+    )
     summary = run_sft(
         out=args.out,
         tasks_dir=args.tasks,

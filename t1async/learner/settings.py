@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from t1async.config import setting
+from t1async.learner.options import Device, TrainDtype
 
 
 @dataclass(frozen=True)
@@ -27,3 +28,7 @@ class SftSettings:
     threads: int = setting(2, "torch CPU threads", ge=1)
     seed: int = setting(0, "seed for the synthetic tasks (--synth) and the batch order")
     json: bool = setting(False, "print the summary as JSON on the last stdout line")
+    device: Device = setting(Device.CPU, "where to train: cpu, or cuda (untested, no GPU ran in our tests)")
+    train_dtype: TrainDtype = setting(
+        TrainDtype.FLOAT32, "float32, or bfloat16: bf16 autocast over fp32 master weights (as the learner's)"
+    )

@@ -62,10 +62,18 @@ class SFTConfig:
     max_len: int = 4096  # examples are truncated to this many tokens
     seed: int = 0
     copy_steps: int = 0  # steps of copy pretraining before the demonstrations (``copy_examples``); 0: none
+    # where and in what precision: as the learner's --device / --train-dtype (bf16 autocast, fp32 weights)
+    device: str = "cpu"
+    train_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 2 or self.max_len < 2:
             raise ConfigError(f"SFTConfig needs steps >= 1, lr > 0, batch_tokens >= 2, max_len >= 2; got {self}")
+        if self.device not in ("cpu", "cuda") or self.train_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"SFTConfig.device must be 'cpu' or 'cuda' and train_dtype 'float32' or 'bfloat16'; got "
+                f"{self.device!r}, {self.train_dtype!r}"
+            )
 
 
 def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
@@ -199,11 +207,15 @@ def demo_loss(
     return total / max(count, 1)
 
 
-def _nll(model: MoETransformer, toks: torch.Tensor) -> torch.Tensor:
-    """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask). The
-    lm_head runs in checkpointed chunks (``MoETransformer.token_logprobs``): no [B, T, V] logits."""
-    out = model(toks, logits=False)
-    return -model.token_logprobs(out.hidden, toks)[0][:, 1:]
+def _nll(model: MoETransformer, toks: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """Per-position NLL of tokens[:, 1:] given the prefix, [B, T - 1] (right padding needs no mask), on the
+    model's device (``bf16``: under bf16 autocast). The lm_head runs in checkpointed chunks
+    (``MoETransformer.token_logprobs``): no [B, T, V] logits."""
+    device = next(model.parameters()).device
+    toks = toks.to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        out = model(toks, logits=False)
+        return -model.token_logprobs(out.hidden, toks)[0][:, 1:].float().cpu()
 
 
 def sft_train(
@@ -248,7 +260,7 @@ def sft_train(
             g["lr"] = _lr_at(step, cfg)
         toks, mask = _pad(exs, batch, pad_id)
         m = mask[:, 1:]
-        loss = _nll(model, toks)[m].mean()
+        loss = _nll(model, toks, cfg.train_dtype == "bfloat16")[m].mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -282,12 +294,13 @@ def run_sft(
     """The ``sft`` command: demonstrations -> training -> a model directory at ``out``."""
     import json
 
+    from t1async.learner.trainer_config import torch_device
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 
     src = model_dir or default_model_dir()
     tok = ChatTokenizer.load(src)
-    model = load_pretrained(src, torch.float32)
+    model = load_pretrained(src, torch.float32).to(torch_device(cfg.device))  # fp32 master weights
     with tempfile.TemporaryDirectory(prefix="t1-sft-tasks-") as tmp:
         if tasks_dir is not None:
             from sandbox_agent.tasks import load_tasks

@@ -72,6 +72,9 @@ class Recipe:
         }
         if not self.sft.copy_steps:  # added later: left out when off, so the recipes built before keep their hash
             d["sft"].pop("copy_steps")
+        for k, default in (("device", "cpu"), ("train_dtype", "float32")):  # the same, added later still
+            if d["sft"][k] == default:
+                d["sft"].pop(k)
         if self.data_version != 1:  # only when set, so the recipes built before it keep their hash
             d["data_version"] = self.data_version
         return d
