@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,41 @@ def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: s
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
     file.flush()
+
+
+def add_model_arg(p: Any) -> None:
+    """``--model DIR``: the model dir a bench runs (a supported Hugging Face MoE dir, or one we wrote)."""
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help='model dir: any supported Hugging Face MoE checkpoint (design §2 "Models"); default: the shipped '
+        "tiny Qwen3-MoE",
+    )
+
+
+def model_dir(arg: Path | None) -> Path:
+    """``--model``'s dir, checked (a one-line SystemExit naming what is missing), or the shipped default."""
+    from t1async.model.modeldir import check_model_dir
+    from t1async.model.weights import default_model_dir
+    from t1async.protocol.errors import ConfigError
+
+    if arg is None:
+        return default_model_dir()
+    try:
+        return check_model_dir(arg, "--model")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def trainable_routing(routing: np.ndarray, dense_layers: Sequence[int]) -> np.ndarray:
+    """A forward's routing ``[T, layers, k]`` as a segment carries it (int16): a dense layer routes nothing, so
+    its rows are missing (-1), as ingest makes SGLang's zero rows for such a layer (design §2 "Models")."""
+    out = routing.astype(np.int16)
+    out[:, list(dense_layers)] = -1
+    return out
 
 
 def emit_json(obj: dict) -> None:

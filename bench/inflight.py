@@ -32,10 +32,10 @@ import httpx
 import numpy as np
 import torch
 
-from bench._common import emit_json, print_grid
+from bench._common import add_model_arg, emit_json, model_dir, print_grid
 from t1async.learner.weightpush import DiskPushClient
 from t1async.model.moe import MoETransformer
-from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
+from t1async.model.weights import load_pretrained, save_pretrained
 from t1async.sampler.app import ServerConfig
 from t1async.sampler.server import serve
 
@@ -44,11 +44,11 @@ PROMPT_LEN = 16
 
 
 class Versions:
-    """Policy version k: the shipped weights plus noise seeded by k (not cumulative, so any k is cheap)."""
+    """Policy version k: the model's weights plus noise seeded by k (not cumulative, so any k is cheap)."""
 
-    def __init__(self, noise: float) -> None:
-        self.noise = noise
-        self.model = load_pretrained(default_model_dir())
+    def __init__(self, noise: float, model_dir: Path) -> None:
+        self.noise, self.model_dir = noise, model_dir
+        self.model = load_pretrained(model_dir)
         self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
 
     def load(self, k: int) -> MoETransformer:
@@ -119,7 +119,10 @@ async def run_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp:
     t0 = time.perf_counter()
     updates = 0
     async with anyio.create_task_group() as tg:
-        url = await tg.start(serve, ServerConfig(port=0, max_batch=args.requests, allowed_weight_roots=(str(tmp),)))
+        cfg = ServerConfig(
+            port=0, max_batch=args.requests, allowed_weight_roots=(str(tmp),), model_dir=str(versions.model_dir)
+        )
+        url = await tg.start(serve, cfg)
         load = Load(url, args.new_tokens, vocab)
         async with anyio.create_task_group() as work:
             for w in range(args.requests):
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--noise", type=float, default=0.05, help="each version adds this fraction of a tensor's std")
     ap.add_argument("--quick", action="store_true", help="8 requests of 64 tokens, 10 updates per mode")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.requests < 1 or args.updates < 1 or args.new_tokens < 2 or args.gap < 1:
         ap.error("--requests, --updates and --gap must be >= 1 and --new-tokens >= 2")
     torch.set_num_threads(1)
-    versions = Versions(args.noise)
+    versions = Versions(args.noise, model_dir(args.model))
     by_mode = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in modes:

@@ -20,12 +20,13 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench._common import emit_json, print_grid
+from bench._common import emit_json, model_dir, print_grid, trainable_routing
 
 
 def _segments(model, n: int, seq_len: int, seed: int) -> list:  # noqa: ANN001
@@ -41,7 +42,7 @@ def _segments(model, n: int, seq_len: int, seed: int) -> list:  # noqa: ANN001
             o = model(x)
         lp = torch.log_softmax(o.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
         lp = np.concatenate([[0.0], lp.numpy()]).astype(np.float32)
-        rt = o.routing[0].numpy().astype(np.int16)
+        rt = trainable_routing(o.routing[0].numpy(), model.cfg.dense_layers)
         rt[-1] = -1
         lm = np.zeros(t, dtype=bool)
         lm[t // 2 :] = True
@@ -96,9 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512, help="max tokens per segment (default 512)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration, after one warm-up (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--model", default="tiny", choices=sorted(MODELS), help="model size (default tiny)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="NAME|DIR",
+        help=f"model: {' or '.join(sorted(MODELS))} (the shipped architecture at that size), or a model dir (any "
+        "supported Hugging Face MoE checkpoint); default tiny",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     args = p.parse_args(argv)
+    mdir = None if args.model in MODELS else model_dir(Path(args.model))
     import dataclasses
     import gc
 
@@ -111,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.ranks.split(",")]
-    if args.model == "tiny":
+    if mdir is not None:
+        base = load_pretrained(mdir)
+    elif args.model == "tiny":
         base = load_pretrained(default_model_dir())
     else:
         base = MoETransformer(dataclasses.replace(load_pretrained(default_model_dir()).cfg, **MODELS[args.model]))

@@ -45,7 +45,7 @@ import anyio
 import numpy as np
 
 from actors.records import TurnEncoder
-from bench._common import emit_json, print_grid, print_table
+from bench._common import add_model_arg, emit_json, model_dir, print_grid, print_table, trainable_routing
 from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend
 from sandbox_agent.runner import run_episode
@@ -54,7 +54,9 @@ from sandbox_agent.sandbox.bwrap import BwrapSandbox
 from sandbox_agent.tasks import load_task
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.episode import AssemblerConfig
+from t1async.ingest.routing import compact_dtype
 from t1async.log import configure
+from t1async.model.config import MoEConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
 from t1async.protocol.sampling import Generation, SamplingParams
@@ -64,7 +66,6 @@ from t1async.transport.natsd import NatsServer
 
 TASK = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures" / "tb1" / "hello-world"
 EARLY = (10, 30)  # turns compared with the last 20 (300-320 at the default --turns 320)
-LAYERS, TOPK, EXPERTS = 4, 2, 8  # the shipped model's routing shape
 
 
 class ScriptedSampler:
@@ -81,8 +82,8 @@ class ScriptedSampler:
     )
     # ~80 tokens a turn (action, observation, template): ~26k tokens of context by turn 320
 
-    def __init__(self, tok: ChatTokenizer) -> None:
-        self.tok, self.calls = tok, 0
+    def __init__(self, tok: ChatTokenizer, cfg: MoEConfig) -> None:
+        self.tok, self.cfg, self.calls = tok, cfg, 0  # cfg: the model's routing shape (layers, top-k, experts)
 
     async def generate(
         self,
@@ -99,9 +100,10 @@ class ScriptedSampler:
         out = out[: params.max_new_tokens]
         start = 0 if routed_experts_start_len is None else routed_experts_start_len
         pos = np.arange(start, len(input_ids) + len(out) - 1)
-        first = (pos * 7 + 3) % EXPERTS
-        rows = np.stack([(first + j) % EXPERTS for j in range(TOPK)], -1)[:, None, :]
-        routing = np.broadcast_to(rows, (len(pos), LAYERS, TOPK)).astype(np.uint8)
+        experts, top_k = self.cfg.n_experts, self.cfg.top_k
+        first = (pos * 7 + 3) % experts
+        rows = np.stack([(first + j) % experts for j in range(top_k)], -1)[:, None, :]
+        routing = np.broadcast_to(rows, (len(pos), self.cfg.n_layers, top_k)).astype(compact_dtype(experts))
         await anyio.lowlevel.checkpoint()
         return Generation(
             output_ids=np.asarray(out, dtype=np.int32),
@@ -144,13 +146,13 @@ def _ingest(assembler: Assembler, data: bytes) -> tuple[wire.Record, int, float]
     return rec, n, time.perf_counter() - t0
 
 
-async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
-    tok = ChatTokenizer.load()
+async def run_episode_over_nats(turns: int, work: Path, model: Path) -> EpisodeRun:
+    tok, mcfg = ChatTokenizer.load(model), MoEConfig.load(model)
     task = load_task(TASK)
     run = EpisodeRun()
     episode = "longhorizon-0"
     subject = traj_subject(episode)
-    asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+    asm = Assembler(AssemblerConfig(num_experts=mcfg.n_experts))
     encoder = TurnEncoder(episode)
     done = anyio.Event()
     cfg = AgentConfig(
@@ -185,7 +187,7 @@ async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
             await nt.publish(subject, wire.StartRecord(episode, "bench", task.id, turns, time.time()))
             res = await run_episode(
                 task,
-                sampler=ScriptedSampler(tok),
+                sampler=ScriptedSampler(tok, mcfg),
                 tokenizer=tok,
                 backend=BwrapBackend(),
                 config=cfg,
@@ -206,10 +208,10 @@ async def run_episode_over_nats(turns: int, work: Path) -> EpisodeRun:
     return run
 
 
-def replay_ingest(run: EpisodeRun, replays: int) -> None:
+def replay_ingest(run: EpisodeRun, replays: int, n_experts: int) -> None:
     """Feed the received bytes to fresh assemblers; keep each turn's fastest ingest."""
     for _ in range(replays):
-        asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+        asm = Assembler(AssemblerConfig(num_experts=n_experts))
         for data in run.payloads:
             rec, _, dt = _ingest(asm, data)
             if isinstance(rec, wire.TurnRecord):
@@ -236,25 +238,24 @@ async def exec_true_ms(n: int, work: Path) -> list[float]:
 # ------------------------------------------------------------------------------ the 32k training step
 
 
-def train_step_child(tokens: int) -> None:
-    """Child process: one Trainer.step of the shipped model on one ``tokens``-long segment; prints JSON."""
+def train_step_child(tokens: int, model_dir: Path) -> None:
+    """Child process: one Trainer.step of the model on one ``tokens``-long segment; prints JSON."""
     import torch
 
     from t1async.ingest.tito import Segment
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import TrainerConfig
-    from t1async.model.moe import MoETransformer
-    from t1async.model.weights import default_config
+    from t1async.model.weights import load_pretrained
 
-    cfg = default_config()
-    model = MoETransformer(cfg)
+    model = load_pretrained(model_dir)
+    cfg = model.cfg
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.vocab_size, tokens).astype(np.int32)
     lm = np.zeros(tokens, bool)
     lm[tokens // 2 :] = True  # a long context, then the actions
     with torch.no_grad():
-        routing = model(torch.from_numpy(toks[None, :2048].astype(np.int64))).routing[0].numpy().astype(np.int16)
-    routing = routing[np.arange(tokens) % 2048]
+        routing = model(torch.from_numpy(toks[None, :2048].astype(np.int64))).routing[0].numpy()
+    routing = trainable_routing(routing, cfg.dense_layers)[np.arange(tokens) % 2048]
     seg = Segment(
         episode="e",
         index=0,
@@ -285,9 +286,9 @@ def train_step_child(tokens: int) -> None:
     )
 
 
-def train_peak(tokens: int) -> dict:
+def train_peak(tokens: int, model: Path) -> dict:
     p = subprocess.run(
-        [sys.executable, "-m", "bench.longhorizon", "--train-child", str(tokens)],
+        [sys.executable, "-m", "bench.longhorizon", "--train-child", str(tokens), "--model", str(model)],
         capture_output=True,
         text=True,
         check=False,
@@ -315,10 +316,17 @@ class LiveRun:
 
 
 def train_live(
-    payloads: Sequence[bytes], *, prefix: str, cut_every: int, upto: int, cos_every: int, critic: str = "detached"
+    payloads: Sequence[bytes],
+    *,
+    model_dir: Path,
+    prefix: str,
+    cut_every: int,
+    upto: int,
+    cos_every: int,
+    critic: str = "detached",
 ) -> LiveRun:
-    """Replay the received records into an assembler and the real ``Trainer.step`` of the shipped model (random
-    init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
+    """Replay the received records into an assembler and the real ``Trainer.step`` of the model (the shipped
+    one: random init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
     episode whose turns are due. Every ``cos_every`` steps (reuse only) the same cut is also trained exactly
     from a copy of the weights and the two gradients compared."""
     import copy
@@ -327,8 +335,7 @@ def train_live(
 
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import TrainerConfig
-    from t1async.model.moe import MoETransformer
-    from t1async.model.weights import default_config
+    from t1async.model.weights import load_pretrained
 
     class Capture(Trainer):
         grad: torch.Tensor | None = None
@@ -338,9 +345,9 @@ def train_live(
             return super()._optimizer_step()
 
     torch.manual_seed(0)
-    model = MoETransformer(default_config())
+    model = load_pretrained(model_dir)
     trainer = Capture(model, TrainerConfig(prefix_kv=prefix, critic=critic))
-    asm = Assembler(AssemblerConfig(num_experts=EXPERTS))
+    asm = Assembler(AssemblerConfig(num_experts=model.cfg.n_experts))
     live = LiveRun(prefix)
     pending: list[int] = []
     t_all = time.perf_counter()
@@ -426,25 +433,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
+    add_model_arg(ap)
     a = ap.parse_args(argv)
     configure(level="warning")  # logs to stderr; stdout is the table and the JSON line
+    model = model_dir(a.model)
     if a.train_child:
-        train_step_child(a.train_child)
+        train_step_child(a.train_child, model)
         return 0
     if a.turns < 2 * EARLY[1]:
         ap.error(f"--turns must be >= {2 * EARLY[1]}: the last 20 turns are compared with turns {EARLY[0]}-{EARLY[1]}")
     late = (a.turns - 20, a.turns)
 
     with tempfile.TemporaryDirectory(prefix="t1-longhorizon-") as tmp:
-        run = anyio.run(run_episode_over_nats, a.turns, Path(tmp), backend="trio")
-        replay_ingest(run, a.replays)
+        run = anyio.run(run_episode_over_nats, a.turns, Path(tmp), model, backend="trio")
+        replay_ingest(run, a.replays, MoEConfig.load(model).n_experts)
         exec_ms = anyio.run(exec_true_ms, a.exec_n, Path(tmp), backend="trio")
-    train = None if a.no_train else train_peak(a.train_tokens)
+    train = None if a.no_train else train_peak(a.train_tokens, model)
     lives: list[LiveRun] = []
     if not a.no_live:
         lives.append(
             train_live(
                 run.payloads,
+                model_dir=model,
                 prefix="reuse",
                 cut_every=a.cut_every,
                 upto=a.turns,
@@ -456,6 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lives.append(
                 train_live(
                     run.payloads,
+                    model_dir=model,
                     prefix="exact",
                     cut_every=a.cut_every,
                     upto=a.exact_turns,

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from bench._common import emit_json, print_grid
+from bench._common import add_model_arg, emit_json, model_dir, print_grid
 from bench._overlap import component_pid, cpu_s, overlap, sampler_idle, summarise, why
 
 
@@ -87,6 +87,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
     ]
     if args.tasks:
         argv += ["--tasks", str(args.tasks)]
+    if args.model:
+        argv += ["--model", str(args.model)]
     if args.pin:
         # everything but the learner (the supervisor, nats-server, actors, their sandboxes) shares the sampler's
         # CPU: the sampling side on one core, the training side on the other, as the bound assumes
@@ -193,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--warmup-steps", type=int, default=2, help="learner steps left out of the timing (default 2)")
     p.add_argument("--json", action="store_true", help="print the JSON object as the last stdout line")
+    add_model_arg(p)
     args = p.parse_args(argv)
+    if args.model:
+        model_dir(args.model)  # checked here, in one line, before any cluster starts
     cpus = sorted(os.sched_getaffinity(0))
     args.pin = None if args.no_pin or len(cpus) < 2 else (cpus[0], cpus[1])
     try:

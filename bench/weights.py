@@ -26,7 +26,7 @@ from pathlib import Path
 import anyio
 import torch
 
-from bench._common import emit_json, print_grid
+from bench._common import add_model_arg, emit_json, model_dir, print_grid
 
 CONFIGS = {
     "tiny": None,  # the shipped model
@@ -37,10 +37,13 @@ CONFIGS = {
 
 
 def _model(name: str, work: Path) -> tuple[torch.nn.Module, Path]:
+    """The model of a config name, or of a model dir (``--model``), and its directory."""
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import default_config, default_model_dir, load_pretrained, save_pretrained
 
+    if name not in CONFIGS:  # --model DIR
+        return load_pretrained(Path(name)), Path(name)
     if CONFIGS[name] is None:
         return load_pretrained(default_model_dir()), Path(default_model_dir())
     tok = ChatTokenizer.load()
@@ -112,9 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="pushes each way per config (median reported)")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="MiB per /update_weights_from_distributed")
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
+    add_model_arg(ap)
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
-    bad = [n for n in names if n not in CONFIGS]
+    if args.model is not None:  # that checkpoint instead of the built-in configs
+        names = [str(model_dir(args.model))]
+    bad = [n for n in names if n not in CONFIGS and args.model is None]
     if bad or args.repeats < 1:
         raise SystemExit(f"bench.weights: unknown config {bad} (use {', '.join(CONFIGS)}) or --repeats < 1")
     torch.set_num_threads(1)
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         title=f"weight push to one embedded sampler, median of {args.repeats}",
     )
     if args.json:
-        main_cfg = res.get("100m") or next(iter(res.values()))
+        main_cfg = res.get("100m") or next(iter(res.values()))  # or --model's
         emit_json(
             {
                 "disk_s": main_cfg["disk_s"],

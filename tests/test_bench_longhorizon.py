@@ -31,3 +31,21 @@ def test_too_few_turns_is_a_clear_error(capsys):
         longhorizon.main(["--turns", "20"])
     assert exc.value.code == 2
     assert "--turns must be >= 60" in capsys.readouterr().err
+
+
+def test_a_model_nobody_here_wrote_runs_through_the_bench(tmp_path, capsys):
+    """``--model DIR``: a transformers-written Qwen3-MoE of another shape (3 layers, one dense, 4 experts): the
+    episode's routing rows, the 32k child and live training all take its shape."""
+    pytest.importorskip("transformers")
+    from t1async.testing.models import transformers_qwen3_dir
+
+    d = transformers_qwen3_dir(tmp_path / "qwen3")
+    argv = ["--turns", "60", "--json", "--replays", "1", "--exec-n", "5", "--train-tokens", "512"]
+    rc = longhorizon.main([*argv, "--every", "30", "--exact-turns", "0", "--model", str(d)])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["max_turn"] == 60 and res["drift"]["clean"] == 59 and res["train_tokens"] == 512
+    assert res["live_turns"] == 60 and res["forwarded_per_trained_token"] <= 3
+    with pytest.raises(SystemExit) as exc:
+        longhorizon.main(["--model", str(tmp_path / "nope")])
+    assert exc.value.code == 2 and "no such directory" in capsys.readouterr().err

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,3 +42,21 @@ def test_bench_inflight_rejects_an_unknown_mode():
         timeout=120,
     )
     assert proc.returncode == 2 and "retract, in_place, abort" in proc.stderr
+
+
+def test_bench_inflight_takes_a_transformers_checkpoint(tmp_path):
+    """``--model DIR``: the pushes and the replay run on a Qwen3-MoE transformers wrote (one dense layer)."""
+    pytest.importorskip("transformers")
+    from t1async.testing.models import transformers_qwen3_dir
+
+    d = transformers_qwen3_dir(tmp_path / "qwen3")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.inflight", "--quick", "--modes", "retract", "--json", "--model", str(d)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["updates"] == 10 and data["aborted"] == 0 and data["mismatch"] <= 1e-4

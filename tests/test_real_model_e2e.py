@@ -5,7 +5,6 @@ the learner writes is one transformers loads, with our logits."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,42 +14,16 @@ import torch
 from t1async.credits.settle import read_step_log
 from t1async.learner.checkpoint import latest_checkpoint
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import default_model_dir, load_pretrained
+from t1async.model.weights import load_pretrained
+from t1async.testing.models import transformers_qwen3_dir
 from tests.clusterargs import cluster_up
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")  # a dev dependency: the reference implementation
 
 
-def tiny_qwen3(d: Path, tokenizer: Path | None = None) -> Path:
-    """A Qwen3MoeForCausalLM dir as transformers writes it, with the tokenizer files of ``tokenizer`` (a dir;
-    default: the shipped ones) beside it and a vocabulary of that tokenizer's size."""
-    src = tokenizer or default_model_dir()
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=ChatTokenizer.load(src).vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],  # one dense layer: its routing rows are zeros on both sides
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, d / f)
-    return d
-
-
 def test_cluster_up_trains_a_transformers_qwen3_moe_and_writes_a_checkpoint_transformers_loads(tmp_path, repo_env):
-    model = tiny_qwen3(tmp_path / "qwen3")
+    model = transformers_qwen3_dir(tmp_path / "qwen3")
     run = tmp_path / "run"
     args = ["--model", str(model), "--steps", "2", "--batch-turns", "4", "--synth-tasks", "6", "--max-turns", "3"]
     args += ["--actors", "1", "--concurrency", "2", "--max-new-tokens", "16", "--plain"]
@@ -163,7 +136,7 @@ def test_cluster_up_trains_a_model_dir_whose_tokenizer_was_built_here(tmp_path, 
     """The whole loop on a transformers Qwen3-MoE whose tokenizer and template are not the shipped ones: the
     sampler, the actors (exact IDs from the dir's template) and the learner all read them from the dir; every
     turn boundary is exact, and the checkpoints carry the same tokenizer."""
-    model = tiny_qwen3(tmp_path / "qwen3", tokenizer=own_tokenizer(tmp_path / "tok"))
+    model = transformers_qwen3_dir(tmp_path / "qwen3", tokenizer=own_tokenizer(tmp_path / "tok"))
     run = tmp_path / "run"
     args = ["--model", str(model), "--steps", "2", "--batch-turns", "4", "--synth-tasks", "6", "--max-turns", "3"]
     args += ["--actors", "1", "--concurrency", "2", "--max-new-tokens", "16", "--plain"]
