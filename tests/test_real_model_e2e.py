@@ -15,15 +15,20 @@ from t1async.credits.settle import read_step_log
 from t1async.learner.checkpoint import latest_checkpoint
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_pretrained
-from t1async.testing.models import transformers_qwen3_dir
+from t1async.testing.models import transformers_moe_dir, transformers_qwen3_dir
 from tests.clusterargs import cluster_up
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")  # a dev dependency: the reference implementation
 
 
-def test_cluster_up_trains_a_transformers_qwen3_moe_and_writes_a_checkpoint_transformers_loads(tmp_path, repo_env):
-    model = transformers_qwen3_dir(tmp_path / "qwen3")
+@pytest.mark.parametrize(("family", "arch"), [("qwen3", "Qwen3MoeForCausalLM"), ("olmoe", "OlmoeForCausalLM")])
+def test_cluster_up_trains_a_transformers_moe_and_writes_a_checkpoint_transformers_loads(
+    tmp_path, repo_env, family, arch
+):
+    """Two families with different routers: Qwen3-MoE (renormalised top-k, a dense layer) and OLMoE (gates
+    from the softmax over all experts, whole-projection q/k norms, clip_qkv)."""
+    model = transformers_moe_dir(tmp_path / family, family)
     run = tmp_path / "run"
     args = ["--model", str(model), "--steps", "2", "--batch-turns", "4", "--synth-tasks", "6", "--max-turns", "3"]
     args += ["--actors", "1", "--concurrency", "2", "--max-new-tokens", "16", "--plain"]
@@ -34,7 +39,7 @@ def test_cluster_up_trains_a_transformers_qwen3_moe_and_writes_a_checkpoint_tran
     ckpt = latest_checkpoint(run / "checkpoints")
     assert ckpt is not None and ckpt.policy_version == 2
     config = json.loads((ckpt.path / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert config["architectures"] == [arch]
     # the steps trained sampled tokens with no loss-region drift (TITO) and the recorded routes (R3)
     steps = read_step_log(run / "learner" / "steps.jsonl")
     assert sorted(steps) == [0, 1] and all(s["turns"] for s in steps.values())

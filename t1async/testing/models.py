@@ -33,11 +33,14 @@ def tiny_model_dir(path: Path, **overrides: Any) -> Path:
     return path
 
 
-def transformers_qwen3_dir(d: Path, tokenizer: Path | None = None) -> Path:
-    """A tiny ``Qwen3MoeForCausalLM`` dir as ``transformers`` writes it (random weights, seeded; no download):
-    3 layers of which layer 1 is dense, 4 experts, top-2, GQA 4/2, with the tokenizer files of ``tokenizer``
-    (a model dir; default: the shipped ones) beside it and a vocabulary of that tokenizer's size. A model
-    none of our code wrote, for tests that take ``--model DIR``."""
+def transformers_moe_dir(d: Path, family: str = "qwen3", tokenizer: Path | None = None) -> Path:
+    """A tiny MoE dir as ``transformers`` writes it (random weights, seeded; no download), with the tokenizer
+    files of ``tokenizer`` (a model dir; default: the shipped ones) beside it and a vocabulary of that
+    tokenizer's size. A model none of our code wrote, for tests that take ``--model DIR``. ``family``:
+
+    - ``qwen3``: ``Qwen3MoeForCausalLM``, 3 layers of which layer 1 is dense, 4 experts, top-2, GQA 4/2;
+    - ``olmoe``: ``OlmoeForCausalLM``, 2 layers, 4 experts, top-2 gates from the softmax over all experts (not
+      renormalised), one q and one k norm over the whole projection, ``clip_qkv``."""
     import shutil
 
     import torch
@@ -46,25 +49,38 @@ def transformers_qwen3_dir(d: Path, tokenizer: Path | None = None) -> Path:
     from t1async.model.weights import default_model_dir
 
     src = tokenizer or default_model_dir()
-    kw: dict[str, Any] = dict(  # (a dict: transformers' signature does not list every config key)
+    common: dict[str, Any] = dict(
         vocab_size=ChatTokenizer.load(src).vocab_size,
         hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
         num_experts=4,
         num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],  # one dense layer: its routing rows are zeros on both sides
         max_position_embeddings=8192,
         tie_word_embeddings=False,
     )
-    cfg = transformers.Qwen3MoeConfig(**kw)
+    cfg: Any  # (keyword dicts: transformers' signatures do not list every config key)
+    if family == "qwen3":
+        qwen3: dict[str, Any] = dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            head_dim=16,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],  # one dense layer: its routing rows are zeros on both sides
+        )
+        cfg = transformers.Qwen3MoeConfig(**common, **qwen3)
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(**common, intermediate_size=32, num_hidden_layers=2, clip_qkv=4.0)
+    else:
+        raise ValueError(f"unknown family {family!r}: qwen3 or olmoe")
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, d / f)
     return d
+
+
+def transformers_qwen3_dir(d: Path, tokenizer: Path | None = None) -> Path:
+    """``transformers_moe_dir`` of the ``qwen3`` family."""
+    return transformers_moe_dir(d, "qwen3", tokenizer)
