@@ -230,23 +230,34 @@ def _decode(data: bytes) -> wire.Record | None:
         return None
 
 
-def stream_turns(url: str, creds: Path | None = None) -> set[tuple[str, int]]:
-    """Every valid turn record in T1_TRAJ, read by an ephemeral consumer from the start."""
+def stream_turns(url: str, creds: Path | None = None, deadline_s: float = 300.0) -> set[tuple[str, int]]:
+    """Every valid turn record in T1_TRAJ, read by an ephemeral consumer from the start up to the stream's last
+    sequence at the time of asking. A fetch that times out is retried (on a loaded machine a fetch may come back
+    empty long before the end): only reaching that sequence (or nothing left pending) ends the read, and
+    ``deadline_s`` without it is an error, never a short history."""
 
     async def read(nc: Any) -> set[tuple[str, int]]:
         js = nc.jetstream()
+        last = (await js.stream_info("T1_TRAJ")).state.last_seq
         sub = await js.pull_subscribe("t1.traj.>", durable=None, stream="T1_TRAJ")
         got: set[tuple[str, int]] = set()
-        while True:
+        seen, give_up = 0, time.monotonic() + deadline_s
+        while seen < last:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"T1_TRAJ: read to sequence {seen} of {last} in {deadline_s:.0f} s")
             try:
                 msgs = await sub.fetch(512, timeout=3)
-            except nats.errors.TimeoutError:
-                return got
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
             for m in msgs:
+                seen = max(seen, m.metadata.sequence.stream)
                 rec = _decode(m.data)
                 if isinstance(rec, wire.TurnRecord):
                     got.add((rec.episode, rec.turn))
                 await m.ack()
+            if msgs and msgs[-1].metadata.num_pending == 0:  # caught up (the last sequence may be one it filters out)
+                break
+        return got
 
     return asyncio.run(_nats(url, read, creds))
 
