@@ -326,7 +326,7 @@ class Trainer:
             prefix is None
             or cfg.prefix_kv_max_age == 0
             or not cfg.prefix_kv_prime_tokens
-            or n < max(cfg.prefix_kv_prime_tokens, 1)
+            or n < cfg.prefix_kv_prime_tokens
         ):
             return 0
         h = head(s, n)

@@ -349,13 +349,3 @@ class MoEConfig:
         if not p.is_file():
             raise ConfigError(f"no model config at {p}: expected a model directory holding config.json")
         return cls.from_json(p.read_text())
-
-
-# Named model shapes. "tiny" is the shipped default (assets/config.json, a Qwen3-MoE). "learn" is the model the
-# ``learn`` warm-start recipe trains from its seeded init (t1async.recipes.warmstart): the same CPU-sized MoE with
-# top-k routing, so R3 routing replay stays meaningful.
-_SHIPPED = MoEConfig.load(Path(__file__).parent / "assets" / "config.json")
-MODEL_PRESETS: dict[str, MoEConfig] = {
-    "tiny": _SHIPPED,
-    "learn": _SHIPPED,
-}

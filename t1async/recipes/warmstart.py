@@ -31,7 +31,8 @@ from typing import Any
 
 from sandbox_agent.tasks import SPLIT_VERSION
 from t1async.log import get_logger
-from t1async.model.config import MODEL_PRESETS, MoEConfig
+from t1async.model.config import MoEConfig
+from t1async.model.weights import default_config
 from t1async.protocol.errors import ConfigError, T1Error
 from t1async.recipes.sft import SFTConfig
 
@@ -90,7 +91,7 @@ RECIPES: dict[str, Recipe] = {
     # pass@1 at temperature 1 (docs/results.md, "Learning", has the tries, the copying families among them)
     "learn": Recipe(
         name="learn",
-        model=MODEL_PRESETS["learn"],
+        model=default_config(),  # the shipped tiny Qwen3-MoE, from its seeded init
         families=("chores",),
         tasks=400,
         task_seed=1000,
@@ -100,7 +101,7 @@ RECIPES: dict[str, Recipe] = {
     # the policy bench.reward_modes trains with a dense and with a binary reward
     "credit": Recipe(
         name="credit",
-        model=MODEL_PRESETS["learn"],
+        model=default_config(),  # the shipped tiny Qwen3-MoE, from its seeded init
         families=("cdchores",),
         tasks=400,
         task_seed=1000,
