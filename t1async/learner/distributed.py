@@ -262,6 +262,11 @@ class DistributedTrainer(Trainer):
     def _pad(self, batches: list[Batch]) -> list[Batch]:
         return batches + [padding_batch(self.device)] * (self._n_micro - len(batches))
 
+    def _one_pass(self, batches: Sequence[Batch]) -> bool:
+        """Every rank must run as many forwards: decided on the micro-batch count they share (``_pad``), not on
+        this rank's positions."""
+        return len(batches) == 1 and self.config.ppo_epochs == 1
+
     # ------------------------------------------------------------------------------------- ranks 1..N-1
 
     def serve_rank(self) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -64,6 +64,10 @@ class Suffix:
     turn_starts: np.ndarray | None
     forked: bool
     start: int
+    # the kept positions it follows (``PrefixKV.take``): their tokens, and the version of the weights that
+    # computed the oldest of them; what ``keep`` records with its keys and values
+    kept: np.ndarray | None = None
+    kept_oldest: int = -1
 
 
 def suffix(s: SegmentLike, start: int) -> Suffix:
@@ -169,7 +173,8 @@ class PrefixKV:
             del self._entries[s.episode]
             return Lookup(s, None, 0)
         self._entries.move_to_end(s.episode)
-        return Lookup(suffix(s, start), [(k[:, :, :start], v[:, :, :start]) for k, v in e.kv], age)
+        part = replace(suffix(s, start), kept=e.tokens[:start], kept_oldest=e.oldest)
+        return Lookup(part, [(k[:, :, :start], v[:, :, :start]) for k, v in e.kv], age)
 
     def keep(self, s: SegmentLike, past: KV | None, new: Sequence[tuple[Tensor, Tensor]], policy_version: int) -> None:
         """After ``s`` (a segment or its Suffix) was forwarded at ``policy_version`` after ``past``: keep the
@@ -191,8 +196,13 @@ class PrefixKV:
                 (torch.cat([pk, k[:, :, :n].detach()], dim=2), torch.cat([pv, v[:, :, :n].detach()], dim=2))
                 for (pk, pv), (k, v) in zip(past, new, strict=True)
             ]
-            tokens = np.concatenate([old.tokens[:start], np.asarray(s.tokens, dtype=np.int32)])
-            oldest = old.oldest
+            kept = getattr(s, "kept", None)  # the positions ``past`` holds (another part's keep may have replaced
+            if kept is None or len(kept) != start:  # the entry since this one was taken: not its tokens)
+                raise ValueError(f"keep after a past needs the Suffix PrefixKV.take made; got {type(s).__name__}")
+            tokens = np.concatenate([kept, np.asarray(s.tokens, dtype=np.int32)])
+            oldest = int(getattr(s, "kept_oldest", old.oldest))
+        if old is not None and len(old.tokens) > len(tokens) and np.array_equal(old.tokens[: len(tokens)], tokens):
+            return  # two parts of one episode in a step: the later, longer one was kept first; it stays
         self._entries[s.episode] = _Entry(tokens, kv, oldest)
         self._entries.move_to_end(s.episode)
         while self.tokens > self.budget_tokens and len(self._entries) > 1:

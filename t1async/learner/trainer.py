@@ -91,7 +91,8 @@ class Trainer:
             if config.prefix_kv == "reuse"
             else None
         )
-        self._covered: dict[str, np.ndarray] = {}  # open episode -> the tokens an earlier step forwarded (metrics)
+        # open episode -> (segment index, its tokens): what an earlier step forwarded of its latest segment (metrics)
+        self._covered: dict[str, tuple[int, np.ndarray]] = {}
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -214,7 +215,7 @@ class Trainer:
         try:
             fwd, pasts, cost = self._take_prefixes(local, policy_version)
             batches = self._pad(self._pack(fwd, pasts) if fwd else [])
-            single = len(batches) == 1 and self.config.ppo_epochs == 1
+            single = self._one_pass(batches)
             scored, routing, t_fwd_scoring = self._score(batches, fwd, single=single, policy_version=policy_version)
         except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
             self._failed, scored = exc, []
@@ -281,28 +282,24 @@ class Trainer:
         cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0, "prefix_primed": 0.0, "fwd_tokens": 0.0}
         for s in segments:  # positions past what an earlier step forwarded in this context (a fork's are new)
             seen = self._covered.get(s.episode)
-            cost["new_tokens"] += len(s.tokens) - (0 if seen is None else common_prefix_len(seen, s.tokens))
-        for s in segments:
+            cost["new_tokens"] += len(s.tokens) - (0 if seen is None else common_prefix_len(seen[1], s.tokens))
+        for s in segments:  # the latest segment wins, not the longest: a compaction's fork is shorter than before
             if s.done:
                 self._covered.pop(s.episode, None)
-            elif len(s.tokens) >= len(self._covered.get(s.episode, ())):
-                self._covered[s.episode] = np.asarray(s.tokens)
+            elif s.episode not in self._covered or s.index >= self._covered[s.episode][0]:
+                self._covered[s.episode] = (s.index, np.asarray(s.tokens))
         if len(self._covered) > 100_000:  # episodes abandoned without an end: forget the oldest
             for ep in list(self._covered)[:50_000]:
                 del self._covered[ep]
         if self.prefix is None:
             return list(segments), [None] * len(segments), cost
-        counts: dict[str, int] = defaultdict(int)
-        for s in segments:
-            counts[s.episode] += 1
         fwd: list[SegmentLike] = []
         pasts: list[KV | None] = []
+        # Two parts of one episode in a step (a route fork closed a segment, and the next cut of the episode came
+        # with it): each takes the same kept positions and forwards what follows them, so the closed part's new
+        # positions are forwarded twice, not the whole context; PrefixKV.keep keeps the longer (this was the
+        # exact path, and made 9 steps in 10 of a default run re-forward a whole context, docs/results.md).
         for s in segments:
-            if counts[s.episode] > 1:  # two parts of one episode in a step: no order to chain them, exact
-                self.prefix.forget([s.episode])
-                fwd.append(s)
-                pasts.append(None)
-                continue
             found = self.prefix.take(s, policy_version)
             if found.past is None and (primed := self._prime(s, policy_version)):
                 cost["prefix_primed"] += primed
@@ -359,6 +356,15 @@ class Trainer:
 
     def _step_raised(self, exc: Exception) -> None:
         """A step raised on this rank (after ``_scatter``): nothing to do on one rank."""
+
+    def _one_pass(self, batches: Sequence[Batch]) -> bool:
+        """Whether the scoring forward keeps its graph and is the training forward (``one_pass_tokens``): one PPO
+        epoch, and one micro-batch or few positions in all (under ``--prefix-kv reuse`` every segment with kept
+        keys is a micro-batch of its own, so a step of 8 open episodes is 8 small ones)."""
+        cfg = self.config
+        if cfg.ppo_epochs != 1:
+            return False
+        return len(batches) == 1 or sum(int(b.lengths.sum()) for b in batches) <= cfg.one_pass_tokens
 
     def _score(
         self, batches: Sequence[Batch], segments: Sequence[SegmentLike], *, single: bool, policy_version: int = 0

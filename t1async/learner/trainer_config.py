@@ -32,6 +32,10 @@ class TrainerConfig(TrainerOptions):
     # with reuse (max age > 0): a cut with nothing kept and at least this many positions before its first trained
     # one forwards them once without gradient first (learner.prefixkv "primed"); 0 = never
     prefix_kv_prime_tokens: int = 256
+    # with one PPO epoch: a step whose micro-batches forward at most this many positions in all keeps every
+    # scoring forward's graph and trains on it (each position forwarded once, not scored and then forwarded
+    # again); above it only a single micro-batch does, so memory stays one micro-batch's graph. 0 = the latter
+    one_pass_tokens: int = 16384
 
     def __post_init__(self) -> None:
         for name, kind in (
