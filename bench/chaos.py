@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = (args.run_dir or Path(tempfile.mkdtemp(prefix="t1-chaos-"))).resolve()
     journal_fs = mount_journal_fs(run_dir, 256)
     argv_up = [
-        sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--plain",
+        sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--plain", "--preset", "none",
         "--nats-nodes", "3", "--samplers", "2", "--actors", "2", "--max-staleness", str(args.eta),
         "--synth-tasks", "60", "--max-turns", "8", "--max-new-tokens", "32", "--concurrency", "2",
         "--batch-turns", "8", *args.up_args,

@@ -1,7 +1,8 @@
 """``python -m bench.flatrun``: does a default ``cluster up`` keep its step time flat as its episodes grow?
 
-Runs ``python -m t1async.cluster up --duration S`` with the quick start's defaults (plus any ``--cluster-arg``)
-on a fresh run dir, then reads its ``metrics.jsonl``:
+Runs ``python -m t1async.cluster up --duration S --preset none`` (the quick start's defaults on the bare model,
+whose episodes run to 300 turns: the ``learn`` preset a bare ``cluster up`` picks ends each in 4; plus any
+``--cluster-arg``) on a fresh run dir, then reads its ``metrics.jsonl``:
 
 - per learner step (each step once): its wall time, its loss tokens (the tokens it trained),
   ``forwarded_per_trained``, and the step time per trained (loss) token;
@@ -93,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--duration",
             str(int(a.minutes * 60)),
             "--plain",
+            "--preset",
+            "none",  # the long episodes (max-turns 300) whose growth this measures; learn's end in 4 turns
             *a.cluster_arg,
         ]
         print("running:", " ".join(cmd), flush=True)

@@ -64,6 +64,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
         "up",
         "--run-dir",
         str(run_dir),
+        "--preset",
+        "none",  # the bare model's multi-turn workload, not the learn recipe's 4-turn episodes
         "--max-staleness",
         str(eta),
         "--duration",

@@ -21,13 +21,21 @@ def cluster_up(
 ) -> Iterator[subprocess.Popen]:
     """``python -m t1async.cluster up --run-dir RUN_DIR ARGS`` in a session (process group) of its own; ``popen``
     goes to Popen (stdout, stderr, text). However the block ends (an assertion, pytest-timeout's signal raising
-    in the test), ``stop_cluster`` runs."""
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *args]
+    in the test), ``stop_cluster`` runs. ARGS without a ``--preset`` get ``--preset none`` (``bare``)."""
+    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *bare(args)]
     proc = subprocess.Popen(argv, env=env, start_new_session=True, **popen)
     try:
         yield proc
     finally:
         stop_cluster(proc, run_dir, stop_timeout_s)
+
+
+def bare(args: Sequence[str]) -> list[str]:
+    """``cluster up`` ARGS, with ``--preset none`` unless they name a preset: the plumbing tests run the bare
+    shipped model, not the ``learn`` warm start a bare ``cluster up`` builds on first use (minutes)."""
+    return (
+        list(args) if any(a == "--preset" or a.startswith("--preset=") for a in args) else [*args, "--preset", "none"]
+    )
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -63,7 +71,7 @@ def learner_argv(run_dir: Path, *argv: str) -> list[str]:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", default=str(run_dir))
     add_up_arguments(p)
-    cfg = from_args(p.parse_args(list(argv)))
+    cfg = from_args(p.parse_args(bare(argv)))
     return next(list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1") if s.name == "learner")
 
 

@@ -244,7 +244,7 @@ def test_cluster_up_hands_the_algorithm_options_to_the_learner_and_actors(tmp_pa
     import tomllib
     from dataclasses import fields
 
-    from clusterargs import learner_argv, serve_args
+    from clusterargs import bare, learner_argv, serve_args
 
     from t1async.cluster import components
     from t1async.cluster.config import from_args
@@ -261,7 +261,7 @@ def test_cluster_up_hands_the_algorithm_options_to_the_learner_and_actors(tmp_pa
     p.add_argument("--run-dir", default=str(tmp_path / "b"))
     add_up_arguments(p)
     spec = next(
-        s for s in components.specs(from_args(p.parse_args(flags)), "nats://127.0.0.1:1") if s.name == "actor-0"
+        s for s in components.specs(from_args(p.parse_args(bare(flags))), "nats://127.0.0.1:1") if s.name == "actor-0"
     )
     argv = list(spec.argv)
     assert tomllib.loads(Path(argv[argv.index("--config") + 1]).read_text())["group_size"] == 4

@@ -78,7 +78,18 @@ def _stop(proc, run_dir) -> None:
 def test_up_status_down(tmp_path, repo_env, capsys):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "60"],
+        [
+            sys.executable,
+            "-m",
+            "t1async.cluster",
+            "up",
+            "--run-dir",
+            str(run_dir),
+            "--duration",
+            "60",
+            "--preset",
+            "none",
+        ],
         env=repo_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -105,7 +116,18 @@ def test_up_status_down(tmp_path, repo_env, capsys):
 def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
     run_dir = tmp_path / "run"
     res = subprocess.run(
-        [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "1"],
+        [
+            sys.executable,
+            "-m",
+            "t1async.cluster",
+            "up",
+            "--run-dir",
+            str(run_dir),
+            "--duration",
+            "1",
+            "--preset",
+            "none",
+        ],
         env=repo_env,
         capture_output=True,
         text=True,
@@ -171,7 +193,18 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
 
 def _small_cluster(run_dir, env, *extra: str) -> subprocess.Popen:
     """``cluster up`` with one actor on 5 small tasks for at most 120 s, its output piped."""
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), "--duration", "120"]
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--duration",
+        "120",
+        "--preset",
+        "none",
+    ]
     argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1", *extra]
     return subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -86,6 +86,8 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
         "up",
         "--run-dir",
         str(run_dir),
+        "--preset",
+        "none",
         "--steps",
         "3",
         "--batch-turns",

@@ -27,6 +27,8 @@ def up(tmp_path: Path, repo_env: dict, *flags: str) -> subprocess.CompletedProce
         str(tmp_path / "run"),
         "--duration",
         "30",
+        "--preset",
+        "none",
         *flags,
     ]
     return subprocess.run(argv, capture_output=True, text=True, env=repo_env, timeout=120)

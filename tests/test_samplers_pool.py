@@ -181,6 +181,8 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
         "up",
         "--run-dir",
         str(run_dir),
+        "--preset",
+        "none",
         "--samplers",
         "2",
         "--batch-turns",

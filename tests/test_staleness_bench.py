@@ -77,13 +77,15 @@ def _up_cfg(*argv: str):
     import argparse
     from pathlib import Path
 
+    from clusterargs import bare
+
     from t1async.cluster.config import from_args
     from t1async.cluster.flags import add_up_arguments
 
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", type=Path, default=None)
     add_up_arguments(p)
-    return from_args(p.parse_args(list(argv)))
+    return from_args(p.parse_args(bare(argv)))
 
 
 def test_up_pins_sampler_and_learner_to_their_cpus(tmp_path):

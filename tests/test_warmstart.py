@@ -107,6 +107,33 @@ def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
         _cfg("--synth-families", "mkfile,bogus")
 
 
+def test_bare_cluster_up_runs_the_learn_preset_unless_the_run_names_its_own(tmp_path):
+    """A newcomer's bare ``cluster up`` trains the ``learn`` warm start (its reward can rise);
+    a run that names its own model, sampler, tasks or warm start gets no recipe's settings it did not ask for;
+    ``--preset none`` is the bare shipped model."""
+    bare = _cfg("--run-dir", str(tmp_path))
+    assert (bare.preset, bare.warm_start, bare.max_turns, bare.synth_families) == ("learn", "learn", 4, ("chores",))
+    none = _cfg("--run-dir", str(tmp_path), "--preset", "none")
+    assert (none.preset, none.warm_start, none.synth_families) == ("none", "", ())
+    assert none.max_turns == _cfg("--run-dir", str(tmp_path), "--tasks", str(tmp_path)).max_turns != 4
+    from t1async.model.weights import default_model_dir
+
+    model = default_model_dir()
+    for own in (
+        ("--model", str(model)),
+        ("--tasks", str(tmp_path)),
+        ("--sampler-url", "http://127.0.0.1:1"),
+        ("--warm-start-steps", "5"),
+        ("--warm-start", "credit"),
+    ):
+        c = _cfg("--run-dir", str(tmp_path), *own)
+        assert c.preset == "none" and c.max_turns != 4, own
+    toml = tmp_path / "own.toml"
+    toml.write_text(f'model = "{model}"\n')  # named in the file, not a flag: the same
+    assert _cfg("--run-dir", str(tmp_path), "--config", str(toml)).preset == "none"
+    assert _cfg("--run-dir", str(tmp_path), "--preset", "learn", "--tasks", str(tmp_path)).warm_start == "learn"
+
+
 def test_cluster_tasks_use_the_preset_families(tmp_path):
     from t1async.cluster import components
 

@@ -158,6 +158,8 @@ def test_cluster_up_with_distributed_weight_sync(tmp_path, repo_env):
         "up",
         "--run-dir",
         str(run),
+        "--preset",
+        "none",
         "--steps",
         "2",
         "--batch-turns",

@@ -72,6 +72,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from t1async.cluster.observe.progress import show_progress
     from t1async.cluster.supervisor import ClusterConfig, ProcessSpec, Supervisor
 
+    if cfg.preset != "none" and args.preset is None:
+        print(
+            f"preset: {cfg.preset} (the default for a run that names no model or tasks; --preset none: the bare model)"
+        )
     # every outside dependency first: a wrong URL or a missing tool fails now, in one line, not minutes later
     if cfg.nats is not None:
         preflight.check_nats(cfg.nats)
@@ -84,7 +88,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         ()
         if warm is None
         else (
-            ProcessSpec("warm-start", warm, progress_event="sft.step", progress_total=components.warm_start_total(cfg)),
+            ProcessSpec(
+                "warm-start",
+                warm,
+                progress=components.warm_start_phases(cfg),
+                note=components.warm_start_note(cfg),
+            ),
         )
     )
 
@@ -271,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         "start the cluster in the foreground",
         "Start a whole T1 training loop in the foreground, with embedded defaults:\n"
+        "  0. by default the `learn` preset: the warm-started policy on `chores` tasks, its warm start built\n"
+        "     on first use (~10 min on 2 cores) and cached; --preset none: the bare model (random weights);\n"
         "  1. a synthetic task corpus in <run-dir>/tasks (unless --tasks), and an optional warm start (SFT);\n"
         "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
         "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"

@@ -75,13 +75,25 @@ def warm_model_dir(cfg: UpConfig) -> Path:
     return Path(cfg.run_dir) / "warm-start"
 
 
-def warm_start_total(cfg: UpConfig) -> int:
-    """SFT steps of the warm start (its progress bar's total)."""
+def warm_start_phases(cfg: UpConfig) -> tuple[tuple[str, str, int | None], ...]:
+    """The warm start's progress bars: its oracle runs (as many as the corpus's train split: the log says),
+    then its SFT steps (``ProcessSpec.progress``)."""
+    steps = cfg.warm_start_steps
     if cfg.warm_start:
         from t1async.recipes.warmstart import get_recipe
 
-        return get_recipe(cfg.warm_start).sft.steps
-    return cfg.warm_start_steps
+        steps = get_recipe(cfg.warm_start).sft.steps
+    return (("demonstrations", "sft.demo", None), ("SFT steps", "sft.step", steps))
+
+
+def warm_start_note(cfg: UpConfig) -> str:
+    """What ``cluster up`` says as the warm start begins: what it builds, for how long, and where it goes."""
+    if cfg.warm_start:
+        return (
+            f"building the {cfg.warm_start!r} policy, once (~10 min on 2 cores: oracle demonstrations, then SFT), "
+            f"cached for every later run in {model_dir(cfg)}; --preset none starts the bare model instead"
+        )
+    return f"fine-tuning on oracle demonstrations for {cfg.warm_start_steps} steps into {warm_model_dir(cfg)}"
 
 
 def model_dir(cfg: UpConfig) -> Path | None:

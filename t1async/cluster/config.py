@@ -17,6 +17,7 @@ A TOML file holds the same settings as the flags, top level or under ``[cluster]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ EVAL, LIFETIME = "eval in the loop", "lifetime"
 @dataclass(frozen=True)
 class UpConfig(LearnerOptions, EpisodeOptions):
     run_dir: Path = setting(DEFAULT_RUN_DIR, "the run's directory", cli=False)
+    preset: str = setting("none", "the preset the run's settings started from (--preset)", cli=False)
     # NATS
     nats: str | None = setting(
         None, "use this NATS (e.g. nats://a:4222,nats://b:4222) instead of starting one", metavar="URL", group=NATS
@@ -225,11 +227,19 @@ class UpConfig(LearnerOptions, EpisodeOptions):
 
 
 def from_args(args: argparse.Namespace) -> UpConfig:
-    """Defaults < ``--preset`` < ``--config FILE.toml`` (top level or ``[cluster]``) < flags; then checked."""
-    preset = None
-    if getattr(args, "preset", None):
-        from t1async.recipes.presets import preset_values
+    """Defaults < ``--preset`` < ``--config FILE.toml`` (top level or ``[cluster]``) < flags; then checked. With no
+    ``--preset``, the one ``presets.default_preset`` picks for what the flags and the file name."""
+    from t1async.recipes.presets import default_preset, preset_values
 
-        preset = preset_values(args.preset)
-    cfg: UpConfig = resolve(UpConfig, args, preset=preset, section="cluster", exclude=("extra_env",))
-    return cfg.check()
+    name = getattr(args, "preset", None)
+    if name is None:
+        own: UpConfig = resolve(UpConfig, args, section="cluster", exclude=("extra_env",))
+        name = default_preset(
+            model=own.model,
+            sampler_url=own.sampler_url,
+            tasks=own.tasks,
+            warm_start=own.warm_start,
+            warm_start_steps=own.warm_start_steps,
+        )
+    cfg: UpConfig = resolve(UpConfig, args, preset=preset_values(name), section="cluster", exclude=("extra_env",))
+    return dataclasses.replace(cfg, preset=name).check()

@@ -14,13 +14,15 @@ __all__ = ["add_up_arguments"]
 
 def add_up_arguments(p: argparse.ArgumentParser) -> None:
     """``--config``, ``--preset`` and a flag for every setting but ``--run-dir`` (a flag of every subcommand)."""
-    from t1async.recipes.presets import PRESETS
+    from t1async.recipes.presets import CHOICES
 
     add_arguments(p, UpConfig, exclude=("run_dir",), order=(NATS, SAMPLERS, ACTORS, LEARNER, EVAL, LIFETIME))
     p.add_argument(
         "--preset",
         default=None,
-        choices=tuple(PRESETS),
+        choices=CHOICES,
         help="start from a named recipe's settings (then the TOML file, then flags); learn: the warm-started "
-        "policy on the learnable families",
+        "policy on the learnable families (built on first use, ~10 min, then cached); none: the shipped model "
+        "from its random init (default: learn, unless the run names its own --model, --sampler-url, --tasks or "
+        "warm start: then none)",
     )

@@ -45,8 +45,10 @@ class ProcessSpec:
     ready_file: Path | None = None  # the next component starts only once this file exists
     ready_timeout_s: float = 300.0
     finishes: bool = False  # exiting with 0 is the cluster's normal end (the learner with --steps)
-    progress_event: str | None = None  # a one-shot job: move a progress bar with this log event's ``step``
-    progress_total: int | None = None
+    # a one-shot job: its phases, each a progress bar moved by one log event's ``step``: (label, event, total;
+    # None: the event's own ``total``), and what to say when it starts (default: that it runs, and its log)
+    progress: tuple[tuple[str, str, int | None], ...] = ()
+    note: str = ""
     restart: bool = False  # dying restarts it (same argv), within ClusterConfig.max_restarts, instead of
     # stopping the cluster (the learner resumes from its checkpoint, an actor's episodes end on its restart)
 
@@ -291,20 +293,20 @@ class Supervisor:
     async def _run_oneshot(self, job: ProcessSpec) -> None:
         """Run a job to completion before the cluster starts (its output goes to its log)."""
         path = Path(self.config.run_dir) / "logs" / f"{job.name}.log"
-        print(f"{job.name}: running (log {path})", flush=True)
+        print(f"{job.name}: {job.note or 'running'} (log {path})", flush=True)
         with open(path, "ab") as out:
             proc = await open_process(list(job.argv), stdout=out, stderr=out, env={**os.environ, **job.env})
         try:
             self.state.components[job.name] = proc_info(job.name, proc.pid, str(path), list(job.argv))
             self.state.save()
-            if job.progress_event is None:
+            if not job.progress:
                 await proc.wait()
             else:
-                from t1async.cluster.observe.progress import setup_bar, watch_log_steps
+                from t1async.cluster.observe.progress import phase_bars, watch_log_steps
 
-                with setup_bar(f"{job.name}: steps", job.progress_total) as bar:
+                with phase_bars(job.name, job.progress) as bars:
                     async with anyio.create_task_group() as tg:
-                        tg.start_soon(watch_log_steps, path, job.progress_event, bar)
+                        tg.start_soon(watch_log_steps, path, bars)
                         await proc.wait()
                         tg.cancel_scope.cancel()
         finally:

@@ -6,6 +6,14 @@ family, cached, built first if missing); the actors draw the train split of a co
 turn is verified (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (a
 demonstration takes 3 turns: two commands and DONE).
 
+``none``: nothing: the shipped model from its random init, on the default task mix. Plumbing tests and the
+benches of the machinery (``bench.flatrun``, ``bench.staleness``, ``bench.chaos``) run it.
+
+With no ``--preset``, ``cluster up`` runs ``learn`` when the run brings nothing of its own (no ``--model``,
+``--sampler-url``, ``--tasks``, ``--warm-start`` or ``--warm-start-steps``, in flags or in the TOML file), so a
+newcomer's first run shows a policy that learns; and ``none`` when it does: a run on your own model or tasks
+gets no recipe's settings it did not ask for (``default_preset``).
+
 A preset is a partial ``UpConfig`` (``cluster/config.py``): its keys are the config's field names, its values
 are checked as a TOML file's are (``t1async.config``) when it is used.
 """
@@ -44,7 +52,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+NONE = "none"  # no preset: the bare shipped model (its random init) on the default task mix
+CHOICES: tuple[str, ...] = (*PRESETS, NONE)
+
+
 def preset_values(name: str) -> dict[str, Any]:
+    if name == NONE:
+        return {}
     if name not in PRESETS:
-        raise ConfigError(f"unknown --preset {name!r}; known: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown --preset {name!r}; known: {', '.join(CHOICES)}")
     return dict(PRESETS[name])
+
+
+def default_preset(
+    *, model: object, sampler_url: tuple[str, ...], tasks: object, warm_start: str, warm_start_steps: int
+) -> str:
+    """The preset of a ``cluster up`` without ``--preset``: ``learn`` when the run names no policy or tasks of its
+    own, else ``none`` (``learn``'s short episodes and its warm start would silently replace what it named)."""
+    own = model is not None or bool(sampler_url) or tasks is not None or bool(warm_start) or warm_start_steps > 0
+    return NONE if own else "learn"

@@ -107,8 +107,10 @@ async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) 
 
     demos: list[Demo | None] = [None] * len(tasks)
     limit = anyio.Semaphore(max(1, concurrency))
+    done = 0
 
     async def one(i: int) -> None:
+        nonlocal done
         task = tasks[i]
         async with limit:
             try:
@@ -116,6 +118,9 @@ async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) 
             except Exception as exc:  # a broken task is skipped, not fatal; say which and why
                 log.warning("sft.oracle_failed", task=task.id, error=f"{type(exc).__name__}: {exc}")
                 return
+            finally:
+                done += 1  # the progress (cluster up's warm-start bar): one more oracle run over, kept or not
+                log.info("sft.demo", step=done - 1, total=len(tasks))
         if not result.resolved:
             log.warning("sft.oracle_unresolved", task=task.id, passed=result.passed, total=result.total)
             return

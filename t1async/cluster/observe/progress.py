@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import anyio
 import httpx
@@ -170,6 +170,10 @@ def _monitor_url(run_dir: Path) -> str:
 # ------------------------------------------------------------------------------------------ set-up bars
 
 
+def _bar_columns() -> list:
+    return [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+
+
 @contextmanager
 def setup_bar(description: str, total: int | None, *, out: IO[str] | None = None) -> Iterator[Callable[[int], None]]:
     """A progress bar for a long set-up step, on a terminal only (callers print their own plain lines).
@@ -178,21 +182,50 @@ def setup_bar(description: str, total: int | None, *, out: IO[str] | None = None
     if not out.isatty():
         yield lambda completed: None
         return
-    columns = [
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    ]
-    with Progress(*columns, console=Console(file=out), transient=True) as progress:
+    with Progress(*_bar_columns(), console=Console(file=out), transient=True) as progress:
         task = progress.add_task(description, total=total)
         yield lambda completed: progress.update(task, completed=completed)
 
 
-async def watch_log_steps(log_path: Path, event: str, bar: Any, poll_s: float = 0.5) -> None:
-    """Move ``bar`` to ``step + 1`` (steps count from 0) for each ``event`` line in a JSON-lines log, until
-    cancelled."""
+@contextmanager
+def phase_bars(
+    job: str, phases: Sequence[tuple[str, str, int | None]], *, out: IO[str] | None = None
+) -> Iterator[Callable[[str, int, int | None], None]]:
+    """Progress bars for a one-shot job's phases, ``(label, log event, total)``, one row each, on a terminal;
+    elsewhere (``--plain``, a pipe) a line per phase at its start and at every tenth of it. Yields
+    ``bar(event, completed, total)``: ``total`` fills in a phase whose total was None (the log's record says)."""
+    out = out or sys.stdout
+    labels = {event: label for label, event, _ in phases}
+    totals: dict[str, int | None] = {event: total for _, event, total in phases}
+    if not out.isatty():
+        shown: dict[str, int] = {}
+
+        def line(event: str, completed: int, total: int | None) -> None:
+            if event not in labels:
+                return
+            total = totals[event] = totals[event] or total
+            tenth = completed * 10 // total if total else completed // 50
+            if shown.get(event) != tenth:
+                shown[event] = tenth
+                of = f"/{total}" if total else ""
+                print(f"{job}: {labels[event]} {completed}{of}", file=out, flush=True)
+
+        yield line
+        return
+    with Progress(*_bar_columns(), console=Console(file=out), transient=True) as progress:
+        rows = {event: progress.add_task(f"{job}: {label}", total=total) for label, event, total in phases}
+
+        def update(event: str, completed: int, total: int | None) -> None:
+            if event in rows:
+                totals[event] = totals[event] or total
+                progress.update(rows[event], completed=completed, total=totals[event])
+
+        yield update
+
+
+async def watch_log_steps(log_path: Path, bars: Callable[[str, int, int | None], None], poll_s: float = 0.5) -> None:
+    """For each line of a JSON-lines log whose ``event`` ``bars`` knows and that has an integer ``step`` (counting
+    from 0), call ``bars(event, step + 1, its total or None)``, until cancelled."""
     pos = 0
     while True:
         try:
@@ -204,12 +237,13 @@ async def watch_log_steps(log_path: Path, event: str, bar: Any, poll_s: float = 
         end = chunk.rfind(b"\n") + 1
         pos += end
         for raw in chunk[:end].splitlines():
-            if event.encode() not in raw:
+            if b'"step"' not in raw:
                 continue
             try:
                 rec = json.loads(raw)
             except ValueError:
                 continue
-            if rec.get("event") == event and isinstance(rec.get("step"), int):
-                bar(rec["step"] + 1)
+            if isinstance(rec.get("event"), str) and isinstance(rec.get("step"), int):
+                total = rec.get("total")
+                bars(rec["event"], rec["step"] + 1, total if isinstance(total, int) else None)
         await anyio.sleep(poll_s)
