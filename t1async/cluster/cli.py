@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         "start the cluster in the foreground",
         "Start a whole T1 training loop in the foreground, with embedded defaults:\n"
-        "  0. by default the `learn` preset: the warm-started policy on `chores` tasks, its warm start built\n"
-        "     on first use (~10 min on 2 cores) and cached; --preset none: the bare model (random weights);\n"
+        "  0. by default the `quickstart` preset: a weak warm-started policy that RL visibly improves on\n"
+        "     `touch4` tasks, its warm start built on first use (5-10 min on 2 cores) and cached;\n"
+        "     --preset none: the bare model (random weights);\n"
         "  1. a synthetic task corpus in <run-dir>/tasks (unless --tasks), and an optional warm start (SFT);\n"
         "  2. nats-server with JetStream (free loopback port, store in <run-dir>/nats) unless --nats;\n"
         "  3. the embedded SGLang-compatible sampler with the tiny MoE model, unless --sampler-url;\n"

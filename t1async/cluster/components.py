@@ -78,19 +78,20 @@ def warm_model_dir(cfg: UpConfig) -> Path:
 def warm_start_phases(cfg: UpConfig) -> tuple[tuple[str, str, int | None], ...]:
     """The warm start's progress bars: its oracle runs (as many as the corpus's train split: the log says),
     then its SFT steps (``ProcessSpec.progress``)."""
-    steps = cfg.warm_start_steps
+    steps, copy_steps = cfg.warm_start_steps, 0
     if cfg.warm_start:
         from t1async.recipes.warmstart import get_recipe
 
-        steps = get_recipe(cfg.warm_start).sft.steps
-    return (("demonstrations", "sft.demo", None), ("SFT steps", "sft.step", steps))
+        steps, copy_steps = get_recipe(cfg.warm_start).sft.steps, get_recipe(cfg.warm_start).sft.copy_steps
+    copying = (("copy pretraining", "sft.copy_step", copy_steps),) if copy_steps else ()
+    return (("demonstrations", "sft.demo", None), *copying, ("SFT steps", "sft.step", steps))
 
 
 def warm_start_note(cfg: UpConfig) -> str:
     """What ``cluster up`` says as the warm start begins: what it builds, for how long, and where it goes."""
     if cfg.warm_start:
         return (
-            f"building the {cfg.warm_start!r} policy, once (~10 min on 2 cores: oracle demonstrations, then SFT), "
+            f"building the {cfg.warm_start!r} policy, once (5-10 min on 2 cores: oracle demonstrations, then SFT), "
             f"cached for every later run in {model_dir(cfg)}; --preset none starts the bare model instead"
         )
     return f"fine-tuning on oracle demonstrations for {cfg.warm_start_steps} steps into {warm_model_dir(cfg)}"

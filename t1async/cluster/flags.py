@@ -21,8 +21,9 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
         "--preset",
         default=None,
         choices=CHOICES,
-        help="start from a named recipe's settings (then the TOML file, then flags); learn: the warm-started "
-        "policy on the learnable families (built on first use, ~10 min, then cached); none: the shipped model "
-        "from its random init (default: learn, unless the run names its own --model, --sampler-url, --tasks or "
-        "warm start: then none)",
+        help="start from a named recipe's settings (then the TOML file, then flags); quickstart: RL raising a "
+        "weak warm start's reward within minutes (touch4 tasks); learn: the warm-started policy on chores "
+        "(bench.learning's); none: the shipped model from its random init (default: quickstart, unless the run "
+        "names its own --model, --sampler-url, --tasks or warm start: then none). A recipe's warm start is built "
+        "on first use (5-10 min on 2 cores) and cached",
     )

@@ -230,9 +230,11 @@ def sft_train(
     *,
     pad_id: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    event: str = "sft.step",
 ) -> list[float]:
     """Train the LM head on the examples' loss tokens; returns the loss of every step. ``on_step(step, loss)``
-    after each optimizer step (e.g. to save snapshots)."""
+    after each optimizer step (e.g. to save snapshots). Every 10th step is logged as ``event`` (a progress bar
+    follows it: cluster up's warm start)."""
     if not examples:
         raise ConfigError("SFT needs at least one demonstration example")
     exs = [Example(e.task, e.tokens[: cfg.max_len], e.loss_mask[: cfg.max_len]) for e in examples]
@@ -275,7 +277,7 @@ def sft_train(
             on_step(step + 1, losses[-1])
         if step % 10 == 0 or step == cfg.steps - 1:
             log.info(
-                "sft.step",
+                event,
                 step=step,
                 loss=round(losses[-1], 4),
                 examples=len(batch),

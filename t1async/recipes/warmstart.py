@@ -222,7 +222,11 @@ def build(recipe: Recipe, cache_root: Path | None = None, *, concurrency: int = 
             pool=sorted(pool),
         )
         copy_losses = sft_train(
-            model, copies, dataclasses.replace(recipe.sft, steps=recipe.sft.copy_steps), pad_id=tok.pad_id
+            model,
+            copies,
+            dataclasses.replace(recipe.sft, steps=recipe.sft.copy_steps),
+            pad_id=tok.pad_id,
+            event="sft.copy_step",
         )
     losses = sft_train(model, examples, recipe.sft, pad_id=tok.pad_id)
     after = demo_loss(model, probe, pad_id=tok.pad_id)
