@@ -45,6 +45,7 @@ import anyio
 import numpy as np
 
 from actors.records import TurnEncoder
+from actors.settings import EpisodeOptions
 from bench._common import add_model_arg, emit_json, model_dir, print_grid, print_table, trainable_routing
 from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend
@@ -146,7 +147,7 @@ def _ingest(assembler: Assembler, data: bytes) -> tuple[wire.Record, int, float]
     return rec, n, time.perf_counter() - t0
 
 
-async def run_episode_over_nats(turns: int, work: Path, model: Path) -> EpisodeRun:
+async def run_episode_over_nats(turns: int, work: Path, model: Path, max_context: int = 32768) -> EpisodeRun:
     tok, mcfg = ChatTokenizer.load(model), MoEConfig.load(model)
     task = load_task(TASK)
     run = EpisodeRun()
@@ -156,7 +157,11 @@ async def run_episode_over_nats(turns: int, work: Path, model: Path) -> EpisodeR
     encoder = TurnEncoder(episode)
     done = anyio.Event()
     cfg = AgentConfig(
-        max_turns=turns, verify_every=0, stop_when_resolved=False, sampling=SamplingParams(max_new_tokens=64)
+        max_turns=turns,
+        max_context_tokens=max_context,  # past it, the actors' default context policy compacts (a fork)
+        verify_every=0,
+        stop_when_resolved=False,
+        sampling=SamplingParams(max_new_tokens=64),
     )
 
     async with NatsServer.start(work / "nats") as srv, NatsTransport(srv.url) as nt:
@@ -430,6 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="live training's --critic (default detached, the learner's; shared: the value loss also trains the "
         "trunk, and needs the gradient path through the kept keys that reuse omits)",
     )
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=EpisodeOptions().max_context,
+        help=f"the episode's context budget in tokens (default {EpisodeOptions().max_context}, cluster up's); past "
+        "it the actors' default context policy compacts the history (32768: a 320-turn episode is never compacted)",
+    )
     ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
@@ -445,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     late = (a.turns - 20, a.turns)
 
     with tempfile.TemporaryDirectory(prefix="t1-longhorizon-") as tmp:
-        run = anyio.run(run_episode_over_nats, a.turns, Path(tmp), model, backend="trio")
+        run = anyio.run(run_episode_over_nats, a.turns, Path(tmp), model, a.max_context, backend="trio")
         replay_ingest(run, a.replays, MoEConfig.load(model).n_experts)
         exec_ms = anyio.run(exec_true_ms, a.exec_n, Path(tmp), backend="trio")
     train = None if a.no_train else train_peak(a.train_tokens, model)
@@ -495,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wire_bytes_early": _window(rows, *EARLY, "wire_bytes"),
         "wire_bytes_late": _window(rows, *late, "wire_bytes"),
         "context_late": _window(rows, *late, "context"),
+        "max_context": a.max_context,
         "actor_encode_ratio_late_early": _window(rows, *late, "encode_s") / _window(rows, *EARLY, "encode_s"),
         "turn_exec_p50_ms": float(np.median([r.exec_s for r in rows.values()])) * 1e3,
         "exec_p50_ms": float(np.percentile(exec_ms, 50)),
@@ -511,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("ingest ratio late/early (target <= 1.5)", res["ingest_ratio_late_early"]),
         ("ingest ratio late/early, live", res["ingest_ratio_late_early_live"]),
         ("wire bytes/turn early -> late", f"{res['wire_bytes_early']:.0f} -> {res['wire_bytes_late']:.0f}"),
-        ("context at the late turns (tokens)", f"{res['context_late']:.0f}"),
+        ("context at the late turns (tokens)", f"{res['context_late']:.0f} (--max-context {a.max_context})"),
         ("actor encode ratio late/early", res["actor_encode_ratio_late_early"]),
         ("exec `true` p50 / p99 ms (target p50 <= 10)", f"{res['exec_p50_ms']:.2f} / {res['exec_p99_ms']:.2f}"),
         ("turn command exec p50 ms", res["turn_exec_p50_ms"]),

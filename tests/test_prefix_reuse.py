@@ -302,6 +302,17 @@ def test_a_cut_with_a_long_unkept_prefix_is_primed_without_gradient() -> None:
     cos = float(torch.nn.functional.cosine_similarity(primed.grads[0], exact.grads[0], dim=0))
     rel = float((primed.grads[0] - exact.grads[0]).norm() / exact.grads[0].norm())
     assert cos > 0.99 and rel > 1e-4, (cos, rel)  # close, and really without the path through the primed keys
+    # an episode's first cut, its prompt shorter than its turns: forwarded whole, with the causal kernel (priming
+    # it ran the math kernel over a 32k-token cut and peaked at 3.3 GB, bench.longhorizon)
+    asm = Assembler()
+    for r in records:
+        asm.feed(r)
+    (first,) = asm.cut(records[0].episode)
+    head_len = int(np.argmax(first.loss_mask)) - 1
+    assert 32 <= head_len < len(first.tokens) - head_len
+    fresh = Capture(copy.deepcopy(base), TrainerConfig(lr=1e-4, prefix_kv="reuse", prefix_kv_prime_tokens=32))
+    mf = fresh.step([first], 0)
+    assert mf.prefix_primed_tokens == 0 and mf.backward_tokens == len(first.tokens)
 
 
 @pytest.mark.parametrize("order", ["closed-first", "cut-first"])
