@@ -22,12 +22,16 @@ def cluster_up(
     """``python -m t1async.cluster up --run-dir RUN_DIR ARGS`` in a session (process group) of its own; ``popen``
     goes to Popen (stdout, stderr, text). However the block ends (an assertion, pytest-timeout's signal raising
     in the test), ``stop_cluster`` runs. ARGS without a ``--preset`` get ``--preset none`` (``bare``)."""
-    argv = [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *bare(args)]
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, **popen)
+    proc = subprocess.Popen(up_argv(run_dir, *args), env=env, start_new_session=True, **popen)
     try:
         yield proc
     finally:
         stop_cluster(proc, run_dir, stop_timeout_s)
+
+
+def up_argv(run_dir: Path | str, *args: str) -> list[str]:
+    """``python -m t1async.cluster up --run-dir RUN_DIR ARGS``, ``bare``."""
+    return [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *bare(args)]
 
 
 def bare(args: Sequence[str]) -> list[str]:

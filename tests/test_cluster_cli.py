@@ -11,6 +11,7 @@ import time
 
 import anyio
 import pytest
+from clusterargs import up_argv
 
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
@@ -79,16 +80,9 @@ def test_up_status_down(tmp_path, repo_env, capsys):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "t1async.cluster",
-            "up",
-            "--run-dir",
-            str(run_dir),
+            *up_argv(run_dir),
             "--duration",
             "60",
-            "--preset",
-            "none",
         ],
         env=repo_env,
         stdout=subprocess.PIPE,
@@ -117,16 +111,9 @@ def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
     run_dir = tmp_path / "run"
     res = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "t1async.cluster",
-            "up",
-            "--run-dir",
-            str(run_dir),
+            *up_argv(run_dir),
             "--duration",
             "1",
-            "--preset",
-            "none",
         ],
         env=repo_env,
         capture_output=True,
@@ -194,16 +181,9 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
 def _small_cluster(run_dir, env, *extra: str) -> subprocess.Popen:
     """``cluster up`` with one actor on 5 small tasks for at most 120 s, its output piped."""
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
+        *up_argv(run_dir),
         "--duration",
         "120",
-        "--preset",
-        "none",
     ]
     argv += ["--synth-tasks", "5", "--max-turns", "4", "--actors", "1", "--concurrency", "1", *extra]
     return subprocess.Popen(

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import httpx
 import numpy as np
 import pytest
+from clusterargs import up_argv
 
 from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
@@ -80,14 +80,7 @@ def check_keys(run_dir: Path, started: list) -> str:
 async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     run_dir = tmp_path / "run"
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--preset",
-        "none",
+        *up_argv(run_dir),
         "--steps",
         "3",
         "--batch-turns",

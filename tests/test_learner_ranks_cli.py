@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from clusterargs import up_argv
 
 from tests.clusterargs import stop_cluster
 
@@ -49,14 +50,7 @@ async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
 def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, sync: str = "disk") -> None:
     """A short ``cluster up`` on ``run`` with a ``procs``-rank learner until ``steps`` steps; must finish."""
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run),
-        "--preset",
-        "none",
+        *up_argv(run),
         "--steps",
         str(steps),
         "--batch-turns",

@@ -26,12 +26,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from clusterargs import up_argv
 
 from sandbox_agent.synth import generate
 from t1async.cluster.state import ClusterState
@@ -55,13 +55,7 @@ MISMATCH_BOUND = 0.02
 
 def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--plain",
-        "--run-dir",
-        str(run),
+        *up_argv(run, "--plain"),
         "--tasks",
         str(tasks),
         "--warm-start",

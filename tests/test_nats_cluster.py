@@ -11,13 +11,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
+from clusterargs import up_argv
 from structlog.testing import capture_logs
 
 from t1async.cluster.config import UpConfig
@@ -198,14 +198,7 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
 
     run_dir = tmp_path / "run"
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--preset",
-        "none",
+        *up_argv(run_dir),
         "--nats-nodes",
         "3",
         "--batch-turns",

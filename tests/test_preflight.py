@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import http.server
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from clusterargs import up_argv
 
 from t1async.cluster import cli, preflight
 from t1async.protocol.errors import ConfigError
@@ -19,12 +19,7 @@ from t1async.transport.natsd import find_binary, free_port
 
 def up(tmp_path: Path, repo_env: dict, *flags: str) -> subprocess.CompletedProcess:
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(tmp_path / "run"),
+        *up_argv(tmp_path / "run"),
         "--duration",
         "30",
         "--preset",

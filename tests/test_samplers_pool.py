@@ -10,6 +10,7 @@ import signal
 import anyio
 import numpy as np
 import pytest
+from clusterargs import up_argv
 
 from t1async.model.weights import default_model_dir
 from t1async.protocol.sampling import SamplingParams
@@ -165,7 +166,6 @@ async def test_a_push_skips_a_dead_sampler_only_while_another_took_the_weights()
 @pytest.mark.slow
 async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_path, repo_env):
     import subprocess
-    import sys
 
     from t1async.cluster.state import ClusterState, is_ours
     from t1async.protocol import wire
@@ -175,14 +175,7 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
 
     run_dir = tmp_path / "run"
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run_dir),
-        "--preset",
-        "none",
+        *up_argv(run_dir),
         "--samplers",
         "2",
         "--batch-turns",

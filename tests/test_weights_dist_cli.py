@@ -15,6 +15,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
+from clusterargs import up_argv
 
 from sandbox_agent.synth import generate
 from t1async.model.weights import default_model_dir
@@ -152,14 +153,7 @@ async def test_learner_process_pushes_over_gloo_and_resyncs_after_restart(tmp_pa
 def test_cluster_up_with_distributed_weight_sync(tmp_path, repo_env):
     run = tmp_path / "run"
     argv = [
-        sys.executable,
-        "-m",
-        "t1async.cluster",
-        "up",
-        "--run-dir",
-        str(run),
-        "--preset",
-        "none",
+        *up_argv(run),
         "--steps",
         "2",
         "--batch-turns",
