@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clusterargs import up_argv
+from clusterargs import up_argv as cluster_up_argv
 
 from sandbox_agent.synth import generate
 from t1async.cluster.state import ClusterState
@@ -55,7 +55,7 @@ MISMATCH_BOUND = 0.02
 
 def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
     return [
-        *up_argv(run, "--plain"),
+        *cluster_up_argv(run, "--plain"),
         "--tasks",
         str(tasks),
         "--warm-start",
