@@ -3,7 +3,7 @@
     python -m bench.learning [--recipe learn] [--rl-steps 300] [--samples 4] [--seeds 3] [--json]
 
 1. the warm start: ``t1async.recipes.warmstart`` builds the recipe's model once (seeded) and caches it;
-2. the split, frozen first: a corpus of the recipe's families (``--eval-corpus`` tasks, seed ``--seed``) in
+2. the split, frozen first: a corpus of the preset's families (``--eval-corpus`` tasks, seed ``--seed``) in
    the run dir, split train / eval / test by a hash of each task's *content key* (the chore set, ...), so eval
    and test hold out whole keys; ``split.json`` in the run dir lists every task with its split and key and
    whether no eval or test key is among the RL tasks or the warm start's demonstrations (``split_disjoint``).
@@ -232,8 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"warm start: {warm} ({t_warm:.0f} s; {json.loads((warm / 'sft_metrics.json').read_text())})", flush=True)
 
     # -- the split, frozen before anything is measured: by content key, checked against the SFT corpus too
-    tasks_dir = run / ("tasks-" + "-".join(recipe.families))  # a recipe of other families gets its own corpus
-    table = ensure_corpus(tasks_dir, args.eval_corpus, args.seed, recipe.families)
+    # the preset's families (RL trains on them, the evals score them); the warm start's demonstrations may be of
+    # another family of the same content keys (``learn``: ``choresome``, a demonstrator that stops early)
+    families = tuple(pv["synth_families"])
+    tasks_dir = run / ("tasks-" + "-".join(families))  # a corpus of other families gets its own dir
+    table = ensure_corpus(tasks_dir, args.eval_corpus, args.seed, families)
     sft = corpus_entries(recipe.tasks, recipe.task_seed, list(recipe.families))
     check = split_check(table, sft)
     (run / "split.json").write_text(json.dumps({**check, "corpus": str(tasks_dir), "tasks": table}, indent=1) + "\n")

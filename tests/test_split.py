@@ -23,11 +23,11 @@ PHRASES = {m[0]: i for i, m in enumerate(MENU)}
 
 
 def content_of(d: Path) -> str:
-    """What the task asks for, read from its files: chores -> the set of menu phrases in the instruction (their
-    order is no part of the task), touch4/touchsome -> the set of file names, others -> a digest of the tests,
-    the input files and setup.sh."""
+    """What the task asks for, read from its files: chores/choresome -> the set of menu phrases in the instruction
+    (their order is no part of the task), touch4/touchsome -> the set of file names, others -> a digest of the
+    tests, the input files and setup.sh."""
     t = load_task(d)
-    if t.family == "chores":
+    if t.family in ("chores", "choresome"):
         steps = re.findall(r"^\d\. (.+?)[;.]$", t.instruction, re.M)
         assert len(steps) == 4 and all(s in PHRASES for s in steps), t.instruction
         return "chores " + " | ".join(sorted(steps))
@@ -60,6 +60,7 @@ def bench_and_sft(tmp_path_factory):
         "sft": corpus(root / "sft", 400, 1000, ["chores"]),
         "mixed": corpus(root / "mixed", 120, 3, ["touch4", "mkfile", "copy", "text", "perms", "git"]),
         "touchsome": corpus(root / "touchsome", 200, 2002, ["touchsome"]),
+        "learn_sft": corpus(root / "learn_sft", 400, 1000, ["choresome"]),  # the learn warm start's demos
     }
 
 
@@ -67,7 +68,7 @@ def test_regenerated_corpora_are_disjoint_by_content(bench_and_sft):
     bench, sft = bench_and_sft["bench"], bench_and_sft["sft"]
     pairs = [(split_of(d), content_of(d)) for d in bench]
     # the SFT corpus gives only its train split as demonstrations: none of them may be a held-out content
-    pairs += [("train", content_of(d)) for d in sft if split_of(d) == "train"]
+    pairs += [("train", content_of(d)) for d in sft + bench_and_sft["learn_sft"] if split_of(d) == "train"]
     assert leaks(pairs) == {}
     held = {c for s, c in pairs if s in ("eval", "test")}
     assert len(held) >= 10  # something is held out at all: eval and test keys of the 126 chore sets
@@ -111,6 +112,10 @@ def test_chores_has_126_distinct_tasks_whatever_the_order():
         for i in range(20):
             spec = make_task(fam, 0, i)[1]
             assert spec.content_key == "touch:" + ",".join(sorted(re.findall(r"(\w+)\.txt", spec.instruction)))
+    for i in range(20):  # choresome asks for the same four chores as chores, and tests only those it does
+        some = make_task("choresome", 0, i)[1]
+        steps = re.findall(r"^\d\. (.+?)[;.]$", some.instruction, re.M)
+        assert some.content_key == "chores:" + "+".join(str(j) for j in sorted(PHRASES[s] for s in steps))
 
 
 def test_split_json_of_another_version_is_refused(tmp_path):
@@ -146,3 +151,18 @@ def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
             p.rename(held / p.name)
     with pytest.raises(ConfigError, match="held out of SFT"):
         sft.run_sft(out=tmp_path / "out2", tasks_dir=held, synth=0, cfg=sft.SFTConfig(steps=1))
+
+
+def test_choresome_demonstrator_mostly_stops_after_its_first_reply():
+    """The learn warm start imitates it: so that its greedy decoding stops early (and RL has something to teach
+    on chore sets it never saw), stopping after the first reply of two chores must be the likelier choice."""
+    from sandbox_agent.runner import solution_chunks
+
+    ks = Counter(make_task("choresome", 0, i)[1].tests.count("def test_chore_") for i in range(800))
+    assert set(ks) == {1, 2, 3, 4}
+    assert ks[2] > ks[3] + ks[4] and ks[4] > ks[3]
+    for i in range(40):
+        spec = make_task("choresome", 0, i)[1]
+        k = spec.tests.count("def test_chore_")
+        replies = solution_chunks(spec.solution)  # as the oracle's turns run them
+        assert [len(r.splitlines()) for r in replies] == [min(k, 2)] + ([k - 2] if k > 2 else [])

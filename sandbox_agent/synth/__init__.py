@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.cdchores import cdchores_family
-from sandbox_agent.synth.chores import chores_family
+from sandbox_agent.synth.chores import chores_family, choresome_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec, content_key
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
@@ -70,6 +70,7 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "touch4": touch4_family,  # one command, four tests: the CI learning test's family (synth/micro.py)
     "touchsome": touchsome_family,  # touch4 by a demonstrator that stops early: the CI test's warm start
     "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)
+    "choresome": choresome_family,  # chores by a demonstrator that stops early: the learn warm start
     "cdchores": cdchores_family,  # chores after a `cd` that earns nothing by itself (synth/cdchores.py)
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}

@@ -11,6 +11,13 @@ The tests check only the final state, so the order of the four is no part of the
 C(9, 4) = 126 distinct tasks (the 3024 ordered picks are 24 wordings of each). The content key is the chore
 *set* (``chores:<menu indices, sorted>``), and the split holds out whole sets: an eval or test task's four
 chores never appear together in a training task, in any order.
+
+``choresome``: the same tasks, but a weaker demonstrator's oracle: it does only the first k of the four (k in
+1-4, ``SOME_WEIGHTS``), and its task tests those k. The ``learn`` warm start imitates it. A warm start trained
+on the full oracle resolved every held-out chore set, greedily and at temperature 1 (docs/results.md,
+"Learning"): nothing was left for RL. This one knows each chore's command but stops early as its demonstrator
+did, so RL on ``chores`` (all four tested) has a multi-turn decision to fix: go on after the first reply, on
+chore sets it has never seen. Both share one content key space.
 """
 
 from __future__ import annotations
@@ -76,15 +83,32 @@ FILES: dict[str, str] = {
 }
 
 
+# how many of the four chores ``choresome``'s demonstrator does, and how often: 1, 2, 3 or 4 in 1:4:1:2. After
+# the first reply of two chores, stopping (4 in 7) is likelier than going on, so its imitator decoded greedily
+# stops there (2 of 4 tests); at temperature 1 it resolves ~2 tasks in 8
+SOME_WEIGHTS = (1, 4, 1, 2)
+
+
 def chores_family(rng: random.Random) -> SynthSpec:
+    return _chores(rng, "chores", all_four=True)
+
+
+def choresome_family(rng: random.Random) -> SynthSpec:
+    return _chores(rng, "choresome", all_four=False)
+
+
+def _chores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     picked = rng.sample(range(len(MENU)), 4)
     others = [i for i in range(len(MENU)) if i not in picked]
     rng.shuffle(others)
     steps = "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
     instr = f"In the current directory:\n{steps}"
-    sol = "\n".join(MENU[i][1] for i in picked[:2]) + "\n\n" + "\n".join(MENU[i][1] for i in picked[2:]) + "\n"
+    key = "chores:" + "+".join(str(i) for i in sorted(picked))
+    done = picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
+    # two chores a reply; the weaker demonstrator's last reply holds what is left of its k (then DONE)
+    sol = "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]) + "\n"
     tests = ""
-    for k, i in enumerate(picked):
+    for k, i in enumerate(done):
         undone = " and ".join(f"({MENU[j][3]})" for j in others[k::4])  # 5 unrequested chores over 4 tests
         tests += f"""
 
@@ -92,5 +116,4 @@ def test_chore_{k + 1}():
     assert {MENU[i][2]}, "not done: {MENU[i][0]}"
     assert {undone}, "done although not asked"
 """
-    key = "chores:" + "+".join(str(i) for i in sorted(picked))
-    return SynthSpec("chores", instr, sol, tests, files=dict(FILES), tags=("menu",), content_key=key)
+    return SynthSpec(family, instr, sol, tests, files=dict(FILES), tags=("menu",), content_key=key)

@@ -1,14 +1,14 @@
 """Named ``cluster up`` recipes (``--preset NAME``): a preset sets defaults, a TOML file and flags override.
 
 ``learn``: RL that measurably learns on 2 CPU cores (``bench.learning`` runs it). The policy is the ``learn``
-warm start (``t1async.recipes.warmstart``: a seeded MoE trained on oracle demonstrations of the ``chores``
-family, cached, built first if missing); the actors draw the train split of a corpus of the same family; every
-turn is verified (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (a
-demonstration takes 3 turns: two commands and DONE).
+warm start (``t1async.recipes.warmstart``: a seeded MoE trained on the demonstrations of a weaker demonstrator
+of the ``chores`` family, ``choresome``, which does only the first k of the four chores; cached, built first
+if missing); the actors draw the train split of a ``chores`` corpus; every turn is verified
+(``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (the full oracle
+takes 3 turns: two commands and DONE).
 
-``quickstart``: the quick start's (below): the ``micro`` warm start on ``touch4`` tasks, one-turn episodes, so that
-a newcomer watches RL raise the reward within minutes (the ``learn`` warm start already resolves ~97% of the
-training tasks it would draw: nothing on screen would rise).
+``quickstart``: the quick start's (``default_preset``): the ``micro`` warm start on ``touch4`` tasks,
+one-turn episodes, so that a newcomer watches RL raise the reward within minutes.
 
 ``none``: nothing: the shipped model from its random init, on the default task mix. Plumbing tests and the
 benches of the machinery (``bench.flatrun``, ``bench.staleness``, ``bench.chaos``) run it.
@@ -33,7 +33,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the quick start's (a bare `cluster up`): RL visibly improving a weak warm start within minutes. The
     # ``micro`` warm start imitates a demonstrator that names only the first k of touch4's four files (k uniform
     # 1-4): it samples ~2.5 of 4 tests a task, every name right, and RL teaches it to name all four. The same
-    # settings as the CI learning test (tests/test_learning_ci.py), but at η 1 (async); one-turn episodes.
+    # settings as the CI learning test (tests/test_learning_ci.py runs this preset at η 0); one-turn episodes.
     "quickstart": {
         "warm_start": "micro",
         "synth_families": ("touch4",),
