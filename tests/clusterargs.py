@@ -36,7 +36,7 @@ def up_argv(run_dir: Path | str, *args: str) -> list[str]:
 
 def bare(args: Sequence[str]) -> list[str]:
     """``cluster up`` ARGS, with ``--preset none`` unless they name a preset: the plumbing tests run the bare
-    shipped model, not the ``learn`` warm start a bare ``cluster up`` builds on first use (minutes)."""
+    shipped model, not the ``quickstart`` warm start a bare ``cluster up`` builds on first use (minutes)."""
     return (
         list(args) if any(a == "--preset" or a.startswith("--preset=") for a in args) else [*args, "--preset", "none"]
     )
