@@ -112,6 +112,8 @@ def test_main_reports_the_test_split_per_seed(tmp_path, monkeypatch, capsys):
     def fake_eval(model, tasks, *, samples, temperature, out, **kw):
         split = {t.split for t in tasks}
         assert len(split) == 1
+        # the learn preset's tasks (all four chores tested), not the warm start's demonstrator's (choresome)
+        assert {t.family for t in tasks} == {"chores"}
         seen.append((Path(model).name, split.pop(), temperature, samples))
         rows = []
         for t in tasks:
