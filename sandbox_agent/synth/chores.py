@@ -85,7 +85,8 @@ FILES: dict[str, str] = {
 
 # how many of the four chores ``choresome``'s demonstrator does, and how often: 1, 2, 3 or 4 in 1:4:1:2. After
 # the first reply of two chores, stopping (4 in 7) is likelier than going on, so its imitator decoded greedily
-# stops there (2 of 4 tests); at temperature 1 it resolves ~2 tasks in 8
+# mostly stops there: the learn warm start resolved 13% of held-out eval tasks greedily and 0% of test ones
+# (1.98 tests of 4), 19% of eval tasks at temperature 1, where its demonstrator resolves 2 in 8
 SOME_WEIGHTS = (1, 4, 1, 2)
 
 
