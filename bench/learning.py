@@ -361,7 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     report(summary)
     try:
-        plot(seeds[0]["curve"], table_of(seeds[0], before[train_t]), run / "learning.png")
+        plot(
+            seeds[0]["curve"],
+            table_of(seeds[0], before[train_t]),
+            run / "learning.png",
+            held_title=f"test split, RL seed {seeds[0]['rl_seed']}, T = {train_t:g}",
+        )
     except Exception as exc:  # a missing matplotlib must not lose the numbers
         print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

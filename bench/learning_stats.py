@@ -74,7 +74,7 @@ def learning_curve(metrics: Path) -> list[dict]:
     return rows
 
 
-def plot(curve: list[dict], table: dict, path: Path) -> None:
+def plot(curve: list[dict], table: dict, path: Path, *, held_title: str = "held out") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,7 +101,7 @@ def plot(curve: list[dict], table: dict, path: Path) -> None:
         ]
         ax[2].bar(np.arange(2) + off, vals, 0.4, yerr=err, label=who, capsize=3)
     ax[2].set_xticks(range(2), names)
-    ax[2].set_title("held-out eval split")
+    ax[2].set_title(held_title)
     ax[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)

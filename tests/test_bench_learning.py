@@ -132,8 +132,10 @@ def test_main_reports_the_test_split_per_seed(tmp_path, monkeypatch, capsys):
         ck.mkdir(parents=True)
         return ck
 
+    plots: list[dict] = []
     monkeypatch.setattr(bl, "eval_policy", fake_eval)
     monkeypatch.setattr(bl, "run_rl", fake_rl)
+    monkeypatch.setattr(bl, "plot", lambda curve, table, path, **kw: plots.append(kw))
     argv = ["--run-dir", str(tmp_path / "run"), "--eval-corpus", "300", "--seeds", "2", "--ood-tasks", "0"]
     assert bl.main(argv) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -154,3 +156,5 @@ def test_main_reports_the_test_split_per_seed(tmp_path, monkeypatch, capsys):
     assert last["errors"]["episodes"] > 0 and not any(n for k, n in last["errors"].items() if k != "episodes")
     split = json.loads((tmp_path / "run" / "split.json").read_text())
     assert split["split_disjoint"] and split["tasks"] == read_split_json(tmp_path / "run" / "tasks-chores")
+    # learning.png's before/after bars are the test split's at T = 1 (it said "held-out eval split")
+    assert plots == [{"held_title": "test split, RL seed 0, T = 1"}]
