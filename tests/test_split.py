@@ -22,15 +22,20 @@ from t1async.protocol.errors import ConfigError
 PHRASES = {m[0]: i for i, m in enumerate(MENU)}
 
 
+def chore_phrases(instruction: str) -> list[str]:
+    """The menu phrases a chores (or choresome) instruction lists, in its order."""
+    steps = re.findall(r"^\d\. (.+?)[;.]$", instruction, re.M)
+    assert len(steps) == 4 and all(s in PHRASES for s in steps), instruction
+    return steps
+
+
 def content_of(d: Path) -> str:
     """What the task asks for, read from its files: chores/choresome -> the set of menu phrases in the instruction
     (their order is no part of the task), touch4/touchsome -> the set of file names, others -> a digest of the
     tests, the input files and setup.sh."""
     t = load_task(d)
     if t.family in ("chores", "choresome"):
-        steps = re.findall(r"^\d\. (.+?)[;.]$", t.instruction, re.M)
-        assert len(steps) == 4 and all(s in PHRASES for s in steps), t.instruction
-        return "chores " + " | ".join(sorted(steps))
+        return "chores " + " | ".join(sorted(chore_phrases(t.instruction)))
     if t.family in ("touch4", "touchsome"):
         return "touch " + " ".join(sorted(re.findall(r"(\w+)\.txt", t.instruction)))
     h = hashlib.sha256((d / "tests" / "test_outputs.py").read_bytes())
@@ -114,8 +119,8 @@ def test_chores_has_126_distinct_tasks_whatever_the_order():
             assert spec.content_key == "touch:" + ",".join(sorted(re.findall(r"(\w+)\.txt", spec.instruction)))
     for i in range(20):  # choresome asks for the same four chores as chores, and tests only those it does
         some = make_task("choresome", 0, i)[1]
-        steps = re.findall(r"^\d\. (.+?)[;.]$", some.instruction, re.M)
-        assert some.content_key == "chores:" + "+".join(str(j) for j in sorted(PHRASES[s] for s in steps))
+        menu = sorted(PHRASES[s] for s in chore_phrases(some.instruction))
+        assert some.content_key == "chores:" + "+".join(str(j) for j in menu)
 
 
 def test_split_json_of_another_version_is_refused(tmp_path):
