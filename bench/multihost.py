@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -34,13 +35,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench._common import emit_json, print_table
 from t1async.testing.netns import Host, Listener, Network, namespaces, network
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 NATS_PORT, ROUTE_PORT, HTTP_PORT, SAMPLER_PORT = 4222, 6222, 8222, 30000
@@ -188,7 +191,7 @@ def wait_until(what: str, cond: Callable[[], Any], deadline_s: float, watch: dic
 
 
 def log_events(path: Path) -> list[dict]:
-    out = []
+    out: list[dict] = []
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -234,6 +237,25 @@ def journal_keys(run: Path) -> set[Key]:
 # ---------------------------------------------------------------------------------------------- NATS, read back
 
 
+async def _answered(call: Callable[[], Awaitable[T]], wait_s: float = 60.0, pause_s: float = 0.5) -> T:
+    """``call()``, again while JetStream says it is electing (503) or does not answer in time.
+
+    After a host's link comes back, the stream's replicas may hold a fresh election, and JetStream's API answers
+    503 "temporarily unavailable" until it ends; a reader waits for it, as the transport does, up to ``wait_s``.
+    """
+    import nats.errors
+    import nats.js.errors
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await call()
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(pause_s)
+
+
 async def _read_streams(urls: list[str], keys: Path) -> dict[str, Any]:
     """T1_TRAJ and T1_DEAD, every stored message, by sequence (a plain nats-py client, as the admin)."""
     import nats
@@ -248,13 +270,13 @@ async def _read_streams(urls: list[str], keys: Path) -> dict[str, Any]:
         js = nc.jetstream(timeout=10)
         for stream in ("T1_TRAJ", "T1_DEAD"):
             try:
-                info = await js.stream_info(stream)
+                info = await _answered(functools.partial(js.stream_info, stream))
             except nats.js.errors.NotFoundError:
                 continue
             out["replicas"][stream] = info.config.num_replicas
             for seq in range(max(1, info.state.first_seq), info.state.last_seq + 1) if info.state.messages else ():
                 try:
-                    m = await js.get_msg(stream, seq)
+                    m = await _answered(functools.partial(js.get_msg, stream, seq))
                 except nats.js.errors.NotFoundError:
                     continue
                 headers = m.headers or {}

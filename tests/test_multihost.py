@@ -6,6 +6,7 @@ nothing trained twice. Needs root (network namespaces), as the sandbox tests do;
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -210,3 +211,30 @@ def test_a_weight_update_group_spans_two_hosts():
             t.join(timeout=120)
     assert "error0" not in got and "error1" not in got, got
     assert torch.equal(got["1"], torch.arange(4, dtype=torch.float32))  # type: ignore[arg-type]
+
+
+def test_the_read_back_waits_out_an_election_and_gives_up_after_its_wait():
+    """After the cut, the stream's replicas may elect again and JetStream answers 503 until they have: the
+    read-back asks again (a CI run failed on the first 503), but not for ever."""
+    from nats.js.errors import ServiceUnavailableError
+
+    from bench.multihost import _answered
+
+    calls = []
+
+    async def electing_twice() -> str:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ServiceUnavailableError(code=503, err_code=10008, description="temporarily unavailable")
+        return "info"
+
+    async def never() -> str:
+        raise ServiceUnavailableError(code=503, err_code=10008, description="temporarily unavailable")
+
+    async def main() -> None:
+        assert await _answered(electing_twice, wait_s=30, pause_s=0) == "info"
+        assert len(calls) == 3
+        with pytest.raises(ServiceUnavailableError):
+            await _answered(never, wait_s=0.05, pause_s=0.01)
+
+    asyncio.run(main())
