@@ -2,11 +2,11 @@
 
     python -m bench.reward_modes [--rl-steps 40] [--samples 2] [--json]
 
-1. the ``credit`` warm start (``t1async.recipes.warmstart``: the ``learn`` recipe on ``cdchores``, where the
-   first command, a ``cd``, makes no test pass by itself; cached);
-2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0). The held-out tasks are its eval split less any
-   whose content (``cdchores.content_key``: directory and chore set) is in the warm start's demonstrations;
-   every train task sharing a held-out key is removed from the corpus, so RL never sees a held-out task;
+1. the ``credit`` warm start (``t1async.recipes.warmstart``: the ``learn`` recipe's SFT on ``cdchoresome``, a
+   demonstrator that does the ``cd`` and then only the first k of the four chores; cached);
+2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0, every chore tested), split by content key
+   (directory and chore set). The held-out tasks are its eval split; the bench checks that no eval key is in a
+   train task or among the warm start's demonstrations (``split.json``), and refuses to run if one is;
 3. eval before (``bench.learning.eval_policy``, ``--samples`` seeded episodes per task);
 4. for each of ``--rewards`` (default dense, binary): ``cluster up --preset learn --warm-start credit
    --reward R`` for ``--rl-steps`` learner steps (the same turns per step, so the same budget), then the same
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 import time
@@ -30,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench._common import emit_json, print_grid
-from bench.learning import eval_policy, run_rl
-from bench.learning_stats import column, learning_curve, per_task
+from bench.learning import ensure_corpus, eval_policy, held_tasks, run_rl
+from bench.learning_stats import column, learning_curve, per_task, split_check
 from t1async.eval.stats import mean_ci, paired_diff
 from t1async.log import configure
 
@@ -39,37 +38,17 @@ RECIPE = "credit"
 FAMILY = "cdchores"
 
 
-def _index(task_id: str) -> tuple[int, int]:
-    """(corpus seed, index) of a synthetic task id ``synth-<family>-s<seed>-<index>``."""
-    m = re.fullmatch(r"synth-[a-z0-9]+-s(\d+)-(\d+)", task_id)
-    if m is None:
-        raise SystemExit(f"not a synthetic task id: {task_id!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-def key_of(task_id: str) -> str:
-    from sandbox_agent.synth import task_rng
-    from sandbox_agent.synth.cdchores import content_key
-
-    seed, i = _index(task_id)
-    return content_key(task_rng(seed, i, FAMILY))
-
-
-def held_out_corpus(tasks_dir: Path, sft_seed: int, sft_tasks: int) -> list:
-    """The eval-split tasks whose content no SFT demo has; removes the train tasks that share their content."""
-    from sandbox_agent.synth import task_id
-    from sandbox_agent.tasks import load_task, split_for
-
-    sft_keys = {
-        key_of(tid) for tid in (task_id(FAMILY, sft_seed, i) for i in range(sft_tasks)) if split_for(tid) == "train"
-    }
-    tasks = [load_task(d) for d in sorted(tasks_dir.iterdir()) if (d / "task.yaml").is_file()]
-    held = [t for t in tasks if t.split == "eval" and key_of(t.id) not in sft_keys]
-    held_keys = {key_of(t.id) for t in held}
-    for t in tasks:
-        if t.split == "train" and key_of(t.id) in held_keys:
-            shutil.rmtree(tasks_dir / t.id)
-    return held
+def held_out_corpus(run: Path, n: int, seed: int, sft: dict[str, tuple[str, str, str]]) -> tuple[Path, list]:
+    """The ``cdchores`` corpus of ``n`` tasks (split by content key: directory and chore set) and its eval
+    split, checked disjoint by content from itself and from the warm start's demonstrations ``sft``
+    (``corpus_entries`` of its recipe); ``split.json`` in ``run`` says so."""
+    tasks_dir = run / "tasks"
+    table = ensure_corpus(tasks_dir, n, seed, (FAMILY,))
+    check = split_check(table, sft)
+    (run / "split.json").write_text(json.dumps({**check, "corpus": str(tasks_dir), "tasks": table}, indent=1) + "\n")
+    if not check["split_disjoint"]:
+        raise SystemExit(f"split: NOT disjoint by content: {check['leaks'] or check['wrong_split']}")
+    return tasks_dir, held_tasks(tasks_dir, table, "eval")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad or not rewards:
         p.error(f"--rewards {args.rewards!r}: name some of {', '.join(x.value for x in Reward)}")
     configure(level="warning")
-    from sandbox_agent.synth import generate
+    from sandbox_agent.synth import corpus_entries
     from t1async.recipes.presets import preset_values
     from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
 
@@ -110,11 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.mkdir(parents=True, exist_ok=True)
     warm = build(recipe)
     ev["system_prompt"] = system_prompt_of(warm)
-    tasks_dir = run / "tasks"
-    if tasks_dir.exists():
-        shutil.rmtree(tasks_dir)
-    generate(tasks_dir, args.eval_corpus, seed=args.seed, families=[FAMILY])
-    held = held_out_corpus(tasks_dir, recipe.task_seed, recipe.tasks)
+    sft = corpus_entries(recipe.tasks, recipe.task_seed, list(recipe.families))
+    tasks_dir, held = held_out_corpus(run, args.eval_corpus, args.seed, sft)
     print(f"held-out by content: {len(held)} tasks x {args.samples} samples", flush=True)
     t0 = time.perf_counter()
     rows = {"before": eval_policy(warm, held, samples=args.samples, out=run / "eval-before.jsonl", **ev)}

@@ -4,6 +4,7 @@ dense reward and enables the rest, and the binary reward pays only the last turn
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -13,8 +14,11 @@ from sandbox_agent.agent_types import AgentConfig, Reward, TurnResult
 from sandbox_agent.runner import check_tasks, oracle_turns, run_episode, solution_chunks
 from sandbox_agent.synth import generate, make_task, task_rng
 from sandbox_agent.synth.cdchores import DIRS, content_key
+from sandbox_agent.synth.chores import MENU
 from sandbox_agent.tasks import load_task
 from tests.test_agent import ByteTok, ScriptedSampler, bash, episode
+
+PHRASE_INDEX = {phrase: i for i, (phrase, _, _, _) in enumerate(MENU)}
 
 # ------------------------------------------------------------------------------ the agent loop's rewards
 
@@ -98,6 +102,11 @@ def test_cdchores_content_key_names_the_directory_and_the_chore_set():
     assert a.instruction.splitlines()[0] == b.instruction.splitlines()[0]  # "In the directory site:"
     assert chores(a.instruction) == chores(b.instruction)
     assert Counter(k.split(":")[1] for k in keys).most_common()[-1][1] > 60  # every directory drawn often
+    # and the split holds it out whole: the task's own key is this one (it was a digest of its test file, which
+    # differs with the order of the chores, so one chore set in one directory fell in several splits)
+    for i in range(40):
+        spec = make_task("cdchores", 0, i)[1]
+        assert spec.content_key == keys[i]
 
 
 def test_cdchores_oracle_is_a_setup_turn_then_two_chore_turns(tmp_path):
@@ -165,16 +174,43 @@ async def test_cdchores_chores_done_in_every_directory_fail(tmp_path):
 
 
 def test_reward_modes_bench_holds_out_by_content(tmp_path):
-    """bench.reward_modes: no held-out task shares its content with a demo or with a task left for RL."""
-    from bench.reward_modes import held_out_corpus, key_of
-    from sandbox_agent.synth import task_id
-    from sandbox_agent.tasks import split_for
+    """bench.reward_modes: the held-out tasks are the eval split of a corpus split by content, and no held-out
+    key is in a train task or a demo; a demo of a held-out key is refused."""
+    from bench.reward_modes import held_out_corpus
+    from sandbox_agent.synth import corpus_entries
 
-    generate(tmp_path, 300, seed=0, families=["cdchores"])
-    held = held_out_corpus(tmp_path, 1000, 200)
-    left = [load_task(d) for d in tmp_path.iterdir() if d.is_dir()]  # not split.json
-    demos = {key_of(t) for t in (task_id("cdchores", 1000, i) for i in range(200)) if split_for(t) == "train"}
-    held_keys = {key_of(t.id) for t in held}
-    assert held and all(t.split == "eval" for t in held)
-    assert not held_keys & demos and not held_keys & {key_of(t.id) for t in left if t.split == "train"}
-    assert len(left) < 300 and sum(t.split == "train" for t in left) > 150  # some removed, most kept
+    sft = corpus_entries(200, 1000, ["cdchoresome"])
+    tasks_dir, held = held_out_corpus(tmp_path, 300, 0, sft)
+    left = [load_task(d) for d in tasks_dir.iterdir() if d.is_dir()]  # not split.json
+    held_keys = {t.content_key for t in held}
+    assert held and all(t.split == "eval" and t.family == "cdchores" for t in held)
+    assert len(left) == 300 and not held_keys & {t.content_key for t in left if t.split == "train"}
+    assert not held_keys & {k for s, k, _ in sft.values() if s == "train"}
+    assert json.loads((tmp_path / "split.json").read_text())["split_disjoint"] is True
+    leaked = {**sft, "demo-of-a-held-key": ("train", held[0].content_key, "cdchoresome")}
+    with pytest.raises(SystemExit, match="NOT disjoint"):
+        held_out_corpus(tmp_path, 300, 0, leaked)
+
+
+def test_cdchoresome_asks_for_cdchores_tasks_and_does_the_cd_then_its_first_k():
+    """The credit warm start's demonstrator: the same directory and four chores asked for (one content key
+    space with cdchores), the ``cd`` first, then the first k chores two a reply, and only those k tested."""
+    ks = Counter()
+    for i in range(400):
+        spec = make_task("cdchoresome", 0, i)[1]
+        target = spec.instruction.splitlines()[0].removeprefix("In the directory ").rstrip(":")
+        chosen = sorted(PHRASE_INDEX[ln.split(". ", 1)[1].rstrip(";.")] for ln in spec.instruction.splitlines()[1:])
+        assert spec.content_key == f"cdchores:{target}:" + ",".join(map(str, chosen))
+        k = spec.tests.count("def test_chore_")
+        ks[k] += 1
+        replies = solution_chunks(spec.solution)
+        assert replies[0] == f"cd {target}"
+        assert [len(r.splitlines()) for r in replies[1:]] == [min(k, 2)] + ([k - 2] if k > 2 else [])
+    assert set(ks) == {1, 2, 3, 4} and ks[2] > ks[3] + ks[4]  # mostly it stops after its first chore reply
+
+
+async def test_cdchoresome_oracle_resolves_its_own_tests(tmp_path):
+    paths = generate(tmp_path, 6, seed=5, families=["cdchoresome"])
+    rows = await check_tasks([load_task(q) for q in paths], concurrency=3)
+    assert {r.task_id: r.ok for r in rows} == {r.task_id: True for r in rows}
+    assert all(r.null.passed == 0 for r in rows)

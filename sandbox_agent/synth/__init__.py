@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
-from sandbox_agent.synth.cdchores import cdchores_family
+from sandbox_agent.synth.cdchores import cdchores_family, cdchoresome_family
 from sandbox_agent.synth.chores import chores_family, choresome_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec, content_key
 from sandbox_agent.synth.data import archive_family, json_family
@@ -72,6 +72,7 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "chores": chores_family,  # fixed-menu chores, no copying: the learn preset's family (synth/chores.py)
     "choresome": choresome_family,  # chores by a demonstrator that stops early: the learn warm start
     "cdchores": cdchores_family,  # chores after a `cd` that earns nothing by itself (synth/cdchores.py)
+    "cdchoresome": cdchoresome_family,  # cdchores by a demonstrator that stops early: the credit warm start
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}
 

@@ -12,14 +12,20 @@ fails). No name is copied from the instruction: the directory is one of four fix
 the ``chores`` menu, so a small model can learn it (as ``chores``, whose phrases it shares).
 
 What makes two tasks the same task is the directory and the chore *set* (tests check only the final state, so
-order does not matter): ``content_key`` gives it, 4 x C(9,4) = 504 distinct tasks.
+order does not matter): ``content_key`` gives it, 4 x C(9,4) = 504 distinct tasks, and the split holds out whole
+keys.
+
+``cdchoresome``: the same tasks by a weaker demonstrator, as ``choresome`` is to ``chores``: it does the ``cd``
+and then only the first k of the four chores (k in 1-4, ``chores.SOME_WEIGHTS``), and its task tests those k.
+The ``credit`` warm start imitates it, so that it resolves some tasks, and a binary reward has a signal to
+learn from at all (a warm start on the full oracle resolved none of the held-out ones, docs/results.md).
 """
 
 from __future__ import annotations
 
 import random
 
-from sandbox_agent.synth.chores import FILES, MENU
+from sandbox_agent.synth.chores import FILES, MENU, SOME_WEIGHTS
 from sandbox_agent.synth.common import SynthSpec
 
 DIRS: tuple[str, ...] = ("app", "site", "work", "srv")
@@ -43,17 +49,25 @@ def content_key(rng: random.Random) -> str:
 
 
 def cdchores_family(rng: random.Random) -> SynthSpec:
+    return _cdchores(rng, "cdchores", all_four=True)
+
+
+def cdchoresome_family(rng: random.Random) -> SynthSpec:
+    return _cdchores(rng, "cdchoresome", all_four=False)
+
+
+def _cdchores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     target, picked, others = _draw(rng)
+    key = f"cdchores:{target}:" + ",".join(str(i) for i in sorted(picked))
     decoys = [d for d in DIRS if d != target]
     steps = "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
     instr = f"In the directory {target}:\n{steps}"
-    sol = (
-        f"cd {target}\n\n"
-        + "\n".join(MENU[i][1] for i in picked[:2])
-        + "\n\n"
-        + "\n".join(MENU[i][1] for i in picked[2:])
-        + "\n"
+    done = picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
+    # the cd, then two chores a reply; the weaker demonstrator's last reply holds what is left of its k
+    sol = f"cd {target}\n\n" + "\n\n".join(
+        "\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]
     )
+    sol += "\n"
     # the menu's checks name WORK, read() and lines(): `at` evaluates one with WORK rebound to a directory
     tests = f'''
 TOP = WORK
@@ -70,7 +84,7 @@ def at(d, check):
     finally:
         WORK = TOP
 '''
-    for k, i in enumerate(picked):
+    for k, i in enumerate(done):
         undone = " and ".join(f"({MENU[j][3]})" for j in others[k::4])  # 5 unrequested chores over 4 tests
         tests += f"""
 
@@ -81,4 +95,4 @@ def test_chore_{k + 1}():
         assert at(d, lambda: {MENU[i][3]}), f"done in {{d}}, not only in {target}: {MENU[i][0]}"
 """
     files: dict[str, str | bytes] = {f"{d}/{name}": body for d in DIRS for name, body in FILES.items()}
-    return SynthSpec("cdchores", instr, sol, tests, files=files, tags=("menu", "setup-step"))
+    return SynthSpec(family, instr, sol, tests, files=files, tags=("menu", "setup-step"), content_key=key)

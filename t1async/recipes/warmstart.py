@@ -99,15 +99,18 @@ RECIPES: dict[str, Recipe] = {
         task_seed=1000,
         sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
-    # ``learn`` on the cdchores family (a `cd` that earns nothing, then the chores; sandbox_agent/synth/cdchores.py):
-    # the policy bench.reward_modes trains with a dense and with a binary reward
+    # ``learn`` on the cdchores tasks (a `cd` that earns nothing, then the chores; sandbox_agent/synth/cdchores.py)
+    # by ``cdchoresome``'s weaker demonstrator, which does the `cd` and then the first k of the four chores: the
+    # policy bench.reward_modes trains on cdchores with a dense and with a binary reward. On the full oracle it
+    # resolved none of the held-out tasks (docs/results.md), so a binary reward was 0 on every episode; on this
+    # one after 300 SFT steps (loss 0.10) it still resolved none and passed 0.76 tests of 4, after 600 21% and 2.34
     "credit": Recipe(
         name="credit",
         model=default_config(),  # the shipped tiny Qwen3-MoE, from its seeded init
-        families=("cdchores",),
+        families=("cdchoresome",),
         tasks=400,
         task_seed=1000,
-        sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+        sft=SFTConfig(steps=600, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
     # the CI learning test's policy (tests/test_learning_ci.py): it imitates ``touchsome``, a demonstrator that
     # names only the first k of touch4's four files (k uniform 1-4), so on touch4 it names 1-4 of them, every
