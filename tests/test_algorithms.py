@@ -244,12 +244,11 @@ def test_cluster_up_hands_the_algorithm_options_to_the_learner_and_actors(tmp_pa
     import tomllib
     from dataclasses import fields
 
-    from clusterargs import bare, learner_argv, serve_args
-
     from t1async.cluster import components
     from t1async.cluster.config import from_args
     from t1async.cluster.flags import add_up_arguments
     from t1async.learner.options import TrainerOptions
+    from tests.clusterargs import bare, learner_argv, serve_args
 
     flags = ["--advantage", "rloo", "--group-size", "4", "--ppo-epochs", "3", "--is-correction", "mis"]
     flags += ["--is-low", "0.7", "--critic-warmup", "2", "--gamma", "0.9", "--lam", "0.8"]

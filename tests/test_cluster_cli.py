@@ -11,12 +11,11 @@ import time
 
 import anyio
 import pytest
-from clusterargs import up_argv
 
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
 from t1async.transport import NatsTransport, traj_subject
-from tests.clusterargs import stop_cluster
+from tests.clusterargs import stop_cluster, up_argv
 from tests.test_natsd import alive
 from tests.test_transport import end, start, turn
 

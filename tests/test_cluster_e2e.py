@@ -12,13 +12,12 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from clusterargs import up_argv
 
 from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.transport import NatsConfig, NatsTransport
 from t1async.transport.auth import Role, creds_path
-from tests.clusterargs import stop_cluster
+from tests.clusterargs import stop_cluster, up_argv
 
 pytestmark = pytest.mark.slow
 ETA = 1

@@ -141,7 +141,7 @@ def test_cluster_up_hands_children_toml_files(tmp_path):
     cfg = UpConfig(run_dir=tmp_path, max_new_tokens=77, lr=3e-5, value_lr=1e-2, sampler_max_batch=8).check()
     by = {s.name: list(s.argv) for s in components.specs(cfg, "nats://127.0.0.1:1")}
     assert all("--config" in argv for argv in by.values())
-    from clusterargs import serve_args
+    from tests.clusterargs import serve_args
 
     learner = serve_args(by["learner"])
     assert (learner.lr, learner.value_lr, learner.run_dir, learner.nats) == (3e-5, 1e-2, tmp_path, "nats://127.0.0.1:1")

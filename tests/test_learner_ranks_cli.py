@@ -14,9 +14,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from clusterargs import up_argv
 
-from tests.clusterargs import stop_cluster
+from tests.clusterargs import stop_cluster, up_argv
 
 
 def events(log: Path, name: str) -> list[dict]:

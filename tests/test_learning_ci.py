@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clusterargs import up_argv as cluster_up_argv
 
 from sandbox_agent.synth import generate
 from t1async.cluster.state import ClusterState
 from t1async.learner.checkpoint import latest_checkpoint
 from t1async.recipes.warmstart import build, get_recipe
 from tests.clusterargs import stop_cluster
+from tests.clusterargs import up_argv as cluster_up_argv
 
 # pyproject's global 300 s timeout does not fit a cold machine: building the micro warm start from nothing
 # takes 2-4 minutes on 2 cores, then the two cluster runs have 900 s deadlines each of their own.

@@ -17,7 +17,6 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from clusterargs import up_argv
 from structlog.testing import capture_logs
 
 from t1async.cluster.config import UpConfig
@@ -28,7 +27,7 @@ from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.transport.auth import Role, creds_path
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
-from tests.clusterargs import stop_cluster
+from tests.clusterargs import stop_cluster, up_argv
 from tests.test_natsd import alive
 from tests.test_transport import turn
 

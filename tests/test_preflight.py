@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from clusterargs import up_argv
 
 from t1async.cluster import cli, preflight
 from t1async.protocol.errors import ConfigError
 from t1async.transport.natsd import find_binary, free_port
+from tests.clusterargs import up_argv
 
 
 def up(tmp_path: Path, repo_env: dict, *flags: str) -> subprocess.CompletedProcess:

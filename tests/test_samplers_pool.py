@@ -10,7 +10,6 @@ import signal
 import anyio
 import numpy as np
 import pytest
-from clusterargs import up_argv
 
 from t1async.model.weights import default_model_dir
 from t1async.protocol.sampling import SamplingParams
@@ -18,7 +17,7 @@ from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import SamplerProcess
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.transport.natsd import free_port
-from tests.clusterargs import stop_cluster
+from tests.clusterargs import stop_cluster, up_argv
 
 
 def pool(n: int = 2, cap: int = 2) -> SamplerPool:

@@ -77,10 +77,9 @@ def _up_cfg(*argv: str):
     import argparse
     from pathlib import Path
 
-    from clusterargs import bare
-
     from t1async.cluster.config import from_args
     from t1async.cluster.flags import add_up_arguments
+    from tests.clusterargs import bare
 
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", type=Path, default=None)

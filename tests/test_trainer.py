@@ -397,10 +397,9 @@ def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
 def test_cluster_up_critic_reaches_the_learners_trainer_config(tmp_path):
     import argparse
 
-    from clusterargs import learner_argv, learner_toml, serve_args
-
     from t1async.cluster.config import from_args
     from t1async.protocol.errors import ConfigError
+    from tests.clusterargs import learner_argv, learner_toml, serve_args
 
     argv = learner_argv(tmp_path / "a", "--critic", "shared")
     assert learner_toml(argv)["critic"] == "shared" and "--critic" not in argv
@@ -439,11 +438,10 @@ def test_bf16_training_autocasts_over_fp32_master_weights():
 def test_train_dtype_and_device_reach_the_learner_and_bad_ones_are_clear(tmp_path):
     import argparse
 
-    from clusterargs import learner_argv, learner_toml, serve_args
-
     from t1async.cluster.config import from_args
     from t1async.learner.trainer_config import torch_device
     from t1async.protocol.errors import ConfigError
+    from tests.clusterargs import learner_argv, learner_toml, serve_args
 
     argv = learner_argv(tmp_path / "a", "--train-dtype", "bfloat16", "--device", "cuda")
     toml = learner_toml(argv)

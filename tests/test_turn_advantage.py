@@ -103,9 +103,8 @@ def test_turn_advantages_raise_a_better_first_turn_whatever_the_second_did():
 
 
 def test_cluster_up_advantage_reaches_the_learner(tmp_path):
-    from clusterargs import learner_argv, learner_toml, serve_args
-
     from t1async.cluster.config import from_args
+    from tests.clusterargs import learner_argv, learner_toml, serve_args
 
     argv = learner_argv(tmp_path / "a", "--advantage", "turn")
     assert learner_toml(argv)["advantage"] == "turn" and "--advantage" not in argv

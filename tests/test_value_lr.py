@@ -69,9 +69,8 @@ def test_value_lr_survives_a_checkpoint_and_bad_values_are_refused(tmp_path):
 
 
 def test_cluster_up_value_lr_reaches_the_learner(tmp_path):
-    from clusterargs import learner_argv, learner_toml, serve_args
-
     from t1async.cluster.config import from_args
+    from tests.clusterargs import learner_argv, learner_toml, serve_args
 
     argv = learner_argv(tmp_path / "a", "--value-lr", "0.003")
     assert learner_toml(argv)["value_lr"] == 0.003  # in the learner's --config file, not re-spelled as a flag

@@ -94,7 +94,7 @@ def test_preset_learn_sets_defaults_and_flags_win(tmp_path):
     # the RL settings bench.learning measured (docs/results.md, "Learning"): per-turn advantages, lr 5e-5
     assert (c.advantage, c.lr, c.critic, c.value_lr) == ("turn", 5e-5, "detached", 3e-3)
     argv = next(list(s.argv) for s in components.specs(c, "nats://127.0.0.1:1") if s.name == "learner")
-    from clusterargs import serve_args
+    from tests.clusterargs import serve_args
 
     learner = serve_args(argv)  # what the learner reads from the --config file cluster up wrote
     assert (learner.advantage, learner.lr, learner.critic, learner.value_lr) == ("turn", 5e-5, "detached", 3e-3)

@@ -15,13 +15,13 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from clusterargs import up_argv
 
 from sandbox_agent.synth import generate
 from t1async.model.weights import default_model_dir
 from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import launch_sampler
+from tests.clusterargs import up_argv
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]
