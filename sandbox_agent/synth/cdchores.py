@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 
-from sandbox_agent.synth.chores import FILES, MENU, SOME_WEIGHTS
+from sandbox_agent.synth.chores import FILES, MENU, chore_replies, demonstrated, menu_steps
 from sandbox_agent.synth.common import SynthSpec
 
 DIRS: tuple[str, ...] = ("app", "site", "work", "srv")
@@ -45,6 +45,10 @@ def content_key(rng: random.Random) -> str:
     ``random.Random`` state gives the same draw): the directory and the sorted chore set, e.g.
     ``"cdchores:site:0,2,5,8"``."""
     target, picked, _ = _draw(rng)
+    return _key(target, picked)
+
+
+def _key(target: str, picked: list[int]) -> str:
     return f"cdchores:{target}:" + ",".join(str(i) for i in sorted(picked))
 
 
@@ -58,16 +62,11 @@ def cdchoresome_family(rng: random.Random) -> SynthSpec:
 
 def _cdchores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     target, picked, others = _draw(rng)
-    key = f"cdchores:{target}:" + ",".join(str(i) for i in sorted(picked))
     decoys = [d for d in DIRS if d != target]
-    steps = "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
+    steps = menu_steps(picked)
     instr = f"In the directory {target}:\n{steps}"
-    done = picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
-    # the cd, then two chores a reply; the weaker demonstrator's last reply holds what is left of its k
-    sol = f"cd {target}\n\n" + "\n\n".join(
-        "\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]
-    )
-    sol += "\n"
+    done = demonstrated(rng, picked, all_four=all_four)
+    sol = f"cd {target}\n\n" + chore_replies(done)  # the cd, then the chores two a reply
     # the menu's checks name WORK, read() and lines(): `at` evaluates one with WORK rebound to a directory
     tests = f'''
 TOP = WORK
@@ -95,4 +94,6 @@ def test_chore_{k + 1}():
         assert at(d, lambda: {MENU[i][3]}), f"done in {{d}}, not only in {target}: {MENU[i][0]}"
 """
     files: dict[str, str | bytes] = {f"{d}/{name}": body for d in DIRS for name, body in FILES.items()}
-    return SynthSpec(family, instr, sol, tests, files=files, tags=("menu", "setup-step"), content_key=key)
+    return SynthSpec(
+        family, instr, sol, tests, files=files, tags=("menu", "setup-step"), content_key=_key(target, picked)
+    )

@@ -90,6 +90,21 @@ FILES: dict[str, str] = {
 SOME_WEIGHTS = (1, 4, 1, 2)
 
 
+def menu_steps(picked: list[int]) -> str:
+    """The instruction's numbered list of the picked chores' phrases."""
+    return "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
+
+
+def demonstrated(rng: random.Random, picked: list[int], *, all_four: bool) -> list[int]:
+    """The chores the demonstrator does: all four, or (the weaker one) the first k, k drawn by SOME_WEIGHTS."""
+    return picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
+
+
+def chore_replies(done: list[int]) -> str:
+    """The oracle's chore commands, two a reply (replies split by a blank line); the last holds what is left."""
+    return "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]) + "\n"
+
+
 def chores_family(rng: random.Random) -> SynthSpec:
     return _chores(rng, "chores", all_four=True)
 
@@ -102,12 +117,11 @@ def _chores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     picked = rng.sample(range(len(MENU)), 4)
     others = [i for i in range(len(MENU)) if i not in picked]
     rng.shuffle(others)
-    steps = "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
+    steps = menu_steps(picked)
     instr = f"In the current directory:\n{steps}"
     key = "chores:" + "+".join(str(i) for i in sorted(picked))
-    done = picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
-    # two chores a reply; the weaker demonstrator's last reply holds what is left of its k (then DONE)
-    sol = "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]) + "\n"
+    done = demonstrated(rng, picked, all_four=all_four)
+    sol = chore_replies(done)  # then DONE
     tests = ""
     for k, i in enumerate(done):
         undone = " and ".join(f"({MENU[j][3]})" for j in others[k::4])  # 5 unrequested chores over 4 tests
