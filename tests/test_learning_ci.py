@@ -106,8 +106,10 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
                 f"cluster up exited {proc.returncode}: {(tmp_path / 'up-1.log').read_text()[-3000:]}"
             )
             assert time.monotonic() < deadline, f"no version {KILL_AT} in {RUN_DEADLINE_S} s: {sorted(steps_of(run))}"
+            # both: the learner checkpoints a version before it publishes that step's metrics record, so a kill
+            # between the two leaves the checkpoint one step ahead of metrics.jsonl
             ck = latest_checkpoint(run / "checkpoints")
-            if ck is not None and ck.policy_version >= KILL_AT:
+            if ck is not None and ck.policy_version >= KILL_AT and max(steps_of(run), default=0) >= KILL_AT:
                 break
             time.sleep(1.0)
         learner = ClusterState.load(run).components["learner"].pid
