@@ -238,22 +238,11 @@ def journal_keys(run: Path) -> set[Key]:
 
 
 async def _answered(call: Callable[[], Awaitable[T]], wait_s: float = 60.0, pause_s: float = 0.5) -> T:
-    """``call()``, again while JetStream says it is electing (503) or does not answer in time.
+    """``call()``, waiting out a JetStream election as the transport does: after a host's link comes back, the
+    stream's replicas may elect afresh and the API answers 503 until they have."""
+    from t1async.transport.natsio import while_electing
 
-    After a host's link comes back, the stream's replicas may hold a fresh election, and JetStream's API answers
-    503 "temporarily unavailable" until it ends; a reader waits for it, as the transport does, up to ``wait_s``.
-    """
-    import nats.errors
-    import nats.js.errors
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return await call()
-        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
-            if time.monotonic() >= deadline:
-                raise
-            await asyncio.sleep(pause_s)
+    return await while_electing(call, wait_s, pause_s)
 
 
 async def _read_streams(urls: list[str], keys: Path) -> dict[str, Any]:

@@ -197,3 +197,31 @@ async def test_an_unreachable_server_says_what_to_do():
     with pytest.raises(TransportError, match=r"cannot reach NATS at .*cluster up"):
         async with NatsTransport(config=NatsConfig(url=url, connect_timeout_s=0.5, reconnect_wait_s=0.05)):
             pass
+
+
+async def test_a_server_without_jetstream_is_waited_for_and_then_named(tmp_path):
+    """JetStream's API answers "no responders" (503 to nats-py) on a server without it, as on a cluster that is
+    electing: opening asks again for ``jetstream_wait_s``, then says what to check instead of hanging."""
+    import subprocess
+
+    from t1async.transport.natsd import find_binary
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(find_binary()), "-a", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        with anyio.fail_after(30):
+            while True:  # listening: the connection below must get as far as JetStream
+                try:
+                    await (await anyio.connect_tcp("127.0.0.1", port)).aclose()
+                    break
+                except OSError:
+                    await anyio.sleep(0.05)
+        cfg = NatsConfig(url=f"nats://127.0.0.1:{port}", connect_timeout_s=5, jetstream_wait_s=1.0, retry_wait_s=0.1)
+        with pytest.raises(TransportError, match=r"did not answer for 1 s .*electing.*quorum"):
+            async with NatsTransport(config=cfg):
+                pass
+    finally:
+        proc.terminate()
+        proc.wait(10)

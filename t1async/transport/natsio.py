@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -32,6 +33,33 @@ from t1async.transport.pipeline import Outgoing
 log = get_logger("transport.nats")
 DEFAULT_URL = "nats://127.0.0.1:4222"
 DEAD_STREAM = "T1_DEAD"
+T = TypeVar("T")
+
+# what JetStream's API answers while a stream's replicas or the meta group elect a leader: wait, then ask again
+ELECTING = (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError)
+
+
+async def while_electing(
+    call: Callable[[], Awaitable[T]],
+    wait_s: float,
+    pause_s: float,
+    on_wait: Callable[[BaseException], None] | None = None,
+) -> T:
+    """``call()``, again every ``pause_s`` while JetStream answers 503 "temporarily unavailable" or not at all.
+
+    A cluster that just restarted, or whose link to a host just came back, answers its JetStream API only once
+    it has elected. After ``wait_s`` the last error is raised as it came; ``on_wait`` sees each one before it.
+    """
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            return await call()
+        except ELECTING as exc:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            if on_wait is not None:
+                on_wait(exc)
+            await asyncio.sleep(pause_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,22 +201,21 @@ class AioNats:
                 num_replicas=r,
             ),
         ]
-        loop = asyncio.get_running_loop()
         for sc in wanted:
-            deadline = loop.time() + cfg.jetstream_wait_s
-            while True:  # a cluster that just restarted answers its JetStream API only once it has elected
-                try:
-                    await self._ensure_stream(sc)
-                    break
-                except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as exc:
-                    if loop.time() >= deadline:
-                        raise TransportError(
-                            f"JetStream at {redact(cfg.url)} did not answer for {cfg.jetstream_wait_s:.0f} s "
-                            f"({type(exc).__name__}): a cluster that just restarted may still be electing, or too "
-                            "few of its servers are up for a quorum; start them, or check their logs"
-                        ) from exc
-                    log.warning("transport.jetstream_wait", stream=sc.name, error=repr(exc))
-                    await asyncio.sleep(cfg.retry_wait_s)
+
+            def waiting(exc: BaseException, name: str | None = sc.name) -> None:
+                log.warning("transport.jetstream_wait", stream=name, error=repr(exc))
+
+            try:
+                await while_electing(
+                    functools.partial(self._ensure_stream, sc), cfg.jetstream_wait_s, cfg.retry_wait_s, waiting
+                )
+            except ELECTING as exc:
+                raise TransportError(
+                    f"JetStream at {redact(cfg.url)} did not answer for {cfg.jetstream_wait_s:.0f} s "
+                    f"({type(exc).__name__}): a cluster that just restarted may still be electing, or too "
+                    "few of its servers are up for a quorum; start them, or check their logs"
+                ) from exc
 
     async def _ensure_stream(self, sc: api.StreamConfig) -> None:
         cfg = self.config
