@@ -112,6 +112,17 @@ RECIPES: dict[str, Recipe] = {
         task_seed=1000,
         sft=SFTConfig(steps=600, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
     ),
+    # ``credit`` stopped at 450 SFT steps: a policy that does the `cd` and some chores but rarely all four, so a
+    # binary end-of-episode reward is seldom anything but 0 and a dense one still pays for each chore done (the
+    # setting where T1's dense process reward should matter; bench.reward_modes --warm-start credit-early)
+    "credit-early": Recipe(
+        name="credit-early",
+        model=default_config(),
+        families=("cdchoresome",),
+        tasks=400,
+        task_seed=1000,
+        sft=SFTConfig(steps=450, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+    ),
     # the CI learning test's policy (tests/test_learning_ci.py): it imitates ``touchsome``, a demonstrator that
     # names only the first k of touch4's four files (k uniform 1-4), so on touch4 it names 1-4 of them, every
     # name right (2.51 of 4, pass@1 26%, 300 tasks x 4 samples) and RL has one decision per file to fix. 1200
