@@ -30,12 +30,13 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 # argv: PPID SIG FD PROGRAM ARGS...; exit 1 when the parent died before the guard was set. FD is the write end of
 # a pipe, closed by the exec (close-on-exec): the parent's read of EOF says the real program runs now.
@@ -100,8 +101,8 @@ class _Spawner:
             except BaseException as exc:  # handed to the waiting caller
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
         self._jobs.put((fn, fut))
         return fut
 
@@ -124,6 +125,17 @@ def _get_spawner() -> _Spawner:
         if _spawner is None:
             _spawner = _Spawner()
         return _spawner
+
+
+def on_spawner_thread(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` on the dedicated spawner thread (started on first use): a child it forks gets its parent-death
+    signal only when this process dies. sandbox_agent's sandboxes are forked here too."""
+    return _get_spawner().submit(fn)
+
+
+def spawner_thread() -> threading.Thread:
+    """The dedicated thread (started on first use)."""
+    return _get_spawner().thread
 
 
 def _popen_kwargs(
