@@ -86,6 +86,23 @@ class Recipe:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# the chores warm starts' SFT: ``learn`` runs it as it is, ``credit`` and ``credit-early`` for more steps
+_CHORES_SFT = SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0)
+
+# ``learn`` on the cdchores tasks (a `cd` that earns nothing, then the chores; sandbox_agent/synth/cdchores.py)
+# by ``cdchoresome``'s weaker demonstrator, which does the `cd` and then the first k of the four chores: the
+# policy bench.reward_modes trains on cdchores with a dense and with a binary reward. On the full oracle it
+# resolved none of the held-out tasks (docs/results.md), so a binary reward was 0 on every episode; on this
+# one after 300 SFT steps (loss 0.10) it still resolved none and passed 0.76 tests of 4, after 600 21% and 2.34
+_CREDIT = Recipe(
+    name="credit",
+    model=default_config(),  # the shipped tiny Qwen3-MoE, from its seeded init
+    families=("cdchoresome",),
+    tasks=400,
+    task_seed=1000,
+    sft=dataclasses.replace(_CHORES_SFT, steps=600),
+)
+
 RECIPES: dict[str, Recipe] = {
     # the chores menu (no copying; sandbox_agent/synth/chores.py) by ``choresome``'s weaker demonstrator, which
     # does only the first k of the four chores: the warm start knows every chore's command but stops early as
@@ -97,32 +114,13 @@ RECIPES: dict[str, Recipe] = {
         families=("choresome",),
         tasks=400,
         task_seed=1000,
-        sft=SFTConfig(steps=300, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
+        sft=_CHORES_SFT,
     ),
-    # ``learn`` on the cdchores tasks (a `cd` that earns nothing, then the chores; sandbox_agent/synth/cdchores.py)
-    # by ``cdchoresome``'s weaker demonstrator, which does the `cd` and then the first k of the four chores: the
-    # policy bench.reward_modes trains on cdchores with a dense and with a binary reward. On the full oracle it
-    # resolved none of the held-out tasks (docs/results.md), so a binary reward was 0 on every episode; on this
-    # one after 300 SFT steps (loss 0.10) it still resolved none and passed 0.76 tests of 4, after 600 21% and 2.34
-    "credit": Recipe(
-        name="credit",
-        model=default_config(),  # the shipped tiny Qwen3-MoE, from its seeded init
-        families=("cdchoresome",),
-        tasks=400,
-        task_seed=1000,
-        sft=SFTConfig(steps=600, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
-    ),
+    "credit": _CREDIT,
     # ``credit`` stopped at 450 SFT steps: a policy that does the `cd` and some chores but rarely all four, so a
     # binary end-of-episode reward is seldom anything but 0 and a dense one still pays for each chore done (the
     # setting where T1's dense process reward should matter; bench.reward_modes --warm-start credit-early)
-    "credit-early": Recipe(
-        name="credit-early",
-        model=default_config(),
-        families=("cdchoresome",),
-        tasks=400,
-        task_seed=1000,
-        sft=SFTConfig(steps=450, lr=2e-3, warmup_steps=10, batch_tokens=2048, seed=0),
-    ),
+    "credit-early": dataclasses.replace(_CREDIT, name="credit-early", sft=dataclasses.replace(_CHORES_SFT, steps=450)),
     # the CI learning test's policy (tests/test_learning_ci.py): it imitates ``touchsome``, a demonstrator that
     # names only the first k of touch4's four files (k uniform 1-4), so on touch4 it names 1-4 of them, every
     # name right (2.51 of 4, pass@1 26%, 300 tasks x 4 samples) and RL has one decision per file to fix. 1200
