@@ -34,6 +34,14 @@ def up_argv(run_dir: Path | str, *args: str) -> list[str]:
     return [sys.executable, "-m", "t1async.cluster", "up", "--run-dir", str(run_dir), *bare(args)]
 
 
+# a small synthetic cluster: the end-to-end tests' shared shape (6 turns a step from 2 actors x 2 episodes of at
+# most 6 turns, 32 new tokens a turn, 20 synthetic tasks); the test adds what it is about
+SMALL = (
+    *("--batch-turns", "6", "--actors", "2", "--concurrency", "2"),
+    *("--max-turns", "6", "--max-new-tokens", "32", "--synth-tasks", "20"),
+)
+
+
 def bare(args: Sequence[str]) -> list[str]:
     """``cluster up`` ARGS, with ``--preset none`` unless they name a preset: the plumbing tests run the bare
     shipped model, not the ``quickstart`` warm start a bare ``cluster up`` builds on first use (minutes)."""

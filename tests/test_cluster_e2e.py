@@ -17,7 +17,7 @@ from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.transport import NatsConfig, NatsTransport
 from t1async.transport.auth import Role, creds_path
-from tests.clusterargs import stop_cluster, up_argv
+from tests.clusterargs import SMALL, stop_cluster, up_argv
 
 pytestmark = pytest.mark.slow
 ETA = 1
@@ -82,18 +82,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
         *up_argv(run_dir),
         "--steps",
         "3",
-        "--batch-turns",
-        "6",
-        "--actors",
-        "2",
-        "--concurrency",
-        "2",
-        "--max-turns",
-        "6",
-        "--max-new-tokens",
-        "32",
-        "--synth-tasks",
-        "20",
+        *SMALL,
         "--max-staleness",
         str(ETA),
         "--duration",

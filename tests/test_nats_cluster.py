@@ -27,7 +27,7 @@ from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.transport.auth import Role, creds_path
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
-from tests.clusterargs import stop_cluster, up_argv
+from tests.clusterargs import SMALL, stop_cluster, up_argv
 from tests.test_natsd import alive
 from tests.test_transport import turn
 
@@ -200,18 +200,7 @@ async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, 
         *up_argv(run_dir),
         "--nats-nodes",
         "3",
-        "--batch-turns",
-        "6",
-        "--actors",
-        "2",
-        "--concurrency",
-        "2",
-        "--max-turns",
-        "6",
-        "--max-new-tokens",
-        "32",
-        "--synth-tasks",
-        "20",
+        *SMALL,
         "--duration",
         "400",
         "--plain",

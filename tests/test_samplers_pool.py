@@ -17,7 +17,7 @@ from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import SamplerProcess
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.transport.natsd import free_port
-from tests.clusterargs import stop_cluster, up_argv
+from tests.clusterargs import SMALL, stop_cluster, up_argv
 
 
 def pool(n: int = 2, cap: int = 2) -> SamplerPool:
@@ -177,18 +177,7 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
         *up_argv(run_dir),
         "--samplers",
         "2",
-        "--batch-turns",
-        "6",
-        "--actors",
-        "2",
-        "--concurrency",
-        "2",
-        "--max-turns",
-        "6",
-        "--max-new-tokens",
-        "32",
-        "--synth-tasks",
-        "20",
+        *SMALL,
         "--duration",
         "400",
         "--plain",
