@@ -1,14 +1,15 @@
 """Dense process reward against a binary end-of-episode reward, on the same policy, tasks and budget.
 
-    python -m bench.reward_modes [--rl-steps 40] [--samples 2] [--json]
+    python -m bench.reward_modes [--warm-start credit|credit-early] [--rl-steps 40] [--samples 2] [--json]
 
-1. the ``credit`` warm start (``t1async.recipes.warmstart``: the ``learn`` recipe's SFT on ``cdchoresome``, a
-   demonstrator that does the ``cd`` and then only the first k of the four chores; cached);
+1. the ``--warm-start`` policy (``t1async.recipes.warmstart``, cached): ``credit``, the ``learn`` recipe's SFT on
+   ``cdchoresome``, a demonstrator that does the ``cd`` and then only the first k of the four chores, or
+   ``credit-early``, the same SFT stopped sooner, which rarely does all four;
 2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0, every chore tested), split by content key
    (directory and chore set). The held-out tasks are its eval split; the bench checks that no eval key is in a
    train task or among the warm start's demonstrations (``split.json``), and refuses to run if one is;
 3. eval before (``bench.learning.eval_policy``, ``--samples`` seeded episodes per task);
-4. for each of ``--rewards`` (default dense, binary): ``cluster up --preset learn --warm-start credit
+4. for each of ``--rewards`` (default dense, binary): ``cluster up --preset learn --warm-start W
    --reward R`` for ``--rl-steps`` learner steps (the same turns per step, so the same budget), then the same
    eval on its last checkpoint.
 
