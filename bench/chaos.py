@@ -54,7 +54,7 @@ from bench._common import emit_json, print_grid
 from t1async.cluster.state import ClusterState, RunStatus
 from t1async.credits.settle import read_step_log
 from t1async.ingest.journal import read_journal
-from t1async.procs import popen
+from t1async.procs import pid_alive, popen
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 from t1async.transport.auth import Role, creds_path, load_creds
@@ -114,16 +114,6 @@ class Run:
         """The newest counted step's version (-1 before the first)."""
         steps = read_step_log(self.run_dir / "learner" / "steps.jsonl")
         return max(steps, default=-1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _descendants(pid: int) -> list[int]:
@@ -381,7 +371,7 @@ def mount_journal_fs(run_dir: Path, size_mb: int) -> Path | None:
         return None
     for old in Path(tempfile.gettempdir()).glob("t1-chaos-journal-*-*"):
         pid = old.name.split("-")[3]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             subprocess.run(["umount", "-l", str(old)], check=False, capture_output=True)
             old.rmdir()
     fs = Path(tempfile.mkdtemp(prefix=f"t1-chaos-journal-{os.getpid()}-"))

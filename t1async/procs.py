@@ -138,6 +138,18 @@ def spawner_thread() -> threading.Thread:
     return _get_spawner().thread
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent).
+    Another user's process counts; a PID recycled since is not told apart (the caller records more than a PID
+    where that matters, as ``cluster.state`` does)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(") ", 1)[1].split()[0]  # the name in parentheses may hold ") " itself
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def _popen_kwargs(
     env: Mapping[str, str] | None, cwd: str | os.PathLike | None, start_new_session: bool, **io: Any
 ) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import pytest
 
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState, ProcInfo, RunStatus, is_ours, proc_info
-from t1async.procs import open_process, popen
+from t1async.procs import open_process, pid_alive, popen
 from tests.clusterargs import cluster_up
 
 
@@ -162,3 +162,25 @@ async def test_a_guarded_child_dies_with_its_parent_even_after_an_idle_spawner(t
 def test_a_missing_program_fails_in_the_parent_as_popen_would():
     with pytest.raises(FileNotFoundError):
         popen(["/nonexistent/nats-server"])
+
+
+def test_pid_alive_counts_a_running_process_and_not_a_zombie_or_a_gone_one():
+    """A stale run's owner that exited but was not reaped yet is gone: reaping its leftovers must not wait on it.
+    (A plain ``kill(pid, 0)`` answers yes for a zombie.)"""
+    import time
+
+    sleeper = popen(["sleep", "30"])
+    try:
+        assert pid_alive(sleeper.pid) and pid_alive(os.getpid())
+        sleeper.kill()
+        deadline = time.monotonic() + 30
+        while pid_alive(sleeper.pid):  # a zombie until wait() below: the kill is seen once its state is Z
+            assert time.monotonic() < deadline, "a killed child still reads as alive"
+            time.sleep(0.01)
+        assert os.waitpid(sleeper.pid, os.WNOHANG)[0] == sleeper.pid  # it was a zombie, reaped only now
+        sleeper.returncode = -9
+    finally:
+        if sleeper.returncode is None:
+            sleeper.kill()
+            sleeper.wait()
+    assert not pid_alive(sleeper.pid)

@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from t1async.procs import pid_alive
 from tests.clusterargs import stop_cluster, up_argv
 
 
@@ -29,14 +30,6 @@ def events(log: Path, name: str) -> list[dict]:
             except json.JSONDecodeError:
                 pass  # a line being written
     return [e for e in out if e.get("event") == name]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
@@ -103,7 +96,7 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert {m.get("learner_ranks") for m in metrics if m["component"] == "learner"} == {2}
     pids = rank_pids(log)
-    assert len(pids) == 3 and events(log, "learner.rank_stopped") and not any(alive(p) for p in pids)
+    assert len(pids) == 3 and events(log, "learner.rank_stopped") and not any(pid_alive(p) for p in pids)
 
 
 @pytest.mark.slow
@@ -156,7 +149,7 @@ async def test_a_stopped_learner_stops_its_ranks(tmp_path, repo_env, nats_server
     try:
         await wait_for(lambda: events(log, "learner.ready"), 120, "the learner ready")
         pids = rank_pids(log)
-        assert len(pids) == 3 and all(alive(p) for p in pids)
+        assert len(pids) == 3 and all(pid_alive(p) for p in pids)
         os.kill(proc.pid, sig)
         proc.wait(timeout=60)
     finally:
@@ -165,7 +158,7 @@ async def test_a_stopped_learner_stops_its_ranks(tmp_path, repo_env, nats_server
             proc.wait()
     assert proc.returncode in (0, -sig), log.read_text()[-2000:]
     assert events(log, "learner.rank_stopped"), "rank 1 was told to stop, not killed"
-    assert not any(alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
 
 
 async def test_a_dead_rank_stops_the_learner_and_a_restart_resumes(tmp_path, repo_env, nats_server):
@@ -192,7 +185,7 @@ async def test_a_dead_rank_stops_the_learner_and_a_restart_resumes(tmp_path, rep
     line = f"error: learner rank 1 (pid {pids[2]}) exited with code -9; the learner stops (restart it: it resumes"
     assert proc.returncode == 2 and line in text, text[-3000:]
     assert [x for x in text.splitlines() if x.startswith("error:")] == [x for x in text.splitlines() if line in x]
-    assert not any(alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     proc, log = serve(tmp_path, nats_server.url, repo_env)  # restarted (cluster up's supervisor does it too)
     try:
         ready = await wait_for(lambda: events(log, "learner.ready")[1:], 120, "the restarted learner ready")
@@ -204,4 +197,4 @@ async def test_a_dead_rank_stops_the_learner_and_a_restart_resumes(tmp_path, rep
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0 and not any(alive(p) for p in pids)
+    assert proc.returncode == 0 and not any(pid_alive(p) for p in pids)

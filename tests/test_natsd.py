@@ -2,35 +2,27 @@
 
 from __future__ import annotations
 
-import os
 import stat
 
 import anyio
 import httpx
 import pytest
 
+from t1async.procs import pid_alive
 from t1async.protocol.errors import ServerStartError
 from t1async.transport.natsd import NatsServer, find_binary
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_starts_with_jetstream_on_a_free_port_and_stops_by_pid(tmp_path):
     async with NatsServer.start(tmp_path / "store") as srv:
         pid = srv.pid
-        assert pid and alive(pid) and srv.url.startswith("nats://127.0.0.1:")
+        assert pid and pid_alive(pid) and srv.url.startswith("nats://127.0.0.1:")
         async with await anyio.connect_tcp("127.0.0.1", srv.port) as s:
             assert (await s.receive()).startswith(b"INFO ")
         async with httpx.AsyncClient() as c:
             assert (await c.get(f"{srv.monitor_url}/healthz?js-enabled-only=true")).status_code == 200
         assert (tmp_path / "store" / "nats-server.log").exists()
-    assert not alive(pid)
+    assert not pid_alive(pid)
 
 
 async def test_stopped_when_the_block_is_cancelled(tmp_path):
@@ -39,7 +31,7 @@ async def test_stopped_when_the_block_is_cancelled(tmp_path):
         async with NatsServer.start(tmp_path / "store") as srv:
             pid = srv.pid
             await anyio.sleep_forever()
-    assert pid is not None and not alive(pid)
+    assert pid is not None and not pid_alive(pid)
 
 
 async def test_stopped_when_the_block_raises(tmp_path):
@@ -48,16 +40,16 @@ async def test_stopped_when_the_block_raises(tmp_path):
         async with NatsServer.start(tmp_path / "store") as srv:
             pid = srv.pid
             1 / 0  # noqa: B018
-    assert pid is not None and not alive(pid)
+    assert pid is not None and not pid_alive(pid)
 
 
 async def test_kill_and_restart_keep_port_and_store(tmp_path):
     async with NatsServer.start(tmp_path / "store") as srv:
         url, old = srv.url, srv.pid
         await srv.kill()
-        assert not alive(old)
+        assert not pid_alive(old)
         await srv.restart()
-        assert srv.url == url and srv.pid != old and alive(srv.pid)
+        assert srv.url == url and srv.pid != old and pid_alive(srv.pid)
         assert any((tmp_path / "store").glob("jetstream*")), "JetStream keeps its store in the same dir"
 
 

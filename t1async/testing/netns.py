@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from t1async.log import get_logger
+from t1async.procs import pid_alive
 
 log = get_logger("testing.netns")
 
@@ -66,23 +67,13 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap(prefix: str = PREFIX) -> list[str]:
     """Delete the namespaces a dead run left (``<prefix>-<pid>-...`` with that PID gone), after SIGKILLing the
     processes still inside them (by PID: only that run started processes there); returns their names."""
     gone = []
     for name in namespaces():
         m = re.match(rf"^{re.escape(prefix)}-(\d+)-", name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             for pid in ip("netns", "pids", name, check=False).split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
