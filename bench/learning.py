@@ -13,7 +13,9 @@
 4. ``--seeds N`` RL runs (``cluster up --preset learn --steps N --seed S``, S = ``--seed`` + i: nats-server
    with JetStream, the embedded sampler, the learner, actors in the bwrap sandbox; the train split only),
    each checkpoint evaluated on the test split greedily and at the training temperature;
-5. out of distribution: the 11 default families (never trained on), before and after the first seed.
+5. out of distribution, before and after the first seed: the 11 default families (never trained on), and
+   ``chores6`` (``--recombined-tasks``), the menu's chores six at a time in three replies: nothing in it is new
+   but the combination (the same phrases and commands, one reply more than training ever asked for).
 
 Episodes are seeded per task, sample and turn (greedy: one sample). Figures are means over content keys with
 95% bootstrap CIs over keys, the differences paired; episodes that errored (sandbox, sampler, timeout,
@@ -22,7 +24,7 @@ greedy-after vs the best decoding before and T-after vs T-before, then the mean 
 Writes ``learning.png``, ``split.json`` and ``summary.json``; the last stdout line is JSON with
 ``best_decoding_before`` {temperature, pass1}, ``seeds`` [{pass1_before, pass1_after, ci95_diff {pass1,
 tests}, tests_before, tests_after, at_train_temperature}], ``over_seeds``, ``split_disjoint``, ``ood``,
-``errors``, ``checks`` and ``minutes_per_seed``.
+``ood_recombined``, ``errors``, ``checks`` and ``minutes_per_seed``.
 
 Targets (each seed, test split): greedy pass@1 after >= the warm start's best + 10 points with the paired CI
 excluding 0, the T = 1 CI excluding 0; mean tests >= 1.2x before; |Δlogp| <= 0.02 at every step;
@@ -52,6 +54,7 @@ from t1async.signals import handlers
 
 log = get_logger("bench.learning")
 DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
+RECOMBINED_FAMILIES = ("chores6",)  # the trained skills in a new combination (sandbox_agent/synth/chores.py)
 
 
 def eval_policy(
@@ -168,10 +171,11 @@ def ensure_corpus(root: Path, n: int, seed: int, families: Sequence[str]) -> dic
     return have
 
 
-def held_tasks(root: Path, table: dict[str, dict], split: str) -> list:
+def held_tasks(root: Path, table: dict[str, dict], split: str | None) -> list:
+    """The tasks of ``table`` in ``split`` (None: all of them, for a family no run trains on), loaded."""
     from sandbox_agent.tasks import load_task
 
-    return [load_task(root / t) for t, e in sorted(table.items()) if e["split"] == split]
+    return [load_task(root / t) for t, e in sorted(table.items()) if split is None or e["split"] == split]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the warm start's decoding sweep, chosen on eval, reported on test (default 0,0.3,0.7,1.0)",
     )
     p.add_argument("--ood-tasks", type=int, default=220, help="default-family corpus for the OOD eval (0: skip)")
+    p.add_argument(
+        "--recombined-tasks",
+        type=int,
+        default=60,
+        help="chores6 tasks for the recombination OOD eval, all of them (no run trains on the family; 0: skip)",
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="corpus and eval seed, and the first RL seed")
     p.add_argument("--cluster-arg", action="append", default=[], help="extra flag for cluster up (repeatable)")
@@ -256,9 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ood_tasks:
         ood_table = ensure_corpus(run / "ood-tasks", args.ood_tasks, args.seed, DEFAULT_FAMILIES)
         ood = held_tasks(run / "ood-tasks", ood_table, "eval")
+    recombined = []
+    if args.recombined_tasks:
+        rec_table = ensure_corpus(run / "recombined-tasks", args.recombined_tasks, args.seed, RECOMBINED_FAMILIES)
+        recombined = held_tasks(run / "recombined-tasks", rec_table, None)
     print(
         f"held out: eval {len(evals)} tasks, test {len(tests)} tasks x {args.samples} samples (greedy: 1); "
-        f"OOD: {len(ood)} tasks x 1",
+        f"OOD: {len(ood)} tasks x 1; recombined OOD: {len(recombined)} tasks x 1",
         flush=True,
     )
 
@@ -286,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         before[temp] = all_rows[f"test-before-T{temp:g}"] = policy_eval(warm, tests, temp, f"test-before-T{temp:g}")
     ood_b = policy_eval(warm, ood, train_t, "ood-before", samples=1) if ood else []
     all_rows["ood-before"] = ood_b
+    rec_b = policy_eval(warm, recombined, train_t, "recombined-before", samples=1) if recombined else []
+    all_rows["recombined-before"] = rec_b
     t_before = time.perf_counter() - t1
 
     # -- N RL runs on the same frozen split, each evaluated on test greedily and at the training temperature
@@ -322,6 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ood and i == 0:
             ood_a = all_rows["ood-after"] = policy_eval(ckpt, ood, train_t, "ood-after", samples=1)
             entry["ood"] = compare(ood_b, ood_a)
+        if recombined and i == 0:
+            rec_a = all_rows["recombined-after"] = policy_eval(ckpt, recombined, train_t, "recombined-after", samples=1)
+            entry["ood_recombined"] = compare(rec_b, rec_a)
         seeds.append(entry)
         print_grid(
             ["step", "reward/turn", "episodes", "resolved", "tests/ep", "|dlogp|"],
@@ -348,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check=check,
         errors=error_counts(all_rows),
         ood=seeds[0].get("ood"),
+        ood_recombined=seeds[0].get("ood_recombined"),
     )
     summary.update(
         minutes_before=t_before / 60.0,
@@ -380,6 +400,7 @@ LAST_LINE = (
     "over_seeds",
     "split_disjoint",
     "ood",
+    "ood_recombined",
     "errors",
     "checks",
     "minutes_per_seed",
@@ -396,6 +417,7 @@ def assemble(
     check: dict,
     errors: dict,
     ood: dict | None,
+    ood_recombined: dict | None = None,
 ) -> dict:
     """The bench's summary from its parts (pure: tested without running it). ``seeds`` entries are
     ``compare``'s (greedy after vs the best decoding before) plus ``at_train_temperature``, ``rl_seed``,
@@ -434,6 +456,7 @@ def assemble(
         "split_disjoint": bool(check["split_disjoint"]),
         "split": check,
         "ood": ood,
+        "ood_recombined": ood_recombined,
         "errors": errors["total"],
         "errors_by_eval": errors["by_eval"],
         "checks": checks,
@@ -484,20 +507,21 @@ def report(summary: dict) -> None:
                     ci(c["ci95_diff"]["tests"], False),
                 ]
             )
-    if summary["ood"]:
-        o = summary["ood"]
-        rows.append(
-            [
-                "OOD",
-                "seed 0, T=train",
-                f"{o['pass1_before']:.1%}",
-                f"{o['pass1_after']:.1%}",
-                ci(o["ci95_diff"]["pass1"], True),
-                f"{o['tests_before']:.2f}",
-                f"{o['tests_after']:.2f}",
-                ci(o["ci95_diff"]["tests"], False),
-            ]
-        )
+    for name, key in (("OOD", "ood"), ("OOD chores6", "ood_recombined")):
+        o = summary.get(key)
+        if o:
+            rows.append(
+                [
+                    name,
+                    "seed 0, T=train",
+                    f"{o['pass1_before']:.1%}",
+                    f"{o['pass1_after']:.1%}",
+                    ci(o["ci95_diff"]["pass1"], True),
+                    f"{o['tests_before']:.2f}",
+                    f"{o['tests_after']:.2f}",
+                    ci(o["ci95_diff"]["tests"], False),
+                ]
+            )
     print_grid(
         ["RL seed", "decoding", "pass@1 before", "after", "diff 95% CI", "tests before", "after", "diff 95% CI"],
         rows,

@@ -137,7 +137,7 @@ def test_main_reports_the_test_split_per_seed(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bl, "run_rl", fake_rl)
     monkeypatch.setattr(bl, "plot", lambda curve, table, path, **kw: plots.append(kw))
     argv = ["--run-dir", str(tmp_path / "run"), "--eval-corpus", "300", "--seeds", "2", "--ood-tasks", "0"]
-    assert bl.main(argv) == 0
+    assert bl.main([*argv, "--recombined-tasks", "0"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(bl.LAST_LINE) <= set(last)
     # the sweep ran on eval only; test saw the warm start at the best T (0: ties go low), greedily and at T = 1
@@ -158,3 +158,42 @@ def test_main_reports_the_test_split_per_seed(tmp_path, monkeypatch, capsys):
     assert split["split_disjoint"] and split["tasks"] == read_split_json(tmp_path / "run" / "tasks-chores")
     # learning.png's before/after bars are the test split's at T = 1 (it said "held-out eval split")
     assert plots == [{"held_title": "test split, RL seed 0, T = 1"}]
+
+
+def test_main_evaluates_the_recombined_family_before_and_after_the_first_seed(tmp_path, monkeypatch, capsys):
+    """chores6 (six chores, three replies) is out of distribution by combination only: every one of its tasks,
+    whatever its split, is evaluated once with the warm start and once after RL seed 0, at the training T."""
+    from t1async.recipes import warmstart
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "sft_metrics.json").write_text("{}")
+    monkeypatch.setattr(warmstart, "build", lambda recipe: warm)
+    seen: list[tuple[str, str, float, int, int]] = []
+
+    def fake_eval(model, tasks, *, samples, temperature, out, **kw):
+        (family,) = {t.family for t in tasks}
+        seen.append((Path(model).name, family, temperature, samples, len(tasks)))
+        after = Path(model).name != "warm"
+        return [
+            {"task": t.id, "content_key": t.content_key, "sample": 0, "family": t.family, "resolved": after}
+            | {"tests_passed": 6 if after else 4, "reason": "solved", "verify_status": "ok"}
+            for t in tasks
+        ]
+
+    def fake_rl(run_dir, tasks, steps, extra, timeout_s):
+        (run_dir / "ck").mkdir(parents=True)
+        return run_dir / "ck"
+
+    monkeypatch.setattr(bl, "eval_policy", fake_eval)
+    monkeypatch.setattr(bl, "run_rl", fake_rl)
+    monkeypatch.setattr(bl, "plot", lambda *a, **kw: None)
+    argv = ["--run-dir", str(tmp_path / "run"), "--eval-corpus", "300", "--seeds", "2", "--ood-tasks", "0"]
+    assert bl.main([*argv, "--recombined-tasks", "30", "--temperatures", "1"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [s for s in seen if s[1] == "chores6"] == [("warm", "chores6", 1.0, 1, 30), ("ck", "chores6", 1.0, 1, 30)]
+    rec = last["ood_recombined"]
+    assert (rec["pass1_before"], rec["pass1_after"], rec["tests_before"], rec["tests_after"]) == (0.0, 1.0, 4.0, 6.0)
+    assert rec["ci95_diff"]["pass1"][0] > 0
+    splits = {e["split"] for e in read_split_json(tmp_path / "run" / "recombined-tasks").values()}
+    assert "train" in splits  # all of the family, train split too: no run trains on it

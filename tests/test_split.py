@@ -171,3 +171,22 @@ def test_choresome_demonstrator_mostly_stops_after_its_first_reply():
         k = spec.tests.count("def test_chore_")
         replies = solution_chunks(spec.solution)  # as the oracle's turns run them
         assert [len(r.splitlines()) for r in replies] == [min(k, 2)] + ([k - 2] if k > 2 else [])
+
+
+def test_chores6_is_the_menu_six_at_a_time_in_three_replies_and_its_oracle_resolves(tmp_path):
+    """bench.learning's recombination OOD family: the chores phrasing and commands, six of them, so a policy
+    trained on four in two replies must go on for a third. Its keys are its own, never a ``chores`` key."""
+    import anyio
+
+    from sandbox_agent.runner import check_tasks, solution_chunks
+
+    for i in range(40):
+        spec = make_task("chores6", 0, i)[1]
+        lines = spec.instruction.splitlines()
+        assert lines[0] == "In the current directory:" and len(lines) == 7 and lines[-1].endswith(".")
+        assert {ln.split(". ", 1)[1].rstrip(";.") for ln in lines[1:]} <= {m[0] for m in MENU}
+        assert [len(r.splitlines()) for r in solution_chunks(spec.solution)] == [2, 2, 2]
+        assert spec.content_key.startswith("chores6:") and spec.tests.count("def test_chore_") == 6
+    paths = generate(tmp_path, 6, seed=4, families=["chores6"])
+    rows = anyio.run(lambda: check_tasks([load_task(q) for q in paths], concurrency=3))
+    assert {r.task_id: (r.ok, r.oracle.total, r.null.passed) for r in rows} == {r.task_id: (True, 6, 0) for r in rows}

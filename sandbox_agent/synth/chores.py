@@ -92,7 +92,8 @@ SOME_WEIGHTS = (1, 4, 1, 2)
 
 def menu_steps(picked: list[int]) -> str:
     """The instruction's numbered list of the picked chores' phrases."""
-    return "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == 3 else ';'}" for k, i in enumerate(picked))
+    last = len(picked) - 1
+    return "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == last else ';'}" for k, i in enumerate(picked))
 
 
 def demonstrated(rng: random.Random, picked: list[int], *, all_four: bool) -> list[int]:
@@ -102,7 +103,7 @@ def demonstrated(rng: random.Random, picked: list[int], *, all_four: bool) -> li
 
 def chore_replies(done: list[int]) -> str:
     """The oracle's chore commands, two a reply (replies split by a blank line); the last holds what is left."""
-    return "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in (0, 2) if done[j : j + 2]) + "\n"
+    return "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in range(0, len(done), 2)) + "\n"
 
 
 def chores_family(rng: random.Random) -> SynthSpec:
@@ -132,3 +133,27 @@ def test_chore_{k + 1}():
     assert {undone}, "done although not asked"
 """
     return SynthSpec(family, instr, sol, tests, files=dict(FILES), tags=("menu",), content_key=key)
+
+
+def chores6_family(rng: random.Random) -> SynthSpec:
+    """Six chores of the menu in three replies: out of distribution for a policy trained on ``chores``, by
+    recombination only. Every phrase and command is the menu's, worded as in ``chores``; what is new is the
+    number, so a policy that learned "go on after the first reply" must go on once more. One test per chore,
+    each also checking that one of the three unrequested chores was not done. Its own content key space
+    (``chores6:<set>``): no RL or SFT task is of this family."""
+    picked = rng.sample(range(len(MENU)), 6)
+    others = [i for i in range(len(MENU)) if i not in picked]
+    rng.shuffle(others)
+    instr = f"In the current directory:\n{menu_steps(picked)}"
+    key = "chores6:" + "+".join(str(i) for i in sorted(picked))
+    tests = ""
+    for k, i in enumerate(picked):
+        tests += f"""
+
+def test_chore_{k + 1}():
+    assert {MENU[i][2]}, "not done: {MENU[i][0]}"
+    assert {MENU[others[k % 3]][3]}, "done although not asked"
+"""
+    return SynthSpec(
+        "chores6", instr, chore_replies(picked), tests, files=dict(FILES), tags=("menu", "ood"), content_key=key
+    )
