@@ -133,11 +133,6 @@ def on_spawner_thread(fn: Callable[[], T]) -> Future[T]:
     return _get_spawner().submit(fn)
 
 
-def spawner_thread() -> threading.Thread:
-    """The dedicated thread (started on first use)."""
-    return _get_spawner().thread
-
-
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent).
     Another user's process counts; a PID recycled since is not told apart (the caller records more than a PID
