@@ -14,9 +14,9 @@ import pytest
 
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
+from t1async.procs import pid_alive
 from t1async.transport import NatsTransport, traj_subject
 from tests.clusterargs import stop_cluster, up_argv
-from tests.test_natsd import alive
 from tests.test_transport import end, start, turn
 
 
@@ -99,7 +99,7 @@ def test_up_status_down(tmp_path, repo_env, capsys):
         assert cli.main(["down", "--run-dir", str(run_dir)]) == 0
         assert "supervisor: stopped" in capsys.readouterr().out
         assert proc.wait(15) == 0
-        assert not alive(nats_pid)
+        assert not pid_alive(nats_pid)
         assert cli.main(["status", "--run-dir", str(run_dir)]) == cli.EXIT_NOT_RUNNING
         assert (run_dir / "logs" / "nats-server.log").exists() and (run_dir / "logs" / "supervisor.jsonl").exists()
     finally:
@@ -233,14 +233,14 @@ def test_a_hang_up_stops_the_cluster_instead_of_orphaning_it(tmp_path, repo_env)
     finally:
         _stop(proc, run_dir)
         for info in started:  # never leave them behind, whatever happened
-            if alive(info.pid):
+            if pid_alive(info.pid):
                 os.kill(info.pid, signal.SIGKILL)
     assert proc.returncode == 0 and out.splitlines()[-1] == "cluster stopped", out
     assert {i.name for i in started} >= {"nats", "sampler", "learner", "actor-0"}
     deadline = time.monotonic() + 10
-    while any(alive(i.pid) for i in started) and time.monotonic() < deadline:
+    while any(pid_alive(i.pid) for i in started) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [i.name for i in started if alive(i.pid)]
+    assert not [i.name for i in started if pid_alive(i.pid)]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])

@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 
 from t1async.cluster.config import UpConfig
 from t1async.cluster.state import ClusterState, is_ours
+from t1async.procs import pid_alive
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, TransportError
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
@@ -28,7 +29,6 @@ from t1async.transport.auth import Role, creds_path
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
 from tests.clusterargs import SMALL, stop_cluster, up_argv
-from tests.test_natsd import alive
 from tests.test_transport import turn
 
 
@@ -61,7 +61,7 @@ async def test_three_nodes_have_unique_names_routes_and_a_store_each(tmp_path):
         assert names == {"t1-0", "t1-1", "t1-2"}
         assert len({n.config.store_dir for n in cl.nodes}) == 3
         pids = [n.pid for n in cl.nodes]
-    assert not any(alive(p) for p in pids), "every node is stopped by PID"
+    assert not any(pid_alive(p) for p in pids), "every node is stopped by PID"
 
 
 async def test_the_stream_gets_three_replicas_and_a_single_server_says_it_cannot(tmp_path):
@@ -86,7 +86,7 @@ async def test_the_embedded_cluster_tells_its_caller_each_node_and_each_restart(
     async with AsyncExitStack() as stack:
         cl = await start_embedded_cluster(stack, tmp_path, 2, 1 << 20, lambda *node: told.append(node))
         assert [t[0] for t in told] == ["nats-0", "nats-1"] and cl.url == ",".join(n.url for n in cl.nodes)
-        assert [t[1] for t in told] == [n.pid for n in cl.nodes] and all(alive(t[1]) for t in told)
+        assert [t[1] for t in told] == [n.pid for n in cl.nodes] and all(pid_alive(t[1]) for t in told)
         assert [t[2] for t in told] == [str(n.log_path) for n in cl.nodes]
         first = cl.nodes[1].pid
         assert first is not None
@@ -96,7 +96,7 @@ async def test_the_embedded_cluster_tells_its_caller_each_node_and_each_restart(
                 await anyio.sleep(0.1)
         assert told[2][0] == "nats-1" and told[2][1] == cl.nodes[1].pid != first
         pids = [n.pid for n in cl.nodes]
-    assert not any(alive(p) for p in pids), "the nodes stop with the stack"
+    assert not any(pid_alive(p) for p in pids), "the nodes stop with the stack"
 
 
 def test_cluster_flags_are_checked():
