@@ -127,12 +127,6 @@ def _get_spawner() -> _Spawner:
         return _spawner
 
 
-def on_spawner_thread(fn: Callable[[], T]) -> Future[T]:
-    """Run ``fn`` on the dedicated spawner thread (started on first use): a child it forks gets its parent-death
-    signal only when this process dies. sandbox_agent's sandboxes are forked here too."""
-    return _get_spawner().submit(fn)
-
-
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent).
     Another user's process counts; a PID recycled since is not told apart (the caller records more than a PID

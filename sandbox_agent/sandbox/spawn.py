@@ -3,10 +3,10 @@
 Why. bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and Linux sends that signal when the *thread*
 that forked the child exits, not when its process does. Under trio, ``anyio.open_process`` forks from a
 worker thread of trio's cache, and an idle worker exits after 10 s: every sandbox it had started was then
-SIGKILLed ten seconds into any idle gap. So every sandbox is forked by the one dedicated thread of
-``t1async.procs``, which forks the cluster's own processes too and never returns (a daemon thread blocked on
-its queue): the death signal then fires only when the process itself dies, which is exactly the guard we want
-(a SIGKILLed actor takes its sandboxes down, since the kernel ends the thread with the process).
+SIGKILLed ten seconds into any idle gap. So every sandbox is forked here, by one dedicated
+thread that never returns (a daemon thread blocked on its queue): the death signal then fires only when
+the process itself dies, which is exactly the guard we want (a SIGKILLed actor takes its sandboxes down,
+since the kernel ends the thread with the process).
 
 ``spawn()`` returns a ``HostProcess``: the subset of ``anyio.abc.Process`` the sandboxes use, over raw
 non-blocking pipes (``FdSendStream``/``FdReceiveStream``) and a pidfd for ``wait()``, so it works the
@@ -16,17 +16,67 @@ same under trio and asyncio, whichever thread the event loop runs in.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import ByteReceiveStream, ByteSendStream
 
-from t1async.procs import on_spawner_thread
-
 _CHUNK = 1 << 16
+
+
+class _Spawner:
+    """One thread that runs submitted callables, forever. Never joined: it must outlive every child.
+
+    t1async.procs has its twin for the cluster's processes. This one stays: sandbox_agent may import only
+    t1async.protocol and t1async.log (tests/test_layers.py), and the core may not import sandbox_agent."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="t1-sandbox-spawner", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # handed to the waiting caller
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _forget_spawner() -> None:  # a forked child has no copy of the thread: it makes its own on demand
+    global _spawner
+    _spawner = None
+
+
+os.register_at_fork(after_in_child=_forget_spawner)
+
+
+def spawner_thread() -> threading.Thread:
+    """The dedicated thread (started on first use)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+        return _spawner.thread
 
 
 class _PipeEnd:
@@ -170,5 +220,7 @@ async def spawn(
 
     Raises OSError if it cannot be executed. The call blocks only a worker thread while the spawner forks.
     """
-    fut = on_spawner_thread(lambda: _popen(argv, pass_fds, start_new_session, env))
+    spawner_thread()
+    assert _spawner is not None
+    fut = _spawner.submit(lambda: _popen(argv, pass_fds, start_new_session, env))
     return await anyio.to_thread.run_sync(fut.result)
