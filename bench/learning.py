@@ -483,6 +483,14 @@ def report(summary: dict) -> None:
     def ci(c: list[float], pct: bool) -> str:
         return f"[{c[0]:+.1%}, {c[1]:+.1%}]" if pct else f"[{c[0]:+.2f}, {c[1]:+.2f}]"
 
+    def cells(c: dict) -> list[str]:  # a compare(): pass@1 before, after, CI; tests before, after, CI
+        p, t = c["ci95_diff"]["pass1"], c["ci95_diff"]["tests"]
+        return [f"{c['pass1_before']:.1%}", f"{c['pass1_after']:.1%}", ci(p, True)] + [
+            f"{c['tests_before']:.2f}",
+            f"{c['tests_after']:.2f}",
+            ci(t, False),
+        ]
+
     bd = summary["best_decoding_before"]
     print_grid(
         ["temperature", "warm start pass@1 (eval split)"],
@@ -495,33 +503,11 @@ def report(summary: dict) -> None:
             (f"greedy vs best T={s['temperature_before']:g}", s),
             (f"T={summary['train_temperature']:g} vs T={summary['train_temperature']:g}", s["at_train_temperature"]),
         ):
-            rows.append(
-                [
-                    s["rl_seed"],
-                    label,
-                    f"{c['pass1_before']:.1%}",
-                    f"{c['pass1_after']:.1%}",
-                    ci(c["ci95_diff"]["pass1"], True),
-                    f"{c['tests_before']:.2f}",
-                    f"{c['tests_after']:.2f}",
-                    ci(c["ci95_diff"]["tests"], False),
-                ]
-            )
+            rows.append([s["rl_seed"], label, *cells(c)])
     for name, key in (("OOD", "ood"), ("OOD chores6", "ood_recombined")):
         o = summary.get(key)
         if o:
-            rows.append(
-                [
-                    name,
-                    "seed 0, T=train",
-                    f"{o['pass1_before']:.1%}",
-                    f"{o['pass1_after']:.1%}",
-                    ci(o["ci95_diff"]["pass1"], True),
-                    f"{o['tests_before']:.2f}",
-                    f"{o['tests_after']:.2f}",
-                    ci(o["ci95_diff"]["tests"], False),
-                ]
-            )
+            rows.append([name, "seed 0, T=train", *cells(o)])
     print_grid(
         ["RL seed", "decoding", "pass@1 before", "after", "diff 95% CI", "tests before", "after", "diff 95% CI"],
         rows,
