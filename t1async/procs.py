@@ -30,13 +30,12 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import anyio
 import anyio.lowlevel
 
 PR_SET_PDEATHSIG = 1
-T = TypeVar("T")
 
 # argv: PPID SIG FD PROGRAM ARGS...; exit 1 when the parent died before the guard was set. FD is the write end of
 # a pipe, closed by the exec (close-on-exec): the parent's read of EOF says the real program runs now.
@@ -101,8 +100,8 @@ class _Spawner:
             except BaseException as exc:  # handed to the waiting caller
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        fut: Future[T] = Future()
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
         self._jobs.put((fn, fut))
         return fut
 
