@@ -23,6 +23,7 @@ from sandbox_agent.runner import prepared_workdir
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, reap_orphans
 from sandbox_agent.tasks import load_task
+from t1async.procs import pid_alive
 
 TB = Path(__file__).resolve().parent / "tb_tasks"
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
@@ -333,7 +334,7 @@ async def test_a_hung_start_s_runtime_processes_are_killed_though_podman_does_no
         assert f"t1-stray{os.getpid()}" in removed
         assert stray.wait(timeout=10) == -signal.SIGKILL
         for _ in range(100):
-            if not os.path.exists(f"/proc/{child[0]}") or Path(f"/proc/{child[0]}/stat").read_text().split()[2] == "Z":
+            if not pid_alive(child[0]):
                 break
             await anyio.sleep(0.05)
         else:

@@ -106,6 +106,17 @@ def chore_replies(done: list[int]) -> str:
     return "\n\n".join("\n".join(MENU[i][1] for i in done[j : j + 2]) for j in range(0, len(done), 2)) + "\n"
 
 
+def chore_test(k: int, i: int, undone: str) -> str:
+    """The test of the ``k``-th requested chore, menu item ``i``: done, and ``undone`` (an expression: the
+    unrequested chores it checks) still holds."""
+    return f"""
+
+def test_chore_{k + 1}():
+    assert {MENU[i][2]}, "not done: {MENU[i][0]}"
+    assert {undone}, "done although not asked"
+"""
+
+
 def chores_family(rng: random.Random) -> SynthSpec:
     return _chores(rng, "chores", all_four=True)
 
@@ -123,15 +134,8 @@ def _chores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
     key = "chores:" + "+".join(str(i) for i in sorted(picked))
     done = demonstrated(rng, picked, all_four=all_four)
     sol = chore_replies(done)  # then DONE
-    tests = ""
-    for k, i in enumerate(done):
-        undone = " and ".join(f"({MENU[j][3]})" for j in others[k::4])  # 5 unrequested chores over 4 tests
-        tests += f"""
-
-def test_chore_{k + 1}():
-    assert {MENU[i][2]}, "not done: {MENU[i][0]}"
-    assert {undone}, "done although not asked"
-"""
+    # 5 unrequested chores over 4 tests
+    tests = "".join(chore_test(k, i, " and ".join(f"({MENU[j][3]})" for j in others[k::4])) for k, i in enumerate(done))
     return SynthSpec(family, instr, sol, tests, files=dict(FILES), tags=("menu",), content_key=key)
 
 
@@ -146,14 +150,7 @@ def chores6_family(rng: random.Random) -> SynthSpec:
     rng.shuffle(others)
     instr = f"In the current directory:\n{menu_steps(picked)}"
     key = "chores6:" + "+".join(str(i) for i in sorted(picked))
-    tests = ""
-    for k, i in enumerate(picked):
-        tests += f"""
-
-def test_chore_{k + 1}():
-    assert {MENU[i][2]}, "not done: {MENU[i][0]}"
-    assert {MENU[others[k % 3]][3]}, "done although not asked"
-"""
+    tests = "".join(chore_test(k, i, MENU[others[k % 3]][3]) for k, i in enumerate(picked))
     return SynthSpec(
         "chores6", instr, chore_replies(picked), tests, files=dict(FILES), tags=("menu", "ood"), content_key=key
     )
