@@ -1,11 +1,13 @@
 """Dense process reward against a binary end-of-episode reward, on the same policy, tasks and budget.
 
-    python -m bench.reward_modes [--warm-start credit|credit-early|credit-sparse] [--rl-steps 40] [--samples 2] [--json]
+    python -m bench.reward_modes [--warm-start credit|credit-early|credit-sparse|credit-rare] [--rl-steps 40]
+        [--samples 2] [--json]
 
 1. the ``--warm-start`` policy (``t1async.recipes.warmstart``, cached): ``credit``, the ``learn`` recipe's SFT on
    ``cdchoresome``, a demonstrator that does the ``cd`` and then only the first k of the four chores, or
    ``credit-early`` and ``credit-sparse``, the same SFT stopped sooner (450 and 330 of its 600 steps), which
-   seldom do all four;
+   seldom do all four, or ``credit-rare``, the same SFT on ``cdchoresfew``, a demonstrator that never does all
+   four (so a binary reward is 0 unless the policy goes beyond its demonstrations);
 2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0, every chore tested), split by content key
    (directory and chore set). The held-out tasks are its eval split; the bench checks that no eval key is in a
    train task or among the warm start's demonstrations (``split.json``), and refuses to run if one is;
@@ -61,9 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--warm-start",
         default=RECIPE,
-        choices=("credit", "credit-early", "credit-sparse"),
+        choices=("credit", "credit-early", "credit-sparse", "credit-rare"),
         help="the policy both rewards start from: credit (resolves ~21%% of held-out tasks), credit-early (the "
-        "same SFT stopped at 450 steps: ~15%%) or credit-sparse (at 330 steps: ~4%%, so the binary reward is mostly 0)",
+        "same SFT stopped at 450 steps: ~15%%), credit-sparse (at 330 steps: ~4%%, so the binary reward is mostly 0) "
+        "or credit-rare (on a demonstrator that never does all four chores)",
     )
     p.add_argument("--rl-steps", type=int, default=40, help="learner steps of RL per reward (default 40)")
     p.add_argument("--rl-timeout", type=float, default=1800.0, help="stop each RL run after this many seconds")

@@ -7,7 +7,10 @@ create, one test each) and the reward per trained turn (tests passed by the one 
 - the last steps' mean >= a threshold;
 - mean |Δlogp| between sampler and learner on same-version tokens (``mismatch``) <= a bound;
 - the learner SIGKILLed mid-run and the cluster started again on the same run dir resumes from its
-  checkpoint and its steps stay above the threshold.
+  checkpoint and its steps stay above the threshold;
+- held out by content: on the corpus's ``test`` split (touch4 tasks whose name set no trained task and no
+  demonstration has), seeded episodes of the final checkpoint pass more tests than the warm start's, the paired
+  difference's 95% CI above 0 by a margin.
 
 The warm start is built once (seeded, cached; ``python -m t1async.recipes.warmstart --recipe micro``, ~2-4
 minutes on 2 cores from nothing). It imitates a weaker demonstrator (``touchsome``) that names only the first
@@ -32,10 +35,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.learning import eval_policy, held_tasks
+from bench.learning_stats import column, per_task
 from sandbox_agent.synth import generate
+from sandbox_agent.synth.split import read_split_json
 from t1async.cluster.state import ClusterState
+from t1async.eval.stats import paired_diff
 from t1async.learner.checkpoint import latest_checkpoint
-from t1async.recipes.warmstart import build, get_recipe
+from t1async.recipes.presets import preset_values
+from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
 from tests.clusterargs import stop_cluster
 from tests.clusterargs import up_argv as cluster_up_argv
 
@@ -51,6 +59,10 @@ FIRST, LAST = 5, 5  # steps averaged at the start and at the end of the first ru
 MARGIN = 0.5  # tests passed per turn, of 4 (seen: first 5 steps 2.69, steps 16-20 3.83)
 THRESHOLD = 3.2  # the warm start samples 2.51 of 4: only a policy that learned to name all four gets here
 MISMATCH_BOUND = 0.02
+HELD_SAMPLES = 2  # seeded episodes per held-out task, before and after
+# tests of 4 per episode: the paired difference's 95% CI must start above it, and pass@1's above 0 (seen on the
+# 27 test-split tasks x 2: tests 2.78 -> 3.70, +0.93 [0.61, 1.24]; pass@1 27.8% -> 85.2%, +57.4 [44.4, 70.4])
+HELD_MARGIN = 0.3
 
 
 def up_argv(run: Path, tasks: Path, steps: int) -> list[str]:
@@ -85,8 +97,30 @@ def stop(proc: subprocess.Popen, run: Path) -> None:
     stop_cluster(proc, run, 60)  # SIGTERM to its process group (the supervisor stops every component), ...
 
 
+def held_out_eval(model: Path, tasks: list, out: Path, prompt: str | None) -> dict[str, tuple[float, float]]:
+    """``HELD_SAMPLES`` seeded episodes per task at the quickstart preset's decoding: per task (share
+    resolved, mean tests passed); an episode that errored fails the test."""
+    pv = preset_values("quickstart")
+    rows = eval_policy(
+        model,
+        tasks,
+        samples=HELD_SAMPLES,
+        seed=0,
+        max_turns=pv["max_turns"],
+        max_new_tokens=pv["max_new_tokens"],
+        max_context=pv["max_context"],
+        concurrency=4,
+        out=out,
+        system_prompt=prompt,
+        temperature=pv["temperature"],
+    )
+    errors = [r for r in rows if r.get("error")]
+    assert not errors, f"{len(errors)} held-out episodes errored: {errors[0]}"
+    return per_task(rows)
+
+
 def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
-    build(get_recipe("micro"), threads=2)  # cached after the first run
+    warm = build(get_recipe("micro"), threads=2)  # cached after the first run
     tasks = tmp_path / "tasks"
     generate(tasks, 300, seed=0, families=["touch4"])
     run = tmp_path / "run"
@@ -149,3 +183,15 @@ def test_rl_raises_the_reward_and_a_resumed_run_keeps_it(tmp_path, repo_env):
     assert second and min(second) > killed_at and max(second) == RESUME_TO, sorted(second)  # resumed, not restarted
     resumed = [reward(second[s]) for s in sorted(second)]
     assert float(np.mean(resumed)) >= THRESHOLD, f"resumed run fell to {np.mean(resumed):.2f}: {resumed}"
+
+    # held out by content: the test split, never trained on (actors draw the train split), before and after
+    held = held_tasks(tasks, read_split_json(tasks), "test")
+    final = latest_checkpoint(run / "checkpoints")
+    assert held and final is not None and final.policy_version == RESUME_TO
+    prompt = system_prompt_of(warm)
+    before = held_out_eval(warm, held, tmp_path / "held-before.jsonl", prompt)
+    after = held_out_eval(Path(final.path), held, tmp_path / "held-after.jsonl", prompt)
+    tests = paired_diff(column(before, 1), column(after, 1))
+    pass1 = paired_diff(column(before, 0), column(after, 0))
+    seen = f"paired diff, tests {tests}, pass@1 {pass1}, over {len(held)} tasks x {HELD_SAMPLES}"
+    assert tests["ci95"][0] > HELD_MARGIN and pass1["ci95"][0] > 0, f"held out: {seen}"

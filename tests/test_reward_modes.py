@@ -192,12 +192,14 @@ def test_reward_modes_bench_holds_out_by_content(tmp_path):
         held_out_corpus(tmp_path, 300, 0, leaked)
 
 
-def test_cdchoresome_asks_for_cdchores_tasks_and_does_the_cd_then_its_first_k():
-    """The credit warm start's demonstrator: the same directory and four chores asked for (one content key
-    space with cdchores), the ``cd`` first, then the first k chores two a reply, and only those k tested."""
+@pytest.mark.parametrize("family, ks_seen", [("cdchoresome", {1, 2, 3, 4}), ("cdchoresfew", {1, 2, 3})])
+def test_weaker_demonstrators_ask_for_cdchores_tasks_and_do_the_cd_then_their_first_k(family, ks_seen):
+    """The credit warm starts' demonstrators: the same directory and four chores asked for (one content key
+    space with cdchores), the ``cd`` first, then the first k chores two a reply, and only those k tested.
+    ``cdchoresfew`` (the credit-rare warm start's) never does all four."""
     ks = Counter()
     for i in range(400):
-        spec = make_task("cdchoresome", 0, i)[1]
+        spec = make_task(family, 0, i)[1]
         target = spec.instruction.splitlines()[0].removeprefix("In the directory ").rstrip(":")
         chosen = sorted(PHRASE_INDEX[ln.split(". ", 1)[1].rstrip(";.")] for ln in spec.instruction.splitlines()[1:])
         assert spec.content_key == f"cdchores:{target}:" + ",".join(map(str, chosen))
@@ -206,11 +208,12 @@ def test_cdchoresome_asks_for_cdchores_tasks_and_does_the_cd_then_its_first_k():
         replies = solution_chunks(spec.solution)
         assert replies[0] == f"cd {target}"
         assert [len(r.splitlines()) for r in replies[1:]] == [min(k, 2)] + ([k - 2] if k > 2 else [])
-    assert set(ks) == {1, 2, 3, 4} and ks[2] > ks[3] + ks[4]  # mostly it stops after its first chore reply
+    assert set(ks) == ks_seen and ks[2] > ks[3] + ks[4]  # mostly it stops after its first chore reply
 
 
-async def test_cdchoresome_oracle_resolves_its_own_tests(tmp_path):
-    paths = generate(tmp_path, 6, seed=5, families=["cdchoresome"])
+@pytest.mark.parametrize("family", ["cdchoresome", "cdchoresfew"])
+async def test_weaker_demonstrators_resolve_their_own_tests(tmp_path, family):
+    paths = generate(tmp_path, 6, seed=5, families=[family])
     rows = await check_tasks([load_task(q) for q in paths], concurrency=3)
     assert {r.task_id: r.ok for r in rows} == {r.task_id: True for r in rows}
     assert all(r.null.passed == 0 for r in rows)

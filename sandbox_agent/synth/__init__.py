@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
-from sandbox_agent.synth.cdchores import cdchores_family, cdchoresome_family
+from sandbox_agent.synth.cdchores import cdchores_family, cdchoresfew_family, cdchoresome_family
 from sandbox_agent.synth.chores import chores6_family, chores_family, choresome_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec, content_key
 from sandbox_agent.synth.data import archive_family, json_family
@@ -73,6 +73,7 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "choresome": choresome_family,  # chores by a demonstrator that stops early: the learn warm start
     "cdchores": cdchores_family,  # chores after a `cd` that earns nothing by itself (synth/cdchores.py)
     "cdchoresome": cdchoresome_family,  # cdchores by a demonstrator that stops early: the credit warm start
+    "cdchoresfew": cdchoresfew_family,  # ... that never does all four: the credit-rare warm start
     "chores6": chores6_family,  # six chores in three replies: bench.learning's recombination OOD family
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}

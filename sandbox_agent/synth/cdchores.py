@@ -19,16 +19,23 @@ keys.
 and then only the first k of the four chores (k in 1-4, ``chores.SOME_WEIGHTS``), and its task tests those k.
 The ``credit`` warm start imitates it, so that it resolves some tasks, and a binary reward has a signal to
 learn from at all (a warm start on the full oracle resolved none of the held-out ones, docs/results.md).
+
+``cdchoresfew``: a demonstrator that never does all four (k in 1-3, ``FEW_WEIGHTS``). The ``credit-rare`` warm
+start imitates it: every chore's command is in its demonstrations, but no episode of them resolves its
+``cdchores`` task, so a binary reward is 0 unless the policy goes beyond what it was shown, while a dense one
+pays for each chore (T1's setting, where a whole success is rare).
 """
 
 from __future__ import annotations
 
 import random
 
-from sandbox_agent.synth.chores import FILES, MENU, chore_replies, demonstrated, menu_steps
+from sandbox_agent.synth.chores import FILES, MENU, SOME_WEIGHTS, chore_replies, demonstrated, menu_steps
 from sandbox_agent.synth.common import SynthSpec
 
 DIRS: tuple[str, ...] = ("app", "site", "work", "srv")
+# ``cdchoresfew``'s demonstrator: the first k chores, k = 1, 2, 3 (never all four)
+FEW_WEIGHTS = (1, 4, 2)
 
 
 def _draw(rng: random.Random) -> tuple[str, list[int], list[int]]:
@@ -60,12 +67,16 @@ def cdchoresome_family(rng: random.Random) -> SynthSpec:
     return _cdchores(rng, "cdchoresome", all_four=False)
 
 
-def _cdchores(rng: random.Random, family: str, *, all_four: bool) -> SynthSpec:
+def cdchoresfew_family(rng: random.Random) -> SynthSpec:
+    return _cdchores(rng, "cdchoresfew", all_four=False, weights=FEW_WEIGHTS)
+
+
+def _cdchores(rng: random.Random, family: str, *, all_four: bool, weights: tuple[int, ...] = SOME_WEIGHTS) -> SynthSpec:
     target, picked, others = _draw(rng)
     decoys = [d for d in DIRS if d != target]
     steps = menu_steps(picked)
     instr = f"In the directory {target}:\n{steps}"
-    done = demonstrated(rng, picked, all_four=all_four)
+    done = demonstrated(rng, picked, all_four=all_four, weights=weights)
     sol = f"cd {target}\n\n" + chore_replies(done)  # the cd, then the chores two a reply
     # the menu's checks name WORK, read() and lines(): `at` evaluates one with WORK rebound to a directory
     tests = f'''

@@ -96,9 +96,12 @@ def menu_steps(picked: list[int]) -> str:
     return "\n".join(f"{k + 1}. {MENU[i][0]}{'.' if k == last else ';'}" for k, i in enumerate(picked))
 
 
-def demonstrated(rng: random.Random, picked: list[int], *, all_four: bool) -> list[int]:
-    """The chores the demonstrator does: all four, or (the weaker one) the first k, k drawn by SOME_WEIGHTS."""
-    return picked if all_four else picked[: rng.choices((1, 2, 3, 4), weights=SOME_WEIGHTS)[0]]
+def demonstrated(
+    rng: random.Random, picked: list[int], *, all_four: bool, weights: tuple[int, ...] = SOME_WEIGHTS
+) -> list[int]:
+    """The chores the demonstrator does: all four, or (the weaker one) the first k, k = 1, 2, ... drawn by
+    ``weights``."""
+    return picked if all_four else picked[: rng.choices(range(1, len(weights) + 1), weights=weights)[0]]
 
 
 def chore_replies(done: list[int]) -> str:
