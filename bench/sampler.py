@@ -17,7 +17,7 @@ Modes:
   pinned and unpinned (bench/_samplers.py): prefix-cache hit ratio and throughput per N.
 
 The load and its measurements are in bench/_load.py. Without ``--url`` it starts the embedded sampler
-(launch.py) and stops it afterwards. ``--json`` prints one JSON object as the last stdout line;
+(t1async/sampler/launch.py) and stops it afterwards. ``--json`` prints one JSON object as the last stdout line;
 ``--output-file`` appends it as a JSON line.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a command is a module name that ends where the name ends: `t1async.recipes.warmstart --recipe` is the warmstart
 # module's flag, not `t1async.learner`'s, and `t1async.recipes.presets.PRESETS` is no command at all
 MODULES = (
@@ -289,4 +289,58 @@ def test_an_issue_number_would_be_caught():
         "line 1: 'issue 12'",
         "line 4: 'issue 9'",
         "line 4: 'Issue #4'",
+    ]
+
+
+# --- `*.py` paths named in comments and docstrings ------------------------------------------------------------
+
+# a path ends at `.py`, and is not part of a longer path, a dotted name or a glob (`*_test.py`, `<ex>_test.py`)
+PY_PATH = re.compile(r"(?<![\w./*<>{}-])((?:[\w.-]+/)*\w[\w-]*\.py)(?![\w/])")
+# paths in another project's tree, which a comment may cite: SGLang's sources
+EXTERNAL_PREFIXES = ("sglang/", "python/sglang/")
+# files of a task's layout or of a verifier's work dir, not of this repository
+TASK_FILES = {"test_outputs.py", "pytest.py", "conftest.py"}
+
+
+def py_path_problems(path: Path, source: str) -> list[str]:
+    """The `*.py` paths named in one file's comments and docstrings that name no file. A path resolves against
+    the repository root, `t1async/`, or the file's own package and the packages above it, so `protocol/wire.py`,
+    `sampler/app.py` and a sibling's bare `engine.py` all resolve."""
+    bases = [ROOT, ROOT / "t1async", *[d for d in path.parents if d == ROOT or ROOT in d.parents]]
+    problems = []
+    for line, text in comments_and_docstrings(source):
+        for m in PY_PATH.finditer(text):
+            name = m.group(1)
+            if name.startswith(EXTERNAL_PREFIXES) or name.rsplit("/", 1)[-1] in TASK_FILES:
+                continue
+            if not any((base / name).is_file() for base in bases):
+                problems.append(f"line {line + text[: m.start()].count(chr(10))}: {name} does not exist")
+    return problems
+
+
+def test_every_py_path_in_comments_and_docstrings_exists():
+    """A renamed module leaves no stale name behind in the prose that points readers to it."""
+    bad = []
+    for path in code_files():
+        if {"tb_tasks", "fixtures"} & set(path.relative_to(ROOT).parts):
+            continue  # task data: its names are the task's files
+        bad += [f"{path.relative_to(ROOT)} {p}" for p in py_path_problems(path, path.read_text(encoding="utf-8"))]
+    assert not bad, "name the module by its current path:\n" + "\n".join(bad)
+
+
+def test_a_stale_py_path_would_be_caught():
+    """The checker itself: a module that is gone is reported, wherever it is named; the module's own package,
+    its parent, the repository root, SGLang's tree, task files and globs are not."""
+    here = ROOT / "t1async" / "sampler" / "app.py"
+    src = (
+        '"""Requests are parsed by protocol.py; responses in response.py (see also protocol/wire.py)."""\n'
+        "# t1async/ingest/episode_assembly.py and ingest/assembly.py; sglang/srt/server_args.py\n"
+        "def f():\n"
+        '    """tests/test_outputs.py of a task, collected as test_*.py and *_test.py; README.md; a.pyc"""\n'
+        "x = 1  # t1async/sampler/gone.py\n"
+    )
+    assert py_path_problems(here, src) == [
+        "line 2: t1async/ingest/episode_assembly.py does not exist",
+        "line 5: t1async/sampler/gone.py does not exist",
+        "line 1: protocol.py does not exist",
     ]

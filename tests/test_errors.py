@@ -1,5 +1,5 @@
 """One error tree: every exception class the packages define is a T1Error, ends in ``Error``, and is drawn in
-the tree in errors.py's docstring (so a reader finds every error in one place)."""
+the tree in protocol/errors.py's docstring (so a reader finds every error in one place)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """A sandbox's shell lives exactly as long as its owner process, under trio and under asyncio.
 
 Each case runs in its own Python process (the "actor"), started with one anyio backend, so the owner can
-be SIGKILLed like a real actor and both backends run side by side. Before spawn.py, trio's idle worker
-thread (which had forked bwrap) exited after 10 s and bwrap's death signal killed the shell with it.
+be SIGKILLed like a real actor and both backends run side by side. Before sandbox_agent/sandbox/spawn.py,
+trio's idle worker thread (which had forked bwrap) exited after 10 s and bwrap's death signal killed the shell
+with it.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ log = get_logger("t1async.credits.server")
 class CreditServer:
     def __init__(self, gate: CreditGate, transport: Transport, on_actor: Callable[[str], None] | None = None) -> None:
         self.gate, self.transport = gate, transport
-        self.on_actor = on_actor  # every request is a sign of life of its actor (learner/liveness.py)
+        self.on_actor = on_actor  # every request is a sign of life of its actor (credits/liveness.py)
         self.training = False
         self._pending: dict[tuple[str, int], Request] = {}  # the latest request of each held (episode, turn)
         self._granted: dict[

@@ -25,7 +25,7 @@ If an episode ends right after a cut, with no new turn, nothing is returned (not
 cut segment was trained with ``done=False``, i.e. bootstrapped where the true return is 0. It is counted
 (``DriftStats.ended_after_cut``); the learner limits it by cutting only the turns a batch needs.
 
-One episode's part is episode_assembly.py (``EpisodeAssembler``, ``AssemblerConfig``: both import from here).
+One episode's part is episode.py (``EpisodeAssembler``, ``AssemblerConfig``: both import from here).
 Buffered out-of-order turns are bounded per episode (``max_pending_turns``); past it the episode is abandoned
 (logged, its trainable part returned, the rest counted as untrainable) rather than growing without bound.
 """

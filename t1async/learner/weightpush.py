@@ -39,7 +39,7 @@ from t1async.sampler import weightsync as W
 from t1async.sampler.client import SGLangClient
 
 log = get_logger("learner.weightpush")
-PAUSE_MODES = ("retract", "in_place", "abort")  # --pause-mode; the sampler's reading: weightsync_server.py
+PAUSE_MODES = ("retract", "in_place", "abort")  # --pause-mode; the sampler's reading: sampler/weightsync_server.py
 
 
 def _check_mode(mode: str) -> None:

@@ -86,7 +86,7 @@ class SamplerError(T1Error):
 
 class SamplerRequestError(SamplerError):
     """A request a sampler rejects as invalid (HTTP 400): what the client raises on a 400, and what the
-    embedded server's validation (sampler/protocol.py) raises, with ``param`` naming the offending field."""
+    embedded server's validation (sampler/requests.py) raises, with ``param`` naming the offending field."""
 
     def __init__(self, message: str, *, param: str = "") -> None:
         super().__init__(message)

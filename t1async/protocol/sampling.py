@@ -1,6 +1,6 @@
 """The Sampler seam: what an actor needs from a sampler, whatever serves it.
 
-``SGLangClient`` (client.py, HTTP to a real SGLang or the embedded server) and ``MemorySampler`` (tests)
+``SGLangClient`` (sampler/client.py, HTTP to a real SGLang or the embedded server) and ``MemorySampler`` (tests)
 both implement it.
 """
 

@@ -5,7 +5,7 @@ Every payload is a msgpack map with ``v`` (schema version) and ``kind`` (design 
 any language can read them: no pickle, no ext types. ``decode`` validates every field and raises
 ``WireError`` whose message names the field and what was wrong, and whose ``reason`` is the short token for
 the dead-letter subject ``t1.dead.<reason>``. Arbitrary bytes never raise anything else. The array codec and
-the typed field reader are wirefields.py.
+the typed field reader are fields.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The embedded sampler's request handlers (``SamplerApp``): SGLang's native endpoints over the Engine.
 
 ``/generate`` (streamed or not, single or batch; a client that disconnects aborts its requests), the weight
-and cache controls, and the model and server info. Requests are parsed by protocol.py and answered with
+and cache controls, and the model and server info. Requests are parsed by requests.py and answered with
 response.py's shapes; server.py routes the endpoints to these methods and serves them.
 """
 

@@ -1,5 +1,5 @@
 """SGLang's ``/generate`` responses from both ends, as pure code (no I/O). The fields are listed in
-protocol.py's docstring.
+requests.py's docstring.
 
 - The embedded server builds them: ``ResponseState`` accumulates one request's engine events into SGLang's
   cumulative response object (streamed or not), ``encode_routing`` packs the routing trace, ``error_body``

@@ -3,7 +3,7 @@
 ``build_app(engine, tokenizer, ...)`` is the ASGI app (tests drive it in-process with
 ``httpx.ASGITransport`` or over a socket); ``serve(config)`` loads the model, runs the Engine and the HTTP
 server in one task group, and reports the bound URL through ``task_status``. The handlers are app.py's
-``SamplerApp``; request parsing (protocol.py) and response building (response.py) are pure.
+``SamplerApp``; request parsing (requests.py) and response building (response.py) are pure.
 
 A client that disconnects aborts its request: streaming responses are cancelled by starlette when the
 client goes away; non-streaming ones watch the ASGI ``receive`` channel for ``http.disconnect``. Either way
