@@ -3,8 +3,9 @@
 Async (anyio, under trio or asyncio), for long-running commands:
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(signals.cancel_on_stop, tg.cancel_scope)   # Ctrl-C or SIGTERM cancels the group
+        await tg.start(signals.cancel_on_stop, tg.cancel_scope)  # from here, Ctrl-C or SIGTERM cancels the group
         await run()
+        tg.cancel_scope.cancel()                                 # done: stop listening
 
     sig = await signals.wait_for_stop()                          # until Ctrl-C or SIGTERM; returns which
 
@@ -29,6 +30,7 @@ from types import FrameType
 from typing import Any, TypeAlias
 
 import anyio
+from anyio.abc import TaskStatus
 
 __all__ = [
     "STOP",
@@ -65,10 +67,17 @@ async def wait_for_stop(*sigs: signal.Signals) -> signal.Signals:
         return await next_signal(received)
 
 
-async def cancel_on_stop(scope: anyio.CancelScope, *sigs: signal.Signals) -> None:
-    """Cancel ``scope`` at the first of ``sigs`` (default ``STOP``). Start it in the task group whose scope it
-    is, and cancel that scope when the work is done (this task waits for a signal until then)."""
-    await wait_for_stop(*sigs)
+async def cancel_on_stop(
+    scope: anyio.CancelScope,
+    *sigs: signal.Signals,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Cancel ``scope`` at the first of ``sigs`` (default ``STOP``). Start it with ``await tg.start(...)`` in the
+    task group whose scope it is: it reports started once the signals are caught, so none sent after that is
+    missed. Cancel that scope when the work is done (this task waits for a signal until then)."""
+    with receive(*sigs) as received:
+        task_status.started()
+        await next_signal(received)
     scope.cancel()
 
 

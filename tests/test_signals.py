@@ -13,13 +13,14 @@ from t1async import signals
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 async def test_a_stop_signal_cancels_the_group_it_guards(sig):
+    """Sent as soon as ``tg.start`` returns (the receiver is open then: no sleep to guess it), the signal
+    cancels the group, whose work would otherwise wait until fail_after fails the test."""
     reached_end = False
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(signals.cancel_on_stop, tg.cancel_scope)
-            await anyio.sleep(0.1)  # the receiver is open
+            await tg.start(signals.cancel_on_stop, tg.cancel_scope)
             os.kill(os.getpid(), sig)
-            await anyio.sleep(10)
+            await anyio.sleep_forever()
             reached_end = True
     assert not reached_end
 

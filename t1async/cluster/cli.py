@@ -231,8 +231,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(tail, cfg, sys.stdout, sys.stderr)
-            await cancel_on_stop(tg.cancel_scope)
+            await tg.start(cancel_on_stop, tg.cancel_scope)
+            await tail(cfg, sys.stdout, sys.stderr)
+            tg.cancel_scope.cancel()
 
     _run(main)
     return 0

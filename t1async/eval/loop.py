@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             NatsTransport(config=NatsConfig(url=nats, creds=settings.nats_creds)) as t,
             anyio.create_task_group() as tg,
         ):
-            tg.start_soon(cancel_on_stop, tg.cancel_scope)
+            await tg.start(cancel_on_stop, tg.cancel_scope)
             await run_loop(cfg, t)
             tg.cancel_scope.cancel()
 

@@ -236,7 +236,7 @@ def _serve(c: ServeConfig) -> int:
                 )
                 stack.push_async_callback(learner.weight_pusher.aclose)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_on_stop, tg.cancel_scope)
+                await tg.start(cancel_on_stop, tg.cancel_scope)
                 await learner.run()
                 tg.cancel_scope.cancel()
 

@@ -528,7 +528,7 @@ async def run_node(s: NatsNodeSettings) -> None:
     srv = NatsServer(node_config(s), find_binary())
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_stop, tg.cancel_scope)
+            await tg.start(cancel_on_stop, tg.cancel_scope)
             await srv.launch()
             if srv.config.cluster_name:
                 await wait_clustered(srv)
