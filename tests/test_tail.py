@@ -133,6 +133,39 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path, repo_env, command):
     assert res.stderr == "" and res.returncode == 141, res.stderr
 
 
+@pytest.mark.parametrize("as_json", [False, True], ids=["lines", "json"])
+async def test_tail_into_a_reader_that_leaves_exits_quietly(nats_server, repo_env, as_json):
+    """`tail | head -30`: the reader closes its end after the first records; tail's next write meets a broken
+    pipe and tail exits with 141 (128 + SIGPIPE, as `status | head` does) and nothing on stderr but its
+    header: no traceback, no exception group (rich's own broken-pipe exit used to raise SystemExit(1) inside
+    the task group)."""
+    argv = [sys.executable, "-m", "t1async.cluster", "tail", "--nats", nats_server.url, "--no-text"]
+    async with await anyio.open_process([*argv, *(["--json"] if as_json else [])], env=repo_env) as proc:
+        try:
+            out, err = bytearray(), bytearray()
+            await _read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
+            async with NatsTransport(nats_server.url) as t:
+                await t.publish(traj_subject("ep-h"), start("ep-h"))
+                await _read_until(proc.stdout, out, b"ep-h", timeout=60)
+                await proc.stdout.aclose()  # the reader leaves, as head does after its lines
+                with anyio.fail_after(60):
+                    for i in range(1000):  # each record is a write into the closed pipe; the first one ends tail
+                        await t.publish(traj_subject("ep-h"), turn("ep-h", i))
+                        with anyio.move_on_after(0.5):
+                            await proc.wait()
+                        if proc.returncode is not None:
+                            break
+            with anyio.fail_after(10):
+                async for chunk in proc.stderr:
+                    err.extend(chunk)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    stderr = err.decode()
+    assert stderr.splitlines() == [f"# tailing t1.traj.> on {nats_server.url} (Ctrl-C to stop)"], stderr
+    assert proc.returncode == 141
+
+
 def test_status_json_still_parses(tmp_path, capsys):
     run_dir = tmp_path / "run"
     ClusterState(run_dir=str(run_dir), status="stopped").save()

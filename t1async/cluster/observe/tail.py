@@ -211,6 +211,14 @@ def _styled(line: str) -> Text:
     return text
 
 
+class _PipeConsole(Console):
+    """A reader that leaves (``tail | head``) is the caller's BrokenPipeError, not rich's ``SystemExit(1)``:
+    the command exits quietly with 141 as ``status | head`` does, and no task group wraps an exit."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(32, "the reader closed tail's output")
+
+
 def select(obj: dict, fields: tuple[str, ...]) -> dict:
     """``--json --fields``: keep ``subject``, ``kind`` and the named keys."""
     if not fields:
@@ -225,7 +233,7 @@ async def tail(config: TailConfig, out: IO[str], err: IO[str]) -> None:
         subject = traj_subject(config.episode)
     fmt = Formatter(text=config.text and not config.json, fields=config.fields, max_text=config.max_text)
     # rich colours only a terminal (and honours NO_COLOR); markup and highlighting off: the text is data
-    console = Console(file=out, highlight=False, markup=False, emoji=False, soft_wrap=True)
+    console = _PipeConsole(file=out, highlight=False, markup=False, emoji=False, soft_wrap=True)
     nats = NatsConfig(url=config.nats_url, creds=config.nats_creds)
     async with NatsTransport(config=nats) as t, t.subscribe(subject, include_malformed=True) as messages:
         print(f"# tailing {subject} on {redact(config.nats_url)} (Ctrl-C to stop)", file=err, flush=True)
