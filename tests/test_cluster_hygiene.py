@@ -126,15 +126,21 @@ async def test_the_next_up_or_down_reaps_what_a_dead_supervisor_left(tmp_path, c
 async def test_a_guarded_child_dies_with_its_parent_even_after_an_idle_spawner(tmp_path):
     """PR_SET_PDEATHSIG fires when the forking *thread* exits: a child started from trio (whose worker
     threads exit after 10 s idle) must outlive that thread and die only with the process. Here the parent is
-    a trio program that starts a binary (``open_process``) and a Python child (``popen``), then is SIGKILLed."""
+    a trio program that starts a binary (``open_process``) and a Python child (``popen``), says how many trio
+    worker threads it has, says "idle" once they are all gone, and is then SIGKILLed."""
     script = tmp_path / "parent.py"
     script.write_text(
-        "import sys, trio\n"
+        "import sys, threading, trio\n"
         "from t1async.procs import open_process, popen\n"
+        "def workers():\n"
+        "    return [t for t in threading.enumerate() if t.name.startswith('Trio thread')]\n"
         "async def main():\n"
         "    a = await open_process(['sleep', '300'])\n"
         "    b = popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-        "    print(a.pid, b.pid, flush=True)\n"
+        "    print(a.pid, b.pid, len(workers()), flush=True)\n"
+        "    while workers():\n"
+        "        await trio.sleep(0.1)\n"
+        "    print('idle', flush=True)\n"
         "    await trio.sleep(300)\n"
         "trio.run(main)\n"
     )
@@ -143,11 +149,14 @@ async def test_a_guarded_child_dies_with_its_parent_even_after_an_idle_spawner(t
         parent = await open_process([sys.executable, str(script)], stdout=out, env=env)
     try:
         with anyio.fail_after(60):
-            while len((tmp_path / "pids").read_text().split()) < 2:
+            while not (tmp_path / "pids").read_text().endswith("\n"):
                 await anyio.sleep(0.05)
-        pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+        *pids, workers = [int(x) for x in (tmp_path / "pids").read_text().split()]
+        assert workers >= 1, "open_process waited on the spawner in a trio worker thread"
         infos = [proc_info(str(p), p) for p in pids]
-        await anyio.sleep(12)  # trio's idle worker threads are gone by now: the children must still run
+        with anyio.fail_after(60):  # trio's idle workers exit after 10 s
+            while "idle" not in (tmp_path / "pids").read_text():
+                await anyio.sleep(0.05)
         assert all(is_ours(i) for i in infos), "a child died with an idle thread, not with its process"
         parent.kill()
         await parent.wait()

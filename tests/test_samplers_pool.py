@@ -10,6 +10,7 @@ import signal
 import anyio
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from t1async.model.weights import default_model_dir
 from t1async.protocol.sampling import SamplingParams
@@ -77,7 +78,7 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
         urls = [await anyio.to_thread.run_sync(sp.start) for sp in procs]
         async with SGLangClient(urls, max_retries=4, backoff_s=0.1, pool=PoolConfig(probe_every_s=0.5)) as c:
             killed: dict[str, str] = {}
-            at_turn = anyio.Event()
+            at_turn, was_killed = anyio.Event(), anyio.Event()
             waiting: list[str] = []
 
             async def episode(ep: str) -> None:
@@ -87,8 +88,7 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
                         waiting.append(ep)
                         if len(waiting) == n_eps:
                             at_turn.set()
-                        while not killed:
-                            await anyio.sleep(0.05)
+                        await was_killed.wait()
                     g = await c.generate(ids, params, routed_experts_start_len=covered, rid=f"{ep}/{k}")
                     assert g.routing_start <= covered, "routes start at or before the first uncovered position"
                     assert g.routing.shape[0] == len(ids) + len(g.output_ids) - 1 - g.routing_start
@@ -103,6 +103,7 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
                 os.kill(sp.proc.pid, signal.SIGKILL)
                 sp.proc.wait()
                 killed["url"] = victim
+                was_killed.set()
 
             with anyio.fail_after(240):
                 async with anyio.create_task_group() as tg:
@@ -118,8 +119,12 @@ async def test_sigkill_one_of_two_samplers_mid_run_no_turn_is_lost(tmp_path):
                         await one.update_weights_from_disk(str(default_model_dir()), 1)
                     i = urls.index(dead)
                     procs[i] = SamplerProcess(port=ports[i], log_path=tmp_path / f"s{i}-again.log")
-                    await anyio.to_thread.run_sync(procs[i].start)
-                    await anyio.sleep(1.5)  # three probes
+                    with capture_logs() as logs:  # the monitor's verdict on it, once a probe has found it healthy
+                        await anyio.to_thread.run_sync(procs[i].start)
+                        with anyio.fail_after(30):  # probes every 0.5 s
+                            while not (waits := [e for e in logs if e["event"] == "sampler.waiting_for_weights"]):
+                                await anyio.sleep(0.05)
+                    assert (waits[0]["url"], waits[0]["policy_version"], waits[0]["current"]) == (dead, 0, 1)
                     assert dead not in c.pool.live, "not back before it has the current weights"
                     async with SGLangClient(dead) as one:  # the learner's next push reaches it too
                         await one.update_weights_from_disk(str(default_model_dir()), 1)
