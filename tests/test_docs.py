@@ -296,8 +296,8 @@ def test_an_issue_number_would_be_caught():
 
 # a path ends at `.py`, and is not part of a longer path, a dotted name or a glob (`*_test.py`, `<ex>_test.py`)
 PY_PATH = re.compile(r"(?<![\w./*<>{}-])((?:[\w.-]+/)*\w[\w-]*\.py)(?![\w/])")
-# paths in another project's tree, which a comment may cite: SGLang's sources
-EXTERNAL_PREFIXES = ("sglang/", "python/sglang/")
+# paths in another project's tree, which a comment may cite: SGLang's and vLLM's sources
+EXTERNAL_PREFIXES = ("sglang/", "python/sglang/", "vllm/")
 # files of a task's layout or of a verifier's work dir, not of this repository
 TASK_FILES = {"test_outputs.py", "pytest.py", "conftest.py"}
 
