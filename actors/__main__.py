@@ -85,7 +85,7 @@ async def amain(args: ActorSettings) -> int:
     from actors.actor import ActorConfig, run_actor
     from t1async.log import get_logger
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.engines import sampler_client
     from t1async.transport import NatsConfig, NatsTransport
 
     log = get_logger("actors")
@@ -103,7 +103,7 @@ async def amain(args: ActorSettings) -> int:
     )
     async with (
         NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,
-        SGLangClient(args.sampler_url, api_key=args.sampler_api_key) as sampler,
+        sampler_client(args.engine, args.sampler_url, model_dir=args.model, api_key=args.sampler_api_key) as sampler,
     ):
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights

@@ -9,7 +9,7 @@ from typing import Literal
 from sandbox_agent.agent_types import Reward
 from sandbox_agent.context import POLICIES
 from t1async.config import like, setting
-from t1async.sampler.settings import SamplerKeys
+from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys
 from t1async.transport.auth import NatsClientSettings
 
 
@@ -69,6 +69,7 @@ class ActorSettings(EpisodeOptions):
         group="actor",
     )
     sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key", group="actor")
+    engine: Engine = like(EngineSettings, "engine", group="actor")
     tasks: Path | None = setting(
         None,
         "a directory of tasks (TB1/TB2 format), e.g. made by `python -m sandbox_agent synth --out DIR --n 200` "

@@ -80,6 +80,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if cfg.nats is not None:
         preflight.check_nats(cfg.nats)
     preflight.check_samplers(cfg.sampler_url)
+    if cfg.engine == "vllm":
+        preflight.check_vllm(cfg.sampler_url, cfg.vllm_python)
     preflight.check_sandbox()
     components.ensure_tasks(cfg)
     preflight.check_tasks(components.tasks_dir(cfg))

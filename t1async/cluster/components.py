@@ -199,6 +199,10 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     # actors' pool keeps it out until then (t1async/sampler/pool.py)
     embedded = []
     api_key, admin_key = sampler_keys(cfg)
+    if cfg.engine == "vllm" and not urls:  # one vLLM server on the run's model, stopped with the run
+        spec, url = vllm_spec(cfg, model, api_key)
+        out.append(spec)
+        urls = [url]
     if not urls:  # the embedded samplers, all from one settings file; keys by file, pushes only from these roots
         from t1async.model.weights import default_model_dir
 
@@ -249,6 +253,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
             "model": model,
             "nproc": cfg.learner_procs,
             "sampler_url": urls,
+            "engine": cfg.engine,
         },
     )
     learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
@@ -268,6 +273,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
             "model": model,
             "system_prompt_file": prompt,
             "sampler_url": urls,
+            "engine": cfg.engine,
         },
     )
     for i in range(cfg.actors):
@@ -279,6 +285,30 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     if cfg.eval_every > 0:
         out.append(replace(eval_spec(cfg, nats_url, model), env=_key_env(api_key)))
     return out
+
+
+def vllm_spec(cfg: UpConfig, model: Path | None, api_key: str | None) -> tuple[ProcessSpec, str]:
+    """The vLLM server ``cluster up --engine vllm`` starts (t1async.sampler.vllm_launch) on the run's model,
+    on a free loopback port, and its URL. Its log is ``<run-dir>/logs/vllm.log``."""
+    from t1async.model.weights import default_model_dir
+    from t1async.sampler.vllm_launch import ServeSettings, VLLMSettings
+
+    ready = sampler_ready_file(cfg)
+    ready.unlink(missing_ok=True)
+    port = free_port()
+    settings = ServeSettings(
+        **_part(VLLMSettings, cfg),
+        model=Path(model if model is not None else default_model_dir()),
+        port=port,
+        ready_file=ready,
+        log_file=Path(cfg.run_dir) / "logs" / "vllm.log",
+    )
+    argv = python_module("t1async.sampler.vllm_launch", "--config", str(config_file(cfg, "vllm", asdict(settings))))
+    env = _key_env(api_key)  # vLLM checks it on /inference (its control endpoints take none: loopback only)
+    spec = ProcessSpec(
+        "sampler", pinned(argv, cfg.sampler_cpus), env, ready_file=ready, ready_timeout_s=cfg.vllm_start_timeout
+    )
+    return spec, f"http://127.0.0.1:{port}"
 
 
 def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:

@@ -28,7 +28,8 @@ from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.config import check_bounds, like, resolve, setting
 from t1async.learner.serve_cli import LearnerOptions
 from t1async.protocol.errors import ConfigError
-from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
+from t1async.sampler.settings import Dtype, Engine, EngineSettings, SamplerKeys, SamplerSettings
+from t1async.sampler.vllm_launch import VLLMSettings
 from t1async.transport.auth import NatsClientSettings
 
 # the flag groups of `cluster up --help`, in this order
@@ -37,7 +38,7 @@ EVAL, LIFETIME = "eval in the loop", "lifetime"
 
 
 @dataclass(frozen=True)
-class UpConfig(LearnerOptions, EpisodeOptions):
+class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
     run_dir: Path = setting(DEFAULT_RUN_DIR, "the run's directory", cli=False)
     preset: str = setting("none", "the preset the run's settings started from (--preset)", cli=False)
     # NATS
@@ -72,9 +73,11 @@ class UpConfig(LearnerOptions, EpisodeOptions):
         group=NATS,
     )
     # samplers
+    engine: Engine = like(EngineSettings, "engine", group=SAMPLERS)
     sampler_url: tuple[str, ...] = setting(
         (),
-        "an SGLang server to sample from (repeatable); none: start the embedded sampler",
+        "a server to sample from, speaking --engine's protocol (repeatable); none: start the embedded sampler "
+        "(--engine vllm: start a vLLM server)",
         metavar="URL",
         group=SAMPLERS,
     )
@@ -166,6 +169,13 @@ class UpConfig(LearnerOptions, EpisodeOptions):
             raise ConfigError(f"--context-policy {self.context_policy!r} is not one of: {', '.join(POLICIES)}")
         if not 1 <= self.samplers <= 16:
             raise ConfigError(f"--samplers must be 1..16, got {self.samplers}")
+        if self.engine == "vllm" and self.samplers > 1:
+            raise ConfigError("--engine vllm starts one vLLM server; to use several, start them and give --sampler-url")
+        if self.engine == "vllm" and self.weight_sync == "distributed":
+            raise ConfigError(
+                "--weight-sync distributed is SGLang's protocol; vLLM's NCCL weight transfer needs GPUs (untested "
+                "here): use --weight-sync disk with --engine vllm"
+            )
         if self.samplers > 1 and self.sampler_url:
             raise ConfigError(
                 f"--samplers {self.samplers} starts embedded samplers, --sampler-url uses running ones: "

@@ -81,6 +81,40 @@ def check_samplers(urls: list[str] | tuple[str, ...], timeout_s: float = 5.0) ->
             )
 
 
+VLLM_PATHS = {  # what t1async calls on a vLLM server, and the server setting that enables it
+    "/inference/v1/generate": "--enable-scale-out",
+    "/pause": "VLLM_SERVER_DEV_MODE=1",
+    "/collective_rpc": "VLLM_SERVER_DEV_MODE=1",
+    "/update_weight_version": "VLLM_SERVER_DEV_MODE=1",
+}
+
+
+def check_vllm(urls: list[str] | tuple[str, ...], vllm_python: str | None, timeout_s: float = 10.0) -> str:
+    """``--engine vllm``: each ``--sampler-url`` serves the endpoints t1async calls (read from its
+    ``/openapi.json``); without URLs, vLLM is installed (``--vllm-python``) and recent enough. Returns what was
+    found, for the log."""
+    from t1async.sampler.vllm_launch import installed_version, resolve_python
+
+    if not urls:
+        python = resolve_python(vllm_python)
+        return f"vLLM {installed_version(python)} in {python}"
+    for url in urls:
+        try:
+            paths = httpx.get(f"{url.rstrip('/')}/openapi.json", timeout=timeout_s, trust_env=False).json()["paths"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"--sampler-url {url}: no OpenAPI description at {url}/openapi.json ({type(exc).__name__}): is it a "
+                "vLLM server? (--engine vllm)"
+            ) from None
+        missing = sorted({flag for path, flag in VLLM_PATHS.items() if path not in paths})
+        if missing:
+            raise ConfigError(
+                f"--sampler-url {url}: this vLLM server lacks endpoints t1async needs: restart it with "
+                f"{' and '.join(missing)} (and --worker-extension-cls t1async_vllm.T1WorkerExtension for MoE on CPU)"
+            )
+    return f"vLLM endpoints at {', '.join(urls)}"
+
+
 def check_sandbox() -> None:
     """The actors can start a bubblewrap sandbox on this machine (bwrap, util-linux, root)."""
     from sandbox_agent.sandbox.base import SandboxConfig, SandboxStartError

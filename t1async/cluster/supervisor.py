@@ -37,6 +37,18 @@ from t1async.signals import STOP, next_signal, receive, set_handlers
 log = get_logger("cluster")
 
 
+EXIT_CONFIG = 2  # a component that exits 2 said what is wrong (a T1Error's one line): restarting cannot help
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a component's log (its one-line error when it exited 2)."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
     name: str
@@ -242,7 +254,7 @@ class Supervisor:
             if spec.finishes and proc.returncode == 0:
                 self.finished = f"{spec.name} finished"
                 log.info("cluster.component_finished", name=spec.name)
-            elif spec.restart and self._may_restart(spec.name):
+            elif spec.restart and proc.returncode != EXIT_CONFIG and self._may_restart(spec.name):
                 log.warning(
                     "cluster.component_restarting",
                     name=spec.name,
@@ -257,7 +269,10 @@ class Supervisor:
                     if spec.restart and self.config.max_restarts
                     else ""
                 )
-                self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}{loop}; see {path}"
+                why = last_line(path) if proc.returncode == EXIT_CONFIG else ""
+                self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}{loop}; see {path}" + (
+                    f": {why}" if why else ""
+                )
                 log.error("cluster.component_exited", name=spec.name, returncode=proc.returncode, log=str(path))
             cluster.cancel()
             return True

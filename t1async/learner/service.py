@@ -37,6 +37,7 @@ from t1async.ingest.validate import ModelLimits
 from t1async.learner import memory
 from t1async.learner.checkpoint import latest_checkpoint
 from t1async.learner.distributed import RankFailedError
+from t1async.learner.pushcheck import PushCheck, PushCheckConfig, PushCheckError
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer
@@ -46,6 +47,7 @@ from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.protocol import wire
+from t1async.protocol.errors import ConfigError
 from t1async.sampler.client import SGLangClient
 from t1async.transport.base import Transport, traj_subject
 
@@ -67,11 +69,24 @@ class LearnerConfig:
     journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
+    push_check: PushCheckConfig = field(default_factory=PushCheckConfig)  # verify each push (learner/pushcheck.py)
+    require_routes: bool = False  # refuse turns without the sampler's MoE routes (else: r3_missing_tokens)
     wandb: bool = False  # and to Weights & Biases, when wandb is installed
 
     @property
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
+
+
+def routes_missing(segments: list[Segment]) -> int:
+    """Loss tokens with no recorded route in some layer: trained on the learner's own routing (design §6)."""
+    n = 0
+    for s in segments:
+        if s.routing is None:
+            n += int(s.loss_mask.sum())
+        else:
+            n += int((s.loss_mask & (s.routing < 0).any(axis=(1, 2))).sum())
+    return n
 
 
 class Learner:
@@ -128,6 +143,12 @@ class Learner:
         self.last_step: dict = {}
         self.t0 = time.monotonic()
         self.weight_pusher: Any = None  # --weight-sync distributed: a learner.weightpush.DistributedPusher
+        self.push_check = (
+            PushCheck(samplers, config.push_check, self.model.cfg.vocab_size)
+            if samplers is not None and config.push_check.every > 0
+            else None
+        )
+        self.r3_missing_tokens = 0  # loss tokens trained without the sampler's routes (learner's own routing)
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self.curves = None
         if config.tensorboard:
@@ -196,8 +217,17 @@ class Learner:
             await self._next_arrival()
             return
         v = self.policy_version
+        missing = routes_missing(segments) if self.model.cfg.n_experts > 1 else 0
+        if missing and self.cfg.require_routes:
+            raise ConfigError(
+                f"{missing} loss tokens of this step's turns came without the sampler's MoE routes, and "
+                "--require-routes refuses them: start the sampler with routes (SGLang/vLLM "
+                "--enable-return-routed-experts, GPU only for vLLM) or drop --require-routes"
+            )
+        self.r3_missing_tokens += missing
         t_start = time.monotonic()
         t_ckpt = t_push = 0.0
+        checked: dict[str, float] = {}
         self.credits.set_training(True)
         try:
             self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
@@ -233,6 +263,7 @@ class Learner:
                 t_push = time.monotonic()
                 await self.samplers.update_weights_from_disk(str(ckpt.path), self.policy_version)
                 t_push = time.monotonic() - t_push
+            checked = await self._check_push(ckpt.path)
             self.gate.on_version(self.policy_version)
         finally:
             self.credits.set_training(False)
@@ -244,6 +275,8 @@ class Learner:
             "t_checkpoint_s": t_ckpt,
             "t_push_s": t_push,
             "t_step_wall_s": wall,
+            "r3_missing_tokens_step": missing,
+            **checked,
         }
         await self.transport.publish(
             "t1.policy", wire.PolicyRecord(self.policy_version, self.state.step, str(ckpt.path))
@@ -317,8 +350,37 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------ weights & metrics
 
+    async def _check_push(self, path: Path | str) -> dict[str, float]:
+        """The verified push (learner/pushcheck.py): what the samplers now serve against what was pushed; a
+        failed check pushes once more by the same path, then stops the learner with PushCheckError."""
+        if self.push_check is None:
+            return {}
+
+        async def repush() -> None:
+            if self.weight_pusher is not None:
+                await self.weight_pusher.push(self.trainer.export_model(), self.policy_version)
+            elif self.samplers is not None:
+                await self.samplers.update_weights_from_disk(str(path), self.policy_version)
+
+        return await self.push_check.after_push(self.trainer.export_model(), self.policy_version, repush)
+
     async def _sync_samplers(self) -> None:
-        """After a resume, make every sampler serve the checkpoint this learner continues from."""
+        """At start-up: make every sampler serve the checkpoint this learner continues from (after a resume), or
+        check that it serves the learner's starting weights (a fresh run; vLLM's are labelled version 0 then)."""
+        if self.samplers is not None and self.resumed_from is None and self.push_check is not None:
+            got = await self.push_check.measure(self.trainer.export_model())
+            bad = {u: d for u, d in got.items() if d > self.cfg.push_check.bound}
+            if bad:
+                raise PushCheckError(
+                    f"the sampler(s) {', '.join(bad)} serve other weights than the learner starts from "
+                    f"({self.cfg.model_dir or 'the shipped model'}): mean |Δlogp| "
+                    f"{', '.join(f'{d:.4g}' for d in bad.values())} on the probe, bound {self.cfg.push_check.bound:g}; "
+                    "start them on the same --model (or raise --push-check-bound for a bf16 sampler)"
+                )
+            set_version = getattr(self.samplers, "set_weight_version", None)
+            if set_version is not None:  # vLLM: its version is a label the learner owns
+                await set_version(self.policy_version)
+            log.info("learner.samplers_checked", policy_version=self.policy_version, dlogp=got)
         if self.weight_pusher is not None and self.resumed_from is not None:
             model = await anyio.to_thread.run_sync(self.trainer.export_model)  # the full weights, on every rank
             await self.weight_pusher.push(model, self.policy_version)
@@ -333,6 +395,7 @@ class Learner:
         drift = self.ingest.assembler.stats().as_dict()
         turns_trained = self.state.turns_trained
         return {
+            "r3_missing_tokens": self.r3_missing_tokens,
             **{
                 k: v
                 for k, v in self.last_step.items()

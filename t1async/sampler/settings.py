@@ -9,6 +9,7 @@ from typing import Literal
 from t1async.config import setting
 
 Dtype = Literal["float32", "bfloat16"]
+Engine = Literal["sglang", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -69,4 +70,16 @@ class SamplerKeys:
         "the key for the samplers' admin endpoints (weight updates, pause) (default: $T1_SAMPLER_ADMIN_KEY, "
         "else the API key)",
         metavar="KEY",
+    )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Which protocol the samplers speak (``cluster up``, ``learner serve``, ``python -m actors`` and the
+    benches take it via ``like``)."""
+
+    engine: Engine = setting(
+        "sglang",
+        "the samplers' engine: sglang (SGLang's /generate, or t1async's embedded sampler) or vllm (vLLM's "
+        "/inference/v1/generate and RL endpoints; without --sampler-url, cluster up starts a vLLM server)",
     )

