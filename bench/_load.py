@@ -30,10 +30,19 @@ class Outcome:
 
 
 async def stream_generate(
-    client: httpx.AsyncClient, url: str, ids: list[int], output_len: int, temperature: float, stream: bool = True
+    client: httpx.AsyncClient,
+    url: str,
+    ids: list[int],
+    output_len: int,
+    temperature: float,
+    stream: bool = True,
+    engine: str = "sglang",
 ) -> Outcome:
     """One streaming /generate; TTFT at the first chunk carrying tokens, ITL between token-carrying chunks.
-    With ``stream=False`` one plain POST, and TTFT = latency (as bench_serving's --disable-stream)."""
+    With ``stream=False`` one plain POST, and TTFT = latency (as bench_serving's --disable-stream).
+    ``engine="vllm"``: vLLM's ``/inference/v1/generate`` (delta chunks of token ids) instead of SGLang's."""
+    if engine == "vllm":
+        return await _vllm_generate(client, url, ids, output_len, temperature, stream)
     body = {
         "input_ids": ids,
         "stream": stream,
@@ -79,6 +88,54 @@ async def stream_generate(
     out.ok = seen > 0
     if not out.ok:
         out.error = "no tokens returned"
+    return out
+
+
+async def _vllm_generate(
+    client: httpx.AsyncClient, url: str, ids: list[int], output_len: int, temperature: float, stream: bool
+) -> Outcome:
+    """vLLM's token-in/token-out generate: streamed, each SSE chunk carries the new token ids (``DELTA``)."""
+    sp = {"max_tokens": output_len, "temperature": temperature, "ignore_eos": True, "detokenize": False}
+    body = {"token_ids": ids, "stream": stream, "sampling_params": sp}
+    out = Outcome(prompt_len=len(ids))
+    t0 = last = time.perf_counter()
+    path = url + "/inference/v1/generate"
+    try:
+        if not stream:
+            resp = await client.post(path, json=body)
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {resp.text[:300]!r}"
+                return out
+            out.output_ids = list(resp.json()["choices"][0].get("token_ids") or [])
+            out.latency = out.ttft = time.perf_counter() - t0
+        else:
+            async with client.stream("POST", path, json=body) as resp:
+                if resp.status_code != 200:
+                    out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                    return out
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        out.error = str(chunk["error"])
+                        return out
+                    delta = (chunk.get("choices") or [{}])[0].get("token_ids") or []
+                    now = time.perf_counter()
+                    if delta:
+                        if not out.output_ids:
+                            out.ttft = now - t0
+                        else:
+                            out.itl.append(now - last)
+                        last = now
+                        out.output_ids += list(delta)
+            out.latency = time.perf_counter() - t0
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.prompt_tokens = len(ids)
+    out.ok = bool(out.output_ids)
+    out.error = "" if out.ok else "no tokens returned"
     return out
 
 
@@ -155,6 +212,7 @@ async def run_load(
     temperature: float,
     stream: bool = True,
     label: str = "",
+    engine: str = "sglang",
 ) -> dict:
     rng = np.random.default_rng(seed)
     prompts = [random_ids(rng, input_len, vocab) for _ in range(num_prompts)]
@@ -164,7 +222,7 @@ async def run_load(
 
     async def one(ids: list[int]) -> None:
         async with limiter:
-            outcomes.append(await stream_generate(client, url, ids, output_len, temperature, stream))
+            outcomes.append(await stream_generate(client, url, ids, output_len, temperature, stream, engine))
         bar.advance()
 
     t0 = time.perf_counter()
@@ -198,6 +256,7 @@ async def run_multi_turn(
     temperature: float,
     stream: bool = True,
     prompt_len: int | None = None,
+    engine: str = "sglang",
 ) -> dict:
     rng = np.random.default_rng(seed)
     per_turn: list[list[Outcome]] = [[] for _ in range(turns)]
@@ -208,7 +267,7 @@ async def run_multi_turn(
         ctx = random_ids(np.random.default_rng([seed, s]), prompt_len or input_len, vocab)
         for t in range(turns):
             async with limiter:
-                o = await stream_generate(client, url, ctx, output_len, temperature, stream)
+                o = await stream_generate(client, url, ctx, output_len, temperature, stream, engine)
             per_turn[t].append(o)
             bar.advance()
             if not o.ok:

@@ -17,6 +17,7 @@ position.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import random
 import subprocess
@@ -147,6 +148,11 @@ async def sample_episode(
     for k in range(n_turns):
         gen = await sampler.generate(input_ids, params, routed_experts_start_len=routed, rid=f"{rid}/{k}")
         out = [int(t) for t in gen.output_ids]
+        shape = getattr(sampler, "routing_shape", None)
+        if gen.routing is None and shape is not None:  # an engine without routes (vLLM-CPU): rows of -1, R3 is off
+            gen = dataclasses.replace(
+                gen, routing=np.full((len(input_ids) + len(out) - 1 - routed, *shape[:2]), -1), routing_start=routed
+            )
         if gen.routing is None or gen.routing_start != routed:
             raise RuntimeError(f"{rid} turn {k}: sampler returned routing from {gen.routing_start}, asked {routed}")
         rows.append(np.asarray(gen.routing, dtype=np.int16))
@@ -205,7 +211,7 @@ def assemble(ep: SampledEpisode, episode: str):
             output_ids=t.output_ids,
             output_logprobs=t.logprobs,
             finish=finish,
-            routing=wire.Routing(t.routing_start, t.routing.astype(np.uint8)),
+            routing=None if (t.routing < 0).all() else wire.Routing(t.routing_start, t.routing.astype(np.uint8)),
             reward=0.0,
             tests_passed=-1,
             t_sample_s=0.0,

