@@ -236,3 +236,23 @@ async def test_push_check_retries_then_stops_naming_the_engine_and_fix():
     with pytest.raises(PushCheckError, match="vllm sampler at http://v.*v2.*worker-extension-cls"):
         await check.after_push(pushed, 2, repush)
     assert repushes == [1]
+
+
+def test_the_extension_loads_only_from_the_allowed_roots(tmp_path, monkeypatch):
+    """t1async_vllm runs inside vLLM's venv: imported here by path, it needs no vLLM for this check."""
+    import importlib.util
+
+    from t1async.sampler.vllm_launch import EXTENSION_DIR
+
+    spec = importlib.util.spec_from_file_location("t1async_vllm", EXTENSION_DIR / "t1async_vllm.py")
+    assert spec is not None and spec.loader is not None
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    (tmp_path / "ckpt" / "v1").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "ckpt" / "link").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setenv("T1_ALLOWED_WEIGHT_ROOTS", str(tmp_path / "ckpt"))
+    assert ext.check_root(str(tmp_path / "ckpt" / "v1")) == str((tmp_path / "ckpt" / "v1").resolve())
+    for bad in (tmp_path / "elsewhere", tmp_path / "ckpt" / "link", tmp_path / "ckpt" / ".." / "elsewhere"):
+        with pytest.raises(ValueError, match="outside the allowed weight roots"):
+            ext.check_root(str(bad))

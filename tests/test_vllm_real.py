@@ -97,6 +97,16 @@ def test_vllm_cpu_reload_changes_the_policy_and_the_extension_does_not(vllm_url)
     assert broken > 1e-3, f"vLLM's reload_weights kept the policy ({broken:.2g}): vLLM fixed its CPU MoE defect"
     reload(vllm_url, "t1_reload_weights", str(model_dir))
     assert np.abs(engine_logprobs(vllm_url, ids) - mine).mean() < 1e-5, "and the extension repairs it"
+    # the launcher's default root is the model dir's parent: a push from elsewhere is refused, the server lives on
+    httpx.post(f"{vllm_url}/pause", params={"mode": "keep"}, timeout=60)
+    r = httpx.post(
+        f"{vllm_url}/collective_rpc",
+        json={"method": "t1_reload_weights", "kwargs": {"weights_path": "/tmp"}},
+        timeout=120,
+    )
+    httpx.post(f"{vllm_url}/resume", timeout=60)
+    assert r.status_code >= 400 and "outside the allowed weight roots" in r.text, r.text
+    assert np.abs(engine_logprobs(vllm_url, ids) - mine).mean() < 1e-5
 
 
 def test_cluster_up_trains_through_a_real_vllm(vllm_url, tmp_path, repo_env):

@@ -296,12 +296,15 @@ def vllm_spec(cfg: UpConfig, model: Path | None, api_key: str | None) -> tuple[P
     ready = sampler_ready_file(cfg)
     ready.unlink(missing_ok=True)
     port = free_port()
+    settings_model = Path(model if model is not None else default_model_dir())
+    (Path(cfg.run_dir) / "checkpoints").mkdir(parents=True, exist_ok=True)
     settings = ServeSettings(
         **_part(VLLMSettings, cfg),
-        model=Path(model if model is not None else default_model_dir()),
+        model=settings_model,
         port=port,
         ready_file=ready,
         log_file=Path(cfg.run_dir) / "logs" / "vllm.log",
+        allowed_weight_roots=(settings_model.parent, Path(cfg.run_dir) / "checkpoints"),
     )
     argv = python_module("t1async.sampler.vllm_launch", "--config", str(config_file(cfg, "vllm", asdict(settings))))
     env = _key_env(api_key)  # vLLM checks it on /inference (its control endpoints take none: loopback only)

@@ -130,7 +130,7 @@ def command(python: str, model: Path, *, host: str, port: int, s: VLLMSettings) 
     return argv
 
 
-def server_env(api_key: str | None = None) -> dict[str, str]:
+def server_env(api_key: str | None = None, roots: tuple[Path, ...] = ()) -> dict[str, str]:
     """vLLM's environment: dev mode (the RL endpoints), the extension on its path, the key (never in argv,
     which ``ps`` shows to every user)."""
     pythonpath = os.pathsep.join(p for p in (str(EXTENSION_DIR), os.environ.get("PYTHONPATH", "")) if p)
@@ -139,6 +139,8 @@ def server_env(api_key: str | None = None) -> dict[str, str]:
     env.pop("VLLM_API_KEY", None)
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    # t1_reload_weights loads only from under these (the extension checks; vLLM's own reload_weights does not)
+    env["T1_ALLOWED_WEIGHT_ROOTS"] = os.pathsep.join(str(Path(r).resolve()) for r in roots)
     return env
 
 
@@ -158,9 +160,11 @@ async def launch_vllm(
     port: int = 0,
     log_path: str | os.PathLike,
     api_key: str | None = None,
+    allowed_weight_roots: tuple[Path, ...] = (),
 ) -> AsyncIterator[str]:
     """Run vLLM on ``model`` for the duration of the block; yields its URL once ``/health`` answers and the
-    weights are labelled version 0. A failed start raises ServerStartError with the log's tail."""
+    weights are labelled version 0. A failed start raises ServerStartError with the log's tail. Pushes load only
+    from under ``allowed_weight_roots`` (default: the model dir's parent)."""
     from t1async.transport.natsd import free_port
 
     python = resolve_python(settings.vllm_python)
@@ -175,7 +179,12 @@ async def launch_vllm(
     argv = command(python, model_dir, host=host, port=port, s=settings)
     with open(logp, "ab") as logf:
         proc = await open_process(
-            argv, stdout=logf, stderr=logf, env=server_env(api_key), start_new_session=True, pdeathsig=signal.SIGTERM
+            argv,
+            stdout=logf,
+            stderr=logf,
+            env=server_env(api_key, allowed_weight_roots or (model_dir.resolve().parent,)),
+            start_new_session=True,
+            pdeathsig=signal.SIGTERM,
         )
     log.info("vllm.launching", pid=proc.pid, url=url, vllm=version, model=str(model_dir), log=str(logp))
     try:
@@ -237,6 +246,14 @@ class ServeSettings(VLLMSettings):
     port: int = setting(0, "port (0: a free one)", ge=0, group="server")
     ready_file: Path | None = setting(None, "write the URL here once the server is ready", group="server")
     log_file: Path | None = setting(None, "vLLM's own log (default: beside the ready file)", group="server")
+    allowed_weight_roots: tuple[Path, ...] = setting(
+        (),
+        "pushes (t1_reload_weights) load only from under these directories, comma-separated (default: the model "
+        "dir's parent)",
+        metavar="DIR,...",
+        sep=",",
+        group="server",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         async def run() -> None:
             from t1async.signals import cancel_on_stop
 
-            async with launch_vllm(model, settings=s, host=s.host, port=s.port, log_path=logp, api_key=api_key) as u:
+            async with launch_vllm(
+                model,
+                settings=s,
+                host=s.host,
+                port=s.port,
+                log_path=logp,
+                api_key=api_key,
+                allowed_weight_roots=s.allowed_weight_roots,
+            ) as u:
                 if s.ready_file is not None:
                     tmp = s.ready_file.with_suffix(".tmp")
                     tmp.write_text(u + "\n")

@@ -12,7 +12,20 @@ policy changes silently (docs/vllm-cpu-moe-reload.md). Called through ``POST /co
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+ROOTS_ENV = "T1_ALLOWED_WEIGHT_ROOTS"  # os.pathsep-separated; set by t1async.sampler.vllm_launch
+
+
+def check_root(path: str) -> str:
+    """``path`` resolved, if it lies under one of ``$T1_ALLOWED_WEIGHT_ROOTS`` (symlinks and ``..`` resolved);
+    else ValueError naming the roots. Unset: any path (a server t1async did not start)."""
+    roots = [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
+    real = os.path.realpath(path)
+    if roots and not any(os.path.commonpath([real, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
+        raise ValueError(f"t1_reload_weights: {path} is outside the allowed weight roots {roots} ({ROOTS_ENV})")
+    return real
 
 
 class T1WorkerExtension:
@@ -22,7 +35,7 @@ class T1WorkerExtension:
         from vllm.platforms import current_platform
 
         runner: Any = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_path=weights_path)
+        runner.reload_weights(weights_path=check_root(weights_path))
         repacked = 0
         if current_platform.is_cpu():  # on GPUs the experts' process_weights_after_loading is a no-op
             for module in runner.get_model().modules():
