@@ -171,10 +171,10 @@ class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
             raise ConfigError(f"--samplers must be 1..16, got {self.samplers}")
         if self.engine == "vllm" and self.samplers > 1:
             raise ConfigError("--engine vllm starts one vLLM server; to use several, start them and give --sampler-url")
-        if self.engine == "vllm" and self.weight_sync == "distributed":
+        if self.engine == "vllm" and self.weight_sync == "distributed" and self.device != "cuda":
             raise ConfigError(
-                "--weight-sync distributed is SGLang's protocol; vLLM's NCCL weight transfer needs GPUs (untested "
-                "here): use --weight-sync disk with --engine vllm"
+                "--engine vllm --weight-sync distributed is vLLM's NCCL weight transfer: it needs --device cuda "
+                "(untested: no GPU has run it); on CPU use --weight-sync disk"
             )
         if self.samplers > 1 and self.sampler_url:
             raise ConfigError(

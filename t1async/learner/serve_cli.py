@@ -32,6 +32,14 @@ class LearnerOptions(TrainerOptions):
     )
     batch_turns: int = setting(16, "B: turns per training step", ge=1, group="learner")
     steps: int = setting(0, "stop after the learner trained this many steps (default 0: never)", ge=0, group="lifetime")
+    checkpoint_every: int = setting(
+        10,
+        "write a full checkpoint (model and AdamW state, what a restart resumes from) every N steps, at the last "
+        "step and at a stop; the other steps write only the model dir the samplers load (a crash replays the "
+        "turns trained since the last checkpoint from the journal)",
+        ge=1,
+        group="learner",
+    )
     lease: float = setting(180.0, "seconds an unused credit is held", gt=0, group="learner")
     actor_timeout: float = setting(
         15.0,
@@ -215,6 +223,7 @@ def _serve(c: ServeConfig) -> int:
         max_staleness=c.max_staleness,
         batch_turns=c.batch_turns,
         steps=c.steps,
+        checkpoint_every=c.checkpoint_every,
         lease_s=c.lease,
         actor_timeout_s=c.actor_timeout,
         durable=c.durable,
@@ -263,15 +272,22 @@ def _serve(c: ServeConfig) -> int:
 
                 if samplers is None:
                     raise ConfigError("--weight-sync distributed needs at least one --sampler-url")
-                if c.engine == "vllm":
-                    raise ConfigError(
-                        "--weight-sync distributed speaks SGLang's protocol; vLLM's NCCL weight transfer needs GPUs "
-                        "(sampler/vllm_nccl.py, untested): use --weight-sync disk with --engine vllm"
+                if c.engine == "vllm":  # vLLM's own NCCL transfer (sampler/vllm_nccl.py: UNTESTED, GPU only)
+                    from t1async.sampler.vllm_nccl import VLLMNcclPusher
+                    from t1async.transport.natsd import free_port
+
+                    if len(c.sampler_url) != 1:
+                        raise ConfigError("--engine vllm --weight-sync distributed pushes to one --sampler-url")
+                    learner.weight_pusher = VLLMNcclPusher(
+                        c.sampler_url[0], host=c.weight_sync_host, port=free_port(), pause_mode=c.pause_mode
                     )
-                learner.weight_pusher = DistributedPusher(
-                    samplers,
-                    WeightPushConfig(bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host, pause_mode=c.pause_mode),
-                )
+                else:
+                    learner.weight_pusher = DistributedPusher(
+                        samplers,
+                        WeightPushConfig(
+                            bucket_mb=c.weight_bucket_mb, host=c.weight_sync_host, pause_mode=c.pause_mode
+                        ),
+                    )
                 stack.push_async_callback(learner.weight_pusher.aclose)
             async with anyio.create_task_group() as tg:
                 await tg.start(cancel_on_stop, tg.cancel_scope)
@@ -293,10 +309,10 @@ def _serve(c: ServeConfig) -> int:
     return 0
 
 
-def _make_trainer(model, config):  # noqa: ANN001, ANN202 - Learner's make_trainer, typed there
+def _make_trainer(model_dir, config):  # noqa: ANN001, ANN202 - Learner's make_trainer, typed there
     from t1async.learner.ranks import make_trainer
 
-    return make_trainer(model, config)
+    return make_trainer(model_dir, config)
 
 
 async def _stop_ranks(learner_box: list) -> None:
