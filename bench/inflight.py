@@ -156,7 +156,7 @@ def replay(done: list[dict], versions: Versions) -> tuple[np.ndarray, int]:
     """|replayed - sampled logprob| of every token whose version differs from its request's first."""
     work: dict[int, list[tuple[dict, list[int]]]] = {}
     for d in done:
-        v = [int(x) for x in d["meta_info"]["output_token_weight_versions"]]
+        v = [int(s["version"]) for s in d["meta_info"]["weight_versions"] for _ in range(s["start"], s["end"])]
         after = [j for j, x in enumerate(v) if x != v[0]]
         for k in sorted({v[j] for j in after}):
             work.setdefault(k, []).append((d, [j for j in after if v[j] == k]))

@@ -119,7 +119,7 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
                             async with httpx.AsyncClient(
                                 trust_env=False, headers={"Authorization": f"Bearer {key}"}
                             ) as c:
-                                info = (await c.get(f"{sampler_url}/get_server_info", timeout=5)).json()
+                                info = (await c.get(f"{sampler_url}/get_model_info", timeout=5)).json()
                             server_versions.append(int(info["weight_version"]))
                         except httpx.HTTPError:
                             pass  # the last version's update races the shutdown

@@ -83,6 +83,7 @@ async def test_paused_sampler_stages_buckets_and_holds_new_requests_until_contin
         await pusher.connect()
         try:
             await W.pause_generation(client)
+            await W.begin_weight_update(client, own_sampler)
             got: dict = {}
             async with anyio.create_task_group() as tg:
 
@@ -95,6 +96,7 @@ async def test_paused_sampler_stages_buckets_and_holds_new_requests_until_contin
                     await pusher._bucket(part, 9)
                 assert await _version(client) == "0"  # staged, not applied while paused
                 assert "v" not in got
+                await W.end_weight_update(client, own_sampler)
                 await W.continue_generation(client)
             assert got["v"] == 9  # the held request ran on the whole new weights
             assert await _version(client) == "9"
@@ -253,6 +255,7 @@ async def _expiring_pause(serve, ServerConfig) -> None:
             named = [(k, v.detach().contiguous()) for k, v in model.state_dict().items()]
             parts = buckets(named, 0.25)
             await W.pause_generation(client)
+            await W.begin_weight_update(client, url)
             await pusher._bucket(parts[0], 1)  # staged; then the "trainer" goes silent
             ids1, lp1, v1 = await _logprobs(client)  # held, until the pause expires
             assert v1 == 0 and np.array_equal(ids0, ids1)

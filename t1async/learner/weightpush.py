@@ -2,14 +2,21 @@
 distributed``).
 
     pusher = DistributedPusher(client, WeightPushConfig(bucket_mb=64))
-    await pusher.connect()                 # rank 0 hosts the store; every sampler joins (rank 1..N)
-    await pusher.push(model, policy_version=7)    # pause -> buckets (HTTP names/dtypes/shapes + broadcasts) -> continue
+    await pusher.connect()                 # rank 0 hosts the store; each sampler joins with its TP ranks
+    await pusher.push(model, policy_version=7)    # pause -> begin -> buckets (HTTP + broadcasts) -> end -> continue
     await pusher.aclose()                  # /destroy_weights_update_group
 
-Each bucket is one ``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent
-concurrently (the sampler receives while its HTTP call waits). ``/continue_generation`` is always sent, even
-when a bucket failed, so the samplers never stay paused; a failed push closes the group and is tried once
-more over a new one (how a restarted sampler rejoins), then raises SamplerError.
+The group is 1 + the sum of the samplers' ``tp_size`` (read from each ``/server_info``): SGLang joins every
+TP worker at ``rank_offset + tp_rank``, so the offsets are cumulative (``weightsync.rank_layout``). The
+buckets go inside SGLang's weight-update session (``/begin_weight_update`` .. ``/end_weight_update``; a
+session a crashed learner left open is closed and opened again). Each bucket is one
+``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent concurrently (the
+sampler receives while its HTTP call waits). ``/end_weight_update`` and ``/continue_generation`` are always
+sent, even when a bucket failed, so the samplers never stay paused; a failed push closes the group and is
+tried once more over a new one (how a restarted sampler rejoins), then raises SamplerError. A sampler whose
+learner died mid-push stays paused on SGLang (no pause timeout there; the embedded one has
+``--pause-timeout``) until the next learner's first push continues it: ``/ready`` still answers while paused,
+so that push reaches it.
 
 Names are the served model's, as SGLang loads them (``push_tensors``): for a Hugging Face architecture the hub
 names (``model.layers.0.self_attn.q_proj.weight``, one expert each: model/hf.py), our value head left out (it
@@ -17,8 +24,10 @@ is not part of the architecture and no sampler uses it); for the in-house model 
 embedded sampler takes either.
 
 Both paths pause with ``pause_mode`` (``--pause-mode``, default ``retract``: running requests are recomputed
-with the new weights, none aborted, none mixing policies). The disk path (``DiskPushClient``, an
-``SGLangClient``) does /pause_generation -> /update_weights_from_disk -> /continue_generation.
+with the new weights, none aborted, none mixing policies). On a real SGLang the distributed path sends
+``in_place`` for ``retract`` (``weightsync.pause_mode_for``: SGLang's retract hides the route change), and
+``flush_cache: false`` with ``in_place`` (SGLang's flush fails while requests run). The disk path
+(``DiskPushClient``, an ``SGLangClient``) does /pause_generation -> /update_weights_from_disk -> /continue_generation.
 """
 
 from __future__ import annotations
@@ -98,16 +107,35 @@ class DistributedPusher:
         self.pg: Any = None
         self.store: Any = None
         self.members: list[str] = []  # the samplers in the current group (those reachable when it was made)
+        self.modes: dict[str, str] = {}  # member -> the /pause_generation mode that carries out pause_mode there
         self.pushes = 0
         self.last: dict = {}
 
     async def connect(self) -> None:
         urls = await W.reachable(self.client, self.client.urls)
         if not urls:
-            raise SamplerError(f"no sampler answers /health ({', '.join(self.client.urls)}): cannot push weights")
+            raise SamplerError(f"no sampler answers /ready ({', '.join(self.client.urls)}): cannot push weights")
         if len(urls) < len(self.client.urls):  # as the disk path: a dead sampler is synced when it is back
             log.warning("sampler.push_skipped", urls=[u for u in self.client.urls if u not in urls], path="distributed")
-        world = 1 + len(urls)
+        infos: dict[str, dict] = {}
+
+        async def info(u: str) -> None:
+            infos[u] = await W.server_info(self.client, u)
+
+        async with anyio.create_task_group() as tg:
+            for u in urls:
+                tg.start_soon(info, u)
+        tps = [W.tp_size(infos[u], u) for u in urls]
+        world, offsets = W.rank_layout(tps)
+        modes = {u: W.pause_mode_for(infos[u], self.cfg.pause_mode) for u in urls}
+        if any(m != self.cfg.pause_mode for m in modes.values()):
+            log.warning(
+                "learner.pause_mode_changed",
+                asked=self.cfg.pause_mode,
+                urls=[u for u in urls if modes[u] != self.cfg.pause_mode],
+                now="in_place",
+                why="SGLang's retract re-prefills running requests with the new weights' routes, unreported",
+            )
         self.store = W.store_master(self.cfg.host, self.cfg.port, world, self.cfg.timeout_s)
         port = self.store.port
         result: dict = {}
@@ -130,7 +158,7 @@ class DistributedPusher:
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             tg.start_soon(rank0)
-            for i, u in enumerate(urls):
+            for u, offset in zip(urls, offsets):
                 tg.start_soon(
                     functools.partial(
                         W.init_weights_update_group,
@@ -138,20 +166,59 @@ class DistributedPusher:
                         u,
                         master_address=self.cfg.host,
                         master_port=port,
-                        rank_offset=1 + i,
+                        rank_offset=offset,
                         world_size=world,
                         group_name=self.cfg.group_name,
                         backend=self.cfg.backend,
                     )
                 )
-        self.pg, self.members = result["pg"], urls
+        self.pg, self.members, self.modes = result["pg"], urls, modes
         log.info(
             "learner.weight_group",
             samplers=len(urls),
+            world_size=world,
+            tp_sizes=tps,
             port=port,
             backend=self.cfg.backend,
             seconds=round(time.perf_counter() - t0, 3),
         )
+
+    async def _pause(self) -> None:
+        for mode in sorted(set(self.modes.values())):
+            await W.pause_generation(self.client, mode=mode, urls=[u for u in self.members if self.modes[u] == mode])
+
+    async def _begin(self) -> None:
+        """``/begin_weight_update`` on every member; a session left open (a learner that died mid-push) is
+        ended and begun again."""
+
+        async def one(u: str) -> None:
+            try:
+                await W.begin_weight_update(self.client, u)
+            except SamplerError as exc:
+                if "already open" not in str(exc):
+                    raise
+                log.warning("learner.weight_session_left_open", url=u)
+                await W.end_weight_update(self.client, u)
+                await W.begin_weight_update(self.client, u)
+
+        async with anyio.create_task_group() as tg:
+            for u in self.members:
+                tg.start_soon(one, u)
+
+    async def _end(self) -> None:
+        errors: list[str] = []
+
+        async def one(u: str) -> None:
+            try:
+                await W.end_weight_update(self.client, u)
+            except SamplerError as exc:
+                errors.append(str(exc))
+
+        async with anyio.create_task_group() as tg:
+            for u in self.members:
+                tg.start_soon(one, u)
+        if errors:
+            raise SamplerError(f"/end_weight_update failed on {len(errors)} of {len(self.members)}: {errors[0]}")
 
     async def push(self, model: torch.nn.Module, policy_version: int) -> dict:
         """Send every tensor of ``model``'s state dict to every sampler as ``policy_version``; returns timings.
@@ -173,20 +240,25 @@ class DistributedPusher:
         named = push_tensors(model)
         parts = buckets(named, self.cfg.bucket_mb)
         t0 = time.perf_counter()
-        await W.pause_generation(self.client, mode=self.cfg.pause_mode, urls=self.members)
+        await self._pause()
         try:
+            await self._begin()
             for part in parts:
                 await self._bucket(part, policy_version)
         except BaseException:
             with anyio.CancelScope(shield=True):  # the group may be half-used: drop it, reconnect next time
-                try:
-                    await W.continue_generation(self.client, urls=self.members)
-                except SamplerError as exc:
-                    log.warning("learner.continue_failed", error=str(exc))
+                for step in (self._end, functools.partial(W.continue_generation, self.client, urls=self.members)):
+                    try:
+                        await step()
+                    except SamplerError as exc:
+                        log.warning("learner.continue_failed", error=str(exc))
                 await self.aclose()
             raise
         else:
-            await W.continue_generation(self.client, urls=self.members)
+            try:
+                await self._end()
+            finally:
+                await W.continue_generation(self.client, urls=self.members)
         self.pushes += 1
         mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
         self.last = {
@@ -225,7 +297,7 @@ class DistributedPusher:
                         dtypes=dtypes,
                         shapes=shapes,
                         group_name=self.cfg.group_name,
-                        flush_cache=True,
+                        flush_cache=self.modes.get(u) != "in_place",  # SGLang's flush fails while requests run
                         weight_version=policy_version,
                     )
                 except SamplerError as exc:

@@ -53,6 +53,15 @@ class ServerConfig:
 _SECRET = ("api_key", "admin_api_key")
 
 
+def _hf_config(model_path: str) -> dict:
+    """The model dir's ``config.json`` (``{}`` when there is none): ``/model_info``'s type and architectures."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text()) if model_path else {}
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(json.dumps(obj, separators=(",", ":")), status_code=status, media_type="application/json")
 
@@ -81,6 +90,8 @@ class SamplerApp:
         self.weight_roots = tuple(Path(r).resolve() for r in roots)
         self.started = time.time()
         self.served = 0
+        self.startup_version = str(getattr(engine, "weight_version", ""))  # /server_info's (SGLang's start-up)
+        self.hf_config = _hf_config(model_path)
 
     # ---------------------------------------------------------------- generate
 
@@ -300,32 +311,49 @@ class SamplerApp:
         return Response(status_code=200)
 
     async def get_model_info(self, request: Request) -> Response:
-        info = self.info
+        """SGLang's ``/model_info`` keys and nothing else (``sglang/srt/entrypoints/http_server.py`` ``model_info``): no
+        layer count (a client reads the MoE shape from the model's ``config.json``); ``weight_version`` is
+        the live one."""
+        cfg = self.hf_config
         return json_response(
             {
                 "model_path": self.model_path,
+                "served_model_name": self.config.served_model_name,
                 "tokenizer_path": self.model_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                **{k: v for k, v in info.items() if k != "weight_version"},
                 "weight_version": str(self.engine.weight_version),
-                # HF config names too, so clients written for HF-style configs find the MoE shape
-                "num_hidden_layers": info.get("num_layers"),
-                "num_experts_per_tok": info.get("topk"),
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": cfg.get("model_type"),
+                "architectures": cfg.get("architectures"),
             }
         )
 
     async def get_server_info(self, request: Request) -> Response:
+        """As SGLang's ``/server_info``: the start-up configuration (its ``weight_version`` is the start-up
+        one; the live one is ``/model_info``'s), one worker (``tp_size`` 1), and the state per DP rank, whose
+        ``env_vars`` (SGLang's, with ``SGLANG_EXPOSE_OWN_ENV_VARS=1``) say that logprobs are the model's own
+        at temperature 1, as SGLang's with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``."""
         return json_response(
             {
                 **{k: v for k, v in asdict(self.config).items() if k not in _SECRET},
                 "model_path": self.model_path,
-                "weight_version": str(self.engine.weight_version),
+                "weight_version": self.startup_version,
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
+                "enable_return_routed_experts": True,
                 "internal_states": [
                     {
                         "running_requests": len(self.active),
                         "served_requests": self.served,
                         **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+                        "env_vars": {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
                     }
                 ],
                 "version": VERSION,
@@ -336,8 +364,7 @@ class SamplerApp:
         return Response(status_code=200)
 
     async def health_generate(self, request: Request) -> Response:
-        if getattr(self.engine, "paused", None):  # held by its trainer's weight push, not sick: nothing decodes
-            return Response(status_code=200)
+        """One greedy token, as SGLang's; server.py holds it while paused (SGLang's waits out a pause too)."""
         gi = P.GenerateInput(
             input_ids=(0,),
             sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),

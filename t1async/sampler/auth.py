@@ -1,8 +1,8 @@
 """Keys for the sampler's HTTP API, the way SGLang checks them (design §4).
 
 ``--api-key KEY`` guards every endpoint; ``--admin-api-key KEY`` guards the admin ones (``ADMIN_PATHS``: the
-weight updates, the pause, the cache flush, the abort). A request carries its key as ``Authorization: Bearer
-KEY`` (or ``x-api-key: KEY``, as SGLang also takes). As SGLang's ``decide_request_auth``:
+weight updates and their session, the pause, the cache flush, the abort). A request carries its key as
+``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as SGLang also takes). As SGLang's ``decide_request_auth``:
 
 - ``OPTIONS`` and paths that start with ``/health``, ``/ready`` or ``/metrics`` are never checked (probes
   carry no secret): ``/health`` and ``/health_generate`` stay open;
@@ -47,6 +47,8 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_disk",
         "/update_weights_from_distributed",
         "/init_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
         "/destroy_weights_update_group",
         "/pause_generation",
         "/continue_generation",

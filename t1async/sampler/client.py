@@ -13,10 +13,17 @@ moving to the least-loaded other URL where there is one. Requests go to the URL 
 outstanding requests (ties rotate), under a load cap; an episode's turns stay on one sampler, and a client
 running ``monitor()`` takes dead samplers out and brings them back (t1async/sampler/pool.py).
 
-Decoding the answers (pure functions) is response.py. Routing needs the model's (layers, topk, experts):
-taken from ``routing_shape`` if given, else from each URL's ``/get_model_info`` (the embedded server adds
-``num_hidden_layers``, ``num_experts_per_tok`` and ``num_experts``; a real SGLang server does not, so pass
-``routing_shape`` for it).
+Decoding the answers (pure functions) is response.py. Routing needs the model's (layers, topk, experts),
+from its ``config.json`` as SGLang sizes its trace: ``routing_shape`` if given, else ``model_dir``'s
+``config.json``, else the ``config.json`` under the ``model_path`` a URL's ``/model_info`` names, when that is
+a directory here (SGLang's ``/model_info`` has no layer count). Routes asked for and not returned (SGLang
+without ``--enable-return-routed-experts``) raise SamplerError.
+
+Logprobs: t1async trains on the model's own logprob (temperature 1). SGLang returns ``log_softmax(logits /
+T)`` unless started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``sglang/srt/layers/sampler.py``), and says so only in
+``/server_info``'s ``internal_states[].env_vars`` when also started with ``SGLANG_EXPOSE_OWN_ENV_VARS=1``;
+the first request at a temperature other than 0 and 1 checks every URL and raises SamplerError naming both
+settings where that is not shown (the embedded sampler shows it).
 
 Keys (auth.py): ``api_key`` goes on every request as ``Authorization: Bearer``, ``admin_key`` (else
 ``api_key``) on the admin endpoints; each defaults to ``$T1_SAMPLER_API_KEY`` / ``$T1_SAMPLER_ADMIN_KEY``
@@ -26,10 +33,12 @@ Keys (auth.py): ``api_key`` goes on every request as ``Authorization: Bearer``, 
 from __future__ import annotations
 
 import enum
+import json
 import os
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -43,7 +52,7 @@ from t1async.sampler.response import (
     error_message,
     parse_generation,
     parse_weight_version,
-    shape_from_info,
+    shape_from_config,
 )
 
 try:
@@ -62,6 +71,28 @@ __all__ = [
 ]
 log = get_logger("sampler.client")
 _RETRY_STATUS = {429, 502, 503, 504}
+_TRUE = ("1", "true", "yes", "on")
+
+
+def shape_of_model(model_dir: str | Path) -> tuple[int, int, int]:
+    """(layers, topk, experts) from ``model_dir/config.json`` (``response.shape_from_config``)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SamplerError(f"cannot read the routing shape from {path}: {exc}") from exc
+    return shape_from_config(cfg if isinstance(cfg, dict) else {}, str(path))
+
+
+def original_logprobs(server_info: dict) -> bool | None:
+    """Whether ``/server_info`` shows ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set on every DP rank (None: it shows
+    no ``env_vars``, SGLang started without ``SGLANG_EXPOSE_OWN_ENV_VARS=1``)."""
+    states = server_info.get("internal_states")
+    envs = [st.get("env_vars") for st in states if isinstance(st, dict)] if isinstance(states, list) else []
+    shown = [e for e in envs if isinstance(e, dict)]
+    if not shown or len(shown) != len(envs):
+        return None
+    return all(str(e.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")).strip().lower() in _TRUE for e in shown)
 
 
 class SamplerClosedError(SamplerError):
@@ -107,6 +138,7 @@ class SGLangClient:
         max_backoff_s: float = 5.0,
         http2: bool = False,
         routing_shape: tuple[int, int, int] | None = None,  # (layers, topk, experts)
+        model_dir: str | Path | None = None,  # its config.json gives routing_shape
         transport: httpx.AsyncBaseTransport | None = None,
         pool: PoolConfig | None = None,  # pinning, load cap, health (t1async/sampler/pool.py)
         api_key: str | None = None,  # None: $T1_SAMPLER_API_KEY; "": none
@@ -118,7 +150,8 @@ class SGLangClient:
         self.urls = [u.rstrip("/") for u in urls]
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.routing_shape = routing_shape
+        self.routing_shape = routing_shape or (shape_of_model(model_dir) if model_dir is not None else None)
+        self._logprobs_checked = False
         self.outstanding = {u: 0 for u in self.urls}
         self.requests_sent = {u: 0 for u in self.urls}
         self.pool = SamplerPool(self.urls, self.outstanding, pool)
@@ -167,13 +200,33 @@ class SGLangClient:
         finally:
             self._monitored = False
 
-    async def _probe(self, url: str) -> tuple[bool, int | None]:
+    async def _probe(self, url: str) -> tuple[bool | None, int | None]:
+        """(healthy, live weight_version): True after a ``/health_generate`` token, False when that fails;
+        None (held: left in or out as it is) when ``/ready`` says 503 and the token waits, as it does
+        while a weight push pauses the sampler (SGLang's ``/health_generate`` waits out a pause)."""
+        wait = max(0.5, self.pool.config.probe_timeout_s / 2)
         try:
-            ok = (await self._http.get(url + "/health_generate")).status_code == 200
-            info = (await self._http.get(url + "/get_server_info")).json() if ok else {}
-            return ok, parse_weight_version(info["weight_version"], url) if "weight_version" in info else None
+            ready = (await self._http.get(url + "/ready", timeout=wait)).status_code
+            try:
+                ok: bool | None = (await self._http.get(url + "/health_generate", timeout=wait)).status_code == 200
+            except httpx.TimeoutException:
+                if ready != 503:  # not paused: a token that does not come is a sick sampler
+                    return False, None
+                ok = None
+            return ok, await self._live_version(url) if ok is not False else None
         except (httpx.HTTPError, ValueError, SamplerVersionError):
             return False, None
+
+    async def _live_version(self, url: str) -> int | None:
+        """``/model_info``'s ``weight_version`` (else ``/get_model_info``'s): the live one. ``/server_info``'s
+        is the start-up value (SGLang's ``server_info`` docstring)."""
+        for path in ("/model_info", "/get_model_info"):
+            resp = await self._http.get(url + path)
+            if resp.status_code != 404:
+                info = resp.json() if resp.status_code == 200 else {}
+                raw = info.get("weight_version") if isinstance(info, dict) else None
+                return None if raw is None else parse_weight_version(raw, url)
+        return None
 
     async def _request(
         self,
@@ -254,6 +307,8 @@ class SGLangClient:
             body["routed_experts_start_len"] = int(routed_experts_start_len)
         if rid is not None:
             body["rid"] = rid
+        if 0.0 < params.temperature and abs(params.temperature - 1.0) > 1e-6 and not self._logprobs_checked:
+            await self._check_logprobs(params.temperature)
         t0 = time.perf_counter()
         pin = rid.rsplit("/", 1)[0] if rid and "/" in rid else None  # the agent's rid: "<episode>/<turn>"
         url, resp = await self._request("POST", "/generate", json=body, rid_attempts=True, pin=pin)
@@ -264,13 +319,48 @@ class SGLangClient:
             raise SamplerError(f"{url}/generate answered with non-JSON: {resp.text[:200]!r}") from exc
         shape = None
         if routed_experts_start_len is not None:
-            shape = self.routing_shape or shape_from_info(await self.model_info(url), url)
+            shape = self.routing_shape or await self._shape_from(url)
         return parse_generation(out, len(ids), routed_experts_start_len, shape, latency=latency, url=url)
+
+    async def _shape_from(self, url: str) -> tuple[int, int, int]:
+        """The routing shape from the ``config.json`` under ``url``'s ``/model_info`` ``model_path``, when that
+        is a directory on this machine (the embedded sampler, a local SGLang); remembered."""
+        path = (await self.model_info(url)).get("model_path")
+        if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+            raise SamplerError(
+                f"{url} serves {path!r}, which has no config.json here, and SGLang does not say the MoE shape: "
+                "pass SGLangClient(model_dir=<the model dir>) or routing_shape=(num_hidden_layers, "
+                "num_experts_per_tok, num_experts)"
+            )
+        self.routing_shape = shape_of_model(path)
+        return self.routing_shape
+
+    async def _check_logprobs(self, temperature: float) -> None:
+        """Every URL must return the model's own logprobs at this temperature (module doc)."""
+        from t1async.sampler.weightsync import server_info  # weightsync imports torch: only when needed
+
+        bad: list[str] = []
+
+        async def one(u: str) -> None:
+            if original_logprobs(await server_info(self, u)) is not True:
+                bad.append(u)
+
+        async with anyio.create_task_group() as tg:
+            for u in self.urls:
+                tg.start_soon(one, u)
+        if bad:
+            raise SamplerError(
+                f"{', '.join(bad)} may return log_softmax(logits / {temperature:g}), not the model's own logprobs "
+                "(SGLang's default at a temperature other than 0 and 1): start SGLang with "
+                "SGLANG_RETURN_ORIGINAL_LOGPROB=1 and SGLANG_EXPOSE_OWN_ENV_VARS=1 (so /server_info shows it)"
+            )
+        self._logprobs_checked = True
 
     # ---------------------------------------------------------------- control
 
     async def model_info(self, url: str | None = None) -> dict:
-        """``/get_model_info`` of ``url`` (default: any), cached per URL."""
+        """``/get_model_info`` of ``url`` (default: any), cached per URL. SGLang's keys only: no MoE shape
+        (``model_dir``), and its ``weight_version`` is the one of when it was read."""
         if url is not None and url in self._info:
             return self._info[url]
         got, resp = await self._request("GET", "/get_model_info", url=url)

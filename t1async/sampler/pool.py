@@ -10,9 +10,11 @@
   once; its episodes are re-pinned to a live one on their next turn (the new sampler recomputes the prefix and
   returns routes from where it recomputed them: design §6's route fork, so the learner replays the routes
   actually used). ``SamplerPool.monitor`` probes ``/health_generate`` every ``probe_every_s``; a sampler
-  that fails the probe is taken out, and one that passes it comes back only once its ``weight_version`` has
-  caught up with the newest among the live samplers (the learner pushes every version to every URL, so a
-  restarted sampler is re-synced by the next push).
+  that fails the probe is taken out, and one that passes it comes back only once its live ``weight_version``
+  (``/model_info``'s) has caught up with the newest among the live samplers (the learner pushes every version
+  to every URL, so a restarted sampler is re-synced by the next push). A sampler held by a weight push
+  (``/ready`` 503, its health token waiting out the pause, as SGLang's does) is neither taken out nor brought
+  back: the probe answers None for it.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ class PoolConfig:
     max_pins: int = 65_536  # episodes remembered (least recently used forgotten first)
 
 
-# probe(url) -> (healthy, weight_version or None); raises nothing
-Probe = Callable[[str], Awaitable[tuple[bool, int | None]]]
+# probe(url) -> (healthy, or None: paused, left as it is; weight_version or None); raises nothing
+Probe = Callable[[str], Awaitable[tuple[bool | None, int | None]]]
 
 
 class SamplerPool:
@@ -87,7 +89,7 @@ class SamplerPool:
 
     async def probe_all(self, probe: Probe) -> None:
         """One round: probe every URL; take out the failed ones, bring back the healthy and current ones."""
-        results: dict[str, tuple[bool, int | None]] = {}
+        results: dict[str, tuple[bool | None, int | None]] = {}
 
         async def one(u: str) -> None:
             with anyio.move_on_after(self.config.probe_timeout_s):
@@ -101,7 +103,7 @@ class SamplerPool:
         for u, (ok, policy_version) in results.items():
             if policy_version is not None:
                 self.versions[u] = policy_version
-            if not ok:
+            if ok is False:
                 self.mark_down(u, "health_generate failed")
         current = max((self.versions.get(u, 0) for u in self.live if results[u][0]), default=0)
         for u, (ok, policy_version) in results.items():

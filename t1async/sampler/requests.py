@@ -7,15 +7,15 @@ The embedded server (server.py) uses these functions; the field names and shapes
 - request: ``input_ids`` | ``text``, ``sampling_params``, ``return_logprob``, ``logprob_start_len``,
   ``return_routed_experts``, ``routed_experts_start_len``, ``stream``, ``rid``;
 - response: ``text``, ``output_ids``, ``meta_info`` {``id``, ``finish_reason``, ``prompt_tokens``,
-  ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency``, ``output_token_logprobs``
-  ([[logprob, token_id, null], ...]), ``routed_experts`` (base64 of little-endian int32,
-  logical shape ``[seqlen - 1 - start, num_layers, topk]``)};
-- our extensions to ``meta_info`` (a real SGLang server sends neither; clients fall back to the request's
-  values): ``output_token_weight_versions`` (with ``return_logprob``: the ``weight_version`` that produced
-  each output token, since a weight update may land between two decode steps of one request; as AReaL's
-  ``output_versions``) and ``routed_experts_start_len`` (the position of the first ``routed_experts`` row:
-  the request's value, or earlier when the server recomputed positions before it after a prefix-cache
-  flush, so the rows are the routes it actually used, design §6);
+  ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``weight_versions`` (SGLang's spans
+  ``[{"version", "start", "end"}, ...]`` over the output tokens: the version that produced each, since a
+  weight update may land between two decode steps of one request), ``e2e_latency``,
+  ``output_token_logprobs`` ([[logprob, token_id, null], ...]), ``routed_experts`` (base64 of little-endian
+  int32, logical shape ``[seqlen - 1 - start, num_hidden_layers, num_experts_per_tok]``)};
+- our one extension to ``meta_info`` (a real SGLang server does not send it; clients fall back to the
+  request's value): ``routed_experts_start_len`` (the position of the first ``routed_experts`` row: the
+  request's value, or earlier when the server recomputed positions before it after a prefix-cache flush, so
+  the rows are the routes it actually used, design §6);
 - errors: HTTP 400 with ``{"error": {"message": ...}}`` (SGLang's shape; we add ``type``, ``code`` and
   ``param``, the offending field).
 

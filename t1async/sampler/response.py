@@ -5,8 +5,14 @@ requests.py's docstring.
   cumulative response object (streamed or not), ``encode_routing`` packs the routing trace, ``error_body``
   is SGLang's error shape.
 - SGLangClient reads them: ``parse_generation`` turns one into a Generation (output ids, logprobs, finish,
-  per-token weight versions, the routing trace), ``parse_weight_version`` insists on integer versions,
-  ``shape_from_info`` reads the MoE shape from ``/get_model_info``, ``error_message`` an error body.
+  per-token weight versions from ``meta_info.weight_versions``, the routing trace), ``parse_weight_version``
+  insists on integer versions, ``shape_from_config`` reads the MoE shape from the model's ``config.json``
+  (SGLang's ``/model_info`` has none), ``error_message`` an error body.
+
+The layouts are SGLang 0.5.23's (files under ``sglang/srt/``): ``weight_versions`` spans
+(``sglang/srt/utils/weight_versions.py`` ``add_weight_versions_to_meta_info``), ``routed_experts`` (base64 of int32
+``[seqlen - 1 - start, num_hidden_layers, num_experts_per_tok]``: ``sglang/srt/state_capturer/routed_experts.py``,
+``sglang/srt/managers/tokenizer_manager.py``), absent when the server runs without ``--enable-return-routed-experts``.
 """
 
 from __future__ import annotations
@@ -36,11 +42,10 @@ __all__ = [
     "parse_output_versions",
     "parse_weight_version",
     "routing_dtype",
-    "shape_from_info",
+    "shape_from_config",
+    "version_spans",
 ]
-_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
-_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "topk")
-_EXPERT_KEYS = ("num_experts", "n_experts", "n_routed_experts")
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight_version") -> int:
@@ -58,19 +63,38 @@ def parse_weight_version(raw: Any, url: str = "the sampler", what: str = "weight
 
 
 def parse_output_versions(meta: dict, n: int, policy_version: int, url: str) -> np.ndarray:
-    """Per-token weight versions from ``meta_info.output_token_weight_versions`` (the embedded server's
-    extension; a weight update may land mid-request), else ``policy_version`` for every token (a real SGLang)."""
-    raw = meta.get("output_token_weight_versions")
-    if raw is None:
+    """Per-token weight versions from SGLang's ``meta_info.weight_versions`` spans (``[{"version", "start",
+    "end"}, ...]``, output-token positions, in order; an update that lands mid-request splits the output), else
+    ``policy_version`` for every token. Spans that do not tile ``[0, n)`` raise SamplerError."""
+    spans = meta.get("weight_versions")
+    if spans is None:
         return np.full(n, policy_version, dtype=np.int32)
-    if not isinstance(raw, list) or len(raw) != n:
-        got = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
-        raise SamplerError(f"{url}/generate: output_token_weight_versions has {got} for {n} output tokens")
-    if all(v == raw[0] for v in raw):  # the usual case: one version for the whole turn (no hashing: any JSON)
-        return np.full(n, parse_weight_version(raw[0], url, "output_token_weight_versions[0]"), dtype=np.int32)
-    return np.asarray(
-        [parse_weight_version(v, url, f"output_token_weight_versions[{i}]") for i, v in enumerate(raw)], dtype=np.int32
-    )
+    if not isinstance(spans, list) or not spans:
+        raise SamplerError(f"{url}/generate: weight_versions is {str(spans)[:100]}, not a list of spans")
+    out = np.empty(n, dtype=np.int32)
+    at = 0
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict) or not {"version", "start", "end"} <= set(span):
+            raise SamplerError(f"{url}/generate: weight_versions[{i}] is {span!r}, not a version span")
+        start, end = span["start"], span["end"]
+        if not (isinstance(start, int) and isinstance(end, int) and start == at and start <= end <= n):
+            raise SamplerError(f"{url}/generate: weight_versions {spans} do not tile the {n} output tokens (span {i})")
+        out[start:end] = parse_weight_version(span["version"], url, f"weight_versions[{i}]")
+        at = end
+    if at != n:
+        raise SamplerError(f"{url}/generate: weight_versions {spans} cover {at} of the {n} output tokens")
+    return out
+
+
+def version_spans(versions: Sequence[str]) -> list[dict]:
+    """Per-token versions as SGLang's ``weight_versions`` spans (``add_weight_versions_to_meta_info``)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
 
 
 def error_message(resp: httpx.Response) -> str:
@@ -87,21 +111,20 @@ def error_message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
-def _first(info: dict, keys: Sequence[str]) -> int | None:
-    for k in keys:
-        if isinstance(info.get(k), int):
-            return int(info[k])
-    return None
-
-
-def shape_from_info(info: dict, url: str) -> tuple[int, int, int]:
-    layers, topk, experts = _first(info, _LAYER_KEYS), _first(info, _TOPK_KEYS), _first(info, _EXPERT_KEYS)
-    if layers is None or topk is None:
+def shape_from_config(config: dict, where: str = "config.json") -> tuple[int, int, int]:
+    """(layers, topk, experts) of SGLang's routing trace from a Hugging Face ``config.json``: SGLang sizes it
+    ``num_hidden_layers`` x ``num_experts_per_tok`` of the text config, dense layers included
+    (``sglang/srt/state_capturer/routed_experts.py``)."""
+    text = config.get("text_config")
+    cfg: dict = text if isinstance(text, dict) else config
+    layers, topk = cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok")
+    experts = next((cfg[k] for k in _EXPERT_KEYS if isinstance(cfg.get(k), int)), None)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (layers, topk, experts)):
         raise SamplerError(
-            f"{url}/get_model_info does not say the MoE shape (keys {sorted(info)}); "
-            "pass SGLangClient(routing_shape=(num_layers, topk, num_experts))"
+            f"{where} does not give an MoE shape (num_hidden_layers {layers!r}, num_experts_per_tok {topk!r}, "
+            f"num_experts {experts!r}): routes need a mixture-of-experts model's config"
         )
-    return layers, topk, experts or 0
+    return int(layers), int(topk), int(experts)  # type: ignore[arg-type]
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -155,7 +178,14 @@ def _parse_generation(
     finish = fr.get("type", "abort")
     routing = None
     start = 0
-    if routing_start is not None and meta.get("routed_experts") is not None and shape is not None:
+    if routing_start is not None and meta.get("routed_experts") is None and finish != "abort":
+        raise SamplerError(
+            f"{url}/generate was asked for routes (return_routed_experts) and answered none: start SGLang with "
+            "--enable-return-routed-experts (R3 needs every turn's routes)"
+        )
+    if routing_start is not None and meta.get("routed_experts") is not None:
+        if shape is None:
+            raise SamplerError(f"{url}/generate: routes came back but the client knows no routing shape")
         layers, topk, experts = shape
         start = int(routing_start)
         actual = meta.get("routed_experts_start_len")  # our server: earlier when it recomputed those positions
@@ -301,9 +331,11 @@ class ResponseState:
             "weight_version": self.weight_version,
             "e2e_latency": now - self.started,
         }
+        if self.versions:  # SGLang's spans, and its weight_version: the last span's
+            meta["weight_versions"] = version_spans(self.versions)
+            meta["weight_version"] = self.versions[-1]
         if self.req.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-            meta["output_token_weight_versions"] = list(self.versions)
         if self.req.return_routed_experts and self.routing is not None:
             meta["routed_experts"] = encode_routing(self.routing)
             meta["routed_experts_start_len"] = self.routing_start

@@ -44,10 +44,12 @@ def build_app(
         Route("/update_weights_from_disk", a.update_weights_from_disk, methods=["POST"]),
         Route("/flush_cache", a.flush_cache, methods=get_post),
         Route("/abort_request", a.abort_request, methods=["POST"]),
+        Route("/model_info", a.get_model_info, methods=["GET"]),
         Route("/get_model_info", a.get_model_info, methods=["GET"]),
+        Route("/server_info", a.get_server_info, methods=["GET"]),
         Route("/get_server_info", a.get_server_info, methods=["GET"]),
         Route("/health", a.health, methods=["GET"]),
-        Route("/health_generate", a.health_generate, methods=["GET"]),
+        Route("/health_generate", ws.hold(a.health_generate, a.config.health_timeout_s), methods=["GET"]),
         Route("/v1/models", a.models, methods=["GET"]),
     ]
 

@@ -1,20 +1,30 @@
 """SGLang's distributed weight update, client side and shared pieces (design §10).
 
-The learner (rank 0) and every sampler (ranks ``rank_offset..``) join one torch.distributed group, outside
-any default group, and the learner broadcasts each tensor; an HTTP call tells the sampler which tensors to
-expect. The endpoints and body fields are SGLang's (``python/sglang/srt/managers/io_struct.py``):
+The learner (rank 0) and every sampler's tensor-parallel workers (ranks ``rank_offset + tp_rank``) join one
+torch.distributed group, outside any default group, and the learner broadcasts each tensor; an HTTP call
+tells the sampler which tensors to expect. The endpoints and body fields are SGLang 0.5.23's
+(``sglang/srt/entrypoints/http_server.py``, bodies in ``sglang/srt/managers/io_struct.py``):
 
 - ``POST /init_weights_update_group`` {``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
-  ``group_name``, ``backend``}: join the group (returns once every rank has joined);
+  ``group_name``, ``backend``}: join the group (returns once every rank has joined). Each server joins with
+  ``tp_size`` ranks, ``rank = rank_offset + tp_rank``
+  (``sglang/srt/model_executor/model_runner_components/weight_updater.py``), so the world is 1 + the sum of
+  the servers' ``tp_size`` (``rank_layout``);
+- ``POST /begin_weight_update`` {} and ``POST /end_weight_update`` {}: the session every
+  ``/update_weights_from_distributed`` must run inside (outside one it answers ``success: false``, and a
+  second begin fails until end: ``sglang/srt/managers/scheduler_components/weight_updater.py``);
 - ``POST /update_weights_from_distributed`` {``names``, ``dtypes``, ``shapes``, ``group_name``,
-  ``flush_cache``, ``weight_version``}: receive one broadcast per name, in order, from rank 0;
+  ``flush_cache``, ``weight_version``}: receive one broadcast per name, in order, from rank 0. With
+  ``flush_cache`` the update fails (weights loaded, ``success: false``) while requests run or wait, so a
+  push in ``in_place`` mode sends ``flush_cache: false``;
 - ``POST /pause_generation`` {``mode``: ``abort`` | ``retract`` | ``in_place``} / ``POST
-  /continue_generation``: hold new requests while an update is sent (the modes: weightsync_server.py);
+  /continue_generation``: hold new requests while an update is sent (the modes: design §4);
 - ``POST /destroy_weights_update_group`` {``group_name``}.
 
-All return ``{"success": bool, "message": str}`` (pause and continue: SGLang's ``{"message", "status"}``
-and ``success``). ``open_group`` is how either side joins: a TCPStore that
-rank 0 hosts (port 0 picks a free one) and a gloo (CPU) or NCCL (GPU) process group on it.
+Replies are ``{"success": bool, "message": str}``, 400 on failure (pause and continue: ``{"message",
+"status": "ok"}``). ``open_group`` is how either side joins: a TCPStore that rank 0 hosts (port 0 picks a free
+one) and a gloo (CPU) or NCCL (GPU) process group on it, under the store keys SGLang's
+``init_custom_process_group`` (``sglang/srt/utils/common.py``) uses, so a learner meets a real SGLang.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from t1async.protocol.errors import SamplerError
 log = get_logger("sampler.weightsync")
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+EMBEDDED_VERSION = "t1async-embedded"  # how the embedded sampler's /server_info "version" starts
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -80,6 +91,30 @@ def gloo_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 
 
+def rank_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """(world size, each server's ``rank_offset``) for servers of these TP sizes: rank 0 is the learner,
+    server ``i`` holds ranks ``offset[i] .. offset[i] + tp_sizes[i] - 1`` (SGLang: ``rank_offset + tp_rank``)."""
+    offsets, nxt = [], 1
+    for tp in tp_sizes:
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"a tp_size must be an integer >= 1, got {tp!r}")
+        offsets.append(nxt)
+        nxt += tp
+    return nxt, offsets
+
+
+def sglang_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
+    """The store view a backend of SGLang's ``init_custom_process_group`` rendezvouses on. SGLang wraps the
+    rendezvous store in ``PrefixStore(group_name, store)`` and hands it to torch's
+    ``_new_process_group_helper``, which adds ``PrefixStore(f"{group_name}/", ...)`` and, per device of the
+    backend, ``PrefixStore(f"{device}/", ...)``: ``cpu`` for gloo (its first device; gloo registers one
+    backend for all), ``cuda`` for NCCL (torch.distributed.distributed_c10d). Built by hand, not through the
+    helper, so that the learner can leave and rejoin (the helper refuses a group name twice per process)
+    and pick gloo's address (``gloo_group``)."""
+    device = {"gloo": "cpu", "nccl": "cuda"}[backend]
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+
+
 def open_group(
     store: dist.Store | None,
     *,
@@ -92,16 +127,23 @@ def open_group(
     timeout_s: float = 120.0,
 ) -> Any:
     """Join the weight-update group (blocks until all ``world_size`` ranks joined). Rank 0 passes its store."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = sglang_store(store, group_name, backend)
     if backend == "gloo":
-        return gloo_group(prefixed, rank, world_size, timeout, host)
-    if backend == "nccl":  # a real SGLang on GPUs; the embedded sampler is CPU-only and takes gloo
-        # torch's stub lists only the (store, rank, size, options) overload; pybind also has (..., timeout=default)
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]
-    raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        pg = gloo_group(prefixed, rank, world_size, timeout, host)
+    else:  # a real SGLang on GPUs; the embedded sampler is CPU-only and takes gloo
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        opts.group_name = group_name  # type: ignore[assignment]  # torch's GroupName is a str NewType
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    if hasattr(pg, "_set_sequence_number_for_group"):  # as the helper does for gloo and NCCL
+        pg._set_sequence_number_for_group()
+    return pg
 
 
 def broadcast(pg: Any, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
@@ -178,6 +220,68 @@ async def update_weights_from_distributed(
     return await _post(client, url, "/update_weights_from_distributed", body)
 
 
+async def begin_weight_update(client: Any, url: str) -> dict:
+    """Open SGLang's weight-update session (``BeginWeightUpdateReqInput``: ``selector`` left at ``all``)."""
+    return await _post(client, url, "/begin_weight_update", {})
+
+
+async def end_weight_update(client: Any, url: str) -> dict:
+    """Close the session ``begin_weight_update`` opened (``EndWeightUpdateReqInput``: no fields)."""
+    return await _post(client, url, "/end_weight_update", {})
+
+
+async def get_json(client: Any, url: str, *paths: str, timeout_s: float = 10.0) -> dict:
+    """GET the first of ``paths`` the server has (SGLang 0.5.23 serves ``/server_info`` and ``/model_info``,
+    older ones only the ``/get_`` names); raises SamplerError naming the URL when none answers 200 JSON."""
+    cause = ""
+    for path in paths:
+        try:
+            resp = await client.get_once(url, path, timeout_s=timeout_s)
+        except httpx.HTTPError as exc:
+            raise SamplerError(f"{url}{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 404:
+            cause = f"{path}: HTTP 404"
+            continue
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code != 200 or not isinstance(body, dict):
+            raise SamplerError(f"{url}{path} failed (HTTP {resp.status_code}): {resp.text[:200]}")
+        return body
+    raise SamplerError(f"{url} has none of {', '.join(paths)} ({cause})")
+
+
+async def server_info(client: Any, url: str) -> dict:
+    """``/server_info`` (else ``/get_server_info``): SGLang's start-up configuration (``tp_size``, ...)."""
+    return await get_json(client, url, "/server_info", "/get_server_info")
+
+
+def tp_size(info: dict, url: str) -> int:
+    """The ranks a server joins the weight-update group with, from its ``/server_info`` (SGLang's resolved
+    ``ServerArgs``; absent: 1). Pipeline parallelism, and data parallelism without DP attention, give several
+    workers the same ``tp_rank`` (SGLang ranks them ``rank_offset + tp_rank``): refused, one server per replica."""
+    tp, pp, dp = info.get("tp_size", 1), info.get("pp_size", 1), info.get("dp_size", 1)
+    if pp != 1 or (dp != 1 and not info.get("enable_dp_attention")):
+        raise SamplerError(
+            f"{url} runs pp_size {pp}, dp_size {dp}: SGLang ranks the weight-update group by tp_rank alone, so "
+            "its workers would collide; start one server per replica (--dp-size 1 --pp-size 1) for "
+            "--weight-sync distributed"
+        )
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise SamplerError(f"{url}/server_info reports tp_size {tp!r}, not an integer >= 1")
+    return tp
+
+
+def pause_mode_for(info: dict, mode: str) -> str:
+    """The ``/pause_generation`` mode that carries out ``--pause-mode`` on the server of this ``/server_info``.
+    The embedded sampler's ``retract`` re-reports every route it recomputed (a route fork, design §6); SGLang's
+    re-prefills the retracted requests with the new weights' routes and returns them beside the old logprobs
+    of the tokens sampled before the pause, with no sign of it: on SGLang, ``retract`` is ``in_place``."""
+    embedded = str(info.get("version", "")).startswith(EMBEDDED_VERSION)
+    return "in_place" if mode == "retract" and not embedded else mode
+
+
 async def destroy_weights_update_group(client: Any, url: str, group_name: str = DEFAULT_GROUP) -> dict:
     return await _post(client, url, "/destroy_weights_update_group", {"group_name": group_name})
 
@@ -200,9 +304,10 @@ async def _every(client: Any, path: str, body: dict, urls: Sequence[str] | None 
 
 
 async def pause_generation(client: Any, mode: str = "retract", urls: Sequence[str] | None = None) -> None:
-    """``/pause_generation`` on every sampler (or ``urls``). ``retract`` (ours) keeps running requests alive
-    and recomputes them with the new weights at continue; ``in_place`` freezes them with their KV (new weights
-    over old KV after an update); ``abort`` (SGLang's default) aborts them."""
+    """``/pause_generation`` on every sampler (or ``urls``). ``retract`` keeps running requests alive and
+    re-prefills them with the new weights at continue; ``in_place`` freezes them with their KV (new weights
+    over old KV after an update); ``abort`` (SGLang's default) aborts them. What each guarantees per engine:
+    design §4."""
     await _every(client, "/pause_generation", {"mode": mode}, urls)
 
 
@@ -211,12 +316,14 @@ async def continue_generation(client: Any, urls: Sequence[str] | None = None) ->
 
 
 async def reachable(client: Any, urls: Sequence[str], timeout_s: float = 5.0) -> list[str]:
-    """Those of ``urls`` whose ``/health`` answers 200 now (in the given order)."""
+    """Those of ``urls`` whose HTTP server answers ``/ready`` now (in the given order), 200 or 503: SGLang's
+    ``/ready`` is 503 while paused, and its ``/health`` generates a token, which waits out a pause. A sampler
+    a crashed learner left paused must stay reachable, for the next push's continue to free it."""
     ok: set[str] = set()
 
     async def one(u: str) -> None:
         try:
-            if (await client.get_once(u, "/health", timeout_s=timeout_s)).status_code == 200:
+            if (await client.get_once(u, "/ready", timeout_s=timeout_s)).status_code in (200, 503):
                 ok.add(u)
         except httpx.HTTPError:
             pass

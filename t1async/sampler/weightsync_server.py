@@ -1,15 +1,21 @@
 """The embedded sampler's side of SGLang's distributed weight update, over a gloo group (design §10).
 
-Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/pause_generation``, ``/continue_generation``.
+Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/begin_weight_update``,
+``/update_weights_from_distributed``, ``/end_weight_update``, ``/destroy_weights_update_group``,
+``/pause_generation``, ``/continue_generation``, and ``/ready`` (200, or 503 while paused, as SGLang's).
 
+- As SGLang 0.5.23 (``sglang/srt/managers/scheduler_components/weight_updater.py``):
+  ``/update_weights_from_distributed`` outside a ``/begin_weight_update`` .. ``/end_weight_update`` session
+  answers ``success: false`` (400); a second begin, or an end without a begin, fails the same way. The
+  session outlives a pause and its expiry (SGLang's has no timeout): a new learner closes a session its
+  crashed predecessor left open.
 - ``/pause_generation`` takes SGLang's ``mode`` (default ``abort``, as SGLang) and the engine carries it out
   before the reply (``Engine.pause``): ``abort`` ends every in-flight request with finish_reason abort;
   ``in_place`` freezes running requests where they are, KV kept (an update then lands under them: they go on
   with new weights over old KV, as in SGLang, which mixes policies); ``retract`` drops their KV and requeues
   them with their sampled tokens, to be re-prefilled under the weights of ``/continue_generation`` (nothing is
-  aborted, nothing mixes). Replies are SGLang's ``{"message": ..., "status": "ok"}`` (plus ``success``); a
-  bad mode is a 400 naming the modes.
+  aborted, nothing mixes). Replies are SGLang's ``{"message": ..., "status": "ok"}``; a bad mode is a
+  400 naming the modes.
 - While paused, new ``/generate`` requests wait (``gate``) and received buckets are staged; continue applies
   the staged tensors as ONE engine update (the same atomic swap between engine steps as a disk update: no
   token is ever computed with half-old, half-new weights), then resumes the engine and lets the waiting
@@ -52,8 +58,8 @@ def _reply(success: bool, message: str, status: int | None = None) -> Response:
 
 
 def _done(message: str) -> Response:
-    """SGLang's reply to /pause_generation and /continue_generation, with our ``success`` beside it."""
-    body = json.dumps({"message": message, "status": "ok", "success": True})
+    """SGLang's reply to /pause_generation and /continue_generation (``sglang/srt/entrypoints/http_server.py``)."""
+    body = json.dumps({"message": message, "status": "ok"})
     return Response(body, status_code=200, media_type="application/json")
 
 
@@ -91,6 +97,7 @@ class WeightSync:
         self.rejected = ""  # a bucket of the paused push did not fit: the rest of it is refused, nothing applied
         self.staged: dict[str, torch.Tensor] = {}
         self.staged_version: str | None = None
+        self.session = False  # a /begin_weight_update without its /end_weight_update yet
         self._lock = anyio.Lock()  # one update at a time (broadcasts must be received in order)
 
     # ------------------------------------------------------------------ the /generate gate
@@ -107,6 +114,36 @@ class WeightSync:
             return await handler(request)
 
         return gated
+
+    def hold(
+        self, handler: Callable[[Request], Awaitable[Response]], timeout_s: float
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """``/health_generate`` as SGLang's: its token waits out a pause like any request, and after
+        ``timeout_s`` in all the answer is 503 (``HEALTH_CHECK_TIMEOUT``, 20 s)."""
+        gated = self.gate(handler)
+
+        async def held(request: Request) -> Response:
+            with anyio.move_on_after(timeout_s):
+                return await gated(request)
+            return Response(status_code=503)
+
+        return held
+
+    async def ready(self, request: Request) -> Response:
+        """SGLang's ``/ready``: 200 when it takes new requests, 503 while paused."""
+        return Response(status_code=503 if self.paused else 200)
+
+    async def begin(self, request: Request) -> Response:
+        if self.session:
+            return _reply(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session = True
+        return _reply(True, "Success")
+
+    async def end(self, request: Request) -> Response:
+        if not self.session:
+            return _reply(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session = False
+        return _reply(True, "Success")
 
     def _expire(self, why: str) -> None:
         """End a pause without its continue: drop the staged tensors, serve the old weights."""
@@ -203,6 +240,11 @@ class WeightSync:
                 raise SamplerRequestError(f"no weight update group {name!r}: call /init_weights_update_group first")
         except (SamplerRequestError, ValueError) as exc:
             return _reply(False, str(exc))
+        if not self.session:  # SGLang answers before receiving: the learner's broadcast then fails, not hangs
+            return _reply(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
         async with self._lock:
             t0 = time.perf_counter()
             try:
@@ -300,8 +342,11 @@ class WeightSync:
     def routes(self) -> list[Route]:
         return [
             Route("/init_weights_update_group", self.init_group, methods=["POST"]),
+            Route("/begin_weight_update", self.begin, methods=["POST"]),
+            Route("/end_weight_update", self.end, methods=["POST"]),
             Route("/update_weights_from_distributed", self.update, methods=["POST"]),
             Route("/destroy_weights_update_group", self.destroy_group, methods=["POST"]),
             Route("/pause_generation", self.pause, methods=["POST"]),
             Route("/continue_generation", self.resume, methods=["POST"]),
+            Route("/ready", self.ready, methods=["GET"]),
         ]
