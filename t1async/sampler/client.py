@@ -150,7 +150,8 @@ class SGLangClient:
         self.urls = [u.rstrip("/") for u in urls]
         self.max_retries = max_retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self.routing_shape = routing_shape or (shape_of_model(model_dir) if model_dir is not None else None)
+        self.routing_shape = routing_shape
+        self.model_dir = model_dir  # read when the first routes come back (a dense model never asks)
         self._logprobs_checked = False
         self.outstanding = {u: 0 for u in self.urls}
         self.requests_sent = {u: 0 for u in self.urls}
@@ -323,8 +324,12 @@ class SGLangClient:
         return parse_generation(out, len(ids), routed_experts_start_len, shape, latency=latency, url=url)
 
     async def _shape_from(self, url: str) -> tuple[int, int, int]:
-        """The routing shape from the ``config.json`` under ``url``'s ``/model_info`` ``model_path``, when that
-        is a directory on this machine (the embedded sampler, a local SGLang); remembered."""
+        """The routing shape from ``model_dir``'s ``config.json``, else from the one under ``url``'s
+        ``/model_info`` ``model_path`` when that is a directory on this machine (the embedded sampler, a local
+        SGLang); remembered."""
+        if self.model_dir is not None:
+            self.routing_shape = shape_of_model(self.model_dir)
+            return self.routing_shape
         path = (await self.model_info(url)).get("model_path")
         if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
             raise SamplerError(

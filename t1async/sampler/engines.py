@@ -16,8 +16,8 @@ ENGINES = ("sglang", "vllm")
 def sampler_client(
     engine: str, urls: Sequence[str] | str, *, model_dir: str | Path | None = None, **kw: Any
 ) -> SGLangClient:
-    """A client of ``urls`` speaking ``engine``'s protocol; ``model_dir`` gives vLLM's routing shape (vLLM does
-    not say it), ``kw`` are ``SGLangClient``'s options (keys, timeouts, pool; ``pause_mode`` for vLLM)."""
+    """A client of ``urls`` speaking ``engine``'s protocol; ``model_dir`` gives the routing shape (neither vLLM
+    nor SGLang says it), ``kw`` are ``SGLangClient``'s options (keys, timeouts, pool; ``pause_mode`` for vLLM)."""
     if engine == "vllm":
         from t1async.model.tokenizer import assets_dir
         from t1async.sampler.vllm_client import VLLMClient
@@ -25,5 +25,5 @@ def sampler_client(
         return VLLMClient(urls, model_dir=model_dir if model_dir is not None else assets_dir(), **kw)
     if engine == "sglang":
         kw.pop("pause_mode", None)
-        return SGLangClient(urls, **kw)
+        return SGLangClient(urls, model_dir=model_dir, **kw)
     raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
