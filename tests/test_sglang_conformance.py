@@ -490,6 +490,8 @@ async def test_logprobs_at_a_temperature_need_sglangs_original_logprob_setting(t
             with pytest.raises(SamplerError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
                 await c.generate([1, 2, 3, 4], warm)
             await c.generate([1, 2, 3, 4], SamplingParams(max_new_tokens=5, temperature=1.0))  # T = 1: the same
+        async with SGLangClient("http://s", transport=_sglang(env_vars=env), train_logprobs=False) as c:
+            await c.generate([1, 2, 3, 4], warm)  # eval trains on no logprob
     env = {"SGLANG_EXPOSE_OWN_ENV_VARS": "1", "SGLANG_RETURN_ORIGINAL_LOGPROB": "true"}
     async with SGLangClient("http://s", transport=_sglang(env_vars=env)) as c:
         assert (await c.generate([1, 2, 3, 4], warm)).logprobs.tolist() == pytest.approx([-0.5, -0.6, -0.7, -0.8, -0.9])

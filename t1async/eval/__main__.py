@@ -135,7 +135,8 @@ async def open_sampler(args: EvalSettings) -> AsyncIterator[Sampler]:
         async with launch_sampler(args.model, **opts) as url, SGLangClient([url]) as c:
             yield c
     else:
-        async with SGLangClient(list(args.sampler_url), api_key=args.sampler_api_key) as c:
+        # eval trains on no logprob: SGLang's temperature-scaled ones are fine (sampler/client.py)
+        async with SGLangClient(list(args.sampler_url), api_key=args.sampler_api_key, train_logprobs=False) as c:
             down = [u for u, ok in (await c.health()).items() if not ok]
             if down:
                 raise SamplerError(

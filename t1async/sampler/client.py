@@ -23,7 +23,7 @@ Logprobs: t1async trains on the model's own logprob (temperature 1). SGLang retu
 T)`` unless started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``sglang/srt/layers/sampler.py``), and says so only in
 ``/server_info``'s ``internal_states[].env_vars`` when also started with ``SGLANG_EXPOSE_OWN_ENV_VARS=1``;
 the first request at a temperature other than 0 and 1 checks every URL and raises SamplerError naming both
-settings where that is not shown (the embedded sampler shows it).
+settings where that is not shown (the embedded sampler shows it). ``train_logprobs=False`` (eval) skips it.
 
 Keys (auth.py): ``api_key`` goes on every request as ``Authorization: Bearer``, ``admin_key`` (else
 ``api_key``) on the admin endpoints; each defaults to ``$T1_SAMPLER_API_KEY`` / ``$T1_SAMPLER_ADMIN_KEY``
@@ -139,6 +139,7 @@ class SGLangClient:
         http2: bool = False,
         routing_shape: tuple[int, int, int] | None = None,  # (layers, topk, experts)
         model_dir: str | Path | None = None,  # its config.json gives routing_shape
+        train_logprobs: bool = True,  # False: logprobs are not trained on (eval), any temperature goes
         transport: httpx.AsyncBaseTransport | None = None,
         pool: PoolConfig | None = None,  # pinning, load cap, health (t1async/sampler/pool.py)
         api_key: str | None = None,  # None: $T1_SAMPLER_API_KEY; "": none
@@ -152,7 +153,7 @@ class SGLangClient:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.routing_shape = routing_shape
         self.model_dir = model_dir  # read when the first routes come back (a dense model never asks)
-        self._logprobs_checked = False
+        self._logprobs_checked = not train_logprobs
         self.outstanding = {u: 0 for u in self.urls}
         self.requests_sent = {u: 0 for u in self.urls}
         self.pool = SamplerPool(self.urls, self.outstanding, pool)
