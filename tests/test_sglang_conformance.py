@@ -544,3 +544,35 @@ async def test_the_embedded_sampler_answers_as_sglang(sampler_url):
         meta = (await http.post(sampler_url + "/generate", json=body)).json()["meta_info"]
     assert "output_token_weight_versions" not in meta
     assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": 3}]
+
+
+async def test_the_disk_push_in_place_does_not_ask_sglang_to_flush_under_running_requests():
+    """sglang/srt/managers/scheduler_components/weight_updater.py flush_cache_after_weight_update: with
+    ``flush_cache`` (its default) an update while requests run fails (400) after loading the weights; an
+    ``in_place`` pause keeps them running. Seen failing on the old code (every in_place disk push failed)."""
+    from t1async.learner.weightpush import DiskPushClient
+
+    state: dict = {"paused": None, "bodies": []}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        if request.url.path == "/ready":
+            return httpx.Response(503 if state["paused"] else 200)
+        if request.url.path == "/pause_generation":
+            state["paused"] = body["mode"]
+            return httpx.Response(200, json={"message": "Generation paused successfully.", "status": "ok"})
+        if request.url.path == "/continue_generation":
+            state["paused"] = None
+            return httpx.Response(200, json={"message": "Generation continued successfully.", "status": "ok"})
+        if request.url.path == "/update_weights_from_disk":
+            state["bodies"].append(body)
+            if body.get("flush_cache", True) and state["paused"] == "in_place":  # its running batch stays
+                msg = "Weights were updated, but the cache was not flushed because requests are still running"
+                return httpx.Response(400, json={"success": False, "message": msg, "num_paused_requests": 0})
+            return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        return httpx.Response(404)
+
+    for mode, flush in (("in_place", False), ("abort", None)):
+        async with DiskPushClient("http://s", pause_mode=mode, transport=httpx.MockTransport(handler)) as c:
+            await c.update_weights_from_disk("/ckpt/v1", 1)
+        assert state["bodies"][-1].get("flush_cache") is flush and state["paused"] is None

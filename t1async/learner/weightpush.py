@@ -341,6 +341,7 @@ class DiskPushClient(SGLangClient):
         _check_mode(pause_mode)
         super().__init__(urls, **kwargs)
         self.pause_mode = pause_mode
+        self.flush_on_update = pause_mode != "in_place"  # SGLang's flush fails while in_place requests run
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
         urls = await W.reachable(self, self.urls)  # a dead one is skipped (as the update itself does)

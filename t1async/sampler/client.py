@@ -154,6 +154,7 @@ class SGLangClient:
         self.routing_shape = routing_shape
         self.model_dir = model_dir  # read when the first routes come back (a dense model never asks)
         self._logprobs_checked = not train_logprobs
+        self.flush_on_update = True  # /update_weights_from_disk's flush_cache (False: left running, in_place)
         self.outstanding = {u: 0 for u in self.urls}
         self.requests_sent = {u: 0 for u in self.urls}
         self.pool = SamplerPool(self.urls, self.outstanding, pool)
@@ -396,6 +397,8 @@ class SGLangClient:
         body: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if not self.flush_on_update:  # SGLang's flush fails the update while requests run (in_place)
+            body["flush_cache"] = False
         results: dict[str, dict] = {}
         errors: dict[str, str] = {}
         unreachable: dict[str, str] = {}  # down (refused, timed out): tolerated if another sampler took the weights
