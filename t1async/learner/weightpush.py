@@ -335,7 +335,8 @@ class DistributedPusher:
 class DiskPushClient(SGLangClient):
     """An ``SGLangClient`` whose ``update_weights_from_disk`` (the learner's ``--weight-sync disk`` push) runs
     between ``/pause_generation`` in ``pause_mode`` and ``/continue_generation`` on the samplers that answer
-    ``/health``; continue is always sent, even when the update failed."""
+    ``/ready`` (paused ones too); continue is always sent, even when the update failed. ``in_place`` sends
+    ``flush_cache: false`` (SGLang's flush fails while requests run)."""
 
     def __init__(self, urls: Any, *, pause_mode: str = "retract", **kwargs: Any) -> None:
         _check_mode(pause_mode)
