@@ -15,6 +15,11 @@ the weights of its reported version and the request's returned routing rows. Rep
 - ``in_place`` (what the learner did before): requests freeze and then decode the new weights over the old
   KV: those tokens are off by ~1e-2;
 - ``abort``: no token spans an update, because every request in flight is aborted.
+
+``--engine vllm`` runs the same against a real vLLM (t1async.sampler.vllm_launch), pushed by ``VLLMClient``
+(``/pause?mode=``, t1async's reload, ``/update_weight_version``, ``/resume``), with vLLM's own modes mapped
+(design §4 "Engines: vLLM": retract = keep + recompute, in_place = keep, abort, and vLLM's ``wait``). vLLM-CPU
+returns no routes, so its tokens replay on the learner's own routing.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from t1async.model.weights import load_pretrained, save_pretrained
 from t1async.sampler.app import ServerConfig
 from t1async.sampler.server import serve
 
-MODES = ("retract", "in_place", "abort")
+MODES = ("retract", "in_place", "abort", "wait")  # wait: vLLM only
 PROMPT_LEN = 16
 
 
@@ -79,6 +84,47 @@ class Load:
         self.reached = anyio.Event()
         return self.reached
 
+    async def vllm_worker(self, w: int) -> None:
+        """The same load over vLLM's ``/inference/v1/generate`` (delta chunks; versions on the last one), kept
+        in SGLang's result shape for ``replay``."""
+        rng = np.random.default_rng(w)
+        async with httpx.AsyncClient(timeout=600) as client:
+            while not self.stop:
+                self.n += 1
+                prompt = rng.integers(5, self.vocab, PROMPT_LEN).tolist()
+                sp = {"max_tokens": self.new_tokens, "temperature": 1.0, "ignore_eos": True, "seed": self.n}
+                body = {
+                    "token_ids": prompt,
+                    "stream": True,
+                    "sampling_params": {**sp, "logprobs": 0, "detokenize": False},
+                }
+                ids: list[int] = []
+                lps: list[float] = []
+                spans, finish = None, None
+                async with client.stream("POST", self.url + "/inference/v1/generate", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        ch = (json.loads(line[6:]).get("choices") or [{}])[0]
+                        delta = ch.get("token_ids") or []
+                        ids += delta
+                        lps += [c["logprob"] for c in ((ch.get("logprobs") or {}).get("content") or [])]
+                        spans = ch.get("weight_versions") or spans
+                        finish = ch.get("finish_reason") or finish
+                        self.tokens += len(delta)
+                        if self.tokens >= self.target:
+                            self.reached.set()
+                if spans is not None or finish == "abort" or not ids:  # an aborted request may carry no spans
+                    meta = {
+                        "weight_versions": spans or [],
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+                        "finish_reason": {"type": finish or "abort"},
+                        "routed_experts_start_len": 0,
+                        "routed_experts": None,
+                        "id": f"w{w}-{self.n}",
+                    }
+                    self.done.append({"prompt": prompt, "output_ids": ids, "meta_info": meta})
+
     async def worker(self, w: int) -> None:
         rng = np.random.default_rng(w)
         async with httpx.AsyncClient(timeout=600) as client:
@@ -114,7 +160,38 @@ class Load:
                     self.done.append({"prompt": prompt, **last})
 
 
+async def run_vllm_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp: Path) -> tuple[Load, int]:
+    from t1async.sampler.vllm_client import VLLMClient
+    from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+
+    updates = 0
+    settings = VLLMSettings(vllm_max_model_len=4096)
+    base = save_pretrained(versions.load(0), tmp / f"{mode}-w0")
+    async with launch_vllm(
+        base, settings=settings, log_path=tmp / f"vllm-{mode}.log", allowed_weight_roots=(tmp,)
+    ) as url:
+        load = Load(url, args.new_tokens, versions.model.cfg.vocab_size)
+        async with anyio.create_task_group() as work:
+            for w in range(args.requests):
+                work.start_soon(load.vllm_worker, w)
+            async with VLLMClient([url], pause_mode=mode, model_dir=base) as pusher:
+                for k in range(1, args.updates + 1):
+                    await load.wait_for(args.gap * args.requests).wait()
+                    d = save_pretrained(versions.load(k), tmp / f"{mode}-w{k}")
+                    await pusher.update_weights_from_disk(str(d), k)
+                    shutil.rmtree(d)
+                    updates += 1
+            load.stop = True
+    return load, updates
+
+
 async def run_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp: Path) -> dict:
+    if args.engine == "vllm":
+        t0 = time.perf_counter()
+        load, updates = await run_vllm_mode(mode, args, versions, tmp)
+        return summary(load, updates, versions, time.perf_counter() - t0)
+    if mode == "wait":
+        raise SystemExit("--modes wait is vLLM's (--engine vllm): SGLang and the embedded sampler have no wait mode")
     vocab = versions.model.cfg.vocab_size
     t0 = time.perf_counter()
     updates = 0
@@ -136,7 +213,10 @@ async def run_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp:
                     updates += 1
             load.stop = True  # the requests in flight run to their end, then the workers stop
         tg.cancel_scope.cancel()
-    sample_s = time.perf_counter() - t0
+    return summary(load, updates, versions, time.perf_counter() - t0)
+
+
+def summary(load: Load, updates: int, versions: Versions, sample_s: float) -> dict:
     diffs, by_version = replay(load.done, versions)
     aborted = sum(d["meta_info"]["finish_reason"]["type"] == "abort" for d in load.done)
     return {
@@ -157,6 +237,8 @@ def replay(done: list[dict], versions: Versions) -> tuple[np.ndarray, int]:
     work: dict[int, list[tuple[dict, list[int]]]] = {}
     for d in done:
         v = [int(s["version"]) for s in d["meta_info"]["weight_versions"] for _ in range(s["start"], s["end"])]
+        if not v:
+            continue
         after = [j for j, x in enumerate(v) if x != v[0]]
         for k in sorted({v[j] for j in after}):
             work.setdefault(k, []).append((d, [j for j in after if v[j] == k]))
@@ -170,10 +252,13 @@ def replay(done: list[dict], versions: Versions) -> tuple[np.ndarray, int]:
             start = meta["routed_experts_start_len"]
             if start != 0:
                 raise RuntimeError(f"request {meta['id']}: routes from {start}, expected every row (from 0)")
-            rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
-            rows = rows.reshape(len(seq) - 1, model.cfg.n_layers, model.cfg.top_k)
+            replay_rows = None
+            if meta["routed_experts"] is not None:  # vLLM-CPU sends none: the learner's own routing then
+                rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4")
+                rows = rows.reshape(len(seq) - 1, model.cfg.n_layers, model.cfg.top_k)
+                replay_rows = torch.from_numpy(rows[None].astype(np.int64))
             with torch.no_grad():
-                out = model(torch.tensor([seq[:-1]]), replay=torch.from_numpy(rows[None].astype(np.int64)))
+                out = model(torch.tensor([seq[:-1]]), replay=replay_rows)
             lp = torch.log_softmax(out.logits[0].float(), -1)
             p0 = len(d["prompt"])
             sampled = meta["output_token_logprobs"]
@@ -183,7 +268,15 @@ def replay(done: list[dict], versions: Versions) -> tuple[np.ndarray, int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.inflight", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="retract,in_place,abort", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes", default=None, help=f"comma-separated, of {', '.join(MODES)} (default: all the engine has)"
+    )
+    ap.add_argument(
+        "--engine",
+        default="embedded",
+        choices=("embedded", "vllm"),
+        help="vllm: a real vLLM (.venv-vllm), pushed as the learner pushes it",
+    )
     ap.add_argument("--requests", type=int, default=16, help="concurrent streaming requests")
     ap.add_argument("--new-tokens", type=int, default=160, help="max_new_tokens of each request")
     ap.add_argument("--updates", type=int, default=100, help="weight updates per mode")
@@ -193,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     add_model_arg(ap)
     args = ap.parse_args(argv)
+    if args.modes is None:
+        args.modes = ",".join(MODES if args.engine == "vllm" else MODES[:3])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -229,7 +324,13 @@ def main(argv: list[str] | None = None) -> None:
     head = by_mode.get("retract") or next(iter(by_mode.values()))
     if args.json:
         emit_json(
-            {"mismatch": head["mismatch"], "aborted": head["aborted"], "updates": head["updates"], "by_mode": by_mode}
+            {
+                "engine": args.engine,
+                "mismatch": head["mismatch"],
+                "aborted": head["aborted"],
+                "updates": head["updates"],
+                "by_mode": by_mode,
+            }
         )
 
 
