@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -96,8 +96,11 @@ async def run_episode(
     rid: str | None = None,
     work_root: Path | None = None,
 ) -> EpisodeResult:
-    """One LLM-agent episode of ``task`` in a fresh work dir. Raises TaskNeedsImageError / TaskSetupError."""
+    """One LLM-agent episode of ``task`` in a fresh work dir. Raises TaskNeedsImageError / TaskSetupError.
+    A task's own ``max_turns`` (task.yaml, e.g. a synth family's oracle turn count) caps the agent's."""
     backend = backend or BwrapBackend()
+    if isinstance(task.extra.get("max_turns"), int) and 0 < task.extra["max_turns"] < config.max_turns:
+        config = replace(config, max_turns=task.extra["max_turns"])
     async with prepared_workdir(task, backend, work_root=work_root) as wd:
         async with backend.open(task, wd) as sb:
 

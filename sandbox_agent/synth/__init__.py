@@ -25,15 +25,18 @@ from pathlib import Path
 
 from sandbox_agent.synth.basics import copy_family, mkfile_family
 from sandbox_agent.synth.cdchores import cdchores_family, cdchoresfew_family, cdchoresome_family
+from sandbox_agent.synth.chain import chain_family
 from sandbox_agent.synth.chores import chores6_family, chores_family, choresome_family
+from sandbox_agent.synth.choresn import choresn_family, choresnsome_family
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec, content_key
+from sandbox_agent.synth.contam import DECONTAMINATED, contaminated
 from sandbox_agent.synth.data import archive_family, json_family
 from sandbox_agent.synth.fsops import files_family, find_family, perms_family
 from sandbox_agent.synth.micro import touch4_family, touchsome_family
+from sandbox_agent.synth.observe import observe_family
 from sandbox_agent.synth.shell import env_family, git_family, scripts_family
-from sandbox_agent.synth.split import Entry, write_split_json
+from sandbox_agent.synth.split import Entry, split_of, write_split_json
 from sandbox_agent.synth.textproc import csv_family, logs_family, text_family
-from sandbox_agent.tasks import split_for
 from t1async.protocol.errors import ConfigError
 
 __all__ = [
@@ -75,6 +78,11 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "cdchoresome": cdchoresome_family,  # cdchores by a demonstrator that stops early: the credit warm start
     "cdchoresfew": cdchoresfew_family,  # ... that never does all four: the credit-rare warm start
     "chores6": chores6_family,  # six chores in three replies: bench.learning's recombination OOD family
+    # content-dependent families (issue 35): when to stop, or what to act on, depends on what was asked or printed
+    "choresn": choresn_family,  # n in 2..6 chores, max_turns exactly the oracle's; n = 5 held out (synth/choresn.py)
+    "choresnsome": choresnsome_family,  # choresn by a demonstrator that stops after k replies, whatever n is
+    "observe": observe_family,  # act on a name only a `cat` or `ls` prints (synth/observe.py)
+    "chain": chain_family,  # 8-12 chores one a reply, max_turns 9-13 (synth/chain.py)
 }
 ALL_FAMILIES = {**FAMILIES, **EXTRA_FAMILIES}
 
@@ -104,13 +112,32 @@ def make_task(family: str, seed: int, index: int) -> tuple[str, SynthSpec]:
     return task_id(family, seed, index), replace(spec, content_key=content_key(spec))
 
 
-def corpus_entries(n: int, seed: int, families: list[str]) -> dict[str, Entry]:
-    """task id -> (split, content key, family) of ``generate(out, n, seed, families)``, computed without
-    writing a task (e.g. the warm start's SFT corpus, to check a bench corpus's held-out keys against it)."""
-    out: dict[str, Entry] = {}
+def corpus_entries(
+    n: int, seed: int, families: list[str], *, fold: int | None = None, folds: int = 0
+) -> dict[str, Entry]:
+    """task id -> (split, content key, family) of ``generate(out, n, seed, families, fold=, folds=)``, computed
+    without writing a task (e.g. the warm start's SFT corpus, to check a bench corpus's held-out keys against
+    it). A task in no split of the fold (``split.split_of``: a key kept for the untouched fold) is left out."""
+    return {
+        tid: (split, spec.content_key, spec.family)
+        for tid, (split, spec) in _specs(n, seed, families, fold, folds).items()
+    }
+
+
+def _specs(n: int, seed: int, families: list[str], fold: int | None, folds: int) -> dict[str, tuple[str, SynthSpec]]:
+    """task id -> (split, spec) of the corpus: the tasks in a split of the fold, less the train tasks of the
+    ``contam.DECONTAMINATED`` families that overlap a test task of the corpus (``contam.contaminated``)."""
+    out: dict[str, tuple[str, SynthSpec]] = {}
     for i in range(n):
         tid, spec = make_task(families[i % len(families)], seed, i)
-        out[tid] = (split_for(spec.content_key), spec.content_key, spec.family)
+        split = split_of(spec.content_key, fold=fold, folds=folds)
+        if split is not None:
+            out[tid] = (split, spec)
+    train = {t: s for t, (sp, s) in out.items() if sp == "train" and s.family in DECONTAMINATED}
+    if train:
+        dropped = contaminated(train, {t: s for t, (sp, s) in out.items() if sp == "test"})
+        for t in dropped:
+            del out[t]
     return out
 
 
@@ -119,7 +146,13 @@ def _yaml_block(text: str, indent: str = "  ") -> str:
 
 
 def write_task(
-    out: Path, tid: str, spec: SynthSpec, *, agent_timeout_s: float = 3600.0, test_timeout_s: float = 60.0
+    out: Path,
+    tid: str,
+    spec: SynthSpec,
+    *,
+    agent_timeout_s: float = 3600.0,
+    test_timeout_s: float = 60.0,
+    split: str | None = None,
 ) -> Path:
     """Write one task directory ``out/tid`` (replacing any old one) and return its path. The agent timeout
     leaves room for a 300+-turn episode: in a default ``cluster up`` on a loaded 2-core box (8 episodes sharing
@@ -137,13 +170,14 @@ def write_task(
             f"difficulty: {spec.difficulty}",
             f"category: {spec.family}",
             f"family: {spec.family}",
-            f"split: {split_for(key)}",
+            f"split: {split or split_of(key)}",
             f"content_key: {json.dumps(key)}",
             "tags: [" + ", ".join(spec.tags) + "]",
             "parser_name: pytest",
             f"max_agent_timeout_sec: {agent_timeout_s:g}",
             f"max_test_timeout_sec: {test_timeout_s:g}",
             "run_tests_in_same_shell: false",
+            *([f"max_turns: {spec.max_turns}"] if spec.max_turns is not None else []),
             "",
         ]
     )
@@ -170,10 +204,15 @@ def generate(
     seed: int = 0,
     families: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    fold: int | None = None,
+    folds: int = 0,
 ) -> list[Path]:
     """Write ``n`` tasks into ``out`` (created if missing), cycling through ``families``, and their splits and
     content keys into ``out/split.json`` (merged with the entries already there); ``progress(k)`` after each
-    task (k tasks written so far)."""
+    task (k tasks written so far). With ``fold`` (of ``folds``), each task's split is that fold's
+    (``split.split_of``), and a task in none of its splits is not written; nor is a train task of a
+    ``contam.DECONTAMINATED`` family that overlaps a test task (``contam.contaminated``)."""
     fams = list(families or FAMILIES)
     for f in fams:
         if f not in ALL_FAMILIES:
@@ -184,11 +223,10 @@ def generate(
     root.mkdir(parents=True, exist_ok=True)
     paths = []
     entries: dict[str, Entry] = {}
-    for i in range(n):
-        tid, spec = make_task(fams[i % len(fams)], seed, i)
-        paths.append(write_task(root, tid, spec))
-        entries[tid] = (split_for(spec.content_key), spec.content_key, spec.family)
+    for k, (tid, (split, spec)) in enumerate(_specs(n, seed, fams, fold, folds).items()):
+        paths.append(write_task(root, tid, spec, split=split))
+        entries[tid] = (split, spec.content_key, spec.family)
         if progress is not None:
-            progress(i + 1)
+            progress(k + 1)
     write_split_json(root, entries)
     return paths

@@ -53,6 +53,10 @@ class SynthSpec:
     # what makes two tasks the same task (the split hashes it, so held-out keys never reach training): a family
     # whose checks ignore an order or a wording it draws sets it; "" = ``content_key``'s digest of the checks
     content_key: str = ""
+    # turns the agent gets on this task (task.yaml ``max_turns``, honoured by ``runner.run_episode`` under the
+    # agent's own limit): a family sets it to exactly the oracle's turns, so a turn more than needed is no free
+    # retry; None: the agent's limit only
+    max_turns: int | None = None
 
 
 def content_key(spec: SynthSpec) -> str:

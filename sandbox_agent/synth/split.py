@@ -5,6 +5,12 @@
     {"version": "content-v1", "tasks": {"synth-chores-s0-00000": {"split": "train", "content_key":
      "chores:0+2+5+7", "family": "chores"}, ...}}
 
+``split_of`` is the split of a key: ``tasks.split_for``'s hash, except that a family's OOD keys
+(``OOD_PREFIXES``: ``choresn``'s held-out n, ``observe``'s held-out variant) are test keys whatever their
+hash, and, with folds (``fold`` of ``folds``, ``bench.learning --folds``), a salted hash per fold plus one fold
+kept untouched: ``UNTOUCHED_PERCENT`` of the keys (by a hash of their own) are set aside, in no split of folds
+0 .. folds - 1, and are the test keys of fold ``folds`` (the untouched one, run last and reported apart).
+
 ``leaks`` finds the content keys that sit in more than one split (none, when the split is a function of the
 key: ``tasks.split_for``). ``sandbox_agent.synth.corpus_entries`` gives a corpus's entries without writing it
 (the warm start's SFT corpus, to check that no eval or test key of a bench corpus is among its demonstrations).
@@ -12,15 +18,38 @@ key: ``tasks.split_for``). ``sandbox_agent.synth.corpus_entries`` gives a corpus
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from sandbox_agent.tasks import SPLIT_VERSION
+from sandbox_agent.synth.choresn import OOD_PREFIX as CHORESN_OOD
+from sandbox_agent.synth.observe import OOD_PREFIX as OBSERVE_OOD
+from sandbox_agent.tasks import SPLIT_VERSION, Split, split_for
 from t1async.protocol.errors import ConfigError
 
 SPLIT_FILE = "split.json"
 Entry = tuple[str, str, str]  # (split, content key, family)
+OOD_PREFIXES: tuple[str, ...] = (CHORESN_OOD, OBSERVE_OOD)  # keys that are test keys in every split
+UNTOUCHED_PERCENT = 10  # with folds: this share of keys is the untouched fold's test set, and in no other fold
+
+
+def split_of(key: str, *, fold: int | None = None, folds: int = 0) -> Split | None:
+    """The split of content key ``key``: ``split_for(key)`` with no fold (an OOD key: always test); with
+    ``fold`` in 0 .. ``folds`` the fold's own, from a hash salted by the fold, the keys set aside for the
+    untouched fold (``fold == folds``) being its test keys and None (in no split: never read) in the others."""
+    salt = ""
+    if fold is not None:
+        if not 0 <= fold <= folds:
+            raise ConfigError(f"fold {fold} of {folds}: give 0 <= fold <= folds (fold {folds} is the untouched one)")
+        h = int.from_bytes(hashlib.sha256(f"untouched/{key}".encode()).digest()[:8], "big") % 100
+        if h < UNTOUCHED_PERCENT:
+            return "test" if fold == folds else None
+        salt = f"fold{fold}/"
+    if key.startswith(OOD_PREFIXES):
+        return "test"
+    s = split_for(salt + key)
+    return "train" if fold is not None and fold == folds and s == "test" else s  # untouched: set-aside keys only
 
 
 def write_split_json(root: Path, entries: Mapping[str, Entry]) -> Path:
