@@ -246,7 +246,12 @@ def _trained(v: dict[str, Any], key: str) -> Any:
 
 def _mismatch(v: dict[str, Any]) -> str:
     mm, ps = _over(v, "mismatch", "mismatch_tokens"), _over(v, "policy_shift", "policy_shift_tokens")
-    return f"mismatch {fmt(mm, '.4f')} shift {fmt(ps, '.4f')}"
+    text = f"mismatch {fmt(mm, '.4f')} shift {fmt(ps, '.4f')}"
+    if "push_check_dlogp" in v:  # the last push, checked against what the sampler serves (design §10)
+        text += f" push {fmt(v['push_check_dlogp'], '.1e')}"
+    if v.get("r3_missing_tokens"):  # tokens trained without the sampler's routes (vLLM-CPU: all of them)
+        text += f" | R3 missing {v['r3_missing_tokens']}"
+    return text
 
 
 def _algorithm(v: dict[str, Any]) -> str:
