@@ -1,7 +1,7 @@
 """bench.learning's arithmetic and figure: per-task (or per content key) scores, the paired before/after
 comparison, the warm start's best decoding, the spread over seeds, episode errors, the split check, the
 learning curve read from a run's ``metrics.jsonl``, and ``learning.png``. Means, CIs and the paired
-difference are ``t1async.eval.stats``'s (``mean_ci``, ``paired_diff``); episodes that errored are counted
+difference are ``t1async.eval.stats``'s by content key (``paired_by_key``); episodes that errored are counted
 apart (``t1async.eval.stats.split_errors``), never as the policy's failures."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sandbox_agent.synth.split import leaks
-from sandbox_agent.tasks import split_for
-from t1async.eval.stats import EPISODE_ERRORS, mean_ci, paired_diff, split_errors
+from sandbox_agent.synth.split import leaks, split_of
+from t1async.eval.stats import EPISODE_ERRORS, key_means, paired_by_key, split_errors
 
 
 def per_task(rows: Sequence[Mapping], by_key: str = "task") -> dict[str, tuple[float, float]]:
@@ -108,20 +107,33 @@ def plot(curve: list[dict], table: dict, path: Path, *, held_title: str = "held 
     plt.close(fig)
 
 
+def keys_of(*evals: Sequence[Mapping]) -> dict[str, str]:
+    """task -> its content key (the task itself when a row has none), from episode rows."""
+    return {str(r["task"]): str(r.get("content_key") or r["task"]) for rows in evals for r in rows}
+
+
 def compare(before: Sequence[Mapping], after: Sequence[Mapping]) -> dict:
     """Before vs after on the same tasks: pass@1 and mean tests passed (means over content keys, every key
     weighing the same: the tasks of one key are one held-out item, not independent draws) and the paired
-    difference with its 95% bootstrap CI over keys. Errored episodes are left out of both sides."""
-    b, a = (per_task(split_errors(rows)[0], by_key="content_key") for rows in (before, after))
-    d = {k: paired_diff(column(b, i), column(a, i)) for i, k in enumerate(("pass1", "tests"))}
+    difference by key (``t1async.eval.stats.paired_by_key``: its 95% cluster bootstrap CI, keys resampled and
+    widened for their small number, and the sign-flip permutation p over keys, ``p_diff``). Errored episodes
+    are left out of both sides."""
+    key_of = keys_of(before, after)
+    b, a = (per_task(split_errors(rows)[0]) for rows in (before, after))
+    d = {k: paired_by_key(column(b, i), column(a, i), key_of) for i, k in enumerate(("pass1", "tests"))}
+
+    def by_key(s: dict[str, tuple[float, float]], i: int) -> float:
+        return float(np.mean(list(key_means(column(s, i), key_of).values()))) if s else float("nan")
+
     return {
-        "pass1_before": mean_ci(list(column(b, 0).values()))["mean"],
-        "pass1_after": mean_ci(list(column(a, 0).values()))["mean"],
-        "tests_before": mean_ci(list(column(b, 1).values()))["mean"],
-        "tests_after": mean_ci(list(column(a, 1).values()))["mean"],
+        "pass1_before": by_key(b, 0),
+        "pass1_after": by_key(a, 0),
+        "tests_before": by_key(b, 1),
+        "tests_after": by_key(a, 1),
         "diff": {"pass1": d["pass1"]["mean"], "tests": d["tests"]["mean"]},
         "ci95_diff": {"pass1": d["pass1"]["ci95"], "tests": d["tests"]["ci95"]},
-        "keys": d["pass1"]["tasks"],
+        "p_diff": {"pass1": d["pass1"]["p"], "tests": d["tests"]["p"]},
+        "keys": d["pass1"]["keys"],
     }
 
 
@@ -166,14 +178,17 @@ def error_counts(evals: Mapping[str, Sequence[Mapping]]) -> dict:
     return {"total": total, "by_eval": by}
 
 
-def split_check(corpus: dict[str, dict], sft: dict[str, tuple[str, str, str]]) -> dict:
+def split_check(
+    corpus: dict[str, dict], sft: dict[str, tuple[str, str, str]], *, fold: int | None = None, folds: int = 0
+) -> dict:
     """Is the bench's corpus (``split.json``'s tasks: id -> {split, content_key}) disjoint by content, and
     does no eval or test key of it appear among the warm start's demonstrations (``sft``: the train entries
-    of its corpus, ``sandbox_agent.synth.corpus_entries``)? Also that every task's split is its key's."""
+    of its corpus, ``sandbox_agent.synth.corpus_entries``)? Also that every task's split is its key's (in fold
+    ``fold`` of ``folds``: ``sandbox_agent.synth.split.split_of``)."""
     pairs = [(e["split"], e["content_key"]) for e in corpus.values()]
     pairs += [("train", key) for split, key, _ in sft.values() if split == "train"]
     found = leaks(pairs)
-    wrong = sorted(t for t, e in corpus.items() if e["split"] != split_for(e["content_key"]))
+    wrong = sorted(t for t, e in corpus.items() if e["split"] != split_of(e["content_key"], fold=fold, folds=folds))
     keys: dict[str, set[str]] = {}
     for e in corpus.values():
         keys.setdefault(e["split"], set()).add(e["content_key"])

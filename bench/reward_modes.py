@@ -16,8 +16,9 @@
    --reward R`` for ``--rl-steps`` learner steps (the same turns per step, so the same budget), then the same
    eval on its last checkpoint.
 
-Prints the table (pass@1 and mean tests passed, 95% bootstrap CIs over tasks; each run's paired difference
-from before, and dense - binary paired) and the learning curves; the last stdout line is JSON with
+Prints the table (pass@1 and mean tests passed by content key, 95% cluster bootstrap CIs over keys; each
+run's paired difference from before, and dense - binary paired, with the sign-flip p over keys) and the
+learning curves; the last stdout line is JSON with
 ``before``, ``after`` (reward -> pass1/tests), ``diff`` (reward -> paired diff from before), ``dense_minus_binary``,
 ``held_out_tasks``, ``rl_steps`` and ``minutes``.
 """
@@ -34,8 +35,8 @@ from pathlib import Path
 
 from bench._common import emit_json, print_grid
 from bench.learning import ensure_corpus, eval_policy, held_tasks, run_rl
-from bench.learning_stats import column, learning_curve, per_task, split_check
-from t1async.eval.stats import mean_ci, paired_diff
+from bench.learning_stats import column, keys_of, learning_curve, per_task, split_check
+from t1async.eval.stats import by_key_ci, paired_by_key, split_errors
 from t1async.log import configure
 
 RECIPE = "credit"
@@ -117,19 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows[r] = eval_policy(ckpt, held, samples=args.samples, out=run / r / "eval-after.jsonl", **ev)
         curves[r] = learning_curve(rl_dir / "metrics.jsonl")
     minutes = (time.perf_counter() - t0) / 60.0
-    scores = {k: per_task(v) for k, v in rows.items()}
+    # by content key (the directory and chore set): a key's tasks are one held-out item, so the CIs resample
+    # keys (t1async.eval.stats.by_key_ci, paired_by_key with its sign-flip p over keys), not tasks
+    key_of = keys_of(*rows.values())
+    scores = {k: per_task(split_errors(v)[0]) for k, v in rows.items()}
     table = {
-        k: {"pass1": mean_ci(list(column(s, 0).values())), "tests": mean_ci(list(column(s, 1).values()))}
+        k: {"pass1": by_key_ci(column(s, 0), key_of), "tests": by_key_ci(column(s, 1), key_of)}
         for k, s in scores.items()
     }
     diff = {
-        r: {m: paired_diff(column(scores["before"], i), column(scores[r], i)) for i, m in enumerate(("pass1", "tests"))}
+        r: {
+            m: paired_by_key(column(scores["before"], i), column(scores[r], i), key_of)
+            for i, m in enumerate(("pass1", "tests"))
+        }
         for r in rewards
     }
     dmb = None
     if {"dense", "binary"} <= set(rewards):
         dmb = {
-            m: paired_diff(column(scores["binary"], i), column(scores["dense"], i))
+            m: paired_by_key(column(scores["binary"], i), column(scores["dense"], i), key_of)
             for i, m in enumerate(("pass1", "tests"))
         }
 
@@ -143,6 +150,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid.append([f"  {r} - before (paired)", fmt(diff[r]["pass1"], True), fmt(diff[r]["tests"], False)])
     if dmb is not None:
         grid.append(["dense - binary (paired)", fmt(dmb["pass1"], True), fmt(dmb["tests"], False)])
+    for r, d in [*diff.items(), *([("dense - binary", dmb)] if dmb else [])]:
+        print(
+            f"{r}: sign-flip p over {d['pass1']['keys']} keys: pass@1 {d['pass1']['p']:.4f}, "
+            f"tests {d['tests']['p']:.4f}"
+        )
     print_grid(
         ["", "pass@1", "mean tests passed (of 4)"],
         grid,
