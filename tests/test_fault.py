@@ -87,6 +87,8 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                     "1",
                     "--lease",
                     "15",
+                    "--checkpoint-every",  # a checkpoint each step: the kill below must find one to resume from
+                    "1",
                 ],
                 logs / "learner.log",
                 repo_env,

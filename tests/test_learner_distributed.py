@@ -278,7 +278,10 @@ def test_two_ranks_train_in_bf16_like_one_rank(ranks2):
     full = two.export_model()
     assert {p.dtype for p in full.parameters()} == {torch.float32}
     # bf16 rounds differently in other micro-batches, and AdamW turns a tiny gradient of either sign into a
-    # step of ~lr: a few weights differ by up to ~3 lr (seen: 0.25% of them by more than 2e-3), the rest agree;
-    # 4 optimizer steps (2 steps x 2 epochs) bound any difference by 8 lr
+    # step of ~lr: a few weights differ by up to ~5 lr, the rest agree; 4 optimizer steps (2 steps x 2 epochs)
+    # bound any difference by 8 lr. Two ranks also gather the weights in bf16 (FSDP's MixedPrecisionPolicy:
+    # norms and router too, which one rank's autocast keeps fp32): seen 1.7% of weights off by more than 2e-3
+    # (0.27% without it), 99th percentile 3.1e-3 (6.8e-4), median 3e-5 against a median move of 1e-2
     diff = torch.cat([(p - q).detach().abs().flatten() for p, q in zip(one.model.parameters(), full.parameters())])
-    assert float(torch.quantile(diff, 0.99)) < 2e-3 and float(diff.max()) < 8 * cfg.lr
+    assert float(torch.quantile(diff, 0.99)) < 0.5 * cfg.lr and float(torch.quantile(diff, 0.5)) < 1e-2 * cfg.lr
+    assert float(diff.max()) < 8 * cfg.lr

@@ -86,7 +86,7 @@ async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     assert [e["ranks"] for e in steps] == [2, 2] and all(len(e["tokens"]) == 2 for e in steps), steps
     assert all(len(e["busy_s"]) == 2 and min(e["busy_s"]) > 0 for e in steps), steps
     assert [e["policy_version"] for e in events(log, "learner.step")] == [1, 2]
-    assert (run / "checkpoints" / "v000002" / "model.safetensors").is_file()
+    assert (run / "checkpoints" / "v000002" / "model.safetensors.index.json").is_file()  # sharded, every rank
     assert [(e["path"], e["policy_version"]) for e in events(log, "learner.weights_pushed")] == [
         ("distributed", 1),
         ("distributed", 2),

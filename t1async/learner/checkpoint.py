@@ -2,16 +2,21 @@
 
     root/
       v000003/                     one checkpoint per published policy version
-        model.safetensors          \\
-        config.json                 } a model directory: POST /update_weights_from_disk {model_path: this dir}
-        tokenizer.json, ...        /
+        model-0000i-of-0000n.safetensors  \\
+        model.safetensors.index.json       \\
+        config.json, value_head.safetensors } a model dir: POST /update_weights_from_disk {model_path: this dir}
+        tokenizer.json, ...                /
         dcp/                       torch.distributed.checkpoint: model + AdamW state, a shard file per rank
         trainer_state.json         {policy_version, step, optimizer saved?, ranks, format}
+      v000004/                     a push-only export (``full=False``): the model dir alone, no resume reads it
 
-The model dir holds the full weights (gathered from the ranks, written by rank 0); ``dcp/`` holds the
-sharded model and optimizer state, which DCP reshards on load, so a checkpoint written by N ranks resumes
-on M. A checkpoint is written into a temporary directory in ``root`` and renamed into place, so a sampler or
-a resuming learner never sees a half-written one. ``keep`` bounds how many old checkpoints stay on disk.
+The model dir holds the full weights in the training dtype, in files each rank writes from the tensors it
+holds whole (``weights.save_sharded``: experts never leave their rank; a tensor split over ranks is gathered
+alone, to rank 0); ``dcp/`` holds the sharded model and optimizer state (fp32), which DCP reshards on load,
+so a checkpoint written by N ranks resumes on M. The learner writes a checkpoint every ``--checkpoint-every``
+steps and a push-only export at the others (learner/service.py). Each is written into a temporary directory
+in ``root`` and renamed into place, so a sampler or a resuming learner never sees a half-written one.
+``keep`` bounds how many old checkpoints, and how many old exports, stay on disk.
 The older single-file format (``trainer_state.safetensors``, FORMAT_V1) still loads on one rank.
 """
 
@@ -21,6 +26,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from t1async.log import get_logger
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import load_weights_into, save_pretrained
+from t1async.model.weights import load_weights_into, save_sharded
 from t1async.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -120,6 +126,19 @@ def _sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _is_export(p: Path) -> bool:
+    """A push-only export (a model dir named like a checkpoint, without trainer state)."""
+    return _NAME.match(p.name) is not None and p.is_dir() and not (p / STATE_JSON).is_file()
+
+
+def list_exports(root: str | Path) -> list[Path]:
+    """The push-only exports under ``root`` (model dirs without trainer state), oldest first."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    return sorted((p for p in r.iterdir() if _is_export(p)), key=lambda p: p.name)
+
+
 def save_checkpoint(
     root: str | Path,
     model: MoETransformer,
@@ -129,13 +148,17 @@ def save_checkpoint(
     step: int,
     tokenizer: ChatTokenizer | None = None,
     keep: int = 3,
-    export: MoETransformer | None = None,
+    full: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> CheckpointInfo:
-    """Write checkpoint ``v<version>`` atomically; drop all but the newest ``keep`` (0 = keep all).
+    """Write ``v<version>`` atomically; drop all but the newest ``keep`` of each kind (0 = keep all).
 
-    The model and optimizer state go through ``torch.distributed.checkpoint`` (``dcp/``, one shard file per
-    rank, loadable at any number of ranks); the model dir the samplers read is written by rank 0 from
-    ``export`` (a model holding the full weights; default ``model`` itself, unsharded). With an FSDP-sharded
+    Always the model dir the samplers read (``weights.save_sharded``: sharded safetensors with an index, in
+    ``dtype``, default the model's; with an FSDP-sharded model each rank writes the tensors it holds whole).
+    With ``full`` (a checkpoint) also the model and optimizer state through ``torch.distributed.checkpoint``
+    (``dcp/``, a shard file per rank, loadable at any number of ranks) and ``trainer_state.json``; without it a
+    push-only export, which no resume reads (``list_checkpoints`` skips it). An export of a version at or past
+    this one (left by a run that crashed before its next checkpoint) is replaced. With an FSDP-sharded
     ``model`` every rank calls this together."""
     r = Path(root)
     sharded = _sharded(model)
@@ -144,7 +167,7 @@ def save_checkpoint(
     box: list = [None]
     if rank == 0:
         r.mkdir(parents=True, exist_ok=True)
-        if dest.exists():
+        if (dest / STATE_JSON).is_file():
             box = [
                 ConfigError(
                     f"checkpoint {dest} already exists; versions are published once (pick version > {policy_version})"
@@ -157,21 +180,27 @@ def save_checkpoint(
     if isinstance(box[0], Exception):
         raise box[0]
     tmp: Path = box[0]
+    t0 = time.perf_counter()
     try:
-        state: dict = {"model": get_model_state_dict(model)}
-        if optimizer is not None and optimizer.state:  # an optimizer that never stepped has nothing to save
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not sharded)
+        written = save_sharded(model, tmp, tokenizer, dtype=dtype)
+        state: dict = {}
+        if full:
+            state["model"] = get_model_state_dict(model)
+            if optimizer is not None and optimizer.state:  # an optimizer that never stepped has nothing to save
+                state["optim"] = get_optimizer_state_dict(model, optimizer)
+            dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not sharded)
         if rank == 0:
-            save_pretrained(export if export is not None else model, tmp, tokenizer)
-            meta: dict = {
-                "format": FORMAT,
-                "policy_version": policy_version,
-                "step": step,
-                "optimizer": "optim" in state,
-                "ranks": dist.get_world_size() if sharded else 1,
-            }
-            (tmp / STATE_JSON).write_text(json.dumps(meta, indent=2, default=list) + "\n")
+            if full:
+                meta: dict = {
+                    "format": FORMAT,
+                    "policy_version": policy_version,
+                    "step": step,
+                    "optimizer": "optim" in state,
+                    "ranks": dist.get_world_size() if sharded else 1,
+                }
+                (tmp / STATE_JSON).write_text(json.dumps(meta, indent=2, default=list) + "\n")
+            for stale in [p for p in list_exports(r) if int(p.name[1:]) >= policy_version]:
+                shutil.rmtree(stale, ignore_errors=True)  # a lost future's export: this version replaces it
             tmp.rename(dest)
     finally:
         if rank == 0:
@@ -179,8 +208,17 @@ def save_checkpoint(
     if rank == 0 and keep > 0:
         for old in list_checkpoints(r)[:-keep]:
             shutil.rmtree(old.path, ignore_errors=True)
+        for old_export in list_exports(r)[:-keep]:
+            shutil.rmtree(old_export, ignore_errors=True)
     if rank == 0:
-        log.info("checkpoint.saved", path=str(dest), policy_version=policy_version, step=step)
+        log.info(
+            "checkpoint.saved" if full else "checkpoint.exported",
+            path=str(dest),
+            policy_version=policy_version,
+            step=step,
+            weight_bytes_rank0=written,
+            t_s=round(time.perf_counter() - t0, 3),
+        )
     return CheckpointInfo(dest, policy_version, step)
 
 

@@ -3,18 +3,20 @@
     learner serve --nproc 2 ...      torchrun starts the ranks; rank 0 is the service, ranks 1..N-1 follow it
 
 Every rank holds 1/N of the parameters, gradients and AdamW state (``fully_shard`` over each block, then the
-root: embedding, final norm, LM and value heads). FSDP gathers a block's weights for its forward and
-backward and reduce-scatters its gradients, so those collectives run inside every micro-batch: every rank
-runs the same number of micro-batch passes. Rank 0 splits the step's segments into N token-balanced parts
-(``balance``) and tells every rank how many micro-batches the busiest part needs; a rank with fewer pads with
-zero-weight micro-batches (a 2-token forward and backward whose loss is multiplied by 0), so any split works.
+root: embedding, final norm, LM and value heads), and only that: the model is built on the meta device,
+sharded, and each rank reads its own rows of the model dir (``build_sharded``). FSDP gathers a block's
+weights for its forward and backward and reduce-scatters its gradients, so those collectives run inside every
+micro-batch: every rank runs the same number of micro-batch passes. Rank 0 splits the step's segments into N
+token-balanced parts (``balance``) and tells every rank how many micro-batches the busiest part needs; a rank
+with fewer pads with zero-weight micro-batches (a 2-token forward and backward whose loss is multiplied by 0),
+so any split works.
 Each rank's loss is divided by the step's global loss-token count, so the summed gradient is one rank's.
 
 Rank 0 alone consumes the stream, journals, serves credits and pushes weights (the learner service). Every
 read or write of the weights is a collective under FSDP, so rank 0 sends a command and every rank does it
 together (``_command``; ranks 1..N-1 wait for the next in ``serve_rank``): ``step`` (with the rank's segments),
-``save`` (a checkpoint: the sharded state through torch.distributed.checkpoint, the full weights gathered to
-rank 0 for the model dir), ``export_model`` (the full weights, for the weight push), ``load``,
+``save`` (the model dir written by every rank from its shards, plus with a full checkpoint the sharded state
+through torch.distributed.checkpoint), ``export_model`` (the full weights, for the weight push), ``load``,
 ``load_weights``, ``restore`` (after a failed step), ``score`` and ``stop``. Besides FSDP's own collectives the
 ranks meet three times a step: the advantage moments (advantages whitened over the whole step), a failure
 flag before each optimizer step, and a gather of the metric tensors to rank 0.
@@ -39,20 +41,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from t1async.learner import memory
 from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
 from t1async.learner.checkpoint import CheckpointInfo, check_loadable
+from t1async.learner.options import TrainDtype
 from t1async.learner.stepmetrics import StepMetrics
 from t1async.learner.trainer import Scored, Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import load_pretrained
+from t1async.model.weights import load_local
 from t1async.protocol.errors import T1Error
 
 log = get_logger("t1async.learner.distributed")
@@ -89,15 +92,29 @@ def collective(what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - a thin
         raise RankFailedError(f"distributed learner: {what} failed ({exc}); a rank died or hung, see its log") from exc
 
 
-def shard(model: MoETransformer) -> None:
-    """``fully_shard`` each block, then the root (embedding, norm, heads), over all ranks of the default group.
-    Each block's weights are freed again after its forward (``reshard_after_forward``); the root's stay
-    gathered until its backward (or ``reshard()``): the LM head and value head run after the model's
-    forward (``MoETransformer.token_logprobs``, the detached critic), outside FSDP's hooks."""
-    device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    units = [fully_shard(blk, mesh=mesh, reshard_after_forward=True) for blk in model.blocks]
-    units.append(fully_shard(model, mesh=mesh, reshard_after_forward=False))
+def mixed_precision(config: TrainerConfig) -> MixedPrecisionPolicy:
+    """FSDP2's dtypes: with ``--train-dtype bfloat16`` the gathered weights are bf16 (half the all-gather and
+    the unsharded copies) and gradients are reduced in fp32 (the sharded master weights and AdamW stay fp32);
+    with float32 everything is fp32."""
+    import os
+
+    if config.train_dtype == TrainDtype.BFLOAT16 and not os.environ.get("T1_NO_MP"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: MoETransformer, config: TrainerConfig | None = None, device_type: str | None = None) -> None:
+    """``fully_shard`` each block, then the root (embedding, norm, heads), over all ranks of the default group,
+    with ``mixed_precision(config)``. Each block's weights are freed again after its forward
+    (``reshard_after_forward``); the root's stay gathered until its backward (or ``reshard()``): the LM head
+    and value head run after the model's forward (``MoETransformer.token_logprobs``, the detached critic),
+    outside FSDP's hooks. ``device_type``: the mesh's (default: where the parameters are; give it for a model
+    on the meta device)."""
+    device_type = device_type or next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mp = mixed_precision(config or TrainerConfig())
+    units = [fully_shard(blk, mesh=mesh, reshard_after_forward=True, mp_policy=mp) for blk in model.blocks]
+    units.append(fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp))
     for u in units:  # the gradients are summed, not averaged: each rank's loss has the global normaliser
         u.set_gradient_divide_factor(1.0)
         u.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
@@ -116,17 +133,41 @@ def padding_batch(device: torch.device) -> Batch:
     )
 
 
+def build_sharded(model_dir: str | Path, config: TrainerConfig, device: str = "cpu") -> tuple[MoETransformer, int]:
+    """Every rank together: the model of ``model_dir`` built on the meta device (nothing allocated, no random
+    numbers), sharded (``shard``), allocated by ``to_empty`` (this rank's 1/N only) and filled by reading this
+    rank's rows from the safetensors files (``weights.load_local``: its experts, its rows of the rest, the
+    value head too). No rank ever holds the full model. Returns the model and the bytes this rank read."""
+    from t1async.model.config import MoEConfig
+
+    cfg = MoEConfig.load(model_dir)
+    with torch.device("meta"):
+        model = MoETransformer(cfg, init=False)
+    shard(model, config, device)
+    model.to_empty(device=device)
+    t0 = time.perf_counter()
+    read = load_local(model, model_dir)
+    log.info(
+        "learner.rank_loaded",
+        rank=dist.get_rank(),
+        model=str(model_dir),
+        bytes_read=read,
+        t_s=round(time.perf_counter() - t0, 3),
+    )
+    return model, read
+
+
 class DistributedTrainer(Trainer):
     """A Trainer whose model is sharded over the ranks of the default process group. Built on every rank
-    together (rank 0's weights are broadcast first); rank 0 then calls the Trainer API (each call a command
-    every rank joins), ranks 1..N-1 run ``serve_rank``."""
+    together, from a model sharded by ``shard`` (``build_sharded``: each rank reads its own shards); rank 0
+    then calls the Trainer API (each call a command every rank joins), ranks 1..N-1 run ``serve_rank``."""
 
-    def __init__(self, model: MoETransformer, config: TrainerConfig | None = None) -> None:
-        with torch.no_grad():  # every rank starts from rank 0's weights, then keeps its 1/N of them
-            for t in model.state_dict().values():
-                collective("syncing the initial weights", dist.broadcast, t, src=0)
-        shard(model)
+    def __init__(self, model: MoETransformer, config: TrainerConfig | None = None, *, read_bytes: int = 0) -> None:
+        if not isinstance(model, FSDPModule):
+            raise TypeError("DistributedTrainer takes a model sharded by distributed.shard (build_sharded)")
         super().__init__(model, config or TrainerConfig())
+        self.read_bytes = read_bytes  # what this rank read of the model dir it was built from
+
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._part_tokens: list[int] = []
         self._n_micro = 0  # micro-batches every rank runs this step
@@ -139,6 +180,12 @@ class DistributedTrainer(Trainer):
         if self.prefix is not None:
             log.info("learner.prefix_kv_exact_on_ranks", world=self.world, asked=str(self.config.prefix_kv))
         self.prefix = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, config: TrainerConfig, device: str = "cpu") -> DistributedTrainer:
+        """Every rank together: the trainer of ``model_dir``'s weights, each rank reading its own shards."""
+        model, read = build_sharded(model_dir, config, device)
+        return cls(model, config, read_bytes=read)
 
     # ------------------------------------------------------------------------------------- commands
 
@@ -163,10 +210,18 @@ class DistributedTrainer(Trainer):
             self._inside = outer
 
     def save(
-        self, root: str | Path, policy_version: int, *, keep: int = 3, tokenizer: ChatTokenizer | None = None
+        self,
+        root: str | Path,
+        policy_version: int,
+        *,
+        keep: int = 3,
+        tokenizer: ChatTokenizer | None = None,
+        full: bool = True,
     ) -> CheckpointInfo:
-        with self._together("save", str(root), policy_version, keep=keep):
-            return super().save(root, policy_version, keep=keep, tokenizer=tokenizer)
+        """Every rank writes its part (learner.checkpoint.save_checkpoint): nothing is gathered but the tensors
+        split over ranks, one at a time."""
+        with self._together("save", str(root), policy_version, keep=keep, full=full):
+            return super().save(root, policy_version, keep=keep, tokenizer=tokenizer, full=full)
 
     def export_model(self) -> MoETransformer:
         """Rank 0: a model (on the meta device but for its weights) holding the full weights, gathered from
@@ -180,7 +235,7 @@ class DistributedTrainer(Trainer):
                 return self.model
             if self._shell is None:
                 with torch.device("meta"):
-                    self._shell = MoETransformer(self.mcfg)
+                    self._shell = MoETransformer(self.mcfg, init=False)
             self._shell.load_state_dict(full, assign=True)
             self._shell_ok = True
             return self._shell
@@ -193,13 +248,11 @@ class DistributedTrainer(Trainer):
             return super().load(path)
 
     def load_weights(self, model_dir: str | Path) -> None:
-        """A model dir's full weights: rank 0 reads them, every rank takes its shards."""
+        """A model dir's weights: every rank reads its own shards (``weights.load_local``)."""
         with self._together("load_weights", str(model_dir)):
             self._shell_ok = False
-            dtype = next(self.model.parameters()).dtype
-            full = load_pretrained(model_dir, dtype).state_dict() if self.rank == 0 else {}
-            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(self.model, full, options=opts)
+            load_local(self.model, model_dir)
+            self._forget_prefixes()
 
     def restore(self, checkpoints: Path, policy_version: int, initial: Path) -> str:
         with self._together("restore", checkpoints, policy_version, initial):
@@ -217,10 +270,11 @@ class DistributedTrainer(Trainer):
                 self.model.reshard()
 
     def rank_memory(self) -> list[dict[str, int]]:
-        """Every rank's ``trainer.state_bytes`` (rank 0 gets the list, in rank order; the others [])."""
+        """Every rank's ``trainer.state_bytes`` and ``read_bytes`` (rank 0 gets the list, in rank order; the
+        others [])."""
         with self._together("rank_memory"):
             gathered: list[Any] = [None] * self.world
-            mine = state_bytes(self)
+            mine = {**state_bytes(self), "read_bytes": self.read_bytes}
             collective(
                 "gathering the ranks' memory", dist.gather_object, mine, gathered if self.rank == 0 else None, dst=0
             )
@@ -285,7 +339,7 @@ class DistributedTrainer(Trainer):
                     self._shell_ok = False
                     self._train(local, policy_version, None, all_segments=local, t0=time.perf_counter())
                 else:
-                    getattr(self, kind)(*args)
+                    getattr(self, kind)(*args, **kwargs)
             except RankFailedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - rank 0 fails it too, and restores every rank

@@ -5,8 +5,11 @@
         with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; in each, ``in_torchrun()`` is true:
         rank 0: join(), then the learner service with ``make_trainer`` (the service, as with one rank)
         ranks 1..N-1: join(), then ``follow()``: build the model, run every command rank 0 sends
+        every rank builds the model on the meta device, shards it and reads only its own shards of the model
+        dir (``distributed.build_sharded``); with NCCL each takes its GPU (LOCAL_RANK) before its first
+        collective (``join``). Several hosts: torchrun on each (design §10).
 
-    tests and benches: ranks = Ranks(RanksConfig(nproc=2)); trainer = ranks.start(model, config)
+    tests and benches: ranks = Ranks(RanksConfig(nproc=2)); trainer = ranks.start(model_or_dir, config)
         this process is rank 0; ranks 1..N-1 are ``python -m t1async.learner.ranks`` children given the same
         environment torchrun gives, running the same ``follow()``; ranks.close(trainer) stops them.
 
@@ -25,9 +28,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -80,20 +85,34 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def take_device(backend: str) -> torch.device | None:
+    """NCCL: this rank's GPU (LOCAL_RANK, torchrun's index on this host), made current before any collective,
+    so no two ranks of a host meet on cuda:0. None for gloo."""
+    if backend != "nccl":
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    n = torch.cuda.device_count()
+    if local >= n:
+        raise ConfigError(f"LOCAL_RANK {local} but this host has {n} GPU(s): start at most {n} ranks per host")
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def join(*, backend: str = "gloo", timeout_s: float = RanksConfig.group_timeout_s) -> tuple[int, int]:
-    """Join the learner's process group from torchrun's environment; returns (rank, world size)."""
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    """Join the learner's process group from torchrun's environment; returns (rank, world size). With NCCL the
+    rank's GPU is set first and bound to the group (``device_id``)."""
+    device = take_device(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_trainer(model: MoETransformer, config: TrainerConfig) -> DistributedTrainer:
-    """Rank 0: send the model's architecture and the trainer config to ranks 1..N-1 (waiting in ``follow``),
-    then shard ``model`` over every rank together. Returns rank 0's DistributedTrainer."""
-    p = next(model.parameters())
-    collective(
-        "sending the model to the ranks", dist.broadcast_object_list, [(config, model.cfg, p.dtype, p.device.type)]
-    )
-    trainer = DistributedTrainer(model, config)
+def make_trainer(model_dir: str | Path, config: TrainerConfig) -> DistributedTrainer:
+    """Rank 0: send the model dir and the trainer config to ranks 1..N-1 (waiting in ``follow``), then build
+    the sharded model with them, each rank reading its own shards (``build_sharded``). Returns rank 0's
+    DistributedTrainer."""
+    device = "cuda" if config.device == "cuda" else "cpu"
+    collective("sending the model to the ranks", dist.broadcast_object_list, [(config, str(model_dir), device)])
+    trainer = DistributedTrainer.from_dir(model_dir, config, device)
     log.info("learner.ranks_joined", nproc=dist.get_world_size(), backend=dist.get_backend(), pid=os.getpid())
     return trainer
 
@@ -105,13 +124,10 @@ def follow() -> int:
     try:
         box: list[Any] = [None]
         collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
-        tcfg, mcfg, dtype, device = box[0]
-        model = MoETransformer(mcfg).to(dtype)
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-            model = model.cuda()
+        tcfg, model_dir, device = box[0]
+        trainer = DistributedTrainer.from_dir(model_dir, tcfg, device)  # its GPU was set in join, before any collective
         log.info("learner.rank_ready", rank=rank, world=dist.get_world_size(), pid=os.getpid())
-        DistributedTrainer(model, tcfg).serve_rank()
+        trainer.serve_rank()
     except RankFailedError as exc:
         log.error("learner.rank_failed", rank=rank, error=str(exc))
         return PEER_FAILED
@@ -173,9 +189,10 @@ def init_group(rank: int, world: int, host: str, port: int, *, backend: str, tim
     """Join as ``rank`` of ``world``: rank 0 hosts the store on ``host:port``, keyed as env:// keys it (torchrun).
     The store waits for every rank first, so ranks that never come fail here, before the group exists."""
     timeout = timedelta(seconds=timeout_s)
+    device = take_device(backend)
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("default_pg", store)  # what init_process_group adds to an env:// store
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout, device_id=device)
 
 
 class Ranks:
@@ -186,12 +203,19 @@ class Ranks:
         self.config = config
         self.procs: list[subprocess.Popen] = []
         self.joined = False
+        self._tmp: tempfile.TemporaryDirectory | None = None
 
-    def start(self, model: MoETransformer, config: TrainerConfig) -> DistributedTrainer:
-        """Start ranks 1..N-1, join the group as rank 0 and shard ``model`` over every rank (its weights are
-        the starting point; it becomes rank 0's shard). Returns rank 0's DistributedTrainer."""
+    def start(self, source: MoETransformer | str | Path, config: TrainerConfig) -> DistributedTrainer:
+        """Start ranks 1..N-1, join the group as rank 0 and build the sharded model from ``source`` (a model dir
+        every rank reads its shards of; or a model, written to a temp dir first: tests). Returns rank 0's
+        DistributedTrainer."""
         c = self.config
-        backend = "nccl" if next(model.parameters()).device.type == "cuda" else "gloo"
+        if isinstance(source, MoETransformer):
+            from t1async.model.weights import save_pretrained
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="t1-ranks-")
+            source = save_pretrained(source, Path(self._tmp.name) / "model")
+        backend = "nccl" if config.device == "cuda" else "gloo"
         port = free_port(c.host)
         env = {**os.environ, "MASTER_ADDR": c.host, "MASTER_PORT": str(port), "WORLD_SIZE": str(c.nproc)}
         for rank in range(1, c.nproc):
@@ -208,7 +232,7 @@ class Ranks:
                 f"None = still running: {codes}); see the learner log: {exc}"
             ) from exc
         self.joined = True
-        return make_trainer(model, config)
+        return make_trainer(source, config)
 
     async def watch(self) -> None:
         """Return never; raise RankFailedError as soon as a rank has exited."""
@@ -240,6 +264,9 @@ class Ranks:
         if self.procs:
             log.info("learner.ranks_stopped", codes=[p.returncode for p in self.procs])
         self.procs = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
 
 def rank_main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from t1async.ingest.stage import Ingest
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
 from t1async.learner import memory
-from t1async.learner.checkpoint import latest_checkpoint
+from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.pushcheck import PushCheck, PushCheckConfig, PushCheckError
 from t1async.learner.state import LearnerState
@@ -43,7 +43,6 @@ from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig, torch_device
 from t1async.log import get_logger
-from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.protocol import wire
@@ -66,6 +65,7 @@ class LearnerConfig:
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
+    checkpoint_every: int = 10  # a full checkpoint (DCP model + AdamW) every N steps and the last; exports between
     journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
@@ -99,7 +99,7 @@ class Learner:
         transport: Transport,
         samplers: SGLangClient | None,
         *,
-        make_trainer: Callable[[MoETransformer, TrainerConfig], Trainer] | None = None,
+        make_trainer: Callable[[Path, TrainerConfig], Trainer] | None = None,
     ) -> None:
         self.cfg, self.transport, self.samplers = config, transport, samplers
         ckpt = latest_checkpoint(config.checkpoints)
@@ -107,12 +107,16 @@ class Learner:
         # that lost its checkpoint names turns whose training never reached the weights
         self.state = LearnerState()
         model_dir = config.model_dir or default_model_dir()
-        # fp32 weights (--train-dtype bfloat16 autocasts the forward) on --device
-        self.model = load_pretrained(ckpt.path if ckpt else model_dir).to(torch_device(config.trainer.device))
-        # learner.ranks.make_trainer: a DistributedTrainer, the model sharded over the ranks (design §10)
-        self.trainer = (make_trainer or Trainer)(self.model, config.trainer)
+        src = ckpt.path if ckpt else model_dir
+        if make_trainer is None:  # fp32 weights (--train-dtype bfloat16 autocasts the forward) on --device
+            self.trainer = Trainer(load_pretrained(src).to(torch_device(config.trainer.device)), config.trainer)
+        else:  # learner.ranks.make_trainer: every rank reads its own shards of src (design §10)
+            self.trainer = make_trainer(src, config.trainer)
+        self.model = self.trainer.model
         self.tokenizer = ChatTokenizer.load(model_dir)
         self.resumed_from = None
+        self._saved_version = ckpt.policy_version if ckpt else 0  # the newest checkpoint's (0: the initial weights)
+        self._exported_version: int | None = None  # the version of the newest push-only export
         if ckpt is not None:
             self.trainer.load(ckpt.path)
             self.state = LearnerState.load(config.checkpoints, ckpt.policy_version)
@@ -191,9 +195,13 @@ class Learner:
                 batch_turns=self.cfg.batch_turns,
                 resumed=str(self.resumed_from.path) if self.resumed_from else None,
             )
-            while not self.cfg.steps or self.state.step < self.cfg.steps:
-                await self._wait_for_batch()
-                await self._train_step()
+            try:
+                while not self.cfg.steps or self.state.step < self.cfg.steps:
+                    await self._wait_for_batch()
+                    await self._train_step()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._save_at_exit()
             await self._publish_metrics()
             tg.cancel_scope.cancel()
         log.info("learner.done", steps=self.state.step, policy_version=self.policy_version)
@@ -230,29 +238,30 @@ class Learner:
         checked: dict[str, float] = {}
         self.credits.set_training(True)
         try:
-            self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
-            try:
-                m = await anyio.to_thread.run_sync(lambda: self.trainer.step(segments, v, drift=self.ingest.drift()))
-            except RankFailedError:  # a rank of the distributed learner died: not the segments' fault, stop
-                raise
-            except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
-                await self._step_failed(segments, v, exc)
-                return
-            await anyio.to_thread.run_sync(memory.trim)  # the step's freed heap goes back to the kernel
-            trained = loss_turns(segments)
-            for s in segments:
-                self.hist.record(v, s.versions[s.loss_mask])
-            self.policy_version = v + 1
-            self.state = self.state.after_step(self.policy_version, self.state.step + 1, trained, m.loss_tokens)
-            # the state first: a checkpoint is only ever loaded together with the state of its version
-            t_ckpt = time.monotonic()
-            self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
-            ckpt = await anyio.to_thread.run_sync(
-                lambda: self.trainer.save(
-                    self.cfg.checkpoints, self.policy_version, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints
-                )
-            )
-            t_ckpt = time.monotonic() - t_ckpt
+            self._exported_version = None  # the weights leave the version they held
+            # a stop waits for the step and its save (the thread runs on anyway): the weights then hold a version
+            with anyio.CancelScope(shield=True):
+                self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
+                try:
+                    m = await anyio.to_thread.run_sync(
+                        lambda: self.trainer.step(segments, v, drift=self.ingest.drift())
+                    )
+                except RankFailedError:  # a rank of the distributed learner died: not the segments' fault, stop
+                    raise
+                except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
+                    await self._step_failed(segments, v, exc)
+                    return
+                await anyio.to_thread.run_sync(memory.trim)  # the step's freed heap goes back to the kernel
+                trained = loss_turns(segments)
+                for s in segments:
+                    self.hist.record(v, s.versions[s.loss_mask])
+                self.policy_version = v + 1
+                self.state = self.state.after_step(self.policy_version, self.state.step + 1, trained, m.loss_tokens)
+                # a checkpoint every --checkpoint-every steps and at the last; between them a push-only export
+                t_ckpt = time.monotonic()
+                full = self.state.step % self.cfg.checkpoint_every == 0 or self.state.step == self.cfg.steps
+                ckpt = await self._save(full)
+                t_ckpt = time.monotonic() - t_ckpt
             self.settler.settle(trained, "trained")
             self.inputs.forget_unreachable()
             if self.weight_pusher is not None:  # the same weights as the checkpoint, over the group
@@ -296,7 +305,36 @@ class Learner:
         await self._publish_metrics()
         if self.curves is not None:  # the step's curves in TensorBoard (t1async.curves), at the version it made
             self.curves.scalars(self.policy_version, learner_scalars(self.last_step, self.metrics()))
-        await self.ingest.compact()
+        if self._saved_version == self.policy_version:  # only turns a checkpoint holds leave the journal
+            await self.ingest.compact()
+
+    async def _save(self, full: bool) -> CheckpointInfo:
+        """A checkpoint of this version (with ``full``: its state first, as a checkpoint is only ever loaded
+        together with the state of its version), else a push-only export. The journal keeps every turn trained
+        since the last checkpoint (``_train_step`` compacts only after one), so a crash between checkpoints
+        replays and trains them again from it."""
+        if full:
+            self.state.save(self.cfg.checkpoints, keep=self.cfg.keep_checkpoints + 1)
+        ckpt = await anyio.to_thread.run_sync(
+            lambda: self.trainer.save(
+                self.cfg.checkpoints,
+                self.policy_version,
+                tokenizer=self.tokenizer,
+                keep=self.cfg.keep_checkpoints,
+                full=full,
+            )
+        )
+        if full:
+            self._saved_version = self.policy_version
+        else:
+            self._exported_version = self.policy_version
+        return ckpt
+
+    async def _save_at_exit(self) -> None:
+        """At shutdown: a checkpoint of the version the weights hold, when its step saved only an export."""
+        if self._exported_version == self.policy_version != self._saved_version:
+            await self._save(True)
+            log.info("learner.checkpoint_at_exit", policy_version=self.policy_version)
 
     # ------------------------------------------------------------------------------------------ failures
 

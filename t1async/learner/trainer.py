@@ -531,10 +531,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------- checkpoints
 
     def save(
-        self, root: str | Path, policy_version: int, *, keep: int = 3, tokenizer: ChatTokenizer | None = None
+        self,
+        root: str | Path,
+        policy_version: int,
+        *,
+        keep: int = 3,
+        tokenizer: ChatTokenizer | None = None,
+        full: bool = True,
     ) -> CheckpointInfo:
-        """Write checkpoint ``root/v<version>``: a model dir the samplers load, plus the sharded model and
-        optimizer state (learner.checkpoint)."""
+        """Write ``root/v<version>``: a model dir the samplers load (in the training dtype), plus with ``full``
+        the sharded model and optimizer state a resume reads (learner.checkpoint)."""
+        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
         return save_checkpoint(
             root,
             self.model,
@@ -543,7 +550,8 @@ class Trainer:
             step=self.steps,
             tokenizer=tokenizer,
             keep=keep,
-            export=self.export_model(),
+            full=full,
+            dtype=torch.bfloat16 if bf16 else None,
         )
 
     def export_model(self) -> MoETransformer:
