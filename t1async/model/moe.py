@@ -31,10 +31,11 @@ tied embeddings, the two gate rules; see config.py). A dense layer's rows in ``r
    experts chosen for every fed token at every layer (the routing the sampler records).
 
    Training wants only the log-prob of each next token, never the [B, T, V] logits (at 32k tokens and a
-   4096 vocabulary those are 512 MB, and log-softmax and its gradient hold three more copies): pass
-   ``logits=False`` and take ``model.token_logprobs(out.hidden, input_ids)``, which runs the lm_head in
-   chunks of ``LOGPROB_CHUNK`` positions under activation checkpointing (each chunk's logits are recomputed
-   in the backward pass), so the head's memory is one chunk's whatever T. Attention is always the fused
+   4096 vocabulary those are 512 MB, at Qwen3's 151,936 20 GB, and log-softmax and its gradient hold three
+   more copies): pass ``logits=False`` and take ``model.token_logprobs(out.hidden, input_ids)``, which runs
+   the lm_head in chunks of ``logprob_chunk(V)`` positions (``LOGPROB_BYTES`` of fp32 logits) under
+   activation checkpointing (each chunk's logits are recomputed in the backward pass), so the head's memory
+   is one chunk's whatever T and whatever V. Attention is always the fused
    ``scaled_dot_product_attention`` (flash kernel, no [T, T] score matrix) when no ``attention_mask`` is given.
    ``checkpoint_blocks=True`` keeps only each block's input under autograd and recomputes the block in the
    backward pass (one more forward; activation memory ~d floats a token a layer plus one block's worth).
@@ -50,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import cast
 
 import numpy as np
@@ -61,11 +63,56 @@ from torch.utils.checkpoint import checkpoint
 from t1async.model.attention import Attention, RMSNorm, attention_bias, rotary_angles
 from t1async.model.config import MoEConfig
 
-# grouped matmul (one op for all experts); torch >= 2.8 has it on CPU. Without it, inference uses the loop.
+# grouped matmul (one op for all experts); torch >= 2.8 has it on CPU. Without it, both paths use the loop.
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
-LOGPROB_CHUNK = 4096  # positions per lm_head chunk in ``token_logprobs`` (64 MB of fp32 logits at V = 4096)
+LOGPROB_BYTES = 64 << 20  # fp32 logits per lm_head chunk in ``token_logprobs`` (the chunk is sized by the vocabulary)
+
+
+def logprob_chunk(vocab_size: int) -> int:
+    """Positions per lm_head chunk in ``token_logprobs``: as many as ``LOGPROB_BYTES`` of fp32 logits hold (4096
+    at a 4096-token vocabulary, 110 at Qwen3's 151,936), at least 1."""
+    return max(1, LOGPROB_BYTES // (4 * vocab_size))
+
+
+class ExpertPath(StrEnum):
+    """How ``MoE.forward`` applies the experts. ``GROUPED``: three grouped matmuls over the tokens sorted by
+    expert, the same ops whatever the number of experts and no host sync. ``LOOP``: a Python loop of ~8 ops per
+    expert after a ``tolist()``, kept as the reference the grouped path is tested against (and used where
+    torch has no ``_grouped_mm``)."""
+
+    GROUPED = "grouped"
+    LOOP = "loop"
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: autocast's where it is on for x's device, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _grouped_swiglu(xs: Tensor, ends: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, inplace: bool) -> Tensor:
+    """SwiGLU experts on rows sorted by expert: rows ``[ends[e-1], ends[e])`` go through expert e. Three
+    ``_grouped_mm`` calls; xs [M, d], ends int32 [E], weights [E, d, f] / [E, f, d] (one dtype) -> [M, d].
+
+    ``_grouped_mm`` wants every row stride a multiple of 16 bytes (fp32 included; the "stride error" it raises
+    otherwise is about that, or about a gradient with stride 0, which this layer never hands it): a d or f
+    that is not (test-sized models) is zero-padded, which changes no sum. ``inplace`` (no autograd) reuses the
+    [M, f] temporaries."""
+    mm = _grouped_mm
+    if mm is None:  # the callers check first
+        raise RuntimeError("this torch has no _grouped_mm (torch >= 2.8 has it): use ExpertPath.LOOP")
+    a = 16 // xs.element_size()
+    d, f = w_gate.shape[1], w_gate.shape[2]
+    pd, pf = -d % a, -f % a
+    if pd or pf:
+        xs = F.pad(xs, (0, pd))
+        w_gate, w_up, w_down = F.pad(w_gate, (0, pf, 0, pd)), F.pad(w_up, (0, pf, 0, pd)), F.pad(w_down, (0, pd, 0, pf))
+    g, u = mm(xs, w_gate, offs=ends), mm(xs, w_up, offs=ends)
+    h = F.silu(g, inplace=True).mul_(u) if inplace else F.silu(g) * u
+    y = mm(h, w_down, offs=ends)
+    return y[:, :d] if pd else y
 
 
 def _head_logprobs(h: Tensor, nxt: Tensor, weight: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
@@ -112,7 +159,7 @@ class MoE(nn.Module):
     """Top-k routed SwiGLU experts. Gates: softmax over the chosen experts' router logits (``norm_topk_prob``,
     the in-house model's rule), else the chosen experts' softmax-over-all probabilities. With
     ``cfg.shared_d_ff`` a shared expert (``shared``) adds ``sigmoid(shared_gate(x)) * shared(x)`` for every
-    token (Qwen2-MoE)."""
+    token (Qwen2-MoE). ``path`` says how the experts are applied (``ExpertPath``; grouped by default)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -124,6 +171,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, f, d))
         self.shared = SwiGLU(d, cfg.shared_d_ff) if cfg.shared_d_ff else None
         self.shared_gate = nn.Linear(d, 1, bias=False) if cfg.shared_d_ff else None
+        self.path = ExpertPath.GROUPED if _grouped_mm is not None else ExpertPath.LOOP
 
     def _shared(self, x: Tensor, out: Tensor) -> Tensor:
         """out + the shared expert's gated output for x (out unchanged without a shared expert)."""
@@ -141,6 +189,32 @@ class MoE(nn.Module):
             missing = (replay < 0).any(dim=-1, keepdim=True)
             chosen = torch.where(missing, free, replay)
         gates = _gates(logits, chosen, logits.gather(1, chosen), self.cfg.norm_topk_prob).to(x.dtype)
+        if self.path == ExpertPath.LOOP or _grouped_mm is None:
+            out = self._loop(x, chosen, gates)
+        else:
+            out = self._grouped(x, chosen, gates, inplace=False)
+        return self._shared(x, out), chosen, free, logits
+
+    def _grouped(self, x: Tensor, chosen: Tensor, gates: Tensor, inplace: bool) -> Tensor:
+        """The routed experts' gated sum for each token of x [N, d] (chosen, gates [N, K]): the N * K (token,
+        expert) rows sorted by expert, three grouped matmuls, one scatter-add. A fixed number of ops whatever
+        the number of experts, and no host sync (the group ends come from ``searchsorted``, on the device).
+        Under autocast the matmuls run in its dtype, as the loop's ``@`` does."""
+        flat = chosen.reshape(-1)
+        experts, order = torch.sort(flat, stable=True)
+        grid = torch.arange(self.cfg.n_experts, device=flat.device, dtype=experts.dtype)
+        ends = torch.searchsorted(experts, grid, right=True).to(torch.int32)
+        tok = order // chosen.shape[1]
+        dt = _compute_dtype(x)
+        ws = (self.w_gate.to(dt), self.w_up.to(dt), self.w_down.to(dt))
+        ys = _grouped_swiglu(x.index_select(0, tok).to(dt), ends, *ws, inplace=inplace)
+        g = gates.reshape(-1)[order, None]
+        ys = ys.mul_(g) if inplace else ys * g
+        out = torch.zeros_like(x)
+        return out.index_add_(0, tok, ys.to(out.dtype))
+
+    def _loop(self, x: Tensor, chosen: Tensor, gates: Tensor) -> Tensor:
+        """``_grouped``'s result by a Python loop over the experts (``ExpertPath.LOOP``, the reference)."""
         out = torch.zeros_like(x)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -157,36 +231,26 @@ class MoE(nn.Module):
             ye = (he @ self.w_down[e]) * gate_sorted[lo : lo + c, None]
             out.index_add_(0, tok, ye)
             lo += c
-        return self._shared(x, out), chosen, free, logits
+        return out
 
     def infer(self, x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Inference (no replay, no grad): x [N, d] -> (out [N, d], chosen [N, K]), as ``forward`` computes
-        them, with the experts applied as three grouped matmuls over the tokens sorted by expert (one op per
-        projection whatever the batch, instead of a Python loop of ~8 ops per expert). With ``keep`` (token
-        indices) every token is routed but only the kept ones go through the experts: out is [len(keep), d]."""
+        them, the experts applied as ``_grouped`` applies them with its temporaries reused in place. With
+        ``keep`` (token indices) every token is routed but only the kept ones go through the experts: out is
+        [len(keep), d]."""
         if _grouped_mm is None:
             out, chosen = self.forward(x)[:2]
             return (out if keep is None else out[keep]), chosen
-        k = self.cfg.top_k
         logits = self.router(x)
-        top = torch.topk(logits, k, dim=-1)
+        top = torch.topk(logits, self.cfg.top_k, dim=-1)
         chosen = top.indices
         gates = _gates(logits, chosen, top.values, self.cfg.norm_topk_prob).to(x.dtype)
         if keep is not None:
             x, sel, gates = x[keep], chosen[keep], gates[keep]
         else:
             sel = chosen
-        flat = sel.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        ends = torch.bincount(flat, minlength=self.cfg.n_experts).cumsum(0).to(torch.int32)
-        tok = order // k
-        xs = x.index_select(0, tok)
-        # in place where possible: a prefill's [N * K, d_ff] temporaries are megabytes, fresh pages each time
-        hs = F.silu(_grouped_mm(xs, self.w_gate, offs=ends), inplace=True).mul_(_grouped_mm(xs, self.w_up, offs=ends))
-        ys = _grouped_mm(hs, self.w_down, offs=ends).mul_(gates.reshape(-1)[order, None])
-        out = torch.zeros_like(x)
-        out.index_add_(0, tok, ys)
-        return self._shared(x, out), chosen
+        # in place: a prefill's [N * K, d_ff] temporaries are megabytes, fresh pages each time
+        return self._shared(x, self._grouped(x, sel, gates, inplace=True)), chosen
 
 
 class DenseMLP(nn.Module):
@@ -264,6 +328,13 @@ class MoETransformer(nn.Module):
         self.value_head = nn.Linear(cfg.d_model, 1)
         if init:
             self.reset_parameters()
+
+    def set_expert_path(self, path: ExpertPath) -> None:
+        """Apply every MoE layer's experts by ``path`` (``ExpertPath.LOOP``: the reference the tests compare
+        the grouped path with)."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.path = path
 
     @torch.no_grad()
     def reset_value_head(self) -> None:
@@ -418,10 +489,11 @@ class MoETransformer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """``ppo.token_logprobs(lm_head(hidden), tokens)`` without the [B, T, V] logits: log-prob of
         ``tokens[:, p]`` under the logits at ``p - 1`` (0 at p = 0), and the entropy there if asked, float32
-        [B, T]. The head runs over ``chunk`` positions at a time (default ``LOGPROB_CHUNK`` tokens in all rows);
-        under autograd each chunk is checkpointed, so the backward pass recomputes one chunk's logits at a time."""
+        [B, T]. The head runs over ``chunk`` positions at a time (tokens in all rows; default
+        ``logprob_chunk(V)``, ``LOGPROB_BYTES`` of fp32 logits); under autograd each chunk is checkpointed, so
+        the backward pass recomputes one chunk's logits at a time."""
         b, t = tokens.shape
-        step = max(1, (chunk or LOGPROB_CHUNK) // max(b, 1))
+        step = max(1, (chunk or logprob_chunk(self.cfg.vocab_size)) // max(b, 1))
         lp_parts, ent_parts = [], []
         grad = torch.is_grad_enabled() and (hidden.requires_grad or self.lm_head.weight.requires_grad)
         for lo in range(0, t - 1, step):
