@@ -193,8 +193,9 @@ def test_routes_missing_counts_loss_tokens_without_routes():
             self.routing, self.loss_mask = routing, np.asarray(mask, bool)
 
     r = np.zeros((4, 2, 2), np.int16)
-    r[1, 0, 0] = -1  # one layer of one token missing
-    assert routes_missing([Seg(None, [0, 1, 1, 1]), Seg(r, [0, 1, 1, 0])]) == 3 + 1
+    r[1, 0, 0] = -1  # one layer of position 1 missing: token 2 (predicted there) trains on the learner's routing
+    r[3] = -1  # the last position is never routed, and predicts nothing
+    assert routes_missing([Seg(None, [0, 1, 1, 1]), Seg(r, [0, 1, 1, 1])]) == 3 + 1
 
 
 class ScoringClient:

