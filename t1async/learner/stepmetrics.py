@@ -77,7 +77,9 @@ class StepMetrics:
     is_masked_frac: float = 0.0  # share of loss tokens dropped by masked IS (is_correction "mis")
     ess_corrected: float = 1.0  # normalised ESS of the importance weights after truncation or masking
     explained_variance: float = 0.0  # of the returns by the critic's values at the start of the step
-    critic_warmup_ev: float | None = None  # in-sample EV of the critic's least-squares warm-up fit, that step
+    critic_warmup_ev: float | None = None  # in-sample EV of the warm-up's fit after the step (for the next one)
+    # EV of the step's returns by the warm-up's head before it is fitted on them (fitted on earlier steps only)
+    critic_ev_heldout: float | None = None
     adv_grouped_share: float = 0.0  # grpo/rloo: share of (episode, turn)s centred on their own task group
 
     def to_dict(self) -> dict:
@@ -181,9 +183,12 @@ def _ess_of(w: Tensor) -> float:
 
 
 def step_algorithm_metrics(
-    m: StepMetrics, baseline: ppo.StepBaseline | None, critic_warmup_ev: float | None
+    m: StepMetrics,
+    baseline: ppo.StepBaseline | None,
+    critic_warmup_ev: float | None,
+    critic_ev_heldout: float | None = None,
 ) -> StepMetrics:
     """``m`` with what the trainer knows outside the step's tensors: the group baselines' coverage and the
-    critic warm-up fit."""
+    critic warm-up's fit (in-sample) and held-out explained variance."""
     share = baseline.grouped_share() if baseline is not None else 0.0
-    return replace(m, adv_grouped_share=share, critic_warmup_ev=critic_warmup_ev)
+    return replace(m, adv_grouped_share=share, critic_warmup_ev=critic_warmup_ev, critic_ev_heldout=critic_ev_heldout)

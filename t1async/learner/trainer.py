@@ -165,7 +165,10 @@ class Trainer:
         # advantage turn/grpo/rloo: one baseline from the whole step, so every rank centres its turns alike
         cfg = self.config
         self._baseline = None if cfg.advantage == "gae" else ppo.StepBaseline.of(cfg.advantage, segments, cfg.gamma)
-        warm_ev = self._warmup.step(segments, cfg) if self._warmup and self.steps < cfg.critic_warmup else None
+        # the critic warm-up (learner/critic.py): the head scores this step as fitted on the earlier ones; its
+        # held-out EV on this step's returns now, the refit on them after the step, for the next
+        warm = self._warmup if self._warmup and self.steps < cfg.critic_warmup else None
+        heldout_ev = warm.step(segments, cfg) if warm else None
         local = self._scatter(segments, policy_version)
         try:
             metrics = self._train(local, policy_version, drift, all_segments=segments, t0=t0)
@@ -173,7 +176,8 @@ class Trainer:
             self._step_raised(exc)
             raise
         assert metrics is not None  # rank 0's
-        metrics = step_algorithm_metrics(metrics, self._baseline, warm_ev)
+        fit_ev = warm.refit() if warm else None
+        metrics = step_algorithm_metrics(metrics, self._baseline, fit_ev, heldout_ev)
         log.info(
             "trainer.step",
             step=metrics.step,
