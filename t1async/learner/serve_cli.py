@@ -230,6 +230,7 @@ def _serve(c: ServeConfig) -> int:
         wandb=c.wandb,
         push_check=PushCheckConfig(every=c.push_check_every, bound=c.push_check_bound),
         require_routes=c.require_routes,
+        hf_format="MixtralForCausalLM" if c.engine == "vllm" else "",  # vLLM serves Hugging Face formats only
         trainer=TrainerConfig(
             **{f.name: getattr(c, f.name) for f in fields(TrainerOptions)}, microbatch_tokens=c.microbatch_tokens
         ),

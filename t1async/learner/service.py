@@ -13,6 +13,7 @@ and skips the turns that checkpoint says were trained: no admitted turn is lost,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class LearnerConfig:
     tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
     push_check: PushCheckConfig = field(default_factory=PushCheckConfig)  # verify each push (learner/pushcheck.py)
     require_routes: bool = False  # refuse turns without the sampler's MoE routes (else: r3_missing_tokens)
+    hf_format: str = ""  # write an in-house model's checkpoints as this architecture (vLLM serves only those)
     wandb: bool = False  # and to Weights & Biases, when wandb is installed
 
     @property
@@ -87,7 +89,8 @@ def routes_missing(segments: list[Segment]) -> int:
         if s.routing is None:
             n += int(s.loss_mask.sum())
         else:
-            before = np.concatenate([[True], (s.routing < 0).any(axis=(1, 2))[:-1]])
+            routeless = np.asarray((s.routing < 0).any(axis=(1, 2)), dtype=bool)
+            before = np.concatenate([[True], routeless[:-1]])
             n += int((s.loss_mask & before).sum())
     return n
 
@@ -116,6 +119,9 @@ class Learner:
         else:  # learner.ranks.make_trainer: every rank reads its own shards of src (design §10)
             self.trainer = make_trainer(src, config.trainer)
         self.model = self.trainer.model
+        if config.hf_format and not self.model.cfg.architecture:  # the in-house model is a Mixtral of its shape
+            self.model.cfg = dataclasses.replace(self.model.cfg, architecture=config.hf_format)
+            self.trainer.mcfg = self.model.cfg  # the format its checkpoints and pushes are written in
         self.tokenizer = ChatTokenizer.load(model_dir)
         self.resumed_from = None
         self._saved_version = ckpt.policy_version if ckpt else 0  # the newest checkpoint's (0: the initial weights)

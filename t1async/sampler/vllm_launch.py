@@ -120,6 +120,43 @@ def ensure_index(model_dir: Path) -> None:
     os.replace(tmp, index)
 
 
+def servable(model_dir: Path, out: Path) -> Path:
+    """A dir vLLM can serve: ``model_dir`` itself for a Hugging Face architecture, else (t1async's in-house format,
+    ``model_type`` ``t1async_moe``, which is a Mixtral of its shape) the same weights written as a
+    ``MixtralForCausalLM`` into ``out`` (once; redone when the source changed), with the tokenizer and prompt files.
+    The learner writes its checkpoints as Mixtral too with ``--engine vllm`` (``LearnerConfig.hf_format``)."""
+    import dataclasses
+    import shutil
+
+    from t1async.model.config import MIXTRAL, MODEL_TYPE
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") != MODEL_TYPE:
+        return model_dir
+    stamp = f"{model_dir.resolve()} {(model_dir / 'config.json').stat().st_mtime_ns}"
+    if (out / "source.txt").is_file() and (out / "source.txt").read_text() == stamp:
+        return out
+    from t1async.model.weights import load_pretrained, save_pretrained
+
+    model = load_pretrained(model_dir)
+    model.cfg = dataclasses.replace(model.cfg, architecture=MIXTRAL)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)
+    for f in model_dir.iterdir():  # tokenizer, chat template, system prompt: whatever is not weights or config
+        if (
+            f.is_file()
+            and f.suffix not in (".safetensors",)
+            and f.name not in ("config.json", "model.safetensors.index.json")
+        ):
+            shutil.copyfile(f, tmp / f.name)
+    (tmp / "source.txt").write_text(stamp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    log.info("vllm.converted", source=str(model_dir), out=str(out), architecture=MIXTRAL)
+    return out
+
+
 def command(python: str, model: Path, *, host: str, port: int, s: VLLMSettings) -> list[str]:
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port),
@@ -173,6 +210,8 @@ async def launch_vllm(
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {model_dir} is not a model dir (no config.json)")
     ensure_index(model_dir)
+    roots = allowed_weight_roots or (model_dir.resolve().parent,)
+    model_dir = await anyio.to_thread.run_sync(servable, model_dir, Path(log_path).resolve().parent / "vllm-model")
     port = port or free_port()
     url = f"http://{host}:{port}"
     logp = Path(log_path)
@@ -182,7 +221,7 @@ async def launch_vllm(
             argv,
             stdout=logf,
             stderr=logf,
-            env=server_env(api_key, allowed_weight_roots or (model_dir.resolve().parent,)),
+            env=server_env(api_key, roots),
             start_new_session=True,
             pdeathsig=signal.SIGTERM,
         )
