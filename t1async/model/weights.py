@@ -64,8 +64,11 @@ _VALUE_HEAD = ("value_head.weight", "value_head.bias")
 def _write_state(d: Path, state: dict[str, torch.Tensor], meta: dict[str, str], max_shard_bytes: int | None) -> None:
     """One ``model.safetensors``, or shards of at most ``max_shard_bytes`` (a tensor never split) and the
     Hugging Face index naming each tensor's shard."""
-    if max_shard_bytes is None:
-        save_file(state, str(d / WEIGHTS_FILE), metadata=meta)
+    if max_shard_bytes is None:  # one file, still with an index: an engine that globs *.safetensors (vLLM)
+        save_file(state, str(d / WEIGHTS_FILE), metadata=meta)  # then loads only it, never value_head's file
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(sorted(state), WEIGHTS_FILE)}
+        (d / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
