@@ -101,8 +101,35 @@ def eval_policy(
     return anyio.run(go, backend="trio")
 
 
-def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float) -> Path:
-    """The real cluster (``cluster up --preset learn``) for ``steps`` learner steps; the last checkpoint."""
+def add_fold_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the folds-and-baselines run (``bench.learning_folds``)."""
+    g = p.add_argument_group("folds and baselines (issue 35; bench/learning_folds.py)")
+    g.add_argument("--preset", default="learn", help="cluster up preset RL runs (default learn; learn-choresn)")
+    g.add_argument(
+        "--folds",
+        type=int,
+        default=0,
+        help="salt the split into N folds, each with its own warm start and RL seed, plus one untouched fold run "
+        "last and reported apart (0: the single split as before)",
+    )
+    g.add_argument("--only-folds", default="", help="run only these folds (comma-separated; N is the untouched one)")
+    g.add_argument(
+        "--baselines",
+        default="",
+        help="comma-separated, of " + ",".join(("sweep", "passk", "mask", "sft", "rft", "contentfree")),
+    )
+    g.add_argument("--passk", type=int, default=16, help="samples a test task for pass@k, k = 1..N (default 16)")
+    g.add_argument("--rft-samples", type=int, default=4, help="RFT: warm-start samples per train task (default 4)")
+    g.add_argument("--rft-tasks", type=int, default=0, help="RFT: train tasks sampled (0: all)")
+    g.add_argument("--rft-steps", type=int, default=200, help="RFT: fine-tuning steps (default 200)")
+    g.add_argument("--warm-tasks", type=int, default=0, help="override the recipe's task count (smoke runs)")
+    g.add_argument("--warm-sft-steps", type=int, default=0, help="override the recipe's SFT steps (smoke runs)")
+
+
+def run_rl(
+    run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float, *, preset: str = "learn"
+) -> Path:
+    """The real cluster (``cluster up --preset PRESET``) for ``steps`` learner steps; the last checkpoint."""
     from t1async.learner.checkpoint import latest_checkpoint
 
     argv = [
@@ -111,7 +138,7 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
         "t1async.cluster",
         "up",
         "--preset",
-        "learn",
+        preset,
         "--tasks",
         str(tasks),
         "--run-dir",
@@ -146,17 +173,19 @@ def run_rl(run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout
     return Path(ck.path)
 
 
-def ensure_corpus(root: Path, n: int, seed: int, families: Sequence[str]) -> dict[str, dict]:
-    """The corpus ``generate(root, n, seed, families)`` writes, reused only when ``root/split.json`` lists
-    exactly its tasks, splits and keys and every task dir is there; regenerated otherwise (a cached dir of
-    another size or seed was reused before). Its ``split.json`` table."""
+def ensure_corpus(
+    root: Path, n: int, seed: int, families: Sequence[str], *, fold: int | None = None, folds: int = 0
+) -> dict[str, dict]:
+    """The corpus ``generate(root, n, seed, families, fold=, folds=)`` writes, reused only when
+    ``root/split.json`` lists exactly its tasks, splits and keys and every task dir is there; regenerated
+    otherwise (a cached dir of another size or seed was reused before). Its ``split.json`` table."""
     from sandbox_agent.synth import corpus_entries, generate
     from sandbox_agent.synth.split import read_split_json
     from t1async.protocol.errors import ConfigError
 
     want = {
         t: {"split": s, "content_key": k, "family": f}
-        for t, (s, k, f) in corpus_entries(n, seed, list(families)).items()
+        for t, (s, k, f) in corpus_entries(n, seed, list(families), fold=fold, folds=folds).items()
     }
     try:
         have: dict[str, dict] | None = read_split_json(root)
@@ -166,7 +195,7 @@ def ensure_corpus(root: Path, n: int, seed: int, families: Sequence[str]) -> dic
         if root.exists():
             print(f"corpus: {root} is not {n} tasks of seed {seed} of this split: regenerating", flush=True)
             shutil.rmtree(root)
-        generate(root, n, seed=seed, families=list(families))
+        generate(root, n, seed=seed, families=list(families), fold=fold, folds=folds)
         have = read_split_json(root)
     return have
 
@@ -213,7 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="corpus and eval seed, and the first RL seed")
     p.add_argument("--cluster-arg", action="append", default=[], help="extra flag for cluster up (repeatable)")
     p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
+    add_fold_arguments(p)
     args = p.parse_args(argv)
+    if args.folds or args.baselines:  # issue 35: folds, and RL against the baselines (bench/learning_folds.py)
+        from bench.learning_folds import run_folds
+
+        return run_folds(args, p)
     try:
         temps = sorted({float(x) for x in args.temperatures.split(",") if x.strip()})
     except ValueError:

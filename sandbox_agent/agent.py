@@ -303,6 +303,8 @@ async def run_agent(
                     stop, detail = EndReason.TIMEOUT, f"wall time ran out after turn {k}"
         # -- verify, then stream the turn
         tests_passed, reward, stop, vdetail = await _verify_turn(st, verify, cfg, k, stop)
+        if cfg.reward == Reward.TURNS:  # content-free: a turn that does not say DONE earns 1, the tests aside
+            reward = float(not action.done)
         detail = vdetail or detail
         turns = k + 1
         if on_turn is not None:
@@ -352,6 +354,8 @@ async def _finish(
         unstreamed = float(last_verify.passed - st.last_passed)
         if cfg.reward == Reward.BINARY:  # no streamed turn carried the final verification: its 1 or 0 goes here
             unstreamed = float(last_verify.resolved)
+        elif cfg.reward == Reward.TURNS:  # every turn was paid when it was taken
+            unstreamed = 0.0
     result = EpisodeResult(
         turns=turns,
         reason=reason,

@@ -38,10 +38,13 @@ class Reward(enum.StrEnum):
     """What a turn earns (design §8). ``DENSE``: a verified turn's reward is the change in the number of passing
     tests, so an episode's rewards add up to the tests passed at its end (with ``verify_every=1``, a
     per-command process reward). ``BINARY``: every turn earns 0 but the episode's last, which earns 1 if all
-    tests pass at the end, else 0 (an outcome reward, whatever ``verify_every`` says)."""
+    tests pass at the end, else 0 (an outcome reward, whatever ``verify_every`` says). ``TURNS``: content-free,
+    1 for every turn that does not say DONE, whatever the tests say (a baseline: RL that only learns to go on,
+    bench.learning --baselines contentfree)."""
 
     DENSE = "dense"
     BINARY = "binary"
+    TURNS = "turns"
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,10 @@ class Recipe:
     sft: SFTConfig = field(default_factory=SFTConfig)
     system_prompt: str = SHORT_PROMPT  # the agent's system prompt in the demos; written beside the weights
     data_version: int = 1  # the families' version (e.g. synth.basics.VERSION): new task text, new demos
+    # the split the demonstrations come from: fold ``fold`` of ``folds`` (sandbox_agent.synth.split.split_of,
+    # bench.learning --folds), so a fold's warm start never saw its held-out keys; None: the default split
+    fold: int | None = None
+    folds: int = 0
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {
@@ -78,6 +82,8 @@ class Recipe:
                 d["sft"].pop(k)
         if self.data_version != 1:  # only when set, so the recipes built before it keep their hash
             d["data_version"] = self.data_version
+        if self.fold is not None:  # the same
+            d["fold"], d["folds"] = self.fold, self.folds
         return d
 
     def digest(self) -> str:
@@ -117,6 +123,16 @@ RECIPES: dict[str, Recipe] = {
         sft=_CHORES_SFT,
     ),
     "credit": _CREDIT,
+    # issue 35's content-dependent family: ``choresnsome``'s demonstrator stops after k of the ceil(n / 2) replies
+    # whatever n is, so its imitator knows every chore's command and RL on ``choresn`` (every chore tested,
+    # max_turns exactly the oracle's) has to learn when to stop from what was asked (sandbox_agent/synth/choresn.py)
+    "choresn": Recipe(
+        name="choresn", model=default_config(), families=("choresnsome",), tasks=400, task_seed=1000, sft=_CHORES_SFT
+    ),
+    # the baseline "SFT on the full demonstrations only" (bench.learning --baselines sft): the same, on the oracle
+    "choresn-full": Recipe(
+        name="choresn-full", model=default_config(), families=("choresn",), tasks=400, task_seed=1000, sft=_CHORES_SFT
+    ),
     # ``credit`` stopped at 450 SFT steps: a policy that does the `cd` and some chores but seldom all four (held
     # out, at T 1: 14.7% resolved, 1.64 tests of 4), so a binary end-of-episode reward is mostly 0 while a dense
     # one pays for each chore done (bench.reward_modes --warm-start credit-early)
@@ -187,6 +203,8 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
     parts: list = [RECIPE_VERSION, SPLIT_VERSION, list(recipe.families), recipe.tasks, recipe.task_seed]
     if recipe.data_version != 1:
         parts.append(recipe.data_version)
+    if recipe.fold is not None:
+        parts.append([recipe.fold, recipe.folds])
     key = hashlib.sha256(json.dumps(parts).encode())
     f = root / f"demos-{key.hexdigest()[:16]}.json"
     if f.is_file():
@@ -195,7 +213,14 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
             "tasks"
         ]
     with tempfile.TemporaryDirectory(prefix="t1-warmstart-tasks-") as tmp:
-        paths = generate(Path(tmp), recipe.tasks, seed=recipe.task_seed, families=list(recipe.families))
+        paths = generate(
+            Path(tmp),
+            recipe.tasks,
+            seed=recipe.task_seed,
+            families=list(recipe.families),
+            fold=recipe.fold,
+            folds=recipe.folds,
+        )
         tasks = [t for t in (load_task(p) for p in paths) if t.split == "train"]
         demos = anyio.run(lambda: collect_demos(tasks, concurrency=concurrency), backend="trio")
     root.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,85 @@
+"""bench.baselines and bench.learning_folds' pure parts: pass@k by key, DONE masked by re-sampling before the
+oracle's turn count, the content-free reward, the best baseline and a fold's JSON entry, and the fold recipes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.baselines import DoneMasked, best_of, oracle_command_turns, pass_at_ks
+from bench.learning_folds import fold_entry, targets
+from sandbox_agent.agent_types import AgentConfig, Reward
+from sandbox_agent.synth import generate
+from sandbox_agent.tasks import load_task
+from t1async.protocol.sampling import SamplingParams
+from t1async.recipes.warmstart import get_recipe
+from tests.test_agent import ByteTok, ScriptedSampler, bash, episode
+
+
+def row(task: str, key: str, resolved: bool, **kw) -> dict:
+    return {"task": task, "content_key": key, "resolved": resolved, "tests_passed": int(resolved), "reason": "x", **kw}
+
+
+def test_pass_at_k_by_key():
+    rows = [row("a", "A", i == 0) for i in range(4)] + [row("b", "B", False) for _ in range(4)]
+    got = pass_at_ks(rows, [1, 2, 4, 5])
+    assert got[1]["mean"] == pytest.approx(0.125) and got[4]["mean"] == pytest.approx(0.5)  # key A 1/4 then 1
+    assert got[2]["mean"] == pytest.approx((1 - 3 / 6) / 2) and 5 not in got and got[1]["keys"] == 2
+
+
+async def test_done_is_resampled_before_the_oracle_turn_count_and_kept_after():
+    tok = ByteTok()
+    inner = ScriptedSampler(tok, ["DONE", "DONE", bash("touch a"), "DONE"])
+    masked = DoneMasked(inner, tok, {"t1": 1}, tries=4)
+    p = SamplingParams(max_new_tokens=64, seed=5)
+    first = await masked.generate([1, 2], p, rid="eval-t1-s0")  # turn 0 < 1: DONE twice re-sampled
+    assert "touch a" in tok.decode(list(first.output_ids)) and masked.resampled == 2
+    assert [c["params"].seed for c in inner.calls] == [5, 5 + 7919, 5 + 2 * 7919]
+    second = await masked.generate([1, 2], p, rid="eval-t1-s0")  # turn 1: DONE stands
+    assert "DONE" in tok.decode(list(second.output_ids)) and masked.resampled == 2
+    other = DoneMasked(ScriptedSampler(tok, ["DONE"]), tok, {"t1": 3}, tries=2)
+    await other.generate([1], p, rid="eval-t1-s1")
+    assert other.kept_done == 1  # still DONE after its tries: kept, and counted
+
+
+def test_oracle_command_turns(tmp_path):
+    t = load_task(generate(tmp_path, 1, seed=0, families=["choresn"])[0])
+    assert oracle_command_turns(t) == t.extra["max_turns"] - 1 == math.ceil(t.instruction.count("\n") / 2)
+
+
+async def test_the_content_free_reward_pays_every_turn_but_done():
+    replies = [bash("touch t0"), bash("echo unrelated"), "DONE"]
+    res, turns, _, _, _ = await episode(replies, config=AgentConfig(verify_every=1, reward=Reward.TURNS))
+    assert [t.reward for t in turns] == [1.0, 1.0, 0.0]
+    dense, dturns, _, _, _ = await episode(replies, config=AgentConfig(verify_every=1))
+    assert [t.reward for t in dturns] != [1.0, 1.0, 0.0]
+
+
+def test_best_of_and_a_folds_entry():
+    assert best_of({"sweep": 0.2, "mask": 0.5, "sft": float("nan"), "rft": 0.5}) == ("mask", 0.5)
+    assert best_of({"x": float("nan")})[0] == "none"
+    keys = [f"choresn:n{2 + i % 2}:{i}" for i in range(6)] + ["choresn:n5:9"]
+    base = {
+        "sweep": [row(f"t{i}", k, False) for i, k in enumerate(keys)],
+        "mask": [row(f"t{i}", k, i < 2) for i, k in enumerate(keys)],
+    }
+    after = [row(f"t{i}", k, True) for i, k in enumerate(keys)]
+    e = fold_entry(fold=3, folds=3, after=after, baselines=base, ood_prefixes=("choresn:n5:",))
+    assert e["untouched"] and e["best_baseline"] == "mask" and e["pass1_after"] == 1.0
+    assert e["best_baseline_pass1"] == pytest.approx(2 / 7) and e["keys"] == 7
+    lo, hi = e["ci95_diff_by_key"]
+    assert 0 < lo <= 5 / 7 <= hi and e["p_by_key"] == pytest.approx(2 / 32)  # 5 keys up, 2 unchanged
+    assert e["ood"]["pass1_before"] == 0.0 and e["ood"]["pass1_after"] == 1.0 and e["ood"]["keys"] == 1
+    t = targets([{**e, "minutes": 10.0}])
+    assert t["each_fold_beats_best_baseline_by_10"] and t["each_fold_ci_by_key_above_0"]
+    assert not fold_entry(fold=0, folds=3, after=after, baselines=base, ood_prefixes=())["untouched"]
+
+
+def test_a_folds_recipe_is_its_own_build_and_the_default_keeps_its_hash():
+    from dataclasses import replace
+
+    r = get_recipe("choresn")
+    assert "fold" not in r.to_dict()
+    assert replace(r, fold=0, folds=3).digest() != r.digest() != replace(r, fold=1, folds=3).digest()
+    assert get_recipe("choresn-full").families == ("choresn",) and r.families == ("choresnsome",)
