@@ -1,5 +1,7 @@
-"""Loading a model no rank holds whole: peak RSS per rank, load time, bit-equality across rank counts, one SFT
-and one RL step, and the checkpoint's bytes and time (learner/distributed.py ``build_sharded``).
+"""The learner's load, steps and saves on a model no rank holds whole (learner/distributed.py build_sharded).
+
+Reports peak RSS per rank, load time, bit-equality across rank counts, one SFT and one RL step, and the
+checkpoint's bytes and time.
 
 The model is a ~1.7 B-parameter Qwen3-MoE that transformers writes from a config (16 layers, hidden 1024,
 64 experts of 512, top-8; the shipped tokenizer's vocabulary): built on the meta device, filled by a seeded

@@ -113,6 +113,7 @@ def make_trainer(model_dir: str | Path, config: TrainerConfig) -> DistributedTra
     device = "cuda" if config.device == "cuda" else "cpu"
     collective("sending the model to the ranks", dist.broadcast_object_list, [(config, str(model_dir), device)])
     trainer = DistributedTrainer.from_dir(model_dir, config, device)
+    collective("waiting for the ranks to load", dist.barrier)  # each logged learner.rank_ready before it
     log.info("learner.ranks_joined", nproc=dist.get_world_size(), backend=dist.get_backend(), pid=os.getpid())
     return trainer
 
@@ -127,6 +128,7 @@ def follow() -> int:
         tcfg, model_dir, device = box[0]
         trainer = DistributedTrainer.from_dir(model_dir, tcfg, device)  # its GPU was set in join, before any collective
         log.info("learner.rank_ready", rank=rank, world=dist.get_world_size(), pid=os.getpid())
+        collective("telling rank 0 this rank loaded", dist.barrier)
         trainer.serve_rank()
     except RankFailedError as exc:
         log.error("learner.rank_failed", rank=rank, error=str(exc))
