@@ -1,4 +1,4 @@
-"""The baselines RL must beat (issue 35), each scored on the same held-out test tasks as RL, by content key.
+"""The baselines RL must beat, each scored on the same held-out test tasks as RL, by content key.
 
     python -m bench.learning --preset learn-choresn --folds 3 --baselines sweep,passk,mask,sft,rft,contentfree
 

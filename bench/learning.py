@@ -103,7 +103,7 @@ def eval_policy(
 
 def add_fold_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of the folds-and-baselines run (``bench.learning_folds``)."""
-    g = p.add_argument_group("folds and baselines (issue 35; bench/learning_folds.py)")
+    g = p.add_argument_group("folds and baselines (bench/learning_folds.py)")
     g.add_argument("--preset", default="learn", help="cluster up preset RL runs (default learn; learn-choresn)")
     g.add_argument(
         "--folds",
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
     add_fold_arguments(p)
     args = p.parse_args(argv)
-    if args.folds or args.baselines:  # issue 35: folds, and RL against the baselines (bench/learning_folds.py)
+    if args.folds or args.baselines:  # folds, and RL against the baselines (bench/learning_folds.py)
         from bench.learning_folds import run_folds
 
         return run_folds(args, p)

@@ -78,7 +78,7 @@ EXTRA_FAMILIES: dict[str, Callable[[random.Random], SynthSpec]] = {
     "cdchoresome": cdchoresome_family,  # cdchores by a demonstrator that stops early: the credit warm start
     "cdchoresfew": cdchoresfew_family,  # ... that never does all four: the credit-rare warm start
     "chores6": chores6_family,  # six chores in three replies: bench.learning's recombination OOD family
-    # content-dependent families (issue 35): when to stop, or what to act on, depends on what was asked or printed
+    # content-dependent families: when to stop, or what to act on, depends on what was asked or printed
     "choresn": choresn_family,  # n in 2..6 chores, max_turns exactly the oracle's; n = 5 held out (synth/choresn.py)
     "choresnsome": choresnsome_family,  # choresn by a demonstrator that stops after k replies, whatever n is
     "observe": observe_family,  # act on a name only a `cat` or `ls` prints (synth/observe.py)

@@ -3,7 +3,7 @@ checks (``sandbox_agent.decontam``): a train task is dropped when its instructio
 Jaccard or containment 0.5 against a test task's, or when its test file is identical to one.
 
 Run on specs, before anything is written (``generate`` and ``corpus_entries`` both drop the same tasks), for
-the families in ``DECONTAMINATED`` (the content-dependent ones of issue 35; the older families' corpora are
+the families in ``DECONTAMINATED`` (the content-dependent ones; the older families' corpora are
 as they were). ``choresn``'s short instructions make this bite: a train task asking for two chores in the
 order a five-chore test task starts with is contained in it, and is dropped.
 

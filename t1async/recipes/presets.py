@@ -7,7 +7,7 @@ if missing); the actors draw the train split of a ``chores`` corpus; every turn 
 (``verify-every 1``), so each command's reward is the tests it made pass; episodes are short (the full oracle
 takes 3 turns: two commands and DONE).
 
-``learn-choresn``: ``learn`` on ``choresn`` (issue 35: when to stop depends on how many chores were asked).
+``learn-choresn``: ``learn`` on ``choresn`` (when to stop depends on how many chores were asked).
 
 ``quickstart``: the quick start's (``default_preset``): the ``micro`` warm start on ``touch4`` tasks,
 one-turn episodes, so that a newcomer watches RL raise the reward within minutes.
@@ -80,7 +80,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sampler_max_batch": 16,
     },
 }
-# issue 35's content-dependent family: ``learn`` on ``choresn`` (n in 2..6 chores, each task's max_turns exactly
+# the content-dependent family: ``learn`` on ``choresn`` (n in 2..6 chores, each task's max_turns exactly
 # its oracle's, n = 5 held out) from the ``choresn`` warm start; the agent's own cap is the largest oracle's (n 6:
 # three replies and DONE), the task's cap binds below it (sandbox_agent/synth/choresn.py)
 PRESETS["learn-choresn"] = {**PRESETS["learn"], "warm_start": "choresn", "synth_families": ("choresn",)}

@@ -123,7 +123,7 @@ RECIPES: dict[str, Recipe] = {
         sft=_CHORES_SFT,
     ),
     "credit": _CREDIT,
-    # issue 35's content-dependent family: ``choresnsome``'s demonstrator stops after k of the ceil(n / 2) replies
+    # the content-dependent family: ``choresnsome``'s demonstrator stops after k of the ceil(n / 2) replies
     # whatever n is, so its imitator knows every chore's command and RL on ``choresn`` (every chore tested,
     # max_turns exactly the oracle's) has to learn when to stop from what was asked (sandbox_agent/synth/choresn.py)
     "choresn": Recipe(
