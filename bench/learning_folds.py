@@ -12,8 +12,9 @@ Per fold, everything is scored on the same test tasks, greedy unless said (the t
 SFT's decoding are chosen on eval, never on test): RL after ``--rl-steps``; each baseline of ``--baselines``
 (``bench.baselines``). The best baseline is the one with the highest pass@1; ``ci95_diff_by_key`` is RL minus
 it, paired by content key (``t1async.eval.stats.paired_by_key``: keys resampled, widened for their number;
-``p_by_key`` its sign-flip p). OOD: the test keys ``split.OOD_PREFIXES`` names (``choresn``'s held-out n,
-``observe``'s held-out variant) are scored apart too (``ood``: RL vs the sweep's warm start, by key).
+``p_by_key`` its sign-flip p), on the in-distribution test keys. OOD: the test keys ``split.OOD_PREFIXES``
+names (``choresn``'s held-out n, ``observe``'s held-out variant) are scored apart (``ood``: RL vs the sweep's
+warm start and vs the best baseline, by key).
 
 The last stdout line is JSON: ``folds`` [{fold, untouched, pass1_after, best_baseline, best_baseline_pass1,
 ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, pass_at_k {k: ...}, ood, split_disjoint,
@@ -45,7 +46,16 @@ def fold_entry(
     *, fold: int | None, folds: int, after: list, baselines: dict[str, list], ood_prefixes: tuple[str, ...]
 ) -> dict:
     """One fold's figures from its eval rows (pure: tested without running anything). ``after``: RL's test rows;
-    ``baselines``: name -> its test rows (for ``passk``, the pass@1 of its many samples)."""
+    ``baselines``: name -> its test rows (for ``passk``, the pass@1 of its many samples). The main figures are
+    on the in-distribution test keys; the OOD ones (``ood_prefixes``) are scored apart (``ood``: RL against the
+    sweep's warm start and against the best baseline)."""
+
+    def ood(r: dict) -> bool:
+        return bool(ood_prefixes) and str(r.get("content_key", "")).startswith(ood_prefixes)
+
+    all_after, all_base = after, baselines
+    after = [r for r in all_after if not ood(r)]
+    baselines = {n: [r for r in rows if not ood(r)] for n, rows in all_base.items()}
     figures = {n: pass1(r) for n, r in baselines.items()}
     best, best_p = best_of(figures)
     key_of = keys_of(after, *baselines.values())
@@ -63,10 +73,10 @@ def fold_entry(
         entry.update(ci95_diff_by_key=d["ci95"], diff_by_key=d["mean"], p_by_key=d["p"], keys=d["keys"])
     else:
         entry.update(ci95_diff_by_key=[float("nan")] * 2, diff_by_key=float("nan"), p_by_key=float("nan"), keys=0)
-    ref = baselines.get("sweep")
-    ood_after = [r for r in after if str(r.get("content_key", "")).startswith(ood_prefixes)]
+    ood_after = [r for r in all_after if ood(r)]
+    ref = all_base.get("sweep")
     if ref is not None and ood_after:
-        ood_before = [r for r in ref if str(r.get("content_key", "")).startswith(ood_prefixes)]
+        ood_before = [r for r in ref if ood(r)]
         d = paired_by_key(_task_pass1(ood_before), _task_pass1(ood_after), key_of)
         entry["ood"] = {
             "pass1_before": pass1(ood_before),
@@ -75,6 +85,10 @@ def fold_entry(
             "p_by_key": d["p"],
             "keys": d["keys"],
         }
+        if best in all_base:
+            ood_best = [r for r in all_base[best] if ood(r)]
+            d = paired_by_key(_task_pass1(ood_best), _task_pass1(ood_after), key_of)
+            entry["ood"].update(best_baseline_pass1=pass1(ood_best), ci95_diff_vs_best_by_key=d["ci95"])
     return entry
 
 

@@ -67,12 +67,14 @@ def test_best_of_and_a_folds_entry():
     after = [row(f"t{i}", k, True) for i, k in enumerate(keys)]
     e = fold_entry(fold=3, folds=3, after=after, baselines=base, ood_prefixes=("choresn:n5:",))
     assert e["untouched"] and e["best_baseline"] == "mask" and e["pass1_after"] == 1.0
-    assert e["best_baseline_pass1"] == pytest.approx(2 / 7) and e["keys"] == 7
+    assert e["best_baseline_pass1"] == pytest.approx(2 / 6) and e["keys"] == 6  # the OOD key apart
     lo, hi = e["ci95_diff_by_key"]
-    assert 0 < lo <= 5 / 7 <= hi and e["p_by_key"] == pytest.approx(2 / 32)  # 5 keys up, 2 unchanged
+    assert 0 < lo <= 4 / 6 <= hi and e["p_by_key"] == pytest.approx(2 / 16)  # 4 keys up, 2 unchanged
     assert e["ood"]["pass1_before"] == 0.0 and e["ood"]["pass1_after"] == 1.0 and e["ood"]["keys"] == 1
+    assert e["ood"]["best_baseline_pass1"] == 0.0
     t = targets([{**e, "minutes": 10.0}])
     assert t["each_fold_beats_best_baseline_by_10"] and t["each_fold_ci_by_key_above_0"]
+    assert fold_entry(fold=0, folds=3, after=after, baselines=base, ood_prefixes=())["keys"] == 7  # none apart
     assert not fold_entry(fold=0, folds=3, after=after, baselines=base, ood_prefixes=())["untouched"]
 
 
