@@ -142,6 +142,11 @@ def test_folds_salt_the_split_and_keep_the_untouched_keys_out_of_every_other_fol
         tests.append({k for k, v in s.items() if v == "test"})
     assert tests[0] != tests[1] != tests[2]  # salted: each fold holds out its own keys
     assert all(abs(len(t) / len(keys) - 0.09) < 0.03 for t in tests)
+    ood = [f"choresn:n5:{i}" for i in range(300)]
+    assert {split_of(k, fold=0, folds=folds) for k in ood} == {"test", None}  # None: set aside for the untouched
+    assert {k for k in ood if split_of(k, fold=folds, folds=folds) == "test"} == {
+        k for k in ood if split_of(k, fold=0, folds=folds) is None
+    }  # the untouched fold tests only keys no other fold read, OOD ones too
     assert split_of("chores:0+1+2+3") == split_of("chores:0+1+2+3", fold=None)  # no fold: the old split
     with pytest.raises(Exception, match="fold 4 of 3"):
         split_of("x", fold=4, folds=3)

@@ -46,8 +46,8 @@ def split_of(key: str, *, fold: int | None = None, folds: int = 0) -> Split | No
         if h < UNTOUCHED_PERCENT:
             return "test" if fold == folds else None
         salt = f"fold{fold}/"
-    if key.startswith(OOD_PREFIXES):
-        return "test"
+    if key.startswith(OOD_PREFIXES):  # the untouched fold's test keys are the set-aside ones only
+        return None if fold is not None and fold == folds else "test"
     s = split_for(salt + key)
     return "train" if fold is not None and fold == folds and s == "test" else s  # untouched: set-aside keys only
 
