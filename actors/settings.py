@@ -49,7 +49,8 @@ class EpisodeOptions:
         Reward.DENSE,
         "dense: a verified turn earns the change in tests passing (a per-command process reward with "
         "--verify-every 1; the rewards add up to the tests passed); binary: only the episode's last turn earns, "
-        "1 if all tests pass at the end, else 0 (an outcome reward)",
+        "1 if all tests pass at the end, else 0 (an outcome reward); turns: 1 for every turn that does not say "
+        "DONE, whatever the tests say (a content-free baseline, not a reward to train with)",
         group="actors",
     )
 

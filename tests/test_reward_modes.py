@@ -70,7 +70,7 @@ def test_reward_flag_reaches_the_actors_agent_config(tmp_path):
 
     with pytest.raises(ConfigError, match="reward"):
         from_mapping(UpConfig, {"reward": "sparse"}, where="")
-    for value in (Reward.BINARY, Reward.DENSE):
+    for value in (Reward.BINARY, Reward.DENSE, Reward.TURNS):
         cfg = UpConfig(run_dir=tmp_path, sampler_url=("http://127.0.0.1:1",), reward=value).check()
         actor = next(s for s in specs(cfg, "nats://127.0.0.1:1") if s.name == "actor-0")
         p = build_parser()
@@ -78,7 +78,9 @@ def test_reward_flag_reaches_the_actors_agent_config(tmp_path):
         assert args.reward == value and agent_config(args, (1,)).reward == value
     p = build_parser()
     help_text = p.format_help()
-    assert "--reward {dense,binary}" in help_text and "1 if all tests pass at the end" in " ".join(help_text.split())
+    assert "--reward {dense,binary,turns}" in help_text and "1 if all tests pass at the end" in " ".join(
+        help_text.split()
+    )
 
 
 # ------------------------------------------------------------------------------ the cdchores family
