@@ -133,6 +133,19 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient():
     assert used.tolist() == [True, False, False, True, False, True, False, False]
 
 
+def test_float64_takes_the_loop():
+    """``_grouped_mm`` multiplies fp32, bf16 and fp16 only: a float64 layer (exactness tests) uses the loop."""
+    cfg = MoEConfig(d_model=32, n_heads=4, n_experts=4, top_k=2, d_ff=32)
+    layer = MoE(cfg).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(10, 32, dtype=torch.float64)
+    out = layer(x)[0]
+    layer.path = ExpertPath.LOOP
+    assert out.dtype == torch.float64 and torch.equal(out, layer(x)[0])
+
+
 def top_level_ops(layer: MoE, x: torch.Tensor) -> Counter[str]:
     """The ops one forward and backward of ``layer`` dispatches from Python (the profiler's root events:
     inside CPU's ``_grouped_mm`` torch itself loops over the groups in C++, one ``mm`` each)."""

@@ -80,10 +80,18 @@ class ExpertPath(StrEnum):
     """How ``MoE.forward`` applies the experts. ``GROUPED``: three grouped matmuls over the tokens sorted by
     expert, the same ops whatever the number of experts and no host sync. ``LOOP``: a Python loop of ~8 ops per
     expert after a ``tolist()``, kept as the reference the grouped path is tested against (and used where
-    torch has no ``_grouped_mm``)."""
+    torch has no ``_grouped_mm``, and for float64, which it does not multiply)."""
 
     GROUPED = "grouped"
     LOOP = "loop"
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what _grouped_mm multiplies (not float64)
+
+
+def _grouped_ok(x: Tensor) -> bool:
+    """Whether the grouped path can run on x: torch has ``_grouped_mm`` and it takes the matmuls' dtype."""
+    return _grouped_mm is not None and _compute_dtype(x) in _GROUPED_DTYPES
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -189,7 +197,7 @@ class MoE(nn.Module):
             missing = (replay < 0).any(dim=-1, keepdim=True)
             chosen = torch.where(missing, free, replay)
         gates = _gates(logits, chosen, logits.gather(1, chosen), self.cfg.norm_topk_prob).to(x.dtype)
-        if self.path == ExpertPath.LOOP or _grouped_mm is None:
+        if self.path == ExpertPath.LOOP or not _grouped_ok(x):  # float64 too: the loop
             out = self._loop(x, chosen, gates)
         else:
             out = self._grouped(x, chosen, gates, inplace=False)
@@ -238,7 +246,7 @@ class MoE(nn.Module):
         them, the experts applied as ``_grouped`` applies them with its temporaries reused in place. With
         ``keep`` (token indices) every token is routed but only the kept ones go through the experts: out is
         [len(keep), d]."""
-        if _grouped_mm is None:
+        if not _grouped_ok(x):
             out, chosen = self.forward(x)[:2]
             return (out if keep is None else out[keep]), chosen
         logits = self.router(x)
