@@ -87,6 +87,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
         "--verify-every",
         str(args.verify_every),
     ]
+    if args.engine == "vllm":  # a real vLLM samples (cluster up starts it); it reports no busy time: idle unmeasured
+        argv += ["--engine", "vllm"]
     if args.tasks:
         argv += ["--tasks", str(args.tasks)]
     if args.model:
@@ -112,18 +114,20 @@ def run_one(eta: int, args: argparse.Namespace, root: Path) -> dict:
     learner_pid = None
     try:
         ready = run_dir / "sampler.url"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + (600 if args.engine == "vllm" else 120)  # vLLM's start takes a minute
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"bench.staleness: the cluster for eta={eta} did not start; see {log.name}")
             time.sleep(0.2)
         url = ready.read_text().strip()
         key = (run_dir / "secrets" / "sampler.key").read_text().strip()  # cluster up keys its sampler (design §4)
+        info = "/get_server_info" if args.engine != "vllm" else ""  # vLLM's has no busy_s: sampler_idle stays None
         with httpx.Client(trust_env=False, timeout=2.0, headers={"Authorization": f"Bearer {key}"}) as c:
             while proc.poll() is None:
                 try:
-                    st = c.get(f"{url}/get_server_info").json()["internal_states"][0]
-                    samples.append((time.time(), float(st["busy_s"]), float(st["uptime_s"])))
+                    if info:
+                        st = c.get(f"{url}{info}").json()["internal_states"][0]
+                        samples.append((time.time(), float(st["busy_s"]), float(st["uptime_s"])))
                 except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     pass
                 learner_pid = learner_pid or component_pid(run_dir, "learner")
@@ -186,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         "--verify-every", type=int, default=0, help="run the verifier every N turns (dense reward; default 0)"
     )
     p.add_argument("--tasks", type=Path, default=None, help="task dir (default: a synthetic corpus per run)")
+    p.add_argument(
+        "--engine",
+        default="embedded",
+        choices=("embedded", "vllm"),
+        help="vllm: cluster up --engine vllm (a real vLLM samples; its idle share is not measured)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("runs/bench/staleness"), help="where the JSON and PNG go")
     p.add_argument(
