@@ -1,4 +1,5 @@
-"""The training MoE's grouped experts (moe.py ``ExpertPath.GROUPED``) against the per-expert loop it replaced
+"""The training MoE's grouped experts (t1async/model/moe.py ``ExpertPath.GROUPED``) against the per-expert loop
+it replaced
 (``ExpertPath.LOOP``, the reference): the same outputs, routes and gradients in fp32 and in bf16, under
 R3 replay, with a fixed op count whatever the number of experts and no host read of a tensor's value; and
 the lm_head's log-prob chunk sized by the vocabulary."""

@@ -1,5 +1,6 @@
 """VLLMClient against responses laid out as vLLM 0.32's source writes them
-(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py`` ``GenerateTokensResponse``, serving.py's
+(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py`` ``GenerateTokensResponse``,
+``vllm/entrypoints/scale_out/token_in_token_out/serving.py``'s
 ``serve_tokens_full_generator``; routes by ``vllm.utils.serial_utils.numpy2base64``), served by an httpx mock;
 and the learner's push check against a sampler that serves other weights. The real vLLM: test_vllm_real.py."""
 
