@@ -158,7 +158,8 @@ class Learner:
         self.weight_pusher: Any = None  # --weight-sync distributed: a learner.weightpush.DistributedPusher
         self.push_check = (
             PushCheck(samplers, config.push_check, self.model.cfg.vocab_size)
-            if samplers is not None and config.push_check.every > 0
+            # HTTP samplers only: an in-process sampler (tests' MemorySampler) has no server to probe
+            if getattr(samplers, "urls", None) and config.push_check.every > 0
             else None
         )
         self.r3_missing_tokens = 0  # loss tokens trained without the sampler's routes (learner's own routing)
