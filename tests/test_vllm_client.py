@@ -188,6 +188,27 @@ async def test_push_falls_back_to_vllms_reload_without_the_extension():
     ]
 
 
+async def test_a_refused_weight_root_is_an_error_not_a_fallback():
+    """The extension refusing a path outside its roots once read as "no extension", and the push fell back to
+    vLLM-CPU's own reload, which corrupts the MoE experts (the push check caught it as a |Δlogp| of 0.045)."""
+    calls: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/collective_rpc":
+            calls.append(json.loads(req.content)["method"])
+            msg = (  # as the extension worded it then, naming its method: any mention is not "no such method"
+                "Worker failed with error 't1_reload_weights: /run/ckpt/v1 is outside the allowed weight roots "
+                "['/models'] (T1_ALLOWED_WEIGHT_ROOTS)', please check the stack trace above for the root cause"
+            )
+            return httpx.Response(500, json={"error": {"message": msg}})
+        return httpx.Response(200, json={})
+
+    async with VLLMClient("http://v", transport=served(handler), pause_mode="retract") as c:
+        with pytest.raises(SamplerError, match="outside the allowed weight roots"):
+            await c.update_weights_from_disk("/run/ckpt/v1", 1)
+    assert calls == ["t1_reload_weights"] and c.extension.get("http://v", True)
+
+
 def test_routes_missing_counts_loss_tokens_without_routes():
     class Seg:
         def __init__(self, routing, mask):

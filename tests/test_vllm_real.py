@@ -39,6 +39,9 @@ def vllm_url(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "T1_LOG_JSON": "1"}
     argv = [sys.executable, "-m", "t1async.sampler.vllm_launch", "--model", str(default_model_dir())]
     argv += ["--ready-file", str(ready), "--log-file", str(d / "vllm.log"), "--vllm-max-model-len", "4096"]
+    # the model's own dir and this session's tmp dirs, where cluster up's run dirs write their checkpoints
+    roots = [default_model_dir().resolve().parent, tmp_path_factory.getbasetemp().resolve()]
+    argv += ["--allowed-weight-roots", ",".join(map(str, roots))]
     out = open(d / "launcher.log", "w")
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -97,7 +100,7 @@ def test_vllm_cpu_reload_changes_the_policy_and_the_extension_does_not(vllm_url)
     assert broken > 1e-3, f"vLLM's reload_weights kept the policy ({broken:.2g}): vLLM fixed its CPU MoE defect"
     reload(vllm_url, "t1_reload_weights", str(model_dir))
     assert np.abs(engine_logprobs(vllm_url, ids) - mine).mean() < 1e-5, "and the extension repairs it"
-    # the launcher's default root is the model dir's parent: a push from elsewhere is refused, the server lives on
+    # a push from outside the launcher's roots is refused, and the server lives on
     httpx.post(f"{vllm_url}/pause", params={"mode": "keep"}, timeout=60)
     r = httpx.post(
         f"{vllm_url}/collective_rpc",

@@ -142,13 +142,29 @@ def parse_generation(
 ) -> Generation:
     """An SGLang ``/generate`` response (one object) as a Generation. Tolerates extra fields; anything
     malformed in it raises ``SamplerError`` (and nothing else), naming what was wrong."""
+    return guarded(_parse_generation, out, prompt_len, routing_start, shape, latency=latency, url=url, path="/generate")
+
+
+def guarded(
+    parse: Callable[..., Generation],
+    out: Any,
+    prompt_len: int,
+    routing_start: int | None,
+    shape: tuple[int, int, int] | None,
+    *,
+    latency: float,
+    url: str,
+    path: str,
+) -> Generation:
+    """``parse(out, ...)``, every failure of it a SamplerError naming ``url + path`` and the body's start: an
+    engine's malformed answer never escapes as a TypeError or KeyError (SGLang's and vLLM's decoders)."""
     try:
-        return _parse_generation(out, prompt_len, routing_start, shape, latency=latency, url=url)
+        return parse(out, prompt_len, routing_start, shape, latency=latency, url=url)
     except SamplerError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:  # binascii too
         raise SamplerError(
-            f"{url}/generate answered a malformed response ({type(exc).__name__}: {exc}): {str(out)[:200]}"
+            f"{url}{path} answered a malformed response ({type(exc).__name__}: {exc}): {str(out)[:200]}"
         ) from exc
 
 

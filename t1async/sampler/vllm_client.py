@@ -42,6 +42,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,11 +57,14 @@ from t1async.protocol.errors import ConfigError, SamplerError, SamplerRequestErr
 from t1async.protocol.sampling import Generation, SamplingParams
 from t1async.protocol.wire import Finish
 from t1async.sampler.client import SamplerUnreachableError, SGLangClient
-from t1async.sampler.response import parse_weight_version, routing_dtype
+from t1async.sampler.response import guarded, parse_weight_version, routing_dtype
 
 log = get_logger("sampler.vllm")
 
 GENERATE = "/inference/v1/generate"
+# what vLLM answers for a collective_rpc method its worker lacks: the multiproc executor's getattr
+# (vllm/v1/executor/multiproc_executor.py) or run_method's (vllm/v1/serial_utils.py)
+NO_EXTENSION = re.compile(r"has no attribute '?t1_reload_weights|Method '?t1_reload_weights'? is not implemented")
 EXTENSION_CLS = "t1async_vllm.T1WorkerExtension"  # vllm_ext/t1async_vllm.py, on the server's PYTHONPATH
 # t1async's --pause-mode -> (vLLM's /pause mode, recompute running requests after the reload)
 PAUSE_MODES: dict[str, tuple[str, bool]] = {
@@ -141,14 +145,7 @@ def parse_generation(
     url: str = "",
 ) -> Generation:
     """vLLM's ``GenerateTokensResponse`` as a Generation; anything malformed raises SamplerError (only)."""
-    try:
-        return _parse(out, prompt_len, routing_start, shape, latency=latency, url=url)
-    except SamplerError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:  # binascii too
-        raise SamplerError(
-            f"{url}{GENERATE} answered a malformed response ({type(exc).__name__}: {exc}): {str(out)[:200]}"
-        ) from exc
+    return guarded(_parse, out, prompt_len, routing_start, shape, latency=latency, url=url, path=GENERATE)
 
 
 def _parse(
@@ -372,7 +369,9 @@ class VLLMClient(SGLangClient):
             except SamplerUnreachableError:
                 raise
             except SamplerError as exc:
-                if "t1_reload_weights" not in str(exc):  # any other failure is the reload's own
+                # vLLM's run_method: "Method 't1_reload_weights' is not implemented." when no extension is loaded;
+                # any other failure (a refused weight root, a bad checkpoint) is the reload's own
+                if not NO_EXTENSION.search(str(exc)):
                     raise
                 self.extension[url] = False
                 log.warning(

@@ -24,7 +24,7 @@ def check_root(path: str) -> str:
     roots = [r for r in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if r]
     real = os.path.realpath(path)
     if roots and not any(os.path.commonpath([real, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
-        raise ValueError(f"t1_reload_weights: {path} is outside the allowed weight roots {roots} ({ROOTS_ENV})")
+        raise ValueError(f"weights {path} are outside the allowed weight roots {roots} ({ROOTS_ENV})")
     return real
 
 
