@@ -29,10 +29,19 @@ async def test_easy_families_oracle_resolves_and_null_does_not(tmp_path):
     for r in rows:
         # the weaker demonstrators (touchsome, choresome, cdchoresome, cdchoresfew) do k of the four and their
         # tasks test those k; chores6 (bench.learning's recombination OOD family) asks for six
-        weaker = r.task_id.split("-")[1] in {"touchsome", "choresome", "cdchoresome", "cdchoresfew"}
-        n = 6 if "-chores6-" in r.task_id else r.oracle.total if weaker else 4
-        assert r.ok and r.oracle.passed == r.oracle.total == n and 1 <= n <= 6, (r.task_id, r.oracle.detail[-500:])
-        assert r.null.passed == 0 and r.null.total == n, r.task_id
+        # the content families (choresn, observe, chain) ask for n chores, n varies, and one more test guards
+        # against doing what was not asked: the null passes that guard, and only that
+        family = r.task_id.split("-")[1]
+        weaker = family in {"touchsome", "choresome", "cdchoresome", "cdchoresfew"}
+        content = family in {"choresn", "choresnsome", "observe", "chain"}
+        n = 6 if family == "chores6" else r.oracle.total if weaker or content else 4
+        assert r.ok and r.oracle.passed == r.oracle.total == n and 1 <= n <= 13, (r.task_id, r.oracle.detail[-500:])
+        guards = {k for k, ok in r.null.tests.items() if ok}
+        assert r.null.total == n and not r.null.resolved, r.task_id
+        assert guards == (
+            {g for g in guards if g.endswith(("::test_not_asked", "::test_others_kept"))} if content else set()
+        )
+        assert len(guards) == (1 if content else 0), (r.task_id, guards)
 
 
 def test_easy_families_stay_out_of_the_default_corpus(tmp_path):
