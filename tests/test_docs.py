@@ -344,3 +344,31 @@ def test_a_stale_py_path_would_be_caught():
         "line 5: t1async/sampler/gone.py does not exist",
         "line 1: protocol.py does not exist",
     ]
+
+
+# --- constraints --------------------------------------------------------------------------------------------
+
+
+def test_the_constraints_pin_every_dependency_ci_installs():
+    """constraints.txt (made by .ci/freeze from a venv that passed) pins one version of every package
+    pyproject.toml asks for, the dev extra included, and .ci/run and the README install with it: a fresh
+    machine gets what was tested."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = [Requirement(r) for r in [*project["dependencies"], *project["optional-dependencies"]["dev"]]]
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and "+" not in version, f"constraints.txt: {line!r} is not NAME==VERSION (no local label)"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for req in wanted:
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"constraints.txt pins no {req.name}: run .ci/freeze after a green .ci/run"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} is not {req}"
+    for doc in (ROOT / ".ci" / "run", ROOT / "README.md"):
+        text = doc.read_text(encoding="utf-8")
+        assert "-c constraints.txt" in text and "-c constraints-vllm.txt" in text, f"{doc.name} installs unpinned"
