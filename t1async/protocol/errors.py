@@ -20,7 +20,8 @@ raises them (module in brackets).
     │   ├── SandboxClosedError       [sandbox_agent.sandbox.base] used after close: the caller's bug
     │   └── SandboxPathError         [sandbox_agent.sandbox.base] a file path outside the work dir
     ├── ConfigError                  a bad flag, file or setting: the user's fault
-    │   └── TaskFormatError          [sandbox_agent.tasks] a task directory that does not load
+    │   ├── TaskFormatError          [sandbox_agent.tasks] a task directory that does not load
+    │   └── PushCheckError           [learner.pushcheck] a sampler does not serve the weights pushed to it
     ├── ServerStartError             an embedded server (nats-server, sampler) failed to start
     ├── AssemblyError                [ingest.tito] turns assembled against their contract: a programming error
     ├── RoutingError                 [ingest.routing] a routing trace that cannot be decoded (bad base64, size, ids)
