@@ -120,7 +120,7 @@ def _is_done(text: str) -> bool:
 
 
 def eval_masked(model: Path, tasks: list, *, samples: int, out: Path, ev: Mapping, temperature: float) -> list[dict]:
-    """``bench.learning.eval_policy`` with ``DoneMasked`` around the embedded sampler."""
+    """``bench.learning_runs.eval_policy`` with ``DoneMasked`` around the embedded sampler."""
     import anyio
 
     from sandbox_agent.agent_types import AgentConfig

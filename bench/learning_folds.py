@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench._common import emit_json, print_grid
 from bench.baselines import BASELINES, best_of, eval_masked, pass1_by_key, pass_at_ks, rft_demos, rft_model
-from bench.learning import ensure_corpus, eval_policy, held_tasks, run_rl
+from bench.learning_runs import ensure_corpus, eval_policy, held_tasks, run_rl
 from bench.learning_stats import best_decoding, keys_of, pass1, per_task, split_check
 from t1async.eval.stats import paired_by_key, split_errors
 from t1async.log import configure

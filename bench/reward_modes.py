@@ -11,7 +11,7 @@
 2. a ``cdchores`` corpus (``--eval-corpus`` tasks, seed 0, every chore tested), split by content key
    (directory and chore set). The held-out tasks are its eval split; the bench checks that no eval key is in a
    train task or among the warm start's demonstrations (``split.json``), and refuses to run if one is;
-3. eval before (``bench.learning.eval_policy``, ``--samples`` seeded episodes per task);
+3. eval before (``bench.learning_runs.eval_policy``, ``--samples`` seeded episodes per task);
 4. for each of ``--rewards`` (default dense, binary): ``cluster up --preset learn --warm-start W
    --reward R`` for ``--rl-steps`` learner steps (the same turns per step, so the same budget), then the same
    eval on its last checkpoint.
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench._common import emit_json, print_grid
-from bench.learning import ensure_corpus, eval_policy, held_tasks, run_rl
+from bench.learning_runs import ensure_corpus, eval_policy, held_tasks, run_rl
 from bench.learning_stats import column, keys_of, learning_curve, per_task, split_check
 from t1async.eval.stats import by_key_ci, paired_by_key, split_errors
 from t1async.log import configure

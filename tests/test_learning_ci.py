@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.learning import eval_policy, held_tasks
+from bench.learning_runs import eval_policy, held_tasks
 from bench.learning_stats import column, per_task
 from sandbox_agent.synth import generate
 from sandbox_agent.synth.split import read_split_json

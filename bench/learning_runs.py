@@ -1,0 +1,172 @@
+"""The pieces of ``bench.learning`` its variants share (``bench.learning_folds``, ``bench.reward_modes``): the
+corpus, held-out evals of a policy, and one RL run through ``cluster up``."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from t1async.log import get_logger
+from t1async.signals import handlers
+
+log = get_logger("bench.learning")
+
+
+DEFAULT_FAMILIES = ("files", "text", "csv", "json", "archive", "perms", "git", "scripts", "find", "logs", "env")
+RECOMBINED_FAMILIES = ("chores6",)  # the trained skills in a new combination (sandbox_agent/synth/chores.py)
+
+
+def eval_policy(
+    model: Path,
+    tasks: list,
+    *,
+    samples: int,
+    seed: int,
+    max_turns: int,
+    max_new_tokens: int,
+    max_context: int,
+    concurrency: int,
+    out: Path,
+    system_prompt: str | None,
+    temperature: float = 1.0,
+) -> list[dict]:
+    """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
+    import anyio
+
+    from sandbox_agent.agent_types import AgentConfig
+    from t1async.eval.run import EvalConfig, progress_stream, run_eval
+    from t1async.model.tokenizer import ChatTokenizer
+    from t1async.protocol.sampling import SamplingParams
+    from t1async.sampler.client import SGLangClient
+    from t1async.sampler.launch import launch_sampler
+
+    tok = ChatTokenizer.load(model)
+    agent = AgentConfig(
+        max_turns=max_turns,
+        max_context_tokens=max_context,
+        request_routing=False,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
+    )
+    if system_prompt is not None:  # the prompt the warm start was trained with (the actors use it too)
+        agent = replace(agent, system_prompt=system_prompt)
+    cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("")
+
+    async def go() -> list[dict]:
+        async with launch_sampler(model, seed=seed, prefix_cache_tokens=0) as url, SGLangClient([url]) as c:
+            return await run_eval(tasks, c, tok, cfg, jsonl=out, progress=progress_stream())
+
+    return anyio.run(go, backend="trio")
+
+
+def add_fold_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the folds-and-baselines run (``bench.learning_folds``)."""
+    g = p.add_argument_group("folds and baselines (bench/learning_folds.py)")
+    g.add_argument("--preset", default="learn", help="cluster up preset RL runs (default learn; learn-choresn)")
+    g.add_argument(
+        "--folds",
+        type=int,
+        default=0,
+        help="salt the split into N folds, each with its own warm start and RL seed, plus one untouched fold run "
+        "last and reported apart (0: the single split as before)",
+    )
+    g.add_argument("--only-folds", default="", help="run only these folds (comma-separated; N is the untouched one)")
+    g.add_argument(
+        "--baselines",
+        default="",
+        help="comma-separated, of " + ",".join(("sweep", "passk", "mask", "sft", "rft", "contentfree")),
+    )
+    g.add_argument("--passk", type=int, default=16, help="samples a test task for pass@k, k = 1..N (default 16)")
+    g.add_argument("--rft-samples", type=int, default=4, help="RFT: warm-start samples per train task (default 4)")
+    g.add_argument("--rft-tasks", type=int, default=0, help="RFT: train tasks sampled (0: all)")
+    g.add_argument("--rft-steps", type=int, default=200, help="RFT: fine-tuning steps (default 200)")
+    g.add_argument("--warm-tasks", type=int, default=0, help="override the recipe's task count (smoke runs)")
+    g.add_argument("--warm-sft-steps", type=int, default=0, help="override the recipe's SFT steps (smoke runs)")
+
+
+def run_rl(
+    run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float, *, preset: str = "learn"
+) -> Path:
+    """The real cluster (``cluster up --preset PRESET``) for ``steps`` learner steps; the last checkpoint."""
+    from t1async.learner.checkpoint import latest_checkpoint
+
+    argv = [
+        sys.executable,
+        "-m",
+        "t1async.cluster",
+        "up",
+        "--preset",
+        preset,
+        "--tasks",
+        str(tasks),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--plain",
+        *extra,
+    ]
+    print("rl: " + " ".join(argv[1:]), flush=True)
+    with open(run_dir.parent / f"cluster-up-{run_dir.name}.log", "w") as logf:
+        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
+        # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
+        # `cluster up` and its components running)
+        try:
+            with handlers({signal.SIGTERM: lambda *_: sys.exit(143)}):
+                rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"rl: stopping after {timeout_s:.0f} s (--rl-timeout)", flush=True)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()  # the supervisor stops every component it started
+                proc.wait(timeout=120)
+        rc = proc.returncode
+    ck = latest_checkpoint(run_dir / "checkpoints")
+    if ck is None:
+        raise SystemExit(
+            f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
+            f"{run_dir.parent / f'cluster-up-{run_dir.name}.log'} and {run_dir / 'logs'}"
+        )
+    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version})", flush=True)
+    return Path(ck.path)
+
+
+def ensure_corpus(
+    root: Path, n: int, seed: int, families: Sequence[str], *, fold: int | None = None, folds: int = 0
+) -> dict[str, dict]:
+    """The corpus ``generate(root, n, seed, families, fold=, folds=)`` writes, reused only when
+    ``root/split.json`` lists exactly its tasks, splits and keys and every task dir is there; regenerated
+    otherwise (a cached dir of another size or seed was reused before). Its ``split.json`` table."""
+    from sandbox_agent.synth import corpus_entries, generate
+    from sandbox_agent.synth.split import read_split_json
+    from t1async.protocol.errors import ConfigError
+
+    want = {
+        t: {"split": s, "content_key": k, "family": f}
+        for t, (s, k, f) in corpus_entries(n, seed, list(families), fold=fold, folds=folds).items()
+    }
+    try:
+        have: dict[str, dict] | None = read_split_json(root)
+    except ConfigError:
+        have = None
+    if have != want or not all((root / t / "task.yaml").is_file() for t in want):
+        if root.exists():
+            print(f"corpus: {root} is not {n} tasks of seed {seed} of this split: regenerating", flush=True)
+            shutil.rmtree(root)
+        generate(root, n, seed=seed, families=list(families), fold=fold, folds=folds)
+        have = read_split_json(root)
+    return have
+
+
+def held_tasks(root: Path, table: dict[str, dict], split: str | None) -> list:
+    """The tasks of ``table`` in ``split`` (None: all of them, for a family no run trains on), loaded."""
+    from sandbox_agent.tasks import load_task
+
+    return [load_task(root / t) for t, e in sorted(table.items()) if split is None or e["split"] == split]
