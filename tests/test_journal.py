@@ -209,6 +209,7 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
     settled: set[str] = set()
     files_seen = 0
     for rnd in range(5):
+        pre: list[bytes] = []
         p = subprocess.Popen(
             [sys.executable, str(script), str(root), f"r{rnd}", str(ROOT)],
             stdout=subprocess.PIPE,
@@ -219,11 +220,14 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
             assert p.stdout is not None
             first = p.stdout.readline()
             assert first == b"READY\n", first + p.stderr.read() if p.stderr else b""
-            time.sleep(rng.uniform(0.2, 1.5))
+            pre = [p.stdout.readline()]  # the first ack (an event: a loaded machine may take a while), then
+            while pre[-1] and not pre[-1].startswith(b"A "):  # a random point after it
+                pre.append(p.stdout.readline())
+            time.sleep(rng.uniform(0.0, 1.3))
         finally:
             os.kill(p.pid, signal.SIGKILL)
             out, err = p.communicate(timeout=30)
-        lines = out.split(b"\n")[:-1]  # the last piece may be a line cut by the kill
+        lines = (b"".join(pre) + out).split(b"\n")[:-1]  # the last piece may be a line cut by the kill
         for line in lines:
             kind, *rest = line.decode().split()
             if kind == "A":
