@@ -117,25 +117,10 @@ class DistributedPusher:
             raise SamplerError(f"no sampler answers /ready ({', '.join(self.client.urls)}): cannot push weights")
         if len(urls) < len(self.client.urls):  # as the disk path: a dead sampler is synced when it is back
             log.warning("sampler.push_skipped", urls=[u for u in self.client.urls if u not in urls], path="distributed")
-        infos: dict[str, dict] = {}
-
-        async def info(u: str) -> None:
-            infos[u] = await W.server_info(self.client, u)
-
-        async with anyio.create_task_group() as tg:
-            for u in urls:
-                tg.start_soon(info, u)
+        infos = await W.server_infos(self.client, urls)
         tps = [W.tp_size(infos[u], u) for u in urls]
         world, offsets = W.rank_layout(tps)
-        modes = {u: W.pause_mode_for(infos[u], self.cfg.pause_mode) for u in urls}
-        if any(m != self.cfg.pause_mode for m in modes.values()):
-            log.warning(
-                "learner.pause_mode_changed",
-                asked=self.cfg.pause_mode,
-                urls=[u for u in urls if modes[u] != self.cfg.pause_mode],
-                now="in_place",
-                why="SGLang's retract re-prefills running requests with the new weights' routes, unreported",
-            )
+        modes = W.pause_modes(infos, self.cfg.pause_mode)
         self.store = W.store_master(self.cfg.host, self.cfg.port, world, self.cfg.timeout_s)
         port = self.store.port
         result: dict = {}
@@ -184,8 +169,7 @@ class DistributedPusher:
         )
 
     async def _pause(self) -> None:
-        for mode in sorted(set(self.modes.values())):
-            await W.pause_generation(self.client, mode=mode, urls=[u for u in self.members if self.modes[u] == mode])
+        await W.pause_each(self.client, {u: self.modes[u] for u in self.members})
 
     async def _begin(self) -> None:
         """``/begin_weight_update`` on every member; a session left open (a learner that died mid-push) is
@@ -335,8 +319,10 @@ class DistributedPusher:
 class DiskPushClient(SGLangClient):
     """An ``SGLangClient`` whose ``update_weights_from_disk`` (the learner's ``--weight-sync disk`` push) runs
     between ``/pause_generation`` in ``pause_mode`` and ``/continue_generation`` on the samplers that answer
-    ``/ready`` (paused ones too); continue is always sent, even when the update failed. ``in_place`` sends
-    ``flush_cache: false`` (SGLang's flush fails while requests run)."""
+    ``/ready`` (paused ones too); continue is always sent, even when the update failed. As the distributed
+    push does, ``retract`` is sent as ``in_place`` to a real SGLang (``weightsync.pause_mode_for``: its retract
+    hides the route change). ``in_place`` sends ``flush_cache: false`` (SGLang's flush fails while requests
+    run)."""
 
     def __init__(self, urls: Any, *, pause_mode: str = "retract", **kwargs: Any) -> None:
         _check_mode(pause_mode)
@@ -348,7 +334,9 @@ class DiskPushClient(SGLangClient):
         urls = await W.reachable(self, self.urls)  # a dead one is skipped (as the update itself does)
         try:
             if urls:
-                await W.pause_generation(self, mode=self.pause_mode, urls=urls)
+                modes = W.pause_modes(await W.server_infos(self, urls), self.pause_mode)
+                self.flush_on_update = "in_place" not in modes.values()
+                await W.pause_each(self, modes)
             return await super().update_weights_from_disk(model_path, weight_version)
         finally:
             with anyio.CancelScope(shield=True):

@@ -282,6 +282,40 @@ def pause_mode_for(info: dict, mode: str) -> str:
     return "in_place" if mode == "retract" and not embedded else mode
 
 
+async def server_infos(client: Any, urls: Sequence[str]) -> dict[str, dict]:
+    """``/server_info`` of every one of ``urls``, concurrently."""
+    infos: dict[str, dict] = {}
+
+    async def one(u: str) -> None:
+        infos[u] = await server_info(client, u)
+
+    async with anyio.create_task_group() as tg:
+        for u in urls:
+            tg.start_soon(one, u)
+    return infos
+
+
+def pause_modes(infos: dict[str, dict], mode: str) -> dict[str, str]:
+    """``{url: pause_mode_for(its info, mode)}``, with a warning naming the servers where the mode changed."""
+    modes = {u: pause_mode_for(info, mode) for u, info in infos.items()}
+    changed = [u for u, m in modes.items() if m != mode]
+    if changed:
+        log.warning(
+            "learner.pause_mode_changed",
+            asked=mode,
+            urls=changed,
+            now="in_place",
+            why="SGLang's retract re-prefills running requests with the new weights' routes, unreported",
+        )
+    return modes
+
+
+async def pause_each(client: Any, modes: dict[str, str]) -> None:
+    """``/pause_generation`` on each url of ``modes`` in its own mode."""
+    for mode in sorted(set(modes.values())):
+        await pause_generation(client, mode=mode, urls=[u for u, m in modes.items() if m == mode])
+
+
 async def destroy_weights_update_group(client: Any, url: str, group_name: str = DEFAULT_GROUP) -> dict:
     return await _post(client, url, "/destroy_weights_update_group", {"group_name": group_name})
 
