@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
     import gc
 
-    from t1async.learner import memory
+    from t1async.learner import malloc
     from t1async.learner.ranks import Ranks, RanksConfig
     from t1async.learner.trainer import Trainer, state_bytes
     from t1async.learner.trainer_config import TrainerConfig
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     for n in counts:
-        memory.trim()
+        malloc.trim()
         _reset_peak_rss()  # rank 0 is this process: its peak from here on is this configuration's
         ranks = Ranks(RanksConfig(nproc=n, threads=args.threads)) if n > 1 else None
         trainer: Any = None

@@ -3,11 +3,11 @@
 ``Curves(logdir)`` writes scalars with ``torch.utils.tensorboard.SummaryWriter`` (the ``tensorboard`` package,
 a dependency) under ``logdir``; with ``wandb=True`` and ``wandb`` importable it logs the same scalars to Weights
 & Biases too (``WANDB_MODE=offline`` works: the run lands in ``<logdir>/wandb``). The learner writes
-``<run-dir>/tb/learner`` (one point per step: reward, resolved rate, loss, |Δlogp|, staleness, drift counts,
-throughput), the eval ``<out>/tb`` (pass@1, mean tests passed, per family), and the in-loop eval of
-``cluster up --eval-every N`` writes ``<run-dir>/tb/eval`` at the policy version it evaluated:
+``<run-dir>/tensorboard/learner`` (one point per step: reward, resolved rate, loss, |Δlogp|, staleness, drift
+counts, throughput), and the in-loop eval of ``cluster up --eval-every N`` writes ``<run-dir>/tensorboard/eval``
+(pass@1, mean tests passed, per family) at the policy version it evaluated:
 
-    tensorboard --logdir runs/latest/tb
+    tensorboard --logdir runs/latest/tensorboard
 
 ``read_scalars(logdir)`` reads the event files back (tag -> [(step, value)]), for tests and reports. A
 value that is not a finite number is skipped (no NaN points on the curve).

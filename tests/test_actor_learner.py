@@ -174,7 +174,7 @@ async def test_restart_resumes_without_loss_or_retraining(tmp_path, tiny_model):
     # learner's steps continuing the first one's
     from t1async.curves import read_scalars
 
-    curves = read_scalars(tmp_path / "run" / "tb" / "learner")
+    curves = read_scalars(tmp_path / "run" / "tensorboard" / "learner")
     assert [s for s, _ in curves["train/loss"]] == [1, 2, 3, 4]
     assert [s for s, _ in curves["train/reward_per_turn"]] == [1, 2, 3, 4]
     assert all(v >= 0 for _, v in curves["train/mean_abs_dlogp"]) and "drift/clean" in curves

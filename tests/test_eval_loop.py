@@ -56,5 +56,5 @@ async def test_scores_the_start_and_every_nth_version(tmp_path):
     snap = tmp_path / "run" / "eval" / "v2" / "model"
     assert (snap / "config.json").is_file() and not (snap / "trainer_state.json").exists()
     assert len((tmp_path / "run" / "eval" / "v2.jsonl").read_text().splitlines()) == len(held)
-    curves = read_scalars(tmp_path / "run" / "tb" / "eval")
+    curves = read_scalars(tmp_path / "run" / "tensorboard" / "eval")
     assert [s for s, _ in curves["eval/pass1"]] == [0, 2] and [s for s, _ in curves["eval/tests_mean"]] == [0, 2]

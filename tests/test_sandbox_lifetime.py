@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.sandbox import procs
+from sandbox_agent.sandbox import uids
 
 BACKENDS = ("trio", "asyncio")
 
@@ -126,16 +126,16 @@ def test_sigkilled_owner_leaves_no_process_of_the_slot_uid(tmp_path: Path, backe
         assert line, f"the owner exited before its sandbox ran: {p.communicate()[1][-2000:]}"
         uid = int(line)
         deadline = time.monotonic() + 10.0  # the last command starts: its sleepers appear (an external process)
-        while len(procs.uid_pids(uid)) < 4 and time.monotonic() < deadline:
+        while len(uids.uid_pids(uid)) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(procs.uid_pids(uid)) >= 4, "the sandbox should be running the shell and three sleepers"
+        assert len(uids.uid_pids(uid)) >= 4, "the sandbox should be running the shell and three sleepers"
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         deadline = time.monotonic() + 5.0
-        left = procs.uid_pids(uid, include_zombies=True)
+        left = uids.uid_pids(uid, include_zombies=True)
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
-            left = procs.uid_pids(uid, include_zombies=True)
+            left = uids.uid_pids(uid, include_zombies=True)
         assert not left, f"processes of uid {uid} survived their owner's SIGKILL: {sorted(left)}"
     finally:
         _stop(p)

@@ -23,7 +23,7 @@ from sandbox_agent.sandbox.base import (
 )
 from sandbox_agent.sandbox.bwrap import BwrapSandbox
 from sandbox_agent.sandbox.memory import MemorySandbox
-from sandbox_agent.sandbox.procs import Slot, SlotPool, slot_pool
+from sandbox_agent.sandbox.uids import Slot, SlotPool, slot_pool
 from t1async.protocol.errors import SandboxError
 
 __all__ = [

@@ -49,7 +49,7 @@ from pathlib import Path
 import anyio
 import structlog
 
-from sandbox_agent.sandbox import procs
+from sandbox_agent.sandbox import uids
 from sandbox_agent.sandbox.base import (
     SANDBOX_WORKDIR,
     SHELL_RESTARTED,
@@ -84,10 +84,10 @@ class _Session:
     def pids(self, uid: int) -> set[int]:
         """The sandbox's live processes (all descendants of its init; by uid if that is unavailable)."""
         if self.init_pid is not None:
-            found = procs.tree_pids(self.init_pid)
+            found = uids.tree_pids(self.init_pid)
             if found is not None:
                 return found
-        return procs.uid_pids(uid)
+        return uids.uid_pids(uid)
 
     async def kill(self) -> None:
         with anyio.CancelScope(shield=True):  # bounded: bwrap dies at once on SIGKILL
@@ -105,7 +105,7 @@ class _Session:
 class BwrapSandbox:
     """The real sandbox. Open with ``async with BwrapSandbox.open(workdir, config, slot=None) as sb``."""
 
-    def __init__(self, workdir: Path, config: SandboxConfig, slot: procs.Slot, bwrap: str) -> None:
+    def __init__(self, workdir: Path, config: SandboxConfig, slot: uids.Slot, bwrap: str) -> None:
         self.workdir, self.config, self.slot = workdir, config, slot
         self.uid = slot.uid
         self._bwrap = bwrap
@@ -122,7 +122,7 @@ class BwrapSandbox:
     ) -> AsyncIterator[BwrapSandbox]:
         workdir = Path(workdir).resolve()
         bwrap = check_host(config, workdir)
-        held = procs.slot_pool(config.base_uid, config.max_slots, config.slot_lock_dir).acquire(slot)
+        held = uids.slot_pool(config.base_uid, config.max_slots, config.slot_lock_dir).acquire(slot)
         sb = cls(workdir, config, held, bwrap)
         try:
             for d in (workdir, *(Path(host) for host, _ in config.extra_rw_binds)):
@@ -175,10 +175,10 @@ class BwrapSandbox:
                 )
             )
         self._cwd_quoted = done.cwd_quoted
-        alive = procs.uid_pids(self.uid)
+        alive = uids.uid_pids(self.uid)
         session.shell_pid = next(iter(alive)) if len(alive) == 1 else None  # only the shell runs yet
-        inits = procs.child_pids(proc.pid)  # bwrap --unshare-pid: its one child is the namespace's pid 1
-        if len(inits) == 1 and session.shell_pid in procs.child_pids(inits[0]):
+        inits = uids.child_pids(proc.pid)  # bwrap --unshare-pid: its one child is the namespace's pid 1
+        if len(inits) == 1 and session.shell_pid in uids.child_pids(inits[0]):
             session.init_pid = inits[0]  # else not the layout we expect: find processes by uid instead
         log.debug("sandbox.started", uid=self.uid, slot=self.slot.index, pid=proc.pid, workdir=str(self.workdir))
 
@@ -212,13 +212,13 @@ class BwrapSandbox:
     async def _reap_uid(self, deadline_s: float) -> None:
         end = time.monotonic() + deadline_s
         while True:
-            left = procs.uid_pids(self.uid, include_zombies=True)
+            left = uids.uid_pids(self.uid, include_zombies=True)
             if not left:
                 return
             if time.monotonic() > end:
                 log.error("sandbox.processes_survived", uid=self.uid, pids=sorted(left)[:20])
                 raise SandboxError(f"sandbox uid {self.uid}: processes {sorted(left)[:20]} survived teardown")
-            procs.signal_pids(self.uid, left, 9)
+            uids.signal_pids(self.uid, left, 9)
             await anyio.sleep(0.02)
 
     # -- the Sandbox protocol ---------------------------------------------------------------------------
@@ -286,7 +286,7 @@ class BwrapSandbox:
         result: Done | None = None
 
         if session.shell_pid is not None:  # arm the shell's abort trap (shell.py) before killing
-            procs.signal_pids(self.uid, {session.shell_pid}, signal.SIGUSR1)
+            uids.signal_pids(self.uid, {session.shell_pid}, signal.SIGUSR1)
 
         async def killer() -> None:
             grace_end = time.monotonic() + self.config.kill_grace_s
@@ -294,7 +294,7 @@ class BwrapSandbox:
             while True:
                 victims = session.pids(self.uid) - before
                 if victims:
-                    procs.signal_pids(self.uid, victims, sig)
+                    uids.signal_pids(self.uid, victims, sig)
                 if time.monotonic() >= grace_end:
                     sig = 9
                 await anyio.sleep(0.05)

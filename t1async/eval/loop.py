@@ -9,7 +9,7 @@ sampler of its own on it (the actors' samplers are not touched, and the eval see
 ``t1async.eval.run_eval`` on the eval split of ``--tasks`` (seeded per task and sample: every version is
 scored on the same episodes' seeds) and publishes the summary on ``t1.metrics.eval`` (pass@1, mean tests
 passed, their 95% CIs, tasks, minutes): ``cluster up`` writes it into ``metrics.jsonl`` and shows it on its
-``eval`` line. The curves go to TensorBoard in ``<run-dir>/tb/eval`` at step = version, the episodes to
+``eval`` line. The curves go to TensorBoard in ``<run-dir>/tensorboard/eval`` at step = version, the episodes to
 ``<run-dir>/eval/v<version>.jsonl``. With ``--model`` the starting policy (version 0) is scored first.
 
 "Spare capacity": one eval at a time, at low CPU priority; versions published while one runs are not
@@ -43,7 +43,7 @@ log = get_logger("t1async.eval.loop")
 class LoopConfig:
     """What ``run_loop`` evaluates, and how."""
 
-    run_dir: Path = setting(help="where eval/ and tb/eval go (required)", metavar="DIR")
+    run_dir: Path = setting(help="where eval/ and tensorboard/eval go (required)", metavar="DIR")
     tasks: Path = setting(help="task dir; its eval split is scored (required)", metavar="DIR")
     every: int = setting(help="score every N-th policy version (required)", ge=1)
     model: Path | None = setting(
@@ -156,7 +156,7 @@ async def run_loop(cfg: LoopConfig, transport) -> None:
     from t1async.curves import Curves
 
     tasks = held_out(cfg.tasks)
-    curves = Curves(cfg.run_dir / "tb" / "eval")
+    curves = Curves(cfg.run_dir / "tensorboard" / "eval")
     due: _Due = {"policy_version": None, "path": None, "step": 0}
     if cfg.model is not None:
         due.update({"policy_version": 0, "path": str(cfg.model), "step": 0})

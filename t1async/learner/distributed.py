@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from t1async.learner import memory
+from t1async.learner import malloc
 from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
 from t1async.learner.checkpoint import CheckpointInfo, check_loadable
 from t1async.learner.options import TrainDtype
@@ -348,7 +348,7 @@ class DistributedTrainer(Trainer):
                 )
             finally:
                 self._inside = False
-            memory.trim()  # a flat RSS between steps, as on rank 0
+            malloc.trim()  # a flat RSS between steps, as on rank 0
 
     # ------------------------------------------------------------------------------------- meetings
 

@@ -141,12 +141,12 @@ def follow() -> int:
 def follower_setup(threads: int) -> None:
     """What a rank 1..N-1 sets first: no SIGINT/SIGTERM (rank 0 stops it), SIGKILL with its parent, its
     threads, and freed memory returned to the kernel."""
-    from t1async.learner import memory
+    from t1async.learner import malloc
 
     set_handlers({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
     die_with_parent(signal.SIGKILL)
     torch.set_num_threads(max(1, threads))
-    memory.bound_malloc()
+    malloc.bound_malloc()
 
 
 def launch(argv: list[str], config: RanksConfig) -> int:

@@ -51,7 +51,7 @@ class LearnerOptions(TrainerOptions):
     wandb: bool = setting(
         False,
         "also log the per-step curves to Weights & Biases (needs wandb; WANDB_MODE=offline works); TensorBoard "
-        "files are always in <run-dir>/tb/learner",
+        "files are always in <run-dir>/tensorboard/learner",
         group="learner",
     )
     weight_sync: WeightSync = setting(
@@ -207,7 +207,7 @@ def _serve(c: ServeConfig) -> int:
     import torch
     import torch.distributed as dist
 
-    from t1async.learner import memory
+    from t1async.learner import malloc
     from t1async.learner.pushcheck import PushCheckConfig
     from t1async.learner.service import Learner, LearnerConfig
     from t1async.learner.trainer_config import TrainerConfig
@@ -216,7 +216,7 @@ def _serve(c: ServeConfig) -> int:
     from t1async.transport import NatsConfig, NatsTransport
 
     torch.set_num_threads(max(1, c.threads))
-    memory.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/memory.py)
+    malloc.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/malloc.py)
     cfg = LearnerConfig(
         run_dir=c.run_dir,
         model_dir=c.model,

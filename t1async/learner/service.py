@@ -35,7 +35,7 @@ from t1async.ingest.poison import PoisonBook
 from t1async.ingest.stage import Ingest
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
-from t1async.learner import memory
+from t1async.learner import malloc
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.pushcheck import PushCheck, PushCheckConfig, PushCheckError
@@ -69,7 +69,7 @@ class LearnerConfig:
     checkpoint_every: int = 10  # a full checkpoint (DCP model + AdamW) every N steps and the last; exports between
     journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    tensorboard: bool = True  # per-step curves in <run_dir>/tb/learner (t1async.curves)
+    tensorboard: bool = True  # per-step curves in <run_dir>/tensorboard/learner (t1async.curves)
     push_check: PushCheckConfig = field(default_factory=PushCheckConfig)  # verify each push (learner/pushcheck.py)
     require_routes: bool = False  # refuse turns without the sampler's MoE routes (else: r3_missing_tokens)
     hf_format: str = ""  # write an in-house model's checkpoints as this architecture (vLLM serves only those)
@@ -166,7 +166,9 @@ class Learner:
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self.curves = None
         if config.tensorboard:
-            self.curves = Curves(config.run_dir / "tb" / "learner", wandb=config.wandb, name=config.run_dir.name)
+            self.curves = Curves(
+                config.run_dir / "tensorboard" / "learner", wandb=config.wandb, name=config.run_dir.name
+            )
 
     # ingest's, named here too: what tests and tools read of a learner
     @property
@@ -261,7 +263,7 @@ class Learner:
                 except Exception as exc:  # noqa: BLE001 - no step may take the learner down: its segments go dead
                     await self._step_failed(segments, v, exc)
                     return
-                await anyio.to_thread.run_sync(memory.trim)  # the step's freed heap goes back to the kernel
+                await anyio.to_thread.run_sync(malloc.trim)  # the step's freed heap goes back to the kernel
                 trained = loss_turns(segments)
                 for s in segments:
                     self.hist.record(v, s.versions[s.loss_mask])
@@ -464,7 +466,7 @@ class Learner:
             "training": bool(self.credits.training),  # a step is running now (the dashboard's learner state)
             "untrained_turns": len(self.untrained),
             "journal_bytes": self.ingest.journal.size_bytes(),
-            "rss_gb": memory.rss_bytes() / 2**30,  # the learner process's resident memory now
+            "rss_gb": malloc.rss_bytes() / 2**30,  # the learner process's resident memory now
             "journal_files": self.ingest.journal.files,
             "journal_blocked_s": self.ingest.blocked_s(),  # > 0: a full disk; ingest holds its batch unacked
             "poison": self.ingest.poison.metrics(),

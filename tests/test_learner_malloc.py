@@ -7,13 +7,13 @@ import sys
 
 import numpy as np
 
-from t1async.learner import memory
+from t1async.learner import malloc
 
 
 def test_rss_follows_memory_the_process_touches():
-    before = memory.rss_bytes()
+    before = malloc.rss_bytes()
     block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, every page written
-    grown = memory.rss_bytes()
+    grown = malloc.rss_bytes()
     del block
     assert before > 0 and grown - before > 48 << 20
 
@@ -21,16 +21,16 @@ def test_rss_follows_memory_the_process_touches():
 _CHURN = """
 import sys
 import numpy as np
-from t1async.learner import memory
+from t1async.learner import malloc
 if sys.argv[1] == "bound":
-    assert memory.bound_malloc()
+    assert malloc.bound_malloc()
 warm = np.ones(4 << 20, np.uint8); del warm  # with glibc's defaults this raises the mmap threshold past 4 MiB
-base = memory.rss_bytes()
+base = malloc.rss_bytes()
 blocks = [np.ones(2 << 20, np.uint8) for _ in range(100)]
 pin = np.ones(1 << 16, np.uint8)  # a live block above them: a heap only shrinks from its top
-held = memory.rss_bytes() - base
+held = malloc.rss_bytes() - base
 del blocks
-print(held >> 20, (memory.rss_bytes() - base) >> 20)
+print(held >> 20, (malloc.rss_bytes() - base) >> 20)
 """
 
 

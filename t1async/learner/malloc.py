@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from t1async.log import get_logger
 
-log = get_logger("t1async.learner.memory")
+log = get_logger("t1async.learner.malloc")
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

@@ -8,11 +8,11 @@ from t1async.curves import Curves, learner_scalars, read_scalars
 
 
 def test_scalars_read_back_by_step(tmp_path):
-    c = Curves(tmp_path / "tb")
+    c = Curves(tmp_path / "tensorboard")
     c.scalars(1, {"a": 0.5, "b": 2, "skip_nan": math.nan, "skip_inf": math.inf, "skip_str": "x", "skip_bool": True})
     c.scalars(2, {"a": 0.75})
     c.close()
-    got = read_scalars(tmp_path / "tb")
+    got = read_scalars(tmp_path / "tensorboard")
     assert set(got) == {"a", "b"}
     assert got["a"] == [(1, 0.5), (2, 0.75)] and got["b"] == [(1, 2.0)]
 
