@@ -160,6 +160,23 @@ async def test_push_pauses_reloads_versions_and_always_resumes():
     assert calls == ["/health", "/pause?mode=keep", "t1_reload_weights", "/resume"]
 
 
+async def test_in_place_keeps_the_kv_and_retract_lets_vllm_free_it():
+    """vLLM resets the prefix cache with its running requests when a pause settles unless clear_cache=false,
+    keep included (vllm/v1/engine/core.py pause_scheduler). in_place used to send a plain keep, which
+    recomputed every running request: bench.inflight measured it as exact as retract (1.5e-7)."""
+    for mode, pause in (("in_place", "/pause?mode=keep&clear_cache=false"), ("retract", "/pause?mode=keep")):
+        calls: list[str] = []
+
+        def handler(req: httpx.Request) -> httpx.Response:
+            calls.append(req.url.path + (f"?{req.url.query.decode()}" if req.url.query else ""))
+            return httpx.Response(200, json={})
+
+        async with VLLMClient("http://v", transport=served(handler), pause_mode=mode) as c:
+            await c.update_weights_from_disk("/ckpt/v2", 2)
+        assert calls[1] == pause, (mode, calls)
+        assert ("/reset_prefix_cache?reset_running_requests=true" in calls) is (mode == "retract"), calls
+
+
 async def test_push_falls_back_to_vllms_reload_without_the_extension():
     calls: list[str] = []
 

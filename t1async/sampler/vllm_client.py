@@ -31,8 +31,9 @@ checkpoint layout while its kernel reads them prepacked, so the served policy si
 (docs/vllm-cpu-moe-reload.md). The learner's push check (t1async/learner/pushcheck.py) catches that with
 ``score``.
 
-``--pause-mode`` on vLLM: ``abort`` aborts running requests; ``in_place`` is vLLM's ``keep`` (frozen, then
-decoded by the new weights over the old KV); ``retract`` is ``keep`` then ``/reset_prefix_cache?
+``--pause-mode`` on vLLM: ``abort`` aborts running requests; ``in_place`` is vLLM's ``keep`` with
+``clear_cache=false`` (frozen, then decoded by the new weights over the old KV: without the flag vLLM resets
+running requests' KV when the pause settles); ``retract`` is ``keep`` then ``/reset_prefix_cache?
 reset_running_requests=true`` after the reload, which recomputes running requests with the new weights (as our
 retract does); ``wait`` (vLLM only) lets running requests finish first.
 """
@@ -66,12 +67,14 @@ GENERATE = "/inference/v1/generate"
 # (vllm/v1/executor/multiproc_executor.py) or run_method's (vllm/v1/serial_utils.py)
 NO_EXTENSION = re.compile(r"has no attribute '?t1_reload_weights|Method '?t1_reload_weights'? is not implemented")
 EXTENSION_CLS = "t1async_vllm.T1WorkerExtension"  # vllm_ext/t1async_vllm.py, on the server's PYTHONPATH
-# t1async's --pause-mode -> (vLLM's /pause mode, recompute running requests after the reload)
-PAUSE_MODES: dict[str, tuple[str, bool]] = {
-    "retract": ("keep", True),
-    "in_place": ("keep", False),
-    "abort": ("abort", False),
-    "wait": ("wait", False),
+# t1async's --pause-mode -> (vLLM's /pause query, recompute running requests after the reload). vLLM's engine
+# (vllm/v1/engine/core.py pause_scheduler -> _finish_pause -> _reset_caches) resets the prefix cache with
+# reset_running_requests once a pause settles unless clear_cache=false, keep included: a plain keep is a retract
+PAUSE_MODES: dict[str, tuple[dict[str, str], bool]] = {
+    "retract": ({"mode": "keep"}, True),
+    "in_place": ({"mode": "keep", "clear_cache": "false"}, False),
+    "abort": ({"mode": "abort"}, False),
+    "wait": ({"mode": "wait"}, False),
 }
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 _DEV_MODE_FIX = "start vLLM with VLLM_SERVER_DEV_MODE=1 in its environment (t1async's launcher does)"
@@ -387,7 +390,7 @@ class VLLMClient(SGLangClient):
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int | str | None = None) -> list[dict]:
         """Push ``model_path`` into every reachable server: pause, reload, recompute (retract), version, resume."""
-        mode, recompute = PAUSE_MODES[self.pause_mode]
+        pause, recompute = PAUSE_MODES[self.pause_mode]
         health = await self.health()
         urls = [u for u, ok in health.items() if ok]
         if not urls:
@@ -396,7 +399,7 @@ class VLLMClient(SGLangClient):
 
         async def one(u: str) -> None:
             t0 = time.perf_counter()
-            await self._control(u, "/pause", params={"mode": mode})
+            await self._control(u, "/pause", params=pause)
             try:
                 how = await self.reload(u, str(model_path))
                 if recompute:
