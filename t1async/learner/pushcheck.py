@@ -29,6 +29,7 @@ import torch
 
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError, SamplerError
+from t1async.sampler.client import SamplerUnreachableError
 
 log = get_logger("learner.pushcheck")
 
@@ -98,8 +99,8 @@ async def engine_logprobs(client: Any, ids: list[int], url: str) -> tuple[list[i
 class PushCheck:
     """Checks pushes to ``client``'s samplers against the model the learner pushed."""
 
-    def __init__(self, client: Any, config: PushCheckConfig, vocab: int) -> None:
-        self.client, self.cfg = client, config
+    def __init__(self, client: Any, config: PushCheckConfig, vocab: int, hint: str = "") -> None:
+        self.client, self.cfg, self.hint = client, config, hint  # hint: appended to a failed start-up probe
         self.ids = probe_ids(vocab, config.tokens, config.seed)
         self.pushes = 0
         self.last: dict[str, float] = {}
@@ -107,13 +108,23 @@ class PushCheck:
     def due(self) -> bool:
         return self.cfg.every > 0 and self.pushes % self.cfg.every == 0
 
-    async def measure(self, model: torch.nn.Module) -> dict[str, float]:
-        """{url: mean |Δlogp|} of every sampler that answers, and the learner's side once."""
+    async def measure(self, model: torch.nn.Module, *, strict: bool = False) -> dict[str, float]:
+        """{url: mean |Δlogp|} of every sampler that answers, and the learner's side once. ``strict`` (the
+        start-up check): a sampler that is up but fails the probe (HTTP 5xx, a malformed answer) raises
+        PushCheckError naming it, instead of being skipped as one that is down."""
         out: dict[str, float] = {}
         for url in self.client.urls:
             try:
                 seq, theirs = await engine_logprobs(self.client, self.ids, url)
-            except SamplerError as exc:  # a sampler that is down now is re-synced (and re-checked) later
+            except SamplerUnreachableError as exc:  # a sampler that is down now is re-synced (and re-checked) later
+                log.warning("learner.push_check_skipped", url=url, error=str(exc))
+                continue
+            except SamplerError as exc:
+                if strict:
+                    raise PushCheckError(
+                        f"the sampler at {url} failed the start-up probe ({self.cfg.tokens} tokens): {exc}. The "
+                        f"engine may have crashed on it: see its log{self.hint}"
+                    ) from exc
                 log.warning("learner.push_check_skipped", url=url, error=str(exc))
                 continue
             mine = learner_logprobs(model, seq)[-len(theirs) :]

@@ -156,8 +156,13 @@ class Learner:
         self.last_step: dict = {}
         self.t0 = time.monotonic()
         self.weight_pusher: Any = None  # --weight-sync distributed: a learner.weightpush.DistributedPusher
+        hint = ""
+        if getattr(samplers, "engine", "") == "vllm":
+            from t1async.sampler.vllm_client import cpu_head_dim_hint
+
+            hint = cpu_head_dim_hint(self.model.cfg.head_dim)
         self.push_check = (
-            PushCheck(samplers, config.push_check, self.model.cfg.vocab_size)
+            PushCheck(samplers, config.push_check, self.model.cfg.vocab_size, hint)
             # HTTP samplers only: an in-process sampler (tests' MemorySampler) has no server to probe
             if getattr(samplers, "urls", None) and config.push_check.every > 0
             else None
@@ -418,7 +423,7 @@ class Learner:
         """At start-up: make every sampler serve the checkpoint this learner continues from (after a resume), or
         check that it serves the learner's starting weights (a fresh run; vLLM's are labelled version 0 then)."""
         if self.samplers is not None and self.resumed_from is None and self.push_check is not None:
-            got = await self.push_check.measure(self.trainer.export_model())
+            got = await self.push_check.measure(self.trainer.export_model(), strict=True)
             bad = {u: d for u, d in got.items() if d > self.cfg.push_check.bound}
             if bad:
                 raise PushCheckError(

