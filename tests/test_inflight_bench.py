@@ -24,7 +24,7 @@ def test_bench_inflight_quick_runs_and_prints_json_last():
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(data) == {"mismatch", "aborted", "updates", "by_mode"}
+    assert set(data) == {"mismatch", "aborted", "updates", "by_mode", "engine"} and data["engine"] == "embedded"
     assert set(data["by_mode"]) == {"retract", "in_place", "abort"}
     retract, in_place, abort = (data["by_mode"][m] for m in ("retract", "in_place", "abort"))
     assert data["updates"] == retract["updates"] == 10 and data["aborted"] == retract["aborted"] == 0

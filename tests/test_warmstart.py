@@ -270,7 +270,7 @@ def test_bench_learning_sigterm_stops_its_cluster(tmp_path):
     script.write_text(f"""
 import subprocess, sys
 sys.path.insert(0, {os.getcwd()!r})
-import bench.learning as bl
+import bench.learning_runs as bl
 orig = subprocess.Popen
 bl.subprocess.Popen = lambda argv, **kw: orig(["/bin/sh", "-c", "echo $$ > {tmp_path}/child.pid; exec sleep 300"], **kw)
 (open("{tmp_path}/ready", "w").close())
