@@ -227,7 +227,7 @@ async def one_engine(args: argparse.Namespace, engine: str) -> dict:
                     **common,
                 )
                 print_table("Serving Benchmark Result", _main_rows(r))
-    r["url"] = url if args.url else engine
+    r["url"] = url if args.url else ("vllm" if engine == "vllm" else "embedded")  # the server this bench started
     r["backend"] = proto
     return r
 
