@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -15,10 +16,10 @@ from sandbox_agent.decontam import file_digest, instruction_overlaps
 from sandbox_agent.runner import OracleAgent, check_tasks, run_episode, run_policy, solution_chunks
 from sandbox_agent.synth import corpus_entries, generate, make_task
 from sandbox_agent.synth.chain import MENU as CHAIN_MENU
-from sandbox_agent.synth.chores import MENU
-from sandbox_agent.synth.choresn import HELD_OUT_N, oracle_turns
-from sandbox_agent.synth.common import TEST_HEADER
-from sandbox_agent.synth.contam import contaminated
+from sandbox_agent.synth.chores import MENU, menu_steps
+from sandbox_agent.synth.choresn import HELD_OUT_N, key_of, not_asked_test, one_chore_test, oracle_turns
+from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
+from sandbox_agent.synth.contam import KEYED, contaminated
 from sandbox_agent.synth.split import UNTOUCHED_PERCENT, split_of
 from sandbox_agent.tasks import load_task
 from tests.test_agent import ByteTok, ScriptedSampler, bash
@@ -156,16 +157,42 @@ def test_no_train_task_is_a_near_duplicate_of_a_test_task():
     specs = dict(make_task(CONTENT[i % 3], 0, i) for i in range(900))  # the corpus's tasks, before dropping
     entries = corpus_entries(900, 0, CONTENT)
     dropped = [t for t, s in specs.items() if t not in entries and split_of(s.content_key) == "train"]
-    assert dropped  # choresn's short instructions overlap: some were dropped
-    train = [(t, specs[t].instruction) for t, e in entries.items() if e[0] == "train" and e[2] != "observe"]
-    test = [(t, specs[t].instruction) for t, e in entries.items() if e[0] == "test" and e[2] != "observe"]
-    assert instruction_overlaps(train, test) == []
-    test_digests = {file_digest((TEST_HEADER + specs[t].tests).encode()) for t, e in entries.items() if e[0] == "test"}
-    assert not any(
-        file_digest((TEST_HEADER + specs[t].tests).encode()) in test_digests
-        for t, e in entries.items()
-        if e[0] == "train"
-    )
+    assert dropped  # a choresn train task that asks for all a test task asks (its chores, first): dropped
+    train = {t: specs[t] for t, e in entries.items() if e[0] == "train"}
+    test = {t: specs[t] for t, e in entries.items() if e[0] == "test"}
+    assert not {s.content_key for s in train.values()} & {s.content_key for s in test.values()}
+    worded = [(t, s.instruction) for t, s in train.items() if s.family == "chain"]
+    against = [(t, s.instruction) for t, s in test.items() if s.family != "observe"]
+    assert worded and instruction_overlaps(worded, against) == []  # sandbox_agent decontam's check, both ways
+    keyed = [(t, s.instruction) for t, s in train.items() if s.family in KEYED]
+    assert keyed and not [o for o in instruction_overlaps(against, keyed) if o.containment >= 1.0]
+    test_digests = {file_digest((TEST_HEADER + s.tests).encode()) for s in test.values()}
+    assert not any(file_digest((TEST_HEADER + s.tests).encode()) in test_digests for s in train.values())
     # and the check itself flags a train task worded as a test task, and only against a test task
     a = make_task("choresn", 0, 0)[1]
-    assert "instruction of y" in contaminated({"x": a}, {"y": a})["x"] and contaminated({"x": a}, {}) == {}
+    assert "content key of y" in contaminated({"x": a}, {"y": a})["x"] and contaminated({"x": a}, {}) == {}
+    c = make_task("chain", 0, 2)[1]
+    assert "instruction of y" in contaminated({"x": c}, {"y": replace(c, content_key="other")})["x"]
+
+
+def _chores(family: str, picked: list[int]) -> SynthSpec:
+    """A ``choresn`` task asking for ``picked``, in that order (as ``choresn._choresn`` writes it)."""
+    others = [i for i in range(len(MENU)) if i not in picked]
+    tests = "".join(one_chore_test(k, i) for k, i in enumerate(picked)) + not_asked_test(others)
+    instr = f"In the current directory:\n{menu_steps(picked)}"
+    return SynthSpec(family, instr, "", tests, content_key=key_of(len(picked), picked))
+
+
+def test_choresn_decontamination_is_by_key_and_whole_test_instructions():
+    test = {"t5": _chores("choresn", [2, 7, 4, 3, 6])}
+    # a two-chore train task starting as the five-chore test task does (another key): the 8-gram check in the
+    # train -> test direction called it contained (1.00) and dropped it; it asks for less than the test task
+    assert contaminated({"p": _chores("choresnsome", [2, 7])}, test) == {}
+    # one sharing only its first chore (and the header) with a test task: 0.62 before, dropped too
+    assert contaminated({"q": _chores("choresnsome", [4, 8])}, {"t": _chores("choresn", [4, 3, 1, 5, 8])}) == {}
+    # the test task's chore set in another order: its key, dropped (the old check kept it)
+    assert "content key of t5" in contaminated({"r": _chores("choresnsome", [6, 3, 4, 7, 2])}, test)["r"]
+    # a train task asking for all the test task asks, and one more: dropped (the old check kept it)
+    two = {"t2": _chores("choresn", [2, 7])}
+    got = contaminated({"w": _chores("choresnsome", [2, 7, 4, 1])}, two)
+    assert "contains all of t2" in got["w"]
