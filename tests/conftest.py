@@ -63,3 +63,44 @@ def nats_raw_publish():
 
 
 # ---------------------------------------------------------------- end of NATS fixtures
+
+
+# ---------------------------------------------------------------- fixtures shared by several test files (owner: tests)
+# (moved here from the test files that defined them: a test file imports no other test file)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A seeded tiny MoE model dir (t1async.testing.models.tiny_model_dir), one per test module. Files that need
+    another size define their own ``tiny_model``, which takes precedence."""
+    from t1async.testing.models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def ranks2():
+    """``(ranks, holder)``: two real learner ranks (rank 0 this process, rank 1 a ``python -m
+    t1async.learner.ranks`` child); put the trainer in ``holder["trainer"]`` and it is closed with them. The
+    test ends with no rank process left."""
+    from t1async.learner.ranks import Ranks, RanksConfig
+
+    ranks = Ranks(RanksConfig(nproc=2, stop_timeout_s=10))
+    holder: dict = {}
+    yield ranks, holder
+    ranks.close(holder.get("trainer"))
+    assert all(p.poll() is not None for p in ranks.procs)
+
+
+@pytest.fixture(scope="module")
+def base_image() -> str:
+    """The container backend's base image (built once with podman and cached); fails naming the fix when podman
+    is missing."""
+    from sandbox_agent import images
+
+    if not images.podman_available():
+        pytest.fail(f"podman is missing: {images.INSTALL_HINT} (then `python -m sandbox_agent images build-base`)")
+    return images.build_base()  # cached: returns at once when it exists
+
+
+# ---------------------------------------------------------------- end of shared fixtures

@@ -29,9 +29,8 @@ from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import SamplingParams
 from t1async.transport import MemoryBroker, MemoryTransport
-from tests.test_actor_learner import VersionedMemorySampler, tiny_model  # noqa: F401 - tiny_model is a fixture
-from tests.test_trainer import CFG, _advantages_fed_to_the_loss, sampled_segment, tiny
-from tests.test_turn_advantage import two_turn_segment
+from tests.loops import VersionedMemorySampler
+from tests.segments import CFG, advantages_fed_to_the_loss, sampled_segment, tiny, two_turn_segment
 
 # ------------------------------------------------------------------------------------------- task groups
 
@@ -89,7 +88,7 @@ def test_the_trainer_feeds_group_relative_advantages_to_the_loss(monkeypatch):
         two_turn_segment(base, toks, (1.0, 3.0), grouped_episode_id("u", 1)),
     ]
     cfg = TrainerConfig(advantage="rloo", normalize_advantages=False, microbatch_tokens=40)
-    adv, _ = _advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, segs)
+    adv, _ = advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, segs)
     # group t: returns (2, 0) vs (0, 0) -> turn 0 +-2, turn 1 0; group u: (2, 1) vs (4, 3) -> +-2 at both turns
     assert sorted(set(np.round(adv, 4).tolist())) == [-2.0, 0.0, 2.0]
     assert int((np.round(adv, 4) == 2.0).sum()) == 5 * 3 and int((np.round(adv, 4) == 0.0).sum()) == 5 * 2

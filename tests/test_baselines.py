@@ -14,7 +14,7 @@ from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_task
 from t1async.protocol.sampling import SamplingParams
 from t1async.recipes.warmstart import get_recipe
-from tests.test_agent import ByteTok, ScriptedSampler, bash, episode
+from tests.scripted_episode import ByteTok, ScriptedSampler, bash, episode
 
 
 def row(task: str, key: str, resolved: bool, **kw) -> dict:

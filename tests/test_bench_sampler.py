@@ -4,12 +4,9 @@ bench_serving's field names, --output-file, --multi-turn and --compare-concurren
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchcli import bench
+
 KEYS = {
     "completed",
     "request_throughput",
@@ -26,21 +23,6 @@ KEYS = {
     "p99_e2e_latency_ms",
     "concurrency",
 }
-
-
-def bench(*args: str, timeout: float = 120) -> tuple[dict, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    p = subprocess.run(
-        [sys.executable, "-m", "bench.sampler", *args, "--json"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    lines = p.stdout.strip().splitlines()
-    return json.loads(lines[-1]), p.stdout
 
 
 def test_load_run_reports_bench_serving_fields(sampler_url, tmp_path):

@@ -15,9 +15,10 @@ import pytest
 from t1async.cluster import cli
 from t1async.cluster.state import ClusterState
 from t1async.procs import pid_alive
+from t1async.testing.harness import end, start, turn
 from t1async.transport import NatsTransport, traj_subject
+from tests.cluster_watch import read_until
 from tests.clusterargs import stop_cluster, up_argv
-from tests.test_transport import end, start, turn
 
 
 @pytest.mark.parametrize(
@@ -125,12 +126,6 @@ def test_up_stops_by_itself_after_duration(tmp_path, repo_env):
     assert state.status == "stopped" and not state.components
 
 
-async def _read_until(stream, buf: bytearray, needle: bytes, timeout: float = 20.0) -> None:
-    with anyio.fail_after(timeout):
-        while needle not in buf:
-            buf.extend(await stream.receive())
-
-
 @pytest.mark.parametrize("as_json", [False, True])
 async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
     nats_server, nats_raw_publish, repo_env, as_json
@@ -141,14 +136,14 @@ async def test_tail_prints_decoded_records_and_one_line_per_malformed_message(
     async with await anyio.open_process(argv, env=repo_env) as proc:
         try:
             out, err = bytearray(), bytearray()
-            await _read_until(proc.stderr, err, b"# tailing t1.traj.>")
+            await read_until(proc.stderr, err, b"# tailing t1.traj.>")
             async with NatsTransport(nats_server.url) as t:
                 await t.publish(traj_subject("ep-t"), start("ep-t"))
                 await t.publish(traj_subject("ep-t"), turn("ep-t", 0))
                 await nats_raw_publish(nats_server.url, "t1.traj.ep-t", b"\xc1junk")
                 await t.publish(traj_subject("ep-t"), turn("ep-t", 1))
                 await t.publish(traj_subject("ep-t"), end("ep-t", 2))
-            await _read_until(proc.stdout, out, b"solved")
+            await read_until(proc.stdout, out, b"solved")
             proc.send_signal(signal.SIGINT)
             with anyio.fail_after(10):
                 rc = await proc.wait()

@@ -10,50 +10,17 @@ from pathlib import Path
 
 import anyio
 import httpx
-import numpy as np
 import pytest
 
 from t1async.cluster.state import ClusterState, is_ours
 from t1async.protocol import wire
 from t1async.transport import NatsConfig, NatsTransport
 from t1async.transport.auth import Role, creds_path
+from tests.cluster_watch import check_episode_turns, wait_running
 from tests.clusterargs import SMALL, stop_cluster, up_argv
 
 pytestmark = pytest.mark.slow
 ETA = 1
-
-
-def check_episode_turns(turns: list[wire.TurnRecord]) -> None:
-    """TITO and routing fields as design §3 defines them, for one episode's turns in order."""
-    seq_len = 0
-    covered = 0
-    for i, t in enumerate(sorted(turns, key=lambda t: t.turn)):
-        assert t.turn == i
-        assert t.input_len == t.keep + len(t.input_delta)
-        assert t.keep == seq_len, "the token-in actor's boundaries are CLEAN"
-        assert len(t.output_logprobs) == len(t.output_ids) and np.all(t.output_logprobs <= 0)
-        r = t.routing
-        # a route fork (design §6): after a weight update flushed the sampler's prefix cache, it re-routed the
-        # context and sent the routes it used from an earlier start; otherwise the traces tile exactly
-        fork = r is not None and i > 0 and r.start < covered
-        assert r is not None and (r.start == covered or fork), "traces leave no gap, and overlap only on a route fork"
-        assert r.experts.shape[0] == t.input_len + len(t.output_ids) - 1 - r.start
-        assert fork or r.start == (0 if i == 0 else t.keep - 1)
-        covered = r.start + r.experts.shape[0]
-        seq_len = t.input_len + len(t.output_ids)
-
-
-async def wait_running(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> ClusterState:
-    with anyio.fail_after(timeout):
-        while True:
-            assert proc.poll() is None, f"cluster up exited early with {proc.returncode}"
-            try:
-                st = ClusterState.load(run_dir)
-                if st.status == "running" and st.nats_url:
-                    return st
-            except Exception:
-                pass
-            await anyio.sleep(0.2)
 
 
 def check_keys(run_dir: Path, started: list) -> str:

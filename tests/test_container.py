@@ -15,7 +15,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-from test_actor_learner import tiny_model  # noqa: F401 (a module fixture)
 
 from sandbox_agent import images
 from sandbox_agent.backend import AutoBackend, ContainerBackend, pick_backend
@@ -24,24 +23,7 @@ from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, reap_orphans
 from sandbox_agent.tasks import load_task
 from t1async.procs import pid_alive
-
-TB = Path(__file__).resolve().parent / "tb_tasks"
-FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
-FAST = SandboxConfig(command_timeout_s=30.0, kill_grace_s=0.5)
-
-
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    if not images.podman_available():
-        pytest.fail(f"podman is missing: {images.INSTALL_HINT} (then `python -m sandbox_agent images build-base`)")
-    return images.build_base()  # cached: returns at once when it exists
-
-
-def _ours(owner: int | None = os.getpid()) -> set[str]:
-    """Our containers: this test process's (default), or any t1async owner's (owner=None)."""
-    label = OWNER_LABEL if owner is None else f"{OWNER_LABEL}={owner}"
-    out = images.run_podman("ps", "-a", "--filter", f"label={label}", "--format", "{{.Names}}").stdout
-    return set(out.decode().split())
+from tests.containers import FAST, FIXTURES, TB, ours
 
 
 async def test_container_shell_keeps_state_and_survives_a_timeout(base_image: str) -> None:
@@ -98,8 +80,8 @@ async def test_abuse_is_contained_in_the_container(
             r = await sb.exec("(trap '' TERM; sleep 1000) & nohup sleep 1000 >/dev/null 2>&1 & echo started")
             assert "started" in r.output
         name = backend._episodes[str(wd)][0]
-        assert name in _ours()
-    assert name not in _ours()  # sleepers, TERM-ignorers and bombs went with the container
+        assert name in ours()
+    assert name not in ours()  # sleepers, TERM-ignorers and bombs went with the container
     assert list(cwd.iterdir()) == []  # nothing of the container's lands where the user ran us
 
 
@@ -108,7 +90,7 @@ async def test_no_container_or_image_leaks_across_50_episodes(base_image: str) -
     task = load_task(TB / "tb2/csv-stats")
     backend = ContainerBackend(config=FAST)
     before_images = images.run_podman("images", "-q").stdout.split()
-    before = _ours()
+    before = ours()
 
     async def one(i: int) -> None:
         async with prepared_workdir(task, backend) as wd, backend.open(task, wd) as sb:
@@ -124,7 +106,7 @@ async def test_no_container_or_image_leaks_across_50_episodes(base_image: str) -
     async with anyio.create_task_group() as tg:
         for i in range(50):
             tg.start_soon(limited, i)
-    assert _ours() == before
+    assert ours() == before
     assert images.run_podman("images", "-q").stdout.split() == before_images
 
 
@@ -158,11 +140,11 @@ async def test_a_sigkilled_owner_s_container_is_removed_by_its_guard(base_image:
         while line and not line.startswith("NAME "):
             line = await anyio.to_thread.run_sync(p.stdout.readline)
         name = line.split()[1]
-        assert name in _ours(None)
+        assert name in ours(None)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         with anyio.fail_after(60):  # its guard removes it (podman rm takes a moment on a loaded machine)
-            while name in _ours(None):
+            while name in ours(None):
                 await anyio.sleep(0.2)
         assert await reap_orphans(images.podman(), images.podman_env()) == []  # nothing left for the next start
     finally:
@@ -235,12 +217,11 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     """The real actor loop and learner over the published tasks: the RUN-step ones go to containers (auto)."""
     import shutil
 
-    from test_actor_learner import VersionedMemorySampler, run_loop
-
     from t1async.model.config import MoEConfig
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.protocol import wire
     from t1async.transport import MemoryBroker
+    from tests.loops import VersionedMemorySampler, run_loop
 
     tasks = tmp_path / "tasks"
     for d in ("tb1/jq-query", "tb2/gen-data"):  # container-only tasks: every episode runs in one
@@ -255,14 +236,14 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
         seed=1,
     )
     seen: list = []
-    before = _ours()
+    before = ours()
     learner = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen)
     assert learner.policy_version == 2
     starts = {r.episode: r.task for r in seen if isinstance(r, wire.StartRecord)}
     ends = [r for r in seen if isinstance(r, wire.EndRecord)]
     assert ends and {starts[e.episode] for e in ends} <= {"jq-query", "gen-data"}, ends
     assert all(e.tests_total > 0 for e in ends), ends  # the verifier ran each one in its container
-    assert _ours() == before  # every episode's container is gone
+    assert ours() == before  # every episode's container is gone
 
 
 async def test_a_container_shell_holds_its_state_for_320_turns(base_image: str) -> None:
@@ -295,9 +276,9 @@ async def test_reap_orphans_removes_containers_whose_owner_is_gone(base_image: s
         "infinity",
     )
     try:
-        assert name in _ours(dead.pid)
+        assert name in ours(dead.pid)
         removed = await reap_orphans(images.podman(), images.podman_env())
-        assert removed and name not in _ours(None)
+        assert removed and name not in ours(None)
     finally:
         images.run_podman("rm", "-f", "-t", "0", name, check=False)
 

@@ -2,7 +2,7 @@
 fails with nothing, the verifier path each takes (the task's own script offline, or its test files), the
 verifier's network only when asked, Harbor's named rewards, a task's declared resources, the disk cap.
 
-Shares test_container's base image fixture (built once, cached).
+Shares conftest's base image fixture with test_container.py (built once, cached).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_container import FAST, FIXTURES, TB, _ours, base_image  # noqa: F401 (a module fixture)
 
 from sandbox_agent import images
 from sandbox_agent.backend import ContainerBackend
 from sandbox_agent.runner import NullAgent, OracleAgent, prepared_workdir, run_policy
 from sandbox_agent.tasks import load_task
+from tests.containers import FAST, FIXTURES, TB, ours
 
 # (task, verifier path, tests): "script" where the task's own run-tests.sh/test.sh runs as written, offline,
 # on the base image's wheelhouse; "pytest" where it cannot (csv-stats and gen-data pin `uvx -p 3.13`)
@@ -74,7 +74,7 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     )
     task = load_task(t)
     backend = ContainerBackend(config=FAST)
-    before = _ours()
+    before = ours()
     on = await run_policy(task, OracleAgent(), backend=backend, verifier=VerifierConfig(allow_network=True))
     assert (on.verify.path, on.verify.resolved, on.verify.passed) == ("script", True, 3), on.verify
     off = await run_policy(task, OracleAgent(), backend=backend)
@@ -82,7 +82,7 @@ async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tm
     assert (off.verify.path, off.verify.passed) == ("pytest", 3) and "needs the network" in off.verify.detail, (
         off.verify
     )
-    assert _ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())
+    assert ours() == before and not any(b"verify-" in ln for ln in images.run_podman("images").stdout.splitlines())
 
 
 async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(

@@ -12,7 +12,7 @@ import torch
 from t1async.learner.critic import Moments
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
-from tests.test_trainer import sampled_segment, tiny
+from tests.segments import sampled_segment, tiny
 
 
 def _segments(model, rng, *, n: int, readable: bool, tag: str) -> list:

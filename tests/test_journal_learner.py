@@ -4,44 +4,15 @@ replays what is not settled, and an old run's journal.bin is taken over."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import anyio
-import numpy as np
-import pytest
 
 from t1async.ingest.journal import read_journal
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.protocol import wire
-from t1async.testing.episodes import Sizes, make_episode
-from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
-
-
-def episodes(first: int, n: int, policy_version: int, *, end: bool = True) -> list:
-    out = []
-    for i in range(first, first + n):
-        case = make_episode(
-            np.random.default_rng(i),
-            ["clean"] * 3,
-            episode=f"e{i}",
-            with_end=end,
-            sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
-            layers=2,
-            topk=2,
-            num_experts=4,
-        )
-        out += [
-            replace(r, policy_version=policy_version) if isinstance(r, wire.TurnRecord) else r for r in case.records
-        ]
-    return out
+from tests.clean_episodes import episodes
 
 
 async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_unsettled(tmp_path, tiny_model):

@@ -9,21 +9,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import anyio
-import pytest
-from test_journal_learner import episodes
 
 from t1async.learner.checkpoint import STATE_JSON, list_checkpoints, list_exports
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.state import LearnerState
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return tiny_model_dir(tmp_path_factory.mktemp("model"))
+from tests.clean_episodes import episodes
 
 
 def _config(tmp_path: Path, model: Path, steps: int) -> LearnerConfig:

@@ -12,31 +12,12 @@ import signal
 import numpy as np
 import pytest
 import torch
-from test_trainer import sampled_segment, tiny
 
 from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
 from t1async.learner.ranks import Ranks, RanksConfig
 from t1async.learner.trainer import Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
-
-# several micro-batches per rank, and a different number on each rank
-TCFG = TrainerConfig(lr=1e-2, microbatch_tokens=64, ppo_epochs=2)
-
-
-def segments(model, n: int = 7, seed: int = 0, policy_version: int = 0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        t = int(rng.integers(12, 40))
-        toks = rng.integers(5, 4000, size=t).tolist()
-        loss = range(t // 2, t)
-        out.append(
-            sampled_segment(
-                model, toks, loss, reward=float(rng.normal()), policy_version=policy_version, episode=f"e{i}"
-            )
-        )
-    return out
-
+from tests.segments import TCFG, segments, tiny
 
 # Adam's first steps move a weight by ~lr * g / (|g| + eps) whatever |g| is, so a weight whose gradient is near 0
 # amplifies the float difference of summing the gradient over two ranks instead of one. atol 1e-5 (0.1% of
@@ -57,15 +38,6 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def moved(base: torch.nn.Module, trainer: DistributedTrainer) -> float:
     full = trainer.export_model()
     return max(float((p - q).detach().abs().max()) for p, q in zip(base.parameters(), full.parameters()))
-
-
-@pytest.fixture
-def ranks2():
-    ranks = Ranks(RanksConfig(nproc=2, stop_timeout_s=10))
-    holder: dict = {}
-    yield ranks, holder
-    ranks.close(holder.get("trainer"))
-    assert all(p.poll() is not None for p in ranks.procs)
 
 
 def test_balance_splits_by_tokens():

@@ -11,13 +11,13 @@ from datetime import timedelta
 import pytest
 import torch
 from safetensors import safe_open
-from test_learner_distributed import TCFG, ranks2, segments  # noqa: F401 - ranks2 is a fixture
 
 from t1async.learner import ranks as ranks_mod
 from t1async.learner.checkpoint import STATE_JSON, list_checkpoints, list_exports, save_checkpoint
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.weights import INDEX_FILE, VALUE_HEAD_FILE, load_local, load_pretrained, local_rows
 from t1async.testing.models import tiny_model_dir, transformers_moe_dir
+from tests.segments import TCFG, segments
 
 
 def _tensor_bytes(d) -> int:
@@ -39,7 +39,7 @@ def _assert_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("family", ["ours", "transformers"])
-def test_two_ranks_each_read_their_half_and_load_what_one_rank_loads(ranks2, tmp_path, family):  # noqa: F811
+def test_two_ranks_each_read_their_half_and_load_what_one_rank_loads(ranks2, tmp_path, family):
     """Each rank reads about half the bytes of the weight files (its experts, its rows of the rest) and the
     sharded weights equal a plain load bit for bit: a dir we wrote (value head in its own file), and one
     transformers wrote (a dense layer, no value head: the seeded fresh head on both ranks)."""
@@ -54,7 +54,7 @@ def test_two_ranks_each_read_their_half_and_load_what_one_rank_loads(ranks2, tmp
     _assert_equal(load_pretrained(d), two.export_model())
 
 
-def test_two_ranks_write_a_model_dir_without_gathering_it_and_a_push_only_export(ranks2, tmp_path):  # noqa: F811
+def test_two_ranks_write_a_model_dir_without_gathering_it_and_a_push_only_export(ranks2, tmp_path):
     """``save``: each rank writes the tensors it holds whole (its experts) into its own files, listed by one
     index; in bf16 when training in bf16; an export (full=False) has no trainer state and no resume reads it."""
     ranks, holder = ranks2

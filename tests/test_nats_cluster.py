@@ -24,12 +24,13 @@ from t1async.cluster.state import ClusterState, is_ours
 from t1async.procs import pid_alive
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, TransportError
+from t1async.testing.harness import turn
 from t1async.transport import NatsConfig, NatsTransport, traj_subject
 from t1async.transport.auth import Role, creds_path
 from t1async.transport.natscluster import start_embedded_cluster, wait_replicated
 from t1async.transport.natsd import NatsCluster, NatsServer
+from tests.cluster_watch import check_episode_turns, wait_running
 from tests.clusterargs import SMALL, stop_cluster, up_argv
-from tests.test_transport import turn
 
 
 def fast(url: str, replicas: int | None = 3) -> NatsConfig:
@@ -193,8 +194,6 @@ def _monitor(run_dir: Path, i: int) -> str:
 
 @pytest.mark.slow
 async def test_cluster_up_with_three_nodes_trains_through_a_node_kill(tmp_path, repo_env):
-    from tests.test_cluster_e2e import check_episode_turns, wait_running
-
     run_dir = tmp_path / "run"
     argv = [
         *up_argv(run_dir),

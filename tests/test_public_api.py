@@ -143,3 +143,49 @@ def test_no_module_imports_another_modules_private_name():
 def test_the_private_import_check_can_fail():
     src = "import os\nfrom t1async.learner.checkpoint import _secret, optimizer_tensors\nfrom os import _exit\n"
     assert private_imports(src, "x.py") == ["x.py:2: _secret from t1async.learner.checkpoint"]
+
+
+def imports_of_test_modules(source: str, where: str) -> list[str]:
+    """Imports of a test module (``test_x``, ``tests.test_x``, as pytest and the repo root put them on the path)
+    in ``source``: a test file reaching into another one for its helpers."""
+
+    def is_test_module(name: str) -> bool:
+        parts = name.split(".")
+        return parts[-1].startswith("test_") and parts[:-1] in ([], ["tests"])
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [f"{where}:{node.lineno}: {n}" for n in names if is_test_module(n)]
+    return found
+
+
+def test_no_test_file_imports_another_test_file():
+    """Helpers and fixtures that several test files share live in support modules under tests/ whose names do
+    not start with ``test_`` (``tests.segments``, ``tests.loops``...), in tests/conftest.py, or in
+    t1async.testing: importing a test file runs its module code again under a second name and hides what it
+    shares."""
+    found = [
+        h
+        for p in sorted((ROOT / "tests").glob("*.py"))
+        for h in imports_of_test_modules(p.read_text(encoding="utf-8"), p.name)
+    ]
+    assert not found, found
+
+
+def test_the_test_file_import_check_can_fail():
+    src = (
+        "import tests.test_a\nfrom test_b import x\nfrom tests.test_c import y\nfrom tests import test_d\n"
+        "from tests.segments import tiny\nfrom t1async.testing import test_e\nimport testing\n"
+    )
+    assert imports_of_test_modules(src, "x.py") == [
+        "x.py:1: tests.test_a",
+        "x.py:2: test_b",
+        "x.py:3: tests.test_c",
+        "x.py:4: tests.test_d",
+    ]

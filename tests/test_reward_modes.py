@@ -16,7 +16,7 @@ from sandbox_agent.synth import generate, make_task, task_rng
 from sandbox_agent.synth.cdchores import DIRS, content_key
 from sandbox_agent.synth.chores import MENU
 from sandbox_agent.tasks import load_task
-from tests.test_agent import ByteTok, ScriptedSampler, bash, episode
+from tests.scripted_episode import ByteTok, ScriptedSampler, bash, episode
 
 PHRASE_INDEX = {phrase: i for i, (phrase, _, _, _) in enumerate(MENU)}
 

@@ -18,6 +18,8 @@ from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import SamplerProcess
 from t1async.sampler.pool import PoolConfig, SamplerPool
 from t1async.transport.natsd import free_port
+from tests.benchcli import bench
+from tests.cluster_watch import check_episode_turns, wait_running
 from tests.clusterargs import SMALL, stop_cluster, up_argv
 
 
@@ -175,7 +177,6 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
     from t1async.protocol import wire
     from t1async.transport import NatsConfig, NatsTransport
     from t1async.transport.auth import Role, creds_path
-    from tests.test_cluster_e2e import check_episode_turns, wait_running
 
     run_dir = tmp_path / "run"
     argv = [
@@ -227,8 +228,6 @@ async def test_cluster_up_with_two_samplers_trains_through_a_sampler_kill(tmp_pa
 
 @pytest.mark.slow
 def test_bench_sampler_samplers_reports_cache_ratio_and_throughput_per_n():
-    from tests.test_bench_sampler import bench
-
     r, stdout = bench(
         "--samplers",
         "1,2",

@@ -22,7 +22,7 @@ from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
 from sandbox_agent.synth.contam import KEYED, contaminated
 from sandbox_agent.synth.split import UNTOUCHED_PERCENT, split_of
 from sandbox_agent.tasks import load_task
-from tests.test_agent import ByteTok, ScriptedSampler, bash
+from tests.scripted_episode import ByteTok, ScriptedSampler, bash
 
 CONTENT = ["choresn", "observe", "chain"]
 

@@ -16,9 +16,9 @@ import pytest
 from t1async.cluster import cli
 from t1async.cluster.observe.tail import Formatter, escape, select
 from t1async.cluster.state import ClusterState
+from t1async.testing.harness import end, start, turn
 from t1async.transport import Message, NatsTransport, traj_subject
-from tests.test_cluster_cli import _read_until
-from tests.test_transport import end, start, turn
+from tests.cluster_watch import read_until
 
 NASTY = "ls\x00\x1b[31mred\x1c\r\nnext\x7f\x9b"
 
@@ -75,12 +75,12 @@ async def test_tail_through_a_pipe_prints_only_escaped_records(nats_server, repo
     async with await anyio.open_process(argv, env=env) as proc:
         try:
             out, err = bytearray(), bytearray()
-            await _read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
+            await read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
             async with NatsTransport(nats_server.url) as t:
                 await t.publish(traj_subject("ep-p"), start("ep-p"))
                 await t.publish(traj_subject("ep-p"), dataclasses.replace(turn("ep-p", 0), action=NASTY))
                 await t.publish(traj_subject("ep-p"), end("ep-p", 1))
-            await _read_until(proc.stdout, out, b"resolved=True", timeout=60)
+            await read_until(proc.stdout, out, b"resolved=True", timeout=60)
             proc.send_signal(signal.SIGINT)
             with anyio.fail_after(10):
                 await proc.wait()
@@ -143,10 +143,10 @@ async def test_tail_into_a_reader_that_leaves_exits_quietly(nats_server, repo_en
     async with await anyio.open_process([*argv, *(["--json"] if as_json else [])], env=repo_env) as proc:
         try:
             out, err = bytearray(), bytearray()
-            await _read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
+            await read_until(proc.stderr, err, b"# tailing t1.traj.>", timeout=90)
             async with NatsTransport(nats_server.url) as t:
                 await t.publish(traj_subject("ep-h"), start("ep-h"))
-                await _read_until(proc.stdout, out, b"ep-h", timeout=60)
+                await read_until(proc.stdout, out, b"ep-h", timeout=60)
                 await proc.stdout.aclose()  # the reader leaves, as head does after its lines
                 with anyio.fail_after(60):
                     for i in range(1000):  # each record is a write into the closed pipe; the first one ends tail

@@ -17,56 +17,8 @@ from t1async.learner.batch import BatchError
 from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
-from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
-
-CFG = MoEConfig(
-    vocab_size=4096, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=512, seed=3
-)
-
-
-def tiny() -> MoETransformer:
-    return MoETransformer(CFG)
-
-
-def sampled_segment(
-    model: MoETransformer,
-    tokens,
-    loss_positions,
-    *,
-    reward: float,
-    policy_version: int = 0,
-    done: bool = True,
-    routing_from: MoETransformer | None = None,
-    episode: str = "ep",
-) -> Segment:
-    """A segment whose 'sampler' is ``model`` (logprobs) run with the routing ``routing_from`` chooses."""
-    toks = np.asarray(tokens, dtype=np.int32)
-    t = len(toks)
-    lm = np.zeros(t, dtype=bool)
-    lm[list(loss_positions)] = True
-    x = torch.from_numpy(toks[None].astype(np.int64))
-    with torch.no_grad():
-        routing = (routing_from or model)(x).routing
-        out = model(x, replay=routing)
-    lp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
-    lp = np.concatenate([[0.0], lp.numpy()]).astype(np.float32)
-    rt = routing[0].numpy().astype(np.int16)
-    rt[-1] = -1  # the sampler never routes a sequence's last token
-    last = max(loss_positions)
-    return Segment(
-        episode=episode,
-        index=0,
-        tokens=toks,
-        loss_mask=lm,
-        logprobs=np.where(lm, lp, 0).astype(np.float32),
-        versions=np.where(lm, policy_version, -1).astype(np.int32),
-        turn_ids=np.where(lm, 0, -1).astype(np.int32),
-        routing=rt,
-        turn_ends=np.array([last], np.int32),
-        turn_rewards=np.array([reward], np.float32),
-        done=done,
-    )
+from tests.segments import CFG, advantages_fed_to_the_loss, sampled_segment, tiny
 
 
 def logp_of(model: MoETransformer, tokens, pos: int) -> float:
@@ -316,32 +268,16 @@ def _positive_reward_segments(model: MoETransformer) -> list[Segment]:
     return segs
 
 
-def _advantages_fed_to_the_loss(monkeypatch, model: MoETransformer, cfg: TrainerConfig, segs) -> tuple[np.ndarray, int]:
-    seen: list[np.ndarray] = []
-    real = ppo.ppo_loss
-
-    def spy(logp, prox, behav, adv, *rest, **kw):
-        seen.append(adv[rest[3]].detach().double().cpu().numpy())  # rest[3] is the loss mask
-        return real(logp, prox, behav, adv, *rest, **kw)
-
-    monkeypatch.setattr(ppo, "ppo_loss", spy)
-    Trainer(model, cfg).step(segs, 0)
-    monkeypatch.setattr(ppo, "ppo_loss", real)
-    return np.concatenate(seen), len(seen)
-
-
 def test_advantages_are_whitened_over_all_loss_tokens_of_the_step(monkeypatch):
     # Rewards (tests passed) are >= 0 and a fresh value head is ~0, so raw advantages are all positive: every
     # sampled token would be pushed up. The step whitens them over ALL its loss tokens, across micro-batches.
     base = tiny()
     segs = _positive_reward_segments(base)
-    raw, _ = _advantages_fed_to_the_loss(
+    raw, _ = advantages_fed_to_the_loss(
         monkeypatch, copy.deepcopy(base), TrainerConfig(normalize_advantages=False, microbatch_tokens=32), segs
     )
     assert raw.min() > 0  # the premise: every raw advantage is positive
-    adv, calls = _advantages_fed_to_the_loss(
-        monkeypatch, copy.deepcopy(base), TrainerConfig(microbatch_tokens=32), segs
-    )
+    adv, calls = advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), TrainerConfig(microbatch_tokens=32), segs)
     assert calls > 1  # several micro-batches
     assert adv.mean() == pytest.approx(0.0, abs=1e-5) and adv.std() == pytest.approx(1.0, abs=1e-4)
     # one shift and one scale for the whole step (not per micro-batch): an affine map of the raw advantages

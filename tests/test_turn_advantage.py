@@ -15,22 +15,7 @@ from t1async.learner import ppo
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol.errors import ConfigError
-from tests.test_trainer import CFG, _advantages_fed_to_the_loss, sampled_segment, tiny
-
-
-def two_turn_segment(model, toks, rewards: tuple[float, float], episode: str) -> Segment:
-    """Turn 0 outputs positions 10..14, an observation 15..19, turn 1 outputs 20..24."""
-    s = sampled_segment(model, toks, [*range(10, 15), *range(20, 25)], reward=0.0, episode=episode)
-    tid = np.full(len(toks), -1, np.int32)
-    tid[10:15], tid[20:25] = 0, 1
-    return Segment(
-        **{
-            **s.__dict__,
-            "turn_ids": tid,
-            "turn_ends": np.array([14, 24], np.int32),
-            "turn_rewards": np.array(rewards, np.float32),
-        }
-    )
+from tests.segments import CFG, advantages_fed_to_the_loss, tiny, two_turn_segment
 
 
 def test_each_turn_is_centred_on_the_mean_of_its_turn_number():
@@ -74,7 +59,7 @@ def test_the_trainer_feeds_the_centred_turn_rewards_to_the_loss(monkeypatch):
         two_turn_segment(base, toks, (0.0, 2.0), "b"),
     ]
     cfg = TrainerConfig(advantage="turn", normalize_advantages=False, microbatch_tokens=40)
-    adv, calls = _advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, segs)
+    adv, calls = advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, segs)
     assert calls == 2  # one micro-batch each: the baseline is the step's, not the micro-batch's
     assert sorted(np.round(adv, 4).tolist()) == [-1.0] * 10 + [1.0] * 10
     with pytest.raises(ConfigError, match="advantage must be 'gae' or 'turn' or 'grpo' or 'rloo'"):

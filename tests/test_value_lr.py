@@ -12,7 +12,7 @@ from t1async.learner import ppo
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol.errors import ConfigError
-from tests.test_trainer import CFG, sampled_segment, tiny
+from tests.segments import CFG, sampled_segment, tiny
 
 
 def _segments(model):

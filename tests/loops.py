@@ -1,0 +1,98 @@
+"""The actor and learner loop in one process, for tests: real sandboxes, real model and trainer, in-memory
+NATS and sampler (``run_loop``), and the in-memory sampler with the weight-update call the learner makes
+(``VersionedMemorySampler``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+
+from actors.actor import ActorConfig, run_actor
+from sandbox_agent.agent_types import AgentConfig
+from sandbox_agent.synth import generate
+from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.trainer_config import TrainerConfig
+from t1async.model.tokenizer import ChatTokenizer
+from t1async.protocol import wire
+from t1async.protocol.sampling import SamplingParams
+from t1async.sampler.memory import MemorySampler
+from t1async.transport import MemoryBroker, MemoryTransport
+
+
+class VersionedMemorySampler(MemorySampler):
+    """The in-memory sampler, with the weight-update call the learner makes."""
+
+    async def update_weights_from_disk(self, path: str, policy_version: int) -> None:
+        self.weight_version = int(policy_version)
+
+
+async def run_loop(
+    tmp_path: Path,
+    model: Path,
+    *,
+    eta: int,
+    steps: int,
+    broker: MemoryBroker,
+    sampler: VersionedMemorySampler,
+    seen: list,
+) -> Learner:
+    tasks = tmp_path / "tasks"
+    if not tasks.exists():
+        generate(tasks, 6, seed=3)
+    tok = ChatTokenizer.load()
+    lcfg = LearnerConfig(
+        run_dir=tmp_path / "run",
+        model_dir=model,
+        max_staleness=eta,
+        batch_turns=4,
+        steps=steps,
+        lease_s=30.0,
+        metrics_every_s=0.2,
+        trainer=TrainerConfig(lr=1e-3),
+    )
+    agent = AgentConfig(
+        max_turns=3,
+        max_context_tokens=4096,
+        command_timeout_s=5.0,
+        sampling=SamplingParams(max_new_tokens=24, stop_token_ids=tuple(tok.eos_ids)),
+    )
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
+        learner = Learner(lcfg, lt, sampler)
+        async with mt.subscribe("t1.>") as sub, anyio.create_task_group() as tg:
+            finished, barrier = anyio.Event(), anyio.Event()
+
+            async def watch():
+                async for m in sub:
+                    if m.subject == "t1.test.barrier":
+                        barrier.set()  # delivery is in order: every record published before it is in `seen`
+                    else:
+                        seen.append(m.record)
+
+            async def run_learner(*, task_status=anyio.TASK_STATUS_IGNORED):
+                await learner.run(task_status=task_status)  # returns after `steps` steps (lcfg.steps)
+                finished.set()
+
+            tg.start_soon(watch)
+            await tg.start(run_learner)
+            actor_scope = anyio.CancelScope()
+
+            async def actor():
+                with actor_scope:
+                    await run_actor(
+                        ActorConfig("a1", tasks, concurrency=3, split="all"),
+                        transport=at,
+                        sampler=sampler,
+                        tokenizer=tok,
+                        agent=agent,
+                    )
+
+            tg.start_soon(actor)
+            with anyio.fail_after(240):
+                await finished.wait()
+                await lt.publish("t1.test.barrier", wire.Heartbeat("test", 0.0))
+                await barrier.wait()
+            actor_scope.cancel()
+            tg.cancel_scope.cancel()
+    learner.journal.close()
+    return learner
