@@ -22,7 +22,7 @@ from sandbox_agent.sandbox import (
     SandboxConfig,
     SandboxPathError,
     SandboxStartError,
-    procs,
+    uids,
 )
 from sandbox_agent.sandbox.shell import MARK, ShellChannel, ShellEOF
 from t1async.testing.sandbox import check_sandbox, memory_shell
@@ -45,7 +45,7 @@ async def sb(workdir: Path):
 
 def _sandbox_cmdlines(uid: int) -> list[str]:
     out = []
-    for pid in procs.uid_pids(uid):
+    for pid in uids.uid_pids(uid):
         try:
             out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
         except FileNotFoundError:
@@ -74,9 +74,9 @@ async def test_process_tree_walk_finds_exactly_the_uid_processes(sb: BwrapSandbo
     session = sb._session
     assert session is not None and session.init_pid is not None  # the fast path is in use on this kernel
     with anyio.fail_after(5):
-        while len(procs.uid_pids(sb.uid)) < 6:  # shell + 4 sleeps + cat
+        while len(uids.uid_pids(sb.uid)) < 6:  # shell + 4 sleeps + cat
             await anyio.sleep(0.02)
-    assert session.pids(sb.uid) == procs.uid_pids(sb.uid)
+    assert session.pids(sb.uid) == uids.uid_pids(sb.uid)
 
 
 async def test_exit_codes_and_dollar_question(sb: BwrapSandbox) -> None:
@@ -318,8 +318,8 @@ async def test_teardown_leaves_no_process_even_when_cancelled(workdir: Path) -> 
         with anyio.fail_after(5):  # background jobs may not have exec'd yet
             while len([c for c in _sandbox_cmdlines(uid) if "sleep 100" in c]) < 3:
                 await anyio.sleep(0.02)
-    assert procs.uid_pids(uid, include_zombies=True) == set()
-    assert not Path(f"/proc/{bwrap_pid}").exists() or procs._proc_uid_state(bwrap_pid) is None
+    assert uids.uid_pids(uid, include_zombies=True) == set()
+    assert not Path(f"/proc/{bwrap_pid}").exists() or uids._proc_uid_state(bwrap_pid) is None
     with pytest.raises(SandboxClosedError):
         await s.exec("echo")
 
@@ -328,7 +328,7 @@ async def test_teardown_leaves_no_process_even_when_cancelled(workdir: Path) -> 
             uid2 = s2.uid
             await s2.exec("sleep 1000 & sleep 100", timeout=60)
     assert scope.cancelled_caught
-    assert procs.uid_pids(uid2, include_zombies=True) == set()
+    assert uids.uid_pids(uid2, include_zombies=True) == set()
 
 
 async def test_concurrent_sandboxes_get_distinct_uids_and_slots_are_exclusive(workdir: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_agent.sandbox import BwrapSandbox, SandboxConfig, procs
+from sandbox_agent.sandbox import BwrapSandbox, SandboxConfig, uids
 
 CFG = SandboxConfig(command_timeout_s=10.0, kill_grace_s=0.5)
 
@@ -32,7 +32,7 @@ async def sb(workdir: Path):
 
 def _pids_with(uid: int, needle: str) -> set[int]:
     found = set()
-    for pid in procs.uid_pids(uid):
+    for pid in uids.uid_pids(uid):
         try:
             if needle in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
                 found.add(pid)
@@ -42,7 +42,7 @@ def _pids_with(uid: int, needle: str) -> set[int]:
 
 
 def _alive(pid: int) -> bool:
-    info = procs._proc_uid_state(pid)
+    info = uids._proc_uid_state(pid)
     return info is not None and info[1] not in ("Z", "X")
 
 
@@ -128,7 +128,7 @@ async def test_fork_bomb_is_contained_and_cleaned_up(workdir: Path) -> None:
                 t0 = time.monotonic()
                 await anyio.sleep(0.1)
                 lag = max(lag, time.monotonic() - t0 - 0.1)
-                peak = max(peak, len(procs.uid_pids(uid)))
+                peak = max(peak, len(uids.uid_pids(uid)))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
@@ -137,7 +137,7 @@ async def test_fork_bomb_is_contained_and_cleaned_up(workdir: Path) -> None:
         assert lag < 1.0, lag  # the host event loop kept running
         r = await s.exec("echo survived", timeout=5)  # the same shell or a restarted one; never a hang
         assert r.exit_code is not None or r.timed_out
-    assert procs.uid_pids(uid, include_zombies=True) == set()
+    assert uids.uid_pids(uid, include_zombies=True) == set()
 
 
 async def test_filling_the_disk_hits_fsize_and_tmpfs_size(workdir: Path) -> None:
@@ -187,7 +187,7 @@ async def test_background_processes_die_with_the_sandbox(workdir: Path) -> None:
             while len(pids := _pids_with(uid, "sleep 1000")) < 3:
                 await anyio.sleep(0.02)
     assert not any(_alive(p) for p in pids)
-    assert procs.uid_pids(uid, include_zombies=True) == set()
+    assert uids.uid_pids(uid, include_zombies=True) == set()
 
 
 async def test_a_command_ignoring_sigterm_is_killed_by_the_timeout(sb: BwrapSandbox) -> None:
@@ -225,7 +225,7 @@ async def test_300_turn_episode_leaks_no_process_or_fd(workdir: Path) -> None:
                     await s.write_file("scratch.txt", f"{turn}\n".encode())
                     r = await s.exec("n=$((n + 1)); grep -q . scratch.txt && echo $n")
             assert r.output == f"{turn + 1}\n" and r.exit_code == 0, (turn, r)
-        assert len(procs.uid_pids(uid)) == 1  # only the shell
+        assert len(uids.uid_pids(uid)) == 1  # only the shell
         assert (await s.read_file("logs/turns.txt")).count(b"turn") == 60
-    assert procs.uid_pids(uid, include_zombies=True) == set()
+    assert uids.uid_pids(uid, include_zombies=True) == set()
     assert len(os.listdir("/proc/self/fd")) == fds_before
