@@ -284,7 +284,7 @@ def retokenize(ep: SampledEpisode, tok: ChatTokenizer) -> Retokenized:
         a, b = ep.turn_spans[t]
         sampled = ep.tokens[a:b]
         # the turn's tokens: any token overlapping the content, then the template's im_end if sampled
-        idx = list(np.flatnonzero((offs[:, 1] > c0) & (offs[:, 0] < c1))) if c1 > c0 else []
+        idx: list[int] = np.flatnonzero((offs[:, 1] > c0) & (offs[:, 0] < c1)).tolist() if c1 > c0 else []
         end_tok = int(np.searchsorted(offs[:, 0], c1, side="left"))
         if (
             len(sampled)

@@ -482,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
             f = chaos.inject(bag.pop())
             chaos.wait_recovered(f, max(before, run.version() if f.kind == "poison" else before))
             faults.append(f)
-            rec = "NOT RECOVERED" if f.recover_s is None else f"recovered in {f.recover_s:.1f}s"
-            print(f"fault {len(faults)}: {f.kind:<13} {f.target:<14} at {f.at_s:6.0f}s  {rec}  {f.note}", flush=True)
+            outcome = "NOT RECOVERED" if f.recover_s is None else f"recovered in {f.recover_s:.1f}s"
+            print(
+                f"fault {len(faults)}: {f.kind:<13} {f.target:<14} at {f.at_s:6.0f}s  {outcome}  {f.note}", flush=True
+            )
         url = ClusterState.load(run_dir).nats_url
         acked = stream_turns(url, admin_creds(run_dir))
         wait_until = time.monotonic() + 180  # the running learner takes what is left on the stream

@@ -38,7 +38,7 @@ def episode_of(k: int) -> str:
     return f"ep{(k // (CONCURRENT * TURNS)) * CONCURRENT + k % CONCURRENT}"
 
 
-def fill(append: Callable[[list], None], records: list[wire.TurnRecord], n_bytes: int) -> int:
+def fill(append: Callable[[list[wire.TurnRecord]], object], records: list[wire.TurnRecord], n_bytes: int) -> int:
     """Append records until ``n_bytes``; returns how many."""
     size = len(wire.encode(records[0])) + 4
     k = 0
@@ -54,7 +54,7 @@ def _as(rec: wire.TurnRecord, episode: str, turn: int) -> wire.TurnRecord:
     return replace(rec, episode=episode, turn=turn)
 
 
-def race(journal: Journal, compact: Callable[[], None], record: wire.TurnRecord) -> dict:
+def race(journal: Journal, compact: Callable[[], object], record: wire.TurnRecord) -> dict:
     """Compact while a thread appends live records; (compaction seconds, latencies, errors, acked turns)."""
     lat: list[float] = []
     acked: list[int] = []
@@ -101,7 +101,9 @@ def main() -> None:
         live = {episode_of(k - 1 - j) for j in range(CONCURRENT)} | {"live"}
         r = race(journal, lambda: journal.compact(live), records[0])
         journal.close()
-        have = {x.turn for x in read_journal(Path(d) / "journal") if x.episode == "live"}
+        have = {
+            x.turn for x in read_journal(Path(d) / "journal") if isinstance(x, wire.TurnRecord) and x.episode == "live"
+        }
     lat = np.asarray(r["lat"] or [0.0]) * 1000
     out = {
         "compact_s": r["compact_s"],

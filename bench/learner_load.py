@@ -72,7 +72,7 @@ def build_model(cache: Path, layers: int) -> Path:
         num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=4,
-        head_dim=128,
+        head_dim=128,  # type: ignore[call-arg]  # taken by **kwargs, missing from the typed signature
         max_position_embeddings=8192,
         tie_word_embeddings=False,
         norm_topk_prob=True,
@@ -182,12 +182,15 @@ def worker(args: argparse.Namespace) -> int:
 
     from t1async.learner import ranks
     from t1async.learner.distributed import DistributedTrainer
+    from t1async.learner.options import Advantage
     from t1async.learner.trainer_config import TrainerConfig
 
     torch.set_num_threads(args.threads)
     ranks.join(backend="gloo")
     rank = int(os.environ["RANK"])
-    tcfg = TrainerConfig(lr=1e-5, microbatch_tokens=512, replay=False, advantage="turn", train_dtype=args.train_dtype)
+    tcfg = TrainerConfig(
+        lr=1e-5, microbatch_tokens=512, replay=False, advantage=Advantage.TURN, train_dtype=args.train_dtype
+    )
     t0 = time.perf_counter()
     trainer = DistributedTrainer.from_dir(args.model, tcfg)
     load_s = time.perf_counter() - t0

@@ -40,8 +40,8 @@ def _segments(model, n: int, seq_len: int, seed: int) -> list:  # noqa: ANN001
         x = torch.from_numpy(toks[None].astype(np.int64))
         with torch.no_grad():
             o = model(x)
-        lp = torch.log_softmax(o.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
-        lp = np.concatenate([[0.0], lp.numpy()]).astype(np.float32)
+        lp_t = torch.log_softmax(o.logits[0, :-1].float(), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
+        lp = np.concatenate([[0.0], lp_t.numpy()]).astype(np.float32)
         rt = trainable_routing(o.routing[0].numpy(), model.cfg.dense_layers)
         rt[-1] = -1
         lm = np.zeros(t, dtype=bool)
@@ -73,7 +73,9 @@ def _time_steps(trainer, segs: list, steps: int) -> list[float]:  # noqa: ANN001
     return times
 
 
-MODELS = {  # MoEConfig fields over the defaults; "100m" is bench.weights' ~100M-parameter model
+MODELS: dict[
+    str, dict[str, Any]
+] = {  # MoEConfig fields over the defaults; "100m" is bench.weights' ~100M-parameter model
     "tiny": {},
     "100m": dict(
         d_model=768, n_layers=6, n_heads=12, n_kv_heads=4, head_dim=64, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096

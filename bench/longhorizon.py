@@ -109,7 +109,7 @@ class ScriptedSampler:
         return Generation(
             output_ids=np.asarray(out, dtype=np.int32),
             logprobs=np.full(len(out), -0.25, np.float32),
-            finish="stop",
+            finish=wire.Finish.STOP,
             policy_version=0,
             routing=routing if routed_experts_start_len is not None else None,
             routing_start=start,
@@ -338,6 +338,7 @@ def train_live(
 
     import torch
 
+    from t1async.learner.options import Critic, Prefix
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import TrainerConfig
     from t1async.model.weights import load_pretrained
@@ -351,7 +352,7 @@ def train_live(
 
     torch.manual_seed(0)
     model = load_pretrained(model_dir)
-    trainer = Capture(model, TrainerConfig(prefix_kv=prefix, critic=critic))
+    trainer = Capture(model, TrainerConfig(prefix_kv=Prefix(prefix), critic=Critic(critic)))
     asm = Assembler(AssemblerConfig(num_experts=model.cfg.n_experts))
     live = LiveRun(prefix)
     pending: list[int] = []
@@ -369,7 +370,7 @@ def train_live(
             continue
         twin = None
         if cos_every and prefix == "reuse" and live.steps % cos_every == cos_every - 1:
-            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv="exact", critic=critic))
+            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv=Prefix.EXACT, critic=Critic(critic)))
             twin.step(segs, live.steps)
         t0 = time.perf_counter()
         m = trainer.step(segs, live.steps)
@@ -564,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     " ".join(f"{t}/{age}/{c:.3f}" for t, age, c in lv.cosines),
                 )
             )
-        grid = [
+        live_grid = [
             (
                 t,
                 f"{r['fwd_per_new']:.2f}",
@@ -575,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for t, r in sorted(lv.per_turn.items())
             if t % a.every == 0
         ]
-        print_grid(("turn", "fwd/new", "bwd/new", "step us/new", "step s"), grid, title=f"live training, {label}")
+        print_grid(("turn", "fwd/new", "bwd/new", "step us/new", "step s"), live_grid, title=f"live training, {label}")
     print_table("bench.longhorizon", table)
     if a.json:
         emit_json(res)

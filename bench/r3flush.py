@@ -61,7 +61,7 @@ def turn_result(k: int, ids: list[int], r, rows: np.ndarray, start: int) -> Turn
         input_ids=np.asarray(ids, np.int32),
         output_ids=np.asarray(r.output_ids, np.int32),
         logprobs=np.asarray(r.logprobs, np.float32),
-        finish="length",
+        finish=wire.Finish.LENGTH,
         policy_version=int(r.weight_version),
         routing=rows.astype(np.uint8),
         routing_start=start,
@@ -109,6 +109,7 @@ async def sample(dirs: list[Path], episodes: int, tok: ChatTokenizer) -> dict[st
                         routing_start=start,
                     )
                 )
+                assert r.routing is not None  # asked for (return_routing)
                 given = {"exact": (r.routing, r.routing_start), "old": (r.routing[start - r.routing_start :], start)}
                 for name, (rows, at) in given.items():
                     recs[name][e].append(encs[name][e].encode(turn_result(k, ids, r, rows, at)))
@@ -131,6 +132,7 @@ def replay(records: list[wire.TurnRecord], models: list) -> tuple[np.ndarray, As
     diffs = []
     for s in segs:
         x = torch.from_numpy(s.tokens[None].astype(np.int64))
+        assert s.routing is not None  # every turn was recorded with its routing
         for v in np.unique(s.versions[s.loss_mask]):
             with torch.no_grad():
                 out = models[int(v)](x, replay=torch.from_numpy(s.routing[None].astype(np.int64)))

@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure("warning")  # logs to stderr; stdout is the table and the JSON line
     r = _finite(anyio.run(amain, args, backend="trio"))
+    assert isinstance(r, dict)  # _finite keeps a dict a dict
     if args.output_file:
         with open(args.output_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(r, sort_keys=True) + "\n")

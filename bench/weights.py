@@ -22,13 +22,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
 from bench._common import add_model_arg, emit_json, model_dir, print_grid
 
-CONFIGS = {
+if TYPE_CHECKING:
+    from t1async.model.moe import MoETransformer
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
     "tiny": None,  # the shipped model
     "100m": dict(
         d_model=768, n_layers=6, n_heads=12, n_kv_heads=4, head_dim=64, n_experts=8, top_k=2, d_ff=768, max_seq_len=4096
@@ -36,7 +40,7 @@ CONFIGS = {
 }
 
 
-def _model(name: str, work: Path) -> tuple[torch.nn.Module, Path]:
+def _model(name: str, work: Path) -> tuple[MoETransformer, Path]:
     """The model of a config name, or of a model dir (``--model``), and its directory."""
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
@@ -44,11 +48,12 @@ def _model(name: str, work: Path) -> tuple[torch.nn.Module, Path]:
 
     if name not in CONFIGS:  # --model DIR
         return load_pretrained(Path(name)), Path(name)
-    if CONFIGS[name] is None:
+    fields = CONFIGS[name]
+    if fields is None:
         return load_pretrained(default_model_dir()), Path(default_model_dir())
     tok = ChatTokenizer.load()
     # the shipped default's architecture (Qwen3-MoE) at this size
-    model = MoETransformer(dataclasses.replace(default_config(), dense_d_ff=0, **CONFIGS[name]))
+    model = MoETransformer(dataclasses.replace(default_config(), dense_d_ff=0, **fields))
     d = save_pretrained(model, work / f"{name}-init", tok)
     return model, d
 

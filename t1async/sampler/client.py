@@ -39,7 +39,7 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import httpx
@@ -171,7 +171,7 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def __aenter__(self) -> SGLangClient:
+    async def __aenter__(self) -> Self:
         if self._state is _State.CLOSED:
             raise SamplerClosedError("this SGLangClient was closed; create a new one")
         self._state = _State.OPENED
