@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -288,7 +288,7 @@ class Engine:
             if not h.done:
                 self.abort(req.rid)
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[GenEvent]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]:
         """Async-generator form of ``submit``; close it (``contextlib.aclosing``) to abort early."""
         async with self.submit(req) as events:
             async for ev in events:

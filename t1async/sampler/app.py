@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from starlette.requests import Request
@@ -24,6 +24,11 @@ from t1async.log import get_logger
 from t1async.protocol.errors import SamplerError, SamplerRequestError
 from t1async.sampler import requests as P
 from t1async.sampler import response as R
+
+if TYPE_CHECKING:
+    import torch
+
+    from t1async.model.records import GenEvent, GenRequest
 
 log = get_logger("sampler.server")
 # what the engine and the protocol raise for a request they reject (HTTP 400, as SGLang maps its ValueErrors)
@@ -53,6 +58,36 @@ class ServerConfig:
 _SECRET = ("api_key", "admin_api_key")
 
 
+class ServingEngine(Protocol):
+    """The engine seam of the embedded sampler: what ``SamplerApp``'s handlers and ``WeightSync``
+    (weightsync_server.py) call. ``t1async.model.engine.Engine`` is the one implementation."""
+
+    @property
+    def weight_version(self) -> str: ...
+
+    def model_info(self) -> dict: ...
+
+    def stats(self) -> dict: ...
+
+    def generate(self, req: GenRequest) -> AsyncGenerator[GenEvent, None]: ...
+
+    def abort(self, rid: str) -> bool: ...
+
+    async def pause(self, mode: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    async def update_weights_from_disk(self, model_path: str | Path, weight_version: str | None = None) -> None: ...
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    async def update_weights_from_tensors(
+        self, tensors: dict[str, torch.Tensor], weight_version: str | None = None
+    ) -> None: ...
+
+
 def _hf_config(model_path: str) -> dict:
     """The model dir's ``config.json`` (``{}`` when there is none): ``/model_info``'s type and architectures."""
     try:
@@ -75,7 +110,7 @@ class SamplerApp:
     """The HTTP handlers around one Engine and its tokenizer."""
 
     def __init__(
-        self, engine: Any, tokenizer: Any, config: ServerConfig, model_path: str, request_type: Any = None
+        self, engine: ServingEngine, tokenizer: Any, config: ServerConfig, model_path: str, request_type: Any = None
     ) -> None:
         self.engine, self.tokenizer, self.config, self.model_path = engine, tokenizer, config, model_path
         if request_type is None:
@@ -90,7 +125,7 @@ class SamplerApp:
         self.weight_roots = tuple(Path(r).resolve() for r in roots)
         self.started = time.time()
         self.served = 0
-        self.startup_version = str(getattr(engine, "weight_version", ""))  # /server_info's (SGLang's start-up)
+        self.startup_version = str(engine.weight_version)  # /server_info's (SGLang's start-up)
         self.hf_config = _hf_config(model_path)
 
     # ---------------------------------------------------------------- generate
@@ -352,7 +387,7 @@ class SamplerApp:
                     {
                         "running_requests": len(self.active),
                         "served_requests": self.served,
-                        **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+                        **self.engine.stats(),
                         "env_vars": {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
                     }
                 ],

@@ -23,14 +23,19 @@ from starlette.routing import Route
 
 from t1async.log import get_logger
 from t1async.sampler import response as R
-from t1async.sampler.app import SamplerApp, ServerConfig, json_response
+from t1async.sampler.app import SamplerApp, ServerConfig, ServingEngine, json_response
 
 __all__ = ["build_app", "serve"]
 log = get_logger("sampler.server")
 
 
 def build_app(
-    engine: Any, tokenizer: Any, *, config: ServerConfig | None = None, model_path: str = "", request_type: Any = None
+    engine: ServingEngine,
+    tokenizer: Any,
+    *,
+    config: ServerConfig | None = None,
+    model_path: str = "",
+    request_type: Any = None,
 ) -> Starlette:
     """The ASGI app. ``request_type`` defaults to the engine's ``GenRequest`` (tests may pass their own)."""
     a = SamplerApp(engine, tokenizer, config or ServerConfig(), model_path, request_type)

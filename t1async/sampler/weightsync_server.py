@@ -48,6 +48,7 @@ from t1async.model.engine import PAUSE_MODES
 from t1async.model.weights import check_state
 from t1async.protocol.errors import SamplerRequestError
 from t1async.sampler import weightsync as W
+from t1async.sampler.app import SamplerApp
 
 log = get_logger("sampler.weightsync")
 
@@ -84,10 +85,9 @@ def _need(body: dict, key: str, kind: type, default: Any = ...) -> Any:
 class WeightSync:
     """The group, the pause gate and the staged tensors of one embedded sampler (``app.engine``)."""
 
-    def __init__(self, app: Any, pause_timeout_s: float | None = None) -> None:
+    def __init__(self, app: SamplerApp, pause_timeout_s: float | None = None) -> None:
         self.app = app
-        cfg_timeout = getattr(getattr(app, "config", None), "pause_timeout_s", 300.0)
-        self.pause_timeout_s = float(pause_timeout_s if pause_timeout_s is not None else cfg_timeout)
+        self.pause_timeout_s = float(pause_timeout_s if pause_timeout_s is not None else app.config.pause_timeout_s)
         self._paused_at = 0.0
         self.expired = False  # the current push outlived its pause: refuse its buckets until the next pause
         self.groups: dict[str, Any] = {}  # group_name -> ProcessGroup
@@ -157,8 +157,7 @@ class WeightSync:
         )
         self.staged, self.staged_version = {}, None
         self.paused, self.expired = False, True
-        if hasattr(self.app.engine, "resume"):
-            self.app.engine.resume()
+        self.app.engine.resume()
         self._resumed.set()
 
     # ------------------------------------------------------------------ endpoints
@@ -264,8 +263,7 @@ class WeightSync:
             if self.paused and self.rejected:
                 return _reply(False, f"an earlier bucket of this push was rejected ({self.rejected}); push again")
             try:  # names and shapes checked now, the model untouched; applied now or at continue
-                if hasattr(self.app.engine, "state_shapes"):
-                    check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
+                check_state(self.app.engine.state_shapes(), bucket, where="update_weights_from_distributed")
             except Exception as exc:
                 if self.paused:  # the version is all or nothing: what was staged of it goes too
                     self.rejected = str(exc)
@@ -301,12 +299,7 @@ class WeightSync:
             self.paused, self._resumed, self._paused_at = True, anyio.Event(), time.monotonic()
         self.expired, self.rejected = False, ""
         running = len(self.app.active)
-        engine = self.app.engine
-        if hasattr(engine, "pause"):
-            await engine.pause(mode)  # carried out by the step loop before we answer
-        elif mode == "abort":
-            for r in list(self.app.active):
-                engine.abort(r)
+        await self.app.engine.pause(mode)  # carried out by the step loop before we answer
         log.info("sampler.paused", mode=mode, in_flight=running)
         return _done("Generation paused successfully.")
 
@@ -329,8 +322,7 @@ class WeightSync:
                     await self.app.engine.update_weights_from_tensors(staged, weight_version=weight_version)
                 except Exception as exc:
                     error = exc
-            if hasattr(self.app.engine, "resume"):
-                self.app.engine.resume()  # retracted requests are re-prefilled with the weights of now
+            self.app.engine.resume()  # retracted requests are re-prefilled with the weights of now
             self.paused = False
             self._resumed.set()
         if error is not None:
