@@ -193,13 +193,13 @@ class _FakeGaps(torch.utils._python_dispatch.TorchDispatchMode):
             planned = getattr(t, "_planned_counts", None)
             return list(planned) if planned is not None else self._tolist(t)
 
-        FakeTensor.tolist = tolist  # type: ignore[method-assign]
+        FakeTensor.tolist = tolist
         return super().__enter__()
 
     def __exit__(self, *exc):  # noqa: ANN002, ANN204
         from torch._subclasses.fake_tensor import FakeTensor
 
-        FakeTensor.tolist = self._tolist  # type: ignore[method-assign]
+        FakeTensor.tolist = self._tolist
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -216,7 +216,7 @@ class _FakeGaps(torch.utils._python_dispatch.TorchDispatchMode):
                 raise NotImplementedError("bench.memory_plan: only bincount(ids, minlength=n_experts) is planned")
             n = x.numel()
             out = torch.empty(bins, dtype=torch.int64, device=x.device)
-            out._planned_counts = [n // bins + (i < n % bins) for i in range(bins)]  # type: ignore[attr-defined]
+            out._planned_counts = [n // bins + (i < n % bins) for i in range(bins)]
             return out
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             from torch._meta_registrations import _create_grouped_mm_output_tensor
@@ -329,6 +329,7 @@ def trace(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
+    from t1async.learner.options import TrainDtype
     from t1async.learner.trainer_config import TrainerConfig
 
     n_layers = cfg.n_layers if layers is None else layers
@@ -339,7 +340,7 @@ def trace(
     n_micro = math.ceil(tokens / mbt)
     bf16 = flags.param_dtype == "bfloat16"
     tcfg = TrainerConfig(
-        train_dtype="bfloat16" if bf16 else "float32",
+        train_dtype=TrainDtype.BFLOAT16 if bf16 else TrainDtype.FLOAT32,
         checkpoint_blocks=flags.checkpoint_blocks,
         microbatch_tokens=max(mbt, 2),
     )
@@ -451,7 +452,7 @@ def _step_peak(  # noqa: ANN202
             phases[f"backward_{i + 1}"] = tracker.phase_peak()
         # Trainer._optimizer_step without reading the norm (a fake tensor has no value)
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         torch.nn.utils.clip_grads_with_norm_(params, tcfg.grad_clip, norm)
         phases["clip"] = tracker.phase_peak()
@@ -475,13 +476,16 @@ def measure(cfg, *, tokens: int, flags: PlanFlags) -> dict[str, Any]:  # noqa: A
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from t1async.learner.options import TrainDtype
     from t1async.learner.trainer_config import TrainerConfig
 
     if dist.is_initialized():
         raise RuntimeError("bench.memory_plan: measure needs its own process group: one is already initialised")
     mbt = min(flags.microbatch_tokens or tokens, tokens)
     tcfg = TrainerConfig(
-        train_dtype=flags.param_dtype, checkpoint_blocks=flags.checkpoint_blocks, microbatch_tokens=max(mbt, 2)
+        train_dtype=TrainDtype(flags.param_dtype),
+        checkpoint_blocks=flags.checkpoint_blocks,
+        microbatch_tokens=max(mbt, 2),
     )
     rss: dict[str, int] = {}
 
@@ -704,8 +708,8 @@ def main(argv: list[str] | None = None) -> None:
         rep["fit"] = None
         if not rep["fits"]:
             for f in _ladder(flags, args.tokens):
-                q = plan(cfg, world=args.world, tokens=args.tokens, flags=f, layers=layers, first_step=args.first_step)
-                q = _report(q, f, args, params)
+                qp = plan(cfg, world=args.world, tokens=args.tokens, flags=f, layers=layers, first_step=args.first_step)
+                q = _report(qp, f, args, params)
                 print(
                     f"  {' '.join(f.argv(args.tokens)) or '(defaults)'}: {q['peak_gb_per_rank']} GiB", file=sys.stderr
                 )
