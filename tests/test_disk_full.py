@@ -8,21 +8,19 @@ import errno
 import os
 import subprocess
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
-import numpy as np
 import pytest
 
 from t1async.ingest.journal import Journal, JournalWriteError, read_journal
 from t1async.learner.service import Learner, LearnerConfig
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol import wire
-from t1async.testing.episodes import Sizes, make_episode
 from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
+from tests.clean_episodes import episodes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a size-limited tmpfs needs root (CI runs as root)")
 
@@ -55,22 +53,7 @@ def fill(fs: Path, leave: int = 0) -> Path:
 
 
 def records(first: int, n: int, policy_version: int = 0) -> list[wire.Record]:
-    out: list[wire.Record] = []
-    for i in range(first, first + n):
-        case = make_episode(
-            np.random.default_rng(i),
-            ["clean"] * 3,
-            episode=f"e{i}",
-            with_end=True,
-            sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
-            layers=2,
-            topk=2,
-            num_experts=4,
-        )
-        out += [
-            replace(r, policy_version=policy_version) if isinstance(r, wire.TurnRecord) else r for r in case.records
-        ]
-    return out
+    return episodes(first, n, policy_version)  # three clean turns and an end each (tests/clean_episodes.py)
 
 
 def test_a_failed_append_leaves_nothing_and_the_retry_lands_once(small_fs: Path) -> None:
