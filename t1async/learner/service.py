@@ -66,9 +66,8 @@ class LearnerConfig:
     durable: str = "learner"
     metrics_every_s: float = 2.0
     keep_checkpoints: int = 3
-    checkpoint_every: int = (
-        1  # (as --checkpoint-every) a full checkpoint (DCP model + AdamW) every N steps and the last; exports between
-    )
+    # a full checkpoint (DCP model + AdamW) every N steps and the last, exports between; 1, as --checkpoint-every
+    checkpoint_every: int = 1
     journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tensorboard: bool = True  # per-step curves in <run_dir>/tensorboard/learner (t1async.curves)

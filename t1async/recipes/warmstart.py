@@ -109,6 +109,20 @@ _CREDIT = Recipe(
     sft=dataclasses.replace(_CHORES_SFT, steps=600),
 )
 
+# the content-dependent family: ``choresnsome``'s demonstrator stops after k of the ceil(n / 2) replies whatever
+# n is, so its imitator knows every chore's command and RL on ``choresn`` (every chore tested, max_turns exactly
+# the oracle's) has to learn when to stop from what was asked (sandbox_agent/synth/choresn.py). data_version 2:
+# decontaminated by key and whole test instructions (sandbox_agent/synth/contam.py), 247 demonstrations of 400
+# tasks where the 8-gram check in the train -> test direction left 108
+_CHORESN = Recipe(
+    name="choresn",
+    model=default_config(),
+    families=("choresnsome",),
+    tasks=400,
+    task_seed=1000,
+    sft=_CHORES_SFT,
+    data_version=2,
+)
 RECIPES: dict[str, Recipe] = {
     # the chores menu (no copying; sandbox_agent/synth/chores.py) by ``choresome``'s weaker demonstrator, which
     # does only the first k of the four chores: the warm start knows every chore's command but stops early as
@@ -123,30 +137,10 @@ RECIPES: dict[str, Recipe] = {
         sft=_CHORES_SFT,
     ),
     "credit": _CREDIT,
-    # the content-dependent family: ``choresnsome``'s demonstrator stops after k of the ceil(n / 2) replies
-    # whatever n is, so its imitator knows every chore's command and RL on ``choresn`` (every chore tested,
-    # max_turns exactly the oracle's) has to learn when to stop from what was asked (sandbox_agent/synth/choresn.py)
-    # data_version 2: decontaminated by key and whole test instructions (sandbox_agent/synth/contam.py), 247
-    # demonstrations of 400 tasks where the 8-gram check in the train -> test direction left 108
-    "choresn": Recipe(
-        name="choresn",
-        model=default_config(),
-        families=("choresnsome",),
-        tasks=400,
-        task_seed=1000,
-        sft=_CHORES_SFT,
-        data_version=2,
-    ),
+    # the content-dependent family (_CHORESN, above)
+    "choresn": _CHORESN,
     # the baseline "SFT on the full demonstrations only" (bench.learning --baselines sft): the same, on the oracle
-    "choresn-full": Recipe(
-        name="choresn-full",
-        model=default_config(),
-        families=("choresn",),
-        tasks=400,
-        task_seed=1000,
-        sft=_CHORES_SFT,
-        data_version=2,
-    ),
+    "choresn-full": dataclasses.replace(_CHORESN, name="choresn-full", families=("choresn",)),
     # ``credit`` stopped at 450 SFT steps: a policy that does the `cd` and some chores but seldom all four (held
     # out, at T 1: 14.7% resolved, 1.64 tests of 4), so a binary end-of-episode reward is mostly 0 while a dense
     # one pays for each chore done (bench.reward_modes --warm-start credit-early)
