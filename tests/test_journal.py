@@ -169,11 +169,12 @@ earlier = frozenset(r.episode for r in j.replay())  # earlier rounds' unsettled 
 settled = set()
 lock = threading.Lock()
 
-def compactor():
+def compactor():  # as the learner does: the watermark is read with ``live`` (an episode begun after is kept)
     while True:
         with lock:
+            before = j.active_seq
             live = earlier | {e for e in episodes if e not in settled}
-        j.compact(live)
+        j.compact(live, before)
 
 episodes = []
 threading.Thread(target=compactor, daemon=True).start()
@@ -226,7 +227,9 @@ def test_sigkill_at_random_points_while_compacting_loses_no_acked_record(tmp_pat
             time.sleep(rng.uniform(0.0, 1.3))
         finally:
             os.kill(p.pid, signal.SIGKILL)
-            out, err = p.communicate(timeout=30)
+            p.wait(timeout=30)
+            # not communicate(): with two pipes it reads the raw fds and drops what readline() had buffered
+            out, err = p.stdout.read(), p.stderr.read()  # type: ignore[union-attr]
         lines = (b"".join(pre) + out).split(b"\n")[:-1]  # the last piece may be a line cut by the kill
         for line in lines:
             kind, *rest = line.decode().split()
