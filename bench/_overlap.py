@@ -1,12 +1,13 @@
 """The arithmetic of ``bench.staleness`` (its docstring defines every field): one η's row from a run's
 ``metrics.jsonl``, the sampler's idle share from its own busy accounting, the overlap bound beside async/sync,
-and the measured reasons a run fell short. Also the two ``/proc`` reads the bench polls."""
+and the measured reasons a run fell short. Also the two process reads the bench polls."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+import psutil
 
 
 def component_pid(run_dir: Path, name: str) -> int | None:
@@ -20,10 +21,10 @@ def component_pid(run_dir: Path, name: str) -> int | None:
 def cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system) a process has used, all its threads, those gone included."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    return float(t.user + t.system)
 
 
 def sampler_idle(samples: list[tuple[float, float, float]], t0: float, t1: float) -> float | None:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import psutil
 
 from bench._common import emit_json, print_grid
 from t1async.cluster.state import ClusterState, RunStatus
@@ -117,37 +118,23 @@ class Run:
 
 
 def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _ancestors(pid: int) -> set[int]:
-    out = {pid}
-    while pid > 1:
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-        out.add(pid)
-    return out
+    try:
+        return {pid, *(p.pid for p in psutil.Process(pid).parents())}
+    except psutil.Error:
+        return {pid}
 
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
@@ -155,11 +142,11 @@ def leaked(run_dir: Path, pids: set[int]) -> list[str]:
     """Processes still alive that name the run dir or were components of it."""
     mine = _ancestors(os.getpid())  # this bench and whatever started it may name the run dir too
     out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) not in mine:
-            cmd = _cmdline(int(d.name))
-            if str(run_dir) in cmd or (int(d.name) in pids and cmd):
-                out.append(f"{d.name}: {cmd[:120]}")
+    for pid in psutil.pids():
+        if pid not in mine:
+            cmd = _cmdline(pid)
+            if str(run_dir) in cmd or (pid in pids and cmd):
+                out.append(f"{pid}: {cmd[:120]}")
     return out
 
 
@@ -287,7 +274,7 @@ class Chaos:
                 p
                 for a in pick("actor-")
                 for p in _descendants(pids[a])
-                if Path(f"/proc/{p}/comm").exists() and _comm(p) in ("bash", "sh") and _comm_parent_is_sandbox(p)
+                if _comm(p) in ("bash", "sh") and _comm_parent_is_sandbox(p)
             ]
             if shells:
                 victim = self.rng.choice(shells)
@@ -351,15 +338,15 @@ class Chaos:
 
 def _comm(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
+        return str(psutil.Process(pid).name())
+    except psutil.Error:
         return ""
 
 
 def _comm_parent_is_sandbox(pid: int) -> bool:
     try:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        ppid = psutil.Process(pid).ppid()
+    except psutil.Error:
         return False
     return _comm(ppid) in ("bwrap", "bash", "sh", "conmon", "runc")
 

@@ -30,12 +30,14 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.lowlevel
+import psutil
 
 PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 # argv: PPID SIG FD PROGRAM ARGS...; exit 1 when the parent died before the guard was set. FD is the write end of
 # a pipe, closed by the exec (close-on-exec): the parent's read of EOF says the real program runs now.
@@ -100,8 +102,8 @@ class _Spawner:
             except BaseException as exc:  # handed to the waiting caller
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
         self._jobs.put((fn, fut))
         return fut
 
@@ -126,16 +128,21 @@ def _get_spawner() -> _Spawner:
         return _spawner
 
 
+def in_spawner(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` (a fork) in the one spawner thread of this process, started on first use: a child forked
+    there with a parent-death signal (this module's shim, bwrap's ``--die-with-parent``) gets it only when
+    the process dies. The cluster's children and the sandboxes (``sandbox_agent/sandbox/spawn.py``) share it."""
+    return _get_spawner().submit(fn)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs: it exists and is not a zombie (exited, not yet reaped by its parent).
     Another user's process counts; a PID recycled since is not told apart (the caller records more than a PID
     where that matters, as ``cluster.state`` does)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(") ", 1)[1].split()[0]  # the name in parentheses may hold ") " itself
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return False
-    return state not in ("Z", "X")
 
 
 def _popen_kwargs(
@@ -158,7 +165,7 @@ def popen(
     """``subprocess.Popen(argv)`` that gets ``pdeathsig`` when this process dies (forked by the spawner)."""
     guarded_argv(argv, pdeathsig)  # a missing program fails here, in the caller
     kw = _popen_kwargs(env, cwd, start_new_session, stdin=stdin, stdout=stdout, stderr=stderr)
-    proc: subprocess.Popen[bytes] = _get_spawner().submit(lambda: _spawn(argv, pdeathsig, kw)).result()
+    proc: subprocess.Popen[bytes] = in_spawner(lambda: _spawn(argv, pdeathsig, kw)).result()
     return proc
 
 
@@ -166,10 +173,10 @@ class ChildProcess:
     """A child started by ``open_process``: ``pid``, ``returncode``, ``wait``, signals, ``aclose`` (the part
     of ``anyio.abc.Process`` we use, without pipes). Waits on a pidfd, so it works under trio and asyncio."""
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], pidfd: int | None = None) -> None:
         self.popen = popen
         self.pid = popen.pid
-        self._pidfd = os.pidfd_open(popen.pid)  # nobody else reaps it, so this is our child
+        self._pidfd = os.pidfd_open(popen.pid) if pidfd is None else pidfd  # nobody else reaps it: our child
 
     @property
     def returncode(self) -> int | None:
@@ -219,6 +226,6 @@ async def open_process(
     cannot be executed. Blocks only a worker thread while the spawner forks."""
     guarded_argv(argv, pdeathsig)  # a missing program fails here, in the caller
     kw = _popen_kwargs(env, cwd, start_new_session, stdin=stdin, stdout=stdout, stderr=stderr)
-    fut = _get_spawner().submit(lambda: ChildProcess(_spawn(argv, pdeathsig, kw)))
+    fut = in_spawner(lambda: ChildProcess(_spawn(argv, pdeathsig, kw)))
     child: ChildProcess = await anyio.to_thread.run_sync(fut.result)
     return child

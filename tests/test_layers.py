@@ -5,8 +5,9 @@ The import graph is read from the source with ``ast``, not from ``sys.modules``:
 hides a cycle from the interpreter, not from the design). ``from pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``; ``import a.b.c`` is an edge to ``a.b.c``.
 
-    base         t1async.log (imports nothing of ours); t1async.protocol (imports only itself and log)
-    sandbox_agent   imports only itself, t1async.protocol and t1async.log
+    base         t1async.log and t1async.procs (import nothing of ours); t1async.protocol (imports only
+                 itself and the base)
+    sandbox_agent   imports only itself, t1async.protocol and the base
     core         t1async.{protocol, transport, credits, ingest, learner, sampler, model, log, curves}:
                  imports only the core
     testing      t1async.testing (conformance kits): the core, sandbox_agent and itself
@@ -132,7 +133,7 @@ def build_graph(root: Path = ROOT, tops: tuple[str, ...] = TOPS) -> tuple[dict[s
 
 # --- the layers ------------------------------------------------------------------------------------------
 
-CORE = ("transport", "credits", "ingest", "learner", "sampler", "model", "curves", "config", "signals", "procs")
+CORE = ("transport", "credits", "ingest", "learner", "sampler", "model", "curves", "config", "signals")
 APPLICATIONS = ("t1async.cluster", "t1async.eval", "t1async.recipes", "actors", "bench")
 
 
@@ -146,8 +147,8 @@ def layer(mod: str) -> str | None:
         return "root"  # the empty top package, imported along with any t1async module
     if mod.startswith("t1async.") and mod.endswith(".__main__"):
         return "application"  # a command line: may reach up to recipes (`python -m t1async.learner sft`)
-    if _under(mod, "t1async.log"):
-        return "log"
+    if _under(mod, "t1async.log") or _under(mod, "t1async.procs"):
+        return "base"
     if _under(mod, "t1async.protocol"):
         return "protocol"
     if _under(mod, "sandbox_agent"):
@@ -164,17 +165,17 @@ def layer(mod: str) -> str | None:
 # layer -> the layers it may import ("root", the empty t1async/__init__, may be imported by anyone)
 ALLOWED: dict[str, set[str]] = {
     "root": set(),
-    "log": set(),
-    "protocol": {"protocol", "log"},
-    "sandbox_agent": {"sandbox_agent", "protocol", "log"},
-    "core": {"core", "protocol", "log"},
-    "testing": {"testing", "core", "protocol", "log", "sandbox_agent"},
-    "application": {"application", "testing", "core", "protocol", "log", "sandbox_agent"},
+    "base": set(),
+    "protocol": {"protocol", "base"},
+    "sandbox_agent": {"sandbox_agent", "protocol", "base"},
+    "core": {"core", "protocol", "base"},
+    "testing": {"testing", "core", "protocol", "base", "sandbox_agent"},
+    "application": {"application", "testing", "core", "protocol", "base", "sandbox_agent"},
 }
 RULES = {
-    "log": "t1async.log imports nothing of ours",
-    "protocol": "t1async.protocol imports nothing of ours but t1async.log",
-    "sandbox_agent": "sandbox_agent imports nothing of ours but t1async.protocol and t1async.log",
+    "base": "t1async.log and t1async.procs (children that die with their parent) import nothing of ours",
+    "protocol": "t1async.protocol imports nothing of ours but the base",
+    "sandbox_agent": "sandbox_agent imports nothing of ours but t1async.protocol and the base (log, procs)",
     "core": "the core (t1async.{protocol, transport, credits, ingest, learner, sampler, model, log, curves}) "
     "never imports sandbox_agent, actors, t1async.{cluster, eval, recipes, testing} or bench",
     "testing": "t1async.testing imports only the core and sandbox_agent (no application)",
@@ -335,7 +336,7 @@ def test_checker_sees_every_kind_of_import(tmp_path):
     bad = {layer: {(e.src, e.dst) for e in layer_violations(edges, layer)} for layer in RULES}
     assert bad == {
         "root": set(),
-        "log": set(),
+        "base": set(),
         "protocol": {("t1async.protocol.wire", "t1async.transport.base")},
         "sandbox_agent": {("sandbox_agent.agent", "t1async.curves")},
         "core": {("t1async.transport.base", "t1async.testing.kit")},

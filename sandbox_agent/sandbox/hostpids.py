@@ -1,57 +1,37 @@
-"""Host-side views of a rootful container's processes, read from /proc: the host pid of a pid inside a
-container, a shell's session, the conmon (and ``runc init``) of a t1 container, and signalling them by
-pidfd (a recycled pid is never hit)."""
+"""Host-side views of a rootful container's processes (psutil, and /proc for what it does not give): the host
+pid of a pid inside a container, a shell's session, the conmon (and ``runc init``) of a t1 container, and
+signalling them by pidfd (a recycled pid is never hit)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+
+import psutil
 
 
 def conmons(min_age_s: float, name: str | None = None) -> dict[int, str]:
     """pid -> container name of the conmon processes of t1 containers (``name``'s only, if given) that
     have run at least ``min_age_s``."""
     out: dict[int, str] = {}
-    try:
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except OSError:
-        return out
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    now = time.time()
+    for p in psutil.process_iter(["cmdline", "create_time"]):
+        argv, started = p.info["cmdline"] or [], p.info["create_time"] or now
+        if not argv or os.path.basename(argv[0]) != "conmon" or "-n" not in argv[:-1]:
             continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                started = int(f.read().rsplit(")", 1)[1].split()[19]) / tick
-        except (OSError, IndexError, ValueError):
-            continue
-        if not argv or os.path.basename(argv[0]) != b"conmon" or b"-n" not in argv[:-1]:
-            continue
-        cname = argv[argv.index(b"-n") + 1].decode(errors="replace")
-        if cname.startswith("t1-") and (name is None or cname == name) and uptime - started >= min_age_s:
-            out[int(entry)] = cname
+        cname = argv[argv.index("-n") + 1]
+        if cname.startswith("t1-") and (name is None or cname == name) and now - started >= min_age_s:
+            out[p.pid] = cname
     return out
 
 
 def kill_tree(root: int) -> list[int]:
     """SIGKILL ``root`` and every descendant (conmon's ``runc init``); returns the pids signalled."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, ()))
+    try:
+        tree = [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
+    except psutil.Error:
+        tree = [root]
     for pid in tree:
         signal_pid(pid, signal.SIGSTOP)  # frozen first: nothing forks or re-parents while we kill
     for pid in tree:
@@ -85,16 +65,12 @@ def host_pid(init: int, inner: int) -> int | None:
 def session(leader: int) -> set[int]:
     """Live host pids whose session is ``leader``'s (the shell ran ``setsid``, so: the shell and its jobs)."""
     out: set[int] = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for p in psutil.process_iter(["status"]):
         try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            if os.getsid(p.pid) == leader and p.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                out.add(p.pid)
+        except OSError:  # gone since
             continue
-        if len(fields) > 3 and fields[3] == str(leader) and fields[0] not in ("Z", "X"):
-            out.add(int(name))
     return out
 
 

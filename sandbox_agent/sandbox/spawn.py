@@ -3,10 +3,10 @@
 Why. bwrap's ``--die-with-parent`` is ``PR_SET_PDEATHSIG``, and Linux sends that signal when the *thread*
 that forked the child exits, not when its process does. Under trio, ``anyio.open_process`` forks from a
 worker thread of trio's cache, and an idle worker exits after 10 s: every sandbox it had started was then
-SIGKILLed ten seconds into any idle gap. So every sandbox is forked here, by one dedicated
-thread that never returns (a daemon thread blocked on its queue): the death signal then fires only when
-the process itself dies, which is exactly the guard we want (a SIGKILLed actor takes its sandboxes down,
-since the kernel ends the thread with the process).
+SIGKILLed ten seconds into any idle gap. So every sandbox is forked by the process's one spawner thread
+(``t1async.procs.in_spawner``, shared with the cluster's children), which never returns: the death signal
+then fires only when the process itself dies, which is exactly the guard we want (a SIGKILLed actor takes
+its sandboxes down, since the kernel ends the thread with the process).
 
 ``spawn()`` returns a ``HostProcess``: the subset of ``anyio.abc.Process`` the sandboxes use, over raw
 non-blocking pipes (``FdSendStream``/``FdReceiveStream``) and a pidfd for ``wait()``, so it works the
@@ -16,67 +16,16 @@ same under trio and asyncio, whichever thread the event loop runs in.
 from __future__ import annotations
 
 import os
-import queue
-import signal
 import subprocess
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+from collections.abc import Sequence
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import ByteReceiveStream, ByteSendStream
 
+from t1async.procs import ChildProcess, in_spawner
+
 _CHUNK = 1 << 16
-
-
-class _Spawner:
-    """One thread that runs submitted callables, forever. Never joined: it must outlive every child.
-
-    t1async.procs has its twin for the cluster's processes. This one stays: sandbox_agent may import only
-    t1async.protocol and t1async.log (tests/test_layers.py), and the core may not import sandbox_agent."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="t1-sandbox-spawner", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            fn, fut = self._jobs.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except Exception as exc:  # handed to the waiting caller
-                fut.set_exception(exc)
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._jobs.put((fn, fut))
-        return fut
-
-
-_spawner: _Spawner | None = None
-_spawner_lock = threading.Lock()
-
-
-def _forget_spawner() -> None:  # a forked child has no copy of the thread: it makes its own on demand
-    global _spawner
-    _spawner = None
-
-
-os.register_at_fork(after_in_child=_forget_spawner)
-
-
-def spawner_thread() -> threading.Thread:
-    """The dedicated thread (started on first use)."""
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = _Spawner()
-        return _spawner.thread
 
 
 class _PipeEnd:
@@ -133,49 +82,22 @@ class FdSendStream(_PipeEnd, ByteSendStream):
             view = view[n:]
 
 
-class HostProcess:
-    """A child started by ``spawn``: pipes, ``returncode``, ``wait``, ``kill``, ``aclose``."""
+class HostProcess(ChildProcess):
+    """A child started by ``spawn``: ``t1async.procs.ChildProcess`` (``returncode``, ``wait`` on a pidfd,
+    signals) with its three pipes as anyio byte streams."""
 
     def __init__(self, popen: subprocess.Popen[bytes], pidfd: int, stdin: int, stdout: int, stderr: int) -> None:
-        self._popen, self._pidfd = popen, pidfd
-        self.pid = popen.pid
+        super().__init__(popen, pidfd)
         self.stdin = FdSendStream(stdin)
         self.stdout = FdReceiveStream(stdout)
         self.stderr = FdReceiveStream(stderr)
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    async def wait(self) -> int:
-        while self._popen.poll() is None:
-            await anyio.wait_readable(self._pidfd)  # a pidfd reads ready once the process has exited
-        rc = self._popen.returncode
-        assert rc is not None
-        return rc
-
-    def send_signal(self, sig: int) -> None:
-        if self._popen.poll() is None:
-            try:
-                signal.pidfd_send_signal(self._pidfd, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     async def aclose(self) -> None:
         """Close the pipes and wait for the process (the caller has made it exit, or will)."""
         with anyio.CancelScope(shield=True):
             for s in (self.stdin, self.stdout, self.stderr):
                 await s.aclose()
-            await self.wait()
-            if self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
+            await super().aclose()
 
 
 def _popen(
@@ -220,7 +142,5 @@ async def spawn(
 
     Raises OSError if it cannot be executed. The call blocks only a worker thread while the spawner forks.
     """
-    spawner_thread()
-    assert _spawner is not None
-    fut = _spawner.submit(lambda: _popen(argv, pass_fds, start_new_session, env))
+    fut = in_spawner(lambda: _popen(argv, pass_fds, start_new_session, env))
     return await anyio.to_thread.run_sync(fut.result)

@@ -99,6 +99,8 @@ def state_path(run_dir: str | Path) -> Path:
 
 
 def _read_proc(pid: int) -> tuple[list[str], int] | None:
+    # not psutil: its start time is the epoch's (boot time + ticks), and the boot time /proc reports may move by
+    # a second between two readers; a PID's identity across processes needs the raw ticks since boot
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         stat = Path(f"/proc/{pid}/stat").read_text()
