@@ -1,15 +1,19 @@
-"""Small helpers shared by the benches: a table, the --json last line, a stderr progress bar, percentiles."""
+"""Small helpers shared by the benches: tables and a stderr progress bar (rich), the --json last line, percentiles."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+from rich.table import Table
 
 
 def stats_ms(values_s: Sequence[float], name: str, pcts: Iterable[int] = (99,)) -> dict[str, float]:
@@ -26,29 +30,33 @@ def stats_ms(values_s: Sequence[float], name: str, pcts: Iterable[int] = (99,)) 
     return out
 
 
+def _console(file: Any) -> Console:
+    # wide and plain: a bench's output is read in logs and pipes as often as on a terminal
+    return Console(file=file or sys.stdout, width=200, highlight=False, color_system=None)
+
+
+def _cell(v: Any) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
 def print_table(title: str, rows: Sequence[tuple[str, Any]], *, file: Any = None) -> None:
-    file = file or sys.stdout
-    width = max([len(k) for k, _ in rows] + [20]) + 2
-    print(f"{'=' * 12} {title} {'=' * 12}", file=file)
+    """``name: value`` rows under a title (floats with 2 decimals), as SGLang's bench_serving prints its result."""
+    t = Table(title=title, show_header=False, box=None, title_justify="left", title_style="bold")
+    t.add_column(no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
     for k, v in rows:
-        if isinstance(v, float):
-            v = f"{v:.2f}"
-        print(f"{k + ':':<{width}}{v}", file=file)
-    print("=" * (26 + len(title)), file=file, flush=True)
+        t.add_row(k, _cell(v))
+    _console(file).print(t)
 
 
 def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "", file: Any = None) -> None:
     """Right-aligned columns under a header rule; floats with 2 decimals."""
-    file = file or sys.stdout
-    cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
-    if title:
-        print(title, file=file)
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), file=file)
-    print("  ".join("-" * w for w in widths), file=file)
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
-    file.flush()
+    t = Table(title=title or None, box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold")
+    for h in header:
+        t.add_column(h, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(*(_cell(c) for c in r))
+    _console(file).print(t)
 
 
 def add_model_arg(p: Any) -> None:
@@ -92,24 +100,19 @@ def emit_json(obj: dict) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal, unless forced)."""
+    """A progress bar on stderr (rich; only when stderr is a terminal, unless forced)."""
 
     def __init__(self, total: int, label: str = "", *, enabled: bool | None = None) -> None:
-        self.total, self.label, self.done = max(total, 1), label, 0
+        self.total, self.done = max(total, 1), 0
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.perf_counter()
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self._bar = RichProgress(*columns, console=Console(stderr=True), disable=not self.enabled)
+        self._task = self._bar.add_task(label, total=self.total)
+        self._bar.start()
 
     def advance(self, n: int = 1) -> None:
         self.done += n
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        elapsed = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:6.1f}s")
-        sys.stderr.flush()
+        self._bar.advance(self._task, n)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._bar.stop()
