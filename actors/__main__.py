@@ -82,7 +82,7 @@ def agent_config(args: ActorSettings, stop_token_ids: tuple[int, ...]) -> AgentC
 async def amain(args: ActorSettings) -> int:
     import anyio
 
-    from actors.actor import ActorConfig, run_actor
+    from actors.actor import run_actor
     from t1async.log import get_logger
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.sampler.engines import sampler_client
@@ -92,15 +92,6 @@ async def amain(args: ActorSettings) -> int:
     assert args.nats and args.tasks is not None  # settings() made sure
     tokenizer = ChatTokenizer.load(args.model)
     agent = agent_config(args, tuple(tokenizer.eos_ids))
-    config = ActorConfig(
-        actor_id=args.actor_id,
-        tasks_dir=args.tasks,
-        concurrency=args.concurrency,
-        split=args.split,
-        episodes=args.episodes,
-        seed=args.seed,
-        group_size=args.group_size,
-    )
     async with (
         NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,
         sampler_client(args.engine, args.sampler_url, model_dir=args.model, api_key=args.sampler_api_key) as sampler,
@@ -108,7 +99,7 @@ async def amain(args: ActorSettings) -> int:
         async with anyio.create_task_group() as tg:
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
                 tg.start_soon(sampler.monitor)
-            stats = await run_actor(config, transport=transport, sampler=sampler, tokenizer=tokenizer, agent=agent)
+            stats = await run_actor(args, transport=transport, sampler=sampler, tokenizer=tokenizer, agent=agent)
             tg.cancel_scope.cancel()
     log.info("actors.exit", episodes=stats.done, turns=stats.turns)
     return 0

@@ -1,7 +1,7 @@
 """The rollout actor: many concurrent episodes, one task each, streaming turns to the learner.
 
     async with open_actor_deps(...):          # transport, sampler client (owned by the caller)
-        await run_actor(config, deps)        # runs until `episodes` are done, or cancelled
+        await run_actor(config, deps)        # ActorSettings; runs until `episodes` are done, or cancelled
 
 Every episode asks ``t1.credit`` before each turn, samples token-in (with logprobs and routing), executes
 the action in its sandbox and publishes the ``turn`` record right away (actors/episode.py).
@@ -13,13 +13,13 @@ import itertools
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import anyio.abc
 
 from actors.episode import EpisodeContext, EpisodeStats, new_episode_id, run_one
+from actors.settings import ActorSettings
 from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike
 from sandbox_agent.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks import Task, load_tasks
@@ -34,18 +34,8 @@ from t1async.transport.base import Transport
 log = get_logger("actors.actor")
 
 
-@dataclass(frozen=True)
-class ActorConfig:
-    actor_id: str
-    tasks_dir: Path
-    concurrency: int = 4
-    split: str = "train"  # "train" | "eval" | "all"
-    episodes: int = 0  # stop after this many episodes in total (0: run until cancelled)
-    group_size: int = 1  # each drawn task runs this many times, ids <group>~g<k> (learner/groups.py)
-    seed: int = 0
-    metrics_every_s: float = 2.0
-    heartbeat_every_s: float = 3.0  # t1.actor.<id>: the learner releases an actor silent for --actor-timeout
-    work_root: Path | None = None
+METRICS_EVERY_S = 2.0  # t1.metrics.actor.<id>
+HEARTBEAT_EVERY_S = 3.0  # t1.actor.<id>: the learner releases an actor silent for --actor-timeout
 
 
 def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None = None) -> list[Task]:
@@ -67,7 +57,7 @@ def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None =
 
 
 async def run_actor(
-    config: ActorConfig,
+    config: ActorSettings,
     *,
     transport: Transport,
     sampler: Sampler,
@@ -76,12 +66,18 @@ async def run_actor(
     backend: SandboxBackend | None = None,
     task_status: anyio.abc.TaskStatus[EpisodeStats] = anyio.TASK_STATUS_IGNORED,
 ) -> EpisodeStats:
+    """Run ``config``'s episodes (``config.episodes`` of them, or until cancelled): the settings of
+    ``python -m actors``, whose ``--tasks`` and ``--actor-id`` it needs; ``agent`` says how each episode runs."""
+    if config.tasks is None or not config.actor_id:
+        raise ConfigError(
+            f"run_actor needs tasks and actor_id (--tasks, --actor-id), got {config.tasks}, {config.actor_id!r}"
+        )
     backend = backend or AutoBackend()
-    tasks = load_task_pool(config.tasks_dir, config.split, backend)
+    tasks = load_task_pool(config.tasks, config.split, backend)
     rng = random.Random(config.seed)
     order = itertools.count()
     credits = CreditClient(transport, config.actor_id)
-    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend, agent, config.work_root)
+    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend, agent)
     stats = EpisodeStats()
     t0 = time.monotonic()
     log.info(
@@ -115,7 +111,7 @@ async def run_actor(
 
     async def metrics() -> None:
         while True:
-            await anyio.sleep(config.metrics_every_s)
+            await anyio.sleep(METRICS_EVERY_S)
             await publish_metrics()
 
     async def publish_metrics() -> None:
@@ -151,7 +147,7 @@ async def run_actor(
                 await transport.publish(f"t1.actor.{config.actor_id}", beat)
             except Exception as exc:  # NATS reconnecting: the next beat retries; the learner's timeout is ~5 beats
                 log.warning("actor.heartbeat_failed", actor=config.actor_id, error=str(exc))
-            await anyio.sleep(config.heartbeat_every_s)
+            await anyio.sleep(HEARTBEAT_EVERY_S)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(heartbeat)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import anyio
 
-from actors.actor import ActorConfig, run_actor
+from actors.actor import run_actor
+from actors.settings import ActorSettings
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.synth import generate
 from t1async.learner.service import Learner, LearnerConfig
@@ -80,7 +81,7 @@ async def run_loop(
             async def actor():
                 with actor_scope:
                     await run_actor(
-                        ActorConfig("a1", tasks, concurrency=3, split="all"),
+                        ActorSettings(actor_id="a1", tasks=tasks, concurrency=3, split="all"),
                         transport=at,
                         sampler=sampler,
                         tokenizer=tok,

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.actor import ActorConfig, run_actor
+from actors.actor import run_actor
+from actors.settings import ActorSettings
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.synth import generate
 from t1async.ingest.tito import Segment
@@ -322,7 +323,7 @@ async def test_actors_run_each_drawn_task_group_size_times_and_the_learner_centr
 
             tg.start_soon(watch)
             await tg.start(run_learner)
-            actor = ActorConfig("a1", tasks, concurrency=3, split="all", group_size=3)
+            actor = ActorSettings(actor_id="a1", tasks=tasks, concurrency=3, split="all", group_size=3)
             tg.start_soon(lambda: run_actor(actor, transport=at, sampler=sampler, tokenizer=tok, agent=agent))
             with anyio.fail_after(240):
                 await finished.wait()

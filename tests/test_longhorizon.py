@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from actors.actor import ActorConfig, run_actor
+from actors.actor import run_actor
+from actors.settings import ActorSettings
 from sandbox_agent.agent import run_agent
 from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObservations, make_policy
@@ -253,7 +254,7 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
             tg.start_soon(watch)
             await tg.start(learner.run)
             stats = await run_actor(
-                ActorConfig("lh", tasks, concurrency=1, split="all", episodes=1),
+                ActorSettings(actor_id="lh", tasks=tasks, concurrency=1, split="all", episodes=1),
                 transport=at,
                 sampler=sampler,
                 tokenizer=tok,
@@ -360,7 +361,7 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
             tg.start_soon(learner.run)
             with anyio.fail_after(120):  # before the fix: the actor waited for a credit the learner never freed
                 stats = await run_actor(
-                    ActorConfig("em", tasks, concurrency=1, split="all", episodes=1),
+                    ActorSettings(actor_id="em", tasks=tasks, concurrency=1, split="all", episodes=1),
                     transport=at,
                     sampler=sampler,
                     tokenizer=tok,

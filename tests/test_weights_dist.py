@@ -151,7 +151,8 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
     """The real learner service (in-memory NATS, real trainer) with --weight-sync distributed, and a real
     sampler process that the actor samples from: every step's version reaches the sampler over the gloo
     group, and the sampler ends with exactly the weights of the learner's last checkpoint."""
-    from actors.actor import ActorConfig, run_actor
+    from actors.actor import run_actor
+    from actors.settings import ActorSettings
     from sandbox_agent.agent_types import AgentConfig
     from sandbox_agent.synth import generate
     from t1async.learner.checkpoint import latest_checkpoint
@@ -206,7 +207,7 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
                     await tg.start(learner.run)
                     tg.start_soon(
                         lambda: run_actor(
-                            ActorConfig("a1", tmp_path / "tasks", concurrency=3, split="all"),
+                            ActorSettings(actor_id="a1", tasks=tmp_path / "tasks", concurrency=3, split="all"),
                             transport=at,
                             sampler=client,
                             tokenizer=tok,
