@@ -123,22 +123,24 @@ def eval_masked(model: Path, tasks: list, *, samples: int, out: Path, ev: Mappin
     """``bench.learning_runs.eval_policy`` with ``DoneMasked`` around the embedded sampler."""
     import anyio
 
-    from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
 
     tok = ChatTokenizer.load(model)
-    agent = AgentConfig(
+    cfg = EvalConfig(
+        samples=samples,
+        concurrency=ev["concurrency"],
+        seed=ev["seed"],
         max_turns=ev["max_turns"],
-        max_context_tokens=ev["max_context"],
-        request_routing=False,
-        sampling=SamplingParams(max_new_tokens=ev["max_new_tokens"], temperature=temperature),
+        max_new_tokens=ev["max_new_tokens"],
+        max_context=ev["max_context"],
+        temperature=temperature,
     )
+    agent = cfg.agent()
     if ev.get("system_prompt") is not None:
         agent = replace(agent, system_prompt=ev["system_prompt"])
-    cfg = EvalConfig(samples=samples, concurrency=ev["concurrency"], seed=ev["seed"], agent=agent)
     need = {t.id: oracle_command_turns(t) for t in tasks}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
@@ -146,7 +148,7 @@ def eval_masked(model: Path, tasks: list, *, samples: int, out: Path, ev: Mappin
     async def go() -> list[dict]:
         async with launch_sampler(model, seed=ev["seed"], prefix_cache_tokens=0) as url, SGLangClient([url]) as c:
             masked = DoneMasked(c, tok, need)
-            rows = await run_eval(tasks, masked, tok, cfg, jsonl=out, progress=progress_stream())
+            rows = await run_eval(tasks, masked, tok, cfg, jsonl=out, progress=progress_stream(), agent=agent)
             log.info("baseline.mask", resampled=masked.resampled, kept_done=masked.kept_done)
             for r in rows:
                 r["masked_kept_done"] = masked.kept_done

@@ -39,29 +39,30 @@ def eval_policy(
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
     import anyio
 
-    from sandbox_agent.agent_types import AgentConfig
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
 
     tok = ChatTokenizer.load(model)
-    agent = AgentConfig(
+    cfg = EvalConfig(
+        samples=samples,
+        concurrency=concurrency,
+        seed=seed,
         max_turns=max_turns,
-        max_context_tokens=max_context,
-        request_routing=False,
-        sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
+        max_new_tokens=max_new_tokens,
+        max_context=max_context,
+        temperature=temperature,
     )
+    agent = cfg.agent()
     if system_prompt is not None:  # the prompt the warm start was trained with (the actors use it too)
         agent = replace(agent, system_prompt=system_prompt)
-    cfg = EvalConfig(samples=samples, concurrency=concurrency, seed=seed, agent=agent)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
 
     async def go() -> list[dict]:
         async with launch_sampler(model, seed=seed, prefix_cache_tokens=0) as url, SGLangClient([url]) as c:
-            return await run_eval(tasks, c, tok, cfg, jsonl=out, progress=progress_stream())
+            return await run_eval(tasks, c, tok, cfg, jsonl=out, progress=progress_stream(), agent=agent)
 
     return anyio.run(go, backend="trio")
 

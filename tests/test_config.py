@@ -219,3 +219,35 @@ def test_the_eval_loop_command_line_takes_flags_or_a_file(tmp_path, capsys):
     f.write_text('every = 2\nnats = "nats://x:1"\n')
     assert main(["--config", str(f)]) == 2
     assert "missing required setting(s) --run-dir, --tasks" in capsys.readouterr().err
+
+
+def test_each_command_keeps_its_episode_defaults(tmp_path):
+    """Each episode setting is declared once (``actors.settings.EpisodeOptions``) and each command keeps its own
+    default: the actors and ``python -m t1async.eval`` ask for 256 new tokens a turn, ``cluster up`` and its eval
+    loop 128. What a command resolves is what its code runs with: the eval loop's settings are an ``EvalConfig``."""
+    from actors.settings import ActorSettings
+    from t1async.cluster.config import UpConfig
+    from t1async.eval.__main__ import EvalSettings
+    from t1async.eval.loop import LoopSettings
+    from t1async.eval.run import EvalConfig
+
+    loop = LoopSettings(run_dir=tmp_path, tasks=tmp_path, every=1)
+    got = {
+        name: (c.max_new_tokens, c.concurrency, c.max_turns)
+        for name, c in [
+            ("actors", ActorSettings()),
+            ("eval", EvalSettings()),
+            ("eval loop", loop),
+            ("cluster up", UpConfig(run_dir=tmp_path)),
+        ]
+    }
+    assert got == {
+        "actors": (256, 4, 300),
+        "eval": (256, 4, 20),
+        "eval loop": (128, 2, 20),
+        "cluster up": (128, 4, 300),
+    }
+    assert isinstance(loop, EvalConfig) and loop.agent().sampling.max_new_tokens == 128
+    assert EvalConfig().agent().sampling.max_new_tokens == 256 and not EvalConfig().agent().request_routing
+    with pytest.raises(ConfigError, match="--samples must be >= 1, got 0"):
+        EvalConfig(samples=0)  # checked when built in code too, not only when resolved from flags

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.runner import render_command, solution_chunks
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks
@@ -56,7 +55,7 @@ async def test_eval_counts_what_the_verifier_says(tasks, tmp_path, oracle):
     tok = ChatTokenizer.load()
     ts = load_tasks(tasks)
     sampler = ScriptSampler(tok, ts, oracle=oracle)
-    cfg = EvalConfig(samples=2, concurrency=3, seed=4, agent=AgentConfig(max_turns=40, request_routing=False))
+    cfg = EvalConfig(samples=2, concurrency=3, seed=4, max_turns=40, max_new_tokens=1024, max_context=32768)
     rows = await run_eval(ts, sampler, tok, cfg, jsonl=tmp_path / "ep.jsonl")
     assert [(r["task"], r["sample"]) for r in rows] == sorted((t.id, s) for t in ts for s in range(2))
     assert all(r["backend"] == "bwrap" for r in rows)

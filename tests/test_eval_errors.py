@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.runner import render_command, solution_chunks
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks
@@ -42,7 +41,7 @@ async def test_a_failed_sampler_is_an_error_not_a_failure_of_the_policy(tmp_path
     generate(tmp_path / "tasks", 3, seed=5, families=["text"])
     ts = load_tasks(tmp_path / "tasks")
     tok = ChatTokenizer.load()
-    cfg = EvalConfig(samples=2, concurrency=3, seed=0, agent=AgentConfig(max_turns=20, request_routing=False))
+    cfg = EvalConfig(samples=2, concurrency=3, seed=0, max_turns=20, max_new_tokens=1024, max_context=32768)
     rows = await run_eval(ts, ThreeWays(tok, ts), tok, cfg)
     by = {r["task"]: r for r in rows}
     assert by[ts[0].id]["error"] is None and by[ts[0].id]["resolved"]

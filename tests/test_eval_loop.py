@@ -10,7 +10,7 @@ import pytest
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks import load_tasks
 from t1async.curves import read_scalars
-from t1async.eval.loop import LoopConfig, run_loop
+from t1async.eval.loop import LoopSettings, run_loop
 from t1async.model.weights import default_model_dir
 from t1async.protocol import wire
 from t1async.transport import MemoryBroker, MemoryTransport
@@ -31,7 +31,7 @@ async def test_scores_the_start_and_every_nth_version(tmp_path):
         if f.is_file():
             (ckpt / f.name).write_bytes(f.read_bytes())
     (ckpt / "trainer_state.json").write_text("{}")
-    cfg = LoopConfig(
+    cfg = LoopSettings(
         run_dir=tmp_path / "run", tasks=tasks, every=2, model=model, max_turns=1, max_new_tokens=16, max_context=2048
     )
     broker = MemoryBroker()

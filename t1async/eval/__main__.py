@@ -19,14 +19,12 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 
-from actors.settings import EpisodeOptions
-from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.backend import SandboxBackend, pick_backend
 from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
 from sandbox_agent.tasks import Task, load_tasks
@@ -37,7 +35,7 @@ from t1async.eval.stats import by_family, scored, split_errors, summarise, task_
 from t1async.log import configure, get_logger
 from t1async.model.modeldir import check_model_dir
 from t1async.protocol.errors import ConfigError, SamplerError, T1Error
-from t1async.protocol.sampling import Sampler, SamplingParams
+from t1async.protocol.sampling import Sampler
 from t1async.sampler.settings import Dtype, SamplerKeys, SamplerSettings
 
 log = get_logger("t1async.eval")
@@ -45,8 +43,9 @@ EXIT_IMAGE_BUILD_FAILED = 3  # no task could build its image (sandbox_agent's ru
 
 
 @dataclass(frozen=True)
-class EvalSettings:
-    """``python -m t1async.eval``'s settings: ``--config FILE.toml`` and/or flags (flags win)."""
+class EvalSettings(EvalConfig):
+    """``python -m t1async.eval``'s settings: ``--config FILE.toml`` and/or flags (flags win); how the episodes
+    run is its ``EvalConfig``, which ``run_eval`` takes."""
 
     model: Path | None = setting(None, "model dir: start the embedded sampler on it (or --sampler-url)")
     sampler_url: tuple[str, ...] = setting(
@@ -61,13 +60,6 @@ class EvalSettings:
     )
     split: Literal["eval", "test", "train", "all"] = setting("eval", "which tasks")
     families: str = setting("", "comma-separated task families (default: all)")
-    samples: int = setting(1, "episodes per task, K; pass@k for k <= K", ge=1)
-    concurrency: int = like(EpisodeOptions, "concurrency", group="episodes", help="episodes at once")
-    seed: int = setting(0, "sampling seed: episodes are seeded per (task, sample, turn)")
-    max_turns: int = like(EpisodeOptions, "max_turns", 20, group="episodes")
-    max_new_tokens: int = like(EpisodeOptions, "max_new_tokens", group="episodes")
-    max_context: int = like(EpisodeOptions, "max_context", group="episodes")
-    temperature: float = like(EpisodeOptions, "temperature", group="episodes", help="sampling temperature (0 = greedy)")
     dtype: Dtype = like(SamplerSettings, "dtype")
     prefix_cache_tokens: int | None = like(
         SamplerSettings,
@@ -76,12 +68,6 @@ class EvalSettings:
     )
     tokenizer: Path | None = setting(
         None, "model dir whose tokenizer to use with --sampler-url (default: the shipped one)"
-    )
-    system_prompt_file: Path | None = setting(
-        None,
-        "the agent's system prompt (default: the built-in one); a warm start trained with its own has it in its "
-        "model dir as system_prompt.txt",
-        metavar="FILE",
     )
     out: Path = setting(Path("runs/eval"), "where episodes.jsonl, summary.json, eval.png go")
     json: bool = setting(False, "print the summary as one JSON object on the last stdout line")
@@ -150,19 +136,12 @@ async def amain(args: EvalSettings, tasks: list[Task], backend: SandboxBackend) 
     from t1async.model.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load(args.model if args.model is not None else args.tokenizer)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    agent = AgentConfig(
-        max_turns=args.max_turns, max_context_tokens=args.max_context, request_routing=False, sampling=sampling
-    )
-    if args.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.recipes.warmstart)
-        agent = replace(agent, system_prompt=args.system_prompt_file.read_text())
-    cfg = EvalConfig(samples=args.samples, concurrency=args.concurrency, seed=args.seed, agent=agent)
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "episodes.jsonl"
     jsonl.write_text("")
     t0 = time.monotonic()
     async with open_sampler(args) as sampler:
-        rows = await run_eval(tasks, sampler, tok, cfg, backend=backend, jsonl=jsonl, progress=progress_stream())
+        rows = await run_eval(tasks, sampler, tok, args, backend=backend, jsonl=jsonl, progress=progress_stream())
     ks = list(range(1, args.samples + 1))
     reasons: dict[str, int] = {}
     for r in rows:

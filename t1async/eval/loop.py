@@ -23,13 +23,14 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
 import anyio
 
 from t1async.config import add_arguments, like, resolve, setting
+from t1async.eval.run import EvalConfig
 from t1async.log import configure, get_logger
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, T1Error
@@ -39,37 +40,22 @@ from t1async.transport.auth import NatsClientSettings
 log = get_logger("t1async.eval.loop")
 
 
-@dataclass(frozen=True)
-class LoopConfig:
-    """What ``run_loop`` evaluates, and how."""
+@dataclass(frozen=True, kw_only=True)
+class LoopSettings(EvalConfig):
+    """``python -m t1async.eval.loop``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or
+    flags (flags win); what ``run_loop`` evaluates, and how (its ``EvalConfig``)."""
 
+    concurrency: int = 2  # spare capacity: fewer than python -m t1async.eval's
+    max_new_tokens: int = 128  # cluster up's default (UpConfig), which it passes anyway
     run_dir: Path = setting(help="where eval/ and tensorboard/eval go (required)", metavar="DIR")
     tasks: Path = setting(help="task dir; its eval split is scored (required)", metavar="DIR")
     every: int = setting(help="score every N-th policy version (required)", ge=1)
     model: Path | None = setting(
         None, "the starting policy: scored first as version 0 (default: start at the first due version)"
     )
-    samples: int = setting(1, "episodes per held-out task", ge=1)
-    concurrency: int = setting(2, "episodes in parallel", ge=1)
-    seed: int = setting(0, "seed of the episodes (per task and sample, the same for every version)")
-    max_turns: int = setting(20, "turns per episode", ge=1)
-    max_new_tokens: int = setting(128, "tokens per turn", ge=1)
-    max_context: int = setting(8192, "tokens of context per episode", ge=1)
-    temperature: float = setting(1.0, "sampling temperature", ge=0)
-    system_prompt_file: Path | None = setting(None, "the agent's system prompt (default: the built-in one)")
-
-
-@dataclass(frozen=True)
-class LoopSettings(LoopConfig):
-    """``python -m t1async.eval.loop``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or
-    flags (flags win)."""
-
     nats: str | None = setting(None, "NATS URL the learner publishes t1.policy on (required)", metavar="URL")
     nats_creds: Path | None = like(NatsClientSettings, "nats_creds")
     log_level: str = setting("info", "log level")
-
-    def loop_config(self) -> LoopConfig:
-        return LoopConfig(**{f.name: getattr(self, f.name) for f in fields(LoopConfig)})
 
 
 def held_out(tasks: Path) -> list:
@@ -81,26 +67,15 @@ def held_out(tasks: Path) -> list:
     return held
 
 
-async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: list) -> dict:
+async def evaluate(cfg: LoopSettings, model: Path, policy_version: int, tasks: list) -> dict:
     """Score ``model`` on ``tasks``; the summary record's values."""
-    from sandbox_agent.agent_types import AgentConfig
-    from t1async.eval.run import EvalConfig, run_eval
+    from t1async.eval.run import run_eval
     from t1async.eval.stats import scored, split_errors, summarise, task_scores
     from t1async.model.tokenizer import ChatTokenizer
-    from t1async.protocol.sampling import SamplingParams
     from t1async.sampler.client import SGLangClient
     from t1async.sampler.launch import launch_sampler
 
     tok = ChatTokenizer.load(model)
-    agent = AgentConfig(
-        max_turns=cfg.max_turns,
-        max_context_tokens=cfg.max_context,
-        request_routing=False,
-        sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature),
-    )
-    if cfg.system_prompt_file is not None:
-        agent = replace(agent, system_prompt=Path(cfg.system_prompt_file).read_text())
-    ecfg = EvalConfig(samples=cfg.samples, concurrency=cfg.concurrency, seed=cfg.seed, agent=agent)
     t0 = time.monotonic()
     out = cfg.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +85,7 @@ async def evaluate(cfg: LoopConfig, model: Path, policy_version: int, tasks: lis
         ) as url,
         SGLangClient([url]) as c,
     ):
-        rows = await run_eval(tasks, c, tok, ecfg, jsonl=out / f"v{policy_version}.jsonl")
+        rows = await run_eval(tasks, c, tok, cfg, jsonl=out / f"v{policy_version}.jsonl")
     counted, unbuilt = scored(rows)  # tasks whose image did not build are counted apart, not as fails
     counted, errors = split_errors(counted)  # so are episodes that errored (sandbox, sampler, timeout, ...)
     if not counted:
@@ -151,7 +126,7 @@ class _Due(TypedDict):
     step: int
 
 
-async def run_loop(cfg: LoopConfig, transport) -> None:
+async def run_loop(cfg: LoopSettings, transport) -> None:
     """Until cancelled: evaluate every due policy version, newest first, one at a time."""
     from t1async.curves import Curves
 
@@ -220,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no --nats URL (a flag or the nats key of --config)", file=sys.stderr)
         return 2
     configure(level=settings.log_level)
-    cfg, nats = settings.loop_config(), settings.nats
+    nats = settings.nats
     try:
         os.nice(10)  # spare capacity: the actors, sampler and learner come first
     except OSError:
@@ -235,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             anyio.create_task_group() as tg,
         ):
             await tg.start(cancel_on_stop, tg.cancel_scope)
-            await run_loop(cfg, t)
+            await run_loop(settings, t)
             tg.cancel_scope.cancel()
 
     try:

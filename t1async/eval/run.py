@@ -17,43 +17,63 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 import anyio
 
+from actors.settings import EpisodeOptions
 from sandbox_agent.agent_types import AgentConfig, TurnResult
 from sandbox_agent.backend import BwrapBackend, SandboxBackend
 from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
 from sandbox_agent.images import image_build_error
 from sandbox_agent.runner import run_episode
 from sandbox_agent.tasks import Task
+from t1async.config import check_bounds, like, setting
 from t1async.eval.stats import episode_error
 from t1async.log import get_logger
-from t1async.protocol.errors import ConfigError, T1Error
+from t1async.protocol.errors import T1Error
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams
 
 log = get_logger("t1async.eval")
 
 
+MAX_COMMAND_CHARS = 400  # of each turn's command, in the JSONL
+
+
 @dataclass(frozen=True)
 class EvalConfig:
-    samples: int = 1  # episodes per task (K)
-    concurrency: int = 4  # episodes at once
-    seed: int = 0
-    agent: AgentConfig = field(
-        default_factory=lambda: AgentConfig(
-            max_turns=20, max_context_tokens=8192, request_routing=False, sampling=SamplingParams(max_new_tokens=256)
-        )
+    """How ``run_eval`` runs a policy: every task ``samples`` times, ``concurrency`` at once, seeded; each episode
+    the agent loop of ``agent()``. ``python -m t1async.eval`` (``EvalSettings``) and the eval in the loop
+    (``LoopSettings``) extend it with where the policy and the tasks come from."""
+
+    samples: int = setting(1, "episodes per task, K; pass@k for k <= K", ge=1)
+    concurrency: int = like(EpisodeOptions, "concurrency", group="episodes", help="episodes at once")
+    seed: int = setting(0, "sampling seed: episodes are seeded per (task, sample, turn)")
+    max_turns: int = like(EpisodeOptions, "max_turns", 20, group="episodes")
+    max_new_tokens: int = like(EpisodeOptions, "max_new_tokens", group="episodes")
+    max_context: int = like(EpisodeOptions, "max_context", group="episodes")
+    temperature: float = like(EpisodeOptions, "temperature", group="episodes", help="sampling temperature (0 = greedy)")
+    system_prompt_file: Path | None = setting(
+        None,
+        "the agent's system prompt (default: the built-in one); a warm start trained with its own has it in its "
+        "model dir as system_prompt.txt",
+        metavar="FILE",
     )
-    max_command_chars: int = 400  # per turn in the JSONL
+
+    def agent(self) -> AgentConfig:
+        """The agent loop of each episode: no routing requested (an eval trains on nothing)."""
+        sampling = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        agent = AgentConfig(
+            max_turns=self.max_turns, max_context_tokens=self.max_context, request_routing=False, sampling=sampling
+        )
+        if self.system_prompt_file is not None:  # e.g. a warm start's system_prompt.txt (t1async.recipes.warmstart)
+            agent = replace(agent, system_prompt=Path(self.system_prompt_file).read_text())
+        return agent
 
     def __post_init__(self) -> None:
-        if self.samples < 1 or self.concurrency < 1:
-            raise ConfigError(
-                f"EvalConfig needs samples >= 1 and concurrency >= 1, got {self.samples}, {self.concurrency}"
-            )
+        check_bounds(self)  # constructed in code too, not only resolved from flags
 
 
 def episode_seed(seed: int, task: str, sample: int, turn: int) -> int:
@@ -118,7 +138,8 @@ async def run_one(
     sample: int,
     sampler: Sampler,
     tokenizer,
-    cfg: EvalConfig,
+    agent: AgentConfig,
+    seed: int,
     backend: SandboxBackend,
     work_root: Path | None = None,
 ) -> dict:
@@ -135,7 +156,7 @@ async def run_one(
                 "turn": t.turn,
                 "out": hashlib.sha256(t.output_ids.astype("<i4").tobytes()).hexdigest()[:8],
                 "action": t.action_kind,
-                "command": t.action_text[: cfg.max_command_chars],
+                "command": t.action_text[:MAX_COMMAND_CHARS],
                 "exit_code": t.exit_code,
                 "tokens": int(len(t.output_ids)),
                 "reward": float(t.reward),
@@ -148,18 +169,18 @@ async def run_one(
         "split": task.split,
         "content_key": task.content_key,
         "sample": sample,
-        "seed": episode_seed(cfg.seed, task.id, sample, 0),
+        "seed": episode_seed(seed, task.id, sample, 0),
         "backend": backend.name,
     }
     t0 = time.monotonic()
-    seeded = SeededSampler(sampler, cfg.seed, task.id, sample)
+    seeded = SeededSampler(sampler, seed, task.id, sample)
     try:
         res = await run_episode(
             task,
             sampler=seeded,
             tokenizer=tokenizer,
             backend=backend,
-            config=cfg.agent,
+            config=agent,
             on_turn=on_turn,
             rid=f"eval-{task.id}-s{sample}",
             work_root=work_root,
@@ -205,9 +226,12 @@ async def run_eval(
     progress: IO[str] | None = None,
     work_root: Path | None = None,
     on_episode: Callable[[dict], None] | None = None,
+    agent: AgentConfig | None = None,
 ) -> list[dict]:
-    """Every task ``cfg.samples`` times, ``cfg.concurrency`` at once; rows sorted by (task, sample)."""
+    """Every task ``cfg.samples`` times, ``cfg.concurrency`` at once, each episode the agent loop of ``agent``
+    (default ``cfg.agent()``); rows sorted by (task, sample)."""
     backend = backend or BwrapBackend()
+    agent = agent or cfg.agent()
     jobs = [(t, s) for s in range(cfg.samples) for t in tasks]  # sample 0 of every task first
     rows: list[dict] = []
     bar = _Bar(len(jobs), progress)
@@ -217,7 +241,7 @@ async def run_eval(
     async def worker() -> None:
         for i in nxt:
             task, sample = jobs[i]
-            row = await run_one(task, sample, sampler, tokenizer, cfg, backend, work_root)
+            row = await run_one(task, sample, sampler, tokenizer, agent, cfg.seed, backend, work_root)
             rows.append(row)
             if sink is not None:
                 sink.write(json.dumps(row) + "\n")
