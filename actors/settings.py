@@ -9,6 +9,7 @@ from typing import Literal
 from sandbox_agent.agent_types import Reward
 from sandbox_agent.context import POLICIES
 from t1async.config import like, setting
+from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys
 from t1async.transport.auth import NatsClientSettings
 
@@ -19,7 +20,9 @@ class EpisodeOptions:
 
     concurrency: int = setting(4, "episodes per actor at once", ge=1, group="actors")
     max_turns: int = setting(300, "turns per episode at most", ge=1, group="actors")
-    max_new_tokens: int = setting(256, "tokens sampled per turn at most", ge=1, group="actors")
+    max_new_tokens: int = setting(
+        SamplingParams.max_new_tokens, "tokens sampled per turn at most", ge=1, group="actors"
+    )  # what a request asks for by default; cluster up and the eval loop set their own
     max_context: int = setting(8192, "context budget per episode, in tokens", ge=1, group="actors")
     context_policy: str = setting(
         "truncate-observations",

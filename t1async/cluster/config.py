@@ -129,7 +129,7 @@ class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
         (), "families to synthesize (default: the 11 default ones)", metavar="A,B", sep=",", group=ACTORS
     )
     actors: int = setting(2, "actor processes", ge=1, group=ACTORS)
-    max_new_tokens: int = 128  # cluster up's default (EpisodeOptions: 256)
+    max_new_tokens: int = 128  # cluster up's own default for its actors and eval (declared in EpisodeOptions)
     # learner (and LearnerOptions)
     learner_cpus: str = setting(
         "", "pin the learner to these CPUs (taskset list, e.g. 1; default: any)", metavar="LIST", group=LEARNER
