@@ -41,8 +41,8 @@ from bench._common import add_model_arg, emit_json, model_dir, print_grid
 from t1async.learner.weightpush import DiskPushClient
 from t1async.model.moe import MoETransformer
 from t1async.model.weights import load_pretrained, save_pretrained
-from t1async.sampler.app import ServerConfig
 from t1async.sampler.server import serve
+from t1async.sampler.settings import SamplerSettings
 
 MODES = ("retract", "in_place", "abort", "wait")  # wait: vLLM only
 PROMPT_LEN = 16
@@ -196,9 +196,7 @@ async def run_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp:
     t0 = time.perf_counter()
     updates = 0
     async with anyio.create_task_group() as tg:
-        cfg = ServerConfig(
-            port=0, max_batch=args.requests, allowed_weight_roots=(str(tmp),), model_dir=str(versions.model_dir)
-        )
+        cfg = SamplerSettings(port=0, max_batch=args.requests, allowed_weight_roots=(tmp,), model=versions.model_dir)
         url = await tg.start(serve, cfg)
         load = Load(url, args.new_tokens, vocab)
         async with anyio.create_task_group() as work:

@@ -57,11 +57,13 @@ def setting(
     sep: str | None = None,
     choices: Iterable[str] | None = None,
     cli: bool = True,
+    repr: bool = True,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
 ) -> Any:
-    """A dataclass field with its help text, flag group and bounds (``ge``/``gt``/``le``, checked on load)."""
+    """A dataclass field with its help text, flag group and bounds (``ge``/``gt``/``le``, checked on load);
+    ``repr=False`` keeps a secret out of the config's repr."""
     meta = {
         "help": help,
         "metavar": metavar,
@@ -74,8 +76,8 @@ def setting(
         "le": le,
     }
     if factory is not _MISSING:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=factory, repr=repr, metadata=meta)
+    return dataclasses.field(default=default, repr=repr, metadata=meta)
 
 
 def like(cls: type, name: str, default: Any = _MISSING, **changes: Any) -> Any:

@@ -21,8 +21,8 @@ from t1async.learner.weightpush import DiskPushClient, DistributedPusher, Weight
 from t1async.model.config import MoEConfig
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 from t1async.protocol.errors import ConfigError
-from t1async.sampler.app import ServerConfig
 from t1async.sampler.server import serve
+from t1async.sampler.settings import SamplerSettings
 
 CFG = MoEConfig.load(default_model_dir())
 L, K = CFG.n_layers, CFG.top_k
@@ -47,9 +47,9 @@ def new_dir(tmp_path_factory):
 @asynccontextmanager
 async def sampler(weights: Path | None = None):
     """An in-process sampler; it loads pushed weights from beside ``weights`` (design §4 "Keys")."""
-    roots = (str(weights.parent),) if weights is not None else ()
+    roots = (weights.parent,) if weights is not None else ()
     async with anyio.create_task_group() as tg:
-        url = await tg.start(serve, ServerConfig(port=0, max_batch=8, allowed_weight_roots=roots))
+        url = await tg.start(serve, SamplerSettings(port=0, max_batch=8, allowed_weight_roots=roots))
         try:
             yield url
         finally:

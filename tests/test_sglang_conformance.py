@@ -510,12 +510,12 @@ async def test_a_paused_sampler_is_held_not_marked_down():
     (tokenizer_manager.is_ready); the embedded sampler now does the same, and the pool's probe leaves a
     paused sampler as it is instead of taking it out. Seen failing on the old code: the embedded sampler
     answered /health_generate 200 while paused, and a real SGLang was marked down."""
-    from t1async.sampler.app import ServerConfig
     from t1async.sampler.server import serve
+    from t1async.sampler.settings import SamplerSettings
 
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            url = await tg.start(serve, ServerConfig(port=0, max_batch=4, health_timeout_s=30.0))
+            url = await tg.start(serve, SamplerSettings(port=0, max_batch=4, health_timeout=30.0))
             async with SGLangClient([url], pool=PoolConfig(probe_timeout_s=2.0)) as c:
                 assert await c._probe(url) == (True, 0)
                 await W.pause_generation(c, mode="retract")

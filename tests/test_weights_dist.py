@@ -238,16 +238,16 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
 async def test_a_pause_without_continue_ends_by_itself_and_drops_that_push():
     """A trainer that dies mid-push must not stall every actor: the pause expires, the old weights serve,
     and the rest of that push is refused until the next pause; a whole push then works."""
-    from t1async.sampler.app import ServerConfig
     from t1async.sampler.server import serve
+    from t1async.sampler.settings import SamplerSettings
 
     with anyio.fail_after(240):  # without the expiry the held request would wait forever
-        await _expiring_pause(serve, ServerConfig)
+        await _expiring_pause(serve, SamplerSettings)
 
 
-async def _expiring_pause(serve, ServerConfig) -> None:
+async def _expiring_pause(serve, SamplerSettings) -> None:
     async with anyio.create_task_group() as tg:
-        url = await tg.start(serve, ServerConfig(port=0, max_batch=4, pause_timeout_s=1.0))
+        url = await tg.start(serve, SamplerSettings(port=0, max_batch=4, pause_timeout=1.0))
         async with SGLangClient([url]) as client:
             ids0, lp0, _ = await _logprobs(client)
             model = _perturbed(6)

@@ -205,24 +205,22 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         urls = [url]
     if not urls:  # the embedded samplers, all from one settings file; keys by file, pushes only from these roots
         from t1async.model.weights import default_model_dir
+        from t1async.sampler.settings import SamplerSettings
 
         api_file, admin_file = sampler_key_files(cfg)
-        roots = [Path(model if model is not None else default_model_dir()).parent, Path(cfg.run_dir) / "checkpoints"]
+        roots = (Path(model if model is not None else default_model_dir()).parent, Path(cfg.run_dir) / "checkpoints")
         roots[1].mkdir(parents=True, exist_ok=True)
-        sampler_toml = config_file(
-            cfg,
-            "sampler",
-            {
-                "model": model,
-                "seed": cfg.seed,
-                "dtype": cfg.sampler_dtype,
-                "max_batch": cfg.sampler_max_batch,
-                "prefix_cache_tokens": cfg.prefix_cache_tokens,
-                "api_key_file": api_file,
-                "admin_api_key_file": admin_file,
-                "allowed_weight_roots": roots,
-            },
+        sampler = SamplerSettings(
+            model=model,
+            seed=cfg.seed,
+            dtype=cfg.sampler_dtype,
+            max_batch=cfg.sampler_max_batch,
+            prefix_cache_tokens=cfg.prefix_cache_tokens,
+            api_key_file=api_file,
+            admin_api_key_file=admin_file,
+            allowed_weight_roots=roots,
         )
+        sampler_toml = config_file(cfg, "sampler", asdict(sampler))
         for i in range(cfg.samplers):
             ready = sampler_ready_file(cfg, i)
             ready.unlink(missing_ok=True)

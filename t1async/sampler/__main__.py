@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from t1async.config import add_arguments, resolve
@@ -66,24 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     from t1async.log import configure
 
     configure(args.log_level)  # before importing modules that bind their loggers at import time
-    from t1async.sampler.app import ServerConfig
     from t1async.sampler.server import serve
     from t1async.signals import wait_for_stop
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        model_dir=str(args.model) if args.model is not None else None,
-        seed=args.seed,
-        dtype=args.dtype,
-        max_batch=args.max_batch,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        served_model_name=args.served_model_name,
-        pause_timeout_s=args.pause_timeout,
-        api_key=api_key,
-        admin_api_key=admin_key,
-        allowed_weight_roots=tuple(str(r) for r in args.allowed_weight_roots),
-    )
+    config = replace(args, api_key=api_key, admin_api_key=admin_key)  # the server's config: the keys read
 
     async def run() -> None:
         stop = trio.Event()

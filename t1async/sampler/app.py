@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +24,7 @@ from t1async.log import get_logger
 from t1async.protocol.errors import SamplerError, SamplerRequestError
 from t1async.sampler import requests as P
 from t1async.sampler import response as R
+from t1async.sampler.settings import SamplerSettings
 
 if TYPE_CHECKING:
     import torch
@@ -36,26 +37,8 @@ _REJECTED = (ValueError, SamplerRequestError)
 VERSION = "t1async-embedded-0.1"
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    model_dir: str | None = None  # None: the shipped tiny model
-    seed: int = 0
-    dtype: str = "float32"
-    max_batch: int = 64
-    prefix_cache_tokens: int | None = None
-    served_model_name: str = "t1async-tiny-moe"
-    health_timeout_s: float = 20.0
-    pause_timeout_s: float = 300.0  # /pause_generation ends by itself after this long (weightsync_server.py)
-    # keys (auth.py); never shown: not in repr, not in /get_server_info
-    api_key: str | None = field(default=None, repr=False)
-    admin_api_key: str | None = field(default=None, repr=False)
-    # /update_weights_from_disk loads only from under these; (): the model directory's parent
-    allowed_weight_roots: tuple[str, ...] = ()
-
-
-_SECRET = ("api_key", "admin_api_key")
+# never shown in /server_info: the keys, and where they were read from
+_SECRET = ("api_key", "admin_api_key", "api_key_file", "admin_api_key_file")
 
 
 class ServingEngine(Protocol):
@@ -97,6 +80,15 @@ def _hf_config(model_path: str) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def _plain(v: Any) -> Any:
+    """A setting as JSON has it: paths as strings."""
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(json.dumps(obj, separators=(",", ":")), status_code=status, media_type="application/json")
 
@@ -110,7 +102,7 @@ class SamplerApp:
     """The HTTP handlers around one Engine and its tokenizer."""
 
     def __init__(
-        self, engine: ServingEngine, tokenizer: Any, config: ServerConfig, model_path: str, request_type: Any = None
+        self, engine: ServingEngine, tokenizer: Any, config: SamplerSettings, model_path: str, request_type: Any = None
     ) -> None:
         self.engine, self.tokenizer, self.config, self.model_path = engine, tokenizer, config, model_path
         if request_type is None:
@@ -121,8 +113,8 @@ class SamplerApp:
         self.vocab_size = int(info.get("vocab_size") or tokenizer.vocab_size)
         self.max_seq_len = int(info.get("max_seq_len") or 1 << 30)
         self.active: set[str] = set()
-        roots = config.allowed_weight_roots or ((str(Path(model_path).parent),) if model_path else ())
-        self.weight_roots = tuple(Path(r).resolve() for r in roots)
+        roots = config.allowed_weight_roots or ((Path(model_path).parent,) if model_path else ())
+        self.weight_roots = tuple(r.resolve() for r in roots)
         self.started = time.time()
         self.served = 0
         self.startup_version = str(engine.weight_version)  # /server_info's (SGLang's start-up)
@@ -376,7 +368,7 @@ class SamplerApp:
         at temperature 1, as SGLang's with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``."""
         return json_response(
             {
-                **{k: v for k, v in asdict(self.config).items() if k not in _SECRET},
+                **{k: _plain(v) for k, v in asdict(self.config).items() if k not in _SECRET},
                 "model_path": self.model_path,
                 "weight_version": self.startup_version,
                 "tp_size": 1,
@@ -405,7 +397,7 @@ class SamplerApp:
             sampling=replace(P.SGLANG_DEFAULTS, max_new_tokens=1, temperature=0.0),
             rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
         )
-        with anyio.move_on_after(self.config.health_timeout_s):
+        with anyio.move_on_after(self.config.health_timeout):
             result = await self._run_to_end(gi)
             return Response(status_code=200 if result["meta_info"]["completion_tokens"] == 1 else 503)
         return Response(status_code=503)

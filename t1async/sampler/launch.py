@@ -1,9 +1,10 @@
 """Start the embedded sampler as a subprocess and stop it by PID: ``async with launch_sampler() as url``.
 
-The child runs ``python -m t1async.sampler serve --port 0 --ready-file F``; we wait for F (the URL, with
-the real port) and a 200 from ``/health``, and on exit (also on error or cancellation) send SIGTERM to
-that PID, wait for the graceful shutdown, then SIGKILL if it lingers. Its stdout/stderr go to ``log_path``
-(a temporary file unless given); a failed start raises ``ServerStartError`` with the log's tail.
+The child runs ``python -m t1async.sampler serve --config F.toml``, F its ``SamplerSettings`` (port 0 unless
+given) with our ready file; we wait for that file (the URL, with the real port) and a 200 from ``/health``, and
+on exit (also on error or cancellation) send SIGTERM to that PID, wait for the graceful shutdown, then SIGKILL if
+it lingers. Its stdout/stderr go to ``log_path`` (a temporary file unless given); a failed start raises
+``ServerStartError`` with the log's tail.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 
+from t1async.config import to_toml
 from t1async.procs import ChildProcess, open_process, popen
 from t1async.protocol.errors import ServerStartError
+from t1async.sampler.settings import SamplerSettings
 
 try:
     from t1async.log import get_logger
@@ -46,45 +49,17 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    model_dir: str | None = None
-    port: int = 0
-    host: str = "127.0.0.1"
-    dtype: str = "float32"
-    seed: int = 0
-    max_batch: int = 64
-    prefix_cache_tokens: int | None = None
-    allowed_weight_roots: tuple[str | os.PathLike, ...] = ()  # (): the model directory's parent
-    start_timeout_s: float = 120.0
-    stop_timeout_s: float = 10.0
+def sampler_settings(model: str | os.PathLike | None, options: dict[str, Any]) -> SamplerSettings:
+    """The child's settings: ``options`` are SamplerSettings fields; the port defaults to 0 (a free one)."""
+    return SamplerSettings(**{"port": 0, **options, "model": None if model is None else Path(model)})
 
-    def command(self, ready_file: Path) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "t1async.sampler",
-            "serve",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--dtype",
-            self.dtype,
-            "--seed",
-            str(self.seed),
-            "--max-batch",
-            str(self.max_batch),
-            "--ready-file",
-            str(ready_file),
-        ]
-        if self.model_dir is not None:
-            cmd += ["--model", str(self.model_dir)]
-        if self.prefix_cache_tokens is not None:
-            cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
-        if self.allowed_weight_roots:
-            cmd += ["--allowed-weight-roots", ",".join(str(r) for r in self.allowed_weight_roots)]
-        return cmd
+
+def command(settings: SamplerSettings, ready: Path) -> list[str]:
+    """``sampler serve --config sampler.toml``, that file (written beside ``ready``) ``settings`` with
+    ``ready`` as its ready file."""
+    config = ready.with_name("sampler.toml")
+    config.write_text(to_toml(replace(settings, ready_file=ready), header="launch_sampler's settings"))
+    return [sys.executable, "-m", "t1async.sampler", "serve", "--config", str(config)]
 
 
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -95,32 +70,35 @@ def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
 
 @asynccontextmanager
 async def launch_sampler(
-    model_dir: str | os.PathLike | None = None,
+    model: str | os.PathLike | None = None,
     *,
     log_path: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
+    start_timeout_s: float = 120.0,
+    stop_timeout_s: float = 10.0,
     **options: Any,
 ) -> AsyncIterator[str]:
     """Run the embedded sampler for the duration of the block; yields its URL (``http://127.0.0.1:PORT``).
 
-    ``options`` are LaunchConfig fields: port, host, dtype, seed, max_batch, prefix_cache_tokens,
-    allowed_weight_roots, start_timeout_s, stop_timeout_s. Keys go through ``env`` (``T1_SAMPLER_API_KEY``,
-    ``T1_SAMPLER_ADMIN_KEY``), never argv; the readiness probe is ``/health``, which needs none.
+    ``options`` are SamplerSettings fields (port, host, dtype, seed, max_batch, prefix_cache_tokens,
+    allowed_weight_roots, ...), handed to the child as its ``--config`` file. Keys go through ``env``
+    (``T1_SAMPLER_API_KEY``, ``T1_SAMPLER_ADMIN_KEY``), never argv; the readiness probe is ``/health``, which
+    needs none.
     """
-    cfg = LaunchConfig(model_dir=None if model_dir is None else str(model_dir), **options)
+    settings = sampler_settings(model, options)
     with tempfile.TemporaryDirectory(prefix="t1-sampler-") as tmp:
         ready = Path(tmp) / "url"
         logp = Path(log_path) if log_path else Path(tmp) / "sampler.log"
         with open(logp, "ab") as logf:
-            proc = await open_process(cfg.command(ready), stdout=logf, stderr=logf, env=_child_env(env))
-        log.info("sampler.launching", pid=proc.pid, port=cfg.port, log=str(logp))
+            proc = await open_process(command(settings, ready), stdout=logf, stderr=logf, env=_child_env(env))
+        log.info("sampler.launching", pid=proc.pid, port=settings.port, log=str(logp))
         try:
-            url = await _wait_ready(proc, ready, logp, cfg.start_timeout_s)
+            url = await _wait_ready(proc, ready, logp, start_timeout_s)
             log.info("sampler.launched", pid=proc.pid, url=url)
             yield url
         finally:
             with anyio.CancelScope(shield=True):
-                await _stop(proc, cfg.stop_timeout_s)
+                await _stop(proc, stop_timeout_s)
 
 
 class SamplerProcess:
@@ -128,13 +106,16 @@ class SamplerProcess:
 
     def __init__(
         self,
-        model_dir: str | os.PathLike | None = None,
+        model: str | os.PathLike | None = None,
         *,
         log_path: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
+        start_timeout_s: float = 120.0,
+        stop_timeout_s: float = 10.0,
         **options: Any,
     ) -> None:
-        self.cfg = LaunchConfig(model_dir=None if model_dir is None else str(model_dir), **options)
+        self.settings = sampler_settings(model, options)
+        self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
         self._tmp = Path(tempfile.mkdtemp(prefix="t1-sampler-"))
         self.log_path = Path(log_path) if log_path else self._tmp / "sampler.log"
         self.env = env
@@ -144,8 +125,8 @@ class SamplerProcess:
     def start(self) -> str:
         ready = self._tmp / "url"
         with open(self.log_path, "ab") as logf:
-            self.proc = popen(self.cfg.command(ready), stdout=logf, stderr=logf, env=_child_env(self.env))
-        deadline = time.monotonic() + self.cfg.start_timeout_s
+            self.proc = popen(command(self.settings, ready), stdout=logf, stderr=logf, env=_child_env(self.env))
+        deadline = time.monotonic() + self.start_timeout_s
         started = False
         try:
             while time.monotonic() < deadline:
@@ -165,7 +146,7 @@ class SamplerProcess:
                 time.sleep(0.1)
             raise ServerStartError(
                 f"the sampler (pid {self.proc.pid}) was not ready within "
-                f"{self.cfg.start_timeout_s:.0f} s; log {self.log_path}:\n{_tail(self.log_path)}"
+                f"{self.start_timeout_s:.0f} s; log {self.log_path}:\n{_tail(self.log_path)}"
             )
         finally:
             if not started:
@@ -175,9 +156,9 @@ class SamplerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(self.cfg.stop_timeout_s)
+                self.proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                log.warning("sampler.kill", pid=self.proc.pid, waited_s=self.cfg.stop_timeout_s)
+                log.warning("sampler.kill", pid=self.proc.pid, waited_s=self.stop_timeout_s)
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -23,7 +23,8 @@ from starlette.routing import Route
 
 from t1async.log import get_logger
 from t1async.sampler import response as R
-from t1async.sampler.app import SamplerApp, ServerConfig, ServingEngine, json_response
+from t1async.sampler.app import SamplerApp, ServingEngine, json_response
+from t1async.sampler.settings import SamplerSettings
 
 __all__ = ["build_app", "serve"]
 log = get_logger("sampler.server")
@@ -33,12 +34,12 @@ def build_app(
     engine: ServingEngine,
     tokenizer: Any,
     *,
-    config: ServerConfig | None = None,
+    config: SamplerSettings | None = None,
     model_path: str = "",
     request_type: Any = None,
 ) -> Starlette:
     """The ASGI app. ``request_type`` defaults to the engine's ``GenRequest`` (tests may pass their own)."""
-    a = SamplerApp(engine, tokenizer, config or ServerConfig(), model_path, request_type)
+    a = SamplerApp(engine, tokenizer, config or SamplerSettings(), model_path, request_type)
     get_post = ["GET", "POST"]
     from t1async.sampler.weightsync_server import WeightSync
 
@@ -54,7 +55,7 @@ def build_app(
         Route("/server_info", a.get_server_info, methods=["GET"]),
         Route("/get_server_info", a.get_server_info, methods=["GET"]),
         Route("/health", a.health, methods=["GET"]),
-        Route("/health_generate", ws.hold(a.health_generate, a.config.health_timeout_s), methods=["GET"]),
+        Route("/health_generate", ws.hold(a.health_generate, a.config.health_timeout), methods=["GET"]),
         Route("/v1/models", a.models, methods=["GET"]),
     ]
 
@@ -77,7 +78,7 @@ def build_app(
 
 
 async def serve(
-    config: ServerConfig,
+    config: SamplerSettings,
     *,
     shutdown_trigger: Any = None,
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
@@ -93,7 +94,7 @@ async def serve(
     from t1async.model.records import EngineConfig
     from t1async.model.weights import default_model_dir
 
-    model_dir = Path(config.model_dir) if config.model_dir else Path(default_model_dir())
+    model_dir = config.model if config.model is not None else Path(default_model_dir())
     ecfg: dict[str, Any] = {"max_batch": config.max_batch, "dtype": config.dtype, "seed": config.seed}
     if config.prefix_cache_tokens is not None:
         ecfg["prefix_cache_tokens"] = config.prefix_cache_tokens

@@ -1,4 +1,7 @@
-"""The embedded sampler's settings (``python -m t1async.sampler serve``, and the sampler part of ``cluster up``)."""
+"""The embedded sampler's settings (``python -m t1async.sampler serve``, and the sampler part of ``cluster up``).
+
+``SamplerSettings`` is the server's one config: the CLI resolves it (defaults < ``--config FILE.toml`` < flags),
+reads the keys into it, and hands it to ``server.serve``; ``launch.py`` writes it as the child's TOML file."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ Engine = Literal["sglang", "vllm"]
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    """``sampler serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+    """``sampler serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` and ``launch.py`` write) and/or
+    flags; the running server's config (``SamplerApp.config``, ``/server_info`` less the keys)."""
 
     host: str = setting("127.0.0.1", "address to bind")
     port: int = setting(30000, "port to bind; 0 picks a free one", ge=0, le=65535)
@@ -27,6 +31,7 @@ class SamplerSettings:
     pause_timeout: float = setting(
         300.0, "seconds a /pause_generation lasts at most before generation goes on with the old weights", gt=0
     )
+    health_timeout: float = setting(20.0, "seconds /health_generate waits for its one token", gt=0, cli=False)
     ready_file: Path | None = setting(None, "write the URL to this file once the server answers")
     log_level: str | None = setting(None, "debug|info|warning|error (default: T1_LOG_LEVEL or info)")
     api_key: str | None = setting(
@@ -35,6 +40,7 @@ class SamplerSettings:
         "$T1_SAMPLER_API_KEY; a flag shows in ps, prefer --api-key-file or the variable)",
         metavar="KEY",
         group="access",
+        repr=False,
     )
     api_key_file: Path | None = setting(None, "read --api-key from this file's first line", group="access")
     admin_api_key: str | None = setting(
@@ -43,6 +49,7 @@ class SamplerSettings:
         "/flush_cache, /abort_request (as SGLang's --admin-api-key; default: $T1_SAMPLER_ADMIN_KEY)",
         metavar="KEY",
         group="access",
+        repr=False,
     )
     admin_api_key_file: Path | None = setting(None, "read --admin-api-key from this file's first line", group="access")
     allowed_weight_roots: tuple[Path, ...] = setting(

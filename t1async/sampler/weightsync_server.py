@@ -22,7 +22,7 @@ Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/begin_we
   requests in. ``/update_weights_from_disk`` inside a pause applies at once (SGLang does the same).
 - Not paused, each bucket is applied as it arrives (as SGLang does); the engine retracts running requests
   around each swap, so none mixes policies.
-- A pause lasts at most ``pause_timeout_s`` (ServerConfig, default 300 s; a trainer that died mid-push must
+- A pause lasts at most ``pause_timeout_s`` (``--pause-timeout``, default 300 s; a trainer that died mid-push must
   not stall every actor): then the staged tensors are dropped, generation goes on with the old weights, and
   that push's remaining buckets and its continue are refused (success false) until the next pause. A
   broadcast that fails mid-bucket (the trainer went away) ends the pause the same way at once.
@@ -87,7 +87,7 @@ class WeightSync:
 
     def __init__(self, app: SamplerApp, pause_timeout_s: float | None = None) -> None:
         self.app = app
-        self.pause_timeout_s = float(pause_timeout_s if pause_timeout_s is not None else app.config.pause_timeout_s)
+        self.pause_timeout_s = float(pause_timeout_s if pause_timeout_s is not None else app.config.pause_timeout)
         self._paused_at = 0.0
         self.expired = False  # the current push outlived its pause: refuse its buckets until the next pause
         self.groups: dict[str, Any] = {}  # group_name -> ProcessGroup
