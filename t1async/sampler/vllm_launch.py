@@ -1,4 +1,4 @@
-"""Start a vLLM server on a model dir and stop it on every exit path: ``async with launch_vllm(cfg) as url``,
+"""Start a vLLM server on a model dir and stop it on every exit path: ``async with launch_vllm(settings) as url``,
 or ``python -m t1async.sampler.vllm_launch --model DIR --ready-file F`` (what ``cluster up --engine vllm``
 runs as its sampler).
 
@@ -33,10 +33,11 @@ from pathlib import Path
 import anyio
 import httpx
 
-from t1async.config import add_arguments, resolve, setting
+from t1async.config import add_arguments, like, resolve, setting
 from t1async.log import get_logger
 from t1async.procs import ChildProcess, open_process
 from t1async.protocol.errors import ConfigError, ServerStartError
+from t1async.sampler.settings import SamplerSettings
 from t1async.sampler.vllm_client import CPU_HEAD_SIZES
 
 log = get_logger("sampler.vllm_launch")
@@ -68,6 +69,33 @@ class VLLMSettings:
         512, "MiB of KV cache vLLM allocates (vLLM-CPU otherwise takes nearly all free memory)", ge=16, group="vllm"
     )
     vllm_start_timeout: float = setting(600.0, "seconds vLLM may take to answer /health", gt=0, group="vllm")
+
+
+@dataclass(frozen=True)
+class ServeSettings(VLLMSettings):
+    """One vLLM server: ``python -m t1async.sampler.vllm_launch``'s settings (``cluster up`` writes them) and
+    ``launch_vllm``'s. The server's fields are the embedded sampler's (``SamplerSettings``), as vLLM takes them."""
+
+    model: Path | None = like(SamplerSettings, "model", help="the model dir vLLM serves (required)", group="server")
+    host: str = like(
+        SamplerSettings, "host", help="address to bind (vLLM's control endpoints take no key)", group="server"
+    )
+    port: int = like(SamplerSettings, "port", 0, help="port (0: a free one)", group="server")
+    ready_file: Path | None = like(
+        SamplerSettings, "ready_file", help="write the URL here once the server is ready", group="server"
+    )
+    log_file: Path | None = setting(None, "vLLM's own log (default: beside the ready file)", group="server")
+    allowed_weight_roots: tuple[Path, ...] = like(
+        SamplerSettings,
+        "allowed_weight_roots",
+        help="pushes (t1_reload_weights) load only from under these directories, comma-separated (default: the "
+        "model dir's parent)",
+        group="server",
+    )
+
+    def log_path(self) -> Path:
+        """``log_file``, else beside the ready file, else ``vllm.log``."""
+        return self.log_file or (self.ready_file.with_suffix(".log") if self.ready_file else Path("vllm.log"))
 
 
 def resolve_python(given: str | None) -> str:
@@ -197,9 +225,10 @@ def servable(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def command(python: str, model: Path, *, host: str, port: int, s: VLLMSettings) -> list[str]:
+def command(python: str, model: Path, *, port: int, s: ServeSettings) -> list[str]:
     argv = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", host, "--port", str(port),
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", s.host, "--port", str(port),
         "--dtype", s.vllm_dtype, "--enable-scale-out", "--enforce-eager", "--max-model-len", str(s.vllm_max_model_len),
         "--kv-cache-memory-bytes", str(s.vllm_kv_cache_mb << 20), "--worker-extension-cls", EXTENSION_CLS,
         "--logprobs-mode", "raw_logprobs", "--disable-log-stats",
@@ -229,34 +258,27 @@ def _tail(path: Path, n: int = 30) -> str:
 
 
 @asynccontextmanager
-async def launch_vllm(
-    model: str | os.PathLike,
-    *,
-    settings: VLLMSettings = VLLMSettings(),
-    host: str = "127.0.0.1",
-    port: int = 0,
-    log_path: str | os.PathLike,
-    api_key: str | None = None,
-    allowed_weight_roots: tuple[Path, ...] = (),
-) -> AsyncIterator[str]:
-    """Run vLLM on ``model`` for the duration of the block; yields its URL once ``/health`` answers and the
-    weights are labelled version 0. A failed start raises ServerStartError with the log's tail. Pushes load only
-    from under ``allowed_weight_roots`` (default: the model dir's parent)."""
+async def launch_vllm(settings: ServeSettings, *, api_key: str | None = None) -> AsyncIterator[str]:
+    """Run vLLM on ``settings.model`` for the duration of the block; yields its URL once ``/health`` answers and
+    the weights are labelled version 0. A failed start raises ServerStartError with the log's tail. Pushes load
+    only from under ``allowed_weight_roots`` (default: the model dir's parent)."""
     from t1async.transport.natsd import free_port
 
+    if settings.model is None:
+        raise ConfigError("no model: pass --model DIR")
     python = resolve_python(settings.vllm_python)
     version = installed_version(python)
-    model_dir = Path(model)
+    model_dir = settings.model
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {model_dir} is not a model dir (no config.json)")
     check_head_dim(python, model_dir)
     ensure_index(model_dir)
-    roots = allowed_weight_roots or (model_dir.resolve().parent,)
-    model_dir = await anyio.to_thread.run_sync(servable, model_dir, Path(log_path).resolve().parent / "vllm-model")
-    port = port or free_port()
-    url = f"http://{host}:{port}"
-    logp = Path(log_path)
-    argv = command(python, model_dir, host=host, port=port, s=settings)
+    roots = settings.allowed_weight_roots or (model_dir.resolve().parent,)
+    logp = settings.log_path()
+    model_dir = await anyio.to_thread.run_sync(servable, model_dir, logp.resolve().parent / "vllm-model")
+    port = settings.port or free_port()
+    url = f"http://{settings.host}:{port}"
+    argv = command(python, model_dir, port=port, s=settings)
     with open(logp, "ab") as logf:
         proc = await open_process(
             argv,
@@ -317,25 +339,6 @@ async def stop_group(proc: ChildProcess, timeout_s: float = 20.0) -> None:
     log.info("vllm.stopped", pid=proc.pid, returncode=proc.returncode)
 
 
-@dataclass(frozen=True)
-class ServeSettings(VLLMSettings):
-    """``python -m t1async.sampler.vllm_launch``: one vLLM server for ``cluster up``."""
-
-    model: Path | None = setting(None, "the model dir vLLM serves (required)", group="server")
-    host: str = setting("127.0.0.1", "address to bind (vLLM's control endpoints take no key)", group="server")
-    port: int = setting(0, "port (0: a free one)", ge=0, group="server")
-    ready_file: Path | None = setting(None, "write the URL here once the server is ready", group="server")
-    log_file: Path | None = setting(None, "vLLM's own log (default: beside the ready file)", group="server")
-    allowed_weight_roots: tuple[Path, ...] = setting(
-        (),
-        "pushes (t1_reload_weights) load only from under these directories, comma-separated (default: the model "
-        "dir's parent)",
-        metavar="DIR,...",
-        sep=",",
-        group="server",
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m t1async.sampler.vllm_launch",
@@ -349,29 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     configure(None)
     try:
         s: ServeSettings = resolve(ServeSettings, args)
-        if s.model is None:
-            raise ConfigError("no model: pass --model DIR")
-        model = s.model
-        logp = s.log_file or (s.ready_file.with_suffix(".log") if s.ready_file else Path("vllm.log"))
         api_key = os.environ.get("T1_SAMPLER_API_KEY") or None
 
         async def run() -> None:
             from t1async.signals import cancel_on_stop
 
-            async with launch_vllm(
-                model,
-                settings=s,
-                host=s.host,
-                port=s.port,
-                log_path=logp,
-                api_key=api_key,
-                allowed_weight_roots=s.allowed_weight_roots,
-            ) as u:
+            async with launch_vllm(s, api_key=api_key) as u:
                 if s.ready_file is not None:
                     tmp = s.ready_file.with_suffix(".tmp")
                     tmp.write_text(u + "\n")
                     os.replace(tmp, s.ready_file)
-                print(f"vLLM ready at {u} (log {logp})", flush=True)
+                print(f"vLLM ready at {u} (log {s.log_path()})", flush=True)
                 async with anyio.create_task_group() as tg:
                     await tg.start(cancel_on_stop, tg.cancel_scope)
 
