@@ -182,8 +182,7 @@ def worker(args: argparse.Namespace) -> int:
 
     from t1async.learner import ranks
     from t1async.learner.distributed import DistributedTrainer
-    from t1async.learner.options import Advantage
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.trainer_config import Advantage, TrainerConfig
 
     torch.set_num_threads(args.threads)
     ranks.join(backend="gloo")

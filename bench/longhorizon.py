@@ -338,9 +338,8 @@ def train_live(
 
     import torch
 
-    from t1async.learner.options import Critic, Prefix
     from t1async.learner.trainer import Trainer
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.trainer_config import Critic, Prefix, TrainerConfig
     from t1async.model.weights import load_pretrained
 
     class Capture(Trainer):

@@ -329,8 +329,7 @@ def trace(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from t1async.learner.options import TrainDtype
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.trainer_config import TrainDtype, TrainerConfig
 
     n_layers = cfg.n_layers if layers is None else layers
     traced = dataclasses.replace(
@@ -476,8 +475,7 @@ def measure(cfg, *, tokens: int, flags: PlanFlags) -> dict[str, Any]:  # noqa: A
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from t1async.learner.options import TrainDtype
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.trainer_config import TrainDtype, TrainerConfig
 
     if dist.is_initialized():
         raise RuntimeError("bench.memory_plan: measure needs its own process group: one is already initialised")

@@ -12,8 +12,8 @@ from actors.actor import run_actor
 from actors.settings import ActorSettings
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.synth import generate
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
 from t1async.protocol.sampling import SamplingParams
@@ -44,13 +44,13 @@ async def run_loop(
     tok = ChatTokenizer.load()
     lcfg = LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=model,
+        model=model,
         max_staleness=eta,
         batch_turns=4,
         steps=steps,
-        lease_s=30.0,
+        lease=30.0,
         metrics_every_s=0.2,
-        trainer=TrainerConfig(lr=1e-3),
+        lr=1e-3,
     )
     agent = AgentConfig(
         max_turns=3,

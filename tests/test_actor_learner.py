@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from t1async.credits.settle import trained_counts
-from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
 from t1async.transport import MemoryBroker, MemoryTransport
@@ -96,6 +97,6 @@ def test_a_state_without_its_checkpoint_is_not_resumed(tmp_path, tiny_model):
     from t1async.learner.state import LearnerState
 
     LearnerState().after_step(1, 1, [("ep", 0), ("ep", 1)]).save(tmp_path / "run" / "checkpoints")
-    learner = Learner(LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model), MemoryTransport(), None)
+    learner = Learner(LearnerConfig(run_dir=tmp_path / "run", model=tiny_model), MemoryTransport(), None)
     learner.journal.close()
     assert learner.policy_version == 0 and not learner.state.was_trained("ep", 0) and learner.resumed_from is None

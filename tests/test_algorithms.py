@@ -21,7 +21,8 @@ from sandbox_agent.synth import generate
 from t1async.ingest.tito import Segment
 from t1async.learner import ppo
 from t1async.learner.groups import episode_group, grouped_episode_id
-from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
@@ -245,18 +246,15 @@ def test_the_critic_warm_start_fits_the_returns_for_the_next_step():
 
 def test_cluster_up_hands_the_algorithm_options_to_the_learner_and_actors(tmp_path):
     import tomllib
-    from dataclasses import fields
 
     from t1async.cluster import components
     from t1async.cluster.config import from_args
     from t1async.cluster.flags import add_up_arguments
-    from t1async.learner.options import TrainerOptions
     from tests.clusterargs import bare, learner_argv, serve_args
 
     flags = ["--advantage", "rloo", "--group-size", "4", "--ppo-epochs", "3", "--is-correction", "mis"]
     flags += ["--is-low", "0.7", "--critic-warmup", "2", "--gamma", "0.9", "--lam", "0.8"]
-    args = serve_args(learner_argv(tmp_path / "a", *flags))
-    cfg = TrainerConfig(**{f.name: getattr(args, f.name) for f in fields(TrainerOptions)})  # as serve_cli does
+    cfg = serve_args(learner_argv(tmp_path / "a", *flags))  # learner serve's settings: what its Learner trains with
     assert (cfg.advantage, cfg.ppo_epochs, cfg.critic_warmup, cfg.gamma, cfg.lam) == ("rloo", 3, 2, 0.9, 0.8)
     assert (cfg.loss.is_correction, cfg.loss.is_low, cfg.loss.is_high) == ("mis", 0.7, 2.0)
     p = argparse.ArgumentParser()
@@ -289,13 +287,14 @@ async def test_actors_run_each_drawn_task_group_size_times_and_the_learner_centr
     generate(tasks, 8, seed=3)
     lcfg = LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=tiny_model,
+        model=tiny_model,
         max_staleness=1,
         batch_turns=6,
         steps=2,
-        lease_s=30.0,
+        lease=30.0,
         metrics_every_s=0.2,
-        trainer=TrainerConfig(lr=1e-4, advantage="rloo"),
+        lr=1e-4,
+        advantage="rloo",
     )
     agent = AgentConfig(
         max_turns=2,

@@ -37,8 +37,8 @@ from actors.records import TurnEncoder
 from sandbox_agent.agent_types import TurnResult
 from t1async.credits.client import CreditClient
 from t1async.credits.settle import trained_counts
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.model.config import MoEConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
@@ -255,13 +255,13 @@ async def run_scenario(
     broker = MemoryBroker(ack_wait_s=1.0, clock=anyio.current_time)  # redeliveries on the (mock) loop clock
     lcfg = LearnerConfig(
         run_dir=run,
-        model_dir=model,
+        model=model,
         max_staleness=sc.eta,
         batch_turns=sc.batch_turns,
-        lease_s=1.5 if sc.expire else 60.0,
-        actor_timeout_s=2.0,
+        lease=1.5 if sc.expire else 60.0,
+        actor_timeout=2.0,
         metrics_every_s=60.0,
-        trainer=TrainerConfig(lr=1e-3),
+        lr=1e-3,
     )
     learners: list[Learner] = []
     async with anyio.create_task_group() as actors_tg:

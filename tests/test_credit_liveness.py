@@ -64,11 +64,12 @@ async def test_the_learner_ends_a_restarted_actors_orphans_without_waiting_for_s
     Its first heartbeat (a newer ``started_at``) ends them at once (seen failing on the old code)."""
     import anyio
 
-    from t1async.learner.service import Learner, LearnerConfig
+    from t1async.learner.service import Learner
+    from t1async.learner.settings import LearnerConfig
     from t1async.transport import MemoryBroker, MemoryTransport
     from t1async.transport.base import traj_subject
 
-    cfg = LearnerConfig(run_dir=tmp_path / "run", batch_turns=64, actor_timeout_s=3600.0, metrics_every_s=60)
+    cfg = LearnerConfig(run_dir=tmp_path / "run", batch_turns=64, actor_timeout=3600.0, metrics_every_s=60)
     broker = MemoryBroker()
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
         learner = Learner(cfg, lt, None)

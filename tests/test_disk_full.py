@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from t1async.ingest.journal import Journal, JournalWriteError, read_journal
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.protocol import wire
 from t1async.testing.models import tiny_model_dir
 from t1async.transport import MemoryBroker, MemoryTransport
@@ -96,9 +96,7 @@ async def test_the_learner_holds_its_batch_while_the_disk_is_full_and_resumes(
     run = tmp_path / "run"
     (run / "learner").mkdir(parents=True)
     (run / "learner" / "journal").symlink_to(small_fs)  # only the journal is on the small filesystem
-    cfg = LearnerConfig(
-        run_dir=run, model_dir=tiny_model, batch_turns=6, steps=0, metrics_every_s=60, trainer=TrainerConfig(lr=1e-4)
-    )
+    cfg = LearnerConfig(run_dir=run, model=tiny_model, batch_turns=6, steps=0, metrics_every_s=60, lr=1e-4)
     broker = MemoryBroker()
     wave1, wave2, wave3 = records(0, 2), records(10, 2, policy_version=1), records(20, 2, policy_version=1)
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:

@@ -8,8 +8,8 @@ from dataclasses import replace
 import anyio
 
 from t1async.ingest.journal import read_journal
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 from tests.clean_episodes import episodes
@@ -19,12 +19,12 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
     steps = 12
     cfg = LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=tiny_model,
+        model=tiny_model,
         batch_turns=4,
         steps=steps,
         metrics_every_s=60,
         journal_file_bytes=4096,
-        trainer=TrainerConfig(lr=1e-4),
+        lr=1e-4,
     )
     broker = MemoryBroker()
     sizes: list[int] = []

@@ -11,9 +11,9 @@ from pathlib import Path
 import anyio
 
 from t1async.learner.checkpoint import STATE_JSON, list_checkpoints, list_exports
-from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.learner.state import LearnerState
-from t1async.learner.trainer_config import TrainerConfig
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 from tests.clean_episodes import episodes
@@ -22,14 +22,14 @@ from tests.clean_episodes import episodes
 def _config(tmp_path: Path, model: Path, steps: int) -> LearnerConfig:
     return LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=model,
+        model=model,
         batch_turns=4,
         steps=steps,
         checkpoint_every=2,
         metrics_every_s=60,
         journal_file_bytes=4096,
         tensorboard=False,
-        trainer=TrainerConfig(lr=1e-4),
+        lr=1e-4,
     )
 
 

@@ -23,8 +23,8 @@ from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObser
 from sandbox_agent.sandbox import MemorySandbox
 from sandbox_agent.synth import generate
 from sandbox_agent.verifier import VerifyResult
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError
@@ -219,13 +219,13 @@ async def test_350_turns_through_actor_and_learner(tmp_path, tiny_model):
     B, TURNS = 35, 350
     lcfg = LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=tiny_model,
+        model=tiny_model,
         max_staleness=0,
         batch_turns=B,
         steps=TURNS // B,
-        lease_s=120.0,
+        lease=120.0,
         metrics_every_s=0.5,
-        trainer=TrainerConfig(lr=1e-3),
+        lr=1e-3,
     )
     agent = AgentConfig(
         max_turns=TURNS,
@@ -335,11 +335,11 @@ async def test_empty_outputs_are_never_silently_dropped(tmp_path, tiny_model):
     broker = MemoryBroker()
     lcfg = LearnerConfig(
         run_dir=tmp_path / "run",
-        model_dir=tiny_model,
+        model=tiny_model,
         max_staleness=0,
         batch_turns=3,
         steps=0,
-        lease_s=600.0,
+        lease=600.0,
         metrics_every_s=0.5,
     )
     agent = AgentConfig(

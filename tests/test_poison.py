@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from t1async.ingest.validate import ModelLimits, check_turn
-from t1async.learner.service import Learner, LearnerConfig
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.model.config import MoEConfig
 from t1async.protocol import wire
 from t1async.protocol.errors import WireError
@@ -96,12 +96,12 @@ async def run_learner(
     step takes every closed segment there is, so each later step needs new turns)."""
     cfg = LearnerConfig(
         run_dir=run,
-        model_dir=model,
+        model=model,
         batch_turns=4,
         steps=steps,
         max_staleness=1,
         metrics_every_s=60,
-        trainer=TrainerConfig(lr=1e-3),
+        lr=1e-3,
     )
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as wt:
         learner = Learner(cfg, lt, None)
@@ -355,7 +355,7 @@ async def test_over_real_nats_the_dead_letter_stream_keeps_the_record_and_its_re
     recs = episode("nan-ep", 7, policy_version=0)
     recs[1] = spoil(recs[1], "logprob", 0)
     records = recs + good(0, 0)
-    cfg = LearnerConfig(run_dir=tmp_path / "run", model_dir=tiny_model, batch_turns=4, steps=1, metrics_every_s=60)
+    cfg = LearnerConfig(run_dir=tmp_path / "run", model=tiny_model, batch_turns=4, steps=1, metrics_every_s=60)
     async with NatsTransport(nats_server.url) as t:
         for r in records:
             await t.publish(traj_subject(r.episode), r)

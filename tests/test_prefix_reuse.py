@@ -16,7 +16,8 @@ import torch
 
 from t1async.ingest.assembly import Assembler
 from t1async.learner.prefixkv import cut_point
-from t1async.learner.service import Learner, LearnerConfig
+from t1async.learner.service import Learner
+from t1async.learner.settings import LearnerConfig
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.model.config import MoEConfig
@@ -145,11 +146,12 @@ def run_live(tmp_path: Path, model_dir: Path, prefix: str, turns: int) -> list[d
 async def _run_live(tmp_path: Path, model_dir: Path, prefix: str, turns: int) -> list[dict]:
     cfg = LearnerConfig(
         run_dir=tmp_path / prefix,
-        model_dir=model_dir,
+        model=model_dir,
         batch_turns=2,
         max_staleness=0,
         metrics_every_s=60,
-        trainer=TrainerConfig(lr=1e-4, prefix_kv=prefix),
+        lr=1e-4,
+        prefix_kv=prefix,
     )
     records = episode(turns - 1, name=f"ep-{prefix}", vocab=300)  # turns - 1 boundaries
     steps: list[dict] = []

@@ -512,7 +512,8 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     (seg,) = asm.end(wire.EndRecord("mid", 1, wire.EndReason.MAX_TURNS, 0, 1, False))
     assert seg.versions[seg.loss_mask].tolist() == g.output_versions.tolist()
     # the learner at version 1 with eta 0: only the tokens version 0 sampled are too stale
-    from t1async.learner.service import Learner, LearnerConfig
+    from t1async.learner.service import Learner
+    from t1async.learner.settings import LearnerConfig
     from t1async.transport import MemoryTransport
 
     learner = Learner(LearnerConfig(run_dir=tmp_path / "run", max_staleness=0), MemoryTransport(), None)

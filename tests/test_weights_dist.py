@@ -156,8 +156,8 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
     from sandbox_agent.agent_types import AgentConfig
     from sandbox_agent.synth import generate
     from t1async.learner.checkpoint import latest_checkpoint
-    from t1async.learner.service import Learner, LearnerConfig
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.service import Learner
+    from t1async.learner.settings import LearnerConfig
     from t1async.model.config import MoEConfig
     from t1async.model.moe import MoETransformer
     from t1async.model.tokenizer import ChatTokenizer
@@ -184,13 +184,13 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
     try:
         lcfg = LearnerConfig(
             run_dir=tmp_path / "run",
-            model_dir=model_dir,
+            model=model_dir,
             max_staleness=1,
             batch_turns=4,
             steps=2,
-            lease_s=30.0,
+            lease=30.0,
             metrics_every_s=0.2,
-            trainer=TrainerConfig(lr=1e-2),
+            lr=1e-2,
         )
         agent = AgentConfig(
             max_turns=3,

@@ -190,7 +190,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
     between copies of one child (a sampler's port, an actor's id and seed)."""
     from actors.settings import EpisodeOptions
-    from t1async.learner.serve_cli import LearnerOptions
+    from t1async.learner.settings import LearnerConfig, code_only
 
     out: list[ProcessSpec] = []
     model = model_dir(cfg)
@@ -244,7 +244,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         cfg,
         "learner",
         {
-            **_part(LearnerOptions, cfg),
+            **{k: v for k, v in _part(LearnerConfig, cfg).items() if k not in code_only(LearnerConfig)},
             "nats": nats_url,
             "nats_creds": nats_creds(cfg, Role.LEARNER),
             "run_dir": cfg.run_dir,

@@ -1,6 +1,6 @@
 """``cluster up`` settings: one typed config, from defaults, then a preset, then a TOML file, then flags.
 
-``UpConfig`` is the learner's settings (``LearnerOptions``, which include the trainer's ``TrainerOptions``), the
+``UpConfig`` is the learner's settings (``LearnerConfig``, which include the trainer's ``TrainerConfig``), the
 actors' episode settings (``EpisodeOptions``) and the embedded sampler's, plus what only the cluster has (NATS,
 how many of each, the corpus, the warm start, lifetime). Each setting and its help is declared once, in its
 component; the flags (``cluster/flags.py``) and the TOML keys come from the fields (``t1async/config.py``), and
@@ -26,7 +26,7 @@ from sandbox_agent.context import POLICIES
 from t1async.cluster.cpus import parse_cpus
 from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.config import check_bounds, like, resolve, setting
-from t1async.learner.serve_cli import LearnerOptions
+from t1async.learner.settings import LearnerConfig, code_only
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import Dtype, Engine, EngineSettings, SamplerKeys, SamplerSettings
 from t1async.sampler.vllm_launch import VLLMSettings
@@ -38,7 +38,7 @@ EVAL, LIFETIME = "eval in the loop", "lifetime"
 
 
 @dataclass(frozen=True)
-class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
+class UpConfig(LearnerConfig, EpisodeOptions, VLLMSettings):
     run_dir: Path = setting(DEFAULT_RUN_DIR, "the run's directory", cli=False)
     preset: str = setting("none", "the preset the run's settings started from (--preset)", cli=False)
     # NATS
@@ -130,7 +130,7 @@ class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
     )
     actors: int = setting(2, "actor processes", ge=1, group=ACTORS)
     max_new_tokens: int = 128  # cluster up's own default for its actors and eval (declared in EpisodeOptions)
-    # learner (and LearnerOptions)
+    # learner (and LearnerConfig)
     learner_cpus: str = setting(
         "", "pin the learner to these CPUs (taskset list, e.g. 1; default: any)", metavar="LIST", group=LEARNER
     )
@@ -236,6 +236,10 @@ class UpConfig(LearnerOptions, EpisodeOptions, VLLMSettings):
         return self
 
 
+# not keys of cluster up's TOML file: the learner's code-only settings and its own durable consumer name
+_NOT_TOML = ("extra_env", "durable", *code_only(LearnerConfig))
+
+
 def from_args(args: argparse.Namespace) -> UpConfig:
     """Defaults < ``--preset`` < ``--config FILE.toml`` (top level or ``[cluster]``) < flags; then checked. With no
     ``--preset``, the one ``presets.default_preset`` picks for what the flags and the file name."""
@@ -243,7 +247,7 @@ def from_args(args: argparse.Namespace) -> UpConfig:
 
     name = getattr(args, "preset", None)
     if name is None:
-        own: UpConfig = resolve(UpConfig, args, section="cluster", exclude=("extra_env",))
+        own: UpConfig = resolve(UpConfig, args, section="cluster", exclude=_NOT_TOML)
         name = default_preset(
             model=own.model,
             sampler_url=own.sampler_url,
@@ -251,5 +255,5 @@ def from_args(args: argparse.Namespace) -> UpConfig:
             warm_start=own.warm_start,
             warm_start_steps=own.warm_start_steps,
         )
-    cfg: UpConfig = resolve(UpConfig, args, preset=preset_values(name), section="cluster", exclude=("extra_env",))
+    cfg: UpConfig = resolve(UpConfig, args, preset=preset_values(name), section="cluster", exclude=_NOT_TOML)
     return dataclasses.replace(cfg, preset=name).check()

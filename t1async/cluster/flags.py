@@ -16,7 +16,7 @@ def add_up_arguments(p: argparse.ArgumentParser) -> None:
     """``--config``, ``--preset`` and a flag for every setting but ``--run-dir`` (a flag of every subcommand)."""
     from t1async.recipes.presets import CHOICES
 
-    add_arguments(p, UpConfig, exclude=("run_dir",), order=(NATS, SAMPLERS, ACTORS, LEARNER, EVAL, LIFETIME))
+    add_arguments(p, UpConfig, exclude=("run_dir", "durable"), order=(NATS, SAMPLERS, ACTORS, LEARNER, EVAL, LIFETIME))
     p.add_argument(
         "--preset",
         default=None,

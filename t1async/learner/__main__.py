@@ -24,7 +24,7 @@ examples:
 def _sft(args: SftSettings) -> int:
     import torch
 
-    from t1async.learner.options import Device, TrainDtype
+    from t1async.learner.trainer_config import Device, TrainDtype
     from t1async.recipes.sft import SFTConfig, run_sft
 
     assert args.out is not None

@@ -48,10 +48,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from t1async.learner import malloc
 from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
 from t1async.learner.checkpoint import CheckpointInfo, check_loadable
-from t1async.learner.options import TrainDtype
 from t1async.learner.stepmetrics import StepMetrics
 from t1async.learner.trainer import Scored, Trainer, state_bytes
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.trainer_config import TrainDtype, TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

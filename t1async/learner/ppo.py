@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from t1async.learner.groups import episode_group
+from t1async.learner.trainer_config import LossConfig
 
 
 def gae(
@@ -255,19 +256,6 @@ class StepBaseline:
             return 0.0
         hit = sum(1 for ep, t in self.own if self.groups.get((episode_group(ep), t), (0, 0))[1] >= 2)
         return hit / len(self.own)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    clip_eps: float = 0.2  # PPO ratio clip against the proximal policy
-    clip_eps_high: float | None = None  # asymmetric upper clip (DAPO "clip higher"); None = clip_eps
-    is_correction: str = "tis"  # "tis": w truncated at is_cap; "mis": tokens with w outside [is_low, is_high] dropped
-    is_cap: float = 2.0  # truncation of the behaviour importance weight w = pi_prox / pi_behav (tis)
-    is_low: float = 0.5  # masked IS: the bounds of the kept tokens' w (mis)
-    is_high: float = 2.0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2  # PPO value clipping around the step's starting values; None = off
-    entropy_coef: float = 0.0
 
 
 @dataclass(frozen=True)

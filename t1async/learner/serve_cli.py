@@ -3,95 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from t1async.config import add_arguments, like, resolve, setting
 from t1async.learner.distributed import RankFailedError
-from t1async.learner.options import TrainerOptions
+from t1async.learner.settings import LearnerConfig, code_only
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys
 from t1async.signals import cancel_on_stop
 from t1async.transport.auth import NatsClientSettings
 
-WeightSync = Literal["disk", "distributed"]
 PauseMode = Literal["retract", "in_place", "abort", "wait"]
 
 
 @dataclass(frozen=True)
-class LearnerOptions(TrainerOptions):
-    """The learner's settings that ``cluster up`` takes too (its config includes these fields)."""
-
-    max_staleness: int = setting(
-        1, "η: max policy versions between sampling and training a token (0 = synchronous)", ge=0, group="learner"
-    )
-    batch_turns: int = setting(16, "B: turns per training step", ge=1, group="learner")
-    steps: int = setting(0, "stop after the learner trained this many steps (default 0: never)", ge=0, group="lifetime")
-    checkpoint_every: int = setting(
-        1,  # 10 breaks bench.chaos's "a version never goes back" across a learner kill: not yet reconciled
-        "write a full checkpoint (model and AdamW state, what a restart resumes from) every N steps, at the last "
-        "step and at a stop; the other steps write only the model dir the samplers load (a crash replays the "
-        "turns trained since the last checkpoint from the journal)",
-        ge=1,
-        group="learner",
-    )
-    lease: float = setting(180.0, "seconds an unused credit is held", gt=0, group="learner")
-    actor_timeout: float = setting(
-        15.0,
-        "seconds an actor may go without a heartbeat before the learner releases its credits and ends its open "
-        "episodes as aborted",
-        gt=0,
-        group="learner",
-    )
-    wandb: bool = setting(
-        False,
-        "also log the per-step curves to Weights & Biases (needs wandb; WANDB_MODE=offline works); TensorBoard "
-        "files are always in <run-dir>/tensorboard/learner",
-        group="learner",
-    )
-    weight_sync: WeightSync = setting(
-        "disk",
-        "how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint) or "
-        "distributed (SGLang's /update_weights_from_distributed over a torch.distributed group this learner "
-        "hosts, in buckets between /pause_generation and /continue_generation)",
-        group="learner",
-    )
-    weight_bucket_mb: float = setting(
-        64.0,
-        "MiB of tensors per /update_weights_from_distributed call with --weight-sync distributed",
-        gt=0,
-        group="learner",
-    )
-    push_check_every: int = setting(
-        1,
-        "after every N-th weight push, score a fixed 64-token probe on each sampler and on the learner, and record "
-        "the mean |Δlogp| as push_check_dlogp (0: never; learner/pushcheck.py)",
-        ge=0,
-        group="learner",
-    )
-    push_check_bound: float = setting(
-        0.01,
-        "the mean |Δlogp| past which a push failed: it is sent once more, then the learner stops naming the "
-        "sampler (raise it for a sampler that serves bf16 on purpose)",
-        gt=0,
-        group="learner",
-    )
-    require_routes: bool = setting(
-        False,
-        "refuse turns whose sampler returned no MoE routes (vLLM-CPU never does) instead of training them on the "
-        "learner's own routing (counted as r3_missing_tokens)",
-        group="learner",
-    )
-
-
-@dataclass(frozen=True)
-class ServeConfig(LearnerOptions):
-    """``learner serve``'s settings: ``--config FILE.toml`` (what ``cluster up`` writes) and/or flags."""
+class ServeConfig(LearnerConfig):
+    """``learner serve``'s settings: the learner's (``LearnerConfig``) and the process's wiring; ``--config
+    FILE.toml`` (what ``cluster up`` writes) and/or flags."""
 
     nats: str | None = setting(None, "NATS URL (default: $T1_NATS_URL)", metavar="URL", group="learner service")
     nats_creds: Path | None = like(NatsClientSettings, "nats_creds", group="learner service")
@@ -104,10 +39,6 @@ class ServeConfig(LearnerOptions):
     sampler_api_key: str | None = like(SamplerKeys, "sampler_api_key", group="learner service")
     sampler_admin_key: str | None = like(SamplerKeys, "sampler_admin_key", group="learner service")
     engine: Engine = like(EngineSettings, "engine", group="learner service")
-    run_dir: Path | None = setting(
-        None, "where checkpoints, journal and state live (required)", group="learner service"
-    )
-    model: Path | None = setting(None, "initial model dir (default: the shipped tiny model)", group="learner service")
     microbatch_tokens: int = setting(
         65536,
         "padded tokens per forward (a step that fits in one micro-batch needs one forward instead of two)",
@@ -126,7 +57,6 @@ class ServeConfig(LearnerOptions):
         "first)",
         group="learner service",
     )
-    durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
     stream_replicas: int = setting(
         0,
         "create T1_TRAJ and T1_DEAD with R replicas, or scale them to R (a NATS cluster of >= R nodes; default "
@@ -161,14 +91,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The settings: defaults < --config FILE.toml < flags; NATS from $T1_NATS_URL when neither gives it."""
-    cfg: ServeConfig = resolve(ServeConfig, args)
+    cfg: ServeConfig = resolve(ServeConfig, args, exclude=code_only(ServeConfig))
     if cfg.run_dir is None:
         raise ConfigError("no run dir: pass --run-dir DIR (or run_dir in the --config file)")
     if not cfg.nats:
         env = os.environ.get("T1_NATS_URL")
         if not env:
             raise ConfigError("no NATS: pass --nats nats://HOST:PORT or set T1_NATS_URL")
-        cfg = resolve(ServeConfig, args, nats=env)
+        cfg = resolve(ServeConfig, args, exclude=code_only(ServeConfig), nats=env)
     return cfg
 
 
@@ -202,39 +132,21 @@ def serve(args: argparse.Namespace) -> int:
 
 def _serve(c: ServeConfig) -> int:
     """The learner service (rank 0 of N when the process group is up)."""
+    if c.engine == "vllm":  # vLLM serves Hugging Face formats only
+        c = dataclasses.replace(c, hf_format="MixtralForCausalLM")
     assert c.run_dir is not None and c.nats is not None
     import anyio
     import torch
     import torch.distributed as dist
 
     from t1async.learner import malloc
-    from t1async.learner.pushcheck import PushCheckConfig
-    from t1async.learner.service import Learner, LearnerConfig
-    from t1async.learner.trainer_config import TrainerConfig
+    from t1async.learner.service import Learner
     from t1async.learner.weightpush import DiskPushClient
     from t1async.sampler.client import SGLangClient
     from t1async.transport import NatsConfig, NatsTransport
 
     torch.set_num_threads(max(1, c.threads))
     malloc.bound_malloc()  # freed tensors go back to the kernel: a flat RSS between steps (learner/malloc.py)
-    cfg = LearnerConfig(
-        run_dir=c.run_dir,
-        model_dir=c.model,
-        max_staleness=c.max_staleness,
-        batch_turns=c.batch_turns,
-        steps=c.steps,
-        checkpoint_every=c.checkpoint_every,
-        lease_s=c.lease,
-        actor_timeout_s=c.actor_timeout,
-        durable=c.durable,
-        wandb=c.wandb,
-        push_check=PushCheckConfig(every=c.push_check_every, bound=c.push_check_bound),
-        require_routes=c.require_routes,
-        hf_format="MixtralForCausalLM" if c.engine == "vllm" else "",  # vLLM serves Hugging Face formats only
-        trainer=TrainerConfig(
-            **{f.name: getattr(c, f.name) for f in fields(TrainerOptions)}, microbatch_tokens=c.microbatch_tokens
-        ),
-    )
     distributed = dist.is_initialized()
     nats_url = c.nats
 
@@ -266,7 +178,7 @@ def _serve(c: ServeConfig) -> int:
                 )
             if distributed:  # the other ranks stop first at exit (the stack unwinds in reverse)
                 stack.push_async_callback(_stop_ranks, learner_box)
-            learner = Learner(cfg, transport, samplers, make_trainer=_make_trainer if distributed else None)
+            learner = Learner(c, transport, samplers, make_trainer=_make_trainer if distributed else None)
             learner_box.append(learner)
             if c.weight_sync == "distributed":
                 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,8 @@ from t1async.ingest.validate import ModelLimits
 from t1async.learner import malloc
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint
 from t1async.learner.distributed import RankFailedError
-from t1async.learner.pushcheck import PushCheck, PushCheckConfig, PushCheckError
+from t1async.learner.pushcheck import PushCheck, PushCheckError
+from t1async.learner.settings import LearnerConfig
 from t1async.learner.state import LearnerState
 from t1async.learner.stepinputs import StepInputs
 from t1async.learner.trainer import Trainer
@@ -52,33 +52,6 @@ from t1async.sampler.client import SGLangClient
 from t1async.transport.base import Transport, traj_subject
 
 log = get_logger("t1async.learner")
-
-
-@dataclass(frozen=True)
-class LearnerConfig:
-    run_dir: Path
-    model_dir: Path | None = None  # initial weights (default: the shipped tiny model)
-    max_staleness: int = 1
-    batch_turns: int = 16
-    steps: int = 0  # stop after this many steps (0: run until cancelled)
-    lease_s: float = 180.0
-    actor_timeout_s: float = 15.0  # an actor silent this long is released: credits freed, episodes aborted
-    durable: str = "learner"
-    metrics_every_s: float = 2.0
-    keep_checkpoints: int = 3
-    # a full checkpoint (DCP model + AdamW) every N steps and the last, exports between; 1, as --checkpoint-every
-    checkpoint_every: int = 1
-    journal_file_bytes: int = 32 << 20  # the journal rolls over to a new journal file past this size
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    tensorboard: bool = True  # per-step curves in <run_dir>/tensorboard/learner (t1async.curves)
-    push_check: PushCheckConfig = field(default_factory=PushCheckConfig)  # verify each push (learner/pushcheck.py)
-    require_routes: bool = False  # refuse turns without the sampler's MoE routes (else: r3_missing_tokens)
-    hf_format: str = ""  # write an in-house model's checkpoints as this architecture (vLLM serves only those)
-    wandb: bool = False  # and to Weights & Biases, when wandb is installed
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
 
 
 def routes_missing(segments: list[Segment]) -> int:
@@ -108,17 +81,20 @@ class Learner:
         *,
         make_trainer: Callable[[Path, TrainerConfig], Trainer] | None = None,
     ) -> None:
+        if config.run_dir is None:
+            raise ConfigError("the learner needs a run dir: LearnerConfig(run_dir=...), learner serve --run-dir DIR")
+        run_dir = config.run_dir
         self.cfg, self.transport, self.samplers = config, transport, samplers
         ckpt = latest_checkpoint(config.checkpoints)
         # a state is only ever paired with the checkpoint of its version: a state saved just before a crash
         # that lost its checkpoint names turns whose training never reached the weights
         self.state = LearnerState()
-        model_dir = config.model_dir or default_model_dir()
+        model_dir = config.model or default_model_dir()
         src = ckpt.path if ckpt else model_dir
         if make_trainer is None:  # fp32 weights (--train-dtype bfloat16 autocasts the forward) on --device
-            self.trainer = Trainer(load_pretrained(src).to(torch_device(config.trainer.device)), config.trainer)
+            self.trainer = Trainer(load_pretrained(src).to(torch_device(config.device)), config)
         else:  # learner.ranks.make_trainer: every rank reads its own shards of src (design §10)
-            self.trainer = make_trainer(src, config.trainer)
+            self.trainer = make_trainer(src, config)
         self.model = self.trainer.model
         if config.hf_format and not self.model.cfg.architecture:  # the in-house model is a Mixtral of its shape
             self.model.cfg = dataclasses.replace(self.model.cfg, architecture=config.hf_format)
@@ -133,14 +109,14 @@ class Learner:
             self.resumed_from = ckpt
         self.policy_version = self.state.policy_version
         self.gate = CreditGate(
-            CreditLedger(config.max_staleness, config.batch_turns, config.lease_s, self.policy_version)
+            CreditLedger(config.max_staleness, config.batch_turns, config.lease, self.policy_version)
         )
-        self.liveness = ActorLiveness(config.actor_timeout_s)
+        self.liveness = ActorLiveness(config.actor_timeout)
         self.credits = CreditServer(self.gate, transport, on_actor=self.liveness.seen)
         self.settler = Settler(self.gate, self.credits, lambda ep, t: self.state.was_trained(ep, t))
-        self.step_log = StepLog(config.run_dir / "learner" / "steps.jsonl")
+        self.step_log = StepLog(run_dir / "learner" / "steps.jsonl")
         self.ingest = Ingest(
-            config.run_dir / "learner",
+            run_dir / "learner",
             ModelLimits.of(self.model.cfg),
             transport,
             settler=self.settler,
@@ -165,16 +141,14 @@ class Learner:
         self.push_check = (
             PushCheck(samplers, config.push_check, self.model.cfg.vocab_size, hint)
             # HTTP samplers only: an in-process sampler (tests' MemorySampler) has no server to probe
-            if getattr(samplers, "urls", None) and config.push_check.every > 0
+            if getattr(samplers, "urls", None) and config.push_check_every > 0
             else None
         )
         self.r3_missing_tokens = 0  # loss tokens trained without the sampler's routes (learner's own routing)
         self.busy_s = 0.0  # seconds spent in steps (train, checkpoint, push) since start: the dashboard's busy share
         self.curves = None
         if config.tensorboard:
-            self.curves = Curves(
-                config.run_dir / "tensorboard" / "learner", wandb=config.wandb, name=config.run_dir.name
-            )
+            self.curves = Curves(run_dir / "tensorboard" / "learner", wandb=config.wandb, name=run_dir.name)
 
     # ingest's, named here too: what tests and tools read of a learner
     @property
@@ -363,7 +337,7 @@ class Learner:
         await self.ingest.step_failed(segments, policy_version, exc)
         # after the poison book: if restoring fails too, the restarted learner loads the checkpoint itself and
         # never retries this step
-        initial = self.cfg.model_dir or default_model_dir()
+        initial = self.cfg.model or default_model_dir()
         restored = await anyio.to_thread.run_sync(self.trainer.restore, self.cfg.checkpoints, policy_version, initial)
         log.info("learner.weights_restored", policy_version=policy_version, source=restored)
         await self._publish_metrics()
@@ -425,12 +399,12 @@ class Learner:
         check that it serves the learner's starting weights (a fresh run; vLLM's are labelled version 0 then)."""
         if self.samplers is not None and self.resumed_from is None and self.push_check is not None:
             got = await self.push_check.measure(self.trainer.export_model(), strict=True)
-            bad = {u: d for u, d in got.items() if d > self.cfg.push_check.bound}
+            bad = {u: d for u, d in got.items() if d > self.cfg.push_check_bound}
             if bad:
                 raise PushCheckError(
                     f"the sampler(s) {', '.join(bad)} serve other weights than the learner starts from "
-                    f"({self.cfg.model_dir or 'the shipped model'}): mean |Δlogp| "
-                    f"{', '.join(f'{d:.4g}' for d in bad.values())} on the probe, bound {self.cfg.push_check.bound:g}; "
+                    f"({self.cfg.model or 'the shipped model'}): mean |Δlogp| "
+                    f"{', '.join(f'{d:.4g}' for d in bad.values())} on the probe, bound {self.cfg.push_check_bound:g}; "
                     "start them on the same --model (or raise --push-check-bound for a bf16 sampler)"
                 )
             set_version = getattr(self.samplers, "set_weight_version", None)

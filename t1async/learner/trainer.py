@@ -40,10 +40,9 @@ from t1async.learner import ppo
 from t1async.learner.batch import Batch, BatchError, SegmentLike, check_segment, pack, plan_microbatches, routing_drift
 from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint, load_checkpoint, save_checkpoint
 from t1async.learner.critic import CriticWarmup
-from t1async.learner.options import TrainDtype
 from t1async.learner.prefixkv import KV, PrefixKV, cut_point, head
 from t1async.learner.stepmetrics import StepMetrics, step_algorithm_metrics, step_metrics
-from t1async.learner.trainer_config import TrainerConfig
+from t1async.learner.trainer_config import TrainDtype, TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer

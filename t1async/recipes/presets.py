@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from t1async.learner.options import Advantage, Critic
+from t1async.learner.trainer_config import Advantage, Critic
 from t1async.protocol.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
