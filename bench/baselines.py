@@ -192,9 +192,10 @@ def rft_model(warm: Path, demos: list, out: Path, *, steps: int, system_prompt: 
     """The warm start fine-tuned on ``demos`` (its recipe's SFT settings, ``steps`` steps) into ``out``."""
     import torch
 
+    from t1async.learner.settings import SFTConfig
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import load_pretrained, save_pretrained
-    from t1async.recipes.sft import SFTConfig, demo_tokens, sft_train
+    from t1async.recipes.sft import demo_tokens, sft_train
     from t1async.recipes.warmstart import PROMPT_FILE
 
     tok = ChatTokenizer.load(warm)

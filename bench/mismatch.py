@@ -36,6 +36,7 @@ over the raw one, for reference). The T1 paper reports 0.021 -> 0.013 (ratio 0.6
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -280,10 +281,18 @@ def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
     base = _base_model(args)
     if (args.model is not None and args.model not in TINY_NAMES) or args.sft_steps <= 0:
         return base, None
-    from t1async.recipes.sft import SFTConfig, run_sft
+    from t1async.learner.settings import SFTConfig
+    from t1async.recipes.sft import run_sft
 
     cfg = SFTConfig(
-        steps=args.sft_steps, lr=2e-3, warmup_steps=5, batch_tokens=args.sft_batch_tokens, max_len=2048, seed=args.seed
+        synth=args.sft_tasks,
+        model=base,
+        steps=args.sft_steps,
+        lr=2e-3,
+        warmup_steps=5,
+        batch_tokens=args.sft_batch_tokens,
+        max_len=2048,
+        seed=args.seed,
     )
     key = hashlib.sha256(json.dumps([base.name, args.sft_tasks, repr(cfg)]).encode()).hexdigest()[:12]
     warm = Path(args.warm_cache) / f"mismatch-warm-{key}"
@@ -293,7 +302,7 @@ def _warm_start(args: argparse.Namespace) -> tuple[Path, dict | None]:
     warm.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-", dir=warm.parent))
     try:
-        summary = run_sft(out=tmp, tasks_dir=None, synth=args.sft_tasks, cfg=cfg, model_dir=base)
+        summary = run_sft(dataclasses.replace(cfg, out=tmp))
         tmp.rename(warm)  # atomic: a half-trained model is never reused
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

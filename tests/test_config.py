@@ -172,7 +172,7 @@ def test_cluster_up_hands_the_eval_and_the_warm_start_toml_files(tmp_path):
     from t1async.cluster import components
     from t1async.cluster.config import UpConfig
     from t1async.eval.loop import LoopSettings
-    from t1async.learner.settings import SftSettings
+    from t1async.learner.settings import SFTConfig, code_only
 
     tasks = tmp_path / "tasks"
     (tasks / "t0").mkdir(parents=True)
@@ -203,8 +203,8 @@ def test_cluster_up_hands_the_eval_and_the_warm_start_toml_files(tmp_path):
         str(tmp_path / "config" / "warm-start.toml"),
     ]
     p = argparse.ArgumentParser()
-    add_arguments(p, SftSettings)
-    sft = resolve(SftSettings, p.parse_args(warm[warm.index("sft") + 1 :]))
+    add_arguments(p, SFTConfig)
+    sft = resolve(SFTConfig, p.parse_args(warm[warm.index("sft") + 1 :]), exclude=code_only(SFTConfig))
     assert (sft.tasks, sft.steps, sft.out, sft.model) == (tasks, 5, components.warm_model_dir(cfg), None)
 
 

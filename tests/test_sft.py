@@ -11,12 +11,13 @@ from sandbox_agent.agent import run_agent
 from sandbox_agent.agent_types import AgentConfig
 from sandbox_agent.sandbox.memory import MemorySandbox
 from sandbox_agent.verifier import VerifyResult
+from t1async.learner.settings import SFTConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import Generation, SamplingParams
-from t1async.recipes.sft import Demo, SFTConfig, collect_demos, demo_loss, demo_tokens, sft_train, synth_tasks
+from t1async.recipes.sft import Demo, collect_demos, demo_loss, demo_tokens, sft_train, synth_tasks
 from t1async.testing.models import TINY
 
 REPLIES = ["```bash\nls -la  data/\n```", "Let me look:\n```bash\ncat data/a.txt | sort -u\n```", "DONE"]

@@ -134,6 +134,7 @@ def test_split_json_of_another_version_is_refused(tmp_path):
 def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
     """`python -m t1async.learner sft --tasks DIR` took every task of DIR, eval and test ones too (seen failing
     on the old code): now only the train split reaches collect_demos, and a dir without one is refused."""
+    from t1async.learner.settings import SFTConfig
     from t1async.recipes import sft
 
     paths = generate(tmp_path / "tasks", 40, seed=0, families=["chores"])
@@ -145,7 +146,7 @@ def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sft, "collect_demos", fake_collect)
     with pytest.raises(ConfigError, match="gave a resolved oracle demonstration"):
-        sft.run_sft(out=tmp_path / "out", tasks_dir=tmp_path / "tasks", synth=0, cfg=sft.SFTConfig(steps=1))
+        sft.run_sft(SFTConfig(steps=1, out=tmp_path / "out", tasks=tmp_path / "tasks"))
     splits = Counter(load_task(p).split for p in paths)
     assert splits["eval"] + splits["test"] > 0 and len(got) == splits["train"]
     assert {t.split for t in got} == {"train"}
@@ -155,7 +156,7 @@ def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
         if load_task(p).split != "train":
             p.rename(held / p.name)
     with pytest.raises(ConfigError, match="held out of SFT"):
-        sft.run_sft(out=tmp_path / "out2", tasks_dir=held, synth=0, cfg=sft.SFTConfig(steps=1))
+        sft.run_sft(SFTConfig(steps=1, out=tmp_path / "out2", tasks=held))
 
 
 def test_choresome_demonstrator_mostly_stops_after_its_first_reply():

@@ -16,10 +16,10 @@ from sandbox_agent.tasks import load_task, load_tasks
 from t1async.cluster.config import from_args
 from t1async.cluster.flags import add_up_arguments
 from t1async.eval.stats import paired_diff
+from t1async.learner.settings import SFTConfig
 from t1async.model.config import MoEConfig
 from t1async.protocol.errors import ConfigError
 from t1async.recipes import warmstart
-from t1async.recipes.sft import SFTConfig
 
 
 async def test_easy_families_oracle_resolves_and_null_does_not(tmp_path):

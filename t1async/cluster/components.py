@@ -65,10 +65,11 @@ def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
-    from t1async.learner.settings import SftSettings
+    from t1async.learner.settings import SFTConfig, code_only
 
-    sft = SftSettings(tasks=ensure_tasks(cfg), steps=cfg.warm_start_steps, out=out, model=cfg.model)
-    return python_module("t1async.learner", "sft", "--config", str(config_file(cfg, "warm-start", asdict(sft))))
+    sft = SFTConfig(tasks=ensure_tasks(cfg), steps=cfg.warm_start_steps, out=out, model=cfg.model)
+    toml = {k: v for k, v in asdict(sft).items() if k not in code_only(SFTConfig)}
+    return python_module("t1async.learner", "sft", "--config", str(config_file(cfg, "warm-start", toml)))
 
 
 def warm_model_dir(cfg: UpConfig) -> Path:

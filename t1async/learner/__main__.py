@@ -7,7 +7,7 @@ import json
 import sys
 
 from t1async.config import add_arguments, resolve
-from t1async.learner.settings import SftSettings
+from t1async.learner.settings import SFTConfig, code_only
 from t1async.protocol.errors import ConfigError, T1Error
 
 SFT_HELP = """\
@@ -21,37 +21,19 @@ examples:
 """
 
 
-def _sft(args: SftSettings) -> int:
+def _sft(cfg: SFTConfig) -> int:
     import torch
 
-    from t1async.learner.trainer_config import Device, TrainDtype
-    from t1async.recipes.sft import SFTConfig, run_sft
+    from t1async.recipes.sft import run_sft
 
-    assert args.out is not None
-    torch.set_num_threads(max(1, args.threads))
-    cfg = SFTConfig(
-        steps=args.steps,
-        lr=args.lr,
-        batch_tokens=args.batch_tokens,
-        max_len=args.max_len,
-        seed=args.seed,
-        device=Device(args.device).value,
-        train_dtype=TrainDtype(args.train_dtype).value,
-    )
-    summary = run_sft(
-        out=args.out,
-        tasks_dir=args.tasks,
-        synth=args.synth or 0,  # unused with --tasks
-        cfg=cfg,
-        model_dir=args.model,
-        concurrency=args.concurrency,
-    )
+    torch.set_num_threads(max(1, cfg.threads))
+    summary = run_sft(cfg)
     print(
         f"sft: {summary['demos']} demos of {summary['tasks']} tasks, {summary['loss_tokens']} loss tokens; "
         f"loss {summary['loss_before']:.3f} -> {summary['loss_after']:.3f} in {summary['steps']} steps; "
         f"model dir {summary['out']}"
     )
-    if args.json:
+    if cfg.json:
         print(json.dumps(summary, sort_keys=True))
     return 0
 
@@ -67,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         description=SFT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_arguments(s, SftSettings)
+    add_arguments(s, SFTConfig)
     from t1async.learner import serve_cli
 
     serve_cli.add_parser(sub)
@@ -88,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     if args.cmd == "sft":
         try:
-            sft: SftSettings = resolve(SftSettings, args)
+            sft: SFTConfig = resolve(SFTConfig, args, exclude=code_only(SFTConfig))
         except ConfigError as exc:
             s.error(str(exc))
         if (sft.tasks is None) == (sft.synth is None):

@@ -1,10 +1,10 @@
-"""The learner's settings and ``learner sft``'s, declared once (light to import: no torch).
+"""The learner's settings and ``learner sft``'s, each declared once (light to import: no torch).
 
 ``LearnerConfig`` is what ``learner.service.Learner`` runs with, and the flags and TOML keys of ``learner serve``
 (``serve_cli.ServeConfig`` adds the process's wiring) and of ``cluster up`` (``cluster.config.UpConfig`` includes
-it); fields with ``cli=False`` are set by code only (tests, benches): neither flags nor TOML keys (``code_only``).
-``SftSettings``: ``learner sft``'s; ``cluster up`` writes them as ``<run-dir>/config/warm-start.toml`` for the
-warm start it runs."""
+it). ``SFTConfig`` is what ``recipes.sft`` trains with, and ``learner sft``'s flags and TOML keys; ``cluster up``
+writes it as ``<run-dir>/config/warm-start.toml`` for the warm start it runs. Fields with ``cli=False`` are set
+by code only (tests, benches, recipes): neither flags nor TOML keys (``code_only``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from t1async.config import setting
+from t1async.config import check_bounds, setting
 from t1async.learner.trainer_config import Device, TrainDtype, TrainerConfig
+from t1async.protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from t1async.learner.pushcheck import PushCheckConfig
@@ -120,8 +121,9 @@ def code_only(cls: type) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class SftSettings:
-    """``learner sft``'s settings: ``--config FILE.toml`` and/or flags (flags win)."""
+class SFTConfig:
+    """``learner sft``'s settings (``--config FILE.toml`` and/or flags, flags win), and what
+    ``recipes.sft.run_sft`` and ``sft_train`` run with; checked when built."""
 
     tasks: Path | None = setting(
         None, "a directory of task directories (Terminal-Bench 1 or 2 format); or --synth", metavar="DIR"
@@ -131,7 +133,7 @@ class SftSettings:
     out: Path | None = setting(None, "output model directory, loadable by the sampler (required)", metavar="DIR")
     model: Path | None = setting(None, "starting model directory (default: the shipped embedded model)")
     lr: float = setting(1e-3, "peak learning rate", gt=0)
-    batch_tokens: int = setting(8192, "padded tokens per step", ge=2)
+    batch_tokens: int = setting(8192, "padded tokens per step", ge=2)  # segments packed longest-first
     max_len: int = setting(4096, "truncate demonstrations to this many tokens", ge=2)
     concurrency: int = setting(2, "oracle runs in parallel", ge=1)
     threads: int = setting(2, "torch CPU threads", ge=1)
@@ -141,3 +143,20 @@ class SftSettings:
     train_dtype: TrainDtype = setting(
         TrainDtype.FLOAT32, "float32, or bfloat16: bf16 autocast over fp32 master weights (as the learner's)"
     )
+    # set by code only (cli=False): neither flags nor TOML keys
+    warmup_steps: int = setting(10, "steps of linear learning-rate warmup", ge=0, cli=False)
+    weight_decay: float = setting(0.0, "AdamW weight decay", ge=0, cli=False)
+    grad_clip: float = setting(1.0, "max global grad norm", ge=0, cli=False)
+    copy_steps: int = setting(
+        0, "steps of copy pretraining before the demonstrations (recipes.sft.copy_examples); 0: none", ge=0, cli=False
+    )
+
+    def __post_init__(self) -> None:
+        for name, kind in (("device", Device), ("train_dtype", TrainDtype)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ConfigError(
+                    f"SFTConfig.{name} must be {' or '.join(repr(k.value) for k in kind)}, got {getattr(self, name)!r}"
+                ) from None
+        check_bounds(self, "SFTConfig")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from t1async.learner.batch import plan_microbatches
+from t1async.learner.settings import SFTConfig
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
 
@@ -49,31 +50,6 @@ class Example:
     task: str
     tokens: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # bool [T]
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    steps: int = 200
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    batch_tokens: int = 8192  # padded tokens per optimizer step (segments packed longest-first)
-    max_len: int = 4096  # examples are truncated to this many tokens
-    seed: int = 0
-    copy_steps: int = 0  # steps of copy pretraining before the demonstrations (``copy_examples``); 0: none
-    # where and in what precision: as the learner's --device / --train-dtype (bf16 autocast, fp32 weights)
-    device: str = "cpu"
-    train_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.lr <= 0 or self.batch_tokens < 2 or self.max_len < 2:
-            raise ConfigError(f"SFTConfig needs steps >= 1, lr > 0, batch_tokens >= 2, max_len >= 2; got {self}")
-        if self.device not in ("cpu", "cuda") or self.train_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"SFTConfig.device must be 'cpu' or 'cuda' and train_dtype 'float32' or 'bfloat16'; got "
-                f"{self.device!r}, {self.train_dtype!r}"
-            )
 
 
 def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
@@ -289,23 +265,19 @@ def sft_train(
     return losses
 
 
-def run_sft(
-    *,
-    out: Path,
-    tasks_dir: Path | None,
-    synth: int,
-    cfg: SFTConfig,
-    model_dir: Path | None = None,
-    concurrency: int = 2,
-) -> dict:
-    """The ``sft`` command: demonstrations -> training -> a model directory at ``out``."""
+def run_sft(cfg: SFTConfig) -> dict:
+    """The ``sft`` command: demonstrations (of ``cfg.tasks``, or ``cfg.synth`` synthetic tasks) -> training -> a
+    model directory at ``cfg.out``."""
     import json
 
     from t1async.learner.trainer_config import torch_device
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 
-    src = model_dir or default_model_dir()
+    if cfg.out is None:
+        raise ConfigError("SFT needs an output directory: --out DIR (SFTConfig.out)")
+    out, tasks_dir, synth = cfg.out, cfg.tasks, cfg.synth or 0  # synth: unused with tasks
+    src = cfg.model or default_model_dir()
     tok = ChatTokenizer.load(src)
     model = load_pretrained(src, torch.float32).to(torch_device(cfg.device))  # fp32 master weights
     with tempfile.TemporaryDirectory(prefix="t1-sft-tasks-") as tmp:
@@ -326,7 +298,7 @@ def run_sft(
             )
         log.info("sft.tasks", train=len(tasks), held_out=held - len(tasks))
         t0 = time.perf_counter()
-        demos = anyio.run(lambda: collect_demos(tasks, concurrency=concurrency), backend="trio")
+        demos = anyio.run(lambda: collect_demos(tasks, concurrency=cfg.concurrency), backend="trio")
         t_demos = time.perf_counter() - t0
     if not demos:
         raise ConfigError(f"none of the {len(tasks)} tasks gave a resolved oracle demonstration (see the log)")

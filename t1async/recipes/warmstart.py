@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_agent.tasks import SPLIT_VERSION
+from t1async.learner.settings import SFTConfig
 from t1async.log import get_logger
 from t1async.model.config import MoEConfig
 from t1async.model.weights import default_config
 from t1async.protocol.errors import ConfigError, T1Error
-from t1async.recipes.sft import SFTConfig
 
 log = get_logger("t1async.recipes.warmstart")
 
@@ -46,6 +46,10 @@ SHORT_PROMPT = (
     "You are in a bash shell. Reply with one command in a ```bash block; "
     "you will see its output. When the task is done, reply DONE."
 )
+
+
+# SFTConfig's fields that are the `learner sft` command's, not the training's: left out of a recipe's hash
+_SFT_COMMAND = ("tasks", "synth", "out", "model", "concurrency", "threads", "json")
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ class Recipe:
             "families": list(self.families),
             "tasks": self.tasks,
             "task_seed": self.task_seed,
-            "sft": dataclasses.asdict(self.sft),
+            # the training settings: a recipe names its own tasks and model, and where the build goes
+            "sft": {k: v for k, v in dataclasses.asdict(self.sft).items() if k not in _SFT_COMMAND},
             "system_prompt": self.system_prompt,
             "split": SPLIT_VERSION,  # which tasks are train (the demonstrations) is part of the recipe
         }
