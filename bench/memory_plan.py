@@ -431,7 +431,7 @@ def _step_peak(  # noqa: ANN202
         for i, b in enumerate(batches):
             if i:
                 tracker.reset_mod_stats()  # the tracker refuses a second root forward otherwise
-            _, logp, vals, ent = trainer._forward(b, replay=False, with_entropy=tcfg.loss.entropy_coef > 0)
+            _, logp, vals, ent = trainer._forward(b, replay=False, with_entropy=tcfg.entropy_coef > 0)
             terms = ppo.ppo_loss(
                 logp,
                 prox,
@@ -441,7 +441,7 @@ def _step_peak(  # noqa: ANN202
                 old_v,
                 ret,
                 b.loss_mask,
-                tcfg.loss,
+                tcfg,
                 normaliser=float(tokens),
                 entropy=ent,
             )

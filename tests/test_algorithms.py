@@ -115,7 +115,7 @@ def test_later_ppo_epochs_recompute_the_ratio_so_the_clip_binds():
     torch.manual_seed(0)
     model = tiny()
     segs = _segments(model)
-    cfg = TrainerConfig(lr=3e-3, ppo_epochs=4, loss=ppo.LossConfig(clip_eps=0.05))
+    cfg = TrainerConfig(lr=3e-3, ppo_epochs=4, clip_eps=0.05)
     m = Trainer(model, cfg).step(segs, 0)
     by = m.clip_frac_by_epoch
     assert sorted(by) == [0, 1, 2, 3]
@@ -130,7 +130,7 @@ def test_later_ppo_epochs_recompute_the_ratio_so_the_clip_binds():
 # ---------------------------------------------------------------------------------- off-policy correction
 
 
-def _is_loss(w: list[float], cfg: ppo.LossConfig):
+def _is_loss(w: list[float], cfg: TrainerConfig):
     logp = torch.full((len(w),), -1.0, requires_grad=True)
     behav = torch.tensor([-1.0 - math.log(x) for x in w])
     z = torch.zeros(len(w))
@@ -142,23 +142,18 @@ def _is_loss(w: list[float], cfg: ppo.LossConfig):
 
 
 def test_masked_is_drops_the_tokens_whose_weight_leaves_the_bounds():
-    cfg = ppo.LossConfig(value_coef=0.0, is_correction="mis", is_low=0.5, is_high=2.0)
+    cfg = TrainerConfig(value_coef=0.0, is_correction="mis", is_low=0.5, is_high=2.0)
     terms, grad = _is_loss([0.3, 0.8, 1.5, 4.0], cfg)
     n = 4
     np.testing.assert_allclose(grad.numpy(), [0.0, -0.8 / n, -1.5 / n, 0.0], rtol=1e-5)
     assert terms.is_masked_frac.item() == pytest.approx(0.5) and terms.is_trunc_frac.item() == 0.0
     # the same weights under TIS at a cap of 3: nothing dropped, 4.0 truncated
-    terms, grad = _is_loss([0.3, 0.8, 1.5, 4.0], ppo.LossConfig(value_coef=0.0, is_cap=3.0))
+    terms, grad = _is_loss([0.3, 0.8, 1.5, 4.0], TrainerConfig(value_coef=0.0, is_cap=3.0))
     np.testing.assert_allclose(grad.numpy(), [-0.3 / n, -0.8 / n, -1.5 / n, -3.0 / n], rtol=1e-5)
     assert terms.is_trunc_frac.item() == pytest.approx(0.25) and terms.is_masked_frac.item() == 0.0
 
 
-def test_is_options_reach_the_loss_and_bad_bounds_are_refused():
-    cfg = TrainerConfig(is_correction="mis", is_low=0.8, is_high=1.25)
-    assert (cfg.loss.is_correction, cfg.loss.is_low, cfg.loss.is_high) == ("mis", 0.8, 1.25)
-    assert TrainerConfig(loss=ppo.LossConfig(is_cap=4.0)).is_cap == 4.0  # set on either side, one value
-    with pytest.raises(ConfigError, match="disagree"):
-        TrainerConfig(is_cap=3.0, loss=ppo.LossConfig(is_cap=4.0))
+def test_bad_is_options_are_refused():
     with pytest.raises(ConfigError, match="is_low < is_high"):
         TrainerConfig(is_correction="mis", is_low=2.0, is_high=1.5)
     with pytest.raises(ConfigError, match="is_correction must be 'tis' or 'mis'"):
@@ -256,7 +251,7 @@ def test_cluster_up_hands_the_algorithm_options_to_the_learner_and_actors(tmp_pa
     flags += ["--is-low", "0.7", "--critic-warmup", "2", "--gamma", "0.9", "--lam", "0.8"]
     cfg = serve_args(learner_argv(tmp_path / "a", *flags))  # learner serve's settings: what its Learner trains with
     assert (cfg.advantage, cfg.ppo_epochs, cfg.critic_warmup, cfg.gamma, cfg.lam) == ("rloo", 3, 2, 0.9, 0.8)
-    assert (cfg.loss.is_correction, cfg.loss.is_low, cfg.loss.is_high) == ("mis", 0.7, 2.0)
+    assert (cfg.is_correction, cfg.is_low, cfg.is_high) == ("mis", 0.7, 2.0)
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", default=str(tmp_path / "b"))
     add_up_arguments(p)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from t1async.learner import ppo
+from t1async.learner.trainer_config import TrainerConfig
 
 
 def test_gae_matches_hand_computation_with_bootstrap():
@@ -88,7 +89,10 @@ def test_segment_advantages_reject_bad_shapes():
         )
 
 
-def _loss(logp, adv, *, prox=None, behav=None, cfg=ppo.LossConfig(value_coef=0.0)):
+POLICY_ONLY = TrainerConfig(value_coef=0.0)  # the policy loss alone
+
+
+def _loss(logp, adv, *, prox=None, behav=None, cfg=POLICY_ONLY):
     n = logp.shape[0]
     z = torch.zeros(n)
     prox = logp.detach() if prox is None else prox
@@ -129,7 +133,7 @@ def test_value_loss_pulls_value_to_return_and_respects_clip():
     ret = torch.tensor([1.0, -0.1])
     z = torch.zeros(2)
     m = torch.ones(2, dtype=torch.bool)
-    cfg = ppo.LossConfig(value_coef=1.0, value_clip=0.2)
+    cfg = TrainerConfig(value_coef=1.0, value_clip=0.2)
     terms = ppo.ppo_loss(z, z, z, z, v, old, ret, m, cfg)
     terms.loss.backward()
     assert v.grad[0] < 0 < v.grad[1]  # gradient descent moves both toward their returns
@@ -143,7 +147,7 @@ def test_normaliser_makes_microbatches_sum_to_full_batch():
     g_full = torch.autograd.grad(full, logp)[0]
     z = torch.zeros(3)
     m = torch.ones(3, dtype=torch.bool)
-    cfg = ppo.LossConfig(value_coef=0.0)
+    cfg = TrainerConfig(value_coef=0.0)
     parts = [
         ppo.ppo_loss(
             logp[i : i + 3],

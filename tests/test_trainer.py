@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from t1async.ingest.tito import Segment
-from t1async.learner import ppo
 from t1async.learner.batch import BatchError
 from t1async.learner.checkpoint import latest_checkpoint, save_checkpoint
 from t1async.learner.trainer import Trainer
@@ -235,7 +234,7 @@ def test_a_training_step_never_keeps_full_vocabulary_logits_for_backward():
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        m = Trainer(model, TrainerConfig(lr=1e-3, loss=ppo.LossConfig(entropy_coef=0.01))).step([seg], 0)
+        m = Trainer(model, TrainerConfig(lr=1e-3, entropy_coef=0.01)).step([seg], 0)
     assert m.loss_tokens == t - 350 and math.isfinite(m.loss)
     biggest = max(saved)
     assert biggest[0] < t * CFG.vocab_size // 4, f"a {biggest[1]} tensor was saved for backward"
@@ -315,7 +314,7 @@ def test_a_detached_critic_leaves_the_policy_update_to_the_policy_loss(critic):
             sampled_segment(model, toks, range(30, 60), reward=4.0),
             sampled_segment(model, toks[:40], range(20, 40), reward=0.0, episode="b"),
         ]
-        cfg = TrainerConfig(lr=1e-3, critic=critic, loss=ppo.LossConfig(value_coef=coef))
+        cfg = TrainerConfig(lr=1e-3, critic=critic, value_coef=coef)
         Trainer(model, cfg).step(segs, 0)
         runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
     (no_v, with_v), head = runs, "value_head.weight"

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.learner import ppo
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig
 from t1async.protocol.errors import ConfigError
@@ -47,7 +46,7 @@ def test_the_value_head_steps_at_value_lr_and_the_policy_at_lr():
 
 def test_a_faster_value_head_tracks_the_returns():
     # returns here are 4 and 0 (mean ~2 over loss tokens); a fresh head starts near 0
-    cfg = TrainerConfig(lr=1e-5, critic="detached", normalize_advantages=True, loss=ppo.LossConfig(value_clip=None))
+    cfg = TrainerConfig(lr=1e-5, critic="detached", normalize_advantages=True, value_clip=None)
     *_, slow = _moves(cfg, steps=12)
     *_, fast = _moves(TrainerConfig(**{**cfg.__dict__, "value_lr": 3e-2}), steps=12)
     assert abs(slow[-1] - slow[0]) < 0.05  # at the policy's rate the head barely moves

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from t1async.learner.groups import episode_group
-from t1async.learner.trainer_config import LossConfig
+from t1async.learner.trainer_config import TrainerConfig
 
 
 def gae(
@@ -273,7 +273,7 @@ class LossTerms:
         return {"clip_frac": self.clip_frac, "is_trunc_frac": self.is_trunc_frac, "is_masked_frac": self.is_masked_frac}
 
 
-def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: TrainerConfig) -> tuple[Tensor, Tensor, Tensor]:
     """The corrected importance weights of ``w = pi_prox / pi_behav`` under ``cfg.is_correction`` and the
     (truncated, masked) boolean tensors saying where the correction acted."""
     raw = torch.exp((prox_logp.detach() - behav_logp.detach()).clamp(-20.0, 20.0))
@@ -281,7 +281,7 @@ def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: LossConfig) -> tuple[
         masked = (raw < cfg.is_low) | (raw > cfg.is_high)
         return torch.where(masked, torch.zeros_like(raw), raw), torch.zeros_like(masked), masked
     if cfg.is_correction != "tis":
-        raise ValueError(f"LossConfig.is_correction must be 'tis' or 'mis', got {cfg.is_correction!r}")
+        raise ValueError(f"TrainerConfig.is_correction must be 'tis' or 'mis', got {cfg.is_correction!r}")
     trunc = raw > cfg.is_cap
     return raw.clamp(max=cfg.is_cap), trunc, torch.zeros_like(trunc)
 
@@ -306,7 +306,7 @@ def ppo_loss(
     old_values: Tensor,
     returns: Tensor,
     mask: Tensor,
-    cfg: LossConfig,
+    cfg: TrainerConfig,
     *,
     normaliser: float | None = None,
     entropy: Tensor | None = None,

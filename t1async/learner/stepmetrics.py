@@ -15,6 +15,7 @@ from torch import Tensor
 
 from t1async.learner import ppo
 from t1async.learner.batch import SegmentLike
+from t1async.learner.trainer_config import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def step_metrics(
     t0: float,
     t_fwd: float,
     t_backward: float,
-    loss_config: ppo.LossConfig | None = None,
+    config: TrainerConfig | None = None,
 ) -> StepMetrics:
     """StepMetrics over the step's loss tokens: ``toks`` holds 1-D per-loss-token tensors ``prox``,
     ``behav``, ``versions``, ``old_values``, ``returns``; ``segments`` all the step's segments; ``routing``
@@ -119,7 +120,7 @@ def step_metrics(
     stale = (policy_version - vers).cpu().numpy()
     hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
     split = ppo.dlogp_split(prox, behav, policy_version - vers)
-    w, _, _ = ppo.is_weights(prox, behav, loss_config or ppo.LossConfig())
+    w, _, _ = ppo.is_weights(prox, behav, config or TrainerConfig())
     by_epoch = {int(k.removeprefix("clip_frac_e")): v for k, v in sums.items() if k.startswith("clip_frac_e")}
     return StepMetrics(
         step=step,

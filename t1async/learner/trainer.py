@@ -383,7 +383,7 @@ class Trainer:
         Returns (scored, (differ, compared, missing, used_differ), seconds). With ``single`` the forward
         keeps its graph and is the training forward too."""
         cfg = self.config
-        want_ent = cfg.loss.entropy_coef > 0
+        want_ent = cfg.entropy_coef > 0
         self.model.train()
         scored: list[Scored] = []
         differ = compared = missing = used_differ = 0
@@ -442,7 +442,7 @@ class Trainer:
         """2. PPO epochs: accumulate the loss over the micro-batches, one optimizer step per epoch.
         Returns (loss sums, last grad norm, seconds in forwards, seconds in all)."""
         cfg = self.config
-        want_ent = cfg.loss.entropy_coef > 0
+        want_ent = cfg.entropy_coef > 0
         sums: defaultdict[str, float] = defaultdict(float)
         grad_norm = t_fwd = 0.0
         t_update = time.perf_counter()
@@ -468,7 +468,7 @@ class Trainer:
                     sc.old_values,
                     sc.ret,
                     sc.batch.loss_mask,
-                    cfg.loss,
+                    cfg,
                     normaliser=n_loss,
                     entropy=ent,
                 )
@@ -529,8 +529,8 @@ class Trainer:
             drift,
             step=self.steps,
             replay=self.config.replay,
-            with_entropy=self.config.loss.entropy_coef > 0,
-            loss_config=self.config.loss,
+            with_entropy=self.config.entropy_coef > 0,
+            config=self.config,
             **parts,
         )
 

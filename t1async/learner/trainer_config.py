@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from t1async.config import check_bounds, setting
@@ -52,19 +52,6 @@ ADVANTAGES = tuple(a.value for a in Advantage)
 IS_CORRECTIONS = tuple(c.value for c in IsCorrection)
 CRITICS = tuple(c.value for c in Critic)
 PREFIXES = tuple(p.value for p in Prefix)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    clip_eps: float = 0.2  # PPO ratio clip against the proximal policy
-    clip_eps_high: float | None = None  # asymmetric upper clip (DAPO "clip higher"); None = clip_eps
-    is_correction: str = "tis"  # "tis": w truncated at is_cap; "mis": tokens with w outside [is_low, is_high] dropped
-    is_cap: float = 2.0  # truncation of the behaviour importance weight w = pi_prox / pi_behav (tis)
-    is_low: float = 0.5  # masked IS: the bounds of the kept tokens' w (mis)
-    is_high: float = 2.0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2  # PPO value clipping around the step's starting values; None = off
-    entropy_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -171,7 +158,13 @@ class TrainerConfig:
         cli=False,
     )
     normalize_advantages: bool = setting(True, "normalize the step's advantages", cli=False)
-    loss: LossConfig = setting(factory=LossConfig, help="the PPO loss's coefficients and clips", cli=False)
+    clip_eps: float = setting(0.2, "PPO ratio clip against the proximal policy", gt=0, cli=False)
+    clip_eps_high: float | None = setting(None, "asymmetric upper clip (DAPO's clip higher); None: clip_eps", cli=False)
+    value_coef: float = setting(0.5, "the value loss's weight", cli=False)
+    value_clip: float | None = setting(
+        0.2, "PPO value clipping around the step's starting values; None: off", cli=False
+    )
+    entropy_coef: float = setting(0.0, "the entropy bonus's weight", cli=False)
     microbatch_tokens: int = setting(16384, "padded B x T per forward", ge=2, cli=False)
     # recompute each block in the backward pass instead of keeping its activations (~72 KB a token with the
     # shipped model; kept instead: each block's input, 0.5 KB a token a layer): one more forward per pass
@@ -217,30 +210,11 @@ class TrainerConfig:
                 "TrainerConfig needs ppo_epochs >= 1, microbatch_tokens >= 2, grad_clip >= 0; got "
                 f"ppo_epochs={self.ppo_epochs}, microbatch_tokens={self.microbatch_tokens}, grad_clip={self.grad_clip}"
             )
-        self._merge_is_options()
-        if self.loss.is_cap <= 0 or self.loss.clip_eps <= 0:
-            raise ConfigError(f"LossConfig needs is_cap > 0 and clip_eps > 0, got {self.loss}")
-        if self.loss.is_correction not in ("tis", "mis"):
-            raise ConfigError(f"LossConfig.is_correction must be 'tis' or 'mis', got {self.loss.is_correction!r}")
-        if not 0 <= self.loss.is_low < self.loss.is_high:
+        if not 0 <= self.is_low < self.is_high:
             raise ConfigError(
-                f"masked IS needs 0 <= is_low < is_high, got [{self.loss.is_low}, {self.loss.is_high}]: "
+                f"masked IS needs 0 <= is_low < is_high, got [{self.is_low}, {self.is_high}]: "
                 "set --is-low below --is-high"
             )
-
-    def _merge_is_options(self) -> None:
-        """The IS options (is_correction, is_cap, is_low, is_high) and ``loss``'s fields are one setting each: a
-        value away from the default on either side is taken; set on both sides to different values is an error."""
-        default, merged = LossConfig(), {}
-        for name in ("is_correction", "is_cap", "is_low", "is_high"):
-            opt, own, base = getattr(self, name), getattr(self.loss, name), getattr(default, name)
-            opt = opt.value if isinstance(opt, enum.Enum) else opt
-            if opt != base and own != base and opt != own:
-                raise ConfigError(f"TrainerConfig.{name}={opt!r} and loss.{name}={own!r} disagree: set it in one place")
-            merged[name] = opt if opt != base else own
-        object.__setattr__(self, "loss", replace(self.loss, **merged))
-        for name, value in merged.items():
-            object.__setattr__(self, name, IsCorrection(value) if name == "is_correction" else value)
 
 
 def torch_device(device: Device | str) -> torch.device:
