@@ -77,6 +77,8 @@ async def test_admin_endpoints_need_the_admin_key(keyed):
             ):
                 r = await c.post(url + path, json=body, headers=_bearer(key))
                 assert r.status_code == 401 and r.json() == UNAUTHORIZED, (path, key, r.text)
+                # a refused request's connection is not reused (reusing it raced its close: a flaky disconnect)
+                assert r.headers.get("connection") == "close", r.headers
         info = (await c.get(url + "/get_model_info", headers=_bearer(API))).json()
         assert info["weight_version"] == "0", "a refused update changed nothing"
         r = await c.post(url + "/pause_generation", json={"mode": "retract"}, headers=_bearer(ADMIN))

@@ -95,6 +95,18 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
+async def _drain(receive: Receive, limit: int = 1 << 20) -> None:
+    """Read a refused request's body (up to ``limit`` bytes), so the connection is in a clean state."""
+    seen = 0
+    while seen <= limit:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return
+        seen += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
+
+
 class KeyMiddleware:
     """ASGI middleware in front of the sampler's routes (a refused request never reaches a handler)."""
 
@@ -111,12 +123,19 @@ class KeyMiddleware:
             await self.app(scope, receive, send)
             return
         log.info("sampler.unauthorized", path=path, method=method, had_key="authorization" in headers)
+        await _drain(receive)
         body = json.dumps({"error": "Unauthorized"}).encode()
         await send(
             {
                 "type": "http.response.start",
                 "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    # the server may drop this connection once it answered a request it did not serve: say so,
+                    # so that the client opens a new one rather than reuse it as it closes
+                    (b"connection", b"close"),
+                ],
             }
         )
         await send({"type": "http.response.body", "body": body})
