@@ -15,7 +15,7 @@ import sys
 from dataclasses import replace
 
 from actors.settings import ActorSettings
-from sandbox_agent.agent_types import AgentConfig
+from sandbox_agent.agent.types import AgentConfig
 from t1async.config import add_arguments, resolve
 
 
@@ -57,7 +57,7 @@ def settings(args: argparse.Namespace, p: argparse.ArgumentParser) -> ActorSetti
 
 def agent_config(args: ActorSettings, stop_token_ids: tuple[int, ...]) -> AgentConfig:
     """How each of this actor's episodes runs (its ``EpisodeOptions``, the system prompt file read)."""
-    from sandbox_agent.context import ContextConfig
+    from sandbox_agent.agent.context import ContextConfig
     from t1async.protocol.errors import T1Error
     from t1async.protocol.sampling import SamplingParams
 

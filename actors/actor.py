@@ -20,9 +20,9 @@ import anyio.abc
 
 from actors.episode import EpisodeContext, EpisodeStats, new_episode_id, run_one
 from actors.settings import ActorSettings
-from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike
-from sandbox_agent.backend import AutoBackend, SandboxBackend
-from sandbox_agent.tasks import Task, load_tasks
+from sandbox_agent.agent.types import AgentConfig, ChatTokenizerLike
+from sandbox_agent.sandbox.backend import AutoBackend, SandboxBackend
+from sandbox_agent.tasks.task import Task, load_tasks
 from t1async.credits.client import CreditClient
 from t1async.learner.groups import grouped_episode_id
 from t1async.log import get_logger

@@ -10,10 +10,10 @@ from pathlib import Path
 import anyio
 
 from actors.records import TurnEncoder
-from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, TurnResult
-from sandbox_agent.backend import SandboxBackend
-from sandbox_agent.runner import run_episode
-from sandbox_agent.tasks import Task
+from sandbox_agent.agent.runner import run_episode
+from sandbox_agent.agent.types import AgentConfig, ChatTokenizerLike, TurnResult
+from sandbox_agent.sandbox.backend import SandboxBackend
+from sandbox_agent.tasks.task import Task
 from t1async.credits.client import CreditClient, CreditedSampler
 from t1async.log import get_logger
 from t1async.protocol.errors import T1Error

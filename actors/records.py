@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sandbox_agent.agent_types import TurnResult
+from sandbox_agent.agent.types import TurnResult
 from t1async.protocol.sampling import common_prefix_len
 from t1async.protocol.wire import Finish, Routing, TurnRecord, digest_ids
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sandbox_agent.agent_types import Reward
-from sandbox_agent.context import POLICIES
+from sandbox_agent.agent.context import POLICIES
+from sandbox_agent.agent.types import Reward
 from t1async.config import like, setting
 from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys

@@ -29,7 +29,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 
-from sandbox_agent.actions import SYSTEM_PROMPT, format_observation
+from sandbox_agent.agent.actions import SYSTEM_PROMPT, format_observation
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol.sampling import Sampler, SamplingParams
 

@@ -11,7 +11,7 @@
 - ``rft``: rejection-sampling fine-tuning: the warm start samples the *train* split, the resolved episodes are
   kept, their commands re-run in the sandbox as demonstrations and the warm start fine-tuned on them (``rft``);
 - ``contentfree``: RL at RL's budget with a reward of 1 for every turn that does not say DONE (``--reward
-  turns``, ``sandbox_agent.agent_types.Reward.TURNS``), whatever the tests say: what "always go on" is worth.
+  turns``, ``sandbox_agent.agent.types.Reward.TURNS``), whatever the tests say: what "always go on" is worth.
 
 How DONE is masked. The sampler is left as it is: a logit mask there would ban DONE's first token, which other
 replies may start with, and the embedded and vLLM samplers would each need it. ``DoneMasked`` is agent-side: a
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.learning_stats import keys_of, per_task
-from sandbox_agent.actions import parse_action
+from sandbox_agent.agent.actions import parse_action
 from t1async.eval.stats import by_key_ci, pass_at_k, split_errors
 from t1async.log import get_logger
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams
@@ -61,7 +61,7 @@ def pass_at_ks(rows: Sequence[Mapping], ks: Sequence[int]) -> dict[int, dict]:
 def oracle_command_turns(task) -> int:  # noqa: ANN001 - a sandbox_agent Task
     """The oracle's command turns (its DONE is the one after): the task's ``max_turns`` less one when it has
     one, else its solution's chunks."""
-    from sandbox_agent.runner import solution_chunks
+    from sandbox_agent.agent.runner import solution_chunks
 
     mt = task.extra.get("max_turns")
     if isinstance(mt, int) and mt > 1:
@@ -164,7 +164,7 @@ def rft_demos(rows: Sequence[Mapping], tasks: Mapping[str, object], *, concurren
     distinct (task, commands)."""
     import anyio
 
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.tasks.task import load_task
     from t1async.recipes.sft import collect_demos
 
     seen: set[tuple[str, tuple[str, ...]]] = set()

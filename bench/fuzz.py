@@ -13,7 +13,7 @@ docstring promises. An input that makes it raise anything else (a ``TypeError`` 
   (``SamplerRequestError`` only);
 - ``client.generation``: the actors' parser of a sampler's ``/generate`` answer (``SamplerError`` only);
 - ``routing.sglang``: ``meta_info.routed_experts`` to the wire's routing array (``RoutingError`` only);
-- ``weightsync.dtype``: a dtype name in an update request (``ValueError`` only);
+- ``weightpush.dtype``: a dtype name in an update request (``ValueError`` only);
 - ``sandbox.action`` / ``sandbox.junit`` / ``sandbox.summary``: a model reply and a verifier's output
   (``parse_action`` never raises; the two verifier parsers raise ``ValueError`` only).
 
@@ -36,15 +36,15 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from bench._common import emit_json, print_grid
-from sandbox_agent.actions import parse_action
-from sandbox_agent.verifier import parse_junit, parse_pytest_summary
+from sandbox_agent.agent.actions import parse_action
+from sandbox_agent.tasks.verifier import parse_junit, parse_pytest_summary
 from t1async.ingest.routing import RoutingError, decode_sglang
 from t1async.log import configure
 from t1async.protocol import wire
 from t1async.protocol.errors import SamplerError, SamplerRequestError, WireError
 from t1async.sampler.requests import parse_generate, parse_sampling
 from t1async.sampler.response import parse_generation
-from t1async.sampler.weightsync import parse_dtype
+from t1async.sampler.weightpush import parse_dtype
 from t1async.transport import chunking
 from t1async.transport.base import TransportStats
 from t1async.transport.delivery import Fetched, StreamIntake
@@ -254,7 +254,7 @@ TARGETS: tuple[Target, ...] = (
         lambda a: decode_sglang(*a),
         (RoutingError,),
     ),
-    Target("weightsync.dtype", json_values, parse_dtype, (ValueError,)),
+    Target("weightpush.dtype", json_values, parse_dtype, (ValueError,)),
     Target("sandbox.action", st.text(max_size=200), parse_action, ()),
     Target("sandbox.junit", st.text(max_size=200), parse_junit, (ValueError,)),
     Target("sandbox.summary", st.text(max_size=200), parse_pytest_summary, (ValueError,)),

@@ -168,6 +168,6 @@ def ensure_corpus(
 
 def held_tasks(root: Path, table: dict[str, dict], split: str | None) -> list:
     """The tasks of ``table`` in ``split`` (None: all of them, for a family no run trains on), loaded."""
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.tasks.task import load_task
 
     return [load_task(root / t) for t, e in sorted(table.items()) if split is None or e["split"] == split]

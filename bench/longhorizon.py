@@ -47,12 +47,12 @@ import numpy as np
 from actors.records import TurnEncoder
 from actors.settings import EpisodeOptions
 from bench._common import add_model_arg, emit_json, model_dir, print_grid, print_table, trainable_routing
-from sandbox_agent.agent_types import AgentConfig, TurnResult
-from sandbox_agent.backend import BwrapBackend
-from sandbox_agent.runner import run_episode
+from sandbox_agent.agent.runner import run_episode
+from sandbox_agent.agent.types import AgentConfig, TurnResult
 from sandbox_agent.sandbox import SandboxConfig
+from sandbox_agent.sandbox.backend import BwrapBackend
 from sandbox_agent.sandbox.bwrap import BwrapSandbox
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.task import load_task
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.episode import AssemblerConfig
 from t1async.ingest.routing import compact_dtype

@@ -28,7 +28,7 @@ import trio
 
 from actors.records import TurnEncoder
 from bench._common import emit_json, print_grid
-from sandbox_agent.agent_types import TurnResult
+from sandbox_agent.agent.types import TurnResult
 from t1async.ingest.assembly import Assembler
 from t1async.model.engine import Engine
 from t1async.model.modeldir import check_model_dir

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
     args = p.parse_args(argv)
     rewards = [r for r in args.rewards.split(",") if r]
-    from sandbox_agent.agent_types import Reward
+    from sandbox_agent.agent.types import Reward
 
     bad = [r for r in rewards if r not in {x.value for x in Reward}]
     if bad or not rewards:

@@ -94,11 +94,11 @@ def _bench_task(root: Path, salt: str) -> Path:
 async def container_bench(execs: int, starts: int) -> dict[str, Any]:
     import secrets
 
-    from sandbox_agent import images
-    from sandbox_agent.backend import ContainerBackend
-    from sandbox_agent.runner import prepared_workdir
-    from sandbox_agent.tasks import load_task
-    from sandbox_agent.verifier import verify
+    from sandbox_agent.agent.runner import prepared_workdir
+    from sandbox_agent.images import build as images
+    from sandbox_agent.sandbox.backend import ContainerBackend
+    from sandbox_agent.tasks.task import load_task
+    from sandbox_agent.tasks.verifier import verify
 
     images.build_base()
     backend = ContainerBackend()

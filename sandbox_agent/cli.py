@@ -26,8 +26,8 @@ from pathlib import Path
 
 import trio
 
-from sandbox_agent.backend import BackendName
-from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.images.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.sandbox.backend import BackendName
 from t1async.log import configure
 from t1async.protocol.errors import T1Error
 
@@ -137,7 +137,7 @@ def _cmd_synth(a: argparse.Namespace) -> int:
 
 
 def _cmd_decontam(a: argparse.Namespace) -> int:
-    from sandbox_agent.decontam import decontaminate
+    from sandbox_agent.tasks.decontam import decontaminate
 
     if a.ngram < 1 or not 0 < a.threshold <= 1:
         raise _Usage(f"--ngram must be >= 1 and --threshold in (0, 1]; got {a.ngram} and {a.threshold}")
@@ -161,14 +161,14 @@ def _cmd_decontam(a: argparse.Namespace) -> int:
 
 
 def _cmd_run_task(a: argparse.Namespace) -> int:
-    from sandbox_agent.backend import pick_backend
-    from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.agent.runner import NullAgent, OracleAgent, run_policy
+    from sandbox_agent.sandbox.backend import pick_backend
+    from sandbox_agent.tasks.task import load_task
 
     task = load_task(a.task_dir)
     policy = OracleAgent() if (a.oracle or a.agent == "oracle") else NullAgent()
     backend = pick_backend(a.backend, [task], agent_network=a.agent_network)
-    from sandbox_agent.verifier import VerifierConfig
+    from sandbox_agent.tasks.verifier import VerifierConfig
 
     verifier = VerifierConfig(allow_network=a.verifier_network)
     head = {"task": task.id, "format": task.format, "agent": policy.name, "backend": backend.name}
@@ -213,7 +213,7 @@ def _cmd_run_task(a: argparse.Namespace) -> int:
 
 def _run_task_failed(a: argparse.Namespace, head: dict, exc: Exception) -> int:
     """run-task could not run the task: say why in one line (and, with --json, as its JSON line)."""
-    from sandbox_agent.images import image_build_error
+    from sandbox_agent.images.build import image_build_error
 
     built = image_build_error(exc)
     if built is None:
@@ -236,10 +236,10 @@ def _run_task_failed(a: argparse.Namespace, head: dict, exc: Exception) -> int:
 def _cmd_check(a: argparse.Namespace) -> int:
     import random
 
-    from sandbox_agent.backend import SandboxBackend, pick_backend
-    from sandbox_agent.runner import check_tasks
-    from sandbox_agent.tasks import load_tasks
-    from sandbox_agent.verifier import VerifierConfig
+    from sandbox_agent.agent.runner import check_tasks
+    from sandbox_agent.sandbox.backend import SandboxBackend, pick_backend
+    from sandbox_agent.tasks.task import load_tasks
+    from sandbox_agent.tasks.verifier import VerifierConfig
 
     if a.sample < 0 or a.concurrency < 1:
         raise _Usage(f"--sample must be >= 0 and --concurrency >= 1; got {a.sample} and {a.concurrency}")
@@ -308,8 +308,8 @@ def _cmd_check(a: argparse.Namespace) -> int:
 
 
 def _cmd_list(a: argparse.Namespace) -> int:
-    from sandbox_agent.backend import task_backend
-    from sandbox_agent.tasks import load_tasks
+    from sandbox_agent.sandbox.backend import task_backend
+    from sandbox_agent.tasks.task import load_tasks
 
     tasks = load_tasks(a.tasks_dir)
     rows = []
@@ -345,7 +345,7 @@ def _cmd_list(a: argparse.Namespace) -> int:
 def _cmd_images(a: argparse.Namespace) -> int:
     import time
 
-    from sandbox_agent.images import build_base
+    from sandbox_agent.images.build import build_base
 
     t0 = time.monotonic()
     name = build_base(force=a.force)

@@ -96,7 +96,7 @@ def ranks2():
 def base_image() -> str:
     """The container backend's base image (built once with podman and cached); fails naming the fix when podman
     is missing."""
-    from sandbox_agent import images
+    from sandbox_agent.images import build as images
 
     if not images.podman_available():
         pytest.fail(f"podman is missing: {images.INSTALL_HINT} (then `python -m sandbox_agent images build-base`)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sandbox_agent import images
+from sandbox_agent.images import build as images
 from sandbox_agent.sandbox import SandboxConfig
 from sandbox_agent.sandbox.lifecycle import OWNER_LABEL
 

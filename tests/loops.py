@@ -10,7 +10,7 @@ import anyio
 
 from actors.actor import run_actor
 from actors.settings import ActorSettings
-from sandbox_agent.agent_types import AgentConfig
+from sandbox_agent.agent.types import AgentConfig
 from sandbox_agent.synth import generate
 from t1async.learner.service import Learner
 from t1async.learner.settings import LearnerConfig

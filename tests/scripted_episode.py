@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from sandbox_agent.agent import run_agent
-from sandbox_agent.agent_types import AgentConfig, TurnResult
+from sandbox_agent.agent.loop import run_agent
+from sandbox_agent.agent.types import AgentConfig, TurnResult
 from sandbox_agent.sandbox import MemorySandbox
-from sandbox_agent.verifier import VerifyResult
+from sandbox_agent.tasks.verifier import VerifyResult
 from t1async.protocol.errors import SamplerError
 from t1async.protocol.sampling import Generation, SamplingParams
 

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox_agent.agent import initial_messages
-from sandbox_agent.agent_types import AgentConfig, TurnResult
-from sandbox_agent.context import ContextConfig
-from sandbox_agent.runner import run_episode
+from sandbox_agent.agent.context import ContextConfig
+from sandbox_agent.agent.loop import initial_messages
+from sandbox_agent.agent.runner import run_episode
+from sandbox_agent.agent.types import AgentConfig, TurnResult
 from sandbox_agent.sandbox import ExecResult
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.task import load_task
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol.sampling import Generation
 from t1async.protocol.wire import EndReason
@@ -206,7 +206,7 @@ async def test_bwrap_episode_end_to_end(tmp_path):
 
 
 def test_parse_action_variants():
-    from sandbox_agent.actions import parse_action
+    from sandbox_agent.agent.actions import parse_action
 
     a = parse_action("<think>maybe ```bash\nrm -rf /\n```</think>Let me list.\n```sh\nls\n```<|im_end|>")
     assert (a.kind, a.command, a.done) == ("bash", "ls", False)
@@ -225,7 +225,7 @@ def test_parse_action_variants():
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet=st.sampled_from(list('`{}":,\n <>/|_bashdonetoolcmDONE')) | st.characters(), max_size=200))
 def test_parse_action_never_raises(text):
-    from sandbox_agent.actions import parse_action
+    from sandbox_agent.agent.actions import parse_action
 
     a = parse_action(text)
     assert a.kind in ("bash", "done", "invalid")
@@ -237,7 +237,7 @@ def test_parse_action_never_raises(text):
 
 
 def test_solution_chunks_are_complete_shell_pieces():
-    from sandbox_agent.runner import solution_chunks
+    from sandbox_agent.agent.runner import solution_chunks
 
     script = "#!/bin/bash\nset -e\n\nmkdir d\n\nfor f in a b; do\n  touch d/$f\n\ndone\n\n# comment only\n\necho end\n"
     chunks = solution_chunks(script)
@@ -245,8 +245,8 @@ def test_solution_chunks_are_complete_shell_pieces():
 
 
 async def test_oracle_turns_render_solution_with_real_observations():
-    from sandbox_agent.actions import parse_action
-    from sandbox_agent.runner import oracle_turns
+    from sandbox_agent.agent.actions import parse_action
+    from sandbox_agent.agent.runner import oracle_turns
 
     task = load_task(FIXTURES / "tb2" / "word-count")
     turns, result = await oracle_turns(task)
@@ -257,7 +257,7 @@ async def test_oracle_turns_render_solution_with_real_observations():
 
 @pytest.mark.parametrize("tok", [ByteTok(), ChatTokenizer.load()], ids=["bytes", "chat"])
 async def test_sft_rendering_matches_the_loop_exactly(tok):
-    from sandbox_agent.agent import render_turns_ids
+    from sandbox_agent.agent.loop import render_turns_ids
 
     replies = [bash("touch t0"), bash("echo hi"), "DONE"]
     res, turns, _, _, _ = await episode(replies, tok=tok)

@@ -16,7 +16,7 @@ import torch
 
 from actors.actor import run_actor
 from actors.settings import ActorSettings
-from sandbox_agent.agent_types import AgentConfig
+from sandbox_agent.agent.types import AgentConfig
 from sandbox_agent.synth import generate
 from t1async.ingest.tito import Segment
 from t1async.learner import ppo

@@ -9,9 +9,9 @@ import pytest
 
 from bench.baselines import DoneMasked, best_of, oracle_command_turns, pass_at_ks
 from bench.learning_folds import fold_entry, targets
-from sandbox_agent.agent_types import AgentConfig, Reward
+from sandbox_agent.agent.types import AgentConfig, Reward
 from sandbox_agent.synth import generate
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.task import load_task
 from t1async.protocol.sampling import SamplingParams
 from t1async.recipes.warmstart import get_recipe
 from tests.scripted_episode import ByteTok, ScriptedSampler, bash, episode

@@ -16,12 +16,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from sandbox_agent import images
-from sandbox_agent.backend import AutoBackend, ContainerBackend, pick_backend
-from sandbox_agent.runner import prepared_workdir
+from sandbox_agent.agent.runner import prepared_workdir
+from sandbox_agent.images import build as images
 from sandbox_agent.sandbox import SandboxConfig
+from sandbox_agent.sandbox.backend import AutoBackend, ContainerBackend, pick_backend
 from sandbox_agent.sandbox.lifecycle import OWNER_LABEL, reap_orphans
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.task import load_task
 from t1async.procs import pid_alive
 from tests.containers import FAST, FIXTURES, TB, ours
 
@@ -112,9 +112,9 @@ async def test_no_container_or_image_leaks_across_50_episodes(base_image: str) -
 
 _OWNER = r"""
 import anyio, sys
-from sandbox_agent.backend import ContainerBackend
-from sandbox_agent.runner import prepared_workdir
-from sandbox_agent.tasks import load_task
+from sandbox_agent.sandbox.backend import ContainerBackend
+from sandbox_agent.agent.runner import prepared_workdir
+from sandbox_agent.tasks.task import load_task
 
 async def main():
     task = load_task(sys.argv[1])

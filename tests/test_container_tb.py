@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent import images
-from sandbox_agent.backend import ContainerBackend
-from sandbox_agent.runner import NullAgent, OracleAgent, prepared_workdir, run_policy
-from sandbox_agent.tasks import load_task
+from sandbox_agent.agent.runner import NullAgent, OracleAgent, prepared_workdir, run_policy
+from sandbox_agent.images import build as images
+from sandbox_agent.sandbox.backend import ContainerBackend
+from sandbox_agent.tasks.task import load_task
 from tests.containers import FAST, FIXTURES, TB, ours
 
 # (task, verifier path, tests): "script" where the task's own run-tests.sh/test.sh runs as written, offline,
@@ -63,7 +63,7 @@ async def test_verifier_runs_the_task_script_offline_and_falls_back_to_pytest_wh
 async def test_the_verifier_gets_the_network_only_when_asked(base_image: str, tmp_path: Path) -> None:
     import shutil
 
-    from sandbox_agent.verifier import VerifierConfig
+    from sandbox_agent.tasks.verifier import VerifierConfig
 
     t = tmp_path / "net-task"
     shutil.copytree(TB / "tb2/csv-stats", t)
@@ -91,7 +91,7 @@ async def test_a_disk_cap_bounds_what_an_episode_writes_in_its_work_dir_and_tmp(
     import shutil
 
     from sandbox_agent.sandbox.lifecycle import ContainerLimits
-    from sandbox_agent.verifier import VerifierConfig
+    from sandbox_agent.tasks.verifier import VerifierConfig
 
     backend = ContainerBackend(config=FAST, limits=ContainerLimits(disk_bytes=16 << 20))
     task = load_task(TB / "tb1/polyglot-anagram")
@@ -158,7 +158,7 @@ async def test_the_agent_gets_the_network_only_when_asked_and_what_it_left_runni
     assert (oracle.verify.path, oracle.verify.passed, oracle.verify.total) == ("script", 2, 2), oracle.verify
     null = await run_policy(task, NullAgent(), backend=networked)
     assert null.verify.status == "ok" and null.verify.passed == 0, null.verify
-    from sandbox_agent.verifier import VerifierConfig
+    from sandbox_agent.tasks.verifier import VerifierConfig
 
     # the verifier's network too: it tests the agent's container in place (a committed copy has no server)
     both = await run_policy(task, OracleAgent(), backend=networked, verifier=VerifierConfig(allow_network=True))
@@ -168,7 +168,7 @@ async def test_the_agent_gets_the_network_only_when_asked_and_what_it_left_runni
 async def test_a_wheelhouse_that_could_not_be_fetched_is_said_on_the_script_path_too(
     base_image: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sandbox_agent import verifier
+    from sandbox_agent.tasks import verifier
 
     why = "could not fetch six==1.16.0 from PyPI: no network"
     monkeypatch.setattr(verifier, "verifier_wheels", lambda script: (None, (), why))

@@ -34,7 +34,7 @@ import trio
 import trio.testing
 
 from actors.records import TurnEncoder
-from sandbox_agent.agent_types import TurnResult
+from sandbox_agent.agent.types import TurnResult
 from t1async.credits.client import CreditClient
 from t1async.credits.settle import trained_counts
 from t1async.learner.service import Learner

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from sandbox_agent.decontam import decontaminate, file_digest, instruction_overlaps, shingles
 from sandbox_agent.synth import generate
+from sandbox_agent.tasks.decontam import decontaminate, file_digest, instruction_overlaps, shingles
 
 FIXTURES = Path(__file__).resolve().parents[1] / "sandbox_agent" / "fixtures"
 

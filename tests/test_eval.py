@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sandbox_agent.runner import render_command, solution_chunks
+from sandbox_agent.agent.runner import render_command, solution_chunks
 from sandbox_agent.synth import generate
-from sandbox_agent.tasks import load_tasks
+from sandbox_agent.tasks.task import load_tasks
 from t1async.eval import EvalConfig, SeededSampler, episode_seed, run_eval, summarise, task_scores
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.protocol.sampling import Generation, SamplingParams

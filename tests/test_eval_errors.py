@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sandbox_agent.runner import render_command, solution_chunks
+from sandbox_agent.agent.runner import render_command, solution_chunks
 from sandbox_agent.synth import generate
-from sandbox_agent.tasks import load_tasks
+from sandbox_agent.tasks.task import load_tasks
 from t1async.eval.run import EvalConfig, run_eval
 from t1async.eval.stats import EPISODE_ERRORS, episode_error, split_errors, summarise, task_scores
 from t1async.model.tokenizer import ChatTokenizer

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from sandbox_agent.synth import generate
-from sandbox_agent.tasks import load_tasks
+from sandbox_agent.tasks.task import load_tasks
 from t1async.curves import read_scalars
 from t1async.eval.loop import LoopSettings, run_loop
 from t1async.model.weights import default_model_dir

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent import images
-from sandbox_agent.backend import ContainerBackend
-from sandbox_agent.buildfail import IMAGE_BUILD_FAILED, parse_build_failure, unreachable_host
-from sandbox_agent.tasks import load_task
+from sandbox_agent.images import build as images
+from sandbox_agent.images.buildfail import IMAGE_BUILD_FAILED, parse_build_failure, unreachable_host
+from sandbox_agent.sandbox.backend import ContainerBackend
+from sandbox_agent.tasks.task import load_task
 from t1async.eval.run import EvalConfig, run_eval
 from t1async.eval.stats import scored, summarise, task_scores
 

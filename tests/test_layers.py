@@ -255,7 +255,7 @@ def graph() -> tuple[dict[str, Path], list[Edge]]:
 
 def test_the_graph_is_read(graph):
     modules, edges = graph
-    assert {"t1async.protocol.wire", "sandbox_agent.agent", "actors.actor", "bench.learning"} <= set(modules)
+    assert {"t1async.protocol.wire", "sandbox_agent.agent.loop", "actors.actor", "bench.learning"} <= set(modules)
     assert not any(m.startswith("sandbox_agent.fixtures") for m in modules)
     assert len(edges) > 300  # every import of ours, not only the module-level ones
     kinds = {e.kind for e in edges}
@@ -308,14 +308,14 @@ def test_checker_sees_every_kind_of_import(tmp_path):
             "def f():\n    from t1async.testing.kit import check\n",
             "t1async/transport/memory.py": "from t1async.transport import Transport\n",
             "t1async/testing/__init__.py": "",
-            "t1async/testing/kit.py": "import sandbox_agent.agent\nfrom t1async.recipes import sft\n",
+            "t1async/testing/kit.py": "import sandbox_agent.agent.loop\nfrom t1async.recipes import sft\n",
             "t1async/recipes/__init__.py": "",
             "t1async/recipes/sft.py": "import t1async.testing.kit\n",
             "sandbox_agent/__init__.py": "",
             "t1async/curves.py": "",
             "t1async/learner/__init__.py": "",
             "t1async/learner/__main__.py": "def sft():\n    from t1async.recipes import sft\n",  # a command line
-            "sandbox_agent/agent.py": "from t1async import curves\n",
+            "sandbox_agent/agent/loop.py": "from t1async import curves\n",
         },
     )
     got = {(e.src, e.dst, e.kind) for e in edges}
@@ -327,10 +327,10 @@ def test_checker_sees_every_kind_of_import(tmp_path):
         ("t1async.transport.base", "t1async.protocol.wire", "module"),
         ("t1async.transport.base", "t1async.testing.kit", "local"),
         ("t1async.transport.memory", "t1async.transport", "module"),  # from pkg import name: the package
-        ("t1async.testing.kit", "sandbox_agent.agent", "module"),
+        ("t1async.testing.kit", "sandbox_agent.agent.loop", "module"),
         ("t1async.testing.kit", "t1async.recipes.sft", "module"),
         ("t1async.recipes.sft", "t1async.testing.kit", "module"),
-        ("sandbox_agent.agent", "t1async.curves", "module"),  # from the top package import a module
+        ("sandbox_agent.agent.loop", "t1async.curves", "module"),  # from the top package import a module
         ("t1async.learner.__main__", "t1async.recipes.sft", "local"),  # allowed: __main__ is an application
     }
     bad = {layer: {(e.src, e.dst) for e in layer_violations(edges, layer)} for layer in RULES}
@@ -338,7 +338,7 @@ def test_checker_sees_every_kind_of_import(tmp_path):
         "root": set(),
         "base": set(),
         "protocol": {("t1async.protocol.wire", "t1async.transport.base")},
-        "sandbox_agent": {("sandbox_agent.agent", "t1async.curves")},
+        "sandbox_agent": {("sandbox_agent.agent.loop", "t1async.curves")},
         "core": {("t1async.transport.base", "t1async.testing.kit")},
         "testing": {("t1async.testing.kit", "t1async.recipes.sft")},
     }

@@ -1,4 +1,4 @@
-"""Long-horizon episodes: the context policy (sandbox_agent/context.py), empty outputs, and one 350-turn
+"""Long-horizon episodes: the context policy (sandbox_agent/agent/context.py), empty outputs, and one 350-turn
 episode through the real actor loop, memory transport, real learner service and a real bwrap sandbox.
 
 The scripted sampler here routes like a real MoE: the experts of position p depend on every token up to p
@@ -17,12 +17,12 @@ from hypothesis import strategies as hst
 
 from actors.actor import run_actor
 from actors.settings import ActorSettings
-from sandbox_agent.agent import run_agent
-from sandbox_agent.agent_types import AgentConfig, TurnResult
-from sandbox_agent.context import OMITTED, ContextConfig, History, TruncateObservations, make_policy
+from sandbox_agent.agent.context import OMITTED, ContextConfig, History, TruncateObservations, make_policy
+from sandbox_agent.agent.loop import run_agent
+from sandbox_agent.agent.types import AgentConfig, TurnResult
 from sandbox_agent.sandbox import MemorySandbox
 from sandbox_agent.synth import generate
-from sandbox_agent.verifier import VerifyResult
+from sandbox_agent.tasks.verifier import VerifyResult
 from t1async.learner.service import Learner
 from t1async.learner.settings import LearnerConfig
 from t1async.model.tokenizer import ChatTokenizer

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench._mismatch_data import SampledEpisode, SampledTurn, assemble, make_scripts, retokenize
-from sandbox_agent.actions import SYSTEM_PROMPT
+from sandbox_agent.agent.actions import SYSTEM_PROMPT
 from t1async.model.tokenizer import ChatTokenizer
 
 L, K = 4, 2

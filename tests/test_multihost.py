@@ -183,7 +183,7 @@ def test_a_weight_update_group_spans_two_hosts():
 
     import torch
 
-    from t1async.sampler.weightsync import broadcast, open_group, store_master
+    from t1async.sampler.weightpush import broadcast, open_group, store_master
     from t1async.transport.natsd import free_port
 
     got: dict[str, object] = {}

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.agent_types import AgentConfig, Reward, TurnResult
-from sandbox_agent.runner import check_tasks, oracle_turns, run_episode, solution_chunks
+from sandbox_agent.agent.runner import check_tasks, oracle_turns, run_episode, solution_chunks
+from sandbox_agent.agent.types import AgentConfig, Reward, TurnResult
 from sandbox_agent.synth import generate, make_task, task_rng
 from sandbox_agent.synth.cdchores import DIRS, content_key
 from sandbox_agent.synth.chores import MENU
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.task import load_task
 from tests.scripted_episode import ByteTok, ScriptedSampler, bash, episode
 
 PHRASE_INDEX = {phrase: i for i, (phrase, _, _, _) in enumerate(MENU)}

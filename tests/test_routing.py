@@ -236,7 +236,7 @@ async def test_replay_after_a_weight_update_between_turns_reproduces_both_turns(
     import trio
 
     from actors.records import TurnEncoder
-    from sandbox_agent.agent_types import TurnResult
+    from sandbox_agent.agent.types import TurnResult
     from t1async.model.config import MoEConfig
     from t1async.model.engine import Engine
     from t1async.model.moe import MoETransformer

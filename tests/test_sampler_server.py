@@ -440,7 +440,7 @@ async def test_a_weight_update_mid_turn_splits_the_turns_versions(tmp_path):
     version that produced it (our meta_info extension), the client reads them as ints, and the turn record
     and the learner's segment keep them per token, with policy_version the oldest."""
     from actors.records import TurnEncoder
-    from sandbox_agent.agent_types import TurnResult
+    from sandbox_agent.agent.types import TurnResult
     from t1async.ingest.assembly import Assembler
     from t1async.protocol import wire
     from t1async.sampler.response import parse_generation

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from sandbox_agent.agent import run_agent
-from sandbox_agent.agent_types import AgentConfig
+from sandbox_agent.agent.loop import run_agent
+from sandbox_agent.agent.types import AgentConfig
 from sandbox_agent.sandbox.memory import MemorySandbox
-from sandbox_agent.verifier import VerifyResult
+from sandbox_agent.tasks.verifier import VerifyResult
 from t1async.learner.settings import SFTConfig
 from t1async.model.config import MoEConfig
 from t1async.model.moe import MoETransformer

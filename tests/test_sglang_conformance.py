@@ -26,7 +26,7 @@ import torch
 from t1async.learner.weightpush import DistributedPusher, WeightPushConfig, push_tensors
 from t1async.protocol.errors import SamplerError
 from t1async.protocol.sampling import SamplingParams
-from t1async.sampler import weightsync as W
+from t1async.sampler import weightpush as W
 from t1async.sampler.auth import ADMIN_PATHS
 from t1async.sampler.client import SGLangClient
 from t1async.sampler.pool import PoolConfig

@@ -16,7 +16,7 @@ import pytest
 from sandbox_agent.synth import corpus_entries, generate, make_task
 from sandbox_agent.synth.chores import MENU
 from sandbox_agent.synth.split import SPLIT_FILE, leaks, read_split_json
-from sandbox_agent.tasks import load_task, split_for
+from sandbox_agent.tasks.task import load_task, split_for
 from t1async.protocol.errors import ConfigError
 
 PHRASES = {m[0]: i for i, m in enumerate(MENU)}
@@ -162,7 +162,7 @@ def test_sft_demonstrates_only_the_train_split(tmp_path, monkeypatch):
 def test_choresome_demonstrator_mostly_stops_after_its_first_reply():
     """The learn warm start imitates it: so that its greedy decoding stops early (and RL has something to teach
     on chore sets it never saw), stopping after the first reply of two chores must be the likelier choice."""
-    from sandbox_agent.runner import solution_chunks
+    from sandbox_agent.agent.runner import solution_chunks
 
     ks = Counter(make_task("choresome", 0, i)[1].tests.count("def test_chore_") for i in range(800))
     assert set(ks) == {1, 2, 3, 4}
@@ -179,7 +179,7 @@ def test_chores6_is_the_menu_six_at_a_time_in_three_replies_and_its_oracle_resol
     trained on four in two replies must go on for a third. Its keys are its own, never a ``chores`` key."""
     import anyio
 
-    from sandbox_agent.runner import check_tasks, solution_chunks
+    from sandbox_agent.agent.runner import check_tasks, solution_chunks
 
     for i in range(40):
         spec = make_task("chores6", 0, i)[1]

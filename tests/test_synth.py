@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.runner import check_tasks
+from sandbox_agent.agent.runner import check_tasks
 from sandbox_agent.synth import FAMILIES, generate, make_task
-from sandbox_agent.tasks import load_task, split_for
+from sandbox_agent.tasks.task import load_task, split_for
 from t1async.protocol.errors import ConfigError
 
 

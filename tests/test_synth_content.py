@@ -11,9 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from sandbox_agent.agent_types import AgentConfig
-from sandbox_agent.decontam import file_digest, instruction_overlaps
-from sandbox_agent.runner import OracleAgent, check_tasks, run_episode, run_policy, solution_chunks
+from sandbox_agent.agent.runner import OracleAgent, check_tasks, run_episode, run_policy, solution_chunks
+from sandbox_agent.agent.types import AgentConfig
 from sandbox_agent.synth import corpus_entries, generate, make_task
 from sandbox_agent.synth.chain import MENU as CHAIN_MENU
 from sandbox_agent.synth.chores import MENU, menu_steps
@@ -21,7 +20,8 @@ from sandbox_agent.synth.choresn import HELD_OUT_N, key_of, not_asked_test, one_
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
 from sandbox_agent.synth.contam import KEYED, contaminated
 from sandbox_agent.synth.split import UNTOUCHED_PERCENT, split_of
-from sandbox_agent.tasks import load_task
+from sandbox_agent.tasks.decontam import file_digest, instruction_overlaps
+from sandbox_agent.tasks.task import load_task
 from tests.scripted_episode import ByteTok, ScriptedSampler, bash
 
 CONTENT = ["choresn", "observe", "chain"]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.backend import BwrapBackend, require_backend
-from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
-from sandbox_agent.tasks import (
+from sandbox_agent.agent.runner import NullAgent, OracleAgent, run_policy
+from sandbox_agent.sandbox.backend import BwrapBackend, require_backend
+from sandbox_agent.tasks.task import (
     TaskFormatError,
     TaskNeedsImageError,
     iter_task_dirs,

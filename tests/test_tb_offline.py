@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.backend import pick_backend
-from sandbox_agent.dockerfile import plan_text
-from sandbox_agent.tbscript import write_shims
-from sandbox_agent.wheels import script_packages
+from sandbox_agent.images.dockerfile import plan_text
+from sandbox_agent.images.wheels import script_packages
+from sandbox_agent.sandbox.backend import pick_backend
+from sandbox_agent.tasks.tbscript import write_shims
 
 SCRIPT = """#!/bin/bash
 set -euo pipefail
@@ -78,7 +78,7 @@ def test_the_agent_s_network_needs_a_container() -> None:
 def test_the_verifier_wheelhouse_is_fetched_once_per_set_of_pins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sandbox_agent import wheels
+    from sandbox_agent.images import wheels
 
     calls: list[tuple[str, ...]] = []
 
@@ -110,7 +110,7 @@ def test_run_task_refuses_the_agent_s_network_on_bwrap_with_a_usage_error(capsys
 def test_a_wheelhouse_another_process_finished_first_is_kept_not_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sandbox_agent import wheels
+    from sandbox_agent.images import wheels
 
     key_dir: list[Path] = []
 

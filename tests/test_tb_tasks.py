@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.backend import BwrapBackend
-from sandbox_agent.dockerfile import plan_text
-from sandbox_agent.runner import NullAgent, OracleAgent, run_policy
-from sandbox_agent.tasks import TaskNeedsImageError, load_task
+from sandbox_agent.agent.runner import NullAgent, OracleAgent, run_policy
+from sandbox_agent.images.dockerfile import plan_text
+from sandbox_agent.sandbox.backend import BwrapBackend
+from sandbox_agent.tasks.task import TaskNeedsImageError, load_task
 
 TB = Path(__file__).resolve().parent / "tb_tasks"
 
@@ -74,7 +74,7 @@ def test_plan_refuses_what_bwrap_cannot_reproduce(tmp_path: Path, text: str, why
 
 
 async def test_bwrap_mounts_the_work_dir_at_the_dockerfile_workdir_and_the_file_api_follows(tmp_path: Path) -> None:
-    from sandbox_agent.runner import prepared_workdir
+    from sandbox_agent.agent.runner import prepared_workdir
 
     task = load_task(TB / "tb1/log-summary")
     backend = BwrapBackend()
@@ -90,8 +90,8 @@ async def test_bwrap_mounts_the_work_dir_at_the_dockerfile_workdir_and_the_file_
 
 
 async def test_without_podman_a_run_step_task_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sandbox_agent.backend import AutoBackend, pick_backend
     from sandbox_agent.sandbox import SandboxStartError
+    from sandbox_agent.sandbox.backend import AutoBackend, pick_backend
 
     monkeypatch.setenv("T1_PODMAN", "podman-not-installed-here")
     task = load_task(TB / "tb1/jq-query")
@@ -140,7 +140,7 @@ def test_a_tb2_task_s_declared_resources_are_read(tmp_path: Path, table: str, wa
 def test_a_bad_resource_size_says_which_field(tmp_path: Path) -> None:
     import shutil
 
-    from sandbox_agent.tasks import TaskFormatError
+    from sandbox_agent.tasks.task import TaskFormatError
 
     t = tmp_path / "t"
     shutil.copytree(TB / "tb2/gen-data", t)
@@ -160,6 +160,6 @@ def test_a_bad_resource_size_says_which_field(tmp_path: Path) -> None:
     ],
 )
 def test_harbor_reward_files_are_read(text: str, rewards: dict | None, reward: float | None) -> None:
-    from sandbox_agent.tbscript import harbor_reward, harbor_rewards
+    from sandbox_agent.tasks.tbscript import harbor_reward, harbor_rewards
 
     assert harbor_rewards(text) == rewards and harbor_reward(text) == reward

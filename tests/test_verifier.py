@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_agent.backend import BwrapBackend
-from sandbox_agent.runner import prepared_workdir
-from sandbox_agent.tasks import load_task
-from sandbox_agent.verifier import (
+from sandbox_agent.agent.runner import prepared_workdir
+from sandbox_agent.sandbox.backend import BwrapBackend
+from sandbox_agent.tasks.task import load_task
+from sandbox_agent.tasks.verifier import (
     VerifierConfig,
     VerifyResult,
     interpret,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bench.learning_stats import column, learning_curve
-from sandbox_agent.runner import check_tasks
+from sandbox_agent.agent.runner import check_tasks
 from sandbox_agent.synth import EXTRA_FAMILIES, FAMILIES, generate
-from sandbox_agent.tasks import load_task, load_tasks
+from sandbox_agent.tasks.task import load_task, load_tasks
 from t1async.cluster.config import from_args
 from t1async.cluster.flags import add_up_arguments
 from t1async.eval.stats import paired_diff

@@ -13,7 +13,7 @@ from t1async.learner.weightpush import DistributedPusher, WeightPushConfig, buck
 from t1async.model.weights import default_model_dir, load_pretrained, save_pretrained
 from t1async.protocol.errors import ConfigError, SamplerError
 from t1async.protocol.sampling import SamplingParams
-from t1async.sampler import weightsync as W
+from t1async.sampler import weightpush as W
 from t1async.sampler.client import SGLangClient
 
 PROMPT = [5, 17, 99, 230, 7, 64, 301, 12]
@@ -153,7 +153,7 @@ async def test_learner_pushes_each_version_over_the_group(tmp_path):
     group, and the sampler ends with exactly the weights of the learner's last checkpoint."""
     from actors.actor import run_actor
     from actors.settings import ActorSettings
-    from sandbox_agent.agent_types import AgentConfig
+    from sandbox_agent.agent.types import AgentConfig
     from sandbox_agent.synth import generate
     from t1async.learner.checkpoint import latest_checkpoint
     from t1async.learner.service import Learner

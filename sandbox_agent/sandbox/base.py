@@ -4,7 +4,7 @@ Error tree (all under ``t1async.protocol.errors.SandboxError``)::
 
     SandboxError               a sandbox could not start, or died under us
     ├── SandboxStartError      it could not start (no bwrap, bwrap refused, not root...); says how to fix it
-    │   └── ImageError         (sandbox_agent.images) a container image could not be built or resolved
+    │   └── ImageError         (sandbox_agent.images.build) a container image could not be built or resolved
     ├── SandboxClosedError     used after ``aclose()``: the caller's fault
     └── SandboxPathError       read_file/write_file on a path outside the work dir, or not a regular file
 """
@@ -64,7 +64,7 @@ class SandboxConfig:
     tmp_size_bytes: int = 256 << 20  # size of the private /tmp tmpfs (and, capped at 64 MiB, of /dev/shm)
     base_uid: int = 20000  # slot k runs as uid base_uid + k
     extra_ro_binds: tuple[tuple[str, str], ...] = ()  # (host path, sandbox path), read-only
-    # A task's Dockerfile subset (sandbox_agent.dockerfile): where the work dir appears (its WORKDIR, e.g.
+    # A task's Dockerfile subset (sandbox_agent.images.dockerfile): where the work dir appears (its WORKDIR, e.g.
     # /app; the shell starts there), its ENV, and dirs its COPY put outside the work dir (read-write).
     workdir_mount: str = SANDBOX_WORKDIR
     env: tuple[tuple[str, str], ...] = ()

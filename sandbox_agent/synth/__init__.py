@@ -3,7 +3,7 @@
 Each task directory holds ``task.yaml`` (instruction, timeouts, family, split, content key), ``solution.sh``,
 ``run-tests.sh``, ``tests/test_outputs.py`` (>= 3 tests, so the dense reward is graded), the task's input
 files under ``environment/`` (copied into the work dir before the agent starts, see
-``sandbox_agent.tasks``) and, where needed, ``setup.sh`` (run in the sandbox first, e.g. to build a git
+``sandbox_agent.tasks.task``) and, where needed, ``setup.sh`` (run in the sandbox first, e.g. to build a git
 repo). Tests find the work dir from ``T1_WORKDIR`` or the current directory (the verifier sets both).
 
 Task ``i`` of a corpus generated with seed ``S`` uses family ``FAMILIES[i % len(FAMILIES)]`` and a

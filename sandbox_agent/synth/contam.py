@@ -1,6 +1,6 @@
 """Decontamination of a corpus's train split against its test split. A train task is dropped when its content
 key is a test task's, when its test file is identical to one, or when its instruction overlaps a test task's by
-``sandbox_agent decontam``'s own 8-gram check (``sandbox_agent.decontam``): Jaccard or containment 0.5.
+``sandbox_agent decontam``'s own 8-gram check (``sandbox_agent.tasks.decontam``): Jaccard or containment 0.5.
 
 Run on specs, before anything is written (``generate`` and ``corpus_entries`` both drop the same tasks), for
 the families in ``DECONTAMINATED`` (the content-dependent ones; the older families' corpora are as they were).
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from sandbox_agent.decontam import file_digest, instruction_overlaps
 from sandbox_agent.synth.common import TEST_HEADER, SynthSpec
+from sandbox_agent.tasks.decontam import file_digest, instruction_overlaps
 
 DECONTAMINATED = frozenset({"choresn", "choresnsome", "observe", "chain"})
 TEMPLATE_INSTRUCTIONS = frozenset({"observe"})

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sandbox_agent.synth.choresn import OOD_PREFIX as CHORESN_OOD
 from sandbox_agent.synth.observe import OOD_PREFIX as OBSERVE_OOD
-from sandbox_agent.tasks import SPLIT_VERSION, Split, split_for
+from sandbox_agent.tasks.task import SPLIT_VERSION, Split, split_for
 from t1async.protocol.errors import ConfigError
 
 SPLIT_FILE = "split.json"

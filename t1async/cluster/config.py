@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.settings import EpisodeOptions
-from sandbox_agent.context import POLICIES
+from sandbox_agent.agent.context import POLICIES
 from t1async.cluster.cpus import parse_cpus
 from t1async.cluster.state import DEFAULT_RUN_DIR
 from t1async.config import check_bounds, like, resolve, setting

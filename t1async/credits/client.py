@@ -83,7 +83,7 @@ class CreditedSampler:
     by the learner when the ``end`` arrives.
 
     ``wait_turn()`` takes the next turn's credit ahead of ``generate``: the agent calls it outside its wall
-    clock (``sandbox_agent.agent_types.TurnGate``), because the learner's backpressure pauses the episode; it is
+    clock (``sandbox_agent.agent.types.TurnGate``), because the learner's backpressure pauses the episode; it is
     not time the agent spent."""
 
     def __init__(self, inner: Sampler, credits: CreditClient, episode: str) -> None:

@@ -25,9 +25,9 @@ from typing import Any, Literal
 
 import anyio
 
-from sandbox_agent.backend import SandboxBackend, pick_backend
-from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
-from sandbox_agent.tasks import Task, load_tasks
+from sandbox_agent.images.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.sandbox.backend import SandboxBackend, pick_backend
+from sandbox_agent.tasks.task import Task, load_tasks
 from t1async.config import add_arguments, like, resolve, setting
 from t1async.eval.report import plot, print_report
 from t1async.eval.run import EvalConfig, progress_stream, run_eval

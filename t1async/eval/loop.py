@@ -59,7 +59,7 @@ class LoopSettings(EvalConfig):
 
 
 def held_out(tasks: Path) -> list:
-    from sandbox_agent.tasks import load_tasks
+    from sandbox_agent.tasks.task import load_tasks
 
     held = [t for t in load_tasks(tasks) if t.split == "eval"]
     if not held:

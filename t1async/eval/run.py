@@ -2,7 +2,7 @@
 
     rows = await run_eval(tasks, sampler, tokenizer, EvalConfig(samples=4, concurrency=8), jsonl=path)
 
-Each episode is ``sandbox_agent.runner.run_episode`` (work dir, setup, the token-in agent loop, the task's
+Each episode is ``sandbox_agent.agent.runner.run_episode`` (work dir, setup, the token-in agent loop, the task's
 verifier) with the sampler wrapped in ``SeededSampler``: turn ``t`` of sample ``s`` of task ``T`` asks for
 ``sampling_seed = episode_seed(seed, T, s, t)``, so the same weights, tasks and seed give the same episodes on
 a sampler that honours SGLang's ``sampling_seed`` (the embedded one draws each request's tokens from its own
@@ -24,12 +24,12 @@ from typing import IO
 import anyio
 
 from actors.settings import EpisodeOptions
-from sandbox_agent.agent_types import AgentConfig, TurnResult
-from sandbox_agent.backend import BwrapBackend, SandboxBackend
-from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
-from sandbox_agent.images import image_build_error
-from sandbox_agent.runner import run_episode
-from sandbox_agent.tasks import Task
+from sandbox_agent.agent.runner import run_episode
+from sandbox_agent.agent.types import AgentConfig, TurnResult
+from sandbox_agent.images.build import image_build_error
+from sandbox_agent.images.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.sandbox.backend import BwrapBackend, SandboxBackend
+from sandbox_agent.tasks.task import Task
 from t1async.config import check_bounds, like, setting
 from t1async.eval.stats import episode_error
 from t1async.log import get_logger

@@ -34,7 +34,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from sandbox_agent.buildfail import IMAGE_BUILD_FAILED
+from sandbox_agent.images.buildfail import IMAGE_BUILD_FAILED
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -7,7 +7,7 @@ distributed``).
     await pusher.aclose()                  # /destroy_weights_update_group
 
 The group is 1 + the sum of the samplers' ``tp_size`` (read from each ``/server_info``): SGLang joins every
-TP worker at ``rank_offset + tp_rank``, so the offsets are cumulative (``weightsync.rank_layout``). The
+TP worker at ``rank_offset + tp_rank``, so the offsets are cumulative (``sampler.weightpush.rank_layout``). The
 buckets go inside SGLang's weight-update session (``/begin_weight_update`` .. ``/end_weight_update``; a
 session a crashed learner left open is closed and opened again). Each bucket is one
 ``/update_weights_from_distributed`` per sampler plus one broadcast per tensor, sent concurrently (the
@@ -25,7 +25,7 @@ embedded sampler takes either.
 
 Both paths pause with ``pause_mode`` (``--pause-mode``, default ``retract``: running requests are recomputed
 with the new weights, none aborted, none mixing policies). On a real SGLang the distributed path sends
-``in_place`` for ``retract`` (``weightsync.pause_mode_for``: SGLang's retract hides the route change), and
+``in_place`` for ``retract`` (``sampler.weightpush.pause_mode_for``: SGLang's retract hides the route change), and
 ``flush_cache: false`` with ``in_place`` (SGLang's flush fails while requests run). The disk path
 (``DiskPushClient``, an ``SGLangClient``) does /pause_generation -> /update_weights_from_disk -> /continue_generation.
 """
@@ -44,11 +44,11 @@ from t1async.log import get_logger
 from t1async.model.hf import hf_slots, slot_view
 from t1async.model.moe import MoETransformer
 from t1async.protocol.errors import ConfigError, SamplerError
-from t1async.sampler import weightsync as W
+from t1async.sampler import weightpush as W
 from t1async.sampler.client import SGLangClient
 
 log = get_logger("learner.weightpush")
-PAUSE_MODES = ("retract", "in_place", "abort")  # --pause-mode; the sampler's reading: sampler/weightsync_server.py
+PAUSE_MODES = ("retract", "in_place", "abort")  # --pause-mode; the sampler's reading: sampler/weightpush_server.py
 
 
 def _check_mode(mode: str) -> None:
@@ -320,7 +320,7 @@ class DiskPushClient(SGLangClient):
     """An ``SGLangClient`` whose ``update_weights_from_disk`` (the learner's ``--weight-sync disk`` push) runs
     between ``/pause_generation`` in ``pause_mode`` and ``/continue_generation`` on the samplers that answer
     ``/ready`` (paused ones too); continue is always sent, even when the update failed. As the distributed
-    push does, ``retract`` is sent as ``in_place`` to a real SGLang (``weightsync.pause_mode_for``: its retract
+    push does, ``retract`` is sent as ``in_place`` to a real SGLang (``sampler.weightpush.pause_mode_for``: its retract
     hides the route change). ``in_place`` sends ``flush_cache: false`` (SGLang's flush fails while requests
     run)."""
 

@@ -15,12 +15,12 @@ raises them (module in brackets).
     │   └── SamplerUnreachableError  [sampler.client] every attempt failed to reach it: it is down
     ├── SandboxError                 a sandbox could not start or died
     │   ├── SandboxStartError        [sandbox_agent.sandbox.base] it could not start
-    │   │   └── ImageError           [sandbox_agent.images] an image could not be built or resolved
-    │   │       └── ImageBuildError      [sandbox_agent.images] a task's image did not build (status image_build_failed)
+    │   │   └── ImageError           [sandbox_agent.images.build] an image could not be built or resolved
+    │   │       └── ImageBuildError      [sandbox_agent.images.build] a task's image did not build (image_build_failed)
     │   ├── SandboxClosedError       [sandbox_agent.sandbox.base] used after close: the caller's bug
     │   └── SandboxPathError         [sandbox_agent.sandbox.base] a file path outside the work dir
     ├── ConfigError                  a bad flag, file or setting: the user's fault
-    │   ├── TaskFormatError          [sandbox_agent.tasks] a task directory that does not load
+    │   ├── TaskFormatError          [sandbox_agent.tasks.task] a task directory that does not load
     │   └── PushCheckError           [learner.pushcheck] a sampler does not serve the weights pushed to it
     ├── ServerStartError             an embedded server (nats-server, sampler) failed to start
     ├── AssemblyError                [ingest.tito] turns assembled against their contract: a programming error
@@ -30,8 +30,8 @@ raises them (module in brackets).
     ├── JournalWriteError            [ingest.journal] an append not written or fsynced (a full disk): retry it
     ├── RankFailedError              [learner.distributed] a rank of the distributed learner died
     ├── RankStepError                [learner.distributed] another rank's part of the step raised
-    ├── TaskSetupError               [sandbox_agent.runner] a task's setup.sh failed: the task is broken
-    └── TaskNeedsImageError          [sandbox_agent.tasks] the task needs a container image the backend lacks
+    ├── TaskSetupError               [sandbox_agent.agent.runner] a task's setup.sh failed: the task is broken
+    └── TaskNeedsImageError          [sandbox_agent.tasks.task] the task needs a container image the backend lacks
 
 Each error puts the offending values in its message and says what to do, where that is known.
 """

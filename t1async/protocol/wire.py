@@ -37,7 +37,7 @@ class Finish(StrEnum):
 
 
 class EndReason(StrEnum):
-    """Why an episode ended: the agent's stop reason (sandbox_agent.agent) and the end record's, one type.
+    """Why an episode ended: the agent's stop reason (sandbox_agent.agent.loop) and the end record's, one type.
     A StrEnum, so it prints and formats as its value ("solved")."""
 
     SOLVED = "solved"

@@ -1,6 +1,6 @@
 """Warm-start SFT on oracle demonstrations, token-in exactly like the agent.
 
-A demonstration is a task's oracle solution rendered as agent turns (``sandbox_agent.runner.oracle_turns``:
+A demonstration is a task's oracle solution rendered as agent turns (``sandbox_agent.agent.runner.oracle_turns``:
 ``[(assistant_text, observation), ..., ("DONE", "")]``, observations from really running each chunk in the
 sandbox). ``demo_tokens`` builds the token sequence the agent would have produced had the model sampled
 those replies: the first input is ``render(system + instruction)``; each reply is ``encode(text) + end_of_turn_id``
@@ -54,7 +54,7 @@ class Example:
 
 def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
     """The agent's token-in sequence for a demonstration, and its loss mask (reply tokens)."""
-    from sandbox_agent.agent import initial_messages
+    from sandbox_agent.agent.loop import initial_messages
 
     msgs = (
         initial_messages(demo.instruction)
@@ -79,7 +79,7 @@ def demo_tokens(demo: Demo, tok, system_prompt: str | None = None) -> Example:
 
 async def collect_demos(tasks: Sequence, *, concurrency: int = 2, backend=None) -> list[Demo]:
     """Run each task's oracle in a sandbox and keep the demonstrations whose verification resolved."""
-    from sandbox_agent.runner import oracle_turns
+    from sandbox_agent.agent.runner import oracle_turns
 
     demos: list[Demo | None] = [None] * len(tasks)
     limit = anyio.Semaphore(max(1, concurrency))
@@ -145,7 +145,7 @@ def copy_examples(
 def synth_tasks(n: int, seed: int, root: Path) -> list:
     """Generate ``n`` synthetic tasks into ``root`` and load them."""
     from sandbox_agent.synth import generate
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.tasks.task import load_task
 
     return [load_task(p) for p in generate(root, n, seed=seed)]
 
@@ -282,7 +282,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     model = load_pretrained(src, torch.float32).to(torch_device(cfg.device))  # fp32 master weights
     with tempfile.TemporaryDirectory(prefix="t1-sft-tasks-") as tmp:
         if tasks_dir is not None:
-            from sandbox_agent.tasks import load_tasks
+            from sandbox_agent.tasks.task import load_tasks
 
             tasks = load_tasks(tasks_dir)
         else:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox_agent.tasks import SPLIT_VERSION
+from sandbox_agent.tasks.task import SPLIT_VERSION
 from t1async.learner.settings import SFTConfig
 from t1async.log import get_logger
 from t1async.model.config import MoEConfig
@@ -210,7 +210,7 @@ def _demos(recipe: Recipe, root: Path, concurrency: int) -> tuple[list, int]:
     import anyio
 
     from sandbox_agent.synth import generate
-    from sandbox_agent.tasks import load_task
+    from sandbox_agent.tasks.task import load_task
     from t1async.recipes.sft import Demo, collect_demos
 
     parts: list = [RECIPE_VERSION, SPLIT_VERSION, list(recipe.families), recipe.tasks, recipe.task_seed]

@@ -42,8 +42,8 @@ _SECRET = ("api_key", "admin_api_key", "api_key_file", "admin_api_key_file")
 
 
 class ServingEngine(Protocol):
-    """The engine seam of the embedded sampler: what ``SamplerApp``'s handlers and ``WeightSync``
-    (weightsync_server.py) call. ``t1async.model.engine.Engine`` is the one implementation."""
+    """The engine seam of the embedded sampler: what ``SamplerApp``'s handlers and ``WeightPushServer``
+    (weightpush_server.py) call. ``t1async.model.engine.Engine`` is the one implementation."""
 
     @property
     def weight_version(self) -> str: ...

@@ -344,7 +344,7 @@ class SGLangClient:
 
     async def _check_logprobs(self, temperature: float) -> None:
         """Every URL must return the model's own logprobs at this temperature (module doc)."""
-        from t1async.sampler.weightsync import server_info  # weightsync imports torch: only when needed
+        from t1async.sampler.weightpush import server_info  # weightpush imports torch: only when needed
 
         bad: list[str] = []
 

@@ -41,9 +41,9 @@ def build_app(
     """The ASGI app. ``request_type`` defaults to the engine's ``GenRequest`` (tests may pass their own)."""
     a = SamplerApp(engine, tokenizer, config or SamplerSettings(), model_path, request_type)
     get_post = ["GET", "POST"]
-    from t1async.sampler.weightsync_server import WeightSync
+    from t1async.sampler.weightpush_server import WeightPushServer
 
-    ws = WeightSync(a)  # SGLang's distributed weight update over a gloo group; pausing gates /generate
+    ws = WeightPushServer(a)  # SGLang's distributed weight update over a gloo group; pausing gates /generate
     routes = [
         Route("/generate", ws.gate(a.generate), methods=["POST", "PUT"]),
         *ws.routes(),
@@ -73,7 +73,7 @@ def build_app(
         middleware.append(Middleware(KeyMiddleware, api_key=cfg.api_key, admin_key=cfg.admin_api_key))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={Exception: internal_error})
     app.state.sampler = a
-    app.state.weightsync = ws
+    app.state.weightpush = ws
     return app
 
 

@@ -6,13 +6,13 @@ on its own (``tokenizer.message_ids``) and the generation prompt. Earlier text i
 boundary is CLEAN. Routing is asked only for rows no earlier turn covered (design §3):
 ``routed_experts_start_len`` is 0 on the first turn, then the previous full sequence length - 1.
 
-When the next input would not fit ``max_context_tokens``, the context policy (``sandbox_agent.context``,
+When the next input would not fit ``max_context_tokens``, the context policy (``sandbox_agent.agent.context``,
 ``AgentConfig.context``) compacts the history, again from exact IDs, or stops the episode ("context"). A
 compacted input shares only a prefix with the previous sequence: that boundary is a FORK, the turn says so
 (``TurnResult.compacted``), and routing is asked from the end of that shared prefix, so the sampler routes
 every position of the new context that earlier turns did not.
 
-Its config and records (``AgentConfig``, ``TurnResult``, ``EpisodeResult``) are agent_types.py. The loop
+Its config and records (``AgentConfig``, ``TurnResult``, ``EpisodeResult``) are types.py. The loop
 reads as its seams: ``_sample``, ``_respond`` (parse, ``_act``), ``_next_input`` (with the context
 policy), ``_verify_turn``, then the turn is streamed (``on_turn``); ``_finish`` makes the result.
 
@@ -34,8 +34,9 @@ from dataclasses import dataclass, replace
 import anyio
 import numpy as np
 
-from sandbox_agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
-from sandbox_agent.agent_types import (
+from sandbox_agent.agent.actions import SYSTEM_PROMPT, Action, format_observation, parse_action
+from sandbox_agent.agent.context import ContextPolicy, History, make_policy
+from sandbox_agent.agent.types import (
     AgentConfig,
     ChatTokenizerLike,
     EpisodeResult,
@@ -45,9 +46,8 @@ from sandbox_agent.agent_types import (
     TurnResult,
     VerifyFn,
 )
-from sandbox_agent.context import ContextPolicy, History, make_policy
 from sandbox_agent.sandbox import ExecResult, Sandbox
-from sandbox_agent.verifier import VerifyResult
+from sandbox_agent.tasks.verifier import VerifyResult
 from t1async.log import get_logger
 from t1async.protocol.errors import SamplerError, SandboxError
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams, common_prefix_len
@@ -60,7 +60,7 @@ __all__ = [
     "run_agent",
     "turn_suffix_ids",
 ]
-log = get_logger("sandbox_agent.agent")
+log = get_logger("sandbox_agent.agent.loop")
 
 
 def initial_messages(instruction: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:

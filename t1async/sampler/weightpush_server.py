@@ -1,6 +1,6 @@
 """The embedded sampler's side of SGLang's distributed weight update, over a gloo group (design §10).
 
-Endpoints (bodies in weightsync.py): ``/init_weights_update_group``, ``/begin_weight_update``,
+Endpoints (bodies in weightpush.py): ``/init_weights_update_group``, ``/begin_weight_update``,
 ``/update_weights_from_distributed``, ``/end_weight_update``, ``/destroy_weights_update_group``,
 ``/pause_generation``, ``/continue_generation``, and ``/ready`` (200, or 503 while paused, as SGLang's).
 
@@ -47,10 +47,10 @@ from t1async.log import get_logger
 from t1async.model.engine import PAUSE_MODES
 from t1async.model.weights import check_state
 from t1async.protocol.errors import SamplerRequestError
-from t1async.sampler import weightsync as W
+from t1async.sampler import weightpush as W
 from t1async.sampler.app import SamplerApp
 
-log = get_logger("sampler.weightsync")
+log = get_logger("sampler.weightpush")
 
 
 def _reply(success: bool, message: str, status: int | None = None) -> Response:
@@ -82,7 +82,7 @@ def _need(body: dict, key: str, kind: type, default: Any = ...) -> Any:
     return v
 
 
-class WeightSync:
+class WeightPushServer:
     """The group, the pause gate and the staged tensors of one embedded sampler (``app.engine``)."""
 
     def __init__(self, app: SamplerApp, pause_timeout_s: float | None = None) -> None:

@@ -1,6 +1,6 @@
-"""The agent loop's typed surface (agent.py runs the loop): its config (``AgentConfig``), what it streams
+"""The agent loop's typed surface (loop.py runs the loop): its config (``AgentConfig``), what it streams
 each turn (``TurnResult``) and returns (``EpisodeResult``), and the protocols it calls (the chat tokenizer,
-an optional turn gate, the verifier and the ``on_turn`` hook). All import from ``sandbox_agent.agent`` too.
+an optional turn gate, the verifier and the ``on_turn`` hook). All import from ``sandbox_agent.agent.loop`` too.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sandbox_agent.actions import SYSTEM_PROMPT
-from sandbox_agent.context import ContextConfig
-from sandbox_agent.verifier import VerifyResult
+from sandbox_agent.agent.actions import SYSTEM_PROMPT
+from sandbox_agent.agent.context import ContextConfig
+from sandbox_agent.tasks.verifier import VerifyResult
 from t1async.protocol.sampling import SamplingParams
 from t1async.protocol.wire import EndReason, Finish
 

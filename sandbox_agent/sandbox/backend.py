@@ -19,16 +19,17 @@ from typing import Protocol
 
 import anyio
 
-from sandbox_agent import dockerfile, images
+from sandbox_agent.images import build as images
+from sandbox_agent.images import dockerfile
 from sandbox_agent.sandbox import SANDBOX_WORKDIR, BwrapSandbox, Sandbox, SandboxConfig
 from sandbox_agent.sandbox.container import ContainerSandbox
 from sandbox_agent.sandbox.files import chown_tree
 from sandbox_agent.sandbox.lifecycle import ContainerLimits, start_container
-from sandbox_agent.tasks import Task, TaskNeedsImageError
+from sandbox_agent.tasks.task import Task, TaskNeedsImageError
 from t1async.log import get_logger
 from t1async.protocol.errors import SandboxError
 
-log = get_logger("sandbox_agent.backend")
+log = get_logger("sandbox_agent.sandbox.backend")
 
 
 class BackendName(StrEnum):
@@ -218,7 +219,7 @@ class FactoryBackend:
 
 @dataclasses.dataclass
 class ContainerBackend:
-    """Tasks as published, in podman containers (sandbox_agent.images, sandbox.container): the task's image
+    """Tasks as published, in podman containers (sandbox_agent.images.build, sandbox.container): the task's image
     built once, one container per episode (``episode``), a persistent shell per session (``open``)."""
 
     config: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)

@@ -6,8 +6,8 @@ Each verification opens a *fresh* sandbox session over the work dir, with a fres
 In a container (the task's own image) the task's own entry point runs as Terminal-Bench runs it: TB1
 ``run-tests.sh``, TB2 ``tests/test.sh`` + ``/logs/verifier/reward.*`` (``path="script"``). It runs offline
 unless the user gave the verifier the network: the pins the script installs are fetched on the host into a
-wheelhouse mounted over the image's (``sandbox_agent.wheels``), and uv's installer is answered from the image
-(``sandbox_agent.tbscript``), so the usual uv/pytest preamble works as written. Where the
+wheelhouse mounted over the image's (``sandbox_agent.images.wheels``), and uv's installer is answered from the image
+(``sandbox_agent.tasks.tbscript``), so the usual uv/pytest preamble works as written. Where the
 script yields no results offline (a dependency the wheelhouse lacks, ``uvx -p 3.13``), with
 ``VerifierConfig(run_script=False)``, and always under bwrap, the test files (``test_*.py`` and
 ``*_test.py``) run directly (``path="pytest"``) with the sandbox's ``python3 -I -B`` (isolated: no user
@@ -37,10 +37,12 @@ from typing import Literal
 
 import anyio
 
-from sandbox_agent.backend import BackendName, SandboxBackend
+from sandbox_agent.images.wheelhouse import WHEELHOUSE
+from sandbox_agent.images.wheels import verifier_wheels
 from sandbox_agent.sandbox import SandboxConfig
-from sandbox_agent.tasks import Task
-from sandbox_agent.tbscript import (
+from sandbox_agent.sandbox.backend import BackendName, SandboxBackend
+from sandbox_agent.tasks.task import Task
+from sandbox_agent.tasks.tbscript import (
     SHIM_DIR,
     TESTS_MOUNT,
     harbor_reward,
@@ -49,12 +51,10 @@ from sandbox_agent.tbscript import (
     script_command,
     write_shims,
 )
-from sandbox_agent.wheelhouse import WHEELHOUSE
-from sandbox_agent.wheels import verifier_wheels
 from t1async.log import get_logger
 from t1async.protocol.errors import SandboxError
 
-log = get_logger("sandbox_agent.verifier")
+log = get_logger("sandbox_agent.tasks.verifier")
 
 VerifyStatus = Literal["ok", "timeout", "parse_error", "error"]
 

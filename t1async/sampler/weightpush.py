@@ -43,7 +43,7 @@ import torch.distributed as dist
 from t1async.log import get_logger
 from t1async.protocol.errors import SamplerError
 
-log = get_logger("sampler.weightsync")
+log = get_logger("sampler.weightpush")
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 EMBEDDED_VERSION = "t1async-embedded"  # how the embedded sampler's /server_info "version" starts

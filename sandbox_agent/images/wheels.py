@@ -20,10 +20,10 @@ import sys
 import threading
 from pathlib import Path
 
-from sandbox_agent.wheelhouse import WHEELHOUSE_PACKAGES, cache_dir
+from sandbox_agent.images.wheelhouse import WHEELHOUSE_PACKAGES, cache_dir
 from t1async.log import get_logger
 
-log = get_logger("sandbox_agent.wheels")
+log = get_logger("sandbox_agent.images.wheels")
 
 PYTHON_VERSION = "3.11"  # the base image's (Debian bookworm's) python3
 # glibc 2.36 (bookworm) runs any manylinux wheel up to 2_36; pip takes the platforms it is given literally

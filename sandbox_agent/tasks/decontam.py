@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sandbox_agent.tasks import Task, TaskFormatError, iter_task_dirs, load_task
+from sandbox_agent.tasks.task import Task, TaskFormatError, iter_task_dirs, load_task
 
 _WORD = re.compile(r"\w+")
 

@@ -31,15 +31,15 @@ import threading
 import tomllib
 from pathlib import Path
 
-from sandbox_agent.buildfail import BuildFailure, parse_build_failure, unreachable_host
-from sandbox_agent.dockerfile import TBENCH_BASE, TBENCH_WORKDIR, build_context, dockerfile_of
+from sandbox_agent.images.buildfail import BuildFailure, parse_build_failure, unreachable_host
+from sandbox_agent.images.dockerfile import TBENCH_BASE, TBENCH_WORKDIR, build_context, dockerfile_of
+from sandbox_agent.images.wheelhouse import WHEELHOUSE, WHEELHOUSE_PACKAGES, cache_dir
+from sandbox_agent.images.wheels import download
 from sandbox_agent.sandbox.base import SandboxStartError
-from sandbox_agent.tasks import Task
-from sandbox_agent.wheelhouse import WHEELHOUSE, WHEELHOUSE_PACKAGES, cache_dir
-from sandbox_agent.wheels import download
+from sandbox_agent.tasks.task import Task
 from t1async.log import get_logger
 
-log = get_logger("sandbox_agent.images")
+log = get_logger("sandbox_agent.images.build")
 
 # The tag names the recipe's version: a changed recipe is a new image (and so new task images, whose tags hash
 # the base's name too), never a stale one found under the old name.
@@ -49,7 +49,7 @@ BASE_PACKAGES = (
     "python3,python3-pip,python3-venv,python3-pytest,tmux,asciinema,curl,ca-certificates,procps,git,less,file"
 )
 PYPI_PACKAGES = ("uv", "pytest==8.4.1")
-# The image's wheelhouse (WHEELHOUSE, WHEELHOUSE_PACKAGES) is described in sandbox_agent.wheelhouse.
+# The image's wheelhouse (WHEELHOUSE, WHEELHOUSE_PACKAGES) is described in sandbox_agent.images.wheelhouse.
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's; the host's is mounted over it (host_ca_volumes)
 OFFLINE_ENV = (
     ("UV_OFFLINE", "1"),

@@ -3,7 +3,7 @@
 An episode's input is ``head + turn_0 + turn_1 + ...`` where ``head`` is the first input (system prompt and
 task, then the generation prompt) and each turn is its exact sampled output IDs followed by its suffix (the
 bridge that closes the assistant turn, the observation message, the generation prompt; see
-``agent.turn_suffix_ids``). ``History`` keeps those pieces, so a compacted input is built from exact IDs
+``loop.turn_suffix_ids``). ``History`` keeps those pieces, so a compacted input is built from exact IDs
 like every input: no earlier text is re-encoded, outputs are never retokenized.
 
 A compacted input no longer extends the sequence the learner assembled: that boundary is a FORK (design §5),

@@ -1,6 +1,6 @@
 """Running a task end to end: work dir, setup, a policy (LLM agent, oracle or do-nothing), verification.
 
-- ``run_episode``: the LLM agent loop (``agent.run_agent``) on a fresh work dir; what the actor calls.
+- ``run_episode``: the LLM agent loop (``loop.run_agent``) on a fresh work dir; what the actor calls.
 - ``run_policy``: a scripted policy (``OracleAgent`` runs the task's solution, ``NullAgent`` does nothing),
   then verification; what ``python -m sandbox_agent run-task`` calls.
 - ``oracle_turns``: the oracle solution rendered as agent turns ``(assistant text, observation)``, with
@@ -21,19 +21,19 @@ from typing import Protocol
 
 import anyio
 
-from sandbox_agent.actions import format_observation
-from sandbox_agent.agent import run_agent
-from sandbox_agent.agent_types import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn
-from sandbox_agent.backend import BwrapBackend, SandboxBackend, require_backend
-from sandbox_agent.buildfail import BuildFailure
+from sandbox_agent.agent.actions import format_observation
+from sandbox_agent.agent.loop import run_agent
+from sandbox_agent.agent.types import AgentConfig, ChatTokenizerLike, EpisodeResult, OnTurn
+from sandbox_agent.images.buildfail import BuildFailure
 from sandbox_agent.sandbox import ExecResult, Sandbox
-from sandbox_agent.tasks import Task, populate_workdir
-from sandbox_agent.verifier import VerifierConfig, VerifyResult, share_read_only, verify
+from sandbox_agent.sandbox.backend import BwrapBackend, SandboxBackend, require_backend
+from sandbox_agent.tasks.task import Task, populate_workdir
+from sandbox_agent.tasks.verifier import VerifierConfig, VerifyResult, share_read_only, verify
 from t1async.log import get_logger
 from t1async.protocol.errors import T1Error
 from t1async.protocol.sampling import Sampler
 
-log = get_logger("sandbox_agent.runner")
+log = get_logger("sandbox_agent.agent.runner")
 
 SETUP_MOUNT = "/t1setup"
 SOLUTION_MOUNT = "/solution"
@@ -228,7 +228,7 @@ async def check_tasks(
     limit = anyio.CapacityLimiter(concurrency)
 
     async def one(i: int, t: Task) -> None:
-        from sandbox_agent.images import image_build_error
+        from sandbox_agent.images.build import image_build_error
 
         async with limit:
             try:

@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox_agent.tasks import Task, TaskFormatError
+from sandbox_agent.tasks.task import Task, TaskFormatError
 
 _GENERIC_BASES = re.compile(
     r"^(docker\.io/(library/)?)?(ubuntu|debian|python|buildpack-deps)(:[\w.\-]+)?$"

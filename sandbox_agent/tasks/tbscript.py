@@ -5,7 +5,7 @@ published scripts start by fetching uv (``curl -LsSf https://astral.sh/uv/<ver>/
 install their pins. The verifier runs them with no network, so:
 
 - uv and pip install from the image's wheelhouse (``OFFLINE_ENV``; the verifier mounts a wheelhouse with
-  the script's own pins over it, ``sandbox_agent.wheels``);
+  the script's own pins over it, ``sandbox_agent.images.wheels``);
 - ``curl``/``wget`` of uv's installer are answered from the image (``SHIM``, first on PATH), where uv is
   preinstalled: the installer's work is already done, so a ``set -e`` script goes on as it would online.
   Every other URL goes to the real ``curl``/``wget`` (and fails offline, as it should).
@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sandbox_agent.images import OFFLINE_ENV
-from sandbox_agent.tasks import Task
+from sandbox_agent.images.build import OFFLINE_ENV
+from sandbox_agent.tasks.task import Task
 
 SHIM_DIR = "/opt/t1async/verifier-bin"
 TESTS_MOUNT = "/tests"
