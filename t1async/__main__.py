@@ -32,6 +32,8 @@ MODULES = {
 
 def bench_names() -> list[str]:
     """The runnable benches: bench/*.py with a ``__main__`` guard (``_``-prefixed helpers left out)."""
+    if find_spec("bench") is None and (Path.cwd() / "bench" / "__init__.py").is_file():
+        sys.path.insert(0, str(Path.cwd()))  # a checkout: its bench/ (not installed), as ``python -m`` finds it
     spec = find_spec("bench")
     if spec is None or not spec.submodule_search_locations:
         return []
@@ -47,7 +49,8 @@ def usage() -> str:
     lines = [__doc__.strip().splitlines()[0], "", "usage: t1async COMMAND [flags]   (t1async COMMAND --help)", ""]
     lines.append(f"  {' | '.join(CLUSTER):<34} the cluster on one machine (python -m t1async.cluster)")
     lines += [f"  {name:<34} {what} (python -m {module})" for name, (module, what) in MODULES.items()]
-    lines.append(f"  {'bench NAME':<34} a benchmark: {', '.join(bench_names())}")
+    names = ", ".join(bench_names()) or "from a source checkout (bench/ is not installed)"
+    lines.append(f"  {'bench NAME':<34} a benchmark: {names}")
     return "\n".join(lines)
 
 
@@ -62,6 +65,10 @@ def resolve(argv: Sequence[str]) -> tuple[str, list[str]]:
         return MODULES[cmd][0], rest
     if cmd == "bench":
         names = bench_names()
+        if not names:
+            raise ValueError(
+                "the benches run from a source checkout of t1async (bench/ is not installed): run this in one"
+            )
         if not rest or rest[0] not in names:
             got = f"{rest[0]!r} is not one" if rest else "none given"
             raise ValueError(f"bench needs a NAME ({got}); one of: {', '.join(names)}")

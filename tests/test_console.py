@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,15 @@ def test_exit_status_and_errors_are_the_modules_own(tmp_path):
     assert mine.returncode == theirs.returncode != 0 and mine.stderr == theirs.stderr, (mine, theirs)
     bad = run([sys.executable, "-m", "t1async", "frob"])
     assert bad.returncode == 2 and "unknown command 'frob'" in bad.stderr and "bench NAME" in bad.stderr
+
+
+def test_the_benches_are_not_installed_and_say_where_they_run(tmp_path):
+    """bench/ stays out of the wheel (no top-level ``bench`` to clash with another package's): outside a
+    checkout ``t1async bench`` says where the benches run."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-m", "t1async", "bench", "sampler"], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert out.returncode == 2 and "source checkout" in out.stderr, (out.stdout, out.stderr)
+    ok = subprocess.run([sys.executable, "-c", "import actors, sandbox_agent"], cwd=tmp_path, env=env)
+    assert ok.returncode == 0, "actors and sandbox_agent are installed (cluster up runs them)"
