@@ -41,7 +41,7 @@ def _cell(v: Any) -> str:
 
 def print_table(title: str, rows: Sequence[tuple[str, Any]], *, file: Any = None) -> None:
     """``name: value`` rows under a title (floats with 2 decimals), as SGLang's bench_serving prints its result."""
-    t = Table(title=title, show_header=False, box=None, title_justify="left", title_style="bold")
+    t = Table(title=title, show_header=False, box=None, pad_edge=False, title_justify="left", title_style="bold")
     t.add_column(no_wrap=True)
     t.add_column(justify="right", no_wrap=True)
     for k, v in rows:
@@ -51,7 +51,14 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]], *, file: Any = None
 
 def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str = "", file: Any = None) -> None:
     """Right-aligned columns under a header rule; floats with 2 decimals."""
-    t = Table(title=title or None, box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", title_style="bold")
+    t = Table(
+        title=title or None,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        title_justify="left",
+        title_style="bold",
+    )
     for h in header:
         t.add_column(h, justify="right", no_wrap=True)
     for r in rows:
