@@ -42,6 +42,7 @@ __all__ = [
     "to_toml",
     "flag_name",
     "like",
+    "code_only",
 ]
 
 _MISSING: Any = dataclasses.MISSING
@@ -426,3 +427,8 @@ def resolve(
     cfg = cls(**values)
     check_bounds(cfg)  # every resolved config, whichever CLI resolved it
     return cfg
+
+
+def code_only(cls: type) -> tuple[str, ...]:
+    """The fields of ``cls`` that code sets and no command line or TOML file does (``cli=False``)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if not f.metadata.get("cli", True))

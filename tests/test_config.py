@@ -171,8 +171,9 @@ def test_cluster_up_hands_the_eval_and_the_warm_start_toml_files(tmp_path):
     and a user's flags still work (and win)."""
     from t1async.cluster import components
     from t1async.cluster.config import UpConfig
+    from t1async.config import code_only
     from t1async.eval.loop import LoopSettings
-    from t1async.learner.settings import SFTConfig, code_only
+    from t1async.learner.settings import SFTConfig
 
     tasks = tmp_path / "tasks"
     (tasks / "t0").mkdir(parents=True)

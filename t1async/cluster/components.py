@@ -17,7 +17,7 @@ from typing import Any
 from t1async.cluster.config import UpConfig
 from t1async.cluster.cpus import pinned
 from t1async.cluster.supervisor import ProcessSpec, python_module
-from t1async.config import to_toml
+from t1async.config import code_only, to_toml
 from t1async.log import get_logger
 from t1async.protocol.errors import ConfigError
 from t1async.transport.auth import Role, creds_path
@@ -65,7 +65,7 @@ def warm_start_argv(cfg: UpConfig) -> list[str] | None:
     out = warm_model_dir(cfg)
     if cfg.warm_start_steps <= 0 or (out / "config.json").is_file():
         return None
-    from t1async.learner.settings import SFTConfig, code_only
+    from t1async.learner.settings import SFTConfig
 
     sft = SFTConfig(tasks=ensure_tasks(cfg), steps=cfg.warm_start_steps, out=out, model=cfg.model)
     toml = {k: v for k, v in asdict(sft).items() if k not in code_only(SFTConfig)}
@@ -191,7 +191,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
     between copies of one child (a sampler's port, an actor's id and seed)."""
     from actors.settings import EpisodeOptions
-    from t1async.learner.settings import LearnerConfig, code_only
+    from t1async.learner.settings import LearnerConfig
 
     out: list[ProcessSpec] = []
     model = model_dir(cfg)

@@ -25,8 +25,8 @@ from actors.settings import EpisodeOptions
 from sandbox_agent.agent.context import POLICIES
 from t1async.cluster.cpus import parse_cpus
 from t1async.cluster.state import DEFAULT_RUN_DIR
-from t1async.config import check_bounds, like, resolve, setting
-from t1async.learner.settings import LearnerConfig, code_only
+from t1async.config import check_bounds, code_only, like, resolve, setting
+from t1async.learner.settings import LearnerConfig
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import Dtype, Engine, EngineSettings, SamplerKeys, SamplerSettings
 from t1async.sampler.vllm_launch import VLLMSettings

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from t1async.config import add_arguments, resolve
-from t1async.learner.settings import SFTConfig, code_only
+from t1async.config import add_arguments, code_only, resolve
+from t1async.learner.settings import SFTConfig
 from t1async.protocol.errors import ConfigError, T1Error
 
 SFT_HELP = """\

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from t1async.config import add_arguments, like, resolve, setting
+from t1async.config import add_arguments, code_only, like, resolve, setting
 from t1async.learner.distributed import RankFailedError
-from t1async.learner.settings import LearnerConfig, code_only
+from t1async.learner.settings import LearnerConfig
 from t1async.protocol.errors import ConfigError
 from t1async.sampler.settings import Engine, EngineSettings, SamplerKeys
 from t1async.signals import cancel_on_stop

@@ -8,7 +8,7 @@ by code only (tests, benches, recipes): neither flags nor TOML keys (``code_only
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -113,11 +113,6 @@ class LearnerConfig(TrainerConfig):
         from t1async.learner.pushcheck import PushCheckConfig
 
         return PushCheckConfig(every=self.push_check_every, bound=self.push_check_bound)
-
-
-def code_only(cls: type) -> tuple[str, ...]:
-    """The fields of ``cls`` that code sets and no command line or TOML file does (``cli=False``)."""
-    return tuple(f.name for f in fields(cls) if not f.metadata.get("cli", True))
 
 
 @dataclass(frozen=True)
