@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from t1async.learner.critic import Moments
@@ -70,3 +71,49 @@ def test_moments_give_the_explained_variance_of_any_head():
     for w in (np.array([1.0, -2.0, 0.5, 0.3]), np.zeros(4), np.array([0.5, 0.0, 0.0, 0.0])):
         direct = 1.0 - np.var(y - x @ w) / np.var(y)  # ppo.explained_variance's definition
         assert abs(mom.ev(w) - direct) < 1e-9
+
+
+def test_two_ranks_warm_up_the_head_as_one_rank_does(ranks2):
+    """At 2 ranks (FSDP2) each rank forwards its own part of a step's segments, the ranks sum the moments, and
+    every rank writes the same fit into its shard of the head: the held-out and in-sample explained variances
+    and the head's weights are one rank's on the same segments. 17 segments of 24 tokens, 4 to a micro-batch:
+    the parts need 3 and 2 micro-batches, so a rank pads its warm-up forwards too."""
+    from t1async.learner.distributed import DistributedTrainer
+
+    ranks, holder = ranks2
+    torch.manual_seed(0)
+    base = tiny()
+    rng = np.random.default_rng(2)
+    steps = [_segments(base, rng, n=17, readable=True, tag=f"s{k}") for k in range(3)]
+    cfg = TrainerConfig(lr=1e-5, advantage="gae", critic_warmup=2, microbatch_tokens=96)
+    one = Trainer(copy.deepcopy(base), cfg)
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), cfg)
+    assert isinstance(two, DistributedTrainer) and two.world == 2
+
+    def head(t) -> torch.Tensor:  # noqa: ANN001 - a Trainer or a DistributedTrainer (gathered)
+        h = (t.export_model() if isinstance(t, DistributedTrainer) else t.model).value_head
+        return torch.cat([h.weight.detach()[0], h.bias.detach()])
+
+    # rank 0's warm-up raises after its forwards: rank 1 learns of it at the moments' sum and fails too (no
+    # hang), and the step can be run again
+    assert two._warmup is not None
+    real = two._warmup.moments
+
+    def fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        real(*args, **kwargs)
+        raise FloatingPointError("injected")
+
+    two._warmup.moments = fails  # type: ignore[method-assign]
+    with pytest.raises(FloatingPointError, match="injected"):
+        two.step(steps[0], 0)
+    del two._warmup.moments
+    for k, segs in enumerate(steps):
+        m1, m2 = one.step(segs, k), two.step(segs, k)
+        for key in ("critic_ev_heldout", "critic_warmup_ev"):
+            a, b = getattr(m1, key), getattr(m2, key)
+            assert (a is None) == (b is None) == (k >= 2), (k, key, a, b)
+            assert a is None or b == pytest.approx(a, rel=1e-4, abs=1e-5), (k, key)
+        assert m2.explained_variance == pytest.approx(m1.explained_variance, rel=1e-4, abs=1e-5), k
+        torch.testing.assert_close(head(two), head(one), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"step {k}: {m}")
+        if k == 1:  # the head scoring step 1 was fitted on step 0: the fit means something
+            assert m2.critic_ev_heldout is not None and m2.critic_ev_heldout > 0.3

@@ -15,22 +15,29 @@ advantages) measures the head as it is on the step's tokens and keeps their stat
 explained variance of the returns of rollouts the head has not been fitted on: step 0's is a fresh head's, the
 next ones' are what the warm start is worth (the issue's target: > 0.3 at the end of the warm-up).
 
-One rank only: under FSDP (``learner/distributed.py``) the warm-up's forward and the head's write would be
-collectives every rank must run together, which the N-rank step does not do yet; there it is skipped, logged.
+At N ranks (``learner/distributed.py``) every rank runs ``step`` together on its own part of the step's segments
+(FSDP gathers the weights inside each forward, so every rank runs as many forwards: ``n_micro``, a short rank
+padding with 2-token ones) and the ranks sum the moments (``reduce``, an all_reduce): every rank then holds the
+moments of all the step's tokens, scores the same held-out explained variance and, in ``refit``, solves the same
+fit and writes it into its own rows of the sharded head (FSDP2's DTensor, ``weights.local_rows``). The moments
+are sums, so any split of the segments gives one rank's figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from t1async.learner import ppo
 from t1async.learner.batch import SegmentLike, pack, plan_microbatches
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
+from t1async.model.weights import local_rows
 
 log = get_logger("t1async.learner.critic")
 
@@ -62,6 +69,15 @@ class Moments:
         self.yy += other.yy
         self.ysum += other.ysum
         self.n += other.n
+
+    def flat(self) -> np.ndarray:
+        """Every statistic in one float64 vector (for a sum over ranks); ``of_flat`` reads it back."""
+        return np.concatenate([self.xtx.ravel(), self.xty, [self.yy, self.ysum, float(self.n)]])
+
+    @classmethod
+    def of_flat(cls, v: np.ndarray, d: int) -> Moments:
+        k = d + 1
+        return cls(v[: k * k].reshape(k, k).copy(), v[k * k : k * k + k].copy(), float(v[-3]), float(v[-2]), int(v[-1]))
 
     def ev(self, w: np.ndarray) -> float:
         """Explained variance ``1 - Var(y - x w) / Var(y)`` (``ppo.explained_variance``'s) from the statistics:
@@ -95,17 +111,22 @@ class CriticWarmup:
         discount_per: str,
         replay: bool,
         microbatch_tokens: int,
+        n_micro: int = 0,
     ) -> Moments:
         """Forward ``segments`` (no gradient): the statistics of their loss tokens' (state, return) pairs; the
         return is the discounted reward-to-go (lambda 1), a cut segment bootstrapping from the head's value at
-        its end."""
+        its end. ``n_micro``: forwards to run in all (a sharded model's ranks must run as many), the ones
+        past ``segments``' micro-batches on 2 padding tokens."""
         m, dev = self.model, next(self.model.parameters()).device
         cfg = m.cfg
         was = m.training
         m.eval()
         mom = Moments.zeros(int(m.value_head.in_features))
+        groups = plan_microbatches([len(s.tokens) for s in segments], microbatch_tokens) if segments else []
         try:
-            for g in plan_microbatches([len(s.tokens) for s in segments], microbatch_tokens):
+            for _ in range(n_micro - len(groups)):  # FSDP: the other ranks' forwards gather weights with ours
+                m(torch.zeros(1, 2, dtype=torch.long, device=dev), logits=False)
+            for g in groups:
                 b = pack(segments, g, n_layers=cfg.n_layers, top_k=cfg.top_k, device=dev)
                 rp = b.recorded if (replay and b.recorded is not None) else None
                 out = m(b.tokens, replay=rp, logits=False)
@@ -131,14 +152,22 @@ class CriticWarmup:
                     mom.add(x, ret[pos])
         finally:
             m.train(was)
+            if isinstance(m, FSDPModule):  # the root's weights stay gathered after a forward: back to shards
+                m.reshard()
         return mom
 
     def head_weights(self) -> np.ndarray:
-        """The value head as the fit's ``w`` (weights, then the bias)."""
+        """The value head as the fit's ``w`` (weights, then the bias). Sharded (FSDP2): gathered, every rank
+        together."""
+
+        def full(p: torch.Tensor) -> np.ndarray:
+            t = p.detach()
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            return t.double().cpu().numpy().reshape(-1)
+
         head = self.model.value_head
-        return np.concatenate(
-            [head.weight.detach().double().cpu().numpy()[0], head.bias.detach().double().cpu().numpy()]
-        )
+        return np.concatenate([full(head.weight), full(head.bias)])
 
     @torch.no_grad()
     def fit(self) -> float:
@@ -152,29 +181,45 @@ class CriticWarmup:
         reg[d, d] = 0.0  # the bias is not shrunk
         w = np.linalg.solve(mom.xtx + reg, mom.xty)
         head = self.model.value_head
-        head.weight.copy_(torch.from_numpy(w[:d]).to(head.weight)[None])
-        head.bias.copy_(torch.tensor([w[d]]).to(head.bias))
+        for p, value in ((head.weight, w[:d][None]), (head.bias, w[d:])):
+            local, lo = local_rows(p)  # sharded: this rank's rows (every rank writes its own, from the same fit)
+            local.copy_(torch.from_numpy(value[lo : lo + local.shape[0]]).to(local))
         self.fits += 1
         ev = mom.ev(w)
         log.info("critic.warmup_fit", fit=self.fits, tokens=mom.n, explained_variance_in_sample=round(ev, 4))
         return ev
 
-    def step(self, segments: Sequence[SegmentLike], cfg) -> float | None:  # noqa: ANN001 - a TrainerConfig
+    def step(
+        self,
+        segments: Sequence[SegmentLike],
+        cfg,  # noqa: ANN001 - a TrainerConfig
+        *,
+        n_micro: int = 0,
+        reduce: Callable[[Moments | None], Moments | None] | None = None,
+    ) -> float:
         """A warm-up step, before the step scores ``segments``: the held-out explained variance of their returns
-        by the head as it is (fitted on earlier steps only); their statistics wait for ``refit``. None (and
-        nothing done) on a sharded learner, where one rank's forward is not the model's."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            log.warning("critic.warmup_skipped", reason="the critic warm-up runs on a one-rank learner only")
-            return None
-        self.pending = self.moments(
-            segments,
-            gamma=cfg.gamma,
-            discount_per=cfg.discount_per,
-            replay=cfg.replay,
-            microbatch_tokens=cfg.microbatch_tokens,
-        )
-        ev = self.pending.ev(self.head_weights())
-        log.info("critic.warmup_heldout", fits=self.fits, tokens=self.pending.n, explained_variance=round(ev, 4))
+        by the head as it is (fitted on earlier steps only); their statistics wait for ``refit``. At N ranks
+        every rank calls this on its part of the step, with ``n_micro`` (``moments``) and ``reduce``: the sum
+        of every rank's moments, called with None when this rank raised, so the others learn of it and raise
+        too instead of waiting (an error inside a forward still leaves them in FSDP's gather)."""
+        self.pending = None
+        mom: Moments | None = None
+        try:
+            mom = self.moments(
+                segments,
+                gamma=cfg.gamma,
+                discount_per=cfg.discount_per,
+                replay=cfg.replay,
+                microbatch_tokens=cfg.microbatch_tokens,
+                n_micro=n_micro,
+            )
+        finally:
+            if reduce is not None:
+                mom = reduce(mom)
+        assert mom is not None
+        self.pending = mom
+        ev = mom.ev(self.head_weights())
+        log.info("critic.warmup_heldout", fits=self.fits, tokens=mom.n, explained_variance=round(ev, 4))
         return ev
 
     def refit(self) -> float | None:

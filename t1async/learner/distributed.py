@@ -17,9 +17,10 @@ read or write of the weights is a collective under FSDP, so rank 0 sends a comma
 together (``_command``; ranks 1..N-1 wait for the next in ``serve_rank``): ``step`` (with the rank's segments),
 ``save`` (the model dir written by every rank from its shards, plus with a full checkpoint the sharded state
 through torch.distributed.checkpoint), ``export_model`` (the full weights, for the weight push), ``load``,
-``load_weights``, ``restore`` (after a failed step), ``score`` and ``stop``. Besides FSDP's own collectives the
-ranks meet three times a step: the advantage moments (advantages whitened over the whole step), a failure
-flag before each optimizer step, and a gather of the metric tensors to rank 0.
+``load_weights``, ``restore`` (after a failed step), ``score``, the critic warm-up's ``warmup_step`` (each rank
+its part, the moments summed) and ``_warmup_refit`` (learner/critic.py), and ``stop``. Besides FSDP's own
+collectives the ranks meet three times a step: the advantage moments (advantages whitened over the whole step),
+a failure flag before each optimizer step, and a gather of the metric tensors to rank 0.
 
 A rank's own error in a step reaches every rank at the next meeting (a flag), so the step fails everywhere
 (the service dead-letters it and restores the weights on every rank). An error inside one rank's FSDP
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from t1async.learner import malloc
 from t1async.learner.batch import Batch, SegmentLike, plan_microbatches
 from t1async.learner.checkpoint import CheckpointInfo, check_loadable
+from t1async.learner.critic import Moments
 from t1async.learner.stepmetrics import StepMetrics
 from t1async.learner.trainer import Scored, Trainer, state_bytes
 from t1async.learner.trainer_config import TrainDtype, TrainerConfig
@@ -319,6 +321,49 @@ class DistributedTrainer(Trainer):
         """Every rank must run as many forwards: decided on the micro-batch count they share (``_pad``), not on
         this rank's positions."""
         return len(batches) == 1 and self.config.ppo_epochs == 1
+
+    # ------------------------------------------------------------------------------------- the critic warm-up
+
+    def _warmup_heldout(self, segments: Sequence[SegmentLike]) -> float | None:
+        """Rank 0: every rank runs ``warmup_step`` on its token-balanced part of the step's segments."""
+        parts = balance([len(s.tokens) for s in segments], self.world)
+        mbt = self.config.microbatch_tokens
+        counts = [len(plan_microbatches([len(segments[i].tokens) for i in p], mbt)) if p else 0 for p in parts]
+        msgs = [([segments[i] for i in p], max(counts)) for p in parts]
+        local = self._command("warmup_step", per_rank=msgs)[0]
+        self._inside = True
+        try:
+            return self.warmup_step(local)
+        finally:
+            self._inside = False
+
+    def warmup_step(self, part: tuple[list[SegmentLike], int]) -> float:
+        """Every rank: the warm-up's forwards of this rank's segments (as many forwards as the busiest rank's),
+        the moments summed over the ranks, the head's held-out explained variance on all of them."""
+        assert self._warmup is not None
+        segs, n_micro = part
+        return self._warmup.step(segs, self.config, n_micro=n_micro, reduce=self._sum_moments)
+
+    def _warmup_refit(self) -> float | None:
+        with self._together("_warmup_refit"):
+            self._shell_ok = False  # the head changes on every rank
+            return super()._warmup_refit()
+
+    def _sum_moments(self, mom: Moments | None) -> Moments | None:
+        """Every rank's warm-up moments summed (float64), with a failure flag: None is a rank whose part raised
+        (its own error goes on); the other ranks raise RankStepError."""
+        d = int(self.model.value_head.in_features)
+        flat = np.append((mom if mom is not None else Moments.zeros(d)).flat(), float(mom is None))
+        buf = self._on_device(torch.from_numpy(flat))
+        collective("reducing the critic warm-up's moments", dist.all_reduce, buf)
+        total = buf.cpu().numpy()
+        if mom is None:
+            return None
+        if total[-1] > 0:
+            raise RankStepError(
+                f"{int(total[-1])} other rank(s) of {self.world} failed the critic warm-up; see their log"
+            )
+        return Moments.of_flat(total[:-1], d)
 
     # ------------------------------------------------------------------------------------- ranks 1..N-1
 

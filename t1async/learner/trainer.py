@@ -170,7 +170,7 @@ class Trainer:
         # the critic warm-up (learner/critic.py): the head scores this step as fitted on the earlier ones; its
         # held-out EV on this step's returns now, the refit on them after the step, for the next
         warm = self._warmup if self._warmup and self.steps < cfg.critic_warmup else None
-        heldout_ev = warm.step(segments, cfg) if warm else None
+        heldout_ev = self._warmup_heldout(segments) if warm else None
         local = self._scatter(segments, policy_version)
         try:
             metrics = self._train(local, policy_version, drift, all_segments=segments, t0=t0)
@@ -178,7 +178,7 @@ class Trainer:
             self._step_raised(exc)
             raise
         assert metrics is not None  # rank 0's
-        fit_ev = warm.refit() if warm else None
+        fit_ev = self._warmup_refit() if warm else None
         metrics = step_algorithm_metrics(metrics, self._baseline, fit_ev, heldout_ev)
         log.info(
             "trainer.step",
@@ -195,6 +195,16 @@ class Trainer:
             t_step_s=round(metrics.t_step_s, 3),
         )
         return metrics
+
+    def _warmup_heldout(self, segments: Sequence[SegmentLike]) -> float | None:
+        """The critic warm-up before the step (``CriticWarmup.step``; at N ranks every rank's part together)."""
+        assert self._warmup is not None
+        return self._warmup.step(segments, self.config)
+
+    def _warmup_refit(self) -> float | None:
+        """The critic warm-up after the step (``CriticWarmup.refit``; at N ranks on every rank)."""
+        assert self._warmup is not None
+        return self._warmup.refit()
 
     def _check(self, segments: Sequence[SegmentLike]) -> None:
         m = self.mcfg
