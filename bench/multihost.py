@@ -1,25 +1,29 @@
 """Three hosts on one machine: the learner, the sampler and the actors each on their own network namespace,
 each host running one node of one 3-node NATS JetStream cluster; then host C's (the actors') link is cut.
 
-    host A 198.18.0.1: NATS node t1-0, the learner     (python -m t1async.learner serve)
-    host B 198.18.0.2: NATS node t1-1, the sampler     (python -m t1async.sampler serve)
+    host A 198.18.0.1: NATS node t1-0, the learner's rank 0, the service  (torchrun node 0: learner serve)
+    host B 198.18.0.2: NATS node t1-1, the sampler, the learner's rank 1  (python -m t1async.sampler serve,
+                       torchrun node 1: learner serve)
     host C 198.18.0.3: NATS node t1-2, the actors      (python -m actors)
 
 Every process is started with the documented multi-host command (README "Many hosts") through
 ``t1async.testing.netns``, and told its own address: a listener left on 127.0.0.1 would be unreachable from
 the other hosts. Weights go by disk (``--weight-sync disk``): the run dir is on the one filesystem every
 namespace shares, so the sampler reads the checkpoint the learner names, and the weight push needs no extra
-listener (``--weight-sync distributed`` runs the torch.distributed push across hosts A and B instead).
+listener (``--weight-sync distributed`` runs the torch.distributed push across hosts A and B instead). The
+learner is two torchruns, one rank each (design §10 "Several hosts"; ``--learner-hosts 1``: one plain
+process on A), sharing the run dir and the model dir through that same filesystem.
 Training runs until version ``versions_before``; host C is unplugged for ``cut_s``; training goes on
 (``versions_after`` more versions, or until ``--minutes`` are up); then the actors stop, the learner takes
 what is left, and the run is audited: T1_TRAJ and T1_DEAD read back with a plain nats-py client, the
 learner's journal and step log (``learner/steps.jsonl``), its last metrics (turns settled by reason).
 
-    python -m bench.multihost --minutes 3 [--weight-sync distributed] [--json]
+    python -m bench.multihost --minutes 3 [--weight-sync distributed] [--learner-hosts 1|2] [--json]
 
 Last JSON line: ``turns_trained``, ``turns_lost`` (in the stream, but neither journaled, trained nor
 dead-lettered), ``trained_twice``, ``recover_s`` (link up -> the first step training a turn the learner
-had not yet received at link up), the versions, the settled counts. Needs root (network namespaces).
+had not yet received at link up), the versions, the settled counts, the host of each learner rank and the
+addresses it had TCP links to. Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench._common import emit_json, print_table
-from t1async.testing.netns import Host, Listener, Network, namespaces, network
+from t1async.testing.netns import Connection, Host, Listener, Network, namespaces, network
 
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 NATS_PORT, ROUTE_PORT, HTTP_PORT, SAMPLER_PORT = 4222, 6222, 8222, 30000
+RDZV_PORT = 29400  # the learner's torchrun rendezvous store, on host A
 ACTOR = "hostc"  # actor ids: hostc-0, hostc-1, ...; their episodes are hostc-<i>-<hex>
 
 Key = tuple[str, int]
@@ -66,6 +71,7 @@ class Plan:
     tasks: int = 12
     seed: int = 3
     weight_sync: str = "disk"  # or "distributed": over a torch.distributed group the learner hosts on host A
+    learner_hosts: int = 2  # 2: the learner's rank 0 on host A and rank 1 on host B, one torchrun on each
     wait_s: float = 240.0  # the deadline of each wait
 
 
@@ -77,6 +83,9 @@ class Outcome:
     commands: dict[str, list[str]] = field(default_factory=dict)  # process -> argv (in its host)
     listeners: dict[str, list[Listener]] = field(default_factory=dict)  # role -> TCP listeners in that host
     pids: dict[str, int] = field(default_factory=dict)
+    rank_pids: dict[int, int] = field(default_factory=dict)  # learner rank -> its pid (from its log)
+    rank_hosts: dict[int, str] = field(default_factory=dict)  # learner rank -> the host whose namespace holds it
+    rank_links: dict[int, list[Connection]] = field(default_factory=dict)  # learner rank -> its TCP connections
     version_at_cut: int = 0
     version_at_end: int = 0
     cut_s: float = 0.0
@@ -115,6 +124,8 @@ class Outcome:
             "cut_s": round(self.cut_s, 2),
             "version_at_cut": self.version_at_cut,
             "version_at_end": self.version_at_end,
+            "learner_rank_hosts": self.rank_hosts,
+            "learner_rank_peers": {r: sorted({x.peer[0] for x in links}) for r, links in self.rank_links.items()},
             "settled": self.metrics.get("settled", {}),
             "untrained_turns": self.metrics.get("untrained_turns"),
             "actors_timed_out": self.metrics.get("actors_timed_out"),
@@ -150,6 +161,36 @@ def nats_node_argv(i: int, hosts: list[Host], store: Path, ready: Path, keys: Pa
         "--secrets",  # only our per-role users: the first node makes the files, the others read them
         str(keys),
     )
+
+
+def torchrun_argv(node: int, nodes: int, master: str, argv: list[str]) -> list[str]:
+    """``argv`` (``python -m t1async.learner serve ...``) as node ``node`` of ``nodes`` under torchrun, one rank a
+    node, static rendezvous: node 0 is global rank 0 (the service) and hosts the store on ``master``."""
+    assert argv[1:3] == ["-m", "t1async.learner"], argv
+    return py(
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        str(node),
+        "--master-addr",
+        master,
+        "--master-port",
+        str(RDZV_PORT),
+        *argv[1:],
+    )
+
+
+def learner_rank_pids(logs: Path) -> dict[int, int]:
+    """Each learner rank's pid, as it logged it: rank 0 in ``learner.log`` (``learner.ranks_joined``), rank i
+    in ``learner-<i>.log`` (``learner.rank_ready``)."""
+    joined = [e["pid"] for e in log_events(logs / "learner.log") if e.get("event") == "learner.ranks_joined"]
+    pids = {0: joined[-1]} if joined else {}
+    for f in sorted(logs.glob("learner-*.log")):
+        pids |= {e["rank"]: e["pid"] for e in log_events(f) if e.get("event") == "learner.rank_ready"}
+    return pids
 
 
 def sampler_keys(keys: Path) -> dict[str, str]:
@@ -385,33 +426,30 @@ def _run(
             str(keys / "sampler-admin.key"),
         ),
     )
-    start(
-        "learner",
-        a,
-        py(
-            "t1async.learner",
-            "serve",
-            "--nats",
-            urls,
-            "--sampler-url",
-            sampler_url,
-            "--run-dir",
-            str(run_dir),
-            "--nats-creds",
-            str(keys / "nats-learner.json"),
-            "--stream-replicas",
-            "3",
-            "--batch-turns",
-            str(plan.batch_turns),
-            "--max-staleness",
-            "1",
-            *(
-                ["--weight-sync", "distributed", "--weight-sync-host", a.addr]
-                if plan.weight_sync == "distributed"
-                else []
-            ),
-        ),
+    learner_argv = py(
+        "t1async.learner",
+        "serve",
+        "--nats",
+        urls,
+        "--sampler-url",
+        sampler_url,
+        "--run-dir",
+        str(run_dir),
+        "--nats-creds",
+        str(keys / "nats-learner.json"),
+        "--stream-replicas",
+        "3",
+        "--batch-turns",
+        str(plan.batch_turns),
+        "--max-staleness",
+        "1",
+        *(["--weight-sync", "distributed", "--weight-sync-host", a.addr] if plan.weight_sync == "distributed" else []),
     )
+    if plan.learner_hosts == 1:
+        start("learner", a, learner_argv)
+    else:  # rank 0 (the service) on A, rank 1 on B: the same command under one torchrun per host
+        start("learner", a, torchrun_argv(0, plan.learner_hosts, a.addr, learner_argv))
+        start("learner-1", b, torchrun_argv(1, plan.learner_hosts, a.addr, learner_argv))
     wait_until("the sampler", sampler_ready.exists, plan.wait_s, procs)
     wait_until(
         "the learner",
@@ -419,6 +457,8 @@ def _run(
         plan.wait_s,
         procs,
     )
+    if plan.learner_hosts > 1:
+        out.rank_pids = learner_rank_pids(logs)
     say(f"sampler at {sampler_url}, learner ready")
     for i in range(plan.actors):
         start(
@@ -453,6 +493,11 @@ def _run(
     out.version_at_cut = version(run_dir)
     out.turns_before_cut = trained_keys(run_dir)
     out.listeners = {role: net.listeners(h) for role, h in zip("ABC", net.hosts)}
+    for rank, pid in out.rank_pids.items():  # the host each learner rank runs in, and the addresses it talks to
+        for role, h in zip("ABC", net.hosts):
+            if pid in net.pids(h):
+                out.rank_hosts[rank] = role
+                out.rank_links[rank] = [x for x in net.connections(h) if pid in x.pids]
     say(
         f"version {out.version_at_cut}, {len(out.turns_before_cut)} turns trained: cutting host C for {plan.cut_s:.0f}s"
     )
@@ -505,7 +550,17 @@ def _run(
     except TimeoutError:
         pass  # the test reports the counts
     read_back()  # again: a publish the stopped actors had in flight may have landed since
-    out.exit_codes["learner"] = net.stop(procs.pop("learner"))
+    if plan.learner_hosts == 1:
+        out.exit_codes["learner"] = net.stop(procs.pop("learner"))
+    else:  # SIGTERM to rank 0 (the service, by PID): it checkpoints, stops rank 1, and both torchruns exit 0
+        if out.rank_pids[0] in net.pids(a):
+            os.kill(out.rank_pids[0], signal.SIGTERM)
+        for name in ["learner", *(f"learner-{i}" for i in range(1, plan.learner_hosts))]:
+            p = procs.pop(name)
+            try:
+                out.exit_codes[name] = p.wait(timeout=plan.wait_s)
+            except subprocess.TimeoutExpired:
+                out.exit_codes[name] = net.stop(p)
     out.version_at_end = version(run_dir)
     out.journaled = journal_keys(run_dir)
     from t1async.credits.settle import trained_counts
@@ -526,6 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--weight-sync", choices=["disk", "distributed"], default="disk", help="how weights reach the sampler"
     )
+    p.add_argument(
+        "--learner-hosts",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="1: the learner on host A; 2 (default): rank 0 on A and rank 1 on B, one torchrun each",
+    )
     p.add_argument("--keep", type=Path, default=None, help="keep the run here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = p.parse_args(argv)
@@ -543,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         actors=args.actors,
         concurrency=args.concurrency,
         weight_sync=args.weight_sync,
+        learner_hosts=args.learner_hosts,
     )
 
     def say(s: str) -> None:

@@ -1,8 +1,9 @@
 """Three hosts for real on one machine (design §10): three network namespaces on a bridge, each running one
-node of one 3-node NATS JetStream cluster, with the learner on host A, the sampler on host B and the actors on
-host C, every process started with the README's multi-host commands and told its own address. Training goes
-on, host C's link is cut for 20 s, training goes on again, and the stream read back shows nothing lost and
-nothing trained twice. Needs root (network namespaces), as the sandbox tests do; CI runs as root."""
+node of one 3-node NATS JetStream cluster, with the learner on hosts A and B (rank 0, the service, on A; rank 1
+on B; one torchrun each), the sampler on host B and the actors on host C. Every process is started with the
+documented multi-host commands and told its own address. Training goes on, host C's link is cut for 20 s,
+training goes on again, and the stream read back shows nothing lost and nothing trained twice. Needs root
+(network namespaces), as the sandbox tests do; CI runs as root."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import time
 
 import pytest
 
-from bench.multihost import ACTOR, HTTP_PORT, NATS_PORT, ROUTE_PORT, SAMPLER_PORT, Plan, run
+from bench.multihost import ACTOR, HTTP_PORT, NATS_PORT, RDZV_PORT, ROUTE_PORT, SAMPLER_PORT, Plan, run
+from t1async.procs import pid_alive
 from t1async.testing.netns import namespaces, network, reap, unavailable
 
 needs_root = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -135,13 +137,38 @@ def test_three_hosts_train_through_a_20s_cut_of_the_actors_host(tmp_path):
         return (logs / f"{name}.log").read_text(errors="replace")[-2000:]
 
     assert out.namespaces_after == out.namespaces_before, "the run left no namespace behind"
-    # every process listens on its host's address, none on loopback (unreachable from the other hosts)
+    # the learner spans two hosts (one torchrun each): rank 0, the service, runs inside host A's namespace and
+    # rank 1 inside host B's, and each has its own gloo listener on its own host's address
+    a, b = out.hosts["A"], out.hosts["B"]
+    assert out.rank_hosts == {0: "A", 1: "B"}, (out.rank_pids, tail("learner-1"))
+    rank_listeners = {
+        r: [(x.addr, x.port) for x in out.listeners[role] if out.rank_pids[r] in x.pids]
+        for r, role in out.rank_hosts.items()
+    }
+    assert rank_listeners[0] and all(addr == a for addr, _ in rank_listeners[0]), rank_listeners
+    assert rank_listeners[1] and all(addr == b for addr, _ in rank_listeners[1]), rank_listeners
+    # ... and gloo connected them across the bridge: a TCP link between rank 0 in A and one of rank 1's
+    # listening ports in B, or from rank 1 in B to one of rank 0's (whichever side gloo had dial)
+    gloo = [x for x in out.rank_links[0] if x.peer in rank_listeners[1] or x.local in rank_listeners[0]]
+    assert gloo and all(x.local[0] == a and x.peer[0] == b for x in gloo), out.rank_links
+    assert any(x.peer[0] == a for x in out.rank_links[1]), out.rank_links
+    # both ranks trained every step (FSDP over the two hosts), and neither outlived the run
+    dist_steps = [e for e in out.events if e.get("event") == "learner.dist_step"]
+    assert len(dist_steps) >= out.version_at_end and all(e["ranks"] == 2 for e in dist_steps), dist_steps[-1:]
+    assert not [pid for pid in out.rank_pids.values() if pid_alive(pid)], out.rank_pids
+    # every process listens on its host's address, none on loopback (unreachable from the other hosts); the one
+    # exception is torch's rendezvous store (torchrun on A), which binds the wildcard: inside host A's
+    # namespace that is only its loopback and its bridge address
     for role, addr in out.hosts.items():
-        got = {(x.addr, x.port) for x in out.listeners[role]}
+        got = {(x.addr, x.port) for x in out.listeners[role] if not set(x.pids) & set(out.rank_pids.values())}
         want = {(addr, NATS_PORT), (addr, ROUTE_PORT), (addr, HTTP_PORT)} | (
             {(addr, SAMPLER_PORT)} if role == "B" else set()
         )
+        if role == "A":
+            want.add(("*", RDZV_PORT))
         assert got == want, f"host {role} listens on {sorted(got)}, expected {sorted(want)}"
+    store = [x for x in out.listeners["A"] if x.port == RDZV_PORT]
+    assert [x.pids for x in store] == [(out.pids["learner"],)], store
     for name, argv in out.commands.items():
         assert "127.0.0.1" not in " ".join(argv) and "localhost" not in " ".join(argv), name
 
@@ -171,7 +198,8 @@ def test_three_hosts_train_through_a_20s_cut_of_the_actors_host(tmp_path):
     settled, open_ = out.metrics["settled"], out.metrics["untrained_turns"]
     assert sum(settled.values()) + open_ == len(set(out.stream_turns)), (settled, open_, len(set(out.stream_turns)))
     assert settled["trained"] <= len(out.trained)
-    assert out.exit_codes["learner"] == 0 and out.exit_codes["sampler"] == 0, out.exit_codes
+    assert out.exit_codes["learner"] == 0 and out.exit_codes["learner-1"] == 0, out.exit_codes
+    assert out.exit_codes["sampler"] == 0, out.exit_codes
     assert all(out.exit_codes[f"nats-{i}"] == 0 for i in range(3)), out.exit_codes
 
 
@@ -211,6 +239,45 @@ def test_a_weight_update_group_spans_two_hosts():
             t.join(timeout=120)
     assert "error0" not in got and "error1" not in got, got
     assert torch.equal(got["1"], torch.arange(4, dtype=torch.float32))  # type: ignore[arg-type]
+
+
+@needs_root
+def test_a_rank_puts_gloo_on_its_own_address_on_the_way_to_rank_0():
+    """gloo's default address is the one the hostname resolves to (127.0.0.1 here): rank 1 on host B would
+    tell rank 0 on A to dial its loopback. ``ranks.join`` sets ``GLOO_SOCKET_IFNAME`` to the interface holding
+    B's address on the route to rank 0's store; a store on loopback (one host) leaves gloo's default."""
+    from t1async.learner.ranks import gloo_interface
+
+    with network(2) as net:
+        a, b = net.hosts
+        assert net.call_in(b, lambda: gloo_interface(a.addr)) == "eth0"
+        assert net.call_in(b, lambda: gloo_interface(b.addr)) == "eth0"
+        assert net.call_in(b, lambda: gloo_interface("127.0.0.1")) is None
+
+
+def test_learner_serve_under_an_outside_torchrun_runs_as_that_rank(monkeypatch, tmp_path, capsys):
+    """On several hosts each host's torchrun starts ``learner serve`` without ``--nproc``: the world is torchrun's,
+    so rank 1 joins and follows rank 0 (it used to start a second learner service on the same run dir) and
+    rank 0 joins and is the service; a ``--nproc`` that disagrees with torchrun's WORLD_SIZE fails in one line."""
+    from t1async.learner import ranks, serve_cli
+    from t1async.learner.__main__ import main
+
+    calls: list[str] = []
+    monkeypatch.setattr(ranks, "follower_setup", lambda threads: calls.append("setup"))
+    monkeypatch.setattr(ranks, "join", lambda backend: calls.append(f"join {backend}") or (0, 2))
+    monkeypatch.setattr(ranks, "follow", lambda: calls.append("follow") or 0)
+    monkeypatch.setattr(ranks, "die_with_parent", lambda sig: None)
+    monkeypatch.setattr(serve_cli, "_serve", lambda c: calls.append("service") or 0)
+    for k, v in {"TORCHELASTIC_RUN_ID": "t", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    argv = ["serve", "--run-dir", str(tmp_path), "--nats", "nats://198.18.0.1:4222"]
+    assert main(argv) == 0 and calls == ["setup", "join gloo", "follow"]
+    calls.clear()
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 0 and calls == ["join gloo", "service"]
+    calls.clear()
+    assert main([*argv, "--nproc", "3"]) == 2 and calls == []
+    assert "error: --nproc 3 but torchrun started 2 ranks (WORLD_SIZE)" in capsys.readouterr().err
 
 
 def test_the_read_back_waits_out_an_election_and_gives_up_after_its_wait():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ipaddress
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,7 @@ from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.procs import popen
 from t1async.protocol.errors import ConfigError
+from t1async.sampler.weightpush import local_address
 from t1async.signals import set_handlers
 from t1async.transport.natsd import free_port
 
@@ -98,10 +101,30 @@ def take_device(backend: str) -> torch.device | None:
     return torch.device("cuda", local)
 
 
+def gloo_interface(peer: str) -> str | None:
+    """The network interface holding this host's address on the route to ``peer`` (rank 0's store host), or
+    None when that address is loopback or on no interface. gloo's default is the address the hostname resolves
+    to, often 127.0.x.1: other hosts cannot reach it, so ranks on two hosts never connect."""
+    addr = local_address(peer)
+    if addr is None or ipaddress.ip_address(addr).is_loopback:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            return name
+    return None
+
+
 def join(*, backend: str = "gloo", timeout_s: float = RanksConfig.group_timeout_s) -> tuple[int, int]:
     """Join the learner's process group from torchrun's environment; returns (rank, world size). With NCCL the
-    rank's GPU is set first and bound to the group (``device_id``)."""
+    rank's GPU is set first and bound to the group (``device_id``). With gloo and no ``$GLOO_SOCKET_IFNAME``,
+    the rank's sockets go on the interface that reaches rank 0's store (``MASTER_ADDR``): its own address on
+    that network, on every host (design §10 "Several hosts")."""
     device = take_device(backend)
+    if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        ifname = gloo_interface(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if ifname is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # torch reads it when it makes the group's gloo device
+            log.info("learner.gloo_interface", interface=ifname, master=os.environ.get("MASTER_ADDR"))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device)
     return dist.get_rank(), dist.get_world_size()
 

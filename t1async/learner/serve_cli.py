@@ -69,7 +69,8 @@ class ServeConfig(LearnerConfig):
         1,
         "ranks of the learner, the model sharded over them by FSDP2 (learner/distributed.py): with N > 1 this "
         "process starts N ranks with torchrun's launcher; rank 0 is the service (stream, credits, checkpoints, "
-        "weight push), ranks 1..N-1 train with it over torch.distributed (gloo on CPU)",
+        "weight push), ranks 1..N-1 train with it over torch.distributed (gloo on CPU); under an outside "
+        "torchrun (several hosts) the world is torchrun's and this flag is left out",
         ge=1,
         group="learner service",
     )
@@ -105,7 +106,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def serve(args: argparse.Namespace) -> int:
     c = config_from_args(args)  # a wrong setting fails before the heavy imports
     assert c.run_dir is not None and c.nats is not None
-    if c.nproc > 1:
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ  # ranks.in_torchrun(), before torch
+    world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
+    if torchrun and c.nproc > 1 and c.nproc != world:
+        raise ConfigError(
+            f"--nproc {c.nproc} but torchrun started {world} ranks (WORLD_SIZE): under torchrun leave --nproc out"
+        )
+    if c.nproc > 1 or world > 1:  # ours (--nproc N), or an outside torchrun's (several hosts: design §10)
         from t1async.learner import ranks
 
         if not ranks.in_torchrun():  # the launcher: start the N ranks, each this command again

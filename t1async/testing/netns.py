@@ -4,6 +4,7 @@
         a, b, c = net.hosts
         p = net.run_in(a, ["python", "-m", "..."], output=path)   # `ip netns exec`, tracked and stopped by PID
         net.listeners(a)                             # what listens in host a (`ss -ltnp` there)
+        net.connections(a), net.pids(a)              # its TCP connections (`ss -tnp`), the PIDs inside it
         net.call_in(a, fn)                           # fn() in a thread that joined host a's network
         net.link_down(c, 20)                         # host c's cable out for 20 s, then back
 
@@ -11,7 +12,8 @@ Every host is a network namespace with loopback up and one veth whose other end 
 lives in a namespace of its own: the root namespace gets no interface, address or route, and nothing made
 here can send traffic outside the namespaces it made. Names are ``t1mh-<pid>-<n>-{br,h0,h1,...}`` (the PID of
 the process that made them), so runs never collide. Leaving the block, normally, on error or on Ctrl-C,
-stops every process started with ``run_in`` (SIGTERM, then SIGKILL, by PID) and deletes every namespace
+stops every process started with ``run_in`` (SIGTERM, then SIGKILL, by PID), SIGKILLs by PID any process still
+inside one of its namespaces (a child that outlived its parent), and deletes every namespace
 (which deletes their veths and the bridge). ``reap()`` deletes what a killed run left: namespaces with the
 prefix whose PID is no longer alive; ``network()`` runs it first.
 """
@@ -101,6 +103,13 @@ class Listener:
     programs: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Connection:
+    local: tuple[str, int]  # (address, port)
+    peer: tuple[str, int]
+    pids: tuple[int, ...]
+
+
 @dataclass
 class Network:
     """The namespaces of one run, and the processes started in them (see the module docstring)."""
@@ -163,14 +172,34 @@ class Network:
         finally:
             self.set_link(host, True)
 
+    def pids(self, host: Host) -> set[int]:
+        """The PIDs of the processes inside ``host`` (``ip netns pids``)."""
+        return {int(x) for x in ip("netns", "pids", host.name, check=False).split()}
+
+    def connections(self, host: Host) -> list[Connection]:
+        """The connected TCP sockets in ``host`` (``ss -Htnp`` there)."""
+
+        def split(col: str) -> tuple[str, int]:
+            addr, _, port = col.rpartition(":")
+            return addr.strip("[]"), int(port)
+
+        out = []
+        for cols in self._ss(host, "-Htnp"):
+            if len(cols) >= 5:
+                pids = tuple(int(x) for x in re.findall(r"pid=(\d+)", " ".join(cols[5:])))
+                out.append(Connection(split(cols[3]), split(cols[4]), pids))
+        return out
+
+    def _ss(self, host: Host, flags: str) -> list[list[str]]:
+        res = subprocess.run(
+            ["ip", "netns", "exec", host.name, "ss", flags], capture_output=True, text=True, check=True
+        )
+        return [line.split() for line in res.stdout.splitlines()]
+
     def listeners(self, host: Host) -> list[Listener]:
         """The TCP listening sockets in ``host`` (``ss -Hltnp`` there)."""
-        res = subprocess.run(
-            ["ip", "netns", "exec", host.name, "ss", "-Hltnp"], capture_output=True, text=True, check=True
-        )
         out = []
-        for line in res.stdout.splitlines():
-            cols = line.split()
+        for cols in self._ss(host, "-Hltnp"):
             if len(cols) < 4:
                 continue
             addr, _, port = cols[3].rpartition(":")
@@ -220,6 +249,13 @@ class Network:
                 log.error("netns.stop_failed", pid=p.pid, error=repr(exc))
         for f in self._logs:
             f.close()  # type: ignore[attr-defined]
+        for h in self.hosts:  # what outlived its parent (a launcher's child in a session of its own): by PID
+            for pid in self.pids(h) - {os.getpid()}:
+                log.warning("netns.kill", pid=pid, reason=f"still inside {h.name} after its parents stopped")
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for h in self.hosts:
             ip("netns", "del", h.name, check=False)
         ip("netns", "del", self.bridge, check=False)
