@@ -1,5 +1,6 @@
 """Faults in a real loop: an actor is SIGKILLed and the learner is SIGKILLed and restarted mid-run. Every
-turn that reached the stream is durably taken by the learner, and no turn is trained twice."""
+turn that reached the stream is durably taken by the learner, no turn is trained twice, and the restarted
+learner goes on from the version it last pushed (its full checkpoints are 10 steps apart)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from sandbox_agent.synth import generate
 from t1async.credits.settle import trained_counts
 from t1async.ingest.journal import read_journal
-from t1async.learner.checkpoint import latest_checkpoint
+from t1async.learner.checkpoint import list_checkpoints, list_exports
 from t1async.learner.state import LearnerState
 from t1async.protocol import wire
 from t1async.sampler.launch import launch_sampler
@@ -87,8 +88,6 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                     "1",
                     "--lease",
                     "15",
-                    "--checkpoint-every",  # a checkpoint each step: the kill below must find one to resume from
-                    "1",
                 ],
                 logs / "learner.log",
                 repo_env,
@@ -157,12 +156,12 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                 stop(a1, signal.SIGKILL)  # mid-episode: its open episodes never get an `end`
                 await wait_step(2)
                 stop(first, signal.SIGKILL)
-                # the newest complete checkpoint, not the newest state file: the learner saves a step's state
-                # first, so a kill while v2's weights were being written leaves v2's state without them, and
-                # the learner rightly resumes from v1 (CI saw the test fail reading the state: v2 vs v000001)
-                ckpt = latest_checkpoint(run / "checkpoints")
-                assert ckpt is not None and ckpt.policy_version >= 1
-                resumed_from = ckpt.policy_version
+                # the newest version whose weights are complete on disk (pushed): an export, as the default
+                # --checkpoint-every 10 wrote no full checkpoint yet; a step killed mid-save left none
+                pushed = [int(p.name[1:]) for p in list_exports(run / "checkpoints")]
+                pushed += [c.policy_version for c in list_checkpoints(run / "checkpoints")]
+                resumed_from = max(pushed, default=0)
+                assert resumed_from >= 2
                 steps.clear()
                 second = learner()
                 await wait_step(resumed_from + 2)
@@ -180,9 +179,11 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
     events = [json.loads(x) for x in (logs / "learner.log").read_text().splitlines() if x.startswith("{")]
     ready = [e for e in events if e.get("event") == "learner.ready"]
     assert len(ready) == 2 and ready[0]["resumed"] is None
-    assert ready[1]["resumed"].endswith(f"v{resumed_from:06d}"), (
-        "the second learner resumed from the first's checkpoint"
+    assert ready[1]["resumed"].endswith(f"v{resumed_from:06d}") and ready[1]["policy_version"] == resumed_from, (
+        "the second learner goes on from the version the first pushed last"
     )
+    replayed = [e for e in events if e.get("event") == "learner.resume_replayed"]
+    assert [(e["policy_version"], e["max_abs_dw"]) for e in replayed] == [(resumed_from, 0.0)], replayed
     journaled = journal_turns(run)
     assert in_stream and in_stream <= journaled, f"lost: {sorted(in_stream - journaled)[:5]}"
     assert any(ep.startswith("a1-") for ep, _ in in_stream), "the killed actor's turns reached the stream"

@@ -25,6 +25,7 @@ async def test_a_long_run_keeps_the_journal_bounded_and_a_restart_replays_the_un
         metrics_every_s=60,
         journal_file_bytes=4096,
         lr=1e-4,
+        checkpoint_every=1,  # the journal compacts after each full checkpoint: here after each step
     )
     broker = MemoryBroker()
     sizes: list[int] = []

@@ -1,19 +1,27 @@
 """``--checkpoint-every N`` (learner/service.py): a full checkpoint (trainer state, DCP model and AdamW) every
 N steps, at the last step and at a stop; a push-only export (the model dir the samplers load) at the others.
-A crash between checkpoints resumes from the last one and trains again the turns trained since (the journal
-keeps them: it compacts only after a checkpoint)."""
+A crash between checkpoints resumes from the last one and trains the recorded steps since again
+(learner/stepinputs.py), up to the newest version it pushed: no version goes back, no turn is trained twice
+or lost."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import anyio
+import torch
+from structlog.testing import capture_logs
 
+from t1async.credits.settle import trained_counts
+from t1async.ingest.journal import read_journal
 from t1async.learner.checkpoint import STATE_JSON, list_checkpoints, list_exports
 from t1async.learner.service import Learner
 from t1async.learner.settings import LearnerConfig
-from t1async.learner.state import LearnerState
+from t1async.learner.stepinputs import recorded_steps
+from t1async.model.weights import load_pretrained
+from t1async.protocol import wire
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 from tests.clean_episodes import episodes
@@ -34,15 +42,15 @@ def _config(tmp_path: Path, model: Path, steps: int) -> LearnerConfig:
 
 
 async def _train(cfg: LearnerConfig, broker: MemoryBroker, stop_after: int | None = None) -> Learner:
-    """Run a learner on one wave of 3 finished episodes per step; ``stop_after``: cancel it (a stop) once it
-    trained that many steps, else it runs its ``steps``."""
+    """Run a learner on one wave of 3 finished episodes per step (from the step it starts at); ``stop_after``:
+    cancel it (a stop) once it trained that many steps, else it runs its ``steps``."""
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
         learner = Learner(cfg, lt, None)
         n = stop_after or cfg.steps
         async with anyio.create_task_group() as tg:
 
             async def feed() -> None:
-                for k in range(n):
+                for k in range(learner.state.step, n):
                     while learner.state.step < k:
                         await anyio.sleep(0.02)
                     for r in episodes(10 * k, 3, learner.policy_version):
@@ -72,28 +80,81 @@ async def test_a_checkpoint_every_n_steps_and_at_the_last_exports_between(tmp_pa
     assert learner.last_step["t_checkpoint_s"] > 0
 
 
-async def test_a_crash_between_checkpoints_trains_its_turns_again(tmp_path, tiny_model, monkeypatch):
-    """Killed after step 3 (no exit save, as with SIGKILL): the restart resumes from v2, and every turn step 3
-    trained is still in the journal, untrained again."""
-    cfg = _config(tmp_path, tiny_model, steps=0)
+async def _killed(self) -> None:  # noqa: ANN001 - SIGKILL runs no exit code
+    return None
+
+
+async def test_a_crash_between_checkpoints_resumes_at_the_version_pushed(tmp_path, tiny_model, monkeypatch):
+    """checkpoint_every=10, killed after 3 steps or so (no exit save, as with SIGKILL; a step under way when
+    the kill came finishes): no full checkpoint yet, the samplers were pushed vN. The restart trains the N
+    recorded steps again from the initial weights and goes on at vN with the weights of the vN export to the
+    last bit (the old code went back to v0); every turn is then trained exactly once."""
+    cfg = replace(_config(tmp_path, tiny_model, steps=0), checkpoint_every=10)
     broker = MemoryBroker()
-
-    async def killed(self) -> None:  # noqa: ANN001 - SIGKILL runs no exit code
-        return None
-
     with monkeypatch.context() as m:
-        m.setattr(Learner, "_save_at_exit", killed)
-        learner = await _train(cfg, broker, stop_after=3)
-    assert learner.state.step == 3 and [c.policy_version for c in list_checkpoints(cfg.checkpoints)] == [2]
-    at_v2 = LearnerState.load(cfg.checkpoints, 2)
-    lost = {(ep, t) for ep, ts in learner.state.trained.items() for t in ts if not at_v2.was_trained(ep, t)}
-    assert lost  # step 3 trained turns the v2 checkpoint does not hold
+        m.setattr(Learner, "_save_at_exit", _killed)
+        first = await _train(cfg, broker, stop_after=3)
+    root = cfg.checkpoints
+    n = first.policy_version
+    assert n >= 3 and list_checkpoints(root) == []
+    assert [p.name for p in list_exports(root)] == [f"v{v:06d}" for v in range(n - 2, n + 1)]  # keep: 3
+    pushed = shutil.copytree(root / f"v{n:06d}", tmp_path / "pushed")  # the restart replaces it by a checkpoint
 
-    again = Learner(replace(cfg, steps=0), MemoryTransport(broker), None)
-    assert again.policy_version == 2 and again.resumed_from is not None
+    with capture_logs() as logs:
+        again = Learner(cfg, MemoryTransport(broker), None)
+    assert again.policy_version == n and again.state.step == n and again.trainer.steps == n
+    assert again.state.trained == first.state.trained
+    want = load_pretrained(pushed).state_dict()
+    got = again.model.state_dict()
+    assert want.keys() == got.keys()
+    off = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not off, f"not bit-equal to the v{n} export: {off[:3]}"
+    done = [e for e in logs if e["event"] == "learner.resume_replayed"]
+    assert [(e["checkpoint_version"], e["steps"], e["max_abs_dw"], e["differ"]) for e in done] == [(0, n, 0.0, 0)]
+    assert [c.policy_version for c in list_checkpoints(root)] == [n] and recorded_steps(again.inputs_dir) == []
     again.ingest.replay()
     again.journal.close()
-    assert lost <= set(again.untrained), sorted(lost - set(again.untrained))
+    journaled = {
+        (r.episode, r.turn) for r in read_journal(cfg.run_dir / "learner" / "journal") if isinstance(r, wire.TurnRecord)
+    }
+    trained = {(ep, t) for ep, ts in first.state.trained.items() for t in ts}
+    assert not trained & set(again.untrained), "reopened a turn trained into the weights"
+
+    last = await _train(replace(cfg, steps=n + 2), broker)  # two more steps, on new episodes
+    assert last.policy_version == n + 2
+    counted, counts = trained_counts(cfg.run_dir, n + 2)
+    assert sorted(counted) == list(range(n + 2))
+    assert [k for k, c in counts.items() if c != 1] == []
+    assert trained < set(counts) and set(counts) == {(ep, t) for ep, ts in last.state.trained.items() for t in ts}
+    assert journaled <= set(counts) | set(again.untrained), "a journaled turn neither trained nor waiting"
+
+
+async def test_a_failed_step_between_checkpoints_restores_its_version(tmp_path, tiny_model, monkeypatch):
+    """A step that raises may have stepped the weights: they go back to its version through the newest
+    checkpoint and the steps recorded since (with no checkpoint of that version the old code left them as
+    the failed step did)."""
+    cfg = replace(_config(tmp_path, tiny_model, steps=0), checkpoint_every=10)
+    with monkeypatch.context() as m:  # no checkpoint at the exit either
+        m.setattr(Learner, "_save_at_exit", _killed)
+        learner = await _train(cfg, MemoryBroker(), stop_after=2)
+    v = learner.policy_version
+    assert v >= 2 and list_checkpoints(cfg.checkpoints) == []
+    before = {k: t.clone() for k, t in learner.model.state_dict().items()}
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(1.0)  # what a step that raised after its optimizer step leaves
+
+    async def quiet() -> None:  # its transport is closed: the metrics go nowhere
+        return None
+
+    monkeypatch.setattr(learner, "_publish_metrics", quiet)
+    with capture_logs() as logs:
+        await learner._step_failed([], v, RuntimeError("the step raised after its optimizer step"))
+    assert [e["source"] for e in logs if e["event"] == "learner.weights_restored"] == [
+        f"{cfg.model} + {v} recorded steps"
+    ]
+    got = learner.model.state_dict()
+    assert all(torch.equal(before[k], got[k]) for k in before)
 
 
 async def test_a_stop_between_checkpoints_saves_one(tmp_path, tiny_model):

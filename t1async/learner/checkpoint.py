@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -220,6 +221,39 @@ def save_checkpoint(
             t_s=round(time.perf_counter() - t0, 3),
         )
     return CheckpointInfo(dest, policy_version, step)
+
+
+def weight_diff(a: str | Path, b: str | Path, tol: float = 0.0) -> dict[str, float | int]:
+    """How far the weights of model dir ``b`` are from ``a``'s (both as ``save_sharded`` writes them), read one
+    tensor at a time: ``max_abs_dw``, ``differ`` (elements not bit-equal) and ``beyond`` (elements off by more
+    than ``tol`` plus one rounding step of their dtype at their size). A tensor one dir lacks, or of another
+    shape, counts whole as beyond (``max_abs_dw`` inf)."""
+
+    def where(d: Path) -> dict[str, Path]:
+        out: dict[str, Path] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                out.update(dict.fromkeys(h.keys(), f))
+        return out
+
+    in_a, in_b = where(Path(a)), where(Path(b))
+    worst, differ, beyond = 0.0, 0, 0
+    for name in sorted(in_a.keys() | in_b.keys()):
+        if name not in in_a or name not in in_b:
+            worst, beyond = float("inf"), beyond + 1
+            continue
+        with safe_open(str(in_a[name]), framework="pt") as ha, safe_open(str(in_b[name]), framework="pt") as hb:
+            ta, tb = ha.get_tensor(name), hb.get_tensor(name)
+        if ta.shape != tb.shape:
+            worst, beyond = float("inf"), beyond + ta.numel()
+            continue
+        d = (ta.double() - tb.double()).abs()
+        if d.numel():
+            worst = max(worst, float(d.max()))
+        differ += int((ta != tb).sum())
+        eps = torch.finfo(ta.dtype).eps if ta.is_floating_point() else 0.0
+        beyond += int((d > tol + eps * ta.double().abs()).sum())
+    return {"max_abs_dw": worst, "differ": differ, "beyond": beyond}
 
 
 def check_loadable(path: str | Path, *, sharded: bool) -> dict:

@@ -7,13 +7,17 @@
               PPO step (R3) → checkpoint →
               /update_weights_from_disk on every sampler → t1.policy → t1.metrics.learner
 
-A restarted learner loads its newest checkpoint, replays its journal to rebuild every episode's context,
-and skips the turns that checkpoint says were trained: no admitted turn is lost, none is trained twice.
+A restarted learner loads its newest full checkpoint, trains again the steps it recorded since up to the
+newest version it pushed (an export: learner/stepinputs.py), so no version the samplers saw goes back; then
+it replays its journal to rebuild every episode's context and skips the turns trained into those weights: no
+admitted turn is lost, none is trained twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +30,7 @@ import numpy as np
 from t1async.credits.ledger import CreditGate, CreditLedger, StalenessHistogram
 from t1async.credits.liveness import ActorLiveness, watch_actors
 from t1async.credits.server import CreditServer
-from t1async.credits.settle import Settler, StepLog, loss_turns
+from t1async.credits.settle import Key, Settler, StepLog, loss_turns, read_step_log
 from t1async.curves import Curves, learner_scalars
 from t1async.ingest.assembly import Assembler
 from t1async.ingest.journal import Journal
@@ -35,12 +39,18 @@ from t1async.ingest.stage import Ingest
 from t1async.ingest.tito import Segment
 from t1async.ingest.validate import ModelLimits
 from t1async.learner import malloc
-from t1async.learner.checkpoint import CheckpointInfo, latest_checkpoint
+from t1async.learner.checkpoint import CheckpointInfo, checkpoint_dir, latest_checkpoint, list_exports, weight_diff
 from t1async.learner.distributed import RankFailedError
 from t1async.learner.pushcheck import PushCheck, PushCheckError
 from t1async.learner.settings import LearnerConfig
 from t1async.learner.state import LearnerState
-from t1async.learner.stepinputs import StepInputs
+from t1async.learner.stepinputs import (
+    StepInputs,
+    load_step_inputs,
+    prune_step_inputs,
+    recorded_steps,
+    save_step_inputs,
+)
 from t1async.learner.trainer import Trainer
 from t1async.learner.trainer_config import TrainerConfig, torch_device
 from t1async.log import get_logger
@@ -67,6 +77,14 @@ def routes_missing(segments: list[Segment]) -> int:
             before = np.concatenate([[True], routeless[:-1]])
             n += int((s.loss_mask & before).sum())
     return n
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (no bytes copied), or a copy where the file system has none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 class Learner:
@@ -100,13 +118,15 @@ class Learner:
             self.model.cfg = dataclasses.replace(self.model.cfg, architecture=config.hf_format)
             self.trainer.mcfg = self.model.cfg  # the format its checkpoints and pushes are written in
         self.tokenizer = ChatTokenizer.load(model_dir)
-        self.resumed_from = None
+        self.resumed_from: CheckpointInfo | None = None
+        self.inputs_dir = run_dir / "learner" / "inputs"  # each step's segments since the last checkpoint
         self._saved_version = ckpt.policy_version if ckpt else 0  # the newest checkpoint's (0: the initial weights)
         self._exported_version: int | None = None  # the version of the newest push-only export
         if ckpt is not None:
             self.trainer.load(ckpt.path)
             self.state = LearnerState.load(config.checkpoints, ckpt.policy_version)
             self.resumed_from = ckpt
+        self._resume_pushed()
         self.policy_version = self.state.policy_version
         self.gate = CreditGate(
             CreditLedger(config.max_staleness, config.batch_turns, config.lease, self.policy_version)
@@ -234,6 +254,8 @@ class Learner:
             # a stop waits for the step and its save (the thread runs on anyway): the weights then hold a version
             with anyio.CancelScope(shield=True):
                 self.step_log.write(v, segments)  # what this step trains, before it trains it (settle.StepLog)
+                if self.cfg.checkpoint_every > 1:  # and its segments, for a restart to train again (stepinputs)
+                    await anyio.to_thread.run_sync(save_step_inputs, self.inputs_dir, v, segments)
                 try:
                     m = await anyio.to_thread.run_sync(
                         lambda: self.trainer.step(segments, v, drift=self.ingest.drift())
@@ -318,9 +340,82 @@ class Learner:
         )
         if full:
             self._saved_version = self.policy_version
+            prune_step_inputs(self.inputs_dir, self.policy_version)  # this checkpoint holds their training
         else:
             self._exported_version = self.policy_version
         return ckpt
+
+    # ------------------------------------------------------------------------------------------ resume
+
+    def _resume_pushed(self) -> None:
+        """At start-up, after loading the newest full checkpoint (version c; 0 and the initial weights when
+        there is none): train again the recorded steps c .. e-1 (learner/stepinputs.py), e being the newest
+        push-only export, so the learner goes on from the version the samplers were last pushed, not an older
+        one. A step recorded without its export was in flight at the crash: superseded, as before. Then a full
+        checkpoint of e (the restart is done once), its weights compared with the export's: bit-equal on one
+        CPU rank; a difference past what AdamW could move them in those steps is logged as a warning."""
+        root, c = self.cfg.checkpoints, self.state.policy_version
+        for side in root.glob(".tmp-replayed-*") if root.is_dir() else []:  # left by a crash during this
+            shutil.rmtree(side, ignore_errors=True)
+        e = max((int(p.name[1:]) for p in list_exports(root) if int(p.name[1:]) > c), default=None)
+        if e is None:
+            return
+        missing = sorted(set(range(c, e)) - set(recorded_steps(self.inputs_dir)))
+        if missing:
+            log.warning(
+                "learner.resume_replay_missing",
+                checkpoint_version=c,
+                pushed_version=e,
+                missing_steps=missing[:5],
+                hint=f"the samplers were pushed version {e}, this learner goes on from {c}: the steps recorded "
+                f"under {self.inputs_dir} do not reach it",
+            )
+            return
+        t0 = time.monotonic()
+        logged = read_step_log(self.cfg.run_dir / "learner" / "steps.jsonl") if self.cfg.run_dir else {}
+        state = self.state
+        for v, trained, tokens in self._train_recorded(c, e):
+            if [[ep, t] for ep, t in trained] != logged.get(v, {}).get("turns"):
+                log.error("learner.resume_replay_mismatch", policy_version=v, hint="steps.jsonl names other turns")
+            state = state.after_step(v + 1, state.step + 1, trained, tokens)
+        # the replayed turns were trained before this process: not its throughput
+        self.state = dataclasses.replace(state, session_turns=0, session_tokens=0)
+        side = root / f".tmp-replayed-v{e:06d}-{os.getpid()}"  # the export, hard-linked: the checkpoint replaces it
+        shutil.copytree(checkpoint_dir(root, e), side, copy_function=_link_or_copy)
+        self.state.save(root, keep=self.cfg.keep_checkpoints + 1)
+        ckpt = self.trainer.save(root, e, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, full=True)
+        self._saved_version, self.resumed_from = e, ckpt
+        prune_step_inputs(self.inputs_dir, e)
+        lr = max(self.cfg.lr, self.cfg.value_lr or 0.0)  # AdamW moves a weight by about lr a step at most
+        diff = weight_diff(side, ckpt.path, tol=2 * lr * (e - c))
+        shutil.rmtree(side, ignore_errors=True)
+        log.info(
+            "learner.resume_replayed",
+            checkpoint_version=c,
+            policy_version=e,
+            steps=e - c,
+            **diff,
+            t_s=round(time.monotonic() - t0, 2),
+        )
+        if diff["beyond"]:
+            log.warning(
+                "learner.resume_replay_differs",
+                policy_version=e,
+                **diff,
+                hint="the replayed weights are not those pushed: another --lr, model or batch than the run's, "
+                "or state the checkpoint lacks (--prefix-kv reuse's kept keys/values, --critic-warmup's fit); "
+                "the samplers get the replayed weights",
+            )
+
+    def _train_recorded(self, first: int, upto: int) -> list[tuple[int, list[Key], int]]:
+        """Train the recorded steps ``first .. upto-1`` in order, from weights at ``first``: each step's
+        (version, turns trained, loss tokens)."""
+        out = []
+        for v in range(first, upto):
+            segments = load_step_inputs(self.inputs_dir, v)
+            m = self.trainer.step(segments, v)
+            out.append((v, loss_turns(segments), m.loss_tokens))
+        return out
 
     async def _save_at_exit(self) -> None:
         """At shutdown: a checkpoint of the version the weights hold, when its step saved only an export."""
@@ -337,10 +432,21 @@ class Learner:
         await self.ingest.step_failed(segments, policy_version, exc)
         # after the poison book: if restoring fails too, the restarted learner loads the checkpoint itself and
         # never retries this step
-        initial = self.cfg.model or default_model_dir()
-        restored = await anyio.to_thread.run_sync(self.trainer.restore, self.cfg.checkpoints, policy_version, initial)
+        restored = await anyio.to_thread.run_sync(self._restore, policy_version)
         log.info("learner.weights_restored", policy_version=policy_version, source=restored)
         await self._publish_metrics()
+
+    def _restore(self, policy_version: int) -> str:
+        """The weights and AdamW state back at ``policy_version``: its checkpoint, else the newest one (or the
+        initial weights) and the steps recorded since trained again. Returns what it loaded."""
+        initial = self.cfg.model or default_model_dir()
+        ckpt = latest_checkpoint(self.cfg.checkpoints)
+        c = ckpt.policy_version if ckpt is not None else 0
+        if c == policy_version or set(range(c, policy_version)) - set(recorded_steps(self.inputs_dir)):
+            return self.trainer.restore(self.cfg.checkpoints, policy_version, initial)
+        source = self.trainer.restore(self.cfg.checkpoints, c, initial)
+        self._train_recorded(c, policy_version)
+        return f"{source} + {policy_version - c} recorded steps"
 
     async def _release_actor(self, actor: str) -> None:
         """``actor`` went silent: free its running credits now and end its open episodes as ``aborted`` (the

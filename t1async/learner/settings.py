@@ -33,10 +33,11 @@ class LearnerConfig(TrainerConfig):
     batch_turns: int = setting(16, "B: turns per training step", ge=1, group="learner")
     steps: int = setting(0, "stop after the learner trained this many steps (default 0: never)", ge=0, group="lifetime")
     checkpoint_every: int = setting(
-        1,  # 10 breaks bench.chaos's "a version never goes back" across a learner kill: not yet reconciled
+        10,  # a restart trains the steps since again, up to the version last pushed (learner/stepinputs.py)
         "write a full checkpoint (model and AdamW state, what a restart resumes from) every N steps, at the last "
-        "step and at a stop; the other steps write only the model dir the samplers load (a crash replays the "
-        "turns trained since the last checkpoint from the journal)",
+        "step and at a stop; the other steps write only the model dir the samplers load, plus the step's "
+        "segments, so a crash resumes at the last version pushed: the last checkpoint, then those steps trained "
+        "again",
         ge=1,
         group="learner",
     )

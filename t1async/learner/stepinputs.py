@@ -1,10 +1,29 @@
 """What a training step trains: ingest's ready segments plus cuts of the open episodes that must train now,
-with already-trained and too-stale tokens masked out of the loss (design §5, §7)."""
+with already-trained and too-stale tokens masked out of the loss (design §5, §7); and the record of each step's
+segments that a restart trains again (``save_step_inputs``).
+
+    <run_dir>/learner/inputs/v000007.npz   the segments step 7 trained (version 7 -> 8), exactly as handed to
+                                           the trainer: written (fsync, rename) before the step trains, kept
+                                           until a full checkpoint at a later version holds their training
+
+Between full checkpoints (``--checkpoint-every``) the learner pushes push-only exports. A restart loads the
+last full checkpoint (version ``c``) and trains the recorded steps ``c .. e-1`` again in order, ``e`` being
+the newest export (a pushed version): the same segments at the same versions from the same weights and AdamW
+state, so the weights come back to those pushed at ``e`` and no version the samplers saw goes back
+(learner/service.py). Rebuilding those segments from the journal instead would have to repeat each cut at
+the moment it was taken (which turns had arrived, which an earlier cut in the same process had marked
+trained, an end's reward applied or not): the record holds them as trained.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from collections.abc import Collection, Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -84,3 +103,63 @@ class StepInputs:
         if gone:  # the assembler names what it drops (Ingest._settle_dropped): anything left here is a gap in that
             log.warning("learner.unreachable_turns", turns=len(gone), first=f"{gone[0][0]}#{gone[0][1]}")
             self.settler.settle(gone, "abandoned")
+
+
+# ------------------------------------------------------------------------------------------ step inputs
+
+_INPUTS = re.compile(r"^v(\d{6,})\.npz$")
+
+
+def step_inputs_path(root: Path, policy_version: int) -> Path:
+    return root / f"v{policy_version:06d}.npz"
+
+
+def save_step_inputs(root: Path, policy_version: int, segments: list[Segment]) -> Path:
+    """Write the segments of the step at ``policy_version`` to ``root/v<version>.npz`` (fsynced, renamed into
+    place, replacing a record of a step that never finished), every array as it is and the scalars beside."""
+    root.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, Any] = {}
+    scalars: list[dict] = []
+    for i, s in enumerate(segments):
+        row: dict = {}
+        for fld in fields(s):
+            val = getattr(s, fld.name)
+            if isinstance(val, np.ndarray):
+                arrays[f"{i}.{fld.name}"] = val
+            else:
+                row[fld.name] = val.item() if isinstance(val, np.generic) else val
+        scalars.append(row)
+    arrays["scalars"] = np.frombuffer(json.dumps(scalars).encode(), dtype=np.uint8)
+    path = step_inputs_path(root, policy_version)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_step_inputs(root: Path, policy_version: int) -> list[Segment]:
+    """The segments ``save_step_inputs`` wrote for the step at ``policy_version``, equal to the last bit."""
+    with np.load(step_inputs_path(root, policy_version)) as z:
+        scalars = json.loads(bytes(z["scalars"]).decode())
+        return [
+            Segment(**row, **{k.split(".", 1)[1]: z[k] for k in z.files if k.startswith(f"{i}.")})
+            for i, row in enumerate(scalars)
+        ]
+
+
+def recorded_steps(root: Path) -> list[int]:
+    """The versions of the steps recorded under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _INPUTS.match(p.name)))
+
+
+def prune_step_inputs(root: Path, below: int) -> int:
+    """Drop the records of steps before ``below`` (a full checkpoint at ``below`` holds their training)."""
+    gone = [v for v in recorded_steps(root) if v < below]
+    for v in gone:
+        step_inputs_path(root, v).unlink(missing_ok=True)
+    return len(gone)
