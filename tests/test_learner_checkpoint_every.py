@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import anyio
+import numpy as np
+import pytest
 import torch
 from structlog.testing import capture_logs
 
@@ -22,6 +24,7 @@ from t1async.learner.settings import LearnerConfig
 from t1async.learner.stepinputs import recorded_steps
 from t1async.model.weights import load_pretrained
 from t1async.protocol import wire
+from t1async.testing.episodes import Sizes, make_episode
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 from tests.clean_episodes import episodes
@@ -127,6 +130,66 @@ async def test_a_crash_between_checkpoints_resumes_at_the_version_pushed(tmp_pat
     assert [k for k, c in counts.items() if c != 1] == []
     assert trained < set(counts) and set(counts) == {(ep, t) for ep, ts in last.state.trained.items() for t in ts}
     assert journaled <= set(counts) | set(again.untrained), "a journaled turn neither trained nor waiting"
+
+
+def _long_turn(k: int, policy_version: int) -> list:
+    """Turn ``k`` of episode e1000 (12 clean turns, no end), its start record with turn 0: an episode that stays
+    open across the steps, one turn a step."""
+    case = make_episode(
+        np.random.default_rng(1000),
+        ["clean"] * 12,
+        episode="e1000",
+        with_end=False,
+        sizes=Sizes(prompt=(20, 40), output=(4, 8), observation=(2, 6), vocab=300),
+        layers=2,
+        topk=2,
+        num_experts=4,
+    )
+    turns = [r for r in case.records if isinstance(r, wire.TurnRecord)]
+    starts = [r for r in case.records if not isinstance(r, wire.TurnRecord)] if k == 0 else []
+    return starts + [replace(turns[k], policy_version=policy_version)]
+
+
+@pytest.mark.parametrize("prefix_kv", ["exact", "reuse"])
+async def test_a_crash_after_a_checkpoint_replays_from_it(tmp_path, tiny_model, monkeypatch, prefix_kv):
+    """checkpoint_every=4, killed after step 5 or so with an episode open across the v4 checkpoint: the restart
+    loads v4 (weights and AdamW state) and trains the steps since again. With --prefix-kv exact that is bit-equal
+    to the newest export; under reuse the killed process had kept keys/values from before v4 that the replay
+    forwards afresh, so it may differ, within the tolerance (no warning)."""
+    cfg = replace(_config(tmp_path, tiny_model, steps=0), prefix_kv=prefix_kv, checkpoint_every=4)
+    broker = MemoryBroker()
+    with monkeypatch.context() as m:
+        m.setattr(Learner, "_save_at_exit", _killed)
+        async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
+            first = Learner(cfg, lt, None)
+            async with anyio.create_task_group() as tg:
+
+                async def feed() -> None:
+                    for k in range(5):
+                        while first.state.step < k:
+                            await anyio.sleep(0.02)
+                        for r in episodes(10 * k, 3, first.policy_version) + _long_turn(k, first.policy_version):
+                            await pub.publish(traj_subject(r.episode), r)
+                    while first.state.step < 5:
+                        await anyio.sleep(0.02)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(feed)
+                with anyio.fail_after(180):
+                    await first.run()
+        first.journal.close()
+    n = first.policy_version
+    c = max(cp.policy_version for cp in list_checkpoints(cfg.checkpoints))
+    assert c == 4 < n < 8  # a step under way at the kill finishes
+    with capture_logs() as logs:
+        again = Learner(cfg, MemoryTransport(broker), None)
+    again.journal.close()
+    assert again.policy_version == n and again.state.trained == first.state.trained
+    done = [e for e in logs if e["event"] == "learner.resume_replayed"]
+    assert [(e["checkpoint_version"], e["steps"], e["beyond"]) for e in done] == [(4, n - 4, 0)]
+    assert not [e for e in logs if e["event"] == "learner.resume_replay_differs"]
+    if prefix_kv == "exact":
+        assert (done[0]["max_abs_dw"], done[0]["differ"]) == (0.0, 0)
 
 
 async def test_a_failed_step_between_checkpoints_restores_its_version(tmp_path, tiny_model, monkeypatch):
