@@ -25,7 +25,11 @@ Targets: ``ingest_ratio_late_early`` (median ingest of turns 300-320 over turns 
 <= 1.5, ``exec_p50_ms`` <= 10, ``train_peak_rss_gb_32k`` < 4, ``forwarded_per_trained_token`` <= 3,
 ``step_time_ratio_late_early`` <= 1.5.
 
-    python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train] [--no-live]
+With ``--ranks N`` the live training runs on N learner ranks (``learner.ranks.Ranks``: this process rank 0, the
+others children, the model sharded by FSDP2), as ``--learner-procs N`` trains; the gradient cosine is then
+not measured (the gradient is sharded).
+
+    python -m bench.longhorizon [--turns 320] [--json] [--train-tokens 32768] [--no-train] [--no-live] [--ranks N]
 """
 
 from __future__ import annotations
@@ -329,6 +333,7 @@ def train_live(
     upto: int,
     cos_every: int,
     critic: str = "detached",
+    ranks: int = 1,
 ) -> LiveRun:
     """Replay the received records into an assembler and the real ``Trainer.step`` of the model (the shipped
     one: random init), cutting the open episode every ``cut_every`` turns up to turn ``upto``, as the learner cuts an
@@ -338,6 +343,7 @@ def train_live(
 
     import torch
 
+    from t1async.learner.ranks import Ranks, RanksConfig
     from t1async.learner.trainer import Trainer
     from t1async.learner.trainer_config import Critic, Prefix, TrainerConfig
     from t1async.model.weights import load_pretrained
@@ -351,44 +357,52 @@ def train_live(
 
     torch.manual_seed(0)
     model = load_pretrained(model_dir)
-    trainer = Capture(model, TrainerConfig(prefix_kv=Prefix(prefix), critic=Critic(critic)))
+    cfg = TrainerConfig(prefix_kv=Prefix(prefix), critic=Critic(critic))
+    group = Ranks(RanksConfig(nproc=ranks)) if ranks > 1 else None
+    trainer = group.start(model_dir, cfg) if group else Capture(model, cfg)
+    if group:
+        cos_every = 0  # the gradient is sharded over the ranks
     asm = Assembler(AssemblerConfig(num_experts=model.cfg.n_experts))
     live = LiveRun(prefix)
     pending: list[int] = []
     t_all = time.perf_counter()
-    for data in payloads:
-        rec = wire.decode(data)
-        if isinstance(rec, wire.TurnRecord) and rec.turn >= upto:
-            break
-        segs = asm.feed(rec)
-        if isinstance(rec, wire.TurnRecord):
-            pending.append(rec.turn)
-            if len(pending) >= cut_every:
-                segs = segs + asm.cut(rec.episode)
-        if not segs:
-            continue
-        twin = None
-        if cos_every and prefix == "reuse" and live.steps % cos_every == cos_every - 1:
-            twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv=Prefix.EXACT, critic=Critic(critic)))
-            twin.step(segs, live.steps)
-        t0 = time.perf_counter()
-        m = trainer.step(segs, live.steps)
-        dt = time.perf_counter() - t0
-        live.steps += 1
-        live.forwarded += m.forwarded_tokens
-        live.backward += m.backward_tokens
-        live.new += m.new_tokens
-        for t in pending:
-            live.per_turn[t] = {
-                "fwd_per_new": m.forwarded_per_trained,
-                "bwd_per_new": m.backward_per_trained,
-                "step_us_per_new": dt / max(m.new_tokens, 1) * 1e6,
-                "step_s": dt,
-            }
-        if twin is not None and twin.grad is not None and trainer.grad is not None:
-            cos = float(torch.nn.functional.cosine_similarity(trainer.grad, twin.grad, dim=0))
-            live.cosines.append((pending[-1], m.prefix_max_age, cos))
-        pending = []
+    try:
+        for data in payloads:
+            rec = wire.decode(data)
+            if isinstance(rec, wire.TurnRecord) and rec.turn >= upto:
+                break
+            segs = asm.feed(rec)
+            if isinstance(rec, wire.TurnRecord):
+                pending.append(rec.turn)
+                if len(pending) >= cut_every:
+                    segs = segs + asm.cut(rec.episode)
+            if not segs:
+                continue
+            twin = None
+            if cos_every and prefix == "reuse" and live.steps % cos_every == cos_every - 1:
+                twin = Capture(copy.deepcopy(model), TrainerConfig(prefix_kv=Prefix.EXACT, critic=Critic(critic)))
+                twin.step(segs, live.steps)
+            t0 = time.perf_counter()
+            m = trainer.step(segs, live.steps)
+            dt = time.perf_counter() - t0
+            live.steps += 1
+            live.forwarded += m.forwarded_tokens
+            live.backward += m.backward_tokens
+            live.new += m.new_tokens
+            for t in pending:
+                live.per_turn[t] = {
+                    "fwd_per_new": m.forwarded_per_trained,
+                    "bwd_per_new": m.backward_per_trained,
+                    "step_us_per_new": dt / max(m.new_tokens, 1) * 1e6,
+                    "step_s": dt,
+                }
+            if twin is not None and twin.grad is not None and isinstance(trainer, Capture) and trainer.grad is not None:
+                cos = float(torch.nn.functional.cosine_similarity(trainer.grad, twin.grad, dim=0))
+                live.cosines.append((pending[-1], m.prefix_max_age, cos))
+            pending = []
+    finally:
+        if group:
+            group.close(trainer)
     live.seconds = time.perf_counter() - t_all
     return live
 
@@ -443,6 +457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "it the actors' default context policy compacts the history (32768: a 320-turn episode is never compacted)",
     )
     ap.add_argument("--no-live", action="store_true", help="skip live training (ingest, exec and 32k peak only)")
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="live training on this many learner ranks (FSDP2, as --learner-procs N; default 1; N > 1 skips the "
+        "gradient cosine)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--train-child", type=int, default=0, help=argparse.SUPPRESS)
     add_model_arg(ap)
@@ -472,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 upto=a.turns,
                 cos_every=a.cos_every,
                 critic=a.critic,
+                ranks=a.ranks,
             )
         )
         if a.exact_turns:
@@ -484,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     upto=a.exact_turns,
                     cos_every=0,
                     critic=a.critic,
+                    ranks=a.ranks,
                 )
             )
 
@@ -516,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train_peak_rss_gb_32k": None if train is None else train["peak_gb"],
         "train_step_s": None if train is None else train["step_s"],
         "train_tokens": a.train_tokens,
+        "ranks": a.ranks,
     }
     table = [
         ("turns", max_turn),
@@ -548,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lv.prefix == "reuse":
             res["grad_cosine_to_exact"] = [{"turn": t, "age": age, "cosine": c} for t, age, c in lv.cosines]
             res["grad_cosine_min"] = min((c for *_, c in lv.cosines), default=None)
-        label = f"--prefix-kv {lv.prefix}, turns 0-{last} cut every {a.cut_every}"
+        label = f"--prefix-kv {lv.prefix}, turns 0-{last} cut every {a.cut_every}, {a.ranks} rank(s)"
         table.append((f"{label}: forwarded / trained token (target <= 3)", res[f"forwarded_per_trained_token{key}"]))
         table.append((f"{label}: backward / trained token", res[f"backward_per_trained_token{key}"]))
         table.append(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance
+from t1async.learner.distributed import DistributedTrainer, RankFailedError, balance, place
 from t1async.learner.ranks import Ranks, RanksConfig
 from t1async.learner.trainer import Trainer, state_bytes
 from t1async.learner.trainer_config import TrainerConfig
@@ -257,3 +257,94 @@ def test_two_ranks_train_in_bf16_like_one_rank(ranks2):
     diff = torch.cat([(p - q).detach().abs().flatten() for p, q in zip(one.model.parameters(), full.parameters())])
     assert float(torch.quantile(diff, 0.99)) < 0.5 * cfg.lr and float(torch.quantile(diff, 0.5)) < 1e-2 * cfg.lr
     assert float(diff.max()) < 8 * cfg.lr
+
+
+def test_place_keeps_an_episode_on_the_rank_that_holds_its_keys():
+    """``place`` (--prefix-kv reuse): an episode's segments go together; an episode with a home stays there while
+    its new positions fit, and moves when staying would overload its home; one with none balances by tokens."""
+    from types import SimpleNamespace
+
+    def seg(ep: str, n: int) -> SimpleNamespace:
+        return SimpleNamespace(episode=ep, tokens=np.arange(n, dtype=np.int32))
+
+    segs = [seg("a", 100), seg("b", 90), seg("a", 110), seg("c", 20)]
+    assert place(segs, {}, 2) == [[0, 2], [1, 3]]  # a's two parts together (210), then b and c on the other
+    # a's 100 positions are kept on rank 1: it costs 10 there, so it goes there, and b (no home) goes to rank 0
+    homes = {"a": (1, np.arange(100, dtype=np.int32))}
+    assert place(segs, homes, 2) == [[1], [0, 2, 3]]
+    # both at home on rank 0: a's new positions (10) and b's (all 90, its kept tokens differ) ...
+    homes = {"a": (0, np.arange(100, dtype=np.int32)), "b": (0, np.full(90, 7, np.int32))}
+    assert place(segs, homes, 2) == [[0, 2, 3], [1]]  # ... b costs as much anywhere: it goes to the idle rank
+    assert place([seg("a", 5)], {"a": (3, np.arange(5, dtype=np.int32))}, 2) == [[0], []]  # a home past N
+
+
+def growing_episodes(n: int = 3, turns: int = 7, cut_every: int = 2) -> list[list]:
+    """``n`` episodes of ``turns`` turns, fed to an assembler turn by turn side by side; every ``cut_every`` turns
+    the open episodes are cut (as the learner cuts due episodes). Returns each step's segments."""
+    from t1async.ingest.assembly import Assembler
+    from t1async.testing.episodes import Sizes, make_episode
+
+    sizes = Sizes(prompt=(40, 60), output=(8, 16), observation=(20, 40), vocab=300)
+    eps = [
+        make_episode(
+            np.random.default_rng(i), ["clean"] * (turns - 1 - i), episode=f"e{i}", sizes=sizes, layers=2, num_experts=4
+        ).records
+        for i in range(n)
+    ]
+    asm, steps = Assembler(), []
+    for j in range(max(len(r) for r in eps)):
+        segs = [s for r in eps if j < len(r) for s in asm.feed(r[j])]
+        if j % cut_every == 0:
+            segs += asm.cut()
+        if segs:
+            steps.append(segs)
+    return steps
+
+
+@pytest.mark.parametrize("prefix", ["reuse", "exact"])
+def test_two_ranks_train_growing_episodes_like_one_rank(ranks2, prefix):
+    """Three episodes growing turn by turn, cut every 2 turns, over 2 ranks: the steps equal one rank's with the
+    same --prefix-kv (losses, forwarded positions, weights). With reuse each rank keeps its episodes' keys and
+    values, primes cuts whose kept keys aged out (max age 2), and the ranks agree on their micro-batch and priming
+    counts; every episode stays on the rank holding its keys, so the kept positions attended to equal one rank's.
+    On the old code 2 ranks re-forwarded everything (reused 0). Against the exact step reuse forwards less and its
+    log-probs stay within the stated bound (its gradient lacks the path through the kept keys: not allclose)."""
+    from t1async.model.config import MoEConfig
+    from t1async.model.moe import MoETransformer
+
+    ranks, holder = ranks2
+    mcfg = MoEConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=32, max_seq_len=4096)
+    cfg = TrainerConfig(
+        lr=1e-2, microbatch_tokens=256, prefix_kv=prefix, prefix_kv_max_age=2, prefix_kv_prime_tokens=32
+    )
+    torch.manual_seed(0)
+    base = MoETransformer(mcfg)
+    one = Trainer(copy.deepcopy(base), cfg)
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), cfg)
+    exact = Trainer(copy.deepcopy(base), TrainerConfig(**{**cfg.__dict__, "prefix_kv": "exact"}))
+    steps = growing_episodes()
+    assert len(steps) >= 4 and max(len(s) for s in steps) == 3
+    m2s, mes = [], []
+    for v, segs in enumerate(steps):
+        m1, m2, me = one.step(segs, v), two.step(segs, v), exact.step(segs, v)
+        m2s.append(m2)
+        mes.append(me)
+        for k in ("loss", "policy_loss", "value_loss", "grad_norm", "mean_abs_dlogp"):
+            assert getattr(m2, k) == pytest.approx(getattr(m1, k), rel=1e-3, abs=1e-5), (v, k)
+        # forwarded_tokens differ: one rank trains several micro-batches on their scoring forwards' graph
+        # (one_pass_tokens), N ranks only a single one (DistributedTrainer._one_pass) and re-forward the rest
+        for k in ("loss_tokens", "backward_tokens", "new_tokens"):
+            assert getattr(m2, k) == getattr(m1, k), (v, k)
+        assert (m2.prefix_reused_tokens, m2.prefix_primed_tokens) == (m1.prefix_reused_tokens, m1.prefix_primed_tokens)
+        assert m2.prefix_max_age == m1.prefix_max_age
+        # keys kept from weights up to 2 versions older, at 100x the default lr: the log-probs move by < 1%
+        assert m2.mean_abs_dlogp == pytest.approx(me.mean_abs_dlogp, rel=0.01), v
+    assert moved(base, two) > 1e-3
+    assert_same_weights(one.model, two)
+    reused = sum(m.prefix_reused_tokens for m in m2s)
+    if prefix == "reuse":
+        assert reused > 0 and sum(m.prefix_primed_tokens for m in m2s) > 0
+        assert sum(m.backward_tokens for m in m2s) < 0.6 * sum(m.backward_tokens for m in mes)
+        assert sum(m.forwarded_tokens for m in m2s) < sum(m.forwarded_tokens for m in mes)
+    else:
+        assert reused == 0

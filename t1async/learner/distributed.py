@@ -7,9 +7,13 @@ root: embedding, final norm, LM and value heads), and only that: the model is bu
 sharded, and each rank reads its own rows of the model dir (``build_sharded``). FSDP gathers a block's
 weights for its forward and backward and reduce-scatters its gradients, so those collectives run inside every
 micro-batch: every rank runs the same number of micro-batch passes. Rank 0 splits the step's segments into N
-token-balanced parts (``balance``) and tells every rank how many micro-batches the busiest part needs; a rank
-with fewer pads with zero-weight micro-batches (a 2-token forward and backward whose loss is multiplied by 0),
-so any split works.
+token-balanced parts (``balance``; under ``--prefix-kv reuse`` ``place``, which keeps an open episode on the rank
+that holds its kept keys and values). Each rank plans its own micro-batches (with its kept prefixes, learner.prefixkv:
+a segment forwarded after kept keys is a micro-batch of its own, and a cut may first be primed by a forward of
+its own), and the ranks agree on the counts (``_agree_primes`` before the first priming forward, ``_pad``
+before the first micro-batch: each an all-reduce of the maximum); a rank with fewer runs 2-token priming
+forwards and zero-weight micro-batches (a 2-token forward and backward whose loss is multiplied by 0), so any
+split works.
 Each rank's loss is divided by the step's global loss-token count, so the summed gradient is one rank's.
 
 Rank 0 alone consumes the stream, journals, serves credits and pushes weights (the learner service). Every
@@ -20,7 +24,8 @@ through torch.distributed.checkpoint), ``export_model`` (the full weights, for t
 ``load_weights``, ``restore`` (after a failed step), ``score``, the critic warm-up's ``warmup_step`` (each rank
 its part, the moments summed) and ``_warmup_refit`` (learner/critic.py), and ``stop``. Besides FSDP's own
 collectives the ranks meet three times a step: the advantage moments (advantages whitened over the whole step),
-a failure flag before each optimizer step, and a gather of the metric tensors to rank 0.
+a failure flag before each optimizer step, and a gather of the metric tensors to rank 0; before those, on the
+micro-batch count (``_pad``) and with reuse the priming count (``_agree_primes``).
 
 A rank's own error in a step reaches every rank at the next meeting (a flag), so the step fails everywhere
 (the service dead-letters it and restores the weights on every rank). An error inside one rank's FSDP
@@ -58,6 +63,7 @@ from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_local
 from t1async.protocol.errors import T1Error
+from t1async.protocol.sampling import common_prefix_len
 
 log = get_logger("t1async.learner.distributed")
 
@@ -82,6 +88,31 @@ def balance(lengths: Sequence[int], n: int) -> list[list[int]]:
         r = min(range(n), key=lambda r: (load[r], r))
         parts[r].append(i)
         load[r] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def place(segments: Sequence[SegmentLike], homes: Mapping[str, tuple[int, np.ndarray]], n: int) -> list[list[int]]:
+    """Split segment indices into ``n`` parts for ``--prefix-kv reuse``: an episode's segments go together, to
+    the rank where they finish first (the least ``load + cost``). At the episode's home (``homes[episode]``:
+    the rank that trained its last cut, and the tokens of that cut) the cost is only the positions past those
+    that rank forwarded (the rest comes from its kept keys and values); elsewhere, all of them (a move is
+    correct, only slower: the new rank re-forwards). Episodes in descending order of their whole length (LPT);
+    indices stay in ascending order within a part."""
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(segments):
+        groups.setdefault(s.episode, []).append(i)
+    whole = {ep: sum(len(segments[i].tokens) for i in idx) for ep, idx in groups.items()}
+    parts: list[list[int]] = [[] for _ in range(n)]
+    load = [0] * n
+    for ep in sorted(groups, key=lambda ep: (-whole[ep], groups[ep][0])):
+        cost = [whole[ep]] * n
+        if (home := homes.get(ep)) is not None and 0 <= home[0] < n:
+            cost[home[0]] = sum(
+                len(segments[i].tokens) - common_prefix_len(home[1], segments[i].tokens) for i in groups[ep]
+            )
+        r = min(range(n), key=lambda r: (load[r] + cost[r], r))
+        parts[r].extend(groups[ep])
+        load[r] += cost[r]
     return [sorted(p) for p in parts]
 
 
@@ -171,16 +202,12 @@ class DistributedTrainer(Trainer):
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._part_tokens: list[int] = []
-        self._n_micro = 0  # micro-batches every rank runs this step
+        self._n_micro = 0  # micro-batches every rank runs this step (agreed in ``_pad``)
         self._inside = False  # running a command every rank runs (no command to send)
         self._shell: MoETransformer | None = None  # rank 0: the full weights, last gathered
         self._shell_ok = False  # ... and they are the current weights
-        # every rank must run the micro-batch count rank 0 plans from the segments alone, and a segment forwarded
-        # after kept keys is a micro-batch of its own, known only to the rank holding them: N ranks re-forward
-        # (--prefix-kv exact) until the count is agreed per step
-        if self.prefix is not None:
-            log.info("learner.prefix_kv_exact_on_ranks", world=self.world, asked=str(self.config.prefix_kv))
-        self.prefix = None
+        # rank 0, --prefix-kv reuse: open episode -> (the rank that trained its last cut, that cut's tokens)
+        self._homes: dict[str, tuple[int, np.ndarray]] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: TrainerConfig, device: str = "cpu") -> DistributedTrainer:
@@ -306,20 +333,53 @@ class DistributedTrainer(Trainer):
         """Split the step's segments into token-balanced parts and send each rank its part (the ``step``
         command), with the micro-batch count every rank runs. Returns rank 0's part."""
         self._shell_ok = False
-        parts = balance([len(s.tokens) for s in segments], self.world)
-        mbt = self.config.microbatch_tokens
-        counts = [len(plan_microbatches([len(segments[i].tokens) for i in p], mbt)) if p else 0 for p in parts]
+        if self.prefix is None:
+            parts = balance([len(s.tokens) for s in segments], self.world)
+        else:
+            parts = place(segments, self._homes, self.world)
+            for r, p in enumerate(parts):
+                for i in p:  # the latest cut of an episode wins (as Trainer._covered); an ended one is forgotten
+                    s = segments[i]
+                    if s.done:
+                        self._homes.pop(s.episode, None)
+                    else:
+                        self._homes[s.episode] = (r, np.asarray(s.tokens))
+            if len(self._homes) > 100_000:  # episodes abandoned without an end: forget the oldest
+                for ep in list(self._homes)[:50_000]:
+                    del self._homes[ep]
         self._part_tokens = [sum(len(segments[i].tokens) for i in p) for p in parts]
-        msgs = [([segments[i] for i in p], policy_version, self._baseline, max(counts)) for p in parts]
-        local, _, _, self._n_micro = self._command("step", per_rank=msgs)[0]
+        msgs = [([segments[i] for i in p], policy_version, self._baseline) for p in parts]
+        local, _, _ = self._command("step", per_rank=msgs)[0]
         return local
 
+    def _agree_primes(self) -> None:
+        """Before any priming forward: the most any rank runs (each chose its own, from its kept prefixes); a rank
+        with fewer runs 2-token forwards without gradient (as ``Trainer._prime``'s), so FSDP's gathers match."""
+        n = self._on_device(torch.tensor([self._primes], dtype=torch.int64))
+        collective("agreeing on the priming forwards", dist.all_reduce, n, op=dist.ReduceOp.MAX)
+        pad = padding_batch(self.device)
+        for _ in range(int(n.cpu()[0]) - self._primes):
+            with torch.no_grad():
+                self.model(pad.tokens, logits=False, checkpoint_blocks=False)
+
     def _pad(self, batches: list[Batch]) -> list[Batch]:
+        """The ranks agree on the step's micro-batch count (each planned its own, with its kept prefixes: a
+        segment after kept keys is a micro-batch of its own): the most any rank has. A rank with fewer runs
+        zero-weight micro-batches, so every FSDP collective is joined."""
+        n = self._on_device(torch.tensor([len(batches)], dtype=torch.int64))
+        collective("agreeing on the micro-batch count", dist.all_reduce, n, op=dist.ReduceOp.MAX)
+        self._n_micro = int(n.cpu()[0])
         return batches + [padding_batch(self.device)] * (self._n_micro - len(batches))
+
+    def _forget_prefixes(self) -> None:
+        super()._forget_prefixes()
+        self._homes.clear()  # nothing is kept anywhere now: place by tokens alone
 
     def _one_pass(self, batches: Sequence[Batch]) -> bool:
         """Every rank must run as many forwards: decided on the micro-batch count they share (``_pad``), not on
-        this rank's positions."""
+        this rank's positions. Not on ``one_pass_tokens`` either: the root's LM head runs outside FSDP's hooks
+        and is resharded by the first micro-batch's backward, so a second kept graph could not run its own
+        (seen: "setStorage ... storage of size 0")."""
         return len(batches) == 1 and self.config.ppo_epochs == 1
 
     # ------------------------------------------------------------------------------------- the critic warm-up
@@ -379,7 +439,7 @@ class DistributedTrainer(Trainer):
             self._inside = True
             try:
                 if kind == "step":
-                    local, policy_version, self._baseline, self._n_micro = args[0]
+                    local, policy_version, self._baseline = args[0]
                     self._shell_ok = False
                     self._train(local, policy_version, None, all_segments=local, t0=time.perf_counter())
                 else:

@@ -93,6 +93,7 @@ class Trainer:
             if config.prefix_kv == "reuse"
             else None
         )
+        self._primes = 0  # this step's priming forwards (``_take_prefixes``)
         # open episode -> (segment index, its tokens): what an earlier step forwarded of its latest segment (metrics)
         self._covered: dict[str, tuple[int, np.ndarray]] = {}
 
@@ -228,19 +229,31 @@ class Trainer:
         scored: list[Scored] = []
         routing, t_fwd_scoring = (0, 0, 0, 0), 0.0
         cost: dict[str, float] = {}
+        new_tokens = self._new_tokens(all_segments) if self.rank == 0 else 0.0  # rank 0's all_segments: the step's
+        fwd: list[SegmentLike] = []
+        batches: list[Batch] = []
+        single = False
         try:
             fwd, pasts, cost = self._take_prefixes(local, policy_version)
-            batches = self._pad(self._pack(fwd, pasts) if fwd else [])
+            batches = self._pack(fwd, pasts) if fwd else []
+        except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
+            self._failed, fwd, batches = exc, [], []
+        try:
+            batches = self._pad(batches)  # the ranks agree on the count here: a rank that failed above joins too
             single = self._one_pass(batches)
             scored, routing, t_fwd_scoring = self._score(batches, fwd, single=single, policy_version=policy_version)
         except Exception as exc:  # noqa: BLE001 - raised at the next meeting (_adv_moments), on every rank
-            self._failed, scored = exc, []
+            self._failed = self._failed or exc
+            scored = []
+        if self._failed is not None:
+            scored = []
             if self.prefix is not None:
                 self.prefix.forget([s.episode for s in local])
         n_loss, adv_mean, adv_std = self._normalise_advantages(scored, len(all_segments))
         sums, grad_norm, t_fwd_ppo, t_update = self._update(scored, n_loss)  # 2. PPO epochs
         for k, v in cost.items():
             sums[k] += v
+        sums["new_tokens"] += new_tokens
         for sc in scored:  # the scoring forward's positions (the PPO epochs' own were counted by _update)
             n = float(sc.batch.lengths.sum()) if sc.batch.index else 0.0
             sums["fwd_tokens"] += n
@@ -253,8 +266,8 @@ class Trainer:
         all_routing = [0, 0, 0, 0]
         self.rank_busy_s = [busy for *_, busy in gathered]
         for _, part_sums, r, _ in gathered:
-            for k, v in part_sums.items():
-                all_sums[k] += v
+            for k, v in part_sums.items():  # an age is the oldest over the ranks, the rest add up
+                all_sums[k] = max(all_sums[k], v) if k == "prefix_age" else all_sums[k] + v
             all_routing = [a + b for a, b in zip(all_routing, r)]
         all_toks = {k: torch.cat([g[0][k] for g in gathered if g[0]]) for k in next(g[0] for g in gathered if g[0])}
         return self._metrics(  # 3. metrics over loss tokens
@@ -290,15 +303,13 @@ class Trainer:
                 out.append(replace(b, past=p))
         return out
 
-    def _take_prefixes(
-        self, segments: Sequence[SegmentLike], policy_version: int
-    ) -> tuple[list[SegmentLike], list[KV | None], dict[str, float]]:
-        """What to forward for each segment (all of it, or its Suffix after kept keys/values) and the step's
-        cost counters: ``new_tokens`` (positions no earlier step forwarded), ``prefix_reused``, ``prefix_age``."""
-        cost = {"new_tokens": 0.0, "prefix_reused": 0.0, "prefix_age": 0.0, "prefix_primed": 0.0, "fwd_tokens": 0.0}
-        for s in segments:  # positions past what an earlier step forwarded in this context (a fork's are new)
+    def _new_tokens(self, segments: Sequence[SegmentLike]) -> float:
+        """The step's positions that no earlier step forwarded (in this context: a fork's are new), counted over
+        all of the step's segments by the rank that sees them all (an episode may change rank)."""
+        new = 0.0
+        for s in segments:
             seen = self._covered.get(s.episode)
-            cost["new_tokens"] += len(s.tokens) - (0 if seen is None else common_prefix_len(seen[1], s.tokens))
+            new += len(s.tokens) - (0 if seen is None else common_prefix_len(seen[1], s.tokens))
         for s in segments:  # the latest segment wins, not the longest: a compaction's fork is shorter than before
             if s.done:
                 self._covered.pop(s.episode, None)
@@ -307,26 +318,40 @@ class Trainer:
         if len(self._covered) > 100_000:  # episodes abandoned without an end: forget the oldest
             for ep in list(self._covered)[:50_000]:
                 del self._covered[ep]
+        return new
+
+    def _take_prefixes(
+        self, segments: Sequence[SegmentLike], policy_version: int
+    ) -> tuple[list[SegmentLike], list[KV | None], dict[str, float]]:
+        """What to forward for each segment (all of it, or its Suffix after kept keys/values) and the step's
+        cost counters: ``prefix_reused``, ``prefix_age``, ``prefix_primed`` and its ``fwd_tokens``."""
+        cost = {"prefix_reused": 0.0, "prefix_age": 0.0, "prefix_primed": 0.0, "fwd_tokens": 0.0}
         if self.prefix is None:
             return list(segments), [None] * len(segments), cost
-        fwd: list[SegmentLike] = []
-        pasts: list[KV | None] = []
         # Two parts of one episode in a step (a route fork closed a segment, and the next cut of the episode came
         # with it): each takes the same kept positions and forwards what follows them, so the closed part's new
         # positions are forwarded twice, not the whole context; PrefixKV.keep keeps the longer (this was the
         # exact path, and made 9 steps in 10 of a default run re-forward a whole context, docs/results.md).
-        for s in segments:
-            found = self.prefix.take(s, policy_version)
-            if found.past is None and (primed := self._prime(s, policy_version)):
-                cost["prefix_primed"] += primed
-                cost["fwd_tokens"] += primed
-                found = self.prefix.take(s, policy_version)
-            fwd.append(found.segment)
-            pasts.append(found.past)
-            if found.past is not None:
-                cost["prefix_reused"] += found.past[0][0].shape[2]
-                cost["prefix_age"] = max(cost["prefix_age"], found.age)
-        return fwd, pasts, cost
+        found = [self.prefix.take(s, policy_version) for s in segments]
+        # the cuts to prime (nothing kept, a long context: one per episode) are chosen before any forward, so that
+        # the ranks agree on how many priming forwards they run before the first (DistributedTrainer._agree_primes)
+        prime: dict[str, int] = {}
+        for i, (s, f) in enumerate(zip(segments, found, strict=True)):
+            if f.past is None and s.episode not in prime and self._prime_len(s):
+                prime[s.episode] = i
+        self._primes = len(prime)
+        self._agree_primes()
+        for i in prime.values():
+            primed = self._prime(segments[i], policy_version)
+            cost["prefix_primed"] += primed
+            cost["fwd_tokens"] += primed
+        if prime:  # what the primed cuts, and the other parts of their episodes, now find kept
+            found = [f if f.past is not None else self.prefix.take(s, policy_version) for s, f in zip(segments, found)]
+        for f in found:
+            if f.past is not None:
+                cost["prefix_reused"] += f.past[0][0].shape[2]
+                cost["prefix_age"] = max(cost["prefix_age"], f.age)
+        return [f.segment for f in found], [f.past for f in found], cost
 
     def _prime(self, s: SegmentLike, policy_version: int) -> int:
         """A cut with nothing kept (learner.prefixkv "primed"): forward its positions before the first trained
@@ -337,14 +362,8 @@ class Trainer:
         holds the [heads, rest, all] scores (a 32k-token first cut primed its 300-token prompt and peaked at 3.3 GB
         against 1.4 GB forwarded whole, where the causal flash kernel runs), and priming a short prefix saves little."""
         cfg, prefix = self.config, self.prefix
-        n = cut_point(s)
-        if (
-            prefix is None
-            or cfg.prefix_kv_max_age == 0
-            or not cfg.prefix_kv_prime_tokens
-            or n < cfg.prefix_kv_prime_tokens
-            or n < len(s.tokens) - n
-        ):
+        n = self._prime_len(s)
+        if prefix is None or not n:
             return 0
         h = head(s, n)
         b = pack([h], [0], n_layers=self.mcfg.n_layers, top_k=self.mcfg.top_k, device=self.device)
@@ -357,7 +376,23 @@ class Trainer:
         prefix.keep(h, None, out.kv, policy_version)
         return n
 
+    def _prime_len(self, s: SegmentLike) -> int:
+        """How many of ``s``'s positions ``_prime`` would forward: its cut point, or 0 (not primed)."""
+        cfg, n = self.config, cut_point(s)
+        if (
+            self.prefix is None
+            or cfg.prefix_kv_max_age == 0
+            or not cfg.prefix_kv_prime_tokens
+            or n < cfg.prefix_kv_prime_tokens
+            or n < len(s.tokens) - n
+        ):
+            return 0
+        return n
+
     # ------------------------------------------------------------------- where the ranks meet (no-ops at 1)
+
+    def _agree_primes(self) -> None:
+        """Before this step's priming forwards (``_primes`` of them): every rank runs as many. None on one rank."""
 
     def _scatter(self, segments: Sequence[SegmentLike], policy_version: int) -> Sequence[SegmentLike]:
         """The segments this rank trains: all of them on one rank."""
