@@ -403,7 +403,7 @@ class Learner:
                 policy_version=e,
                 **diff,
                 hint="the replayed weights are not those pushed: another --lr, model or batch than the run's, "
-                "or state the checkpoint lacks (--prefix-kv reuse's kept keys/values, --critic-warmup's fit); "
+                "or state the checkpoint lacks (--critic-warmup's fit, a GPU's nondeterministic kernels); "
                 "the samplers get the replayed weights",
             )
 

@@ -593,7 +593,7 @@ class Trainer:
         """Write ``root/v<version>``: a model dir the samplers load (in the training dtype), plus with ``full``
         the sharded model and optimizer state a resume reads (learner.checkpoint)."""
         bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
-        return save_checkpoint(
+        info = save_checkpoint(
             root,
             self.model,
             self.optimizer,
@@ -604,6 +604,12 @@ class Trainer:
             full=full,
             dtype=torch.bfloat16 if bf16 else None,
         )
+        if full and self.prefix is not None:
+            # a restart trains the steps after a full checkpoint again with nothing kept (learner.service
+            # _resume_pushed): the live run forgets its kept keys/values here too, so the replay is the same
+            # computation, bit for bit on one CPU rank (cost: open episodes re-forward once per checkpoint)
+            self.prefix.clear()
+        return info
 
     def export_model(self) -> MoETransformer:
         """A model holding the full weights (what the samplers get): the model itself on one rank."""
