@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import structlog
+
+# ---------------------------------------------------------------- logging (owner: lead)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored():
+    """Each test leaves structlog as it found it. A test that runs a bench's ``main()`` in-process configures
+    it at WARNING (``t1async.log.configure``: a filtering logger), and a later test's ``capture_logs`` then saw
+    no info event (tests/test_learner_checkpoint_every.py failed in the full suite, passed alone)."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
 
 # ---------------------------------------------------------------- sampler fixtures (owner: sampler/server)
 
