@@ -209,34 +209,63 @@ def _decode(data: bytes) -> wire.Record | None:
 
 def stream_turns(url: str, creds: Path | None = None, deadline_s: float = 300.0) -> set[tuple[str, int]]:
     """Every valid turn record in T1_TRAJ, read by an ephemeral consumer from the start up to the stream's last
-    sequence at the time of asking. A fetch that times out is retried (on a loaded machine a fetch may come back
-    empty long before the end): only reaching that sequence (or nothing left pending) ends the read, and
-    ``deadline_s`` without it is an error, never a short history."""
+    sequence at the time of asking (``read_turns``)."""
+    return asyncio.run(_nats(url, lambda nc: read_turns(nc.jetstream(), deadline_s), creds))
 
-    async def read(nc: Any) -> set[tuple[str, int]]:
-        js = nc.jetstream()
-        last = (await js.stream_info("T1_TRAJ")).state.last_seq
-        sub = await js.pull_subscribe("t1.traj.>", durable=None, stream="T1_TRAJ")
-        got: set[tuple[str, int]] = set()
-        seen, give_up = 0, time.monotonic() + deadline_s
-        while seen < last:
-            if time.monotonic() > give_up:
-                raise TimeoutError(f"T1_TRAJ: read to sequence {seen} of {last} in {deadline_s:.0f} s")
-            try:
-                msgs = await sub.fetch(512, timeout=3)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            for m in msgs:
-                seen = max(seen, m.metadata.sequence.stream)
-                rec = _decode(m.data)
-                if isinstance(rec, wire.TurnRecord):
-                    got.add((rec.episode, rec.turn))
-                await m.ack()
-            if msgs and msgs[-1].metadata.num_pending == 0:  # caught up (the last sequence may be one it filters out)
-                break
-        return got
 
-    return asyncio.run(_nats(url, read, creds))
+async def read_turns(js: Any, deadline_s: float, pause_s: float = 0.5) -> set[tuple[str, int]]:
+    """``stream_turns`` on a JetStream context. A fetch that times out is retried (on a loaded machine a fetch may
+    come back empty long before the end). A 503 (a node that just came back after ``kill_nats``, a consumer whose
+    leader moved) drops the consumer and makes a new one from the next sequence not yet read. Only reaching the
+    last sequence (or nothing left pending) ends the read; ``deadline_s`` without it is an error, never a short
+    history."""
+    from nats.js import api
+    from nats.js.errors import ServiceUnavailableError
+
+    give_up = time.monotonic() + deadline_s
+    unavailable: BaseException | None = None
+
+    def check_deadline(seen: int, last: int | str) -> None:
+        if time.monotonic() > give_up:
+            why = f" (last error: {unavailable!r})" if unavailable is not None else ""
+            raise TimeoutError(f"T1_TRAJ: read to sequence {seen} of {last} in {deadline_s:.0f} s{why}")
+
+    while True:
+        check_deadline(0, "?")
+        try:
+            last = (await js.stream_info("T1_TRAJ")).state.last_seq
+            break
+        except (ServiceUnavailableError, TimeoutError, nats.errors.TimeoutError) as exc:
+            unavailable = exc
+            await asyncio.sleep(pause_s)
+    got: set[tuple[str, int]] = set()
+    seen, sub = 0, None
+    while seen < last:
+        check_deadline(seen, last)
+        try:
+            if sub is None:
+                start = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seen + 1)
+                sub = await js.pull_subscribe("t1.traj.>", durable=None, stream="T1_TRAJ", config=start)
+            msgs = await sub.fetch(512, timeout=3)
+        except (TimeoutError, nats.errors.TimeoutError):
+            continue
+        except ServiceUnavailableError as exc:
+            unavailable = exc
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            sub = None
+            await asyncio.sleep(pause_s)
+            continue
+        for m in msgs:
+            seen = max(seen, m.metadata.sequence.stream)
+            rec = _decode(m.data)
+            if isinstance(rec, wire.TurnRecord):
+                got.add((rec.episode, rec.turn))
+            await m.ack()
+        if msgs and msgs[-1].metadata.num_pending == 0:  # caught up (the last sequence may be one it filters out)
+            break
+    return got
 
 
 class Chaos:

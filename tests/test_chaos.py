@@ -37,3 +37,74 @@ def test_four_faults_lose_nothing_and_leave_nothing(tmp_path, repo_env):
     # speed on a noisy shared machine: the bench reports it (docs/results.md), the test does not assert it
     assert result["recovered"] == 4, result["fault_log"]
     assert result["max_staleness"] <= result["eta"] and result["version_went_back"] == 0, summary
+
+
+async def test_the_audit_read_outlasts_a_503_and_resumes_where_it_stopped(tmp_path):
+    """The audit's read of T1_TRAJ, on a real nats-server, sees JetStream answer 503 once mid-read (CI saw one
+    after ``kill_nats``: the old read raised it and the bench printed no JSON). It drops the consumer, makes a new
+    one from the next sequence, and still returns every turn."""
+    import asyncio
+
+    import anyio
+    import nats
+    import numpy as np
+    from nats.js.errors import ServiceUnavailableError
+
+    from bench.chaos import read_turns
+    from t1async.protocol import wire
+    from t1async.transport.natsd import NatsServer
+
+    def turn(ep: str, t: int) -> bytes:
+        ids = np.arange(4, dtype=np.int32)
+        return wire.encode(
+            wire.TurnRecord(
+                episode=ep, turn=t, policy_version=0, keep=0, input_delta=ids, input_len=4,
+                input_digest=wire.digest_ids(ids), output_ids=ids, output_logprobs=np.zeros(4, np.float32),
+                finish=wire.Finish.STOP, routing=None, reward=0.0, tests_passed=-1, t_sample_s=0.0, t_exec_s=0.0,
+            )
+        )  # fmt: skip
+
+    starts: list[int] = []
+
+    class Flaky:  # the real consumer, but its second fetch is answered 503
+        def __init__(self, sub):
+            self.sub, self.calls = sub, 0
+
+        async def fetch(self, n, timeout):
+            self.calls += 1
+            if self.calls == 1:
+                return await self.sub.fetch(2, timeout=timeout)
+            if self.calls == 2 and len(starts) == 1:
+                raise ServiceUnavailableError(code=503, description="no responders")
+            return await self.sub.fetch(n, timeout=timeout)
+
+        async def unsubscribe(self):
+            await self.sub.unsubscribe()
+
+    class Js:
+        def __init__(self, js):
+            self.js = js
+
+        async def stream_info(self, name):
+            return await self.js.stream_info(name)
+
+        async def pull_subscribe(self, subject, durable, stream, config):
+            starts.append(config.opt_start_seq)
+            return Flaky(await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config))
+
+    async def body(url: str) -> set[tuple[str, int]]:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="T1_TRAJ", subjects=["t1.traj.>"])
+            for i in range(5):
+                await js.publish(f"t1.traj.e{i % 2}", turn(f"e{i % 2}", i // 2))
+            await js.publish("t1.traj.junk", b"not a record")
+            return await read_turns(Js(js), deadline_s=60, pause_s=0.01)
+        finally:
+            await nc.close()
+
+    async with NatsServer.start(tmp_path / "store") as srv:
+        got = await anyio.to_thread.run_sync(asyncio.run, body(srv.url))
+    assert got == {("e0", 0), ("e1", 0), ("e0", 1), ("e1", 1), ("e0", 2)}
+    assert starts == [1, 3]  # the second consumer starts after the two messages the first one delivered

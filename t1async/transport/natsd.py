@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import socket
 import sys
@@ -65,11 +66,45 @@ def find_binary(*, dirs: Sequence[Path] | None = None, path_env: str | None = No
     )
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()  # ports this process gave out: never twice (a cluster picks all its ports first)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host`` (the OS picks it)."""
+    """A port that was free a moment ago on ``host``, chosen below the kernel's ephemeral range.
+
+    A port the OS picks (bind to port 0) comes from the ephemeral range, where every outgoing connection also
+    takes its local port: a NATS node killed and restarted on its kept port, or a server started a moment after
+    the pick, then finds it taken by some client's connection (``bind: address already in use``). Below that
+    range only a bind by number takes a port, so we pick there at random, check that it binds, and never hand
+    out one port twice in a process. Falls back to port 0 when the range leaves no room below it."""
+    low = _ephemeral_low()
+    first = 10000
+    if low - first >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(256):
+            port = rng.randrange(first, low)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 @dataclass(frozen=True)
