@@ -86,6 +86,7 @@ async def amain(args: ActorSettings) -> int:
     from t1async.log import get_logger
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.sampler.engines import sampler_client
+    from t1async.signals import cancel_on_stop
     from t1async.transport import NatsConfig, NatsTransport
 
     log = get_logger("actors")
@@ -96,11 +97,17 @@ async def amain(args: ActorSettings) -> int:
         NatsTransport(config=NatsConfig(url=args.nats, creds=args.nats_creds)) as transport,
         sampler_client(args.engine, args.sampler_url, model_dir=args.model, api_key=args.sampler_api_key) as sampler,
     ):
+        stats = None
         async with anyio.create_task_group() as tg:
+            # SIGTERM (the supervisor, `cluster down`) cancels the episodes: their sandboxes and work dirs go
+            await tg.start(cancel_on_stop, tg.cancel_scope)
             if len(args.sampler_url) > 1:  # take a dead sampler out, and back when healthy at the current weights
                 tg.start_soon(sampler.monitor)
             stats = await run_actor(args, transport=transport, sampler=sampler, tokenizer=tokenizer, agent=agent)
             tg.cancel_scope.cancel()
+    if stats is None:  # stopped by a signal
+        log.info("actors.stopped", actor=args.actor_id)
+        return 0
     log.info("actors.exit", episodes=stats.done, turns=stats.turns)
     return 0
 

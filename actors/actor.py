@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,28 @@ def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None =
     return tasks
 
 
+def _fresh(work_dir: Path | None) -> Path | None:
+    """``work_dir`` made and emptied: an episode's work dir is removed when the episode ends, even cancelled,
+    but a SIGKILLed actor leaves its open ones, which its restart (same ``--work-dir``) removes here."""
+    if work_dir is None:
+        return None
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        left = sorted(work_dir.iterdir())
+        for p in left:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"--work-dir {work_dir}: cannot make or empty it ({exc}); pass a directory this actor owns"
+        ) from exc
+    if left:
+        log.info("actor.work_dir_emptied", work_dir=str(work_dir), removed=len(left))
+    return work_dir
+
+
 async def run_actor(
     config: ActorSettings,
     *,
@@ -77,7 +100,9 @@ async def run_actor(
     rng = random.Random(config.seed)
     order = itertools.count()
     credits = CreditClient(transport, config.actor_id)
-    ctx = EpisodeContext(config.actor_id, transport, sampler, credits, tokenizer, backend, agent)
+    ctx = EpisodeContext(
+        config.actor_id, transport, sampler, credits, tokenizer, backend, agent, work_root=_fresh(config.work_dir)
+    )
     stats = EpisodeStats()
     t0 = time.monotonic()
     log.info(

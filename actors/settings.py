@@ -92,6 +92,13 @@ class ActorSettings(EpisodeOptions):
         metavar="FILE",
         group="actor",
     )
+    work_dir: Path | None = setting(
+        None,
+        "where each episode's work dir is made (default: the system temp dir); at start the actor empties it of "
+        "what a killed predecessor left, so give each actor its own (cluster up: <run-dir>/work/<actor-id>)",
+        metavar="DIR",
+        group="actor",
+    )
     actor_id: str = setting("", "this actor's name, unique across the cluster (default host-pid)", group="actor")
     seed: int = setting(0, "task-draw seed", group="actor")
     log_level: str | None = setting(None, "debug, info (default), warning", group="actor")

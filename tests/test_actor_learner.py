@@ -100,3 +100,15 @@ def test_a_state_without_its_checkpoint_is_not_resumed(tmp_path, tiny_model):
     learner = Learner(LearnerConfig(run_dir=tmp_path / "run", model=tiny_model), MemoryTransport(), None)
     learner.journal.close()
     assert learner.policy_version == 0 and not learner.state.was_trained("ep", 0) and learner.resumed_from is None
+
+
+def test_an_actor_empties_its_work_dir_of_what_a_killed_predecessor_left(tmp_path):
+    """A SIGKILLed actor cannot remove its open episodes' work dirs; its restart, on the same --work-dir, does."""
+    from actors.actor import _fresh
+
+    work = tmp_path / "work" / "actor-0"
+    (work / "t1w-task-abc" / "sub").mkdir(parents=True)
+    (work / "t1w-task-abc.mnt").mkdir()
+    (work / "stray.txt").write_text("x")
+    assert _fresh(work) == work and work.is_dir() and not list(work.iterdir())
+    assert _fresh(None) is None

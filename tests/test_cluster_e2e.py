@@ -126,6 +126,10 @@ async def test_cluster_up_trains_and_stops_cleanly(tmp_path, repo_env):
     assert {p.name for p in started} >= {"nats", "sampler", "learner", "actor-0", "actor-1"}
     for info in started + [st.supervisor]:
         assert info is None or not is_ours(info), f"{info.name} (pid {info.pid}) outlived the cluster"
+    # nor a work dir: a stopped actor's open episodes remove theirs (before, SIGTERM killed the actor outright
+    # and left one per open episode in /tmp)
+    work = sorted((run_dir / "work").iterdir())
+    assert [p.name for p in work] == ["actor-0", "actor-1"] and not [q for p in work for q in p.iterdir()]
 
     # the run's metrics.jsonl pictures: one page with the learner's steps and their time split
     from t1async.cluster.observe.report import load, report

@@ -279,6 +279,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         argv = python_module(
             "actors", "--config", str(actors_toml), "--actor-id", f"actor-{i}", "--seed", str(cfg.seed + i)
         )
+        argv += ["--work-dir", str(Path(cfg.run_dir) / "work" / f"actor-{i}")]  # emptied by its restart after a kill
         # the learner abandons a dead actor's open episodes (design §7); actors generate: the API key only
         out.append(ProcessSpec(f"actor-{i}", argv, _key_env(api_key), restart=True))
     if cfg.eval_every > 0:
