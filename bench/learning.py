@@ -97,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(the last line is JSON anyway)")
     add_fold_arguments(p)
     args = p.parse_args(argv)
+    if args.rescore:
+        from bench.learning_folds import rescore
+
+        return rescore(args.run_dir, p)
     if args.folds or args.baselines:  # folds, and RL against the baselines (bench/learning_folds.py)
         from bench.learning_folds import run_folds
 

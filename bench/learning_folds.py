@@ -16,9 +16,14 @@ it, paired by content key (``t1async.eval.stats.paired_by_key``: keys resampled,
 names (``choresn``'s held-out n, ``observe``'s held-out variant) are scored apart (``ood``: RL vs the sweep's
 warm start and vs the best baseline, by key).
 
+What each policy learned is in ``by_group``: per group of keys (``choresn``: the number of chores asked), its
+pass@1, share of tests passed and turns taken, for RL and every baseline.
+
 The last stdout line is JSON: ``folds`` [{fold, untouched, pass1_after, best_baseline, best_baseline_pass1,
-ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, pass_at_k {k: ...}, ood, split_disjoint,
-minutes}], ``targets``.
+ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, by_group {policy: {group: ...}}, pass_at_k
+{k: ...}, ood, split_disjoint, minutes}], ``targets``.
+
+    python -m bench.learning --rescore --run-dir DIR     # score DIR's folds again from their rows, running nothing
 """
 
 from __future__ import annotations
@@ -40,6 +45,28 @@ from t1async.log import configure
 
 def _task_pass1(rows: list) -> dict[str, float]:
     return {t: s[0] for t, s in per_task(split_errors(rows)[0]).items()}
+
+
+def group_of(content_key: str) -> str:
+    """A content key's group: its family and first field (``choresn:n3:2+6+7`` -> ``choresn:n3``)."""
+    return ":".join(str(content_key).split(":")[:2])
+
+
+def by_group(rows: list) -> dict[str, dict]:
+    """What a policy does per group of content keys (``group_of``): ``keys``, ``pass1`` (mean over the group's
+    keys of their share resolved), ``tests`` (mean share of the tests passed), ``turns`` (mean turns taken)."""
+    ok, _ = split_errors(rows)
+    out: dict[str, dict] = {}
+    for g in sorted({group_of(r.get("content_key") or r["task"]) for r in ok}):
+        rs = [r for r in ok if group_of(r.get("content_key") or r["task"]) == g]
+        keys = per_task(rs, by_key="content_key")
+        out[g] = {
+            "keys": len(keys),
+            "pass1": sum(v[0] for v in keys.values()) / len(keys),
+            "tests": sum(r["tests_passed"] / max(int(r.get("tests_total") or 1), 1) for r in rs) / len(rs),
+            "turns": sum(int(r.get("turns") or 0) for r in rs) / len(rs),
+        }
+    return out
 
 
 def fold_entry(
@@ -67,6 +94,8 @@ def fold_entry(
         "best_baseline": best,
         "best_baseline_pass1": best_p,
         "baselines": {n: pass1_by_key(r) for n, r in baselines.items()},
+        # per group of keys (choresn: the number of chores asked), every split the rows hold (OOD too)
+        "by_group": {"rl": by_group(all_after), **{n: by_group(r) for n, r in all_base.items()}},
     }
     if best in baselines:
         d = paired_by_key(_task_pass1(baselines[best]), _task_pass1(after), key_of)
@@ -236,6 +265,55 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     return 0
 
 
+# a baseline's test rows, as run_folds names them (the sweep's file is the one test-warm-T* that is not passk/mask)
+RESCORE_FILES = {
+    "sweep": "test-warm-T*.jsonl",
+    "passk": "test-warm-passk.jsonl",
+    "mask": "test-warm-mask.jsonl",
+    "sft": "test-sft-T*.jsonl",
+    "rft": "test-rft-T0.jsonl",
+    "contentfree": "test-contentfree-T0.jsonl",
+}
+
+
+def rescore(run: Path, p: argparse.ArgumentParser) -> int:
+    """``--rescore``: every ``fold*`` dir of ``run`` scored again from its episode rows, nothing run."""
+    from sandbox_agent.synth.split import OOD_PREFIXES
+
+    def rows_of(path: Path) -> list:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    dirs = sorted(d for d in run.glob("fold*") if d.is_dir() and (d / "test-rl-T0.jsonl").is_file())
+    if not dirs:
+        p.error(f"--rescore: no fold dir with a test-rl-T0.jsonl under {run}; give the --run-dir of a folds run")
+    out: list[dict] = []
+    for fr in dirs:
+        old = json.loads((fr / "summary.json").read_text()) if (fr / "summary.json").is_file() else {}
+        rows: dict[str, list] = {}
+        for name, pattern in RESCORE_FILES.items():
+            found = sorted(fr.glob(pattern))
+            if len(found) > 1:
+                raise SystemExit(f"--rescore: {fr} has {len(found)} files for {name} ({pattern}); expected one")
+            if found:
+                rows[name] = rows_of(found[0])
+        f = old.get("fold", None if fr.name == "fold-default" else int(fr.name.removeprefix("fold")))
+        after = rows_of(fr / "test-rl-T0.jsonl")
+        new = fold_entry(
+            fold=f, folds=int(old.get("folds", 0) or 0), after=after, baselines=rows, ood_prefixes=OOD_PREFIXES
+        )
+        entry = {**old, **new}
+        if "untouched" in old:
+            entry["untouched"] = old["untouched"]
+        entry.setdefault("minutes", float("nan"))
+        out.append(entry)
+        (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
+    report(out)
+    summary = {"folds": out, "targets": targets(out)}
+    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    emit_json(summary)
+    return 0
+
+
 def targets(folds: list[dict]) -> dict:
     """The issue's targets over the folds run: RL beats the best baseline by >= 10 points with the key-level
     interval above 0, on each fold and the untouched one; OOD's interval above 0; <= 45 minutes a fold."""
@@ -268,3 +346,17 @@ def report(folds: list[dict]) -> None:
         rows,
         title="\nTEST split of each fold (greedy unless the baseline says; CIs over content keys)",
     )
+    for f in folds:
+        groups = f.get("by_group") or {}
+        names = sorted({g for per in groups.values() for g in per})
+        if not names:
+            continue
+        print_grid(
+            ["policy", *names],
+            [[pol, *(_cell(per.get(g)) for g in names)] for pol, per in groups.items()],
+            title=f"\nfold {f['fold']} by group of keys: pass@1 / share of tests passed / turns (keys)",
+        )
+
+
+def _cell(g: dict | None) -> str:
+    return "-" if not g else f"{g['pass1']:.0%} / {g['tests']:.0%} / {g['turns']:.1f} ({g['keys']})"

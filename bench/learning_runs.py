@@ -90,6 +90,12 @@ def add_fold_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rft-steps", type=int, default=200, help="RFT: fine-tuning steps (default 200)")
     g.add_argument("--warm-tasks", type=int, default=0, help="override the recipe's task count (smoke runs)")
     g.add_argument("--warm-sft-steps", type=int, default=0, help="override the recipe's SFT steps (smoke runs)")
+    g.add_argument(
+        "--rescore",
+        action="store_true",
+        help="run nothing: score the folds already in --run-dir again from their episode rows (fold*/test-*.jsonl), "
+        "e.g. after a new figure was added; each fold's minutes and paths are kept from its summary.json",
+    )
 
 
 def run_rl(

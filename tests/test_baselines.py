@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.baselines import DoneMasked, best_of, oracle_command_turns, pass_at_ks
-from bench.learning_folds import fold_entry, targets
+from bench.learning_folds import by_group, fold_entry, targets
 from sandbox_agent.agent.types import AgentConfig, Reward
 from sandbox_agent.synth import generate
 from sandbox_agent.tasks.task import load_task
@@ -85,3 +85,55 @@ def test_a_folds_recipe_is_its_own_build_and_the_default_keeps_its_hash():
     assert "fold" not in r.to_dict()
     assert replace(r, fold=0, folds=3).digest() != r.digest() != replace(r, fold=1, folds=3).digest()
     assert get_recipe("choresn-full").families == ("choresn",) and r.families == ("choresnsome",)
+
+
+def test_by_group_says_per_number_of_chores_what_each_policy_does():
+    rows = [
+        row("a", "choresn:n2:1+2", True, tests_total=3, turns=2),
+        row("b", "choresn:n2:1+2", False, tests_total=3, turns=3),  # key 1+2: half resolved
+        row("c", "choresn:n2:3+4", False, tests_total=3, turns=2),
+        row("d", "choresn:n5:0+1+2+4+8", True, tests_total=6, turns=4),
+        row("e", "choresn:n5:0+1+2+4+8", True, reason="error", error="sampler down"),  # left out
+    ]
+    g = by_group(rows)
+    assert list(g) == ["choresn:n2", "choresn:n5"]
+    assert g["choresn:n2"]["keys"] == 2 and g["choresn:n2"]["pass1"] == pytest.approx(0.25)
+    assert g["choresn:n2"]["tests"] == pytest.approx((1 / 3 + 0 + 0) / 3) and g["choresn:n2"]["turns"] == pytest.approx(
+        7 / 3
+    )
+    assert g["choresn:n5"] == {"keys": 1, "pass1": 1.0, "tests": pytest.approx(1 / 6), "turns": 4.0}
+
+
+def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
+    """``bench.learning --rescore``: the stored episode rows give the same headline as the run, plus by_group."""
+    import argparse
+    import json
+
+    from bench.learning_folds import rescore
+
+    keys = [f"choresn:n3:{i}" for i in range(6)]
+    fr = tmp_path / "fold1"
+    fr.mkdir()
+
+    def write(name: str, rows: list) -> list:
+        (fr / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return rows
+
+    after = write("test-rl-T0.jsonl", [row(f"t{i}", k, i < 4, turns=3) for i, k in enumerate(keys)])
+    base = {
+        "sweep": write("test-warm-T1.jsonl", [row(f"t{i}", k, i < 1, turns=2) for i, k in enumerate(keys)]),
+        "sft": write("test-sft-T0.jsonl", [row(f"t{i}", k, i < 2, turns=3) for i, k in enumerate(keys)]),
+    }
+    (fr / "summary.json").write_text(json.dumps({"fold": 1, "untouched": False, "minutes": 61.5, "warm_start": "W"}))
+    assert rescore(tmp_path, argparse.ArgumentParser()) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folds"][0]
+    want = fold_entry(fold=1, folds=0, after=after, baselines=base, ood_prefixes=("choresn:n5:",))
+    assert (
+        got["best_baseline"] == "sft" == want["best_baseline"] and got["ci95_diff_by_key"] == want["ci95_diff_by_key"]
+    )
+    assert got["minutes"] == 61.5 and got["warm_start"] == "W" and not got["untouched"]
+    assert got["by_group"]["rl"]["choresn:n3"]["pass1"] == pytest.approx(4 / 6)
+    assert set(got["by_group"]) == {"rl", "sweep", "sft"}
+    assert json.loads((fr / "summary.json").read_text())["by_group"] == got["by_group"]
+    with pytest.raises(SystemExit):
+        rescore(tmp_path / "nothing", argparse.ArgumentParser())
