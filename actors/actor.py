@@ -21,6 +21,7 @@ import anyio.abc
 
 from actors.episode import EpisodeContext, EpisodeStats, new_episode_id, run_one
 from actors.settings import ActorSettings
+from sandbox_agent.agent.runner import WORK_PREFIX
 from sandbox_agent.agent.types import AgentConfig, ChatTokenizerLike
 from sandbox_agent.sandbox.backend import AutoBackend, SandboxBackend
 from sandbox_agent.tasks.task import Task, load_tasks
@@ -58,13 +59,14 @@ def load_task_pool(tasks_dir: Path, split: str, backend: SandboxBackend | None =
 
 
 def _fresh(work_dir: Path | None) -> Path | None:
-    """``work_dir`` made and emptied: an episode's work dir is removed when the episode ends, even cancelled,
-    but a SIGKILLed actor leaves its open ones, which its restart (same ``--work-dir``) removes here."""
+    """``work_dir`` made, and emptied of episode work dirs (``t1w-*``): an episode's work dir is removed when the
+    episode ends, even cancelled, but a SIGKILLed actor leaves its open ones, which its restart (same
+    ``--work-dir``) removes here."""
     if work_dir is None:
         return None
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
-        left = sorted(work_dir.iterdir())
+        left = sorted(work_dir.glob(f"{WORK_PREFIX}*"))  # only episode work dirs: never a user's other files
         for p in left:
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p)

@@ -94,8 +94,8 @@ class ActorSettings(EpisodeOptions):
     )
     work_dir: Path | None = setting(
         None,
-        "where each episode's work dir is made (default: the system temp dir); at start the actor empties it of "
-        "what a killed predecessor left, so give each actor its own (cluster up: <run-dir>/work/<actor-id>)",
+        "where each episode's work dir (t1w-*) is made (default: the system temp dir); at start the actor removes "
+        "the t1w-* dirs a killed predecessor left, so give each actor its own (cluster up: <run-dir>/work/<actor-id>)",
         metavar="DIR",
         group="actor",
     )

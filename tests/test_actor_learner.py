@@ -109,6 +109,7 @@ def test_an_actor_empties_its_work_dir_of_what_a_killed_predecessor_left(tmp_pat
     work = tmp_path / "work" / "actor-0"
     (work / "t1w-task-abc" / "sub").mkdir(parents=True)
     (work / "t1w-task-abc.mnt").mkdir()
-    (work / "stray.txt").write_text("x")
-    assert _fresh(work) == work and work.is_dir() and not list(work.iterdir())
+    (work / "t1w-stray.txt").write_text("x")
+    (work / "notes.txt").write_text("a user's")  # not an episode's: kept (--work-dir /tmp must be safe)
+    assert _fresh(work) == work and [p.name for p in work.iterdir()] == ["notes.txt"]
     assert _fresh(None) is None

@@ -36,6 +36,7 @@ from t1async.protocol.sampling import Sampler
 log = get_logger("sandbox_agent.agent.runner")
 
 SETUP_MOUNT = "/t1setup"
+WORK_PREFIX = "t1w-"  # every episode's work dir (and its ``.mnt`` sibling) is named so
 SOLUTION_MOUNT = "/solution"
 
 
@@ -49,7 +50,7 @@ async def prepared_workdir(
 ) -> AsyncIterator[Path]:
     """A fresh work dir holding the task's environment files, after its setup.sh ran; removed after."""
     require_backend(task, backend)
-    wd = Path(tempfile.mkdtemp(prefix=f"t1w-{_safe(task.id)}-", dir=work_root))
+    wd = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{_safe(task.id)}-", dir=work_root))
     try:
         async with contextlib.AsyncExitStack() as stack:
             await _prepare(task, backend, wd, stack)
