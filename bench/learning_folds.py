@@ -258,11 +258,7 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         )
         out.append(entry)
         (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
-    report(out)
-    summary = {"folds": out, "targets": targets(out)}
-    (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    emit_json(summary)
-    return 0
+    return finish(run, out)
 
 
 # a baseline's test rows, as run_folds names them (the sweep's file is the one test-warm-T* that is not passk/mask)
@@ -307,6 +303,11 @@ def rescore(run: Path, p: argparse.ArgumentParser) -> int:
         entry.setdefault("minutes", float("nan"))
         out.append(entry)
         (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
+    return finish(run, out)
+
+
+def finish(run: Path, out: list[dict]) -> int:
+    """The folds' tables, ``<run>/summary.json`` and the JSON line."""
     report(out)
     summary = {"folds": out, "targets": targets(out)}
     (run / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
