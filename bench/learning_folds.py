@@ -294,12 +294,9 @@ def rescore(run: Path, p: argparse.ArgumentParser) -> int:
                 rows[name] = rows_of(found[0])
         f = old.get("fold", None if fr.name == "fold-default" else int(fr.name.removeprefix("fold")))
         after = rows_of(fr / "test-rl-T0.jsonl")
-        new = fold_entry(
-            fold=f, folds=int(old.get("folds", 0) or 0), after=after, baselines=rows, ood_prefixes=OOD_PREFIXES
-        )
-        entry = {**old, **new}
-        if "untouched" in old:
-            entry["untouched"] = old["untouched"]
+        # folds=-1: no fold is taken for the untouched one here; its summary.json says whether it is
+        new = fold_entry(fold=f, folds=-1, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES)
+        entry = {**old, **new, "untouched": bool(old.get("untouched", False))}
         entry.setdefault("minutes", float("nan"))
         out.append(entry)
         (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")

@@ -125,8 +125,11 @@ def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
         "sft": write("test-sft-T0.jsonl", [row(f"t{i}", k, i < 2, turns=3) for i, k in enumerate(keys)]),
     }
     (fr / "summary.json").write_text(json.dumps({"fold": 1, "untouched": False, "minutes": 61.5, "warm_start": "W"}))
+    (tmp_path / "fold0").mkdir()  # a fold without a summary.json: never taken for the untouched one
+    (tmp_path / "fold0" / "test-rl-T0.jsonl").write_text((fr / "test-rl-T0.jsonl").read_text())
     assert rescore(tmp_path, argparse.ArgumentParser()) == 0
-    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folds"][0]
+    zero, got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folds"]
+    assert zero["fold"] == 0 and not zero["untouched"] and "sft" not in zero["baselines"]
     want = fold_entry(fold=1, folds=0, after=after, baselines=base, ood_prefixes=("choresn:n5:",))
     assert (
         got["best_baseline"] == "sft" == want["best_baseline"] and got["ci95_diff_by_key"] == want["ci95_diff_by_key"]
