@@ -222,22 +222,18 @@ async def read_turns(js: Any, deadline_s: float, pause_s: float = 0.5) -> set[tu
     from nats.js import api
     from nats.js.errors import ServiceUnavailableError
 
+    from t1async.transport.natsio import while_electing
+
     give_up = time.monotonic() + deadline_s
     unavailable: BaseException | None = None
 
-    def check_deadline(seen: int, last: int | str) -> None:
+    def check_deadline(seen: int, last: int) -> None:
         if time.monotonic() > give_up:
             why = f" (last error: {unavailable!r})" if unavailable is not None else ""
             raise TimeoutError(f"T1_TRAJ: read to sequence {seen} of {last} in {deadline_s:.0f} s{why}")
 
-    while True:
-        check_deadline(0, "?")
-        try:
-            last = (await js.stream_info("T1_TRAJ")).state.last_seq
-            break
-        except (ServiceUnavailableError, TimeoutError, nats.errors.TimeoutError) as exc:
-            unavailable = exc
-            await asyncio.sleep(pause_s)
+    # a 503 or no answer while JetStream elects: asked again until the deadline, as the transport does
+    last = (await while_electing(lambda: js.stream_info("T1_TRAJ"), deadline_s, pause_s)).state.last_seq
     got: set[tuple[str, int]] = set()
     seen, sub = 0, None
     while seen < last:

@@ -55,10 +55,11 @@ def group_of(content_key: str) -> str:
 def by_group(rows: list) -> dict[str, dict]:
     """What a policy does per group of content keys (``group_of``): ``keys``, ``pass1`` (mean over the group's
     keys of their share resolved), ``tests`` (mean share of the tests passed), ``turns`` (mean turns taken)."""
-    ok, _ = split_errors(rows)
+    groups: dict[str, list] = {}
+    for r in split_errors(rows)[0]:
+        groups.setdefault(group_of(r.get("content_key") or r["task"]), []).append(r)
     out: dict[str, dict] = {}
-    for g in sorted({group_of(r.get("content_key") or r["task"]) for r in ok}):
-        rs = [r for r in ok if group_of(r.get("content_key") or r["task"]) == g]
+    for g, rs in sorted(groups.items()):
         keys = per_task(rs, by_key="content_key")
         out[g] = {
             "keys": len(keys),
