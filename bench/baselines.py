@@ -11,7 +11,14 @@
 - ``rft``: rejection-sampling fine-tuning: the warm start samples the *train* split, the resolved episodes are
   kept, their commands re-run in the sandbox as demonstrations and the warm start fine-tuned on them (``rft``);
 - ``contentfree``: RL at RL's budget with a reward of 1 for every turn that does not say DONE (``--reward
-  turns``, ``sandbox_agent.agent.types.Reward.TURNS``), whatever the tests say: what "always go on" is worth.
+  turns``, ``sandbox_agent.agent.types.Reward.TURNS``), whatever the tests say: what "always go on" is worth;
+- ``binary``: RL at RL's budget with the outcome reward (``--reward binary``: 1 at the end when every test
+  passes, else 0) in place of the dense one, from the same init and with the same ``--cluster-arg``: dense
+  against binary where the init seldom succeeds (give an advantage that carries the end's reward back to earlier
+  turns, e.g. ``--cluster-arg=--advantage=rloo``: under ``turn`` a binary reward reaches only the last turn).
+
+``contentfree`` and ``binary`` start from RL's init (``--rl-init``), the others from the fold's warm start (``sft``
+from nothing: its own build).
 
 How DONE is masked. The sampler is left as it is: a logit mask there would ban DONE's first token, which other
 replies may start with, and the embedded and vLLM samplers would each need it. ``DoneMasked`` is agent-side: a
@@ -39,7 +46,9 @@ from t1async.log import get_logger
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams
 
 log = get_logger("bench.baselines")
-BASELINES = ("sweep", "passk", "mask", "sft", "rft", "contentfree")
+BASELINES = ("sweep", "passk", "mask", "sft", "rft", "contentfree", "binary")
+# the baselines that are RL runs (cluster up --reward R from RL's init), and their reward
+RL_BASELINES = {"contentfree": "turns", "binary": "binary"}
 
 
 def pass_at_ks(rows: Sequence[Mapping], ks: Sequence[int]) -> dict[int, dict]:
@@ -229,6 +238,7 @@ def pass1_by_key(rows: Sequence[Mapping]) -> dict:
 
 __all__ = [
     "BASELINES",
+    "RL_BASELINES",
     "DoneMasked",
     "best_of",
     "eval_masked",

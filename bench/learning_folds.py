@@ -16,27 +16,45 @@ it, paired by content key (``t1async.eval.stats.paired_by_key``: keys resampled,
 names (``choresn``'s held-out n, ``observe``'s held-out variant) are scored apart (``ood``: RL vs the sweep's
 warm start and vs the best baseline, by key).
 
+RL, and the RL baselines (``contentfree``, ``binary``), start from the fold's warm start, or with ``--rl-init sft``
+from the ``sft`` baseline's model: does RL add anything to the best model SFT gives? ``--reuse DIR`` takes each
+arm's test rows from an earlier run of the same folds (the same split and warm start; for the RL arms the same
+``--rl-init``, ``--rl-steps`` and ``--cluster-arg``: ``fold.json`` says how a fold made them) and runs only the
+rest: a baseline added to a finished run, RL from another init against the same baselines, or a crashed run
+resumed (``--reuse`` its own ``--run-dir``). The summary lists what was ``reused``.
+
 What each policy learned is in ``by_group``: per group of keys (``choresn``: the number of chores asked), its
 pass@1, share of tests passed and turns taken, for RL and every baseline.
 
 The last stdout line is JSON: ``folds`` [{fold, untouched, pass1_after, best_baseline, best_baseline_pass1,
 ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, by_group {policy: {group: ...}}, pass_at_k
-{k: ...}, ood, split_disjoint, minutes}], ``targets``.
+{k: ...}, ood, split_disjoint, rl {init, steps, cluster_arg}, reused, minutes}], ``targets``.
 
     python -m bench.learning --rescore --run-dir DIR     # score DIR's folds again from their rows, running nothing
+    python -m bench.learning --preset learn-choresn --folds 3 --baselines sft --rl-init sft --reuse OLD --run-dir NEW
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from bench._common import emit_json, print_grid
-from bench.baselines import BASELINES, best_of, eval_masked, pass1_by_key, pass_at_ks, rft_demos, rft_model
+from bench.baselines import (
+    BASELINES,
+    RL_BASELINES,
+    best_of,
+    eval_masked,
+    pass1_by_key,
+    pass_at_ks,
+    rft_demos,
+    rft_model,
+)
 from bench.learning_runs import ensure_corpus, eval_policy, held_tasks, run_rl
 from bench.learning_stats import best_decoding, keys_of, pass1, per_task, split_check
 from t1async.eval.stats import paired_by_key, split_errors
@@ -191,6 +209,29 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         if not evals or not tests:
             raise SystemExit(f"fold {f}: no eval or no test task in {tasks_dir}; give a larger --eval-corpus")
         print(f"fold {f}: split {check['task_counts']} tasks, disjoint {check['split_disjoint']}", flush=True)
+        rl_rec = rl_record(args)
+        prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec) if args.reuse else ({}, {})
+        (fr / "fold.json").write_text(json.dumps({"warm_start": str(warm), "rl": rl_rec}, indent=1) + "\n")
+        built: list[Path] = []
+        used: list[str] = []
+
+        def full(f: int | None = f, built: list[Path] = built) -> Path:  # the sft baseline's model, built once
+            if not built:
+                built.append(build(for_fold(get_recipe(f"{base.name}-full"), f)))
+            return built[0]
+
+        def reuse(
+            name: str, prev: dict[str, Path] = prev, fr: Path = fr, f: int | None = f, used: list[str] = used
+        ) -> list | None:
+            """The arm's rows from ``--reuse`` (copied into this fold's dir), or None: run it."""
+            src = prev.get(name)
+            if src is None:
+                return None
+            if src.resolve() != (fr / src.name).resolve():
+                shutil.copy2(src, fr / src.name)
+            print(f"fold {f} {name}: {src.name} reused from {src.parent}", flush=True)
+            used.append(name)
+            return rows_of(src)
 
         def ev_(
             model: Path,
@@ -209,22 +250,35 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         rows: dict[str, list] = {}
         passk: dict = {}
         if "sweep" in wanted or "passk" in wanted:  # the warm start's decoding, chosen on eval
-            sweep = {t: pass1(ev_(warm, evals, t, f"eval-warm-T{t:g}")) for t in temps}
-            best_t, _ = best_decoding(sweep)
-            rows["sweep"] = ev_(warm, tests, best_t, f"test-warm-T{best_t:g}")
+            if (got := reuse("sweep")) is not None:
+                rows["sweep"] = got
+            else:
+                sweep = {t: pass1(ev_(warm, evals, t, f"eval-warm-T{t:g}")) for t in temps}
+                best_t, _ = best_decoding(sweep)
+                rows["sweep"] = ev_(warm, tests, best_t, f"test-warm-T{best_t:g}")
         if "passk" in wanted:
-            rows["passk"] = ev_(warm, tests, train_t, "test-warm-passk", samples=args.passk)
+            got = reuse("passk")
+            rows["passk"] = got if got is not None else ev_(warm, tests, train_t, "test-warm-passk", samples=args.passk)
             passk = pass_at_ks(rows["passk"], range(1, args.passk + 1))
         if "mask" in wanted:
-            rows["mask"] = eval_masked(
-                warm, tests, samples=args.samples, out=fr / "test-warm-mask.jsonl", ev=ev, temperature=train_t
+            got = reuse("mask")
+            rows["mask"] = (
+                got
+                if got is not None
+                else eval_masked(
+                    warm, tests, samples=args.samples, out=fr / "test-warm-mask.jsonl", ev=ev, temperature=train_t
+                )
             )
         if "sft" in wanted:
-            full = build(for_fold(get_recipe(f"{base.name}-full"), f))
-            pick = {t: pass1(ev_(full, evals, t, f"eval-sft-T{t:g}")) for t in sorted({0.0, train_t})}
-            t_sft, _ = best_decoding(pick)
-            rows["sft"] = ev_(full, tests, t_sft, f"test-sft-T{t_sft:g}")
-        if "rft" in wanted:
+            if (got := reuse("sft")) is not None:
+                rows["sft"] = got
+            else:
+                pick = {t: pass1(ev_(full(), evals, t, f"eval-sft-T{t:g}")) for t in sorted({0.0, train_t})}
+                t_sft, _ = best_decoding(pick)
+                rows["sft"] = ev_(full(), tests, t_sft, f"test-sft-T{t_sft:g}")
+        if "rft" in wanted and (got := reuse("rft")) is not None:
+            rows["rft"] = got
+        elif "rft" in wanted:
             pool = train[: args.rft_tasks] if args.rft_tasks else train
             sampled = ev_(warm, pool, train_t, "train-warm-rft", samples=args.rft_samples)
             demos = rft_demos(sampled, {t.id: t for t in pool})
@@ -234,22 +288,34 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                     warm, demos, fr / "rft-model", steps=args.rft_steps, system_prompt=ev["system_prompt"]
                 )
                 rows["rft"] = ev_(model, tests, 0.0, "test-rft-T0")
-        rl_extra = ["--seed", str(args.seed + (f or 0)), "--warm-start=", "--model", str(warm), *args.cluster_arg]
-        if "contentfree" in wanted:
-            d = fr / "rl-contentfree"
+        rl_model = full() if args.rl_init == "sft" else warm
+        rl_extra = ["--seed", str(args.seed + (f or 0)), "--warm-start=", "--model", str(rl_model), *args.cluster_arg]
+        for name, reward in RL_BASELINES.items():  # RL at RL's budget, from RL's init, another reward
+            if name not in wanted:
+                continue
+            if (got := reuse(name)) is not None:
+                rows[name] = got
+                continue
+            d = fr / f"rl-{name}"
             if d.exists():
                 shutil.rmtree(d)
             ck = run_rl(
-                d, tasks_dir, args.rl_steps, [*rl_extra, "--reward", "turns"], args.rl_timeout, preset=args.preset
+                d, tasks_dir, args.rl_steps, [*rl_extra, "--reward", reward], args.rl_timeout, preset=args.preset
             )
-            rows["contentfree"] = ev_(ck, tests, 0.0, "test-contentfree-T0")
-        d = fr / "rl"
-        if d.exists():
-            shutil.rmtree(d)
-        ck = run_rl(d, tasks_dir, args.rl_steps, rl_extra, args.rl_timeout, preset=args.preset)
-        after = ev_(ck, tests, 0.0, "test-rl-T0")
+            rows[name] = ev_(ck, tests, 0.0, f"test-{name}-T0")
+        if (after := reuse("rl")) is not None:
+            ck = Path(str(prev_rec.get("checkpoint") or ""))
+        else:
+            d = fr / "rl"
+            if d.exists():
+                shutil.rmtree(d)
+            ck = run_rl(d, tasks_dir, args.rl_steps, rl_extra, args.rl_timeout, preset=args.preset)
+            after = ev_(ck, tests, 0.0, "test-rl-T0")
         entry = fold_entry(fold=f, folds=args.folds, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES)
         entry.update(
+            rl=rl_rec,
+            reused=sorted(used),
+            reused_from=str(args.reuse) if used else None,
             pass_at_k={str(k): v for k, v in passk.items()},
             split_disjoint=bool(check["split_disjoint"]),
             test_tasks=len(tests),
@@ -273,12 +339,63 @@ RESCORE_FILES = {
 }
 
 
+RESCORE_FILES["binary"] = "test-binary-T0.jsonl"
+ARM_FILES = {**RESCORE_FILES, "rl": "test-rl-T0.jsonl"}  # every arm's test rows
+RL_ARMS = ("rl", *RL_BASELINES)  # made by RL from RL's init: reused only from a run of the same RL
+RL_SAME = ("init", "steps", "cluster_arg")  # what an RL arm must share with this run's to be reused
+
+
+def rows_of(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rl_record(args: argparse.Namespace) -> dict:
+    """How this run makes its RL arms (``fold.json`` and the fold's summary say it; ``--reuse`` compares it)."""
+    return {"init": args.rl_init, "steps": args.rl_steps, "cluster_arg": list(args.cluster_arg)}
+
+
+def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> tuple[dict, dict[str, Path]]:
+    """``--reuse SRC``: the earlier fold's record and the test-row files (arm -> path) in ``SRC/<fold_dir>`` that
+    this run would make the same way: the same split (``split.json``'s tasks) and warm start; for the RL arms
+    also the same ``RL_SAME``. A fold written before ``fold.json`` existed (its ``summary.json`` alone) is taken
+    as RL from the warm start with no ``--cluster-arg``, for as many steps as its checkpoint's version says.
+    A different split or warm start is an error: nothing there is comparable."""
+    d = src / fold_dir
+    split = d / "split.json"
+    if not split.is_file():
+        raise SystemExit(f"--reuse {src}: no {split}; give the --run-dir of an earlier folds run of this fold")
+    if json.loads(split.read_text()).get("tasks") != json.loads(json.dumps(table)):
+        raise SystemExit(
+            f"--reuse {src}: {fold_dir}'s split is not this run's (another --eval-corpus, --seed or --folds?); "
+            "its rows are not comparable, so nothing is reused"
+        )
+    rec: dict = {}
+    for name in ("summary.json", "fold.json"):  # fold.json, written first, is the newer record when both are
+        if (d / name).is_file():
+            rec.update(json.loads((d / name).read_text()))
+    if rec.get("warm_start") != str(warm):
+        raise SystemExit(
+            f"--reuse {src}: {fold_dir} was run from warm start {rec.get('warm_start')!r}, this run's is {warm}; "
+            "nothing there is comparable"
+        )
+    old_rl = rec.get("rl")
+    if old_rl is None:
+        v = re.search(r"v(\d+)$", str(rec.get("checkpoint", "")))
+        old_rl = {"init": "warm", "steps": int(v.group(1)) if v else None, "cluster_arg": []}
+    same_rl = all(old_rl.get(k) == rl.get(k) for k in RL_SAME)
+    found: dict[str, Path] = {}
+    for name, pattern in ARM_FILES.items():
+        if name in RL_ARMS and not same_rl:
+            continue
+        files = sorted(d.glob(pattern))
+        if len(files) == 1:
+            found[name] = files[0]
+    return rec, found
+
+
 def rescore(run: Path, p: argparse.ArgumentParser) -> int:
     """``--rescore``: every ``fold*`` dir of ``run`` scored again from its episode rows, nothing run."""
     from sandbox_agent.synth.split import OOD_PREFIXES
-
-    def rows_of(path: Path) -> list:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     dirs = sorted(d for d in run.glob("fold*") if d.is_dir() and (d / "test-rl-T0.jsonl").is_file())
     if not dirs:
@@ -333,7 +450,8 @@ def report(folds: list[dict]) -> None:
         base = ", ".join(f"{n} {v['mean']:.1%}" for n, v in f["baselines"].items())
         rows.append(
             [
-                f"{f['fold']}{' (untouched)' if f['untouched'] else ''}",
+                f"{f['fold']}{' (untouched)' if f['untouched'] else ''}"
+                + ("" if f.get("rl", {}).get("init", "warm") == "warm" else f" (RL from {f['rl']['init']})"),
                 f"{f['pass1_after']:.1%}",
                 f"{f['best_baseline']} {f['best_baseline_pass1']:.1%}",
                 f"[{lo:+.1%}, {hi:+.1%}] p {f['p_by_key']:.3f}",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bench.baselines import BASELINES
 from t1async.log import get_logger
 from t1async.signals import handlers
 
@@ -79,10 +80,22 @@ def add_fold_arguments(p: argparse.ArgumentParser) -> None:
         "last and reported apart (0: the single split as before)",
     )
     g.add_argument("--only-folds", default="", help="run only these folds (comma-separated; N is the untouched one)")
+    g.add_argument("--baselines", default="", help="comma-separated, of " + ",".join(BASELINES))
     g.add_argument(
-        "--baselines",
-        default="",
-        help="comma-separated, of " + ",".join(("sweep", "passk", "mask", "sft", "rft", "contentfree")),
+        "--rl-init",
+        choices=("warm", "sft"),
+        default="warm",
+        help="what RL (and the RL baselines contentfree and binary) starts from: the fold's warm start, or the "
+        "model of the sft baseline, SFT on the full demonstrations (default warm)",
+    )
+    g.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="take each arm's test rows from DIR, an earlier folds run of the same folds and corpus, where this run "
+        "would make them the same way (the same split and warm start; for RL and the RL baselines the same "
+        "--rl-init, --rl-steps and --cluster-arg), and run only the rest; DIR may be --run-dir itself (resume)",
     )
     g.add_argument("--passk", type=int, default=16, help="samples a test task for pass@k, k = 1..N (default 16)")
     g.add_argument("--rft-samples", type=int, default=4, help="RFT: warm-start samples per train task (default 4)")

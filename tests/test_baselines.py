@@ -4,6 +4,7 @@ oracle's turn count, the content-free reward, the best baseline and a fold's JSO
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,38 @@ def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
     assert json.loads((fr / "summary.json").read_text())["by_group"] == got["by_group"]
     with pytest.raises(SystemExit):
         rescore(tmp_path / "nothing", argparse.ArgumentParser())
+
+
+def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
+    """``--reuse``: an earlier fold's rows are taken where the split and warm start match, and its RL arms only
+    from the same RL (init, steps, cluster args); a fold from before ``fold.json`` counts as RL from the warm
+    start for its checkpoint's steps. Another split or warm start refuses, saying why."""
+    import json
+
+    from bench.learning_folds import reusable
+
+    table = [{"id": "t0", "split": "test", "content_key": "choresn:n3:1+2+3"}]
+    old = tmp_path / "old" / "fold1"
+    old.mkdir(parents=True)
+    (old / "split.json").write_text(json.dumps({"split_disjoint": True, "tasks": table}))
+    names = ["test-warm-T1.jsonl", "test-warm-passk.jsonl", "test-sft-T0.jsonl", "test-contentfree-T0.jsonl"]
+    for name in [*names, "test-rl-T0.jsonl"]:
+        (old / name).write_text(json.dumps(row("t0", "choresn:n3:1+2+3", True)) + "\n")
+    ck = "/runs/fold1/rl/checkpoints/v000040"
+    (old / "summary.json").write_text(json.dumps({"fold": 1, "warm_start": "/w", "checkpoint": ck}))
+    warm40 = {"init": "warm", "steps": 40, "cluster_arg": []}
+    rec, got = reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)
+    assert set(got) == {"sweep", "passk", "sft", "contentfree", "rl"} and rec["checkpoint"] == ck
+    assert got["sweep"].name == "test-warm-T1.jsonl" and got["rl"].name == "test-rl-T0.jsonl"
+    for other in ({**warm40, "init": "sft"}, {**warm40, "steps": 200}, {**warm40, "cluster_arg": ["--advantage=rloo"]}):
+        assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), other)[1]) == {"sweep", "passk", "sft"}
+    # a newer fold says how it made its RL arms in fold.json
+    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": {**warm40, "init": "sft"}}))
+    assert "rl" in reusable(tmp_path / "old", "fold1", table, Path("/w"), {**warm40, "init": "sft"})[1]
+    assert "rl" not in reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)[1]
+    with pytest.raises(SystemExit, match="warm start"):
+        reusable(tmp_path / "old", "fold1", table, Path("/other"), warm40)
+    with pytest.raises(SystemExit, match="split is not this run's"):
+        reusable(tmp_path / "old", "fold1", [{**table[0], "split": "eval"}], Path("/w"), warm40)
+    with pytest.raises(SystemExit, match="no .*split.json"):
+        reusable(tmp_path / "old", "fold2", table, Path("/w"), warm40)
