@@ -105,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.learning_folds import run_folds
 
         return run_folds(args, p)
+    if args.rl_init != "warm" or args.reuse:
+        p.error("--rl-init and --reuse belong to a folds run: give --folds N or --baselines too")
     try:
         temps = sorted({float(x) for x in args.temperatures.split(",") if x.strip()})
     except ValueError:

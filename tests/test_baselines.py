@@ -176,3 +176,15 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
         reusable(tmp_path / "old", "fold1", [{**table[0], "split": "eval"}], Path("/w"), warm40)
     with pytest.raises(SystemExit, match="no .*split.json"):
         reusable(tmp_path / "old", "fold2", table, Path("/w"), warm40)
+
+
+def test_rl_init_and_reuse_outside_a_folds_run_are_refused(capsys):
+    from bench.learning import main
+
+    for argv in (["--rl-init", "sft"], ["--reuse", "/tmp/x"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "belong to a folds run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--baselines", "sft", "--rl-init", "cold"])
+    assert "invalid choice: 'cold'" in capsys.readouterr().err

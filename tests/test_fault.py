@@ -115,6 +115,8 @@ async def test_killed_actor_and_restarted_learner_lose_nothing(tmp_path, repo_en
                     "24",
                     "--actor-id",
                     name,
+                    "--work-dir",  # a SIGKILLed actor's episode dirs stay here, not in the system temp dir
+                    str(tmp_path / "work" / name),
                 ],
                 logs / f"{name}.log",
                 repo_env,
@@ -233,6 +235,8 @@ async def test_a_killed_actor_at_eta0_releases_its_credits_and_training_resumes(
                     "16",
                     "--actor-id",
                     name,
+                    "--work-dir",  # a SIGKILLed actor's episode dirs stay here, not in the system temp dir
+                    str(tmp_path / "work" / name),
                 ],
                 logs / f"{name}.log",
                 repo_env,
