@@ -75,6 +75,10 @@ def test_best_of_and_a_folds_entry():
     assert e["ood"]["best_baseline_pass1"] == 0.0
     t = targets([{**e, "minutes": 10.0}])
     assert t["each_fold_beats_best_baseline_by_10"] and t["each_fold_ci_by_key_above_0"]
+    assert t["minutes_per_fold_le_45"]
+    # a fold that reused its baselines (--reuse) paid only for the rest: its minutes are not a fold's cost
+    assert targets([{**e, "minutes": 12.0, "reused": ["sft"]}])["minutes_per_fold_le_45"] is None
+    assert not targets([{**e, "minutes": 12.0, "reused": ["sft"]}, {**e, "minutes": 60.0}])["minutes_per_fold_le_45"]
     assert fold_entry(fold=0, folds=3, after=after, baselines=base, ood_prefixes=())["keys"] == 7  # none apart
     assert not fold_entry(fold=0, folds=3, after=after, baselines=base, ood_prefixes=())["untouched"]
 
