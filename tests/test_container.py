@@ -114,12 +114,14 @@ _OWNER = r"""
 import anyio, sys
 from sandbox_agent.sandbox.backend import ContainerBackend
 from sandbox_agent.agent.runner import prepared_workdir
+from pathlib import Path
 from sandbox_agent.tasks.task import load_task
 
 async def main():
     task = load_task(sys.argv[1])
     b = ContainerBackend()
-    async with prepared_workdir(task, b) as wd, b.open(task, wd) as sb:
+    # SIGKILLed, it removes no work dir: the test's tmp dir holds it, not the system temp dir
+    async with prepared_workdir(task, b, work_root=Path(sys.argv[2])) as wd, b.open(task, wd) as sb:
         await sb.exec("sleep 1000 &")
         print("NAME", b._episodes[str(wd)][0], flush=True)
         await anyio.sleep(600)
@@ -128,11 +130,14 @@ anyio.run(main)
 """
 
 
-async def test_a_sigkilled_owner_s_container_is_removed_by_its_guard(base_image: str) -> None:
+async def test_a_sigkilled_owner_s_container_is_removed_by_its_guard(base_image: str, tmp_path: Path) -> None:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, str(TB / "tb2/csv-stats")], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", _OWNER, str(TB / "tb2/csv-stats"), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert p.stdout is not None
