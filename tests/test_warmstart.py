@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -201,6 +202,52 @@ def test_actor_argv_carries_the_warm_starts_prompt(tmp_path):
     parsed = [settings(p.parse_args(s.argv[s.argv.index("actors") + 1 :]), p) for s in actors]
     assert parsed and all(a.system_prompt_file == want for a in parsed)
     assert [a.actor_id for a in parsed] == [f"actor-{i}" for i in range(len(actors))]
+
+
+def test_a_model_dir_handed_over_by_path_brings_its_prompt_to_the_actors_and_the_eval(tmp_path):
+    """``cluster up --warm-start= --model DIR`` (what bench.learning's folds run, RL from a fold's warm start or
+    SFT model): the actors and the in-loop eval prompt the policy as DIR was trained (its system_prompt.txt).
+    They got the agent's default prompt before (a 200-token one the policy never saw); a dir without the file
+    still gets the default."""
+    from actors.__main__ import build_parser, settings
+    from t1async.cluster import components
+    from t1async.config import add_arguments, resolve
+    from t1async.eval.loop import LoopSettings
+    from t1async.model.weights import default_model_dir
+
+    model = tmp_path / "warm"
+    shutil.copytree(default_model_dir(), model)
+    (model / warmstart.PROMPT_FILE).write_text("Reply with one command.")
+    tasks = tmp_path / "tasks"
+    (tasks / "t0").mkdir(parents=True)
+    (tasks / "t0" / "task.yaml").write_text("")
+
+    def prompts(model_dir: Path) -> tuple[set, object]:
+        c = _cfg(
+            "--warm-start=",
+            "--model",
+            str(model_dir),
+            "--tasks",
+            str(tasks),
+            "--eval-every",
+            "5",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+        specs = {s.name: list(s.argv) for s in components.specs(c, "nats://127.0.0.1:1")}
+        p = build_parser()
+        got = {
+            settings(p.parse_args(a[a.index("actors") + 1 :]), p).system_prompt_file
+            for n, a in specs.items()
+            if n.startswith("actor-")
+        }
+        ep = argparse.ArgumentParser()
+        add_arguments(ep, LoopSettings)
+        ev = resolve(LoopSettings, ep.parse_args(specs["eval"][specs["eval"].index("t1async.eval.loop") + 1 :]))
+        return got, ev.system_prompt_file
+
+    assert prompts(model) == ({model / warmstart.PROMPT_FILE}, model / warmstart.PROMPT_FILE)
+    assert prompts(default_model_dir()) == ({None}, None)
 
 
 def test_easy_family_names_are_the_same_tokens_in_instruction_and_command():

@@ -108,6 +108,18 @@ def model_dir(cfg: UpConfig) -> Path | None:
     return cfg.model
 
 
+def trained_prompt(cfg: UpConfig, model: Path | None) -> Path | None:
+    """The system prompt the policy in ``model`` was trained with (``system_prompt.txt`` beside its weights), for
+    the actors and the in-loop eval: the warm start's (built before they start), or that of a ``--model`` dir
+    that has one (a warm start or SFT model handed over by path). None: the agent's default prompt."""
+    from t1async.recipes.warmstart import PROMPT_FILE
+
+    if model is None:
+        return None
+    f = Path(model) / PROMPT_FILE
+    return f if cfg.warm_start or f.is_file() else None
+
+
 def sampler_ready_file(cfg: UpConfig, i: int = 0) -> Path:
     return Path(cfg.run_dir) / ("sampler.url" if i == 0 else f"sampler-{i}.url")
 
@@ -258,9 +270,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     learner = pinned(python_module("t1async.learner", "serve", "--config", str(learner_toml)), cfg.learner_cpus)
     learner_env = _key_env(api_key, admin_key)  # the learner pushes weights: the admin key too
     out.append(ProcessSpec("learner", learner, learner_env, finishes=cfg.steps > 0, restart=True))  # resumes
-    prompt = None
-    if model is not None and cfg.warm_start:  # the prompt the warm start was trained with (t1async.recipes.warmstart)
-        prompt = Path(model) / "system_prompt.txt"
+    prompt = trained_prompt(cfg, model)
     actors_toml = config_file(
         cfg,
         "actors",
@@ -334,7 +344,7 @@ def eval_spec(cfg: UpConfig, nats_url: str, model: Path | None) -> ProcessSpec:
         max_new_tokens=cfg.max_new_tokens,
         max_context=cfg.max_context,
         temperature=cfg.temperature,
-        system_prompt_file=Path(start) / "system_prompt.txt" if cfg.warm_start else None,
+        system_prompt_file=trained_prompt(cfg, start),
     )
     return ProcessSpec(
         "eval", python_module("t1async.eval.loop", "--config", str(config_file(cfg, "eval", asdict(settings))))
