@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import time
 from dataclasses import replace
@@ -342,7 +341,10 @@ RESCORE_FILES = {
 RESCORE_FILES["binary"] = "test-binary-T0.jsonl"
 ARM_FILES = {**RESCORE_FILES, "rl": "test-rl-T0.jsonl"}  # every arm's test rows
 RL_ARMS = ("rl", *RL_BASELINES)  # made by RL from RL's init: reused only from a run of the same RL
-RL_SAME = ("init", "steps", "cluster_arg")  # what an RL arm must share with this run's to be reused
+# how the RL arms are made; 2: their actors prompt the policy as it was trained (e2749a2). An RL arm of an
+# earlier revision sampled under the default system prompt, and is never reused
+RL_REV = 2
+RL_SAME = ("rev", "init", "steps", "cluster_arg")  # what an RL arm must share with this run's to be reused
 
 
 def rows_of(path: Path) -> list:
@@ -351,15 +353,15 @@ def rows_of(path: Path) -> list:
 
 def rl_record(args: argparse.Namespace) -> dict:
     """How this run makes its RL arms (``fold.json`` and the fold's summary say it; ``--reuse`` compares it)."""
-    return {"init": args.rl_init, "steps": args.rl_steps, "cluster_arg": list(args.cluster_arg)}
+    return {"rev": RL_REV, "init": args.rl_init, "steps": args.rl_steps, "cluster_arg": list(args.cluster_arg)}
 
 
 def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> tuple[dict, dict[str, Path]]:
     """``--reuse SRC``: the earlier fold's record and the test-row files (arm -> path) in ``SRC/<fold_dir>`` that
     this run would make the same way: the same split (``split.json``'s tasks) and warm start; for the RL arms
-    also the same ``RL_SAME``. A fold written before ``fold.json`` existed (its ``summary.json`` alone) is taken
-    as RL from the warm start with no ``--cluster-arg``, for as many steps as its checkpoint's version says.
-    A different split or warm start is an error: nothing there is comparable."""
+    also the same ``RL_SAME``, so never from a fold of an earlier ``RL_REV`` (one written before ``fold.json``
+    existed, its ``summary.json`` alone, is of none). A different split or warm start is an error: nothing there
+    is comparable."""
     d = src / fold_dir
     split = d / "split.json"
     if not split.is_file():
@@ -378,10 +380,7 @@ def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> t
             f"--reuse {src}: {fold_dir} was run from warm start {rec.get('warm_start')!r}, this run's is {warm}; "
             "nothing there is comparable"
         )
-    old_rl = rec.get("rl")
-    if old_rl is None:
-        v = re.search(r"v(\d+)$", str(rec.get("checkpoint", "")))
-        old_rl = {"init": "warm", "steps": int(v.group(1)) if v else None, "cluster_arg": []}
+    old_rl = rec.get("rl") or {}
     same_rl = all(old_rl.get(k) == rl.get(k) for k in RL_SAME)
     found: dict[str, Path] = {}
     for name, pattern in ARM_FILES.items():

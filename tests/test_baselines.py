@@ -149,11 +149,11 @@ def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
 
 def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
     """``--reuse``: an earlier fold's rows are taken where the split and warm start match, and its RL arms only
-    from the same RL (init, steps, cluster args); a fold from before ``fold.json`` counts as RL from the warm
-    start for its checkpoint's steps. Another split or warm start refuses, saying why."""
+    from the same RL (revision, init, steps, cluster args); a fold from before ``fold.json`` gives no RL arm (its
+    RL sampled under the wrong system prompt). Another split or warm start refuses, saying why."""
     import json
 
-    from bench.learning_folds import reusable
+    from bench.learning_folds import RL_REV, reusable
 
     table = [{"id": "t0", "split": "test", "content_key": "choresn:n3:1+2+3"}]
     old = tmp_path / "old" / "fold1"
@@ -164,16 +164,19 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
         (old / name).write_text(json.dumps(row("t0", "choresn:n3:1+2+3", True)) + "\n")
     ck = "/runs/fold1/rl/checkpoints/v000040"
     (old / "summary.json").write_text(json.dumps({"fold": 1, "warm_start": "/w", "checkpoint": ck}))
-    warm40 = {"init": "warm", "steps": 40, "cluster_arg": []}
+    warm40 = {"rev": RL_REV, "init": "warm", "steps": 40, "cluster_arg": []}
     rec, got = reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)
-    assert set(got) == {"sweep", "passk", "sft", "contentfree", "rl"} and rec["checkpoint"] == ck
-    assert got["sweep"].name == "test-warm-T1.jsonl" and got["rl"].name == "test-rl-T0.jsonl"
-    for other in ({**warm40, "init": "sft"}, {**warm40, "steps": 200}, {**warm40, "cluster_arg": ["--advantage=rloo"]}):
-        assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), other)[1]) == {"sweep", "passk", "sft"}
+    assert set(got) == {"sweep", "passk", "sft"} and rec["checkpoint"] == ck  # no fold.json: no RL arm
+    assert got["sweep"].name == "test-warm-T1.jsonl"
     # a newer fold says how it made its RL arms in fold.json
-    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": {**warm40, "init": "sft"}}))
-    assert "rl" in reusable(tmp_path / "old", "fold1", table, Path("/w"), {**warm40, "init": "sft"})[1]
-    assert "rl" not in reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)[1]
+    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": warm40}))
+    rec, got = reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)
+    assert set(got) == {"sweep", "passk", "sft", "contentfree", "rl"} and got["rl"].name == "test-rl-T0.jsonl"
+    others = [{**warm40, k: v} for k, v in (("init", "sft"), ("steps", 200), ("cluster_arg", ["--advantage=rloo"]))]
+    for other in [*others, {**warm40, "rev": RL_REV - 1}]:
+        assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), other)[1]) == {"sweep", "passk", "sft"}
+    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": {k: warm40[k] for k in warm40 if k != "rev"}}))
+    assert "rl" not in reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)[1]  # before RL_REV 2
     with pytest.raises(SystemExit, match="warm start"):
         reusable(tmp_path / "old", "fold1", table, Path("/other"), warm40)
     with pytest.raises(SystemExit, match="split is not this run's"):
