@@ -207,7 +207,7 @@ def test_actor_argv_carries_the_warm_starts_prompt(tmp_path):
 def test_a_model_dir_handed_over_by_path_brings_its_prompt_to_the_actors_and_the_eval(tmp_path):
     """``cluster up --warm-start= --model DIR`` (what bench.learning's folds run, RL from a fold's warm start or
     SFT model): the actors and the in-loop eval prompt the policy as DIR was trained (its system_prompt.txt).
-    They got the agent's default prompt before (a 200-token one the policy never saw); a dir without the file
+    They got the agent's default prompt before (327 tokens the policy never saw); a dir without the file
     still gets the default."""
     from actors.__main__ import build_parser, settings
     from t1async.cluster import components
