@@ -28,7 +28,7 @@ pass@1, share of tests passed and turns taken, for RL and every baseline.
 
 The last stdout line is JSON: ``folds`` [{fold, untouched, pass1_after, best_baseline, best_baseline_pass1,
 ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, by_group {policy: {group: ...}}, pass_at_k
-{k: ...}, ood, split_disjoint, rl {init, steps, cluster_arg}, reused, minutes}], ``targets``.
+{k: ...}, ood, split_disjoint, rl {rev, init, steps, cluster_arg}, reused, minutes}], ``targets``.
 
     python -m bench.learning --rescore --run-dir DIR     # score DIR's folds again from their rows, running nothing
     python -m bench.learning --preset learn-choresn --folds 3 --baselines sft --rl-init sft --reuse OLD --run-dir NEW
@@ -335,10 +335,10 @@ RESCORE_FILES = {
     "sft": "test-sft-T*.jsonl",
     "rft": "test-rft-T0.jsonl",
     "contentfree": "test-contentfree-T0.jsonl",
+    "binary": "test-binary-T0.jsonl",
 }
 
 
-RESCORE_FILES["binary"] = "test-binary-T0.jsonl"
 ARM_FILES = {**RESCORE_FILES, "rl": "test-rl-T0.jsonl"}  # every arm's test rows
 RL_ARMS = ("rl", *RL_BASELINES)  # made by RL from RL's init: reused only from a run of the same RL
 # how the RL arms are made; 2: their actors prompt the policy as it was trained (e2749a2). An RL arm of an
@@ -441,7 +441,7 @@ def targets(folds: list[dict]) -> dict:
         "ood_ci_by_key_above_0": bool(folds)
         and all(f.get("ood", {}).get("ci95_diff_by_key", [0])[0] > 0 for f in folds),
         # a fold that reused arms (--reuse) did not pay for them: its minutes say nothing of a fold's cost
-        "minutes_per_fold_le_45": bool(whole) and all(f["minutes"] <= 45 for f in whole) if whole else None,
+        "minutes_per_fold_le_45": all(f["minutes"] <= 45 for f in whole) if whole else None,
     }
 
 
