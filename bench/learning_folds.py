@@ -209,6 +209,12 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             raise SystemExit(f"fold {f}: no eval or no test task in {tasks_dir}; give a larger --eval-corpus")
         print(f"fold {f}: split {check['task_counts']} tasks, disjoint {check['split_disjoint']}", flush=True)
         rl_rec = rl_record(args)
+        if stale := stale_rows(fr, table, warm, rl_rec):
+            raise SystemExit(
+                f"--run-dir {run}: {fr.name} holds test rows of another run ({', '.join(stale)}: another split, "
+                "warm start or RL), which this run would mix with its own; give a new --run-dir, with --reuse "
+                f"{run} to take what is comparable"
+            )
         prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec) if args.reuse else ({}, {})
         (fr / "fold.json").write_text(json.dumps({"warm_start": str(warm), "rl": rl_rec}, indent=1) + "\n")
         built: list[Path] = []
@@ -390,6 +396,22 @@ def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> t
         if len(files) == 1:
             found[name] = files[0]
     return rec, found
+
+
+def stale_rows(fr: Path, table: object, warm: Path, rl: dict) -> list[str]:
+    """The test-row files already in the fold dir ``fr`` that this run would not make the same way (``reusable``'s
+    rules, on ``fr`` itself): all of them under another split or warm start, or with no ``split.json``; an RL
+    arm's under another RL. A run writing into ``fr`` would otherwise leave them there under its own
+    ``fold.json``, and a later ``--reuse`` of it would take them as this run's."""
+    present = {name: sorted(fr.glob(pattern)) for name, pattern in ARM_FILES.items()}
+    names = sorted(p.name for files in present.values() for p in files)
+    if not names:
+        return []
+    try:
+        _, found = reusable(fr.parent, fr.name, table, warm, rl)
+    except SystemExit:
+        return names
+    return sorted(p.name for name, files in present.items() for p in files if found.get(name) != p)
 
 
 def rescore(run: Path, p: argparse.ArgumentParser) -> int:

@@ -185,6 +185,30 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
         reusable(tmp_path / "old", "fold2", table, Path("/w"), warm40)
 
 
+def test_a_run_dir_holding_another_runs_rows_is_refused_before_they_mix(tmp_path):
+    """A folds run writing into a fold dir that holds test rows of another split, warm start or RL would keep
+    them beside its own, under its own ``fold.json``: a later ``--reuse`` took such a stale binary arm (sampled
+    under the wrong prompt) as this run's. ``stale_rows`` names them; a resumed run of the same kind has none."""
+    import json
+
+    from bench.learning_folds import RL_REV, stale_rows
+
+    table = [{"id": "t0", "split": "test", "content_key": "choresn:n3:1+2+3"}]
+    fr = tmp_path / "run" / "fold0"
+    fr.mkdir(parents=True)
+    sft40 = {"rev": RL_REV, "init": "sft", "steps": 40, "cluster_arg": []}
+    assert stale_rows(fr, table, Path("/w"), sft40) == []  # a new dir
+    for name in ("test-sft-T0.jsonl", "test-binary-T0.jsonl"):
+        (fr / name).write_text(json.dumps(row("t0", "choresn:n3:1+2+3", True)) + "\n")
+    assert stale_rows(fr, table, Path("/w"), sft40) == ["test-binary-T0.jsonl", "test-sft-T0.jsonl"]  # no split
+    (fr / "split.json").write_text(json.dumps({"split_disjoint": True, "tasks": table}))
+    (fr / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": {**sft40, "cluster_arg": ["--reward=x"]}}))
+    assert stale_rows(fr, table, Path("/w"), sft40) == ["test-binary-T0.jsonl"]  # another RL's arm
+    assert stale_rows(fr, table, Path("/other"), sft40) == ["test-binary-T0.jsonl", "test-sft-T0.jsonl"]
+    (fr / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": sft40}))
+    assert stale_rows(fr, table, Path("/w"), sft40) == []  # the same run, resumed
+
+
 def test_rl_init_and_reuse_outside_a_folds_run_are_refused(capsys):
     from bench.learning import main
 
