@@ -44,6 +44,7 @@ from sandbox_agent.agent.actions import parse_action
 from t1async.eval.stats import by_key_ci, pass_at_k, split_errors
 from t1async.log import get_logger
 from t1async.protocol.sampling import Generation, Sampler, SamplingParams
+from t1async.signals import run_until_stop
 
 log = get_logger("bench.baselines")
 BASELINES = ("sweep", "passk", "mask", "sft", "rft", "contentfree", "binary")
@@ -130,8 +131,6 @@ def _is_done(text: str) -> bool:
 
 def eval_masked(model: Path, tasks: list, *, samples: int, out: Path, ev: Mapping, temperature: float) -> list[dict]:
     """``bench.learning_runs.eval_policy`` with ``DoneMasked`` around the embedded sampler."""
-    import anyio
-
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.sampler.client import SGLangClient
@@ -163,7 +162,7 @@ def eval_masked(model: Path, tasks: list, *, samples: int, out: Path, ev: Mappin
                 r["masked_kept_done"] = masked.kept_done
             return rows
 
-    return anyio.run(go, backend="trio")
+    return run_until_stop(go)  # SIGTERM: the episodes' sandboxes and work dirs are removed first
 
 
 def rft_demos(rows: Sequence[Mapping], tasks: Mapping[str, object], *, concurrency: int = 2) -> list:
@@ -171,8 +170,6 @@ def rft_demos(rows: Sequence[Mapping], tasks: Mapping[str, object], *, concurren
     episode's commands, written as the task's solution in a copy of its dir and re-run in the sandbox
     (``sft.collect_demos``: the real observations, and only what still resolves is kept). One demonstration per
     distinct (task, commands)."""
-    import anyio
-
     from sandbox_agent.tasks.task import load_task
     from t1async.recipes.sft import collect_demos
 
@@ -194,7 +191,7 @@ def rft_demos(rows: Sequence[Mapping], tasks: Mapping[str, object], *, concurren
             shutil.copytree(task.path, d)  # type: ignore[attr-defined]
             (d / "solution.sh").write_text("#!/bin/bash\n" + "\n\n".join(cmds) + "\n")
             copies.append(load_task(d))
-        return anyio.run(lambda: collect_demos(copies, concurrency=concurrency), backend="trio")
+        return run_until_stop(lambda: collect_demos(copies, concurrency=concurrency))
 
 
 def rft_model(warm: Path, demos: list, out: Path, *, steps: int, system_prompt: str | None) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.baselines import BASELINES
 from t1async.log import get_logger
-from t1async.signals import handlers
+from t1async.signals import handlers, run_until_stop
 
 log = get_logger("bench.learning")
 
@@ -38,8 +38,6 @@ def eval_policy(
     temperature: float = 1.0,
 ) -> list[dict]:
     """Every task ``samples`` seeded episodes on the embedded sampler over ``model``; the episode rows."""
-    import anyio
-
     from t1async.eval.run import EvalConfig, progress_stream, run_eval
     from t1async.model.tokenizer import ChatTokenizer
     from t1async.sampler.client import SGLangClient
@@ -65,7 +63,7 @@ def eval_policy(
         async with launch_sampler(model, seed=seed, prefix_cache_tokens=0) as url, SGLangClient([url]) as c:
             return await run_eval(tasks, c, tok, cfg, jsonl=out, progress=progress_stream(), agent=agent)
 
-    return anyio.run(go, backend="trio")
+    return run_until_stop(go)  # SIGTERM: the episodes' sandboxes and work dirs are removed first
 
 
 def add_fold_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,9 @@ Async (anyio, under trio or asyncio), for long-running commands:
 
     sig = await signals.wait_for_stop()                          # until Ctrl-C or SIGTERM; returns which
 
+    rows = signals.run_until_stop(work)    # a sync command's async part: Ctrl-C or SIGTERM cancels it, its
+                                           # finally blocks run, then signals.Stopped (a SystemExit) is raised
+
     with signals.receive(*signals.STOP, signal.SIGHUP) as received:   # caught from here on (no window)
         ...                                                            # say "running"
         sig = await signals.next_signal(received)
@@ -24,10 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from types import FrameType
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -35,10 +38,12 @@ from anyio.abc import TaskStatus
 __all__ = [
     "STOP",
     "Handler",
+    "Stopped",
     "cancel_on_stop",
     "handlers",
     "next_signal",
     "receive",
+    "run_until_stop",
     "set_handlers",
     "wait_for_stop",
 ]
@@ -47,6 +52,15 @@ STOP: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 """The signals that stop a component gracefully: Ctrl-C and SIGTERM (`cluster down`, the supervisor)."""
 
 Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+T = TypeVar("T")
+
+
+class Stopped(SystemExit):
+    """``run_until_stop``'s work was cancelled by ``sig``; the exit status is 128 + its number, as a shell's."""
+
+    def __init__(self, sig: signal.Signals):
+        super().__init__(128 + int(sig))
+        self.sig = sig
 
 
 def receive(*sigs: signal.Signals) -> AbstractContextManager[AsyncIterator[int]]:
@@ -79,6 +93,32 @@ async def cancel_on_stop(
         task_status.started()
         await next_signal(received)
     scope.cancel()
+
+
+def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
+    """``fn()`` under trio, from a sync caller, until it returns or one of ``sigs`` (default ``STOP``) arrives.
+    A signal cancels it: its ``finally`` blocks run (its sandboxes, work dirs and servers are removed), then
+    ``Stopped`` is raised. Without this a SIGTERM killed a sync command (``bench.learning``'s evals) at once
+    and left its episodes' work dirs behind."""
+    done: list[T] = []
+    got: list[signal.Signals] = []
+
+    async def watch(scope: anyio.CancelScope, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        with receive(*sigs) as received:
+            task_status.started()
+            got.append(await next_signal(received))
+        scope.cancel()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(watch, tg.cancel_scope)
+            done.append(await fn())
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="trio")
+    if not done:
+        raise Stopped(got[0] if got else signal.SIGTERM)
+    return done[0]
 
 
 def set_handlers(new: Mapping[signal.Signals, Handler]) -> dict[signal.Signals, Handler]:

@@ -40,3 +40,28 @@ def test_handlers_are_put_back_after_the_block():
     saved = signals.set_handlers({signal.SIGUSR2: signal.SIG_IGN})
     signals.set_handlers(saved)
     assert signal.getsignal(signal.SIGUSR2) is saved[signal.SIGUSR2]
+
+
+def test_run_until_stop_returns_the_result_or_cleans_up_and_raises_stopped(tmp_path):
+    """A sync command's async part (``bench.learning``'s evals) under ``run_until_stop``: a SIGTERM cancels it,
+    its ``finally`` removes what it made (there, the episodes' work dirs), then ``Stopped`` exits 143. The
+    signal is sent once the work runs, so the receiver is open: no sleep to guess it."""
+    made = tmp_path / "t1w-episode"
+
+    async def work() -> None:
+        made.mkdir()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await anyio.sleep_forever()
+        finally:
+            made.rmdir()
+
+    with pytest.raises(signals.Stopped) as e:
+        signals.run_until_stop(work)
+    assert e.value.sig is signal.SIGTERM and e.value.code == 143 and not made.exists()
+
+    async def two() -> int:
+        return 2
+
+    assert signals.run_until_stop(two) == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the receiver put the handler back
