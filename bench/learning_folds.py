@@ -13,8 +13,9 @@ SFT's decoding are chosen on eval, never on test): RL after ``--rl-steps``; each
 (``bench.baselines``). The best baseline is the one with the highest pass@1; ``ci95_diff_by_key`` is RL minus
 it, paired by content key (``t1async.eval.stats.paired_by_key``: keys resampled, widened for their number;
 ``p_by_key`` its sign-flip p), on the in-distribution test keys. OOD: the test keys ``split.OOD_PREFIXES``
-names (``choresn``'s held-out n, ``observe``'s held-out variant) are scored apart (``ood``: RL vs the sweep's
-warm start and vs the best baseline, by key).
+names (``choresn``'s held-out n, ``observe``'s held-out variant) are scored apart (``ood``: RL vs the policy it
+started from, ``before``: the sweep's warm start or, under ``--rl-init sft``, the sft model; and vs the best
+baseline, by key).
 
 RL, and the RL baselines (``contentfree``, ``binary``), start from the fold's warm start, or with ``--rl-init sft``
 from the ``sft`` baseline's model: does RL add anything to the best model SFT gives? ``--reuse DIR`` takes each
@@ -88,12 +89,19 @@ def by_group(rows: list) -> dict[str, dict]:
 
 
 def fold_entry(
-    *, fold: int | None, folds: int, after: list, baselines: dict[str, list], ood_prefixes: tuple[str, ...]
+    *,
+    fold: int | None,
+    folds: int,
+    after: list,
+    baselines: dict[str, list],
+    ood_prefixes: tuple[str, ...],
+    init: str = "sweep",
 ) -> dict:
     """One fold's figures from its eval rows (pure: tested without running anything). ``after``: RL's test rows;
     ``baselines``: name -> its test rows (for ``passk``, the pass@1 of its many samples). The main figures are
     on the in-distribution test keys; the OOD ones (``ood_prefixes``) are scored apart (``ood``: RL against the
-    sweep's warm start and against the best baseline)."""
+    policy it started from, the arm ``init`` names: ``sweep``, the warm start, or ``sft`` under ``--rl-init
+    sft``; and against the best baseline)."""
 
     def ood(r: dict) -> bool:
         return bool(ood_prefixes) and str(r.get("content_key", "")).startswith(ood_prefixes)
@@ -121,11 +129,12 @@ def fold_entry(
     else:
         entry.update(ci95_diff_by_key=[float("nan")] * 2, diff_by_key=float("nan"), p_by_key=float("nan"), keys=0)
     ood_after = [r for r in all_after if ood(r)]
-    ref = all_base.get("sweep")
+    ref = all_base.get(init)
     if ref is not None and ood_after:
         ood_before = [r for r in ref if ood(r)]
         d = paired_by_key(_task_pass1(ood_before), _task_pass1(ood_after), key_of)
         entry["ood"] = {
+            "before": init,  # the arm RL started from: "rises" is against it
             "pass1_before": pass1(ood_before),
             "pass1_after": pass1(ood_after),
             "ci95_diff_by_key": d["ci95"],
@@ -316,7 +325,9 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 shutil.rmtree(d)
             ck = run_rl(d, tasks_dir, args.rl_steps, rl_extra, args.rl_timeout, preset=args.preset)
             after = ev_(ck, tests, 0.0, "test-rl-T0")
-        entry = fold_entry(fold=f, folds=args.folds, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES)
+        entry = fold_entry(
+            fold=f, folds=args.folds, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES, init=init_arm(rl_rec)
+        )
         entry.update(
             rl=rl_rec,
             reused=sorted(used),
@@ -351,6 +362,13 @@ RL_ARMS = ("rl", *RL_BASELINES)  # made by RL from RL's init: reused only from a
 # earlier revision sampled under the default system prompt, and is never reused
 RL_REV = 2
 RL_SAME = ("rev", "init", "steps", "cluster_arg")  # what an RL arm must share with this run's to be reused
+
+
+def init_arm(rl: dict) -> str:
+    """The arm whose test rows are RL's starting policy: the ``sft`` baseline under ``--rl-init sft``, else the
+    warm start (``sweep``). A record without ``init`` (a fold run before ``--rl-init``) started from the warm
+    start."""
+    return "sft" if rl.get("init") == "sft" else "sweep"
 
 
 def rows_of(path: Path) -> list:
@@ -434,7 +452,8 @@ def rescore(run: Path, p: argparse.ArgumentParser) -> int:
         f = old.get("fold", None if fr.name == "fold-default" else int(fr.name.removeprefix("fold")))
         after = rows_of(fr / "test-rl-T0.jsonl")
         # folds=-1: no fold is taken for the untouched one here; its summary.json says whether it is
-        new = fold_entry(fold=f, folds=-1, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES)
+        init = init_arm(old.get("rl") or {})
+        new = fold_entry(fold=f, folds=-1, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES, init=init)
         entry = {**old, **new, "untouched": bool(old.get("untouched", False))}
         entry.setdefault("minutes", float("nan"))
         out.append(entry)

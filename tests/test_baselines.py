@@ -72,7 +72,13 @@ def test_best_of_and_a_folds_entry():
     lo, hi = e["ci95_diff_by_key"]
     assert 0 < lo <= 4 / 6 <= hi and e["p_by_key"] == pytest.approx(2 / 16)  # 4 keys up, 2 unchanged
     assert e["ood"]["pass1_before"] == 0.0 and e["ood"]["pass1_after"] == 1.0 and e["ood"]["keys"] == 1
-    assert e["ood"]["best_baseline_pass1"] == 0.0
+    assert e["ood"]["best_baseline_pass1"] == 0.0 and e["ood"]["before"] == "sweep"
+    # RL from the sft baseline's model (--rl-init sft): the OOD rise is against sft, where it started
+    sft_ood = [*base["sweep"][:-1], row("t6", "choresn:n5:9", True)]
+    e = fold_entry(
+        fold=0, folds=3, after=after, baselines={**base, "sft": sft_ood}, ood_prefixes=("choresn:n5:",), init="sft"
+    )
+    assert e["ood"]["before"] == "sft" and e["ood"]["pass1_before"] == 1.0 and e["ood"]["ci95_diff_by_key"] == [0, 0]
     t = targets([{**e, "minutes": 10.0}])
     assert t["each_fold_beats_best_baseline_by_10"] and t["each_fold_ci_by_key_above_0"]
     assert t["minutes_per_fold_le_45"]
@@ -124,22 +130,28 @@ def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
         (fr / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         return rows
 
-    after = write("test-rl-T0.jsonl", [row(f"t{i}", k, i < 4, turns=3) for i, k in enumerate(keys)])
+    ood = [row("t9", "choresn:n5:9", True)]  # one held-out key, resolved by RL and by sft, not by the warm start
+    after = write("test-rl-T0.jsonl", [*(row(f"t{i}", k, i < 4, turns=3) for i, k in enumerate(keys)), *ood])
     base = {
-        "sweep": write("test-warm-T1.jsonl", [row(f"t{i}", k, i < 1, turns=2) for i, k in enumerate(keys)]),
-        "sft": write("test-sft-T0.jsonl", [row(f"t{i}", k, i < 2, turns=3) for i, k in enumerate(keys)]),
+        "sweep": write(
+            "test-warm-T1.jsonl",
+            [*(row(f"t{i}", k, i < 1, turns=2) for i, k in enumerate(keys)), row("t9", "choresn:n5:9", False)],
+        ),
+        "sft": write("test-sft-T0.jsonl", [*(row(f"t{i}", k, i < 2, turns=3) for i, k in enumerate(keys)), *ood]),
     }
-    (fr / "summary.json").write_text(json.dumps({"fold": 1, "untouched": False, "minutes": 61.5, "warm_start": "W"}))
+    rec = {"fold": 1, "untouched": False, "minutes": 61.5, "warm_start": "W", "rl": {"init": "sft"}}
+    (fr / "summary.json").write_text(json.dumps(rec))
     (tmp_path / "fold0").mkdir()  # a fold without a summary.json: never taken for the untouched one
     (tmp_path / "fold0" / "test-rl-T0.jsonl").write_text((fr / "test-rl-T0.jsonl").read_text())
     assert rescore(tmp_path, argparse.ArgumentParser()) == 0
     zero, got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folds"]
     assert zero["fold"] == 0 and not zero["untouched"] and "sft" not in zero["baselines"]
-    want = fold_entry(fold=1, folds=0, after=after, baselines=base, ood_prefixes=("choresn:n5:",))
+    want = fold_entry(fold=1, folds=0, after=after, baselines=base, ood_prefixes=("choresn:n5:",), init="sft")
     assert (
         got["best_baseline"] == "sft" == want["best_baseline"] and got["ci95_diff_by_key"] == want["ci95_diff_by_key"]
     )
     assert got["minutes"] == 61.5 and got["warm_start"] == "W" and not got["untouched"]
+    assert got["ood"]["before"] == "sft" and got["ood"]["pass1_before"] == 1.0  # RL's init, from its rl.init
     assert got["by_group"]["rl"]["choresn:n3"]["pass1"] == pytest.approx(4 / 6)
     assert set(got["by_group"]) == {"rl", "sweep", "sft"}
     assert json.loads((fr / "summary.json").read_text())["by_group"] == got["by_group"]
