@@ -102,6 +102,7 @@ def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
     and left its episodes' work dirs behind."""
     done: list[T] = []
     got: list[signal.Signals] = []
+    failed: list[Exception] = []
 
     async def watch(scope: anyio.CancelScope, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         with receive(*sigs) as received:
@@ -112,10 +113,15 @@ def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(watch, tg.cancel_scope)
-            done.append(await fn())
+            try:
+                done.append(await fn())
+            except Exception as e:  # raised as anyio.run(fn) would, not wrapped in the group's ExceptionGroup
+                failed.append(e)
             tg.cancel_scope.cancel()
 
     anyio.run(main, backend="trio")
+    if failed:
+        raise failed[0]
     if not done:
         raise Stopped(got[0] if got else signal.SIGTERM)
     return done[0]

@@ -199,8 +199,9 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
 
 def test_a_run_dir_holding_another_runs_rows_is_refused_before_they_mix(tmp_path):
     """A folds run writing into a fold dir that holds test rows of another split, warm start or RL would keep
-    them beside its own, under its own ``fold.json``: a later ``--reuse`` took such a stale binary arm (sampled
-    under the wrong prompt) as this run's. ``stale_rows`` names them; a resumed run of the same kind has none."""
+    them beside its own, under its own ``fold.json``, and a later ``--reuse`` would take such a stale binary arm
+    (sampled under the wrong prompt) as this run's. ``stale_rows`` names them; a resumed run of the same kind has
+    none."""
     import json
 
     from bench.learning_folds import RL_REV, stale_rows

@@ -64,4 +64,10 @@ def test_run_until_stop_returns_the_result_or_cleans_up_and_raises_stopped(tmp_p
         return 2
 
     assert signals.run_until_stop(two) == 2
+
+    async def fails() -> None:
+        raise ValueError("bad task dir")
+
+    with pytest.raises(ValueError, match="bad task dir"):  # as anyio.run would raise it: not in an ExceptionGroup
+        signals.run_until_stop(fails)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the receiver put the handler back
