@@ -56,7 +56,6 @@ from bench.learning_runs import (
 )
 from bench.learning_stats import best_decoding, compare, error_counts, learning_curve, pass1, plot, split_check, spread
 from t1async.log import configure, get_logger
-from t1async.signals import Stopped
 
 log = get_logger("bench.learning")
 
@@ -421,12 +420,7 @@ def report(summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Stopped as e:  # Ctrl-C or SIGTERM during an eval: its episodes' sandboxes and work dirs are removed
-        print(
-            f"bench.learning: stopped by {e.sig.name}; the rows written so far stay in --run-dir (a folds run "
-            "resumes with --reuse RUN_DIR)",
-            file=sys.stderr,
-        )
-        sys.exit(e.code)
+    # Ctrl-C or SIGTERM during an eval ends it with the event signals.stopped and exit status 130/143, once its
+    # episodes' sandboxes and work dirs are removed; the rows written so far stay in --run-dir (a folds run
+    # resumes with --reuse RUN_DIR)
+    sys.exit(main())

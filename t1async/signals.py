@@ -10,7 +10,7 @@ Async (anyio, under trio or asyncio), for long-running commands:
     sig = await signals.wait_for_stop()                          # until Ctrl-C or SIGTERM; returns which
 
     rows = signals.run_until_stop(work)    # a sync command's async part: Ctrl-C or SIGTERM cancels it, its
-                                           # finally blocks run, then signals.Stopped (a SystemExit) is raised
+                                           # finally blocks run, then SystemExit(128 + the signal's number)
 
     with signals.receive(*signals.STOP, signal.SIGHUP) as received:   # caught from here on (no window)
         ...                                                            # say "running"
@@ -35,10 +35,11 @@ from typing import Any, TypeAlias, TypeVar
 import anyio
 from anyio.abc import TaskStatus
 
+from t1async.log import get_logger
+
 __all__ = [
     "STOP",
     "Handler",
-    "Stopped",
     "cancel_on_stop",
     "handlers",
     "next_signal",
@@ -53,14 +54,6 @@ STOP: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 T = TypeVar("T")
-
-
-class Stopped(SystemExit):
-    """``run_until_stop``'s work was cancelled by ``sig``; the exit status is 128 + its number, as a shell's."""
-
-    def __init__(self, sig: signal.Signals):
-        super().__init__(128 + int(sig))
-        self.sig = sig
 
 
 def receive(*sigs: signal.Signals) -> AbstractContextManager[AsyncIterator[int]]:
@@ -97,9 +90,10 @@ async def cancel_on_stop(
 
 def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
     """``fn()`` under trio, from a sync caller, until it returns or one of ``sigs`` (default ``STOP``) arrives.
-    A signal cancels it: its ``finally`` blocks run (its sandboxes, work dirs and servers are removed), then
-    ``Stopped`` is raised. Without this a SIGTERM killed a sync command (``bench.learning``'s evals) at once
-    and left its episodes' work dirs behind."""
+    A signal cancels it: its ``finally`` blocks run (its sandboxes, work dirs and servers are removed), then the
+    event ``signals.stopped`` is logged and ``SystemExit`` raised, with 128 + the signal's number as a shell's
+    exit status (an exit, not an error: outside ``protocol/errors.py``'s tree). Without this a SIGTERM killed a
+    sync command (``bench.learning``'s evals) at once and left its episodes' work dirs behind."""
     done: list[T] = []
     got: list[signal.Signals] = []
     failed: list[Exception] = []
@@ -123,7 +117,9 @@ def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
     if failed:
         raise failed[0]
     if not done:
-        raise Stopped(got[0] if got else signal.SIGTERM)
+        sig = got[0] if got else signal.SIGTERM
+        get_logger("signals").warning("signals.stopped", signal=sig.name, exit_status=128 + int(sig))
+        raise SystemExit(128 + int(sig))
     return done[0]
 
 
