@@ -37,7 +37,11 @@ async def run_loop(
     broker: MemoryBroker,
     sampler: VersionedMemorySampler,
     seen: list,
+    ends: int = 0,
 ) -> Learner:
+    """The actor and learner over ``broker`` until the learner's ``steps`` steps, and until ``ends`` episodes
+    have ended (their EndRecords in ``seen``): the learner can finish on an episode's last turns before the
+    verifier's result is published, so a test of the ends waits for them rather than for luck."""
     tasks = tmp_path / "tasks"
     if not tasks.exists():
         generate(tasks, 6, seed=3)
@@ -61,14 +65,20 @@ async def run_loop(
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as at, MemoryTransport(broker) as mt:
         learner = Learner(lcfg, lt, sampler)
         async with mt.subscribe("t1.>") as sub, anyio.create_task_group() as tg:
-            finished, barrier = anyio.Event(), anyio.Event()
+            finished, barrier, ended = anyio.Event(), anyio.Event(), anyio.Event()
 
             async def watch():
+                n_ends = 0
+                if ends <= 0:
+                    ended.set()
                 async for m in sub:
                     if m.subject == "t1.test.barrier":
                         barrier.set()  # delivery is in order: every record published before it is in `seen`
                     else:
                         seen.append(m.record)
+                        n_ends += isinstance(m.record, wire.EndRecord)
+                        if n_ends >= ends:
+                            ended.set()
 
             async def run_learner(*, task_status=anyio.TASK_STATUS_IGNORED):
                 await learner.run(task_status=task_status)  # returns after `steps` steps (lcfg.steps)
@@ -91,6 +101,7 @@ async def run_loop(
             tg.start_soon(actor)
             with anyio.fail_after(240):
                 await finished.wait()
+                await ended.wait()
                 await lt.publish("t1.test.barrier", wire.Heartbeat("test", 0.0))
                 await barrier.wait()
             actor_scope.cancel()

@@ -242,7 +242,10 @@ async def test_actors_run_published_tasks_in_containers_and_the_learner_trains_t
     )
     seen: list = []
     before = ours()
-    learner = await run_loop(tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen)
+    # ends=1: the learner's 2 steps can finish on turns before any episode's verified end is published
+    learner = await run_loop(
+        tmp_path, tiny_model, eta=1, steps=2, broker=MemoryBroker(), sampler=sampler, seen=seen, ends=1
+    )
     assert learner.policy_version == 2
     starts = {r.episode: r.task for r in seen if isinstance(r, wire.StartRecord)}
     ends = [r for r in seen if isinstance(r, wire.EndRecord)]
