@@ -38,11 +38,14 @@ ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, by_group {poli
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench._common import emit_json, print_grid
 from bench.baselines import (
@@ -149,10 +152,8 @@ def fold_entry(
 
 
 def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    from sandbox_agent.synth import corpus_entries
-    from sandbox_agent.synth.split import OOD_PREFIXES
     from t1async.recipes.presets import preset_values
-    from t1async.recipes.warmstart import build, get_recipe, system_prompt_of
+    from t1async.recipes.warmstart import get_recipe
 
     wanted = [b for b in args.baselines.split(",") if b]
     bad = [b for b in wanted if b not in BASELINES]
@@ -198,150 +199,169 @@ def run_folds(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.only_folds:
         only = {int(x) for x in args.only_folds.split(",") if x.strip()}
         folds = [f for f in folds if f in only]
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    plan = _Plan(
+        args=args,
+        wanted=wanted,
+        temps=temps,
+        train_t=train_t,
+        ev=ev,
+        families=families,
+        recipe=lambda f: for_fold(base, f),
+        full_recipe=lambda f: for_fold(get_recipe(f"{base.name}-full"), f),
+    )
+    out = [_run_fold(f, plan) for f in folds]
+    return finish(args.run_dir, out)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every fold of a ``run_folds`` run shares: its flags, and how a fold's warm start and full SFT model
+    are made (the recipe for fold f)."""
+
+    args: argparse.Namespace
+    wanted: list[str]
+    temps: list[float]
+    train_t: float
+    ev: dict
+    families: tuple[str, ...]
+    recipe: Callable[[int | None], Any]
+    full_recipe: Callable[[int | None], Any]
+
+
+def _run_fold(f: int | None, plan: _Plan) -> dict:
+    """Fold f: its corpus and split, then each arm of ``--baselines`` and RL, reused from ``--reuse`` where that
+    run made it the same way, else run here; its summary entry (also written to the fold's ``summary.json``)."""
+    from sandbox_agent.synth import corpus_entries
+    from sandbox_agent.synth.split import OOD_PREFIXES
+    from t1async.recipes.warmstart import build, system_prompt_of
+
+    args, wanted, train_t = plan.args, plan.wanted, plan.train_t
+    t0 = time.perf_counter()
     run = args.run_dir
-    run.mkdir(parents=True, exist_ok=True)
-    out: list[dict] = []
-    for f in folds:
-        t0 = time.perf_counter()
-        fr = run / ("fold-default" if f is None else f"fold{f}")
-        fr.mkdir(parents=True, exist_ok=True)
-        rec = for_fold(base, f)
-        warm = build(rec)
-        ev["system_prompt"] = system_prompt_of(warm)
-        tasks_dir = fr / ("tasks-" + "-".join(families))
-        table = ensure_corpus(tasks_dir, args.eval_corpus, args.seed, families, fold=f, folds=args.folds)
-        sft_entries = corpus_entries(rec.tasks, rec.task_seed, list(rec.families), fold=f, folds=args.folds)
-        check = split_check(table, sft_entries, fold=f, folds=args.folds)
-        (fr / "split.json").write_text(json.dumps({**check, "tasks": table}, indent=1) + "\n")
-        evals, tests, train = (held_tasks(tasks_dir, table, s) for s in ("eval", "test", "train"))
-        if not evals or not tests:
-            raise SystemExit(f"fold {f}: no eval or no test task in {tasks_dir}; give a larger --eval-corpus")
-        print(f"fold {f}: split {check['task_counts']} tasks, disjoint {check['split_disjoint']}", flush=True)
-        rl_rec = rl_record(args)
-        if stale := stale_rows(fr, table, warm, rl_rec):
-            raise SystemExit(
-                f"--run-dir {run}: {fr.name} holds test rows of another run ({', '.join(stale)}: another split, "
-                "warm start or RL), which this run would mix with its own; give a new --run-dir, with --reuse "
-                f"{run} to take what is comparable"
-            )
-        prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec) if args.reuse else ({}, {})
-        (fr / "fold.json").write_text(json.dumps({"warm_start": str(warm), "rl": rl_rec}, indent=1) + "\n")
-        built: list[Path] = []
-        used: list[str] = []
+    fr = run / ("fold-default" if f is None else f"fold{f}")
+    fr.mkdir(parents=True, exist_ok=True)
+    rec = plan.recipe(f)
+    warm = build(rec)
+    ev = {**plan.ev, "system_prompt": system_prompt_of(warm)}
+    tasks_dir = fr / ("tasks-" + "-".join(plan.families))
+    table = ensure_corpus(tasks_dir, args.eval_corpus, args.seed, plan.families, fold=f, folds=args.folds)
+    sft_entries = corpus_entries(rec.tasks, rec.task_seed, list(rec.families), fold=f, folds=args.folds)
+    check = split_check(table, sft_entries, fold=f, folds=args.folds)
+    (fr / "split.json").write_text(json.dumps({**check, "tasks": table}, indent=1) + "\n")
+    evals, tests, train = (held_tasks(tasks_dir, table, s) for s in ("eval", "test", "train"))
+    if not evals or not tests:
+        raise SystemExit(f"fold {f}: no eval or no test task in {tasks_dir}; give a larger --eval-corpus")
+    print(f"fold {f}: split {check['task_counts']} tasks, disjoint {check['split_disjoint']}", flush=True)
+    rl_rec = rl_record(args)
+    if stale := stale_rows(fr, table, warm, rl_rec):
+        raise SystemExit(
+            f"--run-dir {run}: {fr.name} holds test rows of another run ({', '.join(stale)}: another split, "
+            "warm start or RL), which this run would mix with its own; give a new --run-dir, with --reuse "
+            f"{run} to take what is comparable"
+        )
+    prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec) if args.reuse else ({}, {})
+    (fr / "fold.json").write_text(json.dumps({"warm_start": str(warm), "rl": rl_rec}, indent=1) + "\n")
+    built: list[Path] = []
+    used: list[str] = []
+    rows: dict[str, list] = {}
 
-        def full(f: int | None = f, built: list[Path] = built) -> Path:  # the sft baseline's model, built once
-            if not built:
-                built.append(build(for_fold(get_recipe(f"{base.name}-full"), f)))
-            return built[0]
+    def full() -> Path:  # the sft baseline's model, built once
+        if not built:
+            built.append(build(plan.full_recipe(f)))
+        return built[0]
 
-        def reuse(
-            name: str, prev: dict[str, Path] = prev, fr: Path = fr, f: int | None = f, used: list[str] = used
-        ) -> list | None:
-            """The arm's rows from ``--reuse`` (copied into this fold's dir), or None: run it."""
-            src = prev.get(name)
-            if src is None:
-                return None
+    def arm(name: str, make: Callable[[], list | None]) -> list | None:
+        """The arm's test rows: from ``--reuse`` (copied into this fold's dir) where that run made them the same
+        way, else ``make()`` (None: none made, e.g. RFT kept no episode). Kept in ``rows`` unless it is RL."""
+        src = prev.get(name)
+        if src is not None:
             if src.resolve() != (fr / src.name).resolve():
                 shutil.copy2(src, fr / src.name)
             print(f"fold {f} {name}: {src.name} reused from {src.parent}", flush=True)
             used.append(name)
-            return rows_of(src)
-
-        def ev_(
-            model: Path,
-            tasks: list,
-            temp: float,
-            tag: str,
-            samples: int | None = None,
-            fr: Path = fr,
-            f: int | None = f,
-        ) -> list:
-            k = 1 if temp == 0 else (samples or args.samples)
-            rows = eval_policy(model, tasks, samples=k, out=fr / f"{tag}.jsonl", temperature=temp, **ev)
-            print(f"fold {f} {tag}: {len(rows)} episodes", flush=True)
-            return rows
-
-        rows: dict[str, list] = {}
-        passk: dict = {}
-        if "sweep" in wanted or "passk" in wanted:  # the warm start's decoding, chosen on eval
-            if (got := reuse("sweep")) is not None:
-                rows["sweep"] = got
-            else:
-                sweep = {t: pass1(ev_(warm, evals, t, f"eval-warm-T{t:g}")) for t in temps}
-                best_t, _ = best_decoding(sweep)
-                rows["sweep"] = ev_(warm, tests, best_t, f"test-warm-T{best_t:g}")
-        if "passk" in wanted:
-            got = reuse("passk")
-            rows["passk"] = got if got is not None else ev_(warm, tests, train_t, "test-warm-passk", samples=args.passk)
-            passk = pass_at_ks(rows["passk"], range(1, args.passk + 1))
-        if "mask" in wanted:
-            got = reuse("mask")
-            rows["mask"] = (
-                got
-                if got is not None
-                else eval_masked(
-                    warm, tests, samples=args.samples, out=fr / "test-warm-mask.jsonl", ev=ev, temperature=train_t
-                )
-            )
-        if "sft" in wanted:
-            if (got := reuse("sft")) is not None:
-                rows["sft"] = got
-            else:
-                pick = {t: pass1(ev_(full(), evals, t, f"eval-sft-T{t:g}")) for t in sorted({0.0, train_t})}
-                t_sft, _ = best_decoding(pick)
-                rows["sft"] = ev_(full(), tests, t_sft, f"test-sft-T{t_sft:g}")
-        if "rft" in wanted and (got := reuse("rft")) is not None:
-            rows["rft"] = got
-        elif "rft" in wanted:
-            pool = train[: args.rft_tasks] if args.rft_tasks else train
-            sampled = ev_(warm, pool, train_t, "train-warm-rft", samples=args.rft_samples)
-            demos = rft_demos(sampled, {t.id: t for t in pool})
-            print(f"fold {f} rft: {len(demos)} resolved episodes kept of {len(sampled)}", flush=True)
-            if demos:
-                model = rft_model(
-                    warm, demos, fr / "rft-model", steps=args.rft_steps, system_prompt=ev["system_prompt"]
-                )
-                rows["rft"] = ev_(model, tests, 0.0, "test-rft-T0")
-        rl_model = full() if args.rl_init == "sft" else warm
-        rl_extra = ["--seed", str(args.seed + (f or 0)), "--warm-start=", "--model", str(rl_model), *args.cluster_arg]
-        for name, reward in RL_BASELINES.items():  # RL at RL's budget, from RL's init, another reward
-            if name not in wanted:
-                continue
-            if (got := reuse(name)) is not None:
-                rows[name] = got
-                continue
-            d = fr / f"rl-{name}"
-            if d.exists():
-                shutil.rmtree(d)
-            ck = run_rl(
-                d, tasks_dir, args.rl_steps, [*rl_extra, "--reward", reward], args.rl_timeout, preset=args.preset
-            )
-            rows[name] = ev_(ck, tests, 0.0, f"test-{name}-T0")
-        if (after := reuse("rl")) is not None:
-            ck = Path(str(prev_rec.get("checkpoint") or ""))
+            got: list | None = rows_of(src)
         else:
-            d = fr / "rl"
-            if d.exists():
-                shutil.rmtree(d)
-            ck = run_rl(d, tasks_dir, args.rl_steps, rl_extra, args.rl_timeout, preset=args.preset)
-            after = ev_(ck, tests, 0.0, "test-rl-T0")
-        entry = fold_entry(
-            fold=f, folds=args.folds, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES, init=init_arm(rl_rec)
+            got = make()
+        if got is not None and name != "rl":
+            rows[name] = got
+        return got
+
+    def ev_(model: Path, tasks: list, temp: float, tag: str, samples: int | None = None) -> list:
+        k = 1 if temp == 0 else (samples or args.samples)
+        got = eval_policy(model, tasks, samples=k, out=fr / f"{tag}.jsonl", temperature=temp, **ev)
+        print(f"fold {f} {tag}: {len(got)} episodes", flush=True)
+        return got
+
+    def sweep() -> list:  # the warm start's decoding, chosen on eval
+        best_t, _ = best_decoding({t: pass1(ev_(warm, evals, t, f"eval-warm-T{t:g}")) for t in plan.temps})
+        return ev_(warm, tests, best_t, f"test-warm-T{best_t:g}")
+
+    def sft() -> list:
+        t_sft, _ = best_decoding({t: pass1(ev_(full(), evals, t, f"eval-sft-T{t:g}")) for t in sorted({0.0, train_t})})
+        return ev_(full(), tests, t_sft, f"test-sft-T{t_sft:g}")
+
+    def rft() -> list | None:
+        pool = train[: args.rft_tasks] if args.rft_tasks else train
+        sampled = ev_(warm, pool, train_t, "train-warm-rft", samples=args.rft_samples)
+        demos = rft_demos(sampled, {t.id: t for t in pool})
+        print(f"fold {f} rft: {len(demos)} resolved episodes kept of {len(sampled)}", flush=True)
+        if not demos:
+            return None
+        model = rft_model(warm, demos, fr / "rft-model", steps=args.rft_steps, system_prompt=ev["system_prompt"])
+        return ev_(model, tests, 0.0, "test-rft-T0")
+
+    rl_model = full() if args.rl_init == "sft" else warm
+    rl_extra = ["--seed", str(args.seed + (f or 0)), "--warm-start=", "--model", str(rl_model), *args.cluster_arg]
+    ck = Path(str(prev_rec.get("checkpoint") or ""))  # RL's, when its rows are reused
+
+    def rl(name: str, extra: list[str]) -> list:  # RL at RL's budget, from RL's init
+        nonlocal ck
+        d = fr / name
+        if d.exists():
+            shutil.rmtree(d)
+        model = run_rl(d, tasks_dir, args.rl_steps, [*rl_extra, *extra], args.rl_timeout, preset=args.preset)
+        if name == "rl":
+            ck = model
+        return ev_(model, tests, 0.0, f"test-{name.removeprefix('rl-')}-T0")
+
+    if "sweep" in wanted or "passk" in wanted:
+        arm("sweep", sweep)
+    passk: dict = {}
+    if "passk" in wanted:
+        got = arm("passk", lambda: ev_(warm, tests, train_t, "test-warm-passk", samples=args.passk))
+        passk = pass_at_ks(got or [], range(1, args.passk + 1))
+    if "mask" in wanted:
+        arm(
+            "mask",
+            lambda: eval_masked(
+                warm, tests, samples=args.samples, out=fr / "test-warm-mask.jsonl", ev=ev, temperature=train_t
+            ),
         )
-        entry.update(
-            rl=rl_rec,
-            reused=sorted(used),
-            reused_from=str(args.reuse) if used else None,
-            pass_at_k={str(k): v for k, v in passk.items()},
-            split_disjoint=bool(check["split_disjoint"]),
-            test_tasks=len(tests),
-            minutes=(time.perf_counter() - t0) / 60.0,
-            warm_start=str(warm),
-            checkpoint=str(ck),
-        )
-        out.append(entry)
-        (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
-    return finish(run, out)
+    if "sft" in wanted:
+        arm("sft", sft)
+    if "rft" in wanted:
+        arm("rft", rft)
+    for name, reward in RL_BASELINES.items():  # another reward, at RL's budget and from RL's init
+        if name in wanted:
+            arm(name, functools.partial(rl, f"rl-{name}", ["--reward", reward]))
+    after = arm("rl", lambda: rl("rl", [])) or []
+    entry = fold_entry(
+        fold=f, folds=args.folds, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES, init=init_arm(rl_rec)
+    )
+    entry.update(
+        rl=rl_rec,
+        reused=sorted(used),
+        reused_from=str(args.reuse) if used else None,
+        pass_at_k={str(k): v for k, v in passk.items()},
+        split_disjoint=bool(check["split_disjoint"]),
+        test_tasks=len(tests),
+        minutes=(time.perf_counter() - t0) / 60.0,
+        warm_start=str(warm),
+        checkpoint=str(ck),
+    )
+    (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
+    return entry
 
 
 # a baseline's test rows, as run_folds names them (the sweep's file is the one test-warm-T* that is not passk/mask)

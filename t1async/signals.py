@@ -26,6 +26,7 @@ Sync (``signal.signal``), where Python allows it (the main thread; elsewhere not
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -77,14 +78,18 @@ async def wait_for_stop(*sigs: signal.Signals) -> signal.Signals:
 async def cancel_on_stop(
     scope: anyio.CancelScope,
     *sigs: signal.Signals,
+    on_stop: Callable[[signal.Signals], object] | None = None,
     task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Cancel ``scope`` at the first of ``sigs`` (default ``STOP``). Start it with ``await tg.start(...)`` in the
-    task group whose scope it is: it reports started once the signals are caught, so none sent after that is
-    missed. Cancel that scope when the work is done (this task waits for a signal until then)."""
+    """Cancel ``scope`` at the first of ``sigs`` (default ``STOP``), after calling ``on_stop`` with it. Start it
+    with ``await tg.start(...)`` in the task group whose scope it is: it reports started once the signals are
+    caught, so none sent after that is missed. Cancel that scope when the work is done (this task waits for a
+    signal until then)."""
     with receive(*sigs) as received:
         task_status.started()
-        await next_signal(received)
+        sig = await next_signal(received)
+    if on_stop is not None:
+        on_stop(sig)
     scope.cancel()
 
 
@@ -98,15 +103,9 @@ def run_until_stop(fn: Callable[[], Awaitable[T]], *sigs: signal.Signals) -> T:
     got: list[signal.Signals] = []
     failed: list[Exception] = []
 
-    async def watch(scope: anyio.CancelScope, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        with receive(*sigs) as received:
-            task_status.started()
-            got.append(await next_signal(received))
-        scope.cancel()
-
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            await tg.start(watch, tg.cancel_scope)
+            await tg.start(functools.partial(cancel_on_stop, tg.cancel_scope, *sigs, on_stop=got.append))
             try:
                 done.append(await fn())
             except Exception as e:  # raised as anyio.run(fn) would, not wrapped in the group's ExceptionGroup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -71,3 +72,13 @@ def test_run_until_stop_returns_the_result_or_cleans_up_and_raises_stopped(tmp_p
     with pytest.raises(ValueError, match="bad task dir"):  # as anyio.run would raise it: not in an ExceptionGroup
         signals.run_until_stop(fails)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the receiver put the handler back
+
+
+async def test_cancel_on_stop_says_which_signal_cancelled():
+    got: list[signal.Signals] = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(functools.partial(signals.cancel_on_stop, tg.cancel_scope, on_stop=got.append))
+            os.kill(os.getpid(), signal.SIGINT)
+            await anyio.sleep_forever()
+    assert got == [signal.SIGINT]
