@@ -234,6 +234,7 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
     run made it the same way, else run here; its summary entry (also written to the fold's ``summary.json``)."""
     from sandbox_agent.synth import corpus_entries
     from sandbox_agent.synth.split import OOD_PREFIXES
+    from t1async.model.weights import weights_digest
     from t1async.recipes.warmstart import build, system_prompt_of
 
     args, wanted, train_t = plan.args, plan.wanted, plan.train_t
@@ -254,14 +255,16 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
         raise SystemExit(f"fold {f}: no eval or no test task in {tasks_dir}; give a larger --eval-corpus")
     print(f"fold {f}: split {check['task_counts']} tasks, disjoint {check['split_disjoint']}", flush=True)
     rl_rec = rl_record(args)
-    if stale := stale_rows(fr, table, warm, rl_rec):
+    warm_w = weights_digest(warm)  # the recipe names the warm start; its weights say which build it is
+    if stale := stale_rows(fr, table, warm, rl_rec, weights=warm_w):
         raise SystemExit(
             f"--run-dir {run}: {fr.name} holds test rows of another run ({', '.join(stale)}: another split, "
             "warm start or RL), which this run would mix with its own; give a new --run-dir, with --reuse "
             f"{run} to take what is comparable"
         )
-    prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec) if args.reuse else ({}, {})
-    (fr / "fold.json").write_text(json.dumps({"warm_start": str(warm), "rl": rl_rec}, indent=1) + "\n")
+    prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec, weights=warm_w) if args.reuse else ({}, {})
+    record = {"warm_start": str(warm), "warm_weights": warm_w, "rl": rl_rec}
+    (fr / "fold.json").write_text(json.dumps(record, indent=1) + "\n")
     built: list[Path] = []
     used: list[str] = []
     rows: dict[str, list] = {}
@@ -269,6 +272,8 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
     def full() -> Path:  # the sft baseline's model, built once
         if not built:
             built.append(build(plan.full_recipe(f)))
+            record.update(sft_model=str(built[0]), sft_weights=weights_digest(built[0]))  # said, not compared
+            (fr / "fold.json").write_text(json.dumps(record, indent=1) + "\n")
         return built[0]
 
     def arm(name: str, make: Callable[[], list | None]) -> list | None:
@@ -400,12 +405,16 @@ def rl_record(args: argparse.Namespace) -> dict:
     return {"rev": RL_REV, "init": args.rl_init, "steps": args.rl_steps, "cluster_arg": list(args.cluster_arg)}
 
 
-def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> tuple[dict, dict[str, Path]]:
+def reusable(
+    src: Path, fold_dir: str, table: object, warm: Path, rl: dict, *, weights: str | None = None
+) -> tuple[dict, dict[str, Path]]:
     """``--reuse SRC``: the earlier fold's record and the test-row files (arm -> path) in ``SRC/<fold_dir>`` that
     this run would make the same way: the same split (``split.json``'s tasks) and warm start; for the RL arms
     also the same ``RL_SAME``, so never from a fold of an earlier ``RL_REV`` (one written before ``fold.json``
     existed, its ``summary.json`` alone, is of none). A different split or warm start is an error: nothing there
-    is comparable."""
+    is comparable. ``weights`` (``weights_digest`` of this run's warm start) must match the fold's
+    ``warm_weights`` where it recorded one: one recipe built on two machines gave two models, whose SFT differed
+    by up to 9 points of pass@1 on a fold (docs/results.md, 2026-12-06 13:16 UTC)."""
     d = src / fold_dir
     split = d / "split.json"
     if not split.is_file():
@@ -424,6 +433,12 @@ def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> t
             f"--reuse {src}: {fold_dir} was run from warm start {rec.get('warm_start')!r}, this run's is {warm}; "
             "nothing there is comparable"
         )
+    if weights and rec.get("warm_weights") and rec["warm_weights"] != weights:
+        raise SystemExit(
+            f"--reuse {src}: {fold_dir}'s warm start {warm.name} had weights {rec['warm_weights']}, this run's has "
+            f"{weights}: the same recipe built elsewhere (another machine's CPU kernels, or other code) is another "
+            "model, so nothing there is comparable; rerun those arms here"
+        )
     old_rl = rec.get("rl") or {}
     same_rl = all(old_rl.get(k) == rl.get(k) for k in RL_SAME)
     found: dict[str, Path] = {}
@@ -436,7 +451,7 @@ def reusable(src: Path, fold_dir: str, table: object, warm: Path, rl: dict) -> t
     return rec, found
 
 
-def stale_rows(fr: Path, table: object, warm: Path, rl: dict) -> list[str]:
+def stale_rows(fr: Path, table: object, warm: Path, rl: dict, *, weights: str | None = None) -> list[str]:
     """The test-row files already in the fold dir ``fr`` that this run would not make the same way (``reusable``'s
     rules, on ``fr`` itself): all of them under another split or warm start, or with no ``split.json``; an RL
     arm's under another RL. A run writing into ``fr`` would otherwise leave them there under its own
@@ -446,7 +461,7 @@ def stale_rows(fr: Path, table: object, warm: Path, rl: dict) -> list[str]:
     if not names:
         return []
     try:
-        _, found = reusable(fr.parent, fr.name, table, warm, rl)
+        _, found = reusable(fr.parent, fr.name, table, warm, rl, weights=weights)
     except SystemExit:
         return names
     return sorted(p.name for name, files in present.items() for p in files if found.get(name) != p)

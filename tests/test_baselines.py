@@ -197,6 +197,55 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
         reusable(tmp_path / "old", "fold2", table, Path("/w"), warm40)
 
 
+def test_reuse_refuses_a_fold_whose_warm_start_had_other_weights(tmp_path):
+    """One recipe, the same cache name, another model: rebuilt on another machine, a fold's warm start and its SFT
+    model were other weights, and SFT's pass@1 on the fold moved by up to 9 points. ``--reuse`` compared only the
+    warm start's path, so it would have mixed the two builds' rows; it now compares ``fold.json``'s
+    ``warm_weights`` (a fold recorded before them is taken as before: nothing says otherwise)."""
+    import json
+
+    from bench.learning_folds import RL_REV, reusable, stale_rows
+
+    table = [{"id": "t0", "split": "test", "content_key": "choresn:n3:1+2+3"}]
+    old = tmp_path / "old" / "fold1"
+    old.mkdir(parents=True)
+    (old / "split.json").write_text(json.dumps({"split_disjoint": True, "tasks": table}))
+    (old / "test-sft-T0.jsonl").write_text(json.dumps(row("t0", "choresn:n3:1+2+3", True)) + "\n")
+    sft40 = {"rev": RL_REV, "init": "sft", "steps": 40, "cluster_arg": []}
+    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": sft40}))
+    assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), sft40, weights="aaaa")[1]) == {"sft"}
+    (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "warm_weights": "aaaa", "rl": sft40}))
+    assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), sft40, weights="aaaa")[1]) == {"sft"}
+    with pytest.raises(SystemExit, match="had weights aaaa, this run's has bbbb"):
+        reusable(tmp_path / "old", "fold1", table, Path("/w"), sft40, weights="bbbb")
+    assert stale_rows(old, table, Path("/w"), sft40, weights="bbbb") == ["test-sft-T0.jsonl"]
+    assert stale_rows(old, table, Path("/w"), sft40, weights="aaaa") == []
+
+
+def test_weights_digest_reads_the_weight_bytes(tmp_path):
+    """Two model dirs of one config and seed have one digest; a changed weight changes it; a dir without
+    weights is an error that says so."""
+    import torch
+
+    from t1async.model.moe import MoETransformer
+    from t1async.model.weights import default_config, save_pretrained, weights_digest
+
+    cfg = default_config()
+    a, b = tmp_path / "a", tmp_path / "b"
+    torch.manual_seed(0)
+    save_pretrained(MoETransformer(cfg), a)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    save_pretrained(model, b)
+    assert weights_digest(a) == weights_digest(b) and len(weights_digest(a)) == 16
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3
+    save_pretrained(model, b)
+    assert weights_digest(a) != weights_digest(b)
+    with pytest.raises(Exception, match="no weights"):
+        weights_digest(tmp_path)
+
+
 def test_a_run_dir_holding_another_runs_rows_is_refused_before_they_mix(tmp_path):
     """A folds run writing into a fold dir that holds test rows of another split, warm start or RL would keep
     them beside its own, under its own ``fold.json``, and a later ``--reuse`` would take such a stale binary arm

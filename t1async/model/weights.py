@@ -247,6 +247,18 @@ def _weight_files(directory: Path) -> list[Path]:
     return [directory / n for n in names]
 
 
+def weights_digest(directory: str | Path) -> str:
+    """A short digest (16 hex) of a model directory's weight files, their bytes: what says two builds of one
+    recipe are the same model. The cache names a warm start by its recipe; the same recipe built on another
+    machine (other CPU kernels) gives other weights under the same name."""
+    h = hashlib.sha256()
+    for f in _weight_files(Path(directory)):
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The part of parameter ``p`` this process holds (an FSDP2 DTensor's local shard: rows of dim 0) and the
     global index of its first row; a plain tensor is all its own rows, from 0."""
