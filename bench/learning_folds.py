@@ -386,7 +386,9 @@ RL_ARMS = ("rl", *RL_BASELINES)  # made by RL from RL's init: reused only from a
 # how the RL arms are made; 2: their actors prompt the policy as it was trained (e2749a2). An RL arm of an
 # earlier revision sampled under the default system prompt, and is never reused
 RL_REV = 2
-RL_SAME = ("rev", "init", "steps", "cluster_arg")  # what an RL arm must share with this run's to be reused
+# what an RL arm must share with this run's to be reused; ``preset``: the values of --preset the RL ran under (a
+# fold recorded before them has none: its RL ran under an older preset, e.g. learn-choresn's ``turn``)
+RL_SAME = ("rev", "init", "steps", "cluster_arg", "preset")
 
 
 def init_arm(rl: dict) -> str:
@@ -402,7 +404,16 @@ def rows_of(path: Path) -> list:
 
 def rl_record(args: argparse.Namespace) -> dict:
     """How this run makes its RL arms (``fold.json`` and the fold's summary say it; ``--reuse`` compares it)."""
-    return {"rev": RL_REV, "init": args.rl_init, "steps": args.rl_steps, "cluster_arg": list(args.cluster_arg)}
+    from t1async.recipes.presets import preset_values
+
+    preset = {k: str(v) for k, v in sorted(preset_values(args.preset).items())}  # what the flags add to
+    return {
+        "rev": RL_REV,
+        "init": args.rl_init,
+        "steps": args.rl_steps,
+        "cluster_arg": list(args.cluster_arg),
+        "preset": preset,
+    }
 
 
 def reusable(

@@ -184,7 +184,13 @@ def test_reuse_takes_only_the_arms_this_run_would_make_the_same_way(tmp_path):
     (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": warm40}))
     rec, got = reusable(tmp_path / "old", "fold1", table, Path("/w"), warm40)
     assert set(got) == {"sweep", "passk", "sft", "contentfree", "rl"} and got["rl"].name == "test-rl-T0.jsonl"
-    others = [{**warm40, k: v} for k, v in (("init", "sft"), ("steps", 200), ("cluster_arg", ["--advantage=rloo"]))]
+    changes = (
+        ("init", "sft"),
+        ("steps", 200),
+        ("cluster_arg", ["--advantage=rloo"]),
+        ("preset", {"advantage": "rloo"}),
+    )
+    others = [{**warm40, k: v} for k, v in changes]
     for other in [*others, {**warm40, "rev": RL_REV - 1}]:
         assert set(reusable(tmp_path / "old", "fold1", table, Path("/w"), other)[1]) == {"sweep", "passk", "sft"}
     (old / "fold.json").write_text(json.dumps({"warm_start": "/w", "rl": {k: warm40[k] for k in warm40 if k != "rev"}}))
@@ -244,6 +250,19 @@ def test_weights_digest_reads_the_weight_bytes(tmp_path):
     assert weights_digest(a) != weights_digest(b)
     with pytest.raises(Exception, match="no weights"):
         weights_digest(tmp_path)
+
+
+def test_the_rl_record_holds_the_presets_values():
+    """learn-choresn's RL moved from ``turn`` to ``rloo`` in the preset, not in a flag: a run's RL record holds the
+    preset's values, so an RL arm made under the old preset (no ``preset`` in its record) is not reused."""
+    import argparse
+
+    from bench.learning_folds import rl_record
+
+    args = argparse.Namespace(rl_init="sft", rl_steps=40, cluster_arg=[], preset="learn-choresn")
+    rec = rl_record(args)
+    assert rec["preset"]["advantage"] == "rloo" and rec["preset"]["group_size"] == "4"
+    assert rl_record(argparse.Namespace(**{**vars(args), "preset": "learn"}))["preset"]["advantage"] == "turn"
 
 
 def test_a_run_dir_holding_another_runs_rows_is_refused_before_they_mix(tmp_path):
