@@ -19,10 +19,11 @@ baseline, by key).
 
 RL, and the RL baselines (``contentfree``, ``binary``), start from the fold's warm start, or with ``--rl-init sft``
 from the ``sft`` baseline's model: does RL add anything to the best model SFT gives? ``--reuse DIR`` takes each
-arm's test rows from an earlier run of the same folds (the same split and warm start; for the RL arms the same
-``--rl-init``, ``--rl-steps`` and ``--cluster-arg``: ``fold.json`` says how a fold made them) and runs only the
-rest: a baseline added to a finished run, RL from another init against the same baselines, or a crashed run
-resumed (``--reuse`` its own ``--run-dir``). The summary lists what was ``reused``.
+arm's test rows from an earlier run of the same folds (the same split, and the same warm start by its weights'
+digest; for the RL arms the same ``--rl-init``, ``--rl-steps``, ``--cluster-arg`` and preset values:
+``fold.json`` says how a fold made them) and runs only the rest: a baseline added to a finished run, RL from
+another init against the same baselines, or a crashed run resumed (``--reuse`` its own ``--run-dir``). The
+summary lists what was ``reused``.
 
 What each policy learned is in ``by_group``: per group of keys (``choresn``: the number of chores asked), its
 pass@1, share of tests passed and turns taken, for RL and every baseline.

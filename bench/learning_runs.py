@@ -92,9 +92,10 @@ def add_fold_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="take each arm's test rows from DIR, an earlier folds run of the same folds and corpus, where this run "
-        "would make them the same way (the same split and warm start; for RL and the RL baselines the same "
-        "--rl-init, --rl-steps and --cluster-arg, and never an RL arm run before the system prompt fix of "
-        "2026-12-06), and run only the rest; DIR may be --run-dir itself (resume)",
+        "would make them the same way (the same split, and the same warm start by its weights, not only its "
+        "name; for RL and the RL baselines the same --rl-init, --rl-steps, --cluster-arg and preset values, and "
+        "never an RL arm run before the system prompt fix of 2026-12-06), and run only the rest; DIR may be "
+        "--run-dir itself (resume)",
     )
     g.add_argument("--passk", type=int, default=16, help="samples a test task for pass@k, k = 1..N (default 16)")
     g.add_argument("--rft-samples", type=int, default=4, help="RFT: warm-start samples per train task (default 4)")
