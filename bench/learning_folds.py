@@ -425,8 +425,8 @@ def reusable(
     also the same ``RL_SAME``, so never from a fold of an earlier ``RL_REV`` (one written before ``fold.json``
     existed, its ``summary.json`` alone, is of none). A different split or warm start is an error: nothing there
     is comparable. ``weights`` (``weights_digest`` of this run's warm start) must match the fold's
-    ``warm_weights`` where it recorded one: one recipe built on two machines gave two models, whose SFT differed
-    by up to 9 points of pass@1 on a fold (docs/results.md, 2026-12-06 13:16 UTC)."""
+    ``warm_weights`` where it recorded one: one recipe built and scored on two machines gave SFT figures up to 9
+    points of pass@1 apart on a fold (docs/results.md, 2026-12-06 13:16 UTC)."""
     d = src / fold_dir
     split = d / "split.json"
     if not split.is_file():
