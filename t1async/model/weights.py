@@ -249,8 +249,8 @@ def _weight_files(directory: Path) -> list[Path]:
 
 def weights_digest(directory: str | Path) -> str:
     """A short digest (16 hex) of a model directory's weight files, their bytes: what says two builds of one
-    recipe are the same model. The cache names a warm start by its recipe; the same recipe built on another
-    machine (other CPU kernels) gives other weights under the same name."""
+    recipe are the same model. The cache names a warm start by its recipe only, so a build made on another
+    machine or by other code sits under the same name whatever its weights."""
     h = hashlib.sha256()
     for f in _weight_files(Path(directory)):
         with f.open("rb") as fh:
