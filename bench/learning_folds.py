@@ -264,7 +264,7 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
             f"{run} to take what is comparable"
         )
     prev_rec, prev = reusable(args.reuse, fr.name, table, warm, rl_rec, weights=warm_w) if args.reuse else ({}, {})
-    record = {"warm_start": str(warm), "warm_weights": warm_w, "rl": rl_rec}
+    record = {"warm_start": str(warm), "warm_weights": warm_w, "rl": rl_rec, "machine": machine()}
     (fr / "fold.json").write_text(json.dumps(record, indent=1) + "\n")
     built: list[Path] = []
     used: list[str] = []
@@ -282,8 +282,9 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
         way, else ``make()`` (None: none made, e.g. RFT kept no episode). Kept in ``rows`` unless it is RL."""
         src = prev.get(name)
         if src is not None:
-            if src.resolve() != (fr / src.name).resolve():
-                shutil.copy2(src, fr / src.name)
+            for path in (src, src.with_name(f"eval-{name}-T0.jsonl")):  # an RL arm's eval rows go with it
+                if path.is_file() and path.resolve() != (fr / path.name).resolve():
+                    shutil.copy2(path, fr / path.name)
             print(f"fold {f} {name}: {src.name} reused from {src.parent}", flush=True)
             used.append(name)
             got: list | None = rows_of(src)
@@ -329,7 +330,9 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
         model = run_rl(d, tasks_dir, args.rl_steps, [*rl_extra, *extra], args.rl_timeout, preset=args.preset)
         if name == "rl":
             ck = model
-        return ev_(model, tests, 0.0, f"test-{name.removeprefix('rl-')}-T0")
+        tag = name.removeprefix("rl-")
+        ev_(model, evals, 0.0, f"eval-{tag}-T0")  # what its settings are tuned on (eval_pass1), never test
+        return ev_(model, tests, 0.0, f"test-{tag}-T0")
 
     if "sweep" in wanted or "passk" in wanted:
         arm("sweep", sweep)
@@ -365,6 +368,7 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
         minutes=(time.perf_counter() - t0) / 60.0,
         warm_start=str(warm),
         checkpoint=str(ck),
+        eval_pass1=eval_pass1(fr),
     )
     (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
     return entry
@@ -397,6 +401,42 @@ def init_arm(rl: dict) -> str:
     warm start (``sweep``). A record without ``init`` (a fold run before ``--rl-init``) started from the warm
     start."""
     return "sft" if rl.get("init") == "sft" else "sweep"
+
+
+def eval_pass1(fr: Path) -> dict[str, dict]:
+    """Greedy pass@1 by key on the fold's eval split, per arm scored there at T 0 (``eval-<arm>-T0.jsonl``: the
+    sft model, each RL arm): what RL's settings are chosen on, as the baselines' decodings are; test never is."""
+    out = {}
+    for path in sorted(fr.glob("eval-*-T0.jsonl")):
+        if rows := split_errors(rows_of(path))[0]:
+            out[path.name.removeprefix("eval-").removesuffix("-T0.jsonl")] = pass1_by_key(rows)
+    return out
+
+
+def machine() -> dict:
+    """The machine a fold ran on (``fold.json``): one recipe, built and scored on two machines, gave figures up
+    to 9 points apart (docs/results.md, 2026-12-06 13:16 UTC), so a fold says where its rows came from."""
+    import hashlib
+    import platform
+
+    import torch
+
+    cpu = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k.strip() in ("model name", "flags") and k.strip() not in cpu:
+                cpu[k.strip()] = v.strip()
+    except OSError:
+        pass
+    return {
+        "host": platform.node(),
+        "cpu": cpu.get("model name", platform.processor()),
+        "cpu_flags": hashlib.sha256(cpu.get("flags", "").encode()).hexdigest()[:16],
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def rows_of(path: Path) -> list:
