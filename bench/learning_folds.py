@@ -282,9 +282,7 @@ def _run_fold(f: int | None, plan: _Plan) -> dict:
         way, else ``make()`` (None: none made, e.g. RFT kept no episode). Kept in ``rows`` unless it is RL."""
         src = prev.get(name)
         if src is not None:
-            for path in (src, src.with_name(f"eval-{name}-T0.jsonl")):  # an RL arm's eval rows go with it
-                if path.is_file() and path.resolve() != (fr / path.name).resolve():
-                    shutil.copy2(path, fr / path.name)
+            take_arm(src, name, fr)
             print(f"fold {f} {name}: {src.name} reused from {src.parent}", flush=True)
             used.append(name)
             got: list | None = rows_of(src)
@@ -401,6 +399,22 @@ def init_arm(rl: dict) -> str:
     warm start (``sweep``). A record without ``init`` (a fold run before ``--rl-init``) started from the warm
     start."""
     return "sft" if rl.get("init") == "sft" else "sweep"
+
+
+EVAL_TAGS = {"sweep": "warm"}  # an arm's eval rows are eval-<tag>-T*.jsonl, its tag its name unless said here
+
+
+def take_arm(src: Path, name: str, fr: Path) -> list[str]:
+    """Copy a reused arm's test rows ``src`` into the fold dir ``fr`` with the eval rows its run scored beside
+    them (``eval-<tag>-T*.jsonl``: the sweep's and sft's decodings, an RL arm's greedy eval), so that the fold's
+    ``eval_pass1`` holds it; the names copied."""
+    tag = EVAL_TAGS.get(name, name)
+    copied = []
+    for path in [src, *sorted(src.parent.glob(f"eval-{tag}-T*.jsonl"))]:
+        if path.resolve() != (fr / path.name).resolve():
+            shutil.copy2(path, fr / path.name)
+            copied.append(path.name)
+    return copied
 
 
 def eval_pass1(fr: Path) -> dict[str, dict]:

@@ -300,3 +300,54 @@ def test_rl_init_and_reuse_outside_a_folds_run_are_refused(capsys):
     with pytest.raises(SystemExit):
         main(["--baselines", "sft", "--rl-init", "cold"])
     assert "invalid choice: 'cold'" in capsys.readouterr().err
+
+
+def test_a_reused_arm_brings_its_eval_rows_and_eval_pass1_reads_them(tmp_path):
+    """``--reuse`` copies an arm's eval rows with its test rows (the sweep's as ``eval-warm-*``), and the fold's
+    ``eval_pass1`` scores each arm's greedy eval rows by key, leaving errored episodes out. Seen failing on the old
+    code: there is no ``take_arm`` or ``eval_pass1``, and an RL arm was never scored on eval."""
+    import json
+
+    from bench.learning_folds import eval_pass1, take_arm
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+
+    def write(name: str, rows: list) -> Path:
+        (old / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return old / name
+
+    keys = [f"choresn:n3:{i}" for i in range(4)]
+    rl = write("test-rl-T0.jsonl", [row("t0", keys[0], True)])
+    write(
+        "eval-rl-T0.jsonl",
+        [
+            *(row(f"e{i}", k, i < 3) for i, k in enumerate(keys)),
+            {**row("e9", "k9", True), "reason": "error", "detail": "sampler failed: 503"},
+        ],
+    )
+    write("eval-sft-T0.jsonl", [row(f"e{i}", k, i < 1) for i, k in enumerate(keys)])
+    write("eval-sft-T1.jsonl", [row("e0", keys[0], True)])
+    sweep = write("test-warm-T1.jsonl", [row("t0", keys[0], False)])
+    write("eval-warm-T0.jsonl", [row("e0", keys[0], False)])
+    assert take_arm(rl, "rl", new) == ["test-rl-T0.jsonl", "eval-rl-T0.jsonl"]
+    assert take_arm(sweep, "sweep", new) == ["test-warm-T1.jsonl", "eval-warm-T0.jsonl"]
+    assert take_arm(new / "test-rl-T0.jsonl", "rl", new) == []  # its own dir: nothing to copy
+    got = eval_pass1(new)
+    assert set(got) == {"rl", "warm"}  # sft was not taken, so its eval rows are not here
+    assert got["rl"]["mean"] == pytest.approx(3 / 4) and got["rl"]["keys"] == 4  # the errored episode left out
+    assert got["warm"]["mean"] == 0.0
+    take_arm(old / "eval-sft-T0.jsonl", "sft", new)  # any test file: sft's eval rows at T 0 and T 1 come along
+    assert eval_pass1(new)["sft"]["mean"] == pytest.approx(1 / 4) and (new / "eval-sft-T1.jsonl").is_file()
+
+
+def test_a_fold_records_the_machine_it_ran_on():
+    """``fold.json``'s ``machine``: where a fold's rows came from (one recipe on two machines scored apart)."""
+    import torch
+
+    from bench.learning_folds import machine
+
+    m = machine()
+    assert m["torch"] == torch.__version__ and m["threads"] == torch.get_num_threads()
+    assert len(m["cpu_flags"]) == 16 and m["isa"] and m["host"]
