@@ -30,7 +30,9 @@ pass@1, share of tests passed and turns taken, for RL and every baseline.
 
 The last stdout line is JSON: ``folds`` [{fold, untouched, pass1_after, best_baseline, best_baseline_pass1,
 ci95_diff_by_key, p_by_key, baselines {name: {mean, ci95, keys}}, by_group {policy: {group: ...}}, pass_at_k
-{k: ...}, ood, split_disjoint, rl {rev, init, steps, cluster_arg}, reused, minutes}], ``targets``.
+{k: ...}, ood, split_disjoint, rl {rev, init, steps, cluster_arg, preset}, eval_pass1 {policy: {mean, ci95,
+keys}}, reused, minutes}], ``targets``. ``eval_pass1`` is greedy pass@1 on the eval split (RL is scored there
+too): choose RL's settings (``--cluster-arg``) on it, never on test. ``fold.json`` also names the ``machine``.
 
     python -m bench.learning --rescore --run-dir DIR     # score DIR's folds again from their rows, running nothing
     python -m bench.learning --preset learn-choresn --folds 3 --baselines sft --rl-init sft --reuse OLD --run-dir NEW
@@ -409,7 +411,7 @@ def take_arm(src: Path, name: str, fr: Path) -> list[str]:
     them (``eval-<tag>-T*.jsonl``: the sweep's and sft's decodings, an RL arm's greedy eval), so that the fold's
     ``eval_pass1`` holds it; the names copied."""
     tag = EVAL_TAGS.get(name, name)
-    copied = []
+    copied: list[str] = []
     for path in [src, *sorted(src.parent.glob(f"eval-{tag}-T*.jsonl"))]:
         if path.resolve() != (fr / path.name).resolve():
             shutil.copy2(path, fr / path.name)
@@ -418,9 +420,10 @@ def take_arm(src: Path, name: str, fr: Path) -> list[str]:
 
 
 def eval_pass1(fr: Path) -> dict[str, dict]:
-    """Greedy pass@1 by key on the fold's eval split, per arm scored there at T 0 (``eval-<arm>-T0.jsonl``: the
-    sft model, each RL arm): what RL's settings are chosen on, as the baselines' decodings are; test never is."""
-    out = {}
+    """Greedy pass@1 by key on the fold's eval split, per policy scored there at T 0 (``eval-<tag>-T0.jsonl``:
+    ``warm`` the warm start's, ``sft`` the SFT model's, each RL arm's): what RL's settings are chosen on, as the
+    baselines' decodings are; never test."""
+    out: dict[str, dict] = {}
     for path in sorted(fr.glob("eval-*-T0.jsonl")):
         if rows := split_errors(rows_of(path))[0]:
             out[path.name.removeprefix("eval-").removesuffix("-T0.jsonl")] = pass1_by_key(rows)
@@ -435,7 +438,7 @@ def machine() -> dict:
 
     import torch
 
-    cpu = {}
+    cpu: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             k, _, v = line.partition(":")
@@ -555,7 +558,7 @@ def rescore(run: Path, p: argparse.ArgumentParser) -> int:
         # folds=-1: no fold is taken for the untouched one here; its summary.json says whether it is
         init = init_arm(old.get("rl") or {})
         new = fold_entry(fold=f, folds=-1, after=after, baselines=rows, ood_prefixes=OOD_PREFIXES, init=init)
-        entry = {**old, **new, "untouched": bool(old.get("untouched", False))}
+        entry = {**old, **new, "untouched": bool(old.get("untouched", False)), "eval_pass1": eval_pass1(fr)}
         entry.setdefault("minutes", float("nan"))
         out.append(entry)
         (fr / "summary.json").write_text(json.dumps(entry, indent=2) + "\n")
