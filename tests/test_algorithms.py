@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def test_grpo_and_rloo_centre_each_turns_return_on_its_task_group():
     assert _per_turn(g0.advantages(segs[0])) == [0.0, 1.0]
 
 
+def test_a_cut_segments_returns_are_counted_truncated():
+    """An episode cut open for a step (``done`` False) has a return-to-go without its later turns' rewards:
+    ``truncated_share`` counts those (episode, turn)s, so a run sees how much of rloo's signal lacks the episode's
+    end (seen failing on the old code: no ``truncated_share``)."""
+    segs = [_Seg("g~g0", [1.0, 2.0]), _Seg("g~g1", [0.0, 1.0]), _Seg("g~g2", [2.0])]
+    segs[2].done = False  # g2 runs on: its turn 0 return is 2 so far, whatever its turn 1 brings
+    segs[0].done = segs[1].done = True
+    rloo = ppo.StepBaseline.of("rloo", segs)
+    assert rloo.truncated_share() == pytest.approx(1 / 5)  # of the 5 (episode, turn)s, g2's turn 0
+    assert ppo.StepBaseline.of("rloo", segs, gamma=0.0).truncated_share() == 0.0  # each turn's own reward
+    assert ppo.StepBaseline.of("turn", segs).truncated_share() == 0.0
+
+
 def test_the_trainer_feeds_group_relative_advantages_to_the_loss(monkeypatch):
     toks = np.random.default_rng(3).integers(0, CFG.vocab_size, size=30)
     base = tiny()
@@ -97,6 +111,9 @@ def test_the_trainer_feeds_group_relative_advantages_to_the_loss(monkeypatch):
     # the step's own baseline of all four would centre these differently: the group is what is compared
     m = Trainer(copy.deepcopy(base), cfg).step(segs, 0)
     assert m.adv_grouped_share == 1.0
+    assert all(s.done for s in segs) and m.adv_truncated_share == 0.0
+    segs[3] = dataclasses.replace(segs[3], done=False)  # u~g1 cut open: both its turns' returns lack what follows
+    assert Trainer(copy.deepcopy(base), cfg).step(segs, 0).adv_truncated_share == pytest.approx(2 / 8)
 
 
 # ------------------------------------------------------------------------------------- PPO epochs and clip

@@ -197,7 +197,9 @@ class StepBaseline:
 
     ``per_turn``: turn number -> the step's mean of the per-turn value (``turn``: the turn's reward; group modes:
     its return-to-go); ``groups``: (task group, turn number) -> [sum of the episodes' values, episodes]; ``own``:
-    (episode, turn number) -> that episode's value, summed over its segments in the step.
+    (episode, turn number) -> that episode's value, summed over its segments in the step; ``cut``: the (episode,
+    turn number)s of ``own`` whose segment was cut (``Segment.done`` False): the episode runs on, so their
+    return-to-go lacks the rewards still to come (``truncated_share``).
     """
 
     mode: str
@@ -205,6 +207,7 @@ class StepBaseline:
     per_turn: dict[int, float] = field(default_factory=dict)
     groups: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     own: dict[tuple[str, int], float] = field(default_factory=dict)
+    cut: frozenset[tuple[str, int]] = frozenset()
 
     @classmethod
     def of(cls, mode: str, segments: Iterable, gamma: float = 1.0) -> StepBaseline:
@@ -214,10 +217,13 @@ class StepBaseline:
         if mode == "turn":
             return cls(mode, gamma, turn_baseline(segments))
         own: dict[tuple[str, int], float] = {}
+        cut: set[tuple[str, int]] = set()
         for s in segments:
             rw = _turn_rewards(s.loss_mask, s.turn_ids, s.turn_ends, s.turn_rewards)
             for t, g in turn_returns(rw, gamma).items():
                 own[(s.episode, t)] = own.get((s.episode, t), 0.0) + g
+                if not getattr(s, "done", True):
+                    cut.add((s.episode, t))
         groups: dict[tuple[str, int], list[float]] = {}
         sums: dict[int, list[float]] = {}
         for (ep, t), g in own.items():
@@ -227,7 +233,7 @@ class StepBaseline:
             tot = sums.setdefault(t, [0.0, 0.0])
             tot[0] += g
             tot[1] += 1.0
-        return cls(mode, gamma, {t: a / n for t, (a, n) in sums.items()}, groups, own)
+        return cls(mode, gamma, {t: a / n for t, (a, n) in sums.items()}, groups, own, frozenset(cut))
 
     def baseline(self, episode: str, turn: int, value: float) -> float:
         """The baseline of ``episode``'s turn ``turn`` whose value (reward or return-to-go) is ``value``."""
@@ -249,6 +255,15 @@ class StepBaseline:
         for t, v in vals.items():
             adv[lm & (tid == t)] = v - self.baseline(seg.episode, t, v)
         return adv
+
+    def truncated_share(self) -> float:
+        """The share of the step's (episode, turn) entries whose return-to-go is truncated: their episode was cut
+        open for this step (a turn due before it ended), so the rewards of its later turns, trained in a later
+        step, are not in it (group modes with gamma > 0; 0 else). Monte-Carlo returns need the episode's end:
+        when this is large, a larger ``--max-staleness`` lets episodes close before their turns are due."""
+        if not self.own or self.gamma == 0:
+            return 0.0
+        return len(self.cut) / len(self.own)
 
     def grouped_share(self) -> float:
         """The share of the step's (episode, turn) entries centred on their own group (group modes; 0 else)."""

@@ -82,6 +82,7 @@ class StepMetrics:
     # EV of the step's returns by the warm-up's head before it is fitted on them (fitted on earlier steps only)
     critic_ev_heldout: float | None = None
     adv_grouped_share: float = 0.0  # grpo/rloo: share of (episode, turn)s centred on their own task group
+    adv_truncated_share: float = 0.0  # grpo/rloo: share of (episode, turn)s whose return-to-go lacks later turns
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -192,4 +193,11 @@ def step_algorithm_metrics(
     """``m`` with what the trainer knows outside the step's tensors: the group baselines' coverage and the
     critic warm-up's fit (in-sample) and held-out explained variance."""
     share = baseline.grouped_share() if baseline is not None else 0.0
-    return replace(m, adv_grouped_share=share, critic_warmup_ev=critic_warmup_ev, critic_ev_heldout=critic_ev_heldout)
+    truncated = baseline.truncated_share() if baseline is not None else 0.0
+    return replace(
+        m,
+        adv_grouped_share=share,
+        adv_truncated_share=truncated,
+        critic_warmup_ev=critic_warmup_ev,
+        critic_ev_heldout=critic_ev_heldout,
+    )
