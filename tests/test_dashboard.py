@@ -136,11 +136,11 @@ def test_the_learner_shows_its_clip_correction_and_critic():
     assert f"ppo clip {DASH} (last epoch {DASH}) | IS trunc {DASH} masked {DASH} ESS {DASH}" in text(view)
     assert f"critic EV {DASH}" in text(view) and "grouped" not in text(view)
     step = dict(loss_tokens=900, clip_frac=0.03, clip_frac_last=0.061, is_trunc_frac=0.0, is_masked_frac=0.012)
-    step |= dict(ess_corrected=0.9712, explained_variance=0.412, adv_grouped_share=0.85)
+    step |= dict(ess_corrected=0.9712, explained_variance=0.412, adv_grouped_share=0.85, adv_truncated_share=0.11)
     view.on_metrics("learner", "learner", 5, 5, learner(5, **step))
     out = text(view)
     assert "ppo clip 3.0% (last epoch 6.1%) | IS trunc 0.0% masked 1.2% ESS 0.971 | critic EV 0.41" in out
-    assert "| grouped 85%" in out
+    assert "| grouped 85% cut short 11%" in out  # grpo/rloo: the returns that lack the episode's later turns
 
 
 def test_it_names_the_bottleneck_from_where_actor_time_goes():

@@ -266,6 +266,9 @@ def _algorithm(v: dict[str, Any]) -> str:
     grouped = _over(v, "adv_grouped_share", "loss_tokens")
     if isinstance(grouped, (int, float)) and grouped > 0:  # --advantage grpo/rloo
         text += f" | grouped {grouped:.0%}"
+        cut = _over(v, "adv_truncated_share", "loss_tokens")  # returns that lack the turns still to come
+        if isinstance(cut, (int, float)):
+            text += f" cut short {cut:.0%}"
     return text
 
 
