@@ -85,7 +85,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # three replies and DONE), the task's cap binds below it (sandbox_agent/synth/choresn.py)
 # RL there is ``rloo`` over groups of 4 episodes of one task: from the same SFT model, 40 steps, it beat ``turn`` on
 # each of three folds (+5.2, +3.8, +6.8 points of greedy pass@1 on test keys; docs/results.md, 2026-12-06
-# 13:16 UTC), where ``turn``'s per-turn-number mean mixes tasks of 2 to 6 chores
+# 13:16 UTC), where ``turn``'s per-turn-number mean mixes tasks of 2 to 6 chores; ``learn``'s lr 5e-5 stays: at 1.5e-4
+# and 5e-4 RL got worse (fold 1 collapsed at 5e-4), and no lr beat the SFT model on eval (results, 2026-12-06 16:30)
 PRESETS["learn-choresn"] = {
     **PRESETS["learn"],
     "warm_start": "choresn",
