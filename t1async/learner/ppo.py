@@ -259,8 +259,9 @@ class StepBaseline:
     def truncated_share(self) -> float:
         """The share of the step's (episode, turn) entries whose return-to-go is truncated: their episode was cut
         open for this step (a turn due before it ended), so the rewards of its later turns, trained in a later
-        step, are not in it (group modes with gamma > 0; 0 else). Monte-Carlo returns need the episode's end:
-        when this is large, a larger ``--max-staleness`` lets episodes close before their turns are due."""
+        step, are not in it (group modes with gamma > 0; 0 else). Monte-Carlo returns need the episode's end;
+        ``gae`` bootstraps a cut segment from the critic instead. (On ``learn-choresn`` it read ~0.1 at η 1 and
+        at η 3 alike: docs/results.md, 2026-12-06 16:30.)"""
         if not self.own or self.gamma == 0:
             return 0.0
         return len(self.cut) / len(self.own)
