@@ -603,10 +603,11 @@ def report(folds: list[dict]) -> None:
                 f"{f['best_baseline']} {f['best_baseline_pass1']:.1%}",
                 f"[{lo:+.1%}, {hi:+.1%}] p {f['p_by_key']:.3f}",
                 base,
+                ", ".join(f"{n} {v['mean']:.1%}" for n, v in (f.get("eval_pass1") or {}).items()) or "-",
             ]
         )
     print_grid(
-        ["fold", "RL pass@1", "best baseline", "RL - best, 95% CI by key", "every baseline (pass@1)"],
+        ["fold", "RL pass@1", "best baseline", "RL - best, 95% CI by key", "every baseline (pass@1)", "on eval (T 0)"],
         rows,
         title="\nTEST split of each fold (greedy unless the baseline says; CIs over content keys)",
     )

@@ -158,8 +158,10 @@ def test_rescore_rebuilds_a_folds_summary_from_its_rows_alone(tmp_path, capsys):
     assert got["eval_pass1"] == {}  # no eval rows here
     write("eval-rl-T0.jsonl", [row("e0", keys[0], True), row("e1", keys[1], False)])
     rescore(tmp_path, argparse.ArgumentParser())
-    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["folds"][1]
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])["folds"][1]
     assert got["eval_pass1"]["rl"]["mean"] == 0.5  # an RL arm scored on eval after the run, read by --rescore
+    assert "rl 50.0%" in out  # and the table shows it, where settings are chosen
     with pytest.raises(SystemExit):
         rescore(tmp_path / "nothing", argparse.ArgumentParser())
 
