@@ -116,6 +116,38 @@ def test_the_trainer_feeds_group_relative_advantages_to_the_loss(monkeypatch):
     assert Trainer(copy.deepcopy(base), cfg).step(segs, 0).adv_truncated_share == pytest.approx(2 / 8)
 
 
+def test_the_random_sign_control_flips_whole_turns_and_keeps_their_size(monkeypatch):
+    """``--advantage-signs random``, a control: each (episode, turn)'s advantage keeps its size and gets a sign
+    fixed by the step and the turn, the same in every segment of it; gae refuses it (seen failing on the old
+    code: no such setting)."""
+    segs = [_Seg(f"g~g{i}", [float(i % 3), float(i % 2), 1.0]) for i in range(12)]
+    kept, rand = ppo.StepBaseline.of("rloo", segs), ppo.StepBaseline.of("rloo", segs, sign_salt="step0")
+    flips = 0
+    for s in segs:
+        a, b = kept.advantages(s), rand.advantages(s)
+        assert np.allclose(np.abs(a), np.abs(b))
+        for t in range(3):
+            sa, sb = a[2 * t : 2 * t + 2], b[2 * t : 2 * t + 2]
+            assert np.allclose(sb, sa * rand.sign(s.episode, t))  # both tokens of a turn alike
+            flips += rand.sign(s.episode, t) < 0
+    assert 6 <= flips <= 30  # of 36 fair coins
+    assert [rand.sign("g~g1", t) for t in range(3)] == [rand.sign("g~g1", t) for t in range(3)]
+    assert any(
+        ppo.StepBaseline.of("rloo", segs, sign_salt="step1").sign(s.episode, t) != rand.sign(s.episode, t)
+        for s in segs
+        for t in range(3)
+    )  # another step, other coins
+    toks = np.random.default_rng(3).integers(0, CFG.vocab_size, size=30)
+    base = tiny()
+    tsegs = [two_turn_segment(base, toks, (2.0, 0.0), grouped_episode_id("t", i)) for i in range(2)]
+    tsegs[1] = two_turn_segment(base, toks, (0.0, 0.0), grouped_episode_id("t", 1))
+    cfg = TrainerConfig(advantage="rloo", advantage_signs="random", normalize_advantages=False, microbatch_tokens=40)
+    adv, _ = advantages_fed_to_the_loss(monkeypatch, copy.deepcopy(base), cfg, tsegs)
+    assert sorted(set(np.abs(np.round(adv, 4)).tolist())) == [0.0, 2.0]  # the sizes of the kept advantages
+    with pytest.raises(ConfigError, match="critic-free"):
+        TrainerConfig(advantage="gae", advantage_signs="random")
+
+
 # ------------------------------------------------------------------------------------- PPO epochs and clip
 
 

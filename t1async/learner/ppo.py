@@ -34,6 +34,7 @@ episode with that turn number in the step falls back to the step's mean for the 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -199,7 +200,9 @@ class StepBaseline:
     its return-to-go); ``groups``: (task group, turn number) -> [sum of the episodes' values, episodes]; ``own``:
     (episode, turn number) -> that episode's value, summed over its segments in the step; ``cut``: the (episode,
     turn number)s of ``own`` whose segment was cut (``Segment.done`` False): the episode runs on, so their
-    return-to-go lacks the rewards still to come (``truncated_share``).
+    return-to-go lacks the rewards still to come (``truncated_share``); ``sign_salt``: when set
+    (``--advantage-signs random``, a control), each (episode, turn)'s advantage is multiplied by a sign drawn from
+    a hash of (salt, episode, turn), the same on every rank and for every segment of that turn.
     """
 
     mode: str
@@ -208,14 +211,15 @@ class StepBaseline:
     groups: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     own: dict[tuple[str, int], float] = field(default_factory=dict)
     cut: frozenset[tuple[str, int]] = frozenset()
+    sign_salt: str | None = None
 
     @classmethod
-    def of(cls, mode: str, segments: Iterable, gamma: float = 1.0) -> StepBaseline:
+    def of(cls, mode: str, segments: Iterable, gamma: float = 1.0, *, sign_salt: str | None = None) -> StepBaseline:
         if mode not in ("turn", "grpo", "rloo"):
             raise ValueError(f"StepBaseline mode must be turn, grpo or rloo, got {mode!r}")
         segments = list(segments)
         if mode == "turn":
-            return cls(mode, gamma, turn_baseline(segments))
+            return cls(mode, gamma, turn_baseline(segments), sign_salt=sign_salt)
         own: dict[tuple[str, int], float] = {}
         cut: set[tuple[str, int]] = set()
         for s in segments:
@@ -233,7 +237,8 @@ class StepBaseline:
             tot = sums.setdefault(t, [0.0, 0.0])
             tot[0] += g
             tot[1] += 1.0
-        return cls(mode, gamma, {t: a / n for t, (a, n) in sums.items()}, groups, own, frozenset(cut))
+        per_turn = {t: a / n for t, (a, n) in sums.items()}
+        return cls(mode, gamma, per_turn, groups, own, frozenset(cut), sign_salt)
 
     def baseline(self, episode: str, turn: int, value: float) -> float:
         """The baseline of ``episode``'s turn ``turn`` whose value (reward or return-to-go) is ``value``."""
@@ -253,8 +258,15 @@ class StepBaseline:
         rw = _turn_rewards(lm, tid, seg.turn_ends, seg.turn_rewards)
         vals = rw if self.mode == "turn" else turn_returns(rw, self.gamma)
         for t, v in vals.items():
-            adv[lm & (tid == t)] = v - self.baseline(seg.episode, t, v)
+            adv[lm & (tid == t)] = (v - self.baseline(seg.episode, t, v)) * self.sign(seg.episode, t)
         return adv
+
+    def sign(self, episode: str, turn: int) -> float:
+        """+1, or under the random-sign control (``sign_salt`` set) a fair coin fixed by (salt, episode, turn)."""
+        if self.sign_salt is None:
+            return 1.0
+        h = hashlib.blake2b(f"{self.sign_salt}\0{episode}\0{turn}".encode(), digest_size=1).digest()[0]
+        return 1.0 if h & 1 else -1.0
 
     def truncated_share(self) -> float:
         """The share of the step's (episode, turn) entries whose return-to-go is truncated: their episode was cut

@@ -167,7 +167,10 @@ class Trainer:
         self._check(segments)
         # advantage turn/grpo/rloo: one baseline from the whole step, so every rank centres its turns alike
         cfg = self.config
-        self._baseline = None if cfg.advantage == "gae" else ppo.StepBaseline.of(cfg.advantage, segments, cfg.gamma)
+        salt = f"step{self.steps}" if cfg.advantage_signs == "random" else None  # the random-sign control
+        self._baseline = (
+            None if cfg.advantage == "gae" else ppo.StepBaseline.of(cfg.advantage, segments, cfg.gamma, sign_salt=salt)
+        )
         # the critic warm-up (learner/critic.py): the head scores this step as fitted on the earlier ones; its
         # held-out EV on this step's returns now, the refit on them after the step, for the next
         warm = self._warmup if self._warmup and self.steps < cfg.critic_warmup else None

@@ -69,6 +69,15 @@ class TrainerConfig:
         "leave-one-out), no critic",
         group="learner",
     )
+    # a control, not a method: if RL at random signs does as well as at the computed ones, the step's signal is
+    # lost in its noise (docs/results.md, 2026-12-06 20:00)
+    advantage_signs: str = setting(
+        "kept",
+        "kept: the advantages as computed; random: a control that gives each (episode, turn)'s advantage a fair "
+        "coin's sign (turn, grpo and rloo), so the policy moves as far but in no learned direction",
+        choices=("kept", "random"),
+        group="learner",
+    )
     gamma: float = setting(1.0, "discount across turns (gae, grpo, rloo)", ge=0, le=1, group="learner")
     lam: float = setting(0.95, "GAE lambda across turns", ge=0, le=1, group="learner")
     ppo_epochs: int = setting(
@@ -214,6 +223,13 @@ class TrainerConfig:
             raise ConfigError(
                 f"masked IS needs 0 <= is_low < is_high, got [{self.is_low}, {self.is_high}]: "
                 "set --is-low below --is-high"
+            )
+        if self.advantage_signs not in ("kept", "random"):
+            raise ConfigError(f"TrainerConfig.advantage_signs must be 'kept' or 'random', got {self.advantage_signs!r}")
+        if self.advantage_signs == "random" and self.advantage == Advantage.GAE:
+            raise ConfigError(
+                "--advantage-signs random is a control for the critic-free baselines: use it with --advantage "
+                "turn, grpo or rloo (gae's advantages vary within a turn)"
             )
 
 
