@@ -197,3 +197,32 @@ def test_main_evaluates_the_recombined_family_before_and_after_the_first_seed(tm
     assert rec["ci95_diff"]["pass1"][0] > 0
     splits = {e["split"] for e in read_split_json(tmp_path / "run" / "recombined-tasks").values()}
     assert "train" in splits  # all of the family, train split too: no run trains on it
+
+
+def test_compare_arms_splits_the_held_out_keys_and_names_a_bad_file(tmp_path, capsys):
+    """``python -m bench.compare_arms``: two eval files, the held-out keys compared apart; a file that is not
+    an eval file gets exit 2 and a line naming it."""
+    from bench.compare_arms import main
+
+    before = [row("choresn:n2:a", False, 1), row("choresn:n3:b", False, 2), row("choresn:n5:c", True, 4)]
+    after = [row("choresn:n2:a", True, 3), row("choresn:n3:b", True, 3), row("choresn:n5:c", False, 1)]
+    b, a = tmp_path / "b.jsonl", tmp_path / "a.jsonl"
+    b.write_text("".join(json.dumps(r) + "\n" for r in before))
+    a.write_text("".join(json.dumps(r) + "\n" for r in after))
+    assert main([str(b), str(a), "--held-out", "choresn:n5:"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["in"]["keys"] == 2 and out["in"]["diff"]["pass1"] == pytest.approx(1.0)
+    assert out["in"]["diff"]["tests"] == pytest.approx(1.5)
+    assert out["held_out"]["keys"] == 1 and out["held_out"]["diff"]["tests"] == pytest.approx(-3.0)
+    assert main([str(b), str(a), "--held-out", ""]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["in"]["keys"] == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task": "x"}\n')
+    assert main([str(b), str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert main([str(b), str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(row("zzz", True, 1)) + "\n")
+    assert main([str(b), str(other), "--held-out", ""]) == 2
+    assert "share no content key" in capsys.readouterr().err
