@@ -70,7 +70,7 @@ class TrainerConfig:
         group="learner",
     )
     # a control, not a method: if RL at random signs does as well as at the computed ones, the step's signal is
-    # lost in its noise (docs/results.md, 2026-12-06 20:00)
+    # lost in its noise (it is not: docs/results.md, 2026-12-06 19:50)
     advantage_signs: str = setting(
         "kept",
         "kept: the advantages as computed; random: a control that gives each (episode, turn)'s advantage a fair "
