@@ -48,14 +48,16 @@ def compare_parts(before: Sequence[Mapping], after: Sequence[Mapping], held_out:
     def part(rows: Sequence[Mapping], inside: bool) -> list[Mapping]:
         return [r for r in rows if str(r.get("content_key", "")).startswith(held_out) == inside]
 
+    parts = {"in": (before, after)}
+    if held_out:
+        parts = {
+            name: (part(before, inside), part(after, inside)) for name, inside in (("in", False), ("held_out", True))
+        }
     out: dict[str, dict] = {}
-    for name, inside in (("in", False), ("held_out", True)):
-        b, a = (rows if not held_out else part(rows, inside) for rows in (before, after))
+    for name, (b, a) in parts.items():
         c = compare(b, a) if b and a else None
         if c is not None and c["keys"]:
             out[name] = c
-        if not held_out:
-            break
     out["errors"] = {"before": split_errors(before)[1], "after": split_errors(after)[1]}
     return out
 

@@ -23,6 +23,11 @@ class Advantage(enum.StrEnum):
     RLOO = "rloo"  # the same, leave-one-out: minus the mean of the group's other episodes
 
 
+class AdvantageSigns(enum.StrEnum):
+    KEPT = "kept"  # the advantages as computed
+    RANDOM = "random"  # a control: each (episode, turn)'s advantage gets a fair coin's sign (ppo.StepBaseline.sign)
+
+
 class IsCorrection(enum.StrEnum):
     TIS = "tis"  # truncated importance sampling: w = pi_prox / pi_behav capped at --is-cap
     MIS = "mis"  # masked importance sampling: tokens whose w leaves [--is-low, --is-high] are dropped
@@ -71,11 +76,10 @@ class TrainerConfig:
     )
     # a control, not a method: if RL at random signs does as well as at the computed ones, the step's signal is
     # lost in its noise (it is not: docs/results.md, 2026-12-06 19:50)
-    advantage_signs: str = setting(
-        "kept",
+    advantage_signs: AdvantageSigns = setting(
+        AdvantageSigns.KEPT,
         "kept: the advantages as computed; random: a control that gives each (episode, turn)'s advantage a fair "
         "coin's sign (turn, grpo and rloo), so the policy moves as far but in no learned direction",
-        choices=("kept", "random"),
         group="learner",
     )
     gamma: float = setting(1.0, "discount across turns (gae, grpo, rloo)", ge=0, le=1, group="learner")
@@ -197,6 +201,7 @@ class TrainerConfig:
         for name, kind in (
             ("critic", Critic),
             ("advantage", Advantage),
+            ("advantage_signs", AdvantageSigns),
             ("is_correction", IsCorrection),
             ("prefix_kv", Prefix),
             ("train_dtype", TrainDtype),
@@ -224,9 +229,7 @@ class TrainerConfig:
                 f"masked IS needs 0 <= is_low < is_high, got [{self.is_low}, {self.is_high}]: "
                 "set --is-low below --is-high"
             )
-        if self.advantage_signs not in ("kept", "random"):
-            raise ConfigError(f"TrainerConfig.advantage_signs must be 'kept' or 'random', got {self.advantage_signs!r}")
-        if self.advantage_signs == "random" and self.advantage == Advantage.GAE:
+        if self.advantage_signs == AdvantageSigns.RANDOM and self.advantage == Advantage.GAE:
             raise ConfigError(
                 "--advantage-signs random is a control for the critic-free baselines: use it with --advantage "
                 "turn, grpo or rloo (gae's advantages vary within a turn)"
