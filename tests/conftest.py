@@ -96,14 +96,18 @@ def tiny_model(tmp_path_factory):
 def ranks2():
     """``(ranks, holder)``: two real learner ranks (rank 0 this process, rank 1 a ``python -m
     t1async.learner.ranks`` child); put the trainer in ``holder["trainer"]`` and it is closed with them. The
-    test ends with no rank process left."""
+    test ends with no rank process left, and rank 1 exited 0 (or with ``holder["exit_codes"]``, for a test
+    that kills it)."""
     from t1async.learner.ranks import Ranks, RanksConfig
 
     ranks = Ranks(RanksConfig(nproc=2, stop_timeout_s=10))
     holder: dict = {}
     yield ranks, holder
+    procs = list(ranks.procs)
     ranks.close(holder.get("trainer"))
-    assert all(p.poll() is not None for p in ranks.procs)
+    assert all(p.poll() is not None for p in procs)
+    if procs:  # the rank exits as it was told (an abort in the interpreter's teardown is -6: ranks.leave)
+        assert ranks.exit_codes == holder.get("exit_codes", [0]), ranks.exit_codes
 
 
 @pytest.fixture(scope="module")

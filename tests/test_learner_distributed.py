@@ -151,6 +151,7 @@ def test_a_rank_killed_mid_step_fails_the_step_loudly(ranks2):
     real = two._adv_moments
 
     def kill_rank_1_then_meet(adv):  # noqa: ANN001, ANN202 - mid-step: scored, before the update
+        holder["exit_codes"] = [-signal.SIGKILL]
         os.kill(ranks.procs[0].pid, signal.SIGKILL)
         ranks.procs[0].wait(30)
         return real(adv)

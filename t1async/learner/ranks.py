@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import psutil
@@ -141,10 +141,11 @@ def make_trainer(model_dir: str | Path, config: TrainerConfig) -> DistributedTra
     return trainer
 
 
-def follow() -> int:
-    """Ranks 1..N-1 (after ``join``): get the model from rank 0, run its commands until it says stop. Returns
-    the exit code."""
+def follow() -> NoReturn:
+    """Ranks 1..N-1 (after ``join``): get the model from rank 0, run its commands until it says stop, leave
+    the group, then end the process (``leave``): 0, or ``PEER_FAILED`` when another rank failed first."""
     rank = dist.get_rank()
+    code = 0
     try:
         box: list[Any] = [None]
         collective("getting the model from rank 0", dist.broadcast_object_list, box, src=0)
@@ -155,10 +156,25 @@ def follow() -> int:
         trainer.serve_rank()
     except RankFailedError as exc:
         log.error("learner.rank_failed", rank=rank, error=str(exc))
-        return PEER_FAILED
+        code = PEER_FAILED
     finally:
         dist.destroy_process_group()
-    return 0
+    log.info("learner.rank_left", rank=rank, code=code)
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End a rank 1..N-1's process with ``code`` now, without the interpreter's teardown. Its work is done and
+    on disk (a checkpoint's shards are written before rank 0 says stop) and it has left the group; what the
+    teardown would still run is the destructors of torch's C++ objects that outlive ``destroy_process_group``
+    (the group itself, which FSDP's device mesh holds, and its threads). In one CI run a rank 1 aborted there,
+    after its last log line ("terminate called without an active exception", SIGABRT), and host 0's
+    torchrun then did not exit within the test's 240 s (torch elastic's exit barrier waits up to 300 s for
+    the other hosts' agents, and a failed host's never comes)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def follower_setup(threads: int) -> None:
@@ -227,6 +243,7 @@ class Ranks:
     def __init__(self, config: RanksConfig) -> None:
         self.config = config
         self.procs: list[subprocess.Popen] = []
+        self.exit_codes: list[int] = []  # ranks 1..N-1's, once ``close`` has stopped them
         self.joined = False
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -287,15 +304,17 @@ class Ranks:
             dist.destroy_process_group()
             self.joined = False
         if self.procs:
-            log.info("learner.ranks_stopped", codes=[p.returncode for p in self.procs])
+            self.exit_codes = [p.returncode for p in self.procs]
+            log.info("learner.ranks_stopped", codes=self.exit_codes)
         self.procs = []
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
 
 
-def rank_main(argv: list[str] | None = None) -> int:
-    """A rank 1..N-1 from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+def rank_main(argv: list[str] | None = None) -> NoReturn:
+    """A rank 1..N-1 from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ends the
+    process (``follow``)."""
     p = argparse.ArgumentParser(prog="python -m t1async.learner.ranks", description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--threads", type=int, default=1)
@@ -306,8 +325,8 @@ def rank_main(argv: list[str] | None = None) -> int:
     configure()
     follower_setup(args.threads)
     join(backend=args.backend, timeout_s=args.timeout)
-    return follow()
+    follow()
 
 
 if __name__ == "__main__":
-    sys.exit(rank_main())
+    rank_main()
