@@ -16,7 +16,7 @@ import pytest
 
 from t1async.protocol import wire
 from t1async.protocol.errors import ConfigError, TransportError
-from t1async.transport import NatsConfig, NatsTransport
+from t1async.transport import NatsConfig, NatsTransport, NoRespondersError
 from t1async.transport.auth import NatsCreds, Role, creds_path, load_creds, make_server_auth, redact, secrets_dir
 from t1async.transport.natscluster import ensure_replicas, start_embedded_server
 from t1async.transport.natsd import NatsCluster
@@ -142,7 +142,16 @@ async def _learner_and_actor(url: str, run_dir: Path) -> None:
                 await req.respond(wire.Heartbeat("learner", 1.0))
 
             tg.start_soon(answer)
-            reply = await at.request("t1.credit", wire.Heartbeat("actor-0", 0.0), timeout=20)
+            # on a cluster the learner's subscription reaches the other nodes over the routes a moment after it
+            # is made, and a request through one of them meets no responder until then (a CI run failed so):
+            # the actors' CreditClient retries that (credits/client.py), and so does this
+            with anyio.fail_after(30):
+                while True:
+                    try:
+                        reply = await at.request("t1.credit", wire.Heartbeat("actor-0", 0.0), timeout=20)
+                        break
+                    except NoRespondersError:
+                        await anyio.sleep(0.1)
             assert isinstance(reply, wire.Heartbeat) and reply.actor == "learner"
 
 
