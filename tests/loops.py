@@ -1,6 +1,6 @@
 """The actor and learner loop in one process, for tests: real sandboxes, real model and trainer, in-memory
 NATS and sampler (``run_loop``), and the in-memory sampler with the weight-update call the learner makes
-(``VersionedMemorySampler``)."""
+(``VersionedMemorySampler``), and a learner fed waves of finished episodes (``train_waves``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from t1async.protocol import wire
 from t1async.protocol.sampling import SamplingParams
 from t1async.sampler.memory import MemorySampler
 from t1async.transport import MemoryBroker, MemoryTransport
+from t1async.transport.base import traj_subject
+from tests.clean_episodes import episodes
 
 
 class VersionedMemorySampler(MemorySampler):
@@ -105,6 +107,33 @@ async def run_loop(
                 await lt.publish("t1.test.barrier", wire.Heartbeat("test", 0.0))
                 await barrier.wait()
             actor_scope.cancel()
+            tg.cancel_scope.cancel()
+    learner.journal.close()
+    return learner
+
+
+async def train_waves(cfg: LearnerConfig, broker: MemoryBroker, stop_after: int | None = None) -> Learner:
+    """Run a learner on one wave of 3 finished episodes per step (from the step it starts at); ``stop_after``:
+    cancel it (a stop) once it trained that many steps, else it runs its ``steps``."""
+    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
+        learner = Learner(cfg, lt, None)
+        n = stop_after or cfg.steps
+        async with anyio.create_task_group() as tg:
+
+            async def feed() -> None:
+                for k in range(learner.state.step, n):
+                    while learner.state.step < k:
+                        await anyio.sleep(0.02)
+                    for r in episodes(10 * k, 3, learner.policy_version):
+                        await pub.publish(traj_subject(r.episode), r)
+                if stop_after is not None:
+                    while learner.state.step < stop_after:
+                        await anyio.sleep(0.02)
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(feed)
+            with anyio.fail_after(180):
+                await learner.run()
             tg.cancel_scope.cancel()
     learner.journal.close()
     return learner

@@ -28,6 +28,7 @@ from t1async.testing.episodes import Sizes, make_episode
 from t1async.transport import MemoryBroker, MemoryTransport
 from t1async.transport.base import traj_subject
 from tests.clean_episodes import episodes
+from tests.loops import train_waves
 
 
 def _config(tmp_path: Path, model: Path, steps: int) -> LearnerConfig:
@@ -44,36 +45,9 @@ def _config(tmp_path: Path, model: Path, steps: int) -> LearnerConfig:
     )
 
 
-async def _train(cfg: LearnerConfig, broker: MemoryBroker, stop_after: int | None = None) -> Learner:
-    """Run a learner on one wave of 3 finished episodes per step (from the step it starts at); ``stop_after``:
-    cancel it (a stop) once it trained that many steps, else it runs its ``steps``."""
-    async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
-        learner = Learner(cfg, lt, None)
-        n = stop_after or cfg.steps
-        async with anyio.create_task_group() as tg:
-
-            async def feed() -> None:
-                for k in range(learner.state.step, n):
-                    while learner.state.step < k:
-                        await anyio.sleep(0.02)
-                    for r in episodes(10 * k, 3, learner.policy_version):
-                        await pub.publish(traj_subject(r.episode), r)
-                if stop_after is not None:
-                    while learner.state.step < stop_after:
-                        await anyio.sleep(0.02)
-                    tg.cancel_scope.cancel()
-
-            tg.start_soon(feed)
-            with anyio.fail_after(180):
-                await learner.run()
-            tg.cancel_scope.cancel()
-    learner.journal.close()
-    return learner
-
-
 async def test_a_checkpoint_every_n_steps_and_at_the_last_exports_between(tmp_path, tiny_model):
     cfg = _config(tmp_path, tiny_model, steps=5)
-    learner = await _train(cfg, MemoryBroker())
+    learner = await train_waves(cfg, MemoryBroker())
     root = cfg.checkpoints
     assert [c.policy_version for c in list_checkpoints(root)] == [2, 4, 5]
     assert [p.name for p in list_exports(root)] == ["v000001", "v000003"]
@@ -96,7 +70,7 @@ async def test_a_crash_between_checkpoints_resumes_at_the_version_pushed(tmp_pat
     broker = MemoryBroker()
     with monkeypatch.context() as m:
         m.setattr(Learner, "_save_at_exit", _killed)
-        first = await _train(cfg, broker, stop_after=3)
+        first = await train_waves(cfg, broker, stop_after=3)
     root = cfg.checkpoints
     n = first.policy_version
     assert n >= 3 and list_checkpoints(root) == []
@@ -123,7 +97,7 @@ async def test_a_crash_between_checkpoints_resumes_at_the_version_pushed(tmp_pat
     trained = {(ep, t) for ep, ts in first.state.trained.items() for t in ts}
     assert not trained & set(again.untrained), "reopened a turn trained into the weights"
 
-    last = await _train(replace(cfg, steps=n + 2), broker)  # two more steps, on new episodes
+    last = await train_waves(replace(cfg, steps=n + 2), broker)  # two more steps, on new episodes
     assert last.policy_version == n + 2
     counted, counts = trained_counts(cfg.run_dir, n + 2)
     assert sorted(counted) == list(range(n + 2))
@@ -199,7 +173,7 @@ async def test_a_failed_step_between_checkpoints_restores_its_version(tmp_path, 
     cfg = replace(_config(tmp_path, tiny_model, steps=0), checkpoint_every=10)
     with monkeypatch.context() as m:  # no checkpoint at the exit either
         m.setattr(Learner, "_save_at_exit", _killed)
-        learner = await _train(cfg, MemoryBroker(), stop_after=2)
+        learner = await train_waves(cfg, MemoryBroker(), stop_after=2)
     v = learner.policy_version
     assert v >= 2 and list_checkpoints(cfg.checkpoints) == []
     before = {k: t.clone() for k, t in learner.model.state_dict().items()}
@@ -223,7 +197,7 @@ async def test_a_failed_step_between_checkpoints_restores_its_version(tmp_path, 
 async def test_a_stop_between_checkpoints_saves_one(tmp_path, tiny_model):
     """SIGTERM/SIGINT (the run cancelled) after step 3: a checkpoint of v3 is written on the way out."""
     cfg = _config(tmp_path, tiny_model, steps=0)
-    learner = await _train(cfg, MemoryBroker(), stop_after=3)
+    learner = await train_waves(cfg, MemoryBroker(), stop_after=3)
     assert [c.policy_version for c in list_checkpoints(cfg.checkpoints)] == [2, learner.policy_version]
     assert learner.policy_version == 3
     assert (cfg.checkpoints / "learner_state_v000003.json").is_file()

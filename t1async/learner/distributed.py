@@ -62,7 +62,7 @@ from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_local
-from t1async.protocol.errors import T1Error
+from t1async.protocol.errors import ConfigError, T1Error
 from t1async.protocol.sampling import common_prefix_len
 
 log = get_logger("t1async.learner.distributed")
@@ -208,6 +208,12 @@ class DistributedTrainer(Trainer):
         self._shell_ok = False  # ... and they are the current weights
         # rank 0, --prefix-kv reuse: open episode -> (the rank that trained its last cut, that cut's tokens)
         self._homes: dict[str, tuple[int, np.ndarray]] = {}
+
+    def set_reference(self, model: MoETransformer) -> None:
+        raise ConfigError(
+            "--kl-ref-coef runs on one learner rank: at --learner-procs > 1 the reference model would be sharded "
+            "like the policy, which is not built"
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: TrainerConfig, device: str = "cpu") -> DistributedTrainer:

@@ -295,6 +295,7 @@ class LossTerms:
     clip_frac: Tensor  # share of loss tokens whose ratio was clipped
     is_trunc_frac: Tensor  # share of loss tokens whose importance weight hit the cap (tis)
     is_masked_frac: Tensor = field(default_factory=lambda: torch.zeros(()))  # share dropped by masked IS (mis)
+    kl_ref: Tensor = field(default_factory=lambda: torch.zeros(()))  # mean k3 KL(pi || ref) a loss token
 
     def shares(self) -> dict[str, Tensor]:
         """The per-token shares, to be averaged over micro-batches weighted by their loss tokens."""
@@ -318,7 +319,7 @@ def accumulate(sums: dict[str, float], terms: LossTerms, *, share: float, epoch:
     """Add one micro-batch's ``terms`` to the step's ``sums``: the losses averaged over the epochs, the token
     shares weighted by the micro-batch's ``share`` of the step's loss tokens, and the clipped share per epoch
     (``clip_frac_e<k>``: with one epoch the ratio is 1 and nothing clips)."""
-    for k in ("loss", "policy_loss", "value_loss", "entropy"):
+    for k in ("loss", "policy_loss", "value_loss", "entropy", "kl_ref"):
         sums[k] += float(getattr(terms, k).detach()) / epochs
     for k, v in terms.shares().items():
         sums[k] += float(v.detach()) * share / epochs
@@ -338,12 +339,16 @@ def ppo_loss(
     *,
     normaliser: float | None = None,
     entropy: Tensor | None = None,
+    ref_logp: Tensor | None = None,
 ) -> LossTerms:
     """Decoupled PPO + value loss over masked tokens (all tensors the same shape).
 
     ``logp`` and ``values`` carry gradient; the rest are treated as constants. Terms are summed over the
     mask and divided by ``normaliser`` (default: the mask's count), so micro-batches of one step can pass
-    the step's total token count and accumulate gradients to the same result as one big batch.
+    the step's total token count and accumulate gradients to the same result as one big batch. With
+    ``ref_logp`` (the reference model's log-probs) the loss adds ``cfg.kl_ref_coef`` times the k3 estimate of
+    KL(pi || ref) per token, ``exp(ref - logp) - (ref - logp) - 1``, whose gradient pulls ``logp`` towards
+    ``ref`` (verl's "low_var_kl" loss; the tokens were sampled from about pi).
     """
     m = mask.to(logp.dtype)
     n = float(m.sum().item()) if normaliser is None else float(normaliser)
@@ -364,13 +369,18 @@ def ppo_loss(
     vloss = (vl * m).sum() / n
     ent = (entropy * m).sum() / n if entropy is not None else torch.zeros((), dtype=logp.dtype)
     loss = pg + cfg.value_coef * vloss - cfg.entropy_coef * ent
+    kl = torch.zeros((), dtype=logp.dtype)
+    if ref_logp is not None:
+        d = (ref_logp.detach() - logp).clamp(-20.0, 20.0)
+        kl = ((torch.expm1(d) - d) * m).sum() / n
+        loss = loss + cfg.kl_ref_coef * kl
     with torch.no_grad():
         cnt = m.sum().clamp(min=1.0)
         was_clipped = ((ratio * adv) != surr) & mask.bool()
         clip_frac = was_clipped.to(m.dtype).sum() / cnt
         trunc = (trunc_at & mask.bool()).to(m.dtype).sum() / cnt
         masked = (masked_at & mask.bool()).to(m.dtype).sum() / cnt
-    return LossTerms(loss, pg, vloss, ent, clip_frac, trunc, masked)
+    return LossTerms(loss, pg, vloss, ent, clip_frac, trunc, masked, kl)
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor, mask: Tensor) -> float:

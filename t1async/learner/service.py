@@ -113,6 +113,8 @@ class Learner:
             self.trainer = Trainer(load_pretrained(src).to(torch_device(config.device)), config)
         else:  # learner.ranks.make_trainer: every rank reads its own shards of src (design §10)
             self.trainer = make_trainer(src, config)
+        if config.kl_ref_coef > 0:  # the anchor is RL's start, also when resuming from a later checkpoint
+            self.trainer.set_reference(load_pretrained(model_dir))
         self.model = self.trainer.model
         if config.hf_format and not self.model.cfg.architecture:  # the in-house model is a Mixtral of its shape
             self.model.cfg = dataclasses.replace(self.model.cfg, architecture=config.hf_format)

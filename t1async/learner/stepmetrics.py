@@ -83,6 +83,8 @@ class StepMetrics:
     critic_ev_heldout: float | None = None
     adv_grouped_share: float = 0.0  # grpo/rloo: share of (episode, turn)s centred on their own task group
     adv_truncated_share: float = 0.0  # grpo/rloo: share of (episode, turn)s whose return-to-go lacks later turns
+    # --kl-ref-coef: mean k3 KL(pi || ref) a loss token, pi the learner during the step, ref its initial weights
+    kl_ref: float = 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -174,6 +176,7 @@ def step_metrics(
         is_masked_frac=sums.get("is_masked_frac", 0.0),
         ess_corrected=_ess_of(w),
         explained_variance=ppo.explained_variance(old_v, ret),
+        kl_ref=sums.get("kl_ref", 0.0),
     )
 
 

@@ -47,6 +47,7 @@ from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
 from t1async.model.weights import load_weights_into
+from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import common_prefix_len
 
 log = get_logger("t1async.learner.trainer")
@@ -64,6 +65,7 @@ class Scored:
     out_logp: Tensor | None = None  # with grad (single-pass mode)
     out_values: Tensor | None = None
     out_entropy: Tensor | None = None
+    ref_logp: Tensor | None = None  # detached [B, T], the reference model's (--kl-ref-coef)
 
 
 class Trainer:
@@ -96,6 +98,20 @@ class Trainer:
         self._primes = 0  # this step's priming forwards (``_take_prefixes``)
         # open episode -> (segment index, its tokens): what an earlier step forwarded of its latest segment (metrics)
         self._covered: dict[str, tuple[int, np.ndarray]] = {}
+        self.ref: MoETransformer | None = None  # --kl-ref-coef: the frozen initial weights (set_reference)
+
+    def set_reference(self, model: MoETransformer) -> None:
+        """The frozen model the KL penalty (``kl_ref_coef``) anchors the policy to: RL's initial weights, kept
+        apart from the checkpoints (a resume builds it again from the same model dir)."""
+        if self.config.kl_ref_coef <= 0:
+            raise ConfigError("Trainer.set_reference: kl_ref_coef is 0, so no step would read the reference")
+        mine = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
+        if {n: tuple(p.shape) for n, p in model.state_dict().items()} != mine:
+            raise ConfigError(
+                "Trainer.set_reference: the reference model's weights differ in name or shape from the policy's"
+            )
+        model.requires_grad_(False)
+        self.ref = model.to(self.device).train(self.model.training)
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -131,6 +147,18 @@ class Trainer:
         # value of the state token p was chosen in = value head at p - 1
         vals = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
         return out, logp, vals, ent
+
+    @torch.no_grad()
+    def _ref_logp(self, b: Batch) -> Tensor:
+        """The reference model's log-probs of the batch's tokens, with the same routing replay and dtype as the
+        policy's forward (so at step 0 they equal the proximal log-probs)."""
+        if self.ref is None or b.past is not None:  # TrainerConfig refuses --kl-ref-coef with --prefix-kv reuse
+            raise RuntimeError("Trainer._ref_logp: no reference model, or a batch with kept keys and values")
+        rp = b.recorded if (self.config.replay and b.recorded is not None) else None
+        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = self.ref(b.tokens, replay=rp, logits=False)
+            return self.ref.token_logprobs(out.hidden, b.tokens)[0].detach()
 
     def _advantages(self, batch: Batch, segs: Sequence[SegmentLike], value_head: Tensor) -> tuple[Tensor, Tensor]:
         """(advantages, returns) [B, T] of ``batch``'s rows."""
@@ -447,6 +475,8 @@ class Trainer:
                         segments[i], b.past, [(k[row : row + 1], v[row : row + 1]) for k, v in out.kv], policy_version
                     )
             sc = Scored(b, logp.detach(), vals.detach(), *self._advantages(b, segments, out.values))
+            if self.ref is not None:
+                sc.ref_logp = self._ref_logp(b)
             if single:
                 sc.out_logp, sc.out_values, sc.out_entropy = logp, vals, ent
             if b.index:  # not a zero-weight padding micro-batch (DistributedTrainer._pad)
@@ -519,6 +549,7 @@ class Trainer:
                     cfg,
                     normaliser=n_loss,
                     entropy=ent,
+                    ref_logp=sc.ref_logp,
                 )
                 # a padding micro-batch (no rows of the step) runs its forward and backward with weight 0
                 (terms.loss if sc.batch.index else terms.loss * 0.0).backward()

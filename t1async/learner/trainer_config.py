@@ -99,6 +99,16 @@ class TrainerConfig:
     is_cap: float = setting(2.0, "tis: the cap of the importance weight", gt=0, group="learner")
     is_low: float = setting(0.5, "mis: the lowest importance weight kept", ge=0, group="learner")
     is_high: float = setting(2.0, "mis: the highest importance weight kept", gt=0, group="learner")
+    # an anchor to RL's start: at the preset's budget every estimator drifted below the SFT model it started from
+    # on eval, and a random-sign control showed the drift is the step's own noise (docs/results.md, 2026-12-06)
+    kl_ref_coef: float = setting(
+        0.0,
+        "weight of a KL penalty to the reference model (the learner's initial weights, --model: the warm start or "
+        "SFT model RL starts from), per loss token, k3 estimate of KL(pi || ref) with its gradient; 0: off. "
+        "Needs --prefix-kv exact and one learner rank",
+        ge=0,
+        group="learner",
+    )
     # T1's "aggressive warm start" of the critic: a fresh head predicts ~0 while returns average >1, so GAE's
     # first advantages are returns against one global baseline; a least-squares fit on the first steps' rollouts
     # gives it the returns' structure before the policy moves (learner/critic.py)
@@ -228,6 +238,11 @@ class TrainerConfig:
             raise ConfigError(
                 f"masked IS needs 0 <= is_low < is_high, got [{self.is_low}, {self.is_high}]: "
                 "set --is-low below --is-high"
+            )
+        if self.kl_ref_coef > 0 and self.prefix_kv == Prefix.REUSE and self.prefix_kv_max_age > 0:
+            raise ConfigError(
+                "--kl-ref-coef needs --prefix-kv exact: with reuse a cut forwards only its new positions against the "
+                "policy's kept keys and values, and the reference model has none of its own"
             )
         if self.advantage_signs == AdvantageSigns.RANDOM and self.advantage == Advantage.GAE:
             raise ConfigError(
