@@ -4,7 +4,9 @@ NATS and sampler (``run_loop``), and the in-memory sampler with the weight-updat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -112,9 +114,15 @@ async def run_loop(
     return learner
 
 
-async def train_waves(cfg: LearnerConfig, broker: MemoryBroker, stop_after: int | None = None) -> Learner:
+async def train_waves(
+    cfg: LearnerConfig,
+    broker: MemoryBroker,
+    stop_after: int | None = None,
+    more: Callable[[int, int], list[Any]] | None = None,
+) -> Learner:
     """Run a learner on one wave of 3 finished episodes per step (from the step it starts at); ``stop_after``:
-    cancel it (a stop) once it trained that many steps, else it runs its ``steps``."""
+    cancel it (a stop) once it trained that many steps, else it runs its ``steps``. ``more(k, version)``: more
+    records for wave k."""
     async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
         learner = Learner(cfg, lt, None)
         n = stop_after or cfg.steps
@@ -124,7 +132,8 @@ async def train_waves(cfg: LearnerConfig, broker: MemoryBroker, stop_after: int 
                 for k in range(learner.state.step, n):
                     while learner.state.step < k:
                         await anyio.sleep(0.02)
-                    for r in episodes(10 * k, 3, learner.policy_version):
+                    extra = more(k, learner.policy_version) if more else []
+                    for r in episodes(10 * k, 3, learner.policy_version) + extra:
                         await pub.publish(traj_subject(r.episode), r)
                 if stop_after is not None:
                     while learner.state.step < stop_after:

@@ -10,7 +10,6 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -26,8 +25,6 @@ from t1async.model.weights import load_pretrained
 from t1async.protocol import wire
 from t1async.testing.episodes import Sizes, make_episode
 from t1async.transport import MemoryBroker, MemoryTransport
-from t1async.transport.base import traj_subject
-from tests.clean_episodes import episodes
 from tests.loops import train_waves
 
 
@@ -135,24 +132,7 @@ async def test_a_crash_after_a_checkpoint_replays_from_it(tmp_path, tiny_model, 
     broker = MemoryBroker()
     with monkeypatch.context() as m:
         m.setattr(Learner, "_save_at_exit", _killed)
-        async with MemoryTransport(broker) as lt, MemoryTransport(broker) as pub:
-            first = Learner(cfg, lt, None)
-            async with anyio.create_task_group() as tg:
-
-                async def feed() -> None:
-                    for k in range(5):
-                        while first.state.step < k:
-                            await anyio.sleep(0.02)
-                        for r in episodes(10 * k, 3, first.policy_version) + _long_turn(k, first.policy_version):
-                            await pub.publish(traj_subject(r.episode), r)
-                    while first.state.step < 5:
-                        await anyio.sleep(0.02)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(feed)
-                with anyio.fail_after(180):
-                    await first.run()
-        first.journal.close()
+        first = await train_waves(cfg, broker, stop_after=5, more=_long_turn)
     n = first.policy_version
     c = max(cp.policy_version for cp in list_checkpoints(cfg.checkpoints))
     assert c == 4 < n < 8  # a step under way at the kill finishes
