@@ -269,6 +269,7 @@ def test_the_rl_record_holds_the_presets_values():
     args = argparse.Namespace(rl_init="sft", rl_steps=40, cluster_arg=[], preset="learn-choresn")
     rec = rl_record(args)
     assert rec["preset"]["advantage"] == "rloo" and rec["preset"]["group_size"] == "4"
+    assert (rec["preset"]["kl_ref_coef"], rec["preset"]["prefix_kv"]) == ("1.0", "exact")  # anchored: 2026-12-07
     assert rl_record(argparse.Namespace(**{**vars(args), "preset": "learn"}))["preset"]["advantage"] == "turn"
 
 

@@ -214,7 +214,7 @@ class UpConfig(LearnerConfig, EpisodeOptions, VLLMSettings):
         if self.kl_ref_coef > 0 and self.learner_procs > 1:
             raise ConfigError(
                 f"--kl-ref-coef runs on one learner rank, got --learner-procs {self.learner_procs}: the reference "
-                "model would be sharded like the policy, which is not built; use --learner-procs 1"
+                "model would be sharded like the policy, which is not built; use --learner-procs 1, or --kl-ref-coef 0"
             )
         check_bounds(self)  # each field's own ge/gt/le
         for name in ("sampler_cpus", "learner_cpus"):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from t1async.learner.trainer_config import Advantage, Critic
+from t1async.learner.trainer_config import Advantage, Critic, Prefix
 from t1async.protocol.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -87,12 +87,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 # each of three folds (+5.2, +3.8, +6.8 points of greedy pass@1 on test keys; docs/results.md, 2026-12-06
 # 13:16 UTC), where ``turn``'s per-turn-number mean mixes tasks of 2 to 6 chores; ``learn``'s lr 5e-5 stays: at 1.5e-4
 # and 5e-4 RL got worse (fold 1 collapsed at 5e-4), and no lr beat the SFT model on eval (results, 2026-12-06 16:30)
+# and it is anchored to its start (--kl-ref-coef 1, which needs --prefix-kv exact): unanchored, every estimator
+# fell under the SFT model on eval; anchored, RL tied SFT on eval and beat unanchored rloo there by key
+# (docs/results.md, 2026-12-07 02:45)
 PRESETS["learn-choresn"] = {
     **PRESETS["learn"],
     "warm_start": "choresn",
     "synth_families": ("choresn",),
     "advantage": Advantage.RLOO,
     "group_size": 4,
+    "kl_ref_coef": 1.0,
+    "prefix_kv": Prefix.EXACT,
 }
 
 
