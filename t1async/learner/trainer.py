@@ -126,11 +126,14 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- forward
 
+    def _autocast(self) -> torch.autocast:
+        """--train-dtype bfloat16: bf16 autocast over the fp32 weights (the master copy AdamW updates)."""
+        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+
     def _forward(self, b: Batch, *, replay: bool, with_entropy: bool, want_kv: bool = False):
         rp = b.recorded if (replay and b.recorded is not None) else None
-        # --train-dtype bfloat16: bf16 autocast over the fp32 weights (the master copy AdamW updates)
-        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with self._autocast():
             # no [B, T, V] logits: the head runs in checkpointed chunks (moe.MoETransformer.token_logprobs)
             out = self.model(
                 b.tokens,
@@ -155,8 +158,7 @@ class Trainer:
         if self.ref is None or b.past is not None:  # TrainerConfig refuses --kl-ref-coef with --prefix-kv reuse
             raise RuntimeError("Trainer._ref_logp: no reference model, or a batch with kept keys and values")
         rp = b.recorded if (self.config.replay and b.recorded is not None) else None
-        bf16 = self.config.train_dtype == TrainDtype.BFLOAT16
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with self._autocast():
             out = self.ref(b.tokens, replay=rp, logits=False)
             return self.ref.token_logprobs(out.hidden, b.tokens)[0].detach()
 
@@ -398,8 +400,7 @@ class Trainer:
             return 0
         h = head(s, n)
         b = pack([h], [0], n_layers=self.mcfg.n_layers, top_k=self.mcfg.top_k, device=self.device)
-        bf16 = cfg.train_dtype == TrainDtype.BFLOAT16
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+        with torch.no_grad(), self._autocast():
             out = self.model(
                 b.tokens, replay=b.recorded if cfg.replay else None, logits=False, checkpoint_blocks=False, want_kv=True
             )
