@@ -204,11 +204,21 @@ def test_masked_is_drops_the_tokens_whose_weight_leaves_the_bounds():
     assert terms.is_trunc_frac.item() == pytest.approx(0.25) and terms.is_masked_frac.item() == 0.0
 
 
+def test_no_is_correction_weighs_every_token_one_whatever_the_sampler_said(tmp_path):
+    # the ablation: the gradient is the plain surrogate's, -adv / n per token, however far pi_sampler is
+    terms, grad = _is_loss([0.3, 0.8, 1.5, 4.0], TrainerConfig(value_coef=0.0, is_correction="none"))
+    np.testing.assert_allclose(grad.numpy(), [-0.25] * 4, rtol=1e-6)
+    assert terms.is_trunc_frac.item() == 0.0 and terms.is_masked_frac.item() == 0.0
+    from tests.clusterargs import learner_argv, serve_args
+
+    assert serve_args(learner_argv(tmp_path, "--is-correction", "none")).is_correction == "none"
+
+
 def test_bad_is_options_are_refused():
     with pytest.raises(ConfigError, match="is_low < is_high"):
         TrainerConfig(is_correction="mis", is_low=2.0, is_high=1.5)
-    with pytest.raises(ConfigError, match="is_correction must be 'tis' or 'mis'"):
-        TrainerConfig(is_correction="none")
+    with pytest.raises(ConfigError, match="is_correction must be 'tis' or 'mis' or 'none'"):
+        TrainerConfig(is_correction="off")
 
 
 def test_step_metrics_report_the_masked_share_and_the_corrected_ess():

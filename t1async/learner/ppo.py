@@ -21,7 +21,8 @@ The policy loss is decoupled PPO (Hilton et al. 2022; AReaL): behaviour policy =
 proximal policy = the learner's logprobs at the start of the step (detached). The PPO ratio and its clip are
 taken against the proximal policy; the importance weight ``w = pi_prox / pi_behav`` corrects for staleness and
 sampler/learner mismatch, detached: ``is_correction="tis"`` truncates it at ``is_cap`` (truncated IS),
-``"mis"`` zeroes the tokens whose ``w`` leaves ``[is_low, is_high]`` (masked IS) and keeps ``w`` elsewhere.
+``"mis"`` zeroes the tokens whose ``w`` leaves ``[is_low, is_high]`` (masked IS) and keeps ``w`` elsewhere;
+``"none"`` takes ``w = 1``: the loss ignores the mismatch (an ablation).
 With ``ppo_epochs > 1`` every epoch re-runs the forward, so from the second epoch on the ratio differs from 1
 and the clip binds; ``clip_frac_by_epoch`` shows it.
 
@@ -309,8 +310,11 @@ def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: TrainerConfig) -> tup
     if cfg.is_correction == "mis":
         masked = (raw < cfg.is_low) | (raw > cfg.is_high)
         return torch.where(masked, torch.zeros_like(raw), raw), torch.zeros_like(masked), masked
+    if cfg.is_correction == "none":
+        none = torch.zeros_like(raw, dtype=torch.bool)
+        return torch.ones_like(raw), none, none
     if cfg.is_correction != "tis":
-        raise ValueError(f"TrainerConfig.is_correction must be 'tis' or 'mis', got {cfg.is_correction!r}")
+        raise ValueError(f"TrainerConfig.is_correction must be 'tis', 'mis' or 'none', got {cfg.is_correction!r}")
     trunc = raw > cfg.is_cap
     return raw.clamp(max=cfg.is_cap), trunc, torch.zeros_like(trunc)
 

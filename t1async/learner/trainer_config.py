@@ -31,6 +31,7 @@ class AdvantageSigns(enum.StrEnum):
 class IsCorrection(enum.StrEnum):
     TIS = "tis"  # truncated importance sampling: w = pi_prox / pi_behav capped at --is-cap
     MIS = "mis"  # masked importance sampling: tokens whose w leaves [--is-low, --is-high] are dropped
+    NONE = "none"  # no correction: w = 1, the sampler/learner mismatch is ignored (an ablation, not a default)
 
 
 class Prefix(enum.StrEnum):
@@ -93,7 +94,7 @@ class TrainerConfig:
     is_correction: IsCorrection = setting(
         IsCorrection.TIS,
         "off-policy correction of the weight w = pi_learner / pi_sampler: tis truncates w at --is-cap; mis drops "
-        "the tokens whose w leaves [--is-low, --is-high]",
+        "the tokens whose w leaves [--is-low, --is-high]; none takes w = 1 (ignores the mismatch: an ablation)",
         group="learner",
     )
     is_cap: float = setting(2.0, "tis: the cap of the importance weight", gt=0, group="learner")
