@@ -134,7 +134,9 @@ def run_rl(
         *extra,
     ]
     print("rl: " + " ".join(argv[1:]), flush=True)
-    with open(run_dir.parent / f"cluster-up-{run_dir.name}.log", "w") as logf:
+    log_path = run_dir.parent / f"cluster-up-{run_dir.name}.log"
+    timed_out = False
+    with open(log_path, "w") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT)
         # SIGTERM to the bench becomes SystemExit, so the finally below stops the cluster (a killed bench left
         # `cluster up` and its components running)
@@ -142,6 +144,7 @@ def run_rl(
             with handlers({signal.SIGTERM: lambda *_: sys.exit(143)}):
                 rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            timed_out = True
             print(f"rl: stopping after {timeout_s:.0f} s (--rl-timeout)", flush=True)
         finally:
             if proc.poll() is None:
@@ -149,13 +152,30 @@ def run_rl(
                 proc.wait(timeout=120)
         rc = proc.returncode
     ck = latest_checkpoint(run_dir / "checkpoints")
-    if ck is None:
+    where = f"see {log_path} and {run_dir / 'logs'}"
+    if rc != 0 and not timed_out:
+        # a run that failed on its own is not "after RL": scoring its last checkpoint (v1, say) as the arm's
+        # policy put a one-step model in the table under the name of a 40-step one
+        got = f"its last checkpoint is version {ck.policy_version}" if ck else "it left no checkpoint"
         raise SystemExit(
-            f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; see "
-            f"{run_dir.parent / f'cluster-up-{run_dir.name}.log'} and {run_dir / 'logs'}"
+            f"rl: cluster up failed (exit {rc}) before its {steps} steps; {got}, and nothing was scored. "
+            f"{_last_error(log_path)}{where}"
         )
-    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version})", flush=True)
+    if ck is None:
+        raise SystemExit(f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; {where}")
+    short = f", {ck.policy_version} of the {steps} steps asked (--rl-timeout)" if timed_out else ""
+    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version}{short})", flush=True)
     return Path(ck.path)
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of ``cluster up``'s output that says ``error``, quoted, or nothing."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    hit = [ln.strip() for ln in lines if "error" in ln.lower()]
+    return f"Its last error line: {hit[-1]!r}. " if hit else ""
 
 
 def ensure_corpus(

@@ -226,3 +226,32 @@ def test_compare_arms_splits_the_held_out_keys_and_names_a_bad_file(tmp_path, ca
     other.write_text(json.dumps(row("zzz", True, 1)) + "\n")
     assert main([str(b), str(other), "--held-out", ""]) == 2
     assert "share no content key" in capsys.readouterr().err
+
+
+def test_run_rl_refuses_to_hand_on_the_checkpoint_of_a_run_that_failed(tmp_path, monkeypatch):
+    """A cluster up that fails on its own (here after v1, as a failed push check does) is not RL's policy: the
+    bench stops and quotes the error, where it used to score v1 as the arm's "after 40 steps"."""
+    import subprocess
+    import sys
+
+    from bench import learning_runs
+    from t1async.learner.checkpoint import save_checkpoint
+    from tests.segments import tiny
+
+    run_dir = tmp_path / "rl"
+    save_checkpoint(run_dir / "checkpoints", tiny(), None, policy_version=1, step=1)
+    real = subprocess.Popen
+    code = {"rc": 1}
+
+    def fake_cluster(argv, **kw):  # the command line is cluster up's; what runs prints as a failing one would
+        assert argv[1:4] == ["-m", "t1async.cluster", "up"] and "--steps" in argv
+        script = f"print('error: the sampler does not serve the weights pushed as v1'); raise SystemExit({code['rc']})"
+        return real([sys.executable, "-c", script], **kw)
+
+    monkeypatch.setattr(learning_runs.subprocess, "Popen", fake_cluster)
+    with pytest.raises(SystemExit, match=r"failed \(exit 1\) before its 40 steps; its last checkpoint is version 1"):
+        learning_runs.run_rl(run_dir, tmp_path / "tasks", 40, [], 600)
+    with pytest.raises(SystemExit, match="does not serve the weights pushed as v1"):
+        learning_runs.run_rl(run_dir, tmp_path / "tasks", 40, [], 600)
+    code["rc"] = 0  # a run that finished hands on its last checkpoint
+    assert learning_runs.run_rl(run_dir, tmp_path / "tasks", 40, [], 600).name == "v000001"
