@@ -264,11 +264,13 @@ class Supervisor:
                 )
                 return False
             else:
-                loop = (
-                    f" (restarted {self.config.max_restarts} times in {self.config.restart_window_s:.0f} s already)"
-                    if spec.restart and self.config.max_restarts
-                    else ""
-                )
+                if proc.returncode == EXIT_CONFIG:  # a configuration error: running it again cannot help
+                    loop = " (a configuration error: not restarted)" if spec.restart else ""
+                elif spec.restart and self.config.max_restarts:
+                    n, window = self.config.max_restarts, self.config.restart_window_s
+                    loop = f" (restarted {n} times in {window:.0f} s already)"
+                else:
+                    loop = ""
                 why = last_line(path) if proc.returncode == EXIT_CONFIG else ""
                 self.failed = f"{spec.name} (pid {proc.pid}) exited with code {proc.returncode}{loop}; see {path}" + (
                     f": {why}" if why else ""
