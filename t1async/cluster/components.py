@@ -199,6 +199,17 @@ def _part(cls: type, cfg: UpConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in fields(cls)}
 
 
+def push_check_bound(cfg: UpConfig, *, own_samplers: bool) -> float | None:
+    """``--push-check-bound``, or where it is unset and the samplers this run starts serve bf16, the bf16 bound
+    (their rounding alone passed the fp32 one on learn-choresn, and the run stopped; learner/settings.py)."""
+    from t1async.learner.settings import PUSH_CHECK_BOUND_BF16
+
+    if cfg.push_check_bound is not None or not own_samplers:
+        return cfg.push_check_bound
+    dtype = cfg.vllm_dtype if cfg.engine == "vllm" else cfg.sampler_dtype
+    return PUSH_CHECK_BOUND_BF16 if str(dtype) == "bfloat16" else None
+
+
 def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
     """Each child, started with ``--config <run-dir>/config/<child>.toml``, plus the flags that differ
     between copies of one child (a sampler's port, an actor's id and seed)."""
@@ -258,6 +269,7 @@ def specs(cfg: UpConfig, nats_url: str) -> list[ProcessSpec]:
         "learner",
         {
             **{k: v for k, v in _part(LearnerConfig, cfg).items() if k not in code_only(LearnerConfig)},
+            "push_check_bound": push_check_bound(cfg, own_samplers=not cfg.sampler_url),
             "nats": nats_url,
             "nats_creds": nats_creds(cfg, Role.LEARNER),
             "run_dir": cfg.run_dir,

@@ -507,12 +507,13 @@ class Learner:
         check that it serves the learner's starting weights (a fresh run; vLLM's are labelled version 0 then)."""
         if self.samplers is not None and self.resumed_from is None and self.push_check is not None:
             got = await self.push_check.measure(self.trainer.export_model(), strict=True)
-            bad = {u: d for u, d in got.items() if d > self.cfg.push_check_bound}
+            bound = self.cfg.push_check.bound
+            bad = {u: d for u, d in got.items() if d > bound}
             if bad:
                 raise PushCheckError(
                     f"the sampler(s) {', '.join(bad)} serve other weights than the learner starts from "
                     f"({self.cfg.model or 'the shipped model'}): mean |Δlogp| "
-                    f"{', '.join(f'{d:.4g}' for d in bad.values())} on the probe, bound {self.cfg.push_check_bound:g}; "
+                    f"{', '.join(f'{d:.4g}' for d in bad.values())} on the probe, bound {bound:g}; "
                     "start them on the same --model (or raise --push-check-bound for a bf16 sampler)"
                 )
             set_version = getattr(self.samplers, "set_weight_version", None)

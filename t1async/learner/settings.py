@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 WeightSync = Literal["disk", "distributed"]
 
 
+# the push check's bound on mean |Δlogp| over its probe. fp32 engines agree with the learner to ~1e-6; a sampler
+# in bf16 differs by its rounding alone, 0.0003-0.011 a push on learn-choresn's 2 M MoE (a routing flip on one
+# probe token), and a push that went wrong read 0.043-0.25 (vLLM's own reload; docs/results.md, 2026-12-05 and -07)
+PUSH_CHECK_BOUND = 0.01
+PUSH_CHECK_BOUND_BF16 = 0.03
+
+
 @dataclass(frozen=True)
 class LearnerConfig(TrainerConfig):
     """The learner's settings (``learner.service.Learner``): the trainer's, then the learner's own. ``learner
@@ -75,10 +82,11 @@ class LearnerConfig(TrainerConfig):
         ge=0,
         group="learner",
     )
-    push_check_bound: float = setting(
-        0.01,
+    push_check_bound: float | None = setting(
+        None,
         "the mean |Δlogp| past which a push failed: it is sent once more, then the learner stops naming the "
-        "sampler (raise it for a sampler that serves bf16 on purpose)",
+        f"sampler (default {PUSH_CHECK_BOUND:g}; {PUSH_CHECK_BOUND_BF16:g} when the samplers cluster up starts serve "
+        "bfloat16; raise it for a --sampler-url that serves bf16)",
         gt=0,
         group="learner",
     )
@@ -113,7 +121,8 @@ class LearnerConfig(TrainerConfig):
     def push_check(self) -> PushCheckConfig:
         from t1async.learner.pushcheck import PushCheckConfig
 
-        return PushCheckConfig(every=self.push_check_every, bound=self.push_check_bound)
+        bound = PUSH_CHECK_BOUND if self.push_check_bound is None else self.push_check_bound
+        return PushCheckConfig(every=self.push_check_every, bound=bound)
 
 
 @dataclass(frozen=True)
