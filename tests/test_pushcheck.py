@@ -4,9 +4,19 @@ test_vllm_real.py; the retry and the error in test_vllm_client.py.)"""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
-from t1async.learner.pushcheck import SAMPLED, PushCheck, PushCheckConfig, engine_logprobs
+from t1async.learner.pushcheck import (
+    SAMPLED,
+    PushCheck,
+    PushCheckConfig,
+    engine_logprobs,
+    learner_logprobs,
+    probe_ids,
+    trimmed_mean,
+)
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.sampler.client import SGLangClient
 from t1async.sampler.launch import launch_sampler
@@ -45,3 +55,31 @@ def test_cluster_up_gives_its_own_bf16_samplers_the_bf16_bound(tmp_path):
     assert bound("vllm32", "--engine", "vllm") == PUSH_CHECK_BOUND
     assert bound("flag", "--sampler-dtype", "bfloat16", "--push-check-bound", "0.02") == 0.02
     assert bound("url", "--sampler-dtype", "bfloat16", "--sampler-url", "http://127.0.0.1:1") == PUSH_CHECK_BOUND
+
+
+async def test_one_token_far_off_does_not_fail_a_push_and_every_token_a_little_off_does():
+    """What a bf16 sampler did at v9 of a learn-choresn run: one sampled token of 32 at -0.02 where the learner
+    said -8.2, the rest within 0.02, mean 0.27: the plain mean failed a push of the right weights."""
+    model = load_pretrained(default_model_dir())
+    ids = probe_ids(model.cfg.vocab_size, 64)
+    exact = learner_logprobs(model, ids)
+
+    class Engine:  # scores the probe as vLLM does (prompt_logprobs): the learner's own, perturbed
+        urls = ["http://engine"]
+
+        def __init__(self, off: np.ndarray) -> None:
+            self.off = off
+
+        async def score(self, ids: list[int], *, url: str) -> np.ndarray:
+            return exact + self.off
+
+    one = np.zeros(len(exact))
+    one[0] = 8.2
+    check = PushCheck(Engine(one), PushCheckConfig(), model.cfg.vocab_size)
+    got = await check.measure(model)
+    assert got["http://engine"] < 1e-6 and check.largest["http://engine"] == pytest.approx(8.2)
+    assert float(np.abs(one).mean()) > PushCheckConfig().bound  # the old statistic failed this push
+    spread = np.full(len(exact), 0.03)  # every token a little off: other weights
+    got = await PushCheck(Engine(spread), PushCheckConfig(), model.cfg.vocab_size).measure(model)
+    assert got["http://engine"] == pytest.approx(0.03) and got["http://engine"] > PushCheckConfig().bound
+    assert trimmed_mean(np.arange(10.0)) == pytest.approx(4.0)  # 9 of 10 kept

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
-from t1async.learner.pushcheck import learner_logprobs, probe_ids
+from t1async.learner.pushcheck import PushCheckConfig, learner_logprobs, probe_ids, trimmed_mean
 from t1async.model.weights import default_model_dir, load_pretrained
 from t1async.sampler.vllm_launch import resolve_python
 from tests.clusterargs import SMALL, cluster_up
@@ -96,8 +96,10 @@ def test_vllm_cpu_reload_changes_the_policy_and_the_extension_does_not(vllm_url)
     assert got["results"][0]["repacked_moe_layers"] == 4
     assert np.abs(engine_logprobs(vllm_url, ids) - mine).mean() < 1e-5, "t1async's reload keeps the policy"
     reload(vllm_url, "reload_weights", str(model_dir))  # vLLM's own, of the very same checkpoint
-    broken = np.abs(engine_logprobs(vllm_url, ids) - mine).mean()
+    off = np.abs(engine_logprobs(vllm_url, ids) - mine)
+    broken = off.mean()
     assert broken > 1e-3, f"vLLM's reload_weights kept the policy ({broken:.2g}): vLLM fixed its CPU MoE defect"
+    assert trimmed_mean(off) > PushCheckConfig().bound, "the push check's trimmed mean still catches it"
     reload(vllm_url, "t1_reload_weights", str(model_dir))
     assert np.abs(engine_logprobs(vllm_url, ids) - mine).mean() < 1e-5, "and the extension repairs it"
     # a push from outside the launcher's roots is refused, and the server lives on
