@@ -239,8 +239,12 @@ def test_step_metrics_report_the_masked_share_and_the_corrected_ess():
     assert tis.is_masked_frac == 0.0 and 0.05 < tis.is_trunc_frac < 0.3  # only w = e > 2 is truncated
     # masking zeroes weights: its ESS is below the raw one; truncation only lowers the largest, raising it
     assert mis.ess_corrected < mis.ess < tis.ess_corrected <= 1.0
+    # what mis would drop, reported under either correction: the skewed third (w = e, 1/e leave [0.5, 2])
+    assert tis.is_outside_frac == pytest.approx(mis.is_masked_frac) == pytest.approx(mis.is_outside_frac)
+    assert tis.dlogp_max == pytest.approx(1.0, abs=1e-3)
     clean = Trainer(copy.deepcopy(model), TrainerConfig(is_correction="mis")).step(segs, 0)
     assert clean.is_masked_frac == 0.0 and clean.ess_corrected == pytest.approx(1.0, abs=1e-4)
+    assert clean.is_outside_frac == 0.0 and clean.dlogp_max < 1e-4
 
 
 # ------------------------------------------------------------------------------------------------ critic

@@ -76,6 +76,10 @@ class StepMetrics:
     clip_frac_by_epoch: dict[int, float] = field(default_factory=dict)
     clip_frac_last: float = 0.0  # clip_frac_by_epoch's last epoch
     is_masked_frac: float = 0.0  # share of loss tokens dropped by masked IS (is_correction "mis")
+    # whatever the correction: the share of loss tokens whose raw w = pi_learner / pi_sampler leaves
+    # [is_low, is_high] (what mis would drop), and the largest |Δlogp| of one token (a bf16 sampler's tail)
+    is_outside_frac: float = 0.0
+    dlogp_max: float = 0.0
     ess_corrected: float = 1.0  # normalised ESS of the importance weights after truncation or masking
     explained_variance: float = 0.0  # of the returns by the critic's values at the start of the step
     critic_warmup_ev: float | None = None  # in-sample EV of the warm-up's fit after the step (for the next one)
@@ -123,7 +127,11 @@ def step_metrics(
     stale = (policy_version - vers).cpu().numpy()
     hist = {int(k): int(v) for k, v in zip(*np.unique(stale, return_counts=True))}
     split = ppo.dlogp_split(prox, behav, policy_version - vers)
-    w, _, _ = ppo.is_weights(prox, behav, config or TrainerConfig())
+    cfg = config or TrainerConfig()
+    w, _, _ = ppo.is_weights(prox, behav, cfg)
+    logw = (prox - behav).double()
+    raw = torch.exp(logw.clamp(-20.0, 20.0))
+    outside = (raw < cfg.is_low) | (raw > cfg.is_high)
     by_epoch = {int(k.removeprefix("clip_frac_e")): v for k, v in sums.items() if k.startswith("clip_frac_e")}
     return StepMetrics(
         step=step,
@@ -174,6 +182,8 @@ def step_metrics(
         clip_frac_by_epoch=by_epoch,
         clip_frac_last=by_epoch[max(by_epoch)] if by_epoch else 0.0,
         is_masked_frac=sums.get("is_masked_frac", 0.0),
+        is_outside_frac=float(outside.double().mean()) if logw.numel() else 0.0,
+        dlogp_max=float(logw.abs().max()) if logw.numel() else 0.0,
         ess_corrected=_ess_of(w),
         explained_variance=ppo.explained_variance(old_v, ret),
         kl_ref=sums.get("kl_ref", 0.0),
