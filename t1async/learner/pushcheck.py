@@ -7,9 +7,9 @@ what it now serves and compares it with what it sent.
   server) scores what it samples: 32 tokens after the probe, seeded, at temperature 1, whose own log-probs the
   learner then recomputes. ``push_check_dlogp`` is the mean |Δlogp| over the compared tokens less their largest
   tenth (the worst sampler), recorded per step in ``metrics.jsonl``; ``push_check_max`` is the largest. A sampler
-  in bf16 can disagree with the learner by nats on one token of 32 (a seeded sample after random ids is far
-  from anything trained: -0.02 against -8.2 on learn-choresn, mean 0.27, median 1e-5), while a push that went
-  wrong moves every token; the trimmed mean tells the two apart.
+  in bf16 can disagree with the learner by nats on one token of 32 (-0.02 against the learner's -8.2 at v9 of a
+  learn-choresn run: mean 0.27, median 1e-5; a fresh bf16 load of that checkpoint read the same, fp32 8e-8),
+  while a push that went wrong moves every token; the trimmed mean tells the two apart.
 - **Checksums**, where the engine offers them (vLLM's ``/weight_checker``): the tensors whose hash changed
   across the push (``push_check_unchanged``: how many tensors hash the same before and after; a push of new
   weights changes them). vLLM-CPU hashes its repacked tensors as empty, so checksums alone miss a wrongly

@@ -23,8 +23,9 @@ WeightSync = Literal["disk", "distributed"]
 
 
 # the push check's bound on mean |Δlogp| over its probe. fp32 engines agree with the learner to ~1e-6; a sampler
-# in bf16 differs by its rounding alone, 0.0003-0.011 a push on learn-choresn's 2 M MoE (a routing flip on one
-# probe token), and a push that went wrong read 0.043-0.25 (vLLM's own reload; docs/results.md, 2026-12-05 and -07)
+# in bf16 differs by its rounding alone, 0.0003-0.011 a push on learn-choresn's 2 M MoE before the check's mean
+# was trimmed (one probe token can be 8 nats off: pushcheck.py), and a push that went wrong read 0.043 (vLLM's
+# own reload; docs/results.md, 2026-12-05)
 PUSH_CHECK_BOUND = 0.01
 PUSH_CHECK_BOUND_BF16 = 0.03
 
