@@ -39,16 +39,17 @@ async def test_the_check_sees_the_embedded_sampler_agree_and_then_differ():
 
 
 def test_cluster_up_gives_its_own_bf16_samplers_the_bf16_bound(tmp_path):
-    """bf16 rounding alone read 0.0114 on the probe at v18 of a learn-choresn run, past the fp32 bound 0.01, and
-    the run stopped. Samplers cluster up starts in bf16 now get PUSH_CHECK_BOUND_BF16, unless the flag is
-    given; fp32 ones, and --sampler-url servers whose dtype cluster up does not know, keep the fp32 bound."""
+    """bf16 rounding alone read 0.0114 on the probe (untrimmed) at v18 of a learn-choresn run, past the fp32
+    bound 0.01, and the run stopped. Samplers cluster up starts in bf16 now get PUSH_CHECK_BOUND_BF16, unless
+    the flag is given; fp32 ones, and --sampler-url servers whose dtype cluster up does not know, keep the fp32
+    bound."""
     from t1async.learner.settings import PUSH_CHECK_BOUND, PUSH_CHECK_BOUND_BF16
     from tests.clusterargs import learner_argv, serve_args
 
     def bound(name: str, *flags: str) -> float:
         return serve_args(learner_argv(tmp_path / name, *flags)).push_check.bound
 
-    assert PUSH_CHECK_BOUND < 0.0114 < PUSH_CHECK_BOUND_BF16 < 0.043  # bf16's worst seen; a broken reload's least
+    assert PUSH_CHECK_BOUND < 0.0114 < PUSH_CHECK_BOUND_BF16 < 0.043  # a bf16 stop; vLLM's broken reload
     assert bound("fp32") == PUSH_CHECK_BOUND
     assert bound("bf16", "--sampler-dtype", "bfloat16") == PUSH_CHECK_BOUND_BF16
     assert bound("vllm", "--engine", "vllm", "--vllm-dtype", "bfloat16") == PUSH_CHECK_BOUND_BF16
