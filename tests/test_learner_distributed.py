@@ -260,6 +260,42 @@ def test_two_ranks_train_in_bf16_like_one_rank(ranks2):
     assert float(diff.max()) < 8 * cfg.lr
 
 
+def test_two_ranks_anchor_to_a_sharded_reference_like_one_rank(ranks2, tmp_path):
+    """--kl-ref-coef at 2 ranks: each rank reads its own half of the reference (``load_reference``), and the
+    steps (loss, the KL term) and weights equal one rank's with a whole reference. A reference whose shapes
+    differ is refused with no rank left waiting. Before this, the N-rank learner refused the flag."""
+    from dataclasses import replace
+
+    from t1async.model.moe import MoETransformer
+    from t1async.model.weights import save_pretrained
+    from t1async.protocol.errors import ConfigError
+
+    ranks, holder = ranks2
+    torch.manual_seed(0)
+    base = tiny()
+    cfg = TrainerConfig(**{**TCFG.__dict__, "kl_ref_coef": 1.0, "prefix_kv": "exact"})
+    ref_dir = save_pretrained(base, tmp_path / "ref")
+    one = Trainer(copy.deepcopy(base), cfg)
+    one.load_reference(ref_dir)
+    two = holder["trainer"] = ranks.start(copy.deepcopy(base), cfg)
+    other = save_pretrained(MoETransformer(replace(base.cfg, d_ff=2 * base.cfg.d_ff)), tmp_path / "other")
+    with pytest.raises(ConfigError, match="differs from the policy"):
+        two.load_reference(other)
+    assert two.ref is None
+    two.load_reference(ref_dir)  # a command every rank joins: none was left behind by the refusal
+    for v in range(3):
+        segs = segments(one.model, seed=v, policy_version=v)
+        m1, m2 = one.step(segs, v), two.step(segs, v)
+        for k in ("loss", "policy_loss", "kl_ref", "grad_norm"):
+            assert getattr(m2, k) == pytest.approx(getattr(m1, k), rel=1e-3, abs=1e-6), (v, k)
+        assert v == 0 or m1.kl_ref > 1e-6, (v, m1.kl_ref)  # the policy moved off its reference: a term to match
+    assert_same_weights(one.model, two)
+    whole = state_bytes(one)["ref_bytes"]
+    assert whole == state_bytes(one)["param_bytes"]
+    for r, mem in enumerate(two.rank_memory()):
+        assert mem["ref_bytes"] / whole == pytest.approx(0.5, abs=0.03), (r, mem["ref_bytes"], whole)
+
+
 def test_place_keeps_an_episode_on_the_rank_that_holds_its_keys():
     """``place`` (--prefix-kv reuse): an episode's segments go together; an episode with a home stays there while
     its new positions fit, and moves when staying would overload its home; one with none balances by tokens."""

@@ -39,7 +39,9 @@ async def wait_for(fn, timeout_s: float, what: str):  # noqa: ANN001, ANN201
     return v
 
 
-def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, sync: str = "disk") -> None:
+def cluster_up(
+    tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, sync: str = "disk", extra: tuple[str, ...] = ()
+) -> None:
     """A short ``cluster up`` on ``run`` with a ``procs``-rank learner until ``steps`` steps; must finish."""
     argv = [
         *up_argv(run),
@@ -64,6 +66,7 @@ def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, 
         "--duration",
         "400",
         "--plain",
+        *extra,
     ]
     with open(tmp_path / "up.out", "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -78,10 +81,14 @@ def cluster_up(tmp_path: Path, run: Path, env: dict, *, procs: int, steps: int, 
 async def test_cluster_up_with_a_two_rank_learner(tmp_path, repo_env):
     run = tmp_path / "run"
     # the weights go over torch.distributed too (only rank 0 is in the samplers' group); the slow test below
-    # covers the disk path with 2 ranks
-    cluster_up(tmp_path, run, repo_env, procs=2, steps=2, sync="distributed")
+    # covers the disk path with 2 ranks. The KL anchor's reference is sharded like the policy: each rank reads
+    # its own rows of both (learner.rank_loaded, twice a rank)
+    anchor = ("--kl-ref-coef", "0.5", "--prefix-kv", "exact")
+    cluster_up(tmp_path, run, repo_env, procs=2, steps=2, sync="distributed", extra=anchor)
     log = run / "logs" / "learner.log"
     assert [e["nproc"] for e in events(log, "learner.ranks_joined")] == [2]
+    loaded = sorted(e["rank"] for e in events(log, "learner.rank_loaded"))
+    assert loaded == [0, 0, 1, 1], events(log, "learner.rank_loaded")
     steps = events(log, "learner.dist_step")
     assert [e["ranks"] for e in steps] == [2, 2] and all(len(e["tokens"]) == 2 for e in steps), steps
     assert all(len(e["busy_s"]) == 2 and min(e["busy_s"]) > 0 for e in steps), steps

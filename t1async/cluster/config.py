@@ -211,11 +211,6 @@ class UpConfig(LearnerConfig, EpisodeOptions, VLLMSettings):
                 f"--stream-replicas {self.stream_replicas} needs as many NATS servers, but the embedded "
                 f"NATS has {self.nats_nodes}: pass --nats-nodes {self.stream_replicas}"
             )
-        if self.kl_ref_coef > 0 and self.learner_procs > 1:
-            raise ConfigError(
-                f"--kl-ref-coef runs on one learner rank, got --learner-procs {self.learner_procs}: the reference "
-                "model would be sharded like the policy, which is not built; use --learner-procs 1, or --kl-ref-coef 0"
-            )
         check_bounds(self)  # each field's own ge/gt/le
         for name in ("sampler_cpus", "learner_cpus"):
             if getattr(self, name):

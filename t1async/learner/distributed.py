@@ -21,8 +21,9 @@ read or write of the weights is a collective under FSDP, so rank 0 sends a comma
 together (``_command``; ranks 1..N-1 wait for the next in ``serve_rank``): ``step`` (with the rank's segments),
 ``save`` (the model dir written by every rank from its shards, plus with a full checkpoint the sharded state
 through torch.distributed.checkpoint), ``export_model`` (the full weights, for the weight push), ``load``,
-``load_weights``, ``restore`` (after a failed step), ``score``, the critic warm-up's ``warmup_step`` (each rank
-its part, the moments summed) and ``_warmup_refit`` (learner/critic.py), and ``stop``. Besides FSDP's own
+``load_weights``, ``load_reference`` (--kl-ref-coef's reference, sharded like the policy), ``restore`` (after a
+failed step), ``score``, the critic warm-up's ``warmup_step`` (each rank its part, the moments summed) and
+``_warmup_refit`` (learner/critic.py), and ``stop``. Besides FSDP's own
 collectives the ranks meet three times a step: the advantage moments (advantages whitened over the whole step),
 a failure flag before each optimizer step, and a gather of the metric tensors to rank 0; before those, on the
 micro-batch count (``_pad``) and with reuse the priming count (``_agree_primes``).
@@ -210,10 +211,51 @@ class DistributedTrainer(Trainer):
         self._homes: dict[str, tuple[int, np.ndarray]] = {}
 
     def set_reference(self, model: MoETransformer) -> None:
-        raise ConfigError(
-            "--kl-ref-coef runs on one learner rank: at --learner-procs > 1 the reference model would be sharded "
-            "like the policy, which is not built"
+        raise TypeError(
+            "DistributedTrainer.set_reference: a whole model on one rank is what the N-rank learner never holds; "
+            "use load_reference(model_dir), which every rank reads its own shards of"
         )
+
+    def load_reference(self, model_dir: str | Path) -> None:
+        """Every rank together: the frozen reference of ``--kl-ref-coef``, built and sharded like the policy
+        (``build_sharded``: each rank reads its own rows of ``model_dir``), so no rank holds a whole copy of it
+        either. Its forward gathers a block at a time, as the policy's does. The ranks then agree that every
+        one built it: a rank without it would leave the others waiting in the first step's gathers."""
+        if self.config.kl_ref_coef <= 0:
+            raise ConfigError("Trainer.load_reference: kl_ref_coef is 0, so no step would read the reference")
+        with self._together("load_reference", str(model_dir)):
+            ref: MoETransformer | None = None
+            error: Exception | None = None
+            try:
+                ref, _ = build_sharded(model_dir, self.config, self.device.type)
+                mine = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
+                if {n: tuple(p.shape) for n, p in ref.state_dict().items()} != mine:
+                    raise ConfigError(
+                        f"the reference model {model_dir} differs from the policy in its weights' names or shapes"
+                    )
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it before any step
+                error = exc
+            flag = self._on_device(torch.tensor([float(error is not None)]))
+            collective("agreeing that every rank built the reference", dist.all_reduce, flag)
+            if error is not None:
+                raise error
+            if float(flag.cpu()[0]):
+                raise RankStepError(
+                    f"another rank could not build the reference model of {model_dir}: its log says why"
+                )
+            assert ref is not None
+            ref.requires_grad_(False)
+            self.ref = ref.train(self.model.training)
+
+    def _ref_logp(self, b: Batch) -> Tensor:
+        """The reference's log-probs (every rank, every micro-batch, padding ones too: its forward is FSDP's
+        gathers); then its root (embedding, norm, heads) is freed again, which the policy's backward does for
+        the policy's but no backward does for the reference's."""
+        try:
+            return super()._ref_logp(b)
+        finally:
+            assert isinstance(self.ref, FSDPModule)
+            self.ref.reshard()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: TrainerConfig, device: str = "cpu") -> DistributedTrainer:

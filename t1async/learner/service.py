@@ -114,7 +114,7 @@ class Learner:
         else:  # learner.ranks.make_trainer: every rank reads its own shards of src (design §10)
             self.trainer = make_trainer(src, config)
         if config.kl_ref_coef > 0:  # the anchor is RL's start, also when resuming from a later checkpoint
-            self.trainer.set_reference(load_pretrained(model_dir))
+            self.trainer.load_reference(model_dir)  # at N ranks each reads its own shards
         self.model = self.trainer.model
         if config.hf_format and not self.model.cfg.architecture:  # the in-house model is a Mixtral of its shape
             self.model.cfg = dataclasses.replace(self.model.cfg, architecture=config.hf_format)

@@ -46,7 +46,7 @@ from t1async.learner.trainer_config import TrainDtype, TrainerConfig
 from t1async.log import get_logger
 from t1async.model.moe import MoETransformer
 from t1async.model.tokenizer import ChatTokenizer
-from t1async.model.weights import load_weights_into
+from t1async.model.weights import load_pretrained, load_weights_into
 from t1async.protocol.errors import ConfigError
 from t1async.protocol.sampling import common_prefix_len
 
@@ -112,6 +112,11 @@ class Trainer:
             )
         model.requires_grad_(False)
         self.ref = model.to(self.device).train(self.model.training)
+
+    def load_reference(self, model_dir: str | Path) -> None:
+        """``set_reference`` with the weights of ``model_dir`` (the learner's ``--model``); the N-rank learner
+        reads each rank's shards instead (``DistributedTrainer.load_reference``)."""
+        self.set_reference(load_pretrained(model_dir))
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """One group (the policy and the value head at ``lr``), or two when ``value_lr`` is set: the trunk and
@@ -750,11 +755,13 @@ def state_bytes(trainer: Trainer) -> dict[str, int]:
             rss_peak = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
     except (OSError, StopIteration):
         pass
-    total = params + trainer.grad_bytes + optim
+    ref = 0 if trainer.ref is None else sum(_local(p).numel() * p.element_size() for p in trainer.ref.parameters())
+    total = params + trainer.grad_bytes + optim + ref
     return {
         "param_bytes": params,
         "grad_bytes": trainer.grad_bytes,
         "optim_bytes": optim,
+        "ref_bytes": ref,  # the frozen reference of --kl-ref-coef (its shard under FSDP), 0 without one
         "state_bytes": total,
         "rss_peak_bytes": rss_peak,
     }

@@ -106,7 +106,7 @@ class TrainerConfig:
         0.0,
         "weight of a KL penalty to the reference model (the learner's initial weights, --model: the warm start or "
         "SFT model RL starts from), per loss token, k3 estimate of KL(pi || ref) with its gradient; 0: off. "
-        "Needs --prefix-kv exact and one learner rank",
+        "Needs --prefix-kv exact; at --learner-procs N the reference is sharded like the policy",
         ge=0,
         group="learner",
     )
