@@ -114,8 +114,8 @@ def add_fold_arguments(p: argparse.ArgumentParser) -> None:
 def run_rl(
     run_dir: Path, tasks: Path, steps: int, extra: Sequence[str], timeout_s: float, *, preset: str = "learn"
 ) -> Path:
-    """The real cluster (``cluster up --preset PRESET``) for ``steps`` learner steps; the last checkpoint."""
-    from t1async.learner.checkpoint import latest_checkpoint
+    """The real cluster (``cluster up --preset PRESET``) for ``steps`` learner steps; the model dir of the newest
+    version it reached (``newest_policy``)."""
 
     argv = [
         sys.executable,
@@ -151,21 +151,42 @@ def run_rl(
                 proc.terminate()  # the supervisor stops every component it started
                 proc.wait(timeout=120)
         rc = proc.returncode
-    ck = latest_checkpoint(run_dir / "checkpoints")
+    ck = newest_policy(run_dir / "checkpoints")
     where = f"see {log_path} and {run_dir / 'logs'}"
     if rc != 0 and not timed_out:
         # a run that failed on its own is not "after RL": scoring its last checkpoint (v1, say) as the arm's
         # policy put a one-step model in the table under the name of a 40-step one
-        got = f"its last checkpoint is version {ck.policy_version}" if ck else "it left no checkpoint"
+        got = f"its last checkpoint is version {ck[1]}" if ck else "it left no checkpoint"
         raise SystemExit(
             f"rl: cluster up failed (exit {rc}) before its {steps} steps; {got}, and nothing was scored. "
             f"{_last_error(log_path)}{where}"
         )
     if ck is None:
         raise SystemExit(f"rl: cluster up exited {rc} with no checkpoint in {run_dir / 'checkpoints'}; {where}")
-    short = f", {ck.policy_version} of the {steps} steps asked (--rl-timeout)" if timed_out else ""
-    print(f"rl: cluster up exited {rc}; last checkpoint {ck.path} (version {ck.policy_version}{short})", flush=True)
-    return Path(ck.path)
+    path, version = ck
+    if version < steps and not timed_out:  # stopped by a signal or its --duration: not the arm's policy either
+        raise SystemExit(
+            f"rl: cluster up stopped (exit {rc}) at version {version}, before its {steps} steps and not by "
+            f"--rl-timeout, and nothing was scored; {where}"
+        )
+    short = f", {version} of the {steps} steps asked (--rl-timeout)" if version < steps else ""
+    print(f"rl: cluster up exited {rc}; last checkpoint {path} (version {version}{short})", flush=True)
+    return path
+
+
+def newest_policy(root: Path) -> tuple[Path, int] | None:
+    """The model dir and version of the newest policy under a run's checkpoints: a full checkpoint, or a
+    push-only export (the weights the samplers were given). The learner writes a full checkpoint only every
+    --checkpoint-every steps, at the last step, and at a stop when it is given the time; a stop that ends it
+    mid-step (the supervisor's SIGKILL after its grace, as --rl-timeout's stop can) leaves exports newer than the
+    last full checkpoint, or only exports."""
+    from t1async.learner.checkpoint import latest_checkpoint, list_exports
+
+    ck = latest_checkpoint(root)
+    ex = list_exports(root)
+    if ex and (ck is None or int(ex[-1].name[1:]) > ck.policy_version):
+        return ex[-1], int(ex[-1].name[1:])
+    return (Path(ck.path), ck.policy_version) if ck else None
 
 
 def _last_error(log_path: Path) -> str:

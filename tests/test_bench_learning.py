@@ -254,4 +254,40 @@ def test_run_rl_refuses_to_hand_on_the_checkpoint_of_a_run_that_failed(tmp_path,
     with pytest.raises(SystemExit, match="does not serve the weights pushed as v1"):
         learning_runs.run_rl(run_dir, tmp_path / "tasks", 40, [], 600)
     code["rc"] = 0  # a run that finished hands on its last checkpoint
-    assert learning_runs.run_rl(run_dir, tmp_path / "tasks", 40, [], 600).name == "v000001"
+    assert learning_runs.run_rl(run_dir, tmp_path / "tasks", 1, [], 600).name == "v000001"
+
+
+def test_run_rl_scores_the_newest_version_an_export_too_and_refuses_a_short_run(tmp_path, monkeypatch, capsys):
+    """The learner writes a full checkpoint every --checkpoint-every steps; one SIGKILLed mid-step (after the
+    supervisor's grace, seen on a stop under load) leaves only push-only exports after the last. The bench scores
+    the newest version, export or checkpoint, where the old code said "no checkpoint" (exports only, seen) or
+    scored the last full checkpoint, up to 9 versions older. A run that stopped short of its steps, and not by
+    --rl-timeout, is refused, where the old code scored it as "after N steps"."""
+    import subprocess
+    import sys
+
+    from bench import learning_runs
+    from t1async.learner.checkpoint import save_checkpoint
+    from tests.segments import tiny
+
+    run_dir, tasks = tmp_path / "rl", tmp_path / "tasks"
+    model = tiny()
+    for v in (1, 2, 3):
+        save_checkpoint(run_dir / "checkpoints", model, None, policy_version=v, step=v, full=False)
+    real = subprocess.Popen
+    script = {"s": "raise SystemExit(0)"}
+
+    def fake_cluster(argv, **kw):
+        return real([sys.executable, "-c", script["s"]], **kw)
+
+    monkeypatch.setattr(learning_runs.subprocess, "Popen", fake_cluster)
+    with pytest.raises(SystemExit, match=r"stopped \(exit 0\) at version 3, before its 40 steps and not by"):
+        learning_runs.run_rl(run_dir, tasks, 40, [], 600)
+    assert learning_runs.run_rl(run_dir, tasks, 3, [], 600).name == "v000003"  # exports only: the newest
+    save_checkpoint(run_dir / "checkpoints", model, None, policy_version=4, step=4)  # a full one, then an export
+    save_checkpoint(run_dir / "checkpoints", model, None, policy_version=5, step=5, full=False)
+    assert learning_runs.run_rl(run_dir, tasks, 5, [], 600).name == "v000005"
+    script["s"] = "import time; time.sleep(120)"  # still training when --rl-timeout ends it: scored, and said so
+    capsys.readouterr()
+    assert learning_runs.run_rl(run_dir, tasks, 40, [], 0.5).name == "v000005"
+    assert "(version 5, 5 of the 40 steps asked (--rl-timeout))" in capsys.readouterr().out
