@@ -228,11 +228,7 @@ class DistributedTrainer(Trainer):
             error: Exception | None = None
             try:
                 ref, _ = build_sharded(model_dir, self.config, self.device.type)
-                mine = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
-                if {n: tuple(p.shape) for n, p in ref.state_dict().items()} != mine:
-                    raise ConfigError(
-                        f"the reference model {model_dir} differs from the policy in its weights' names or shapes"
-                    )
+                self._check_reference(ref, f"the reference model {model_dir}")
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before any step
                 error = exc
             flag = self._on_device(torch.tensor([float(error is not None)]))

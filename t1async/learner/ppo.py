@@ -303,12 +303,22 @@ class LossTerms:
         return {"clip_frac": self.clip_frac, "is_trunc_frac": self.is_trunc_frac, "is_masked_frac": self.is_masked_frac}
 
 
+def raw_is_weights(prox_logp: Tensor, behav_logp: Tensor) -> Tensor:
+    """``w = pi_prox / pi_behav`` per token, detached, before any correction (log w clamped to ±20)."""
+    return torch.exp((prox_logp.detach() - behav_logp.detach()).clamp(-20.0, 20.0))
+
+
+def outside_band(raw: Tensor, cfg: TrainerConfig) -> Tensor:
+    """Where ``raw`` leaves ``[is_low, is_high]``: the tokens masked IS drops."""
+    return (raw < cfg.is_low) | (raw > cfg.is_high)
+
+
 def is_weights(prox_logp: Tensor, behav_logp: Tensor, cfg: TrainerConfig) -> tuple[Tensor, Tensor, Tensor]:
     """The corrected importance weights of ``w = pi_prox / pi_behav`` under ``cfg.is_correction`` and the
     (truncated, masked) boolean tensors saying where the correction acted."""
-    raw = torch.exp((prox_logp.detach() - behav_logp.detach()).clamp(-20.0, 20.0))
+    raw = raw_is_weights(prox_logp, behav_logp)
     if cfg.is_correction == "mis":
-        masked = (raw < cfg.is_low) | (raw > cfg.is_high)
+        masked = outside_band(raw, cfg)
         return torch.where(masked, torch.zeros_like(raw), raw), torch.zeros_like(masked), masked
     if cfg.is_correction == "none":
         none = torch.zeros_like(raw, dtype=torch.bool)

@@ -129,9 +129,7 @@ def step_metrics(
     split = ppo.dlogp_split(prox, behav, policy_version - vers)
     cfg = config or TrainerConfig()
     w, _, _ = ppo.is_weights(prox, behav, cfg)
-    logw = (prox - behav).double()
-    raw = torch.exp(logw.clamp(-20.0, 20.0))
-    outside = (raw < cfg.is_low) | (raw > cfg.is_high)
+    outside = ppo.outside_band(ppo.raw_is_weights(prox, behav), cfg)  # what mis drops, under any correction
     by_epoch = {int(k.removeprefix("clip_frac_e")): v for k, v in sums.items() if k.startswith("clip_frac_e")}
     return StepMetrics(
         step=step,
@@ -182,8 +180,8 @@ def step_metrics(
         clip_frac_by_epoch=by_epoch,
         clip_frac_last=by_epoch[max(by_epoch)] if by_epoch else 0.0,
         is_masked_frac=sums.get("is_masked_frac", 0.0),
-        is_outside_frac=float(outside.double().mean()) if logw.numel() else 0.0,
-        dlogp_max=float(logw.abs().max()) if logw.numel() else 0.0,
+        is_outside_frac=float(outside.double().mean()) if outside.numel() else 0.0,
+        dlogp_max=float((prox.double() - behav.double()).abs().max()) if prox.numel() else 0.0,
         ess_corrected=_ess_of(w),
         explained_variance=ppo.explained_variance(old_v, ret),
         kl_ref=sums.get("kl_ref", 0.0),

@@ -105,13 +105,16 @@ class Trainer:
         apart from the checkpoints (a resume builds it again from the same model dir)."""
         if self.config.kl_ref_coef <= 0:
             raise ConfigError("Trainer.set_reference: kl_ref_coef is 0, so no step would read the reference")
-        mine = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
-        if {n: tuple(p.shape) for n, p in model.state_dict().items()} != mine:
-            raise ConfigError(
-                "Trainer.set_reference: the reference model's weights differ in name or shape from the policy's"
-            )
+        self._check_reference(model, "Trainer.set_reference: the reference model")
         model.requires_grad_(False)
         self.ref = model.to(self.device).train(self.model.training)
+
+    def _check_reference(self, model: MoETransformer, what: str) -> None:
+        """ConfigError naming ``what`` unless ``model``'s weights have the policy's names and shapes (global ones
+        under FSDP)."""
+        mine = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
+        if {n: tuple(p.shape) for n, p in model.state_dict().items()} != mine:
+            raise ConfigError(f"{what} differs from the policy in its weights' names or shapes")
 
     def load_reference(self, model_dir: str | Path) -> None:
         """``set_reference`` with the weights of ``model_dir`` (the learner's ``--model``); the N-rank learner
