@@ -117,7 +117,7 @@ class PushCheck:
         self.ids = probe_ids(vocab, config.tokens, config.seed)
         self.pushes = 0
         self.last: dict[str, float] = {}
-        self.largest: dict[str, float] = {}  # url -> the largest |Δlogp| of its last probe
+        self.largest: dict[str, float] = {}  # url -> the largest |Δlogp| of the last probe (``measure``)
 
     def due(self) -> bool:
         return self.cfg.every > 0 and self.pushes % self.cfg.every == 0
@@ -127,6 +127,7 @@ class PushCheck:
         start-up check): a sampler that is up but fails the probe (HTTP 5xx, a malformed answer) raises
         PushCheckError naming it, instead of being skipped as one that is down."""
         out: dict[str, float] = {}
+        self.largest = {}  # this probe's samplers only: one skipped now keeps no figure of an earlier probe
         for url in self.client.urls:
             try:
                 seq, theirs = await engine_logprobs(self.client, self.ids, url)
@@ -168,7 +169,7 @@ class PushCheck:
         if got and worst > self.cfg.bound:
             url = max(got, key=lambda u: got[u])
             raise PushCheckError(self._message(url, worst, policy_version))
-        largest = max((self.largest[u] for u in got), default=float("nan"))
+        largest = max(self.largest.values(), default=float("nan"))
         self.last = {"push_check_dlogp": worst, "push_check_max": largest, "push_check_retries": float(retried)}
         log.info(
             "learner.push_checked", policy_version=policy_version, dlogp=got, largest=self.largest, bound=self.cfg.bound
